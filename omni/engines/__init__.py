@@ -1,0 +1,1 @@
+"""Stage engines behind one small interface (see base.py)."""

@@ -1,0 +1,101 @@
+"""The engine interface every stage engine implements.
+
+An engine is a pure, socket-free core: the stage worker feeds it requests and
+calls `step()` in its loop; `step()` does one unit of batched work and returns
+whatever outputs that work produced. Tensors in requests/outputs are plain
+torch tensors here; the stage worker moves them over the transport.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+import msgspec
+import torch
+
+
+class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
+    max_tokens: int = 64
+    temperature: float = 0.0          # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0                    # 0 means off
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+class EngineRequest(msgspec.Struct, kw_only=True):
+    request_id: str
+    prompt_token_ids: list[int] | None = None
+    text: str | None = None
+    sampling: SamplingParams = SamplingParams()
+    # Named tensors from the previous stage (e.g. "hidden_states", "latents").
+    tensors: dict[str, Any] = {}
+    # Free-form per-request options (e.g. {"voice": "joe", "speed": 1.0}).
+    extra: dict[str, Any] = {}
+
+
+class EngineOutput(msgspec.Struct, kw_only=True):
+    request_id: str
+    # Delta since the previous output of this request.
+    token_ids: list[int] = []
+    text: str | None = None
+    tensors: dict[str, Any] = {}
+    finished: bool = False
+    finish_reason: str | None = None   # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+    # Number of prompt tokens (set on the first output of a request).
+    num_prompt_tokens: int | None = None
+
+
+class EngineError(Exception):
+    """A request-level failure: reported as that request's error, the engine lives."""
+
+
+class Engine(abc.ABC):
+    """One stage engine. Not thread-safe: the stage worker owns it."""
+
+    @abc.abstractmethod
+    def add_request(self, request: EngineRequest) -> None:
+        """Queue a request. Raise EngineError for a bad request."""
+
+    @abc.abstractmethod
+    def abort(self, request_id: str) -> None:
+        """Drop a request; unknown ids are ignored."""
+
+    @abc.abstractmethod
+    def step(self) -> list[EngineOutput]:
+        """Do one unit of batched work and return the outputs it produced."""
+
+    @abc.abstractmethod
+    def has_unfinished(self) -> bool:
+        """True while any request is queued or running."""
+
+    def num_waiting(self) -> int:
+        return 0
+
+    def num_running(self) -> int:
+        return 0
+
+    def sleep(self, level: int = 1) -> None:
+        raise EngineError(f"{type(self).__name__} cannot sleep on this platform")
+
+    def wake_up(self) -> None:
+        raise EngineError(f"{type(self).__name__} cannot sleep on this platform")
+
+    def is_sleeping(self) -> bool:
+        return False
+
+    def can_sleep(self) -> bool:
+        return False
+
+    def stats(self) -> dict[str, float]:
+        return {}
+
+    def shutdown(self) -> None:
+        pass
+
+
+def dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")

@@ -1,0 +1,1 @@
+"""Per-frontend orchestrator: routes a request through the pipeline's stages."""

@@ -1,0 +1,56 @@
+"""What the HTTP frontend hands the orchestrator, and what it gets back."""
+
+from __future__ import annotations
+
+from typing import AsyncIterator, Protocol
+
+import msgspec
+
+from omni.engines.base import SamplingParams
+
+
+class PipelineRequest(msgspec.Struct, kw_only=True):
+    request_id: str
+    # Thinker input, tokenized in the frontend (chat template applied there).
+    prompt_token_ids: list[int] | None = None
+    # Text input for pipelines that start past the thinker (/v1/audio/speech).
+    text: str | None = None
+    sampling: SamplingParams = SamplingParams()
+    # Which outputs the client wants; the pipeline stops at the last stage needed.
+    modalities: tuple[str, ...] = ("text",)
+    # Stage the request enters at (0 for chat; the talker for speech).
+    entry_stage: int = 0
+    extra: dict = {}
+    timeout_s: float | None = None
+
+
+class PipelineOutput(msgspec.Struct, kw_only=True):
+    request_id: str
+    stage_id: int
+    modality: str                      # "text" | "audio"
+    token_ids: list[int] = []          # text delta (token ids; the frontend detokenizes)
+    audio_pcm: bytes = b""             # audio delta: little-endian float32 mono PCM
+    sample_rate: int = 0
+    finished: bool = False             # True on the last output of the whole request
+    finish_reason: str | None = None
+    num_prompt_tokens: int | None = None
+
+
+class OrchestratorLike(Protocol):
+    """The surface the HTTP app uses (a fake implements it in unit tests)."""
+
+    def generate(self, request: PipelineRequest) -> AsyncIterator[PipelineOutput]:
+        """Stream outputs; raises omni.errors.OmniError subclasses. Closing the
+        iterator early (client gone) aborts the request in every stage."""
+
+    def health(self) -> tuple[bool, str]:
+        """(ok, reason): ok is False when a required stage has no READY replica."""
+
+    async def sleep(self, level: int = 1) -> dict: ...
+
+    async def wake_up(self) -> dict: ...
+
+    async def is_sleeping(self) -> bool: ...
+
+    def metrics_text(self) -> str:
+        """Prometheus exposition of the orchestrator's metrics."""

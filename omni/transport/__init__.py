@@ -1,0 +1,1 @@
+"""Tensor transports: descriptors in messages, bytes apart (see base.py)."""

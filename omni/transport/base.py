@@ -1,0 +1,56 @@
+"""The tensor transport contract.
+
+A producer stage process owns a TensorProducer; `put()` places a tensor where
+consumers can reach it and returns a TensorRef, a small descriptor that rides
+in stage-channel messages (through the orchestrator). A consumer stage owns a
+TensorConsumer; `get()` turns a TensorRef back into a tensor, zero-copy where
+the transport allows. The producer frees a tensor when told (`free`), or frees
+everything owned by a consumer/request that is gone (`free_owner`).
+"""
+
+from __future__ import annotations
+
+import abc
+
+import msgspec
+import torch
+
+
+class TensorRef(msgspec.Struct, frozen=True, kw_only=True):
+    transport: str              # "shm" | "tcp" | "gloo" (| "nccl")
+    endpoint: str               # where the producer can be reached (segment name, host:port, ...)
+    key: int                    # producer-unique id of this tensor
+    dtype: str                  # torch dtype name without the "torch." prefix, e.g. "float32"
+    shape: tuple[int, ...]
+    nbytes: int
+    offset: int = 0             # byte offset inside the segment (shm)
+    owner: str = ""             # the request (or consumer) this tensor belongs to
+
+
+class TransportError(Exception):
+    """A request-level transport failure (freed/foreign ref, bad dtype/shape, too large)."""
+
+
+class TensorProducer(abc.ABC):
+    @abc.abstractmethod
+    def put(self, tensor: torch.Tensor, owner: str = "") -> TensorRef: ...
+
+    @abc.abstractmethod
+    def free(self, keys: list[int]) -> None: ...
+
+    @abc.abstractmethod
+    def free_owner(self, owner: str) -> None: ...
+
+    def bytes_in_use(self) -> int:
+        return 0
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+class TensorConsumer(abc.ABC):
+    @abc.abstractmethod
+    def get(self, ref: TensorRef) -> torch.Tensor: ...
+
+    def close(self) -> None:
+        pass
