@@ -1,0 +1,1 @@
+"""Generated gRPC modules for proto/omni/v1 (regenerate: python -m omni._proto.build)."""
