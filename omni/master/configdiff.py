@@ -1,0 +1,95 @@
+"""Pure helpers: hash a pipeline config and say how two configs differ."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+_MISSING = object()
+
+
+def hash_config(config: dict) -> str:
+    """sha256 of the canonical JSON (sorted keys) of a config dict."""
+    text = json.dumps(config, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _show(value: Any) -> str:
+    if value is _MISSING:
+        return "<missing>"
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+def diff_values(master: Any, replica: Any, path: str = "") -> list[str]:
+    """Every differing leaf as 'path: master=X replica=Y' (dicts compared key by key, recursively)."""
+    if isinstance(master, dict) and isinstance(replica, dict):
+        out: list[str] = []
+        for key in sorted(set(master) | set(replica), key=str):
+            sub = f"{path}.{key}" if path else str(key)
+            out += diff_values(master.get(key, _MISSING), replica.get(key, _MISSING), sub)
+        return out
+    if isinstance(master, list) and isinstance(replica, list) and len(master) == len(replica):
+        out = []
+        for i, (m, r) in enumerate(zip(master, replica)):
+            out += diff_values(m, r, f"{path}[{i}]")
+        return out
+    if master is _MISSING and replica is _MISSING or master == replica:
+        return []
+    return [f"{path or '<root>'}: master={_show(master)} replica={_show(replica)}"]
+
+
+def stages_by_id(config: dict) -> dict[int, dict]:
+    stages = config.get("stages")
+    if not isinstance(stages, list):
+        raise ValueError("pipeline config has no 'stages' list")
+    out: dict[int, dict] = {}
+    for i, stage in enumerate(stages):
+        if not isinstance(stage, dict) or "stage_id" not in stage:
+            raise ValueError(f"pipeline config stages[{i}] has no 'stage_id'")
+        out[int(stage["stage_id"])] = stage
+    return out
+
+
+def diff_pipeline(master: dict, replica: dict, stage_id: int | None) -> list[str]:
+    """Differences between two pipeline configs, the given stage's first.
+
+    Stage fields are relative to the stage ('engine_args.max_model_len'); other stages are
+    prefixed 'stage K:'; top-level pipeline fields keep their own names.
+    """
+    m_stages = _safe_stages(master)
+    r_stages = _safe_stages(replica)
+    out: list[str] = []
+    if stage_id is not None:
+        out += diff_values(m_stages.get(stage_id, _MISSING), r_stages.get(stage_id, _MISSING))
+    for sid in sorted(set(m_stages) | set(r_stages)):
+        if sid == stage_id:
+            continue
+        lines = diff_values(m_stages.get(sid, _MISSING), r_stages.get(sid, _MISSING))
+        out += [f"stage {sid}: {line}" for line in lines]
+    top_m = {k: v for k, v in master.items() if k != "stages"}
+    top_r = {k: v for k, v in replica.items() if k != "stages"}
+    out += diff_values(top_m, top_r)
+    return out
+
+
+def _safe_stages(config: dict) -> dict[int, dict]:
+    try:
+        return stages_by_id(config)
+    except (ValueError, TypeError):
+        return {}
+
+
+def mismatch_message(master: dict, replica: dict | None, stage_id: int | None,
+                     master_hash: str, replica_hash: str) -> str:
+    """The refusal text for a registrant whose config hash differs from the master's."""
+    who = f"stage {stage_id}" if stage_id is not None else "frontend"
+    head = f"{who} config differs from the master's"
+    if replica is None:
+        return (f"{head} (config_hash master={master_hash[:12]} replica={replica_hash[:12]}); "
+                "the replica sent no pipeline_config_json to compare")
+    lines = diff_pipeline(master, replica, stage_id)
+    if not lines:
+        return (f"{head}: the configs compare equal but their hashes differ "
+                f"(master={master_hash[:12]} replica={replica_hash[:12]})")
+    return f"{head}: " + "; ".join(lines)

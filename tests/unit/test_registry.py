@@ -1,0 +1,285 @@
+"""The master's registry as a pure state machine, driven by a fake clock."""
+
+import itertools
+
+import pytest
+
+from omni.master import configdiff
+from omni.master.registry import (
+    TRANSITIONS,
+    BadRegistration,
+    ConfigMismatch,
+    InvalidTransition,
+    LeaseUnknown,
+    Load,
+    RegisterInput,
+    Registry,
+    ReplicaState as S,
+    Role,
+    Trigger as T,
+    next_state,
+)
+
+CONFIG = {
+    "model": "tiny",
+    "stages": [
+        {"stage_id": 0, "engine_args": {"max_model_len": 2048}},
+        {"stage_id": 1, "engine_args": {"max_model_len": 2048, "dtype": "bf16"}},
+    ],
+}
+HASH = configdiff.hash_config(CONFIG)
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+    def advance(self, dt):
+        self.now += dt
+
+
+@pytest.fixture
+def clock():
+    return FakeClock()
+
+
+@pytest.fixture
+def reg(clock):
+    counter = itertools.count()
+    return Registry(CONFIG, HASH, lease_ttl_s=5.0, clock=clock, dead_retention_s=60.0,
+                    new_lease_id=lambda: f"lease{next(counter)}")
+
+
+def stage(stage_id=1, pid=100, hint=-1, host="h1", config=None):
+    cfg = CONFIG if config is None else config
+    return RegisterInput(role=Role.STAGE, stage_id=stage_id, host=host, pid=pid, replica_hint=hint,
+                         config_hash=configdiff.hash_config(cfg), pipeline_config=cfg,
+                         endpoints={"channel": f"tcp://127.0.0.1:{5000 + pid}"})
+
+
+def kinds(events):
+    return [(e.kind, e.replica.replica_id, e.replica.state) for e in events]
+
+
+# -- the transition table -------------------------------------------------------------------
+
+@pytest.mark.parametrize("state,trigger,draining,expected", [
+    (S.REGISTERING, T.HEARTBEAT, False, S.READY),
+    (S.REGISTERING, T.HEARTBEAT, True, S.DRAINING),
+    (S.READY, T.HEARTBEAT, False, S.READY),
+    (S.READY, T.HEARTBEAT, True, S.DRAINING),
+    (S.READY, T.DRAIN, True, S.DRAINING),
+    (S.SUSPECT, T.HEARTBEAT, False, S.READY),
+    (S.SUSPECT, T.HEARTBEAT, True, S.DRAINING),
+    (S.READY, T.STREAM_BROKEN, False, S.SUSPECT),
+    (S.DRAINING, T.STREAM_BROKEN, True, S.SUSPECT),
+    (S.REGISTERING, T.STREAM_BROKEN, False, S.SUSPECT),
+    (S.SUSPECT, T.LEASE_EXPIRED, False, S.DEAD),
+    (S.READY, T.LEASE_EXPIRED, False, S.DEAD),
+    (S.DRAINING, T.LEASE_EXPIRED, True, S.DEAD),
+    (S.REGISTERING, T.LEASE_EXPIRED, False, S.DEAD),
+])
+def test_next_state(state, trigger, draining, expected):
+    assert next_state(state, trigger, draining) is expected
+
+
+def test_dead_is_final():
+    for trigger in T:
+        with pytest.raises(InvalidTransition, match="DEAD"):
+            next_state(S.DEAD, trigger)
+    assert not any(state is S.DEAD for state, _ in TRANSITIONS)
+
+
+# -- registration, slots, config ------------------------------------------------------------
+
+def test_register_assigns_lowest_free_index_and_ids(reg):
+    a, ev = reg.register(stage(pid=1))
+    b, _ = reg.register(stage(pid=2))
+    fe, _ = reg.register(RegisterInput(role=Role.FRONTEND, stage_id=7, host="h", pid=3, config_hash=HASH))
+    assert (a.replica_id, a.index, b.replica_id, fe.replica_id, fe.stage_id) == ("s1r0", 0, "s1r1", "fe0", -1)
+    assert kinds(ev) == [("ADDED", "s1r0", S.REGISTERING)]
+    reg.deregister(a.lease_id)
+    c, _ = reg.register(stage(pid=4))
+    assert c.index == 0  # the freed slot is the lowest
+
+
+def test_first_heartbeat_makes_ready_and_emits_update(reg):
+    a, _ = reg.register(stage())
+    ev = reg.heartbeat(a.lease_id, Load(queue_len=1))
+    assert kinds(ev) == [("UPDATED", "s1r0", S.READY)]
+    assert reg.stage_counts() == [(0, 0, 0), (1, 1, 1)]
+
+
+def test_load_updates_are_throttled_then_flushed_by_sweep(reg, clock):
+    a, _ = reg.register(stage())
+    reg.heartbeat(a.lease_id, Load())
+    clock.advance(0.1)
+    assert reg.heartbeat(a.lease_id, Load(queue_len=3)) == []  # within 0.5 s of the last event
+    assert reg.sweep() == []
+    clock.advance(0.5)
+    ev = reg.sweep()
+    assert [e.replica.load.queue_len for e in ev] == [3]
+    clock.advance(0.6)
+    assert [e.replica.load.queue_len for e in reg.heartbeat(a.lease_id, Load(queue_len=4))] == [4]
+    # Sleeping is state-like: reported at once.
+    assert reg.heartbeat(a.lease_id, Load(queue_len=4, is_sleeping=True))[0].replica.load.is_sleeping
+
+
+def test_stream_broken_suspect_then_resume(reg, clock):
+    a, _ = reg.register(stage())
+    reg.heartbeat(a.lease_id, Load())
+    assert kinds(reg.stream_broken(a.lease_id)) == [("UPDATED", "s1r0", S.SUSPECT)]
+    assert reg.stream_broken(a.lease_id) == []  # idempotent
+    assert kinds(reg.heartbeat(a.lease_id, Load())) == [("UPDATED", "s1r0", S.READY)]
+
+
+def test_drain_survives_suspect(reg):
+    a, _ = reg.register(stage())
+    reg.heartbeat(a.lease_id, Load())
+    assert kinds(reg.drain("s1r0")) == [("UPDATED", "s1r0", S.DRAINING)]
+    reg.stream_broken(a.lease_id)
+    assert kinds(reg.heartbeat(a.lease_id, Load())) == [("UPDATED", "s1r0", S.DRAINING)]
+    assert reg.stage_counts()[1] == (1, 0, 1)  # draining is live, not ready
+
+
+def test_drain_while_registering_is_remembered(reg):
+    a, _ = reg.register(stage())
+    assert kinds(reg.drain("s1r0")) == [("UPDATED", "s1r0", S.REGISTERING)]
+    assert reg.lookup(a.lease_id).draining
+    assert reg.heartbeat(a.lease_id, Load())[0].replica.state is S.DRAINING
+
+
+def test_replica_reported_drain(reg):
+    a, _ = reg.register(stage())
+    reg.heartbeat(a.lease_id, Load())
+    assert kinds(reg.heartbeat(a.lease_id, Load(draining=True))) == [("UPDATED", "s1r0", S.DRAINING)]
+
+
+def test_lease_expiry_dead_then_forgotten(reg, clock):
+    a, _ = reg.register(stage())
+    reg.heartbeat(a.lease_id, Load())
+    reg.stream_broken(a.lease_id)
+    clock.advance(4.9)
+    assert reg.sweep() == []
+    clock.advance(0.2)
+    assert kinds(reg.sweep()) == [("UPDATED", "s1r0", S.DEAD)]
+    with pytest.raises(LeaseUnknown, match="register again"):
+        reg.heartbeat(a.lease_id, Load())
+    assert [r.replica_id for r in reg.replicas()] == ["s1r0"]  # still listed for status
+    clock.advance(59.8)
+    assert reg.sweep() == []
+    clock.advance(0.3)
+    assert kinds(reg.sweep()) == [("REMOVED", "s1r0", S.DEAD)]
+    assert reg.replicas() == []
+
+
+def test_registering_without_heartbeat_expires(reg, clock):
+    reg.register(stage())
+    clock.advance(5.1)
+    assert kinds(reg.sweep()) == [("UPDATED", "s1r0", S.DEAD)]
+
+
+def test_hint_reuses_dead_slot_and_replaces_entry(reg, clock):
+    a, _ = reg.register(stage(pid=1))
+    b, _ = reg.register(stage(pid=2))
+    reg.heartbeat(b.lease_id, Load())
+    clock.advance(6)
+    reg.sweep()  # both DEAD
+    c, ev = reg.register(stage(pid=9, hint=1))
+    assert c.replica_id == "s1r1"
+    assert kinds(ev) == [("REMOVED", "s1r1", S.DEAD), ("ADDED", "s1r1", S.REGISTERING)]
+    d, _ = reg.register(stage(pid=10))  # no hint: lowest reusable slot is the dead r0
+    assert d.replica_id == "s1r0"
+    assert len(reg.replicas()) == 2
+
+
+def test_hint_refused_when_slot_held_by_another_live_process(reg):
+    a, _ = reg.register(stage(pid=1))
+    reg.heartbeat(a.lease_id, Load())
+    reg.stream_broken(a.lease_id)  # SUSPECT, but a different process asks for its slot
+    b, _ = reg.register(stage(pid=2, hint=0))
+    assert b.replica_id == "s1r1"
+
+
+def test_hint_granted_to_same_process_over_suspect_entry(reg):
+    a, _ = reg.register(stage(pid=1))
+    reg.stream_broken(a.lease_id)
+    b, ev = reg.register(stage(pid=1, hint=0))
+    assert b.replica_id == "s1r0" and b.lease_id != a.lease_id
+    assert reg.lookup(a.lease_id) is None
+    assert [e.kind for e in ev] == ["REMOVED", "ADDED"]
+
+
+def test_hint_on_free_slot_after_master_restart(reg):
+    a, _ = reg.register(stage(pid=1, hint=3))
+    assert a.replica_id == "s1r3"
+    b, _ = reg.register(stage(pid=2))
+    assert b.index == 0
+
+
+def test_deregister(reg):
+    a, _ = reg.register(stage())
+    removed, ev = reg.deregister(a.lease_id)
+    assert removed and kinds(ev) == [("REMOVED", "s1r0", S.REGISTERING)]
+    assert reg.deregister(a.lease_id) == (False, [])
+
+
+def test_config_mismatch_names_fields(reg):
+    other = {**CONFIG, "stages": [CONFIG["stages"][0],
+                                  {"stage_id": 1, "engine_args": {"max_model_len": 1024, "dtype": "bf16"}}]}
+    with pytest.raises(ConfigMismatch) as e:
+        reg.register(stage(config=other))
+    assert str(e.value) == ("stage 1 config differs from the master's: "
+                            "engine_args.max_model_len: master=2048 replica=1024")
+
+
+def test_unknown_stage_and_missing_fields(reg):
+    with pytest.raises(BadRegistration, match=r"stage 5 is not in the pipeline \(stages: 0, 1\)"):
+        reg.register(stage(stage_id=5))
+    with pytest.raises(BadRegistration, match="config_hash is required"):
+        reg.register(RegisterInput(role=Role.STAGE, stage_id=0, host="h", pid=1, config_hash=""))
+
+
+def test_adopts_first_registrant_config(clock):
+    reg = Registry(clock=clock)
+    assert reg.config is None and reg.stage_counts() == []
+    with pytest.raises(BadRegistration, match="sent none"):
+        reg.register(RegisterInput(role=Role.STAGE, stage_id=0, host="h", pid=1, config_hash="x"))
+    reg.register(stage(stage_id=0))
+    assert reg.config_hash == HASH and reg.stage_ids() == [0, 1]
+    with pytest.raises(ConfigMismatch, match="model: master=\"tiny\" replica=\"big\""):
+        reg.register(stage(config={**CONFIG, "model": "big"}))
+
+
+def test_bad_config_rejected_at_construction():
+    with pytest.raises(BadRegistration, match="no 'stages' list"):
+        Registry({"model": "x"})
+
+
+# -- the config diff (pure) -----------------------------------------------------------------
+
+def test_diff_values_recursive():
+    m = {"a": 1, "b": {"c": [1, 2], "d": "x"}, "e": None}
+    r = {"a": 1, "b": {"c": [1, 3], "f": True}, "e": None}
+    assert configdiff.diff_values(m, r) == [
+        "b.c[1]: master=2 replica=3",
+        'b.d: master="x" replica=<missing>',
+        "b.f: master=<missing> replica=true",
+    ]
+    assert configdiff.diff_values({"l": [1]}, {"l": [1, 2]}) == ["l: master=[1] replica=[1, 2]"]
+
+
+def test_diff_pipeline_orders_own_stage_first():
+    other = {"model": "big", "stages": [{"stage_id": 0, "x": 2}, {"stage_id": 1, "y": 1}]}
+    base = {"model": "tiny", "stages": [{"stage_id": 0, "x": 1}, {"stage_id": 1, "y": 0}]}
+    assert configdiff.diff_pipeline(base, other, 1) == [
+        "y: master=0 replica=1", "stage 0: x: master=1 replica=2", 'model: master="tiny" replica="big"']
+
+
+def test_mismatch_message_edge_cases():
+    assert "sent no pipeline_config_json" in configdiff.mismatch_message(CONFIG, None, 0, "a" * 64, "b" * 64)
+    assert "compare equal" in configdiff.mismatch_message(CONFIG, CONFIG, None, "a", "b")
+    assert configdiff.mismatch_message(CONFIG, {**CONFIG, "m": 1}, None, "a", "b").startswith("frontend config")
