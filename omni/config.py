@@ -1,0 +1,322 @@
+"""Deploy configs: YAML -> one typed, frozen, validated tree.
+
+Resolution order (each step validated once, at the end):
+  bundled YAML for the model (or --deploy-config FILE)
+  -> base_config inheritance (deep merge, stages merged by stage_id)
+  -> --stage-overrides (single-command mode)
+  => config hash (identifies the pipeline; every replica must match the head)
+  -> per-stage engine flags (stage mode; that replica only, not hashed)
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import yaml
+
+from omni.errors import ConfigError
+
+DEPLOY_DIR = Path(__file__).resolve().parent.parent / "deploy"
+TRANSPORTS = ("auto", "shm", "tcp", "gloo", "nccl")
+OUTPUT_TYPES = ("text", "audio", "embedding")
+
+
+class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    transport: str = "auto"
+    arena_bytes: int | None = None
+
+
+class StageConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    stage_id: int
+    engine: str
+    name: str = ""
+    model: str | None = None            # defaults to the pipeline's model
+    devices: str = "cpu"
+    num_replicas: int = 1
+    engine_args: dict[str, Any] = {}
+    default_sampling_params: dict[str, Any] = {}
+    # "prompt" (the request's token ids), "text" (the request's text) or an upstream stage id.
+    inputs: tuple[str | int, ...] = ("prompt",)
+    # "module:function" turning upstream outputs into this stage's inputs.
+    processor: str | None = None
+    final_output: bool = False
+    final_output_type: str | None = None
+    # Outgoing edges: downstream stage id (as a string) -> connector.
+    connectors: dict[str, ConnectorConfig] = {}
+
+    @property
+    def label(self) -> str:
+        return f"stage {self.stage_id}" + (f" ({self.name})" if self.name else "")
+
+    def upstream(self) -> list[int]:
+        return [i for i in self.inputs if isinstance(i, int)]
+
+
+class PipelineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    name: str = "pipeline"
+    request_timeout_s: float = 300.0
+    startup_timeout_s: float = 600.0
+    lease_ttl_s: float = 5.0
+    # Stage that /v1/audio/speech enters at (None: the pipeline has no speech).
+    speech_entry_stage: int | None = None
+
+
+class DeployConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    model: str
+    stages: tuple[StageConfig, ...]
+    aliases: tuple[str, ...] = ()
+    pipeline: PipelineSettings = PipelineSettings()
+    base_config: str | None = None      # resolved away; kept for the record
+
+    def stage(self, stage_id: int) -> StageConfig:
+        for s in self.stages:
+            if s.stage_id == stage_id:
+                return s
+        raise ConfigError(f"--stage-id {stage_id}: the pipeline has stages 0..{len(self.stages) - 1}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return msgspec.to_builtins(self)
+
+    def config_hash(self) -> str:
+        return config_hash(self.to_dict())
+
+    def final_stage(self, modality: str) -> StageConfig | None:
+        for s in self.stages:
+            if s.final_output and s.final_output_type == modality:
+                return s
+        return None
+
+    def modalities(self) -> list[str]:
+        return [s.final_output_type for s in self.stages if s.final_output and s.final_output_type]
+
+    def downstream(self, stage_id: int) -> list[int]:
+        return [s.stage_id for s in self.stages if stage_id in s.upstream()]
+
+
+def config_hash(data: dict[str, Any]) -> str:
+    blob = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------- loading
+
+
+def bundled_configs() -> dict[str, Path]:
+    """Model id / alias (lower case) -> bundled deploy YAML."""
+    table: dict[str, Path] = {}
+    for path in sorted(DEPLOY_DIR.glob("*.yaml")):
+        raw = _read_yaml(path)
+        names = [raw.get("model", "")] + list(raw.get("aliases", []) or [])
+        for name in names:
+            if name and name != "local":   # "local": the model comes from the CLI
+                table.setdefault(str(name).lower(), path)
+    return table
+
+
+def default_config_path(model: str) -> Path:
+    table = bundled_configs()
+    key = model.lower().rstrip("/")
+    if key in table:
+        return table[key]
+    if os.path.isdir(model):
+        # A local model folder with no deploy config of its own: one torch_lm stage.
+        return DEPLOY_DIR / "single-stage-lm.yaml"
+    known = ", ".join(sorted({str(p.name) for p in table.values()}))
+    raise ConfigError(
+        f"no bundled deploy config for model {model!r}; pass --deploy-config FILE "
+        f"(bundled: {known})"
+    )
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"--deploy-config: file not found: {path}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
+    return data
+
+
+def _load_raw(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    path = path.resolve()
+    if path in seen:
+        raise ConfigError(f"{path}: base_config cycle: {' -> '.join(map(str, seen + (path,)))}")
+    data = _read_yaml(path)
+    base = data.get("base_config")
+    if base:
+        base_path = Path(base)
+        if not base_path.is_absolute():
+            candidate = path.parent / base_path
+            base_path = candidate if candidate.exists() else DEPLOY_DIR / base_path
+        parent = _load_raw(base_path, seen + (path,))
+        data = merge_configs(parent, data)
+    return data
+
+
+def merge_configs(base: dict[str, Any], child: dict[str, Any]) -> dict[str, Any]:
+    """Deep-merge child over base; `stages` lists merge by stage_id."""
+    out = copy.deepcopy(base)
+    for key, value in child.items():
+        if key == "stages" and isinstance(value, list) and isinstance(out.get("stages"), list):
+            by_id = {s.get("stage_id"): s for s in out["stages"] if isinstance(s, dict)}
+            merged = []
+            for s in value:
+                if isinstance(s, dict) and s.get("stage_id") in by_id:
+                    merged.append(_deep_merge(by_id.pop(s["stage_id"]), s))
+                else:
+                    merged.append(s)
+            out["stages"] = sorted(
+                list(by_id.values()) + merged,
+                key=lambda s: s.get("stage_id", 0) if isinstance(s, dict) else 0,
+            )
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _deep_merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(a)
+    for k, v in b.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+_STAGE_FIELDS = set(StageConfig.__struct_fields__)
+
+
+def apply_stage_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """`{"1": {"max_model_len": 1024, "engine": "vllm"}}`: stage fields set the field,
+    anything else goes into that stage's engine_args."""
+    if not isinstance(overrides, dict):
+        raise ConfigError("--stage-overrides: expected a JSON object keyed by stage id")
+    out = copy.deepcopy(data)
+    stages = {s.get("stage_id"): s for s in out.get("stages", []) if isinstance(s, dict)}
+    for key, patch in overrides.items():
+        try:
+            stage_id = int(key)
+        except (TypeError, ValueError):
+            raise ConfigError(f"--stage-overrides: key {key!r} is not a stage id") from None
+        if stage_id not in stages:
+            raise ConfigError(
+                f"--stage-overrides: unknown stage {stage_id} (the pipeline has stages "
+                f"{sorted(k for k in stages if isinstance(k, int))})"
+            )
+        if not isinstance(patch, dict):
+            raise ConfigError(f"--stage-overrides: stage {stage_id}: expected an object")
+        stage = stages[stage_id]
+        for field, value in patch.items():
+            if field == "stage_id":
+                raise ConfigError("--stage-overrides: stage_id cannot be overridden")
+            if field in _STAGE_FIELDS:
+                if isinstance(value, dict) and isinstance(stage.get(field), dict):
+                    stage[field] = _deep_merge(stage[field], value)
+                else:
+                    stage[field] = value
+            else:
+                stage.setdefault("engine_args", {})[field] = value
+    return out
+
+
+def apply_engine_flags(config: DeployConfig, stage_id: int, flags: dict[str, Any]) -> DeployConfig:
+    """Per-stage engine flags (stage mode): patch one stage's engine_args, unhashed."""
+    flags = {k: v for k, v in flags.items() if v is not None}
+    if not flags:
+        return config
+    stages = []
+    for s in config.stages:
+        if s.stage_id == stage_id:
+            s = msgspec.structs.replace(s, engine_args={**s.engine_args, **flags})
+        stages.append(s)
+    return msgspec.structs.replace(config, stages=tuple(stages))
+
+
+def parse(data: dict[str, Any], source: str = "deploy config") -> DeployConfig:
+    data = dict(data)
+    data.pop("base_config", None)
+    try:
+        config = msgspec.convert(data, DeployConfig)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"{source}: {_yaml_path(str(e))}") from None
+    validate(config, source)
+    return config
+
+
+def _yaml_path(message: str) -> str:
+    # msgspec says "... - at `$.stages[0].foo`"; show the YAML key path.
+    return message.replace("`$.", "`").replace("`$`", "the top level")
+
+
+def validate(config: DeployConfig, source: str = "deploy config") -> None:
+    ids = [s.stage_id for s in config.stages]
+    if not ids:
+        raise ConfigError(f"{source}: `stages` is empty")
+    if sorted(ids) != list(range(len(ids))):
+        raise ConfigError(f"{source}: stage ids must be contiguous from 0, got {ids}")
+    if ids != sorted(ids):
+        raise ConfigError(f"{source}: stages must be listed in stage_id order, got {ids}")
+    for s in config.stages:
+        where = f"{source}: stages[{s.stage_id}]"
+        if s.num_replicas < 1:
+            raise ConfigError(f"{where}.num_replicas must be >= 1, got {s.num_replicas}")
+        for i in s.inputs:
+            if isinstance(i, int):
+                if not 0 <= i < s.stage_id:
+                    raise ConfigError(f"{where}.inputs: {i} is not an earlier stage")
+            elif i not in ("prompt", "text"):
+                raise ConfigError(f"{where}.inputs: {i!r} must be 'prompt', 'text' or a stage id")
+        if s.upstream() and not s.processor:
+            # Default: pass token ids / tensors through unchanged.
+            pass
+        if s.final_output and s.final_output_type not in OUTPUT_TYPES:
+            raise ConfigError(
+                f"{where}.final_output_type must be one of {list(OUTPUT_TYPES)}, "
+                f"got {s.final_output_type!r}"
+            )
+        for edge, conn in s.connectors.items():
+            if not edge.isdigit() or int(edge) not in ids:
+                raise ConfigError(f"{where}.connectors: {edge!r} is not a stage id")
+            if conn.transport not in TRANSPORTS:
+                raise ConfigError(
+                    f"{where}.connectors.{edge}.transport must be one of {list(TRANSPORTS)}, "
+                    f"got {conn.transport!r}"
+                )
+    if not any(s.final_output for s in config.stages):
+        raise ConfigError(f"{source}: no stage has final_output: true")
+    entry = config.pipeline.speech_entry_stage
+    if entry is not None and entry not in ids:
+        raise ConfigError(f"{source}: pipeline.speech_entry_stage {entry} is not a stage id")
+
+
+def load(
+    model: str,
+    deploy_config: str | None = None,
+    stage_overrides: dict[str, Any] | None = None,
+) -> DeployConfig:
+    path = Path(deploy_config) if deploy_config else default_config_path(model)
+    data = _load_raw(path)
+    data["model"] = model   # the CLI's MODEL names the weights; the YAML the shape
+    if stage_overrides:
+        data = apply_stage_overrides(data, stage_overrides)
+    return parse(data, source=str(path))
+
+
+def loads_json(blob: str | bytes) -> DeployConfig:
+    """A resolved config handed to child processes (already merged and overridden)."""
+    return parse(json.loads(blob), source="resolved config")

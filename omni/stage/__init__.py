@@ -1,0 +1,1 @@
+"""Stage workers: one process per stage replica."""

@@ -1,0 +1,114 @@
+"""Wire types of the stage channel (frontend <-> stage replica), msgpack via msgspec.
+
+One typed decoder per direction; dispatch by tag. New fields go last, with defaults.
+Tensors never ride here: only TensorRef descriptors.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+
+from omni.engines.base import SamplingParams
+from omni.transport.base import TensorRef
+
+
+# ------------------------------------------------------------- frontend -> stage
+
+class Hello(msgspec.Struct, frozen=True, tag="hello"):
+    frontend_id: str
+    token: str = ""
+    host: str = "127.0.0.1"
+
+
+class AddRequest(msgspec.Struct, frozen=True, tag="add", kw_only=True):
+    request_id: str
+    prompt_token_ids: list[int] | None = None
+    text: str | None = None
+    sampling: SamplingParams = SamplingParams()
+    tensors: dict[str, TensorRef] = {}
+    extra: dict[str, Any] = {}
+    # Transport for this request's output tensors (chosen by the orchestrator
+    # from where the consumer runs); "" means the stage default.
+    out_transport: str = ""
+    sent_at: float = 0.0
+
+
+class Abort(msgspec.Struct, frozen=True, tag="abort"):
+    request_ids: list[str]
+
+
+class FreeTensors(msgspec.Struct, frozen=True, tag="free"):
+    keys: list[int]
+    transport: str = "shm"
+
+
+class Utility(msgspec.Struct, frozen=True, tag="utility"):
+    call_id: int
+    method: str                      # "sleep" | "wake_up" | "is_sleeping" | "stats" | "ping"
+    args: dict[str, Any] = {}
+
+
+ToStage = Union[Hello, AddRequest, Abort, FreeTensors, Utility]
+
+
+# ------------------------------------------------------------- stage -> frontend
+
+class Output(msgspec.Struct, frozen=True, tag="out", kw_only=True):
+    request_id: str
+    token_ids: list[int] = []
+    text: str | None = None
+    tensors: dict[str, TensorRef] = {}
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int | None = None
+    # Seconds the request waited in the stage before its first step (on the first output).
+    queue_s: float | None = None
+    step_s: float = 0.0
+
+
+class RequestError(msgspec.Struct, frozen=True, tag="err"):
+    request_id: str
+    message: str
+    stage_id: int = -1
+    replica_id: str = ""
+
+
+class UtilityResult(msgspec.Struct, frozen=True, tag="ures"):
+    call_id: int
+    ok: bool
+    result: Any = None
+    error: str = ""
+
+
+class Welcome(msgspec.Struct, frozen=True, tag="welcome"):
+    stage_id: int
+    replica_id: str
+    ok: bool = True
+    error: str = ""
+
+
+FromStage = Union[Output, RequestError, UtilityResult, Welcome]
+
+
+class Codec:
+    """Encoder + the typed decoder for one direction."""
+
+    def __init__(self, incoming: Any):
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec = msgspec.msgpack.Decoder(incoming)
+
+    def encode(self, msg: Any) -> bytes:
+        return self._enc.encode(msg)
+
+    def decode(self, data: bytes | memoryview) -> Any:
+        return self._dec.decode(data)
+
+
+def stage_codec() -> Codec:
+    return Codec(ToStage)
+
+
+def frontend_codec() -> Codec:
+    return Codec(FromStage)
