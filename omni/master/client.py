@@ -1,0 +1,375 @@
+"""Clients of the master: `MasterClient` (sync, thread-safe, with a keep-alive thread) and
+`AsyncMasterClient` (grpc.aio, for the asyncio HTTP frontends)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from typing import AsyncIterator, Callable, Iterable, Iterator
+
+import grpc
+
+from omni._proto import master_pb2 as pb
+from omni._proto import master_pb2_grpc as pb_grpc
+from omni.errors import BadRequest, OmniError
+from omni.master import wire
+from omni.master.auth import TlsFiles, call_metadata
+from omni.master.errors import from_rpc_error
+from omni.master.types import Command, CommandResult, Registration, Status, TopologyEvent
+
+logger = logging.getLogger(__name__)
+
+BACKOFF_START_S = 0.1
+BACKOFF_MAX_S = 1.5
+DEFAULT_TIMEOUT_S = 10.0
+
+OnCommand = Callable[[Command], "tuple[bool, str] | None"]
+
+
+def check_address(address: str) -> str:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise BadRequest(f"omni master address must be HOST:PORT, got {address!r}")
+    return address
+
+
+def _channel(address: str, tls: TlsFiles | None, aio: bool = False):
+    options = [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_permit_without_calls", 1)]
+    mod = grpc.aio if aio else grpc
+    if tls is not None:
+        return mod.secure_channel(address, tls.channel_credentials(), options=options)
+    return mod.insecure_channel(address, options=options)
+
+
+def _omni_version() -> str:
+    try:
+        return importlib.metadata.version("omni")
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
+def _register_request(role: str, stage_id: int, host: str | None, pid: int | None, replica_hint: int,
+                      endpoints: dict | None, config_hash: str, pipeline_config: dict | None, version: str | None,
+                      capabilities: dict | None) -> pb.RegisterRequest:
+    try:
+        role_value = pb.Role.Value(role.upper())
+    except ValueError:
+        raise BadRequest(f"role must be STAGE or FRONTEND, got {role!r}") from None
+    return pb.RegisterRequest(
+        role=role_value, stage_id=stage_id, replica_hint=replica_hint, host=host or socket.gethostname(),
+        pid=os.getpid() if pid is None else pid, endpoints=endpoints or {}, config_hash=config_hash,
+        pipeline_config_json=json.dumps(pipeline_config) if pipeline_config is not None else "",
+        version=version if version is not None else _omni_version(),
+        capabilities={k: str(v) for k, v in (capabilities or {}).items()})
+
+
+def _send_command_request(kind, stage_ids, args, timeout_s, replica_ids) -> pb.SendCommandRequest:
+    try:
+        kind_value = wire.command_kind(kind)
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
+    return pb.SendCommandRequest(stage_ids=list(stage_ids), kind=kind_value, args_json=json.dumps(args or {}),
+                                 timeout_s=timeout_s, replica_ids=list(replica_ids))
+
+
+class _Stream:
+    """State of one keep-alive stream, shared by its request generator and its reader."""
+
+    def __init__(self):
+        self.done = False
+        self.wake = threading.Event()
+
+
+class MasterClient:
+    def __init__(self, address: str, token: str | None = None, tls: TlsFiles | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S):
+        self.address = check_address(address)
+        self._md = call_metadata(token)
+        self._timeout = timeout_s
+        self._channel = _channel(address, tls)
+        self._stub = pb_grpc.MasterStub(self._channel)
+        self._lock = threading.Lock()
+        self._reg_request: pb.RegisterRequest | None = None
+        self._registration: Registration | None = None
+        self._ka_thread: threading.Thread | None = None
+        self._ka_stop = threading.Event()
+        self._ka_call = None
+        self._acks: queue.SimpleQueue[pb.CommandAck] = queue.SimpleQueue()
+        self.last_error: str | None = None  # of the keep-alive loop, for diagnostics
+        self.registrations = 0  # how many times register succeeded (re-registrations included)
+
+    def _unary(self, method, request, timeout: float | None = None, wait_for_ready: bool | None = None):
+        try:
+            return method(request, metadata=self._md, timeout=timeout or self._timeout,
+                          wait_for_ready=wait_for_ready)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, self.address) from None
+
+    # -- registration -----------------------------------------------------------------------
+    def register(self, role: str = "STAGE", stage_id: int = -1, *, config_hash: str,
+                 pipeline_config: dict | None = None, endpoints: dict[str, str] | None = None,
+                 replica_hint: int = -1, host: str | None = None, pid: int | None = None,
+                 version: str | None = None, capabilities: dict | None = None,
+                 wait_s: float | None = None) -> Registration:
+        """Register; `wait_s` waits that long for the master to come up instead of failing at once."""
+        req = _register_request(role, stage_id, host, pid, replica_hint, endpoints, config_hash, pipeline_config,
+                                version, capabilities)
+        resp = self._unary(self._stub.Register, req, timeout=wait_s, wait_for_ready=bool(wait_s) or None)
+        reg = wire.registration_from_pb(resp)
+        with self._lock:
+            self._reg_request, self._registration = req, reg
+            self.registrations += 1
+        return reg
+
+    @property
+    def registration(self) -> Registration | None:
+        with self._lock:
+            return self._registration
+
+    def _reregister(self) -> Registration:
+        with self._lock:
+            req = pb.RegisterRequest()
+            req.CopyFrom(self._reg_request)
+            if self._registration is not None:
+                req.replica_hint = self._registration.replica_index
+        resp = self._unary(self._stub.Register, req)
+        reg = wire.registration_from_pb(resp)
+        with self._lock:
+            self._registration = reg
+            self.registrations += 1
+        logger.info("re-registered with the omni master at %s as %s", self.address, reg.replica_id)
+        return reg
+
+    def deregister(self) -> bool:
+        """Leave the pipeline. The keep-alive loop is told to stop first so it cannot re-register."""
+        self._ka_stop.set()
+        reg = self.registration
+        try:
+            if reg is None:
+                return False
+            resp = self._unary(self._stub.Deregister, pb.DeregisterRequest(lease_id=reg.lease_id))
+            with self._lock:
+                self._registration = None
+            return resp.removed
+        finally:
+            self.stop_keepalive()
+
+    # -- keep-alive -------------------------------------------------------------------------
+    def start_keepalive(self, load_fn: Callable[[], dict], on_command: OnCommand, interval_s: float = 1.0,
+                        on_registration: Callable[[Registration], None] | None = None) -> None:
+        """Heartbeat from a daemon thread until stop_keepalive()/close(); reconnects with capped
+        backoff and registers again (same slot hint) when the master lost the lease."""
+        if self.registration is None:
+            raise OmniError("register() before start_keepalive()")
+        if self._ka_thread is not None:
+            raise OmniError("keep-alive already running")
+        self._ka_stop.clear()
+        self._ka_thread = threading.Thread(
+            target=self._keepalive_loop, args=(load_fn, on_command, interval_s, on_registration),
+            name="omni-master-keepalive", daemon=True)
+        self._ka_thread.start()
+
+    def stop_keepalive(self, timeout_s: float = 5.0) -> None:
+        thread, self._ka_thread = self._ka_thread, None
+        if thread is None:
+            return
+        self._ka_stop.set()
+        call = self._ka_call
+        if call is not None:
+            call.cancel()
+        thread.join(timeout_s)
+
+    def _keepalive_loop(self, load_fn, on_command, interval_s, on_registration) -> None:
+        backoff = BACKOFF_START_S
+        need_register = False
+        while not self._ka_stop.is_set():
+            started = time.monotonic()
+            try:
+                if need_register:
+                    reg = self._reregister()
+                    need_register = False
+                    backoff = BACKOFF_START_S
+                    if on_registration is not None:
+                        on_registration(reg)
+                self._run_stream(load_fn, on_command, interval_s)
+            except grpc.RpcError as e:
+                if self._ka_stop.is_set():
+                    break
+                if e.code() is grpc.StatusCode.NOT_FOUND:
+                    logger.warning("omni master at %s lost our lease (%s); registering again", self.address,
+                                   e.details())
+                    need_register = True
+                    continue
+                self.last_error = f"{e.code().name}: {e.details()}"
+                logger.debug("keep-alive stream to %s ended: %s", self.address, self.last_error)
+            except Exception as e:  # never stop heartbeating over one failure
+                self.last_error = str(e)
+                logger.warning("keep-alive to the omni master at %s failed: %s", self.address, e)
+            if time.monotonic() - started > 2 * BACKOFF_MAX_S:
+                backoff = BACKOFF_START_S  # the stream had been healthy
+            self._ka_stop.wait(backoff)
+            backoff = min(backoff * 2, BACKOFF_MAX_S)
+
+    def _run_stream(self, load_fn, on_command, interval_s) -> None:
+        reg = self.registration
+        interval = max(0.02, min(interval_s, reg.lease_ttl_s / 3))
+        stream = _Stream()
+        call = self._stub.KeepAlive(self._heartbeats(stream, reg, load_fn, interval), metadata=self._md)
+        self._ka_call = call
+        try:
+            for cmd in call:
+                self._acks.put(self._handle(on_command, cmd))
+                stream.wake.set()
+        finally:
+            stream.done = True
+            stream.wake.set()
+            self._ka_call = None
+
+    def _heartbeats(self, stream: _Stream, reg: Registration, load_fn, interval: float):
+        while not stream.done and not self._ka_stop.is_set():
+            stream.wake.clear()
+            acks = []
+            while True:
+                try:
+                    acks.append(self._acks.get_nowait())
+                except queue.Empty:
+                    break
+            try:
+                load = load_fn() or {}
+            except Exception as e:
+                logger.warning("load_fn failed, heartbeating without load: %s", e)
+                load = {}
+            try:
+                hb = wire.heartbeat_from_load(load, reg.lease_id, reg.replica_id, acks)
+            except (TypeError, ValueError) as e:
+                logger.warning("load_fn returned a bad load %r: %s", load, e)
+                hb = pb.Heartbeat(lease_id=reg.lease_id, replica_id=reg.replica_id, acks=acks)
+            yield hb
+            stream.wake.wait(interval)
+
+    @staticmethod
+    def _handle(on_command: OnCommand, msg: pb.Command) -> pb.CommandAck:
+        cmd = wire.command_from_pb(msg)
+        try:
+            result = on_command(cmd)
+            ok, message = result if result is not None else (True, "")
+        except Exception as e:
+            logger.warning("command %s failed: %s", cmd.kind, e)
+            ok, message = False, f"{type(e).__name__}: {e}"
+        return pb.CommandAck(command_id=cmd.command_id, ok=bool(ok), message=str(message))
+
+    # -- queries and commands ---------------------------------------------------------------
+    def get_status(self, timeout_s: float | None = None) -> Status:
+        return wire.status_from_pb(self._unary(self._stub.GetStatus, pb.GetStatusRequest(), timeout=timeout_s))
+
+    def watch(self, timeout_s: float | None = None) -> Iterator[TopologyEvent]:
+        """Topology events, a SNAPSHOT first. `timeout_s` bounds the whole watch (RequestTimeout)."""
+        call = self._stub.WatchTopology(pb.WatchRequest(), metadata=self._md, timeout=timeout_s)
+        try:
+            for msg in call:
+                yield wire.event_from_pb(msg)
+        except grpc.RpcError as e:
+            if e.code() is not grpc.StatusCode.CANCELLED:
+                raise from_rpc_error(e, self.address, streaming=True) from None
+        finally:
+            call.cancel()
+
+    def send_command(self, kind: str, stage_ids: Iterable[int] = (), args: dict | None = None,
+                     timeout_s: float = 10.0, replica_ids: Iterable[str] = ()) -> list[CommandResult]:
+        req = _send_command_request(kind, stage_ids, args, timeout_s, replica_ids)
+        return wire.results_from_pb(self._unary(self._stub.SendCommand, req, timeout=timeout_s + 5))
+
+    def kv_put(self, namespace: str, key: str, value: bytes) -> None:
+        self._unary(self._stub.KvPut, pb.KvPutRequest(namespace=namespace, key=key, value=value))
+
+    def kv_get(self, namespace: str, key: str) -> bytes | None:
+        resp = self._unary(self._stub.KvGet, pb.KvGetRequest(namespace=namespace, key=key))
+        return resp.value if resp.found else None
+
+    def kv_list(self, namespace: str, prefix: str = "") -> dict[str, bytes]:
+        resp = self._unary(self._stub.KvList, pb.KvListRequest(namespace=namespace, prefix=prefix))
+        return {e.key: e.value for e in resp.entries}
+
+    def kv_delete(self, namespace: str, key: str) -> bool:
+        return self._unary(self._stub.KvDelete, pb.KvDeleteRequest(namespace=namespace, key=key)).deleted
+
+    def close(self) -> None:
+        """Stop heartbeating (the master marks us SUSPECT; deregister() first to leave cleanly)."""
+        self.stop_keepalive()
+        self._channel.close()
+
+    def __enter__(self) -> "MasterClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncMasterClient:
+    """grpc.aio client for code on an asyncio loop. The channel is made on first use, on that loop."""
+
+    def __init__(self, address: str, token: str | None = None, tls: TlsFiles | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S):
+        self.address = check_address(address)
+        self._md = call_metadata(token)
+        self._tls = tls
+        self._timeout = timeout_s
+        self._channel = None
+        self._stub = None
+
+    def _get_stub(self) -> pb_grpc.MasterStub:
+        if self._stub is None:
+            self._channel = _channel(self.address, self._tls, aio=True)
+            self._stub = pb_grpc.MasterStub(self._channel)
+        return self._stub
+
+    async def _unary(self, name: str, request, timeout: float | None = None):
+        method = getattr(self._get_stub(), name)
+        try:
+            return await method(request, metadata=self._md, timeout=timeout or self._timeout)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, self.address) from None
+
+    async def get_status(self) -> Status:
+        return wire.status_from_pb(await self._unary("GetStatus", pb.GetStatusRequest()))
+
+    async def watch(self, timeout_s: float | None = None) -> AsyncIterator[TopologyEvent]:
+        call = self._get_stub().WatchTopology(pb.WatchRequest(), metadata=self._md, timeout=timeout_s)
+        try:
+            async for msg in call:
+                yield wire.event_from_pb(msg)
+        except grpc.RpcError as e:
+            if e.code() is not grpc.StatusCode.CANCELLED:
+                raise from_rpc_error(e, self.address, streaming=True) from None
+        finally:
+            call.cancel()
+
+    async def send_command(self, kind: str, stage_ids: Iterable[int] = (), args: dict | None = None,
+                           timeout_s: float = 10.0, replica_ids: Iterable[str] = ()) -> list[CommandResult]:
+        req = _send_command_request(kind, stage_ids, args, timeout_s, replica_ids)
+        return wire.results_from_pb(await self._unary("SendCommand", req, timeout=timeout_s + 5))
+
+    async def kv_put(self, namespace: str, key: str, value: bytes) -> None:
+        await self._unary("KvPut", pb.KvPutRequest(namespace=namespace, key=key, value=value))
+
+    async def kv_get(self, namespace: str, key: str) -> bytes | None:
+        resp = await self._unary("KvGet", pb.KvGetRequest(namespace=namespace, key=key))
+        return resp.value if resp.found else None
+
+    async def kv_list(self, namespace: str, prefix: str = "") -> dict[str, bytes]:
+        resp = await self._unary("KvList", pb.KvListRequest(namespace=namespace, prefix=prefix))
+        return {e.key: e.value for e in resp.entries}
+
+    async def kv_delete(self, namespace: str, key: str) -> bool:
+        return (await self._unary("KvDelete", pb.KvDeleteRequest(namespace=namespace, key=key))).deleted
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = self._stub = None

@@ -1,0 +1,35 @@
+"""Control-plane errors and the one place gRPC status codes become omni errors (client side)."""
+
+from __future__ import annotations
+
+import grpc
+
+from omni.errors import BadRequest, ConfigError, NotFound, OmniError, RequestTimeout, Unavailable
+
+
+class Unauthenticated(OmniError):
+    """The master refused the token (missing or wrong --omni-token / OMNI_TOKEN)."""
+
+    http_status = 401
+    error_type = "authentication_error"
+
+
+def from_rpc_error(err: grpc.RpcError, address: str, streaming: bool = False) -> OmniError:
+    code = err.code() if hasattr(err, "code") else None
+    details = (err.details() if hasattr(err, "details") else None) or str(err)
+    if code is grpc.StatusCode.UNAVAILABLE:
+        return Unavailable(f"cannot reach the omni master at {address}: {details}")
+    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+        if streaming:
+            return RequestTimeout(f"omni master at {address}: deadline exceeded")
+        return Unavailable(f"cannot reach the omni master at {address}: no answer before the deadline")
+    if code is grpc.StatusCode.UNAUTHENTICATED:
+        return Unauthenticated(f"omni master at {address} refused the call: {details}")
+    if code is grpc.StatusCode.FAILED_PRECONDITION:
+        return ConfigError(details)
+    if code is grpc.StatusCode.INVALID_ARGUMENT:
+        return BadRequest(details)
+    if code is grpc.StatusCode.NOT_FOUND:
+        return NotFound(details)
+    name = code.name if code is not None else "UNKNOWN"
+    return OmniError(f"omni master at {address}: {name}: {details}")

@@ -1,0 +1,76 @@
+"""What the master clients return: frozen msgspec Structs (JSON-encodable for `omni status --json`)."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class Registration(msgspec.Struct, frozen=True):
+    replica_id: str
+    replica_index: int
+    lease_id: str
+    lease_ttl_s: float
+    stage_config: dict
+    pipeline_config: dict
+
+
+class Command(msgspec.Struct, frozen=True):
+    command_id: str
+    kind: str  # DRAIN | SLEEP | WAKE_UP | SHUTDOWN
+    args: dict
+
+
+class ReplicaInfo(msgspec.Struct, frozen=True):
+    stage_id: int  # -1 for frontends
+    replica_id: str
+    replica_index: int
+    role: str  # STAGE | FRONTEND
+    host: str
+    pid: int
+    endpoints: dict[str, str]
+    state: str  # REGISTERING | READY | DRAINING | SUSPECT | DEAD
+    queue_len: int
+    in_flight: int
+    requests_total: int
+    cpu_seconds: float
+    is_sleeping: bool
+    draining: bool
+    extra: dict[str, float]
+    heartbeat_age_s: float
+    version: str
+    capabilities: dict[str, str]
+
+
+class StageStatus(msgspec.Struct, frozen=True):
+    stage_id: int
+    ready_replicas: int
+    live_replicas: int
+
+
+class Status(msgspec.Struct, frozen=True):
+    replicas: list[ReplicaInfo]
+    stages: list[StageStatus]
+    config_hash: str
+    has_config: bool
+    lease_ttl_s: float
+    pipeline_config: dict
+
+    def problems(self) -> list[str]:
+        """Why the pipeline cannot serve; empty when every stage has a READY replica."""
+        if not self.has_config:
+            return ["the master has no pipeline config yet (nothing has registered)"]
+        return [f"stage {s.stage_id} has no READY replica" for s in self.stages if s.ready_replicas == 0]
+
+
+class TopologyEvent(msgspec.Struct, frozen=True):
+    kind: str  # SNAPSHOT | ADDED | UPDATED | REMOVED
+    replicas: list[ReplicaInfo]
+    seq: int
+
+
+class CommandResult(msgspec.Struct, frozen=True):
+    replica_id: str
+    stage_id: int
+    ok: bool
+    message: str
+    outcome: str  # acked | timeout | disconnected

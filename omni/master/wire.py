@@ -1,0 +1,91 @@
+"""Conversions between registry objects, protobuf messages and the client-side Structs."""
+
+from __future__ import annotations
+
+import json
+
+from omni._proto import master_pb2 as pb
+from omni.master import types
+from omni.master.registry import Replica
+
+
+def replica_to_pb(rep: Replica, heartbeat_age_s: float) -> pb.ReplicaInfo:
+    load = rep.load
+    return pb.ReplicaInfo(
+        stage_id=rep.stage_id, replica_id=rep.replica_id, replica_index=rep.index,
+        role=pb.Role.Value(rep.role.value), host=rep.host, pid=rep.pid, endpoints=rep.endpoints,
+        state=pb.ReplicaState.Value(rep.state.value), queue_len=load.queue_len, in_flight=load.in_flight,
+        requests_total=load.requests_total, cpu_seconds=load.cpu_seconds, is_sleeping=load.is_sleeping,
+        draining=rep.draining, extra=load.extra, heartbeat_age_s=heartbeat_age_s, version=rep.version,
+        capabilities=rep.capabilities,
+    )
+
+
+def replica_from_pb(m: pb.ReplicaInfo) -> types.ReplicaInfo:
+    return types.ReplicaInfo(
+        stage_id=m.stage_id, replica_id=m.replica_id, replica_index=m.replica_index,
+        role=pb.Role.Name(m.role), host=m.host, pid=m.pid, endpoints=dict(m.endpoints),
+        state=pb.ReplicaState.Name(m.state), queue_len=m.queue_len, in_flight=m.in_flight,
+        requests_total=m.requests_total, cpu_seconds=m.cpu_seconds, is_sleeping=m.is_sleeping,
+        draining=m.draining, extra=dict(m.extra), heartbeat_age_s=round(m.heartbeat_age_s, 3),
+        version=m.version, capabilities=dict(m.capabilities),
+    )
+
+
+def _json_or_empty(text: str) -> dict:
+    return json.loads(text) if text else {}
+
+
+def status_from_pb(m: pb.StatusResponse) -> types.Status:
+    return types.Status(
+        replicas=[replica_from_pb(r) for r in m.replicas],
+        stages=[types.StageStatus(s.stage_id, s.ready_replicas, s.live_replicas) for s in m.stages],
+        config_hash=m.config_hash, has_config=m.has_config, lease_ttl_s=m.lease_ttl_s,
+        pipeline_config=_json_or_empty(m.pipeline_config_json),
+    )
+
+
+def event_from_pb(m: pb.TopologyEvent) -> types.TopologyEvent:
+    return types.TopologyEvent(kind=pb.TopologyEvent.Kind.Name(m.kind),
+                               replicas=[replica_from_pb(r) for r in m.replicas], seq=m.seq)
+
+
+def registration_from_pb(m: pb.RegisterResponse) -> types.Registration:
+    return types.Registration(
+        replica_id=m.replica_id, replica_index=m.replica_index, lease_id=m.lease_id, lease_ttl_s=m.lease_ttl_s,
+        stage_config=_json_or_empty(m.stage_config_json), pipeline_config=_json_or_empty(m.pipeline_config_json))
+
+
+def command_from_pb(m: pb.Command) -> types.Command:
+    return types.Command(command_id=m.command_id, kind=pb.CommandKind.Name(m.kind),
+                         args=_json_or_empty(m.args_json))
+
+
+def results_from_pb(m: pb.SendCommandResponse) -> list[types.CommandResult]:
+    return [types.CommandResult(r.replica_id, r.stage_id, r.ok, r.message, r.outcome) for r in m.results]
+
+
+_LOAD_FIELDS = {"queue_len": int, "in_flight": int, "requests_total": int, "cpu_seconds": float,
+                "is_sleeping": bool, "draining": bool}
+
+
+def heartbeat_from_load(load: dict, lease_id: str, replica_id: str, acks: list[pb.CommandAck]) -> pb.Heartbeat:
+    """Known keys fill the Heartbeat fields; other numeric keys (and an 'extra' dict) go to extra."""
+    fields = {}
+    extra = {k: float(v) for k, v in (load.get("extra") or {}).items()}
+    for key, value in load.items():
+        if key in _LOAD_FIELDS:
+            fields[key] = _LOAD_FIELDS[key](value)
+        elif key != "extra" and isinstance(value, (int, float)):
+            extra[key] = float(value)
+    return pb.Heartbeat(lease_id=lease_id, replica_id=replica_id, extra=extra, acks=acks, **fields)
+
+
+def command_kind(kind: str) -> int:
+    try:
+        value = pb.CommandKind.Value(kind.upper())
+    except ValueError:
+        value = 0
+    if value == 0:
+        raise ValueError(f"unknown command kind {kind!r}; use DRAIN, SLEEP, WAKE_UP or SHUTDOWN")
+    return value
