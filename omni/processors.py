@@ -1,0 +1,80 @@
+"""Stage processors: plain functions named in deploy YAMLs (`processor:`).
+
+`fn(ctx, state, out) -> list[StageInput]` turns one upstream output into inputs
+for the next stage. `state` is a per-request dict the function may keep things in;
+`ctx.detokenize(ids)` is the frontend's tokenizer. Tensor refs pass through as
+descriptors: the bytes go producer -> consumer, never through here.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from omni.stage.messages import Output
+from omni.transport.base import TensorRef
+
+
+@dataclass
+class StageInput:
+    text: str | None = None
+    token_ids: list[int] | None = None
+    tensors: dict[str, TensorRef] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+    # Set: an independent sub-request (e.g. one sentence); None: a piece of one
+    # continuing request, the last of which the orchestrator marks extra["final"].
+    sub_id: str | None = None
+
+
+class Context(Protocol):
+    request_extra: dict[str, Any]
+
+    def detokenize(self, token_ids: list[int]) -> str: ...
+
+
+def passthrough(ctx: Context, state: dict, out: Output) -> list[StageInput]:
+    if not out.token_ids and not out.tensors:
+        return []
+    return [StageInput(token_ids=list(out.token_ids), tensors=dict(out.tensors))]
+
+
+def hidden_states_to_pooler(ctx: Context, state: dict, out: Output) -> list[StageInput]:
+    ref = out.tensors.get("hidden_states")
+    return [StageInput(tensors={"hidden_states": ref})] if ref is not None else []
+
+
+_SENTENCE_END = re.compile(r"[.!?;:\n]+[\"')\]]*\s+")
+
+
+def thinker_to_talker(ctx: Context, state: dict, out: Output) -> list[StageInput]:
+    """Thinker tokens -> one talker sub-request per sentence, as soon as it ends."""
+    ids = state.setdefault("ids", [])
+    ids.extend(out.token_ids)
+    text = ctx.detokenize(ids)
+    sent = state.get("sent_chars", 0)
+    pieces = []
+    pending = text[sent:]
+    while True:
+        match = _SENTENCE_END.search(pending)
+        if not match:
+            break
+        pieces.append(pending[: match.end()])
+        sent += match.end()
+        pending = pending[match.end():]
+    if out.finished and pending.strip():
+        pieces.append(pending)
+        sent += len(pending)
+    state["sent_chars"] = sent
+    voice = {k: v for k, v in ctx.request_extra.items() if k in ("voice", "speed")}
+    inputs = []
+    for piece in pieces:
+        if piece.strip():
+            n = state["n"] = state.get("n", 0) + 1
+            inputs.append(StageInput(text=piece.strip(), extra=dict(voice), sub_id=f"s{n}"))
+    return inputs
+
+
+def talker_to_code2wav(ctx: Context, state: dict, out: Output) -> list[StageInput]:
+    ref = out.tensors.get("latents")
+    return [StageInput(tensors={"latents": ref})] if ref is not None else []
