@@ -13,6 +13,8 @@ Wire contract between the two (see `code2wav_request`):
   code2wav input  the same request_id for every piece, tensors={"latents": ...},
                   extra={"final": bool} (default True: a one-shot request);
   code2wav output tensors={"audio": float32 [n]} per chunk, finished on the last.
+Code2WavEngine.has_unfinished() is true only while a step can make progress;
+a stream waiting for its next piece counts in num_waiting()/has_open_streams().
 """
 
 from __future__ import annotations
@@ -250,8 +252,7 @@ class Code2WavEngine(Engine):
         return s.total >= s.emitted + n + self.context_frames
 
     def has_ready_work(self) -> bool:
-        """True when step() would produce output (has_unfinished also counts
-        streams that wait for their next latent piece)."""
+        """True when step() would produce output."""
         return any(self._ready(s) for s in self._streams.values())
 
     def step(self) -> list[EngineOutput]:
@@ -297,9 +298,16 @@ class Code2WavEngine(Engine):
         return audio
 
     def has_unfinished(self) -> bool:
+        # Only streams a step can advance: the stage loop polls without a
+        # timeout while this is true, so counting streams that wait for their
+        # next latent piece would spin a core. Those show in num_waiting().
+        return self.has_ready_work()
+
+    def has_open_streams(self) -> bool:
         return bool(self._streams)
 
     def num_waiting(self) -> int:
+        """Open streams waiting for more latents."""
         return sum(1 for s in self._streams.values() if not self._ready(s))
 
     def num_running(self) -> int:

@@ -125,7 +125,7 @@ def test_streaming_matches_one_shot(voice, talker, code2wav):
         stream.add_request(code2wav_request(p))
         while stream.has_ready_work():
             chunks += stream.step()
-    assert not stream.has_unfinished() and chunks[-1].finished
+    assert not stream.has_open_streams() and chunks[-1].finished
     assert len(chunks) > 4
     joined = np.concatenate([c.tensors["audio"].numpy() for c in chunks])
     assert joined.shape == ref.shape

@@ -117,9 +117,10 @@ def test_streamed_pieces_join_to_one_shot(voice_dir):
                                     extra={"final": b == 50}))
         outs += _run(e)
         if b < 50:
-            assert e.has_unfinished() and not e.has_ready_work()   # waits for more frames
+            # Waiting for more frames is not work: the stage loop must not spin on it.
+            assert e.has_open_streams() and not e.has_unfinished() and e.step() == []
             assert e.num_waiting() == 1
-    assert not e.has_unfinished()
+    assert not e.has_open_streams()
     assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
     assert outs[0].tensors["audio"].shape == (3 * HOP,)          # the small first chunk
     joined = np.concatenate([o.tensors["audio"].numpy() for o in outs])
@@ -167,7 +168,7 @@ def test_code2wav_bad_input_names_the_problem(voice_dir, tensors, extra, needle)
     e = Code2WavEngine(voice_dir)
     with pytest.raises(EngineError, match="request bad: .*" + needle.replace("[", r"\[").replace("]", r"\]")):
         e.add_request(EngineRequest(request_id="bad", tensors=tensors, extra=extra))
-    assert not e.has_unfinished()
+    assert not e.has_open_streams()
     e.add_request(EngineRequest(request_id="ok", tensors={"latents": _latents(3)}))
     (out,) = _run(e)
     assert out.finished and out.tensors["audio"].shape == (3 * HOP,)
@@ -180,7 +181,7 @@ def test_code2wav_piece_after_final_refused_and_abort(voice_dir):
         e.add_request(EngineRequest(request_id="s", tensors={"latents": _latents(3)}))
     e.abort("s")
     e.abort("never-seen")
-    assert not e.has_unfinished() and e.step() == []
+    assert not e.has_open_streams() and e.step() == []
 
 
 def test_talker_one_output_per_sentence_and_feeds_code2wav(voice_dir):
