@@ -1,0 +1,51 @@
+"""`python -m omni.children stage|frontend ...`: how the launcher starts its children.
+
+Internal; users run `omni serve`. The config arrives resolved, so every child
+computes the same config hash as the head.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="omni.children")
+    ap.add_argument("role", choices=["stage", "frontend"])
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--master", required=True)
+    ap.add_argument("--log-level", default="WARNING")
+    ap.add_argument("--stage-id", type=int)
+    ap.add_argument("--replica-hint", type=int, default=-1)
+    ap.add_argument("--replica-address")
+    ap.add_argument("--engine-flags")
+    ap.add_argument("--index", type=int, default=0)
+    ap.add_argument("--fd", type=int)
+    ap.add_argument("--api-key")
+    ap.add_argument("--served-model-name", default="")
+    a = ap.parse_args(argv)
+    with open(a.config) as f:
+        config_json = f.read()
+    token = os.environ.get("OMNI_TOKEN", "")
+    if a.role == "stage":
+        from omni.config import loads_json
+        from omni.stage.main import StageOptions, run_stage
+        import logging
+
+        logging.basicConfig(level=a.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        config = loads_json(config_json)
+        opts = StageOptions(master_address=a.master, token=token, replica_address=a.replica_address,
+                            replica_hint=a.replica_hint)
+        flags = json.loads(a.engine_flags) if a.engine_flags else None
+        return run_stage(config, a.stage_id, opts, engine_flags=flags)
+    from omni.frontend import main_from_args
+
+    return main_from_args(config_json, index=a.index, master_address=a.master, token=token, fd=a.fd,
+                          api_key=a.api_key, served_model_name=a.served_model_name, log_level=a.log_level)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,206 @@
+"""The `omni` command line (typer): serve, master, status."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from typing import Any, Optional
+
+import typer
+
+from omni.errors import ConfigError, OmniError
+
+app = typer.Typer(
+    name="omni",
+    help="omni: a Ray-free distributed stage runtime for multi-stage model serving.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+# Flags that take JSON and also accept vLLM's dotted form: --stage-overrides.1.max_model_len 1024
+JSON_FLAGS = ("--stage-overrides", "--engine-args")
+
+
+def _scalar(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def fold_dotted_args(argv: list[str], flags: tuple[str, ...] = JSON_FLAGS) -> list[str]:
+    """Turn `--x '{"a":1}' --x.b.c 2` into one `--x '{"a":1,"b":{"c":2}}'`."""
+    merged: dict[str, dict] = {}
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        name, eq, inline = arg.partition("=")
+        base = next((f for f in flags if name == f or name.startswith(f + ".")), None)
+        if base is None:
+            out.append(arg)
+            i += 1
+            continue
+        if eq:
+            value = inline
+        elif i + 1 < len(argv):
+            value = argv[i + 1]
+            i += 1
+        else:
+            raise ConfigError(f"{name}: expected a value")
+        i += 1
+        target = merged.setdefault(base, {})
+        if name == base:
+            try:
+                obj = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{base}: not valid JSON ({e.msg} at column {e.colno}): {value!r}") from None
+            if not isinstance(obj, dict):
+                raise ConfigError(f"{base}: expected a JSON object, got {type(obj).__name__}")
+            _merge_into(target, obj)
+        else:
+            keys = name[len(base) + 1:].split(".")
+            if not all(keys):
+                raise ConfigError(f"{name}: empty key in dotted flag")
+            node = target
+            for k in keys[:-1]:
+                node = node.setdefault(k, {})
+                if not isinstance(node, dict):
+                    raise ConfigError(f"{name}: {k} is not an object")
+            node[keys[-1]] = _scalar(value)
+    for base, obj in merged.items():
+        out += [base, json.dumps(obj)]
+    return out
+
+
+def _merge_into(a: dict, b: dict) -> None:
+    for k, v in b.items():
+        if isinstance(v, dict) and isinstance(a.get(k), dict):
+            _merge_into(a[k], v)
+        else:
+            a[k] = v
+
+
+def _json_flag(name: str, value: str | None) -> dict | None:
+    if value is None:
+        return None
+    try:
+        obj = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{name}: not valid JSON ({e.msg} at column {e.colno}): {value!r}") from None
+    if not isinstance(obj, dict):
+        raise ConfigError(f"{name}: expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+@app.command(context_settings={"help_option_names": ["-h", "--help"]})
+def serve(
+    model: str = typer.Argument(..., help="Model id (e.g. HuggingFaceTB/SmolLM2-135M-Instruct) or a local folder."),
+    deploy_config: Optional[str] = typer.Option(None, "--deploy-config", help="Deploy YAML to use instead of the bundled one for MODEL."),
+    stage_overrides: Optional[str] = typer.Option(None, "--stage-overrides", help='JSON patch per stage, e.g. \'{"0": {"max_model_len": 1024}}\' (also --stage-overrides.0.max_model_len 1024). Single-command mode.'),
+    stage_id: Optional[int] = typer.Option(None, "--stage-id", help="Run only this stage (stage mode). 0 is the head: master + orchestrator + HTTP."),
+    headless: bool = typer.Option(False, "--headless", help="Run the stage given by --stage-id without HTTP; connects to the master."),
+    omni_master_address: Optional[str] = typer.Option(None, "--omni-master-address", help="Address of the omni master (the head hosts it)."),
+    omni_master_port: Optional[int] = typer.Option(None, "--omni-master-port", help="Port of the omni master."),
+    omni_token: Optional[str] = typer.Option(None, "--omni-token", envvar="OMNI_TOKEN", help="Shared token for the master and the data plane."),
+    omni_replica_address: Optional[str] = typer.Option(None, "--omni-replica-address", help="Address this replica advertises to peers (default: the local address that routes to the master)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="HTTP listen address."),
+    port: int = typer.Option(8091, "--port", help="HTTP port; 0 picks a free one (printed)."),
+    api_server_count: int = typer.Option(1, "--api-server-count", help="Number of API frontend processes sharing the stage engines."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="OMNI_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1 routes."),
+    served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="Model name the API reports (default: MODEL)."),
+    num_replicas: Optional[int] = typer.Option(None, "--num-replicas", "--omni-dp-size-local", help="Replicas of the stage(s) run here."),
+    max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Per-stage engine flag (stage mode): context length."),
+    max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs", help="Per-stage engine flag: max concurrent sequences."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="Per-stage engine flag: bfloat16 | float32."),
+    gpu_memory_utilization: Optional[float] = typer.Option(None, "--gpu-memory-utilization", help="Per-stage engine flag (vLLM stages)."),
+    enforce_eager: Optional[bool] = typer.Option(None, "--enforce-eager", help="Per-stage engine flag (vLLM stages)."),
+    engine_args: Optional[str] = typer.Option(None, "--engine-args", help='Per-stage engine args as JSON (also --engine-args.key value).'),
+    state_dir: Optional[str] = typer.Option(None, "--state-dir", help="Where the master persists shared state (voices, jobs)."),
+    log_level: str = typer.Option("WARNING", "--log-level", help="Python log level of omni's processes."),
+) -> None:
+    """Serve MODEL's pipeline: everything on this host, the head (--stage-id 0), or one headless stage."""
+    from omni import config as cfg
+
+    if api_server_count < 1:
+        raise ConfigError(f"--api-server-count must be >= 1, got {api_server_count}")
+    if num_replicas is not None and num_replicas < 1:
+        raise ConfigError(f"--num-replicas must be >= 1, got {num_replicas}")
+    if headless and stage_id is None:
+        raise ConfigError("--headless needs --stage-id K (which stage to run)")
+    if stage_id is not None and (omni_master_address is None or omni_master_port is None):
+        raise ConfigError("--stage-id needs --omni-master-address and --omni-master-port (where the head's master is)")
+    if stage_id is not None and stage_overrides is not None:
+        raise ConfigError("--stage-overrides is for single-command mode; with --stage-id use per-stage flags "
+                          "(--max-model-len, --engine-args ...)")
+    if stage_id == 0 and headless:
+        pass  # a headless stage 0 replica: allowed (extra thinker capacity)
+    flags = {"max_model_len": max_model_len, "max_num_seqs": max_num_seqs, "dtype": dtype,
+             "gpu_memory_utilization": gpu_memory_utilization, "enforce_eager": enforce_eager}
+    flags.update(_json_flag("--engine-args", engine_args) or {})
+    flags = {k: v for k, v in flags.items() if v is not None}
+    if flags and stage_id is None:
+        raise ConfigError("per-stage engine flags (" + ", ".join("--" + k.replace("_", "-") for k in flags) +
+                          ") need --stage-id; in single-command mode use --stage-overrides")
+    config = cfg.load(model, deploy_config, _json_flag("--stage-overrides", stage_overrides))
+    if stage_id is not None:
+        config.stage(stage_id)   # names the valid range when out of it
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    token = omni_token or ""
+
+    if headless and (num_replicas or 1) == 1:
+        from omni.stage.main import StageOptions, run_stage
+
+        opts = StageOptions(master_address=f"{omni_master_address}:{omni_master_port}", token=token,
+                            replica_address=omni_replica_address)
+        raise typer.Exit(run_stage(config, stage_id, opts, engine_flags=flags))
+
+    from omni.launcher import LaunchPlan, Launcher
+
+    if headless:
+        plan = LaunchPlan(config, stages=[stage_id], master_host=omni_master_address,
+                          master_port=omni_master_port, host_master=False, api_server_count=0,
+                          token=token, replica_address=omni_replica_address, num_replicas=num_replicas,
+                          engine_flags=flags, log_level=log_level)
+    elif stage_id is not None:
+        if stage_id != 0:
+            raise ConfigError(f"--stage-id {stage_id} without --headless: only stage 0 hosts the master "
+                              "and the HTTP frontends; add --headless")
+        plan = LaunchPlan(config, stages=[0], master_host=omni_master_address, master_port=omni_master_port,
+                          api_server_count=api_server_count, host=host, port=port, token=token,
+                          api_key=api_key, served_model_name=served_model_name,
+                          replica_address=omni_replica_address, num_replicas=num_replicas,
+                          engine_flags=flags, log_level=log_level, state_dir=state_dir)
+    else:
+        plan = LaunchPlan(config, stages=[s.stage_id for s in config.stages],
+                          master_host=omni_master_address or "127.0.0.1", master_port=omni_master_port or 0,
+                          api_server_count=api_server_count, host=host, port=port, token=token,
+                          api_key=api_key, served_model_name=served_model_name, log_level=log_level,
+                          state_dir=state_dir)
+    raise typer.Exit(Launcher(plan).run())
+
+
+def _register_master_commands() -> None:
+    from omni.master import commands
+
+    app.command("master", help="Run a standalone omni master (gRPC).")(commands.master)
+    app.command("status", help="Show the topology, health and load of a running omni deployment.")(commands.status)
+
+
+_register_master_commands()
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        argv = fold_dotted_args(argv)
+        app(args=argv, prog_name="omni", standalone_mode=True)
+    except OmniError as e:
+        print(f"omni: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""Entry of an API frontend process: tokenizer + Orchestrator + Starlette app on Hypercorn.
+
+Each frontend registers with the master as a FRONTEND (so `omni status` lists it
+with its request counts), follows the topology through WatchTopology, and opens
+its own channel to every stage replica it routes to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+
+from omni.config import DeployConfig
+
+logger = logging.getLogger(__name__)
+
+
+def _tokenizer_model(config: DeployConfig) -> str | None:
+    for s in config.stages:
+        if "prompt" in s.inputs:
+            return s.model or config.model
+    return None
+
+
+def _max_model_len(config: DeployConfig) -> int:
+    for s in config.stages:
+        if "prompt" in s.inputs:
+            return int(s.engine_args.get("max_model_len", 2048))
+    return 2048
+
+
+async def follow_topology(master, topology, stop: asyncio.Event) -> None:
+    """Keep the topology current; reconnect with backoff when the master goes away."""
+    from omni.errors import OmniError
+
+    backoff = 0.1
+    while not stop.is_set():
+        try:
+            async for event in master.watch():
+                topology.apply(event)
+                backoff = 0.1
+                if stop.is_set():
+                    return
+        except OmniError as e:
+            logger.warning("topology watch: %s", e)
+        except asyncio.CancelledError:
+            return
+        topology.synced = False
+        try:
+            await asyncio.wait_for(stop.wait(), backoff)
+        except asyncio.TimeoutError:
+            pass
+        backoff = min(2.0, backoff * 2)
+
+
+async def serve_frontend(config: DeployConfig, *, index: int, master_address: str, token: str,
+                         sock: socket.socket, api_key: str | None, served_model_name: str,
+                         host: str = "127.0.0.1") -> None:
+    from transformers import AutoTokenizer
+
+    from omni.api.app import build_app
+    from omni.api.serve import serve
+    from omni.master.client import AsyncMasterClient, MasterClient
+    from omni.models.resolve import resolve_model
+    from omni.orchestrator.core import Orchestrator
+    from omni.orchestrator.topology import Topology
+    from omni.transport.factory import MultiConsumer
+    from omni.voices import MasterVoiceStore
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    tok_model = _tokenizer_model(config)
+    tokenizer = None
+    if tok_model is not None:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, resolve_model(tok_model))
+
+    def detokenize(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else ""
+
+    topology = Topology()
+    amaster = AsyncMasterClient(master_address, token=token or None)
+    smaster = MasterClient(master_address, token=token or None)
+    reg = await asyncio.to_thread(
+        smaster.register, "FRONTEND", -1, config_hash=config.config_hash(),
+        pipeline_config=config.to_dict(), endpoints={"http": f"{host}:{sock.getsockname()[1]}"},
+        host=host, pid=os.getpid(), wait_s=30.0)
+    frontend_id = f"{reg.replica_id}-{os.getpid()}"
+    orch = Orchestrator(config, frontend_id=frontend_id, topology=topology, detokenize=detokenize,
+                        consumer=MultiConsumer(token=token), token=token, host=host, master=amaster)
+    counters = {"requests_total": 0}
+
+    def load() -> dict:
+        return {"queue_len": 0, "in_flight": orch.in_flight,
+                "requests_total": orch.metrics.requests_total,
+                "cpu_seconds": time.process_time(), "extra": {"frontend_index": float(index)}}
+
+    smaster.start_keepalive(load, lambda cmd: (True, "ignored by frontends"), interval_s=1.0)
+    watcher = asyncio.create_task(follow_topology(amaster, topology, stop))
+    app = build_app(
+        orch, tokenizer,
+        served_model_name=served_model_name,
+        model_aliases=list(config.aliases) + [config.model],
+        frontend_index=index,
+        max_model_len=_max_model_len(config),
+        speech_entry_stage=config.pipeline.speech_entry_stage,
+        voices=MasterVoiceStore(amaster) if config.pipeline.speech_entry_stage is not None else None,
+        api_key=api_key,
+    )
+    del counters
+    try:
+        await serve(app, sock=sock, shutdown_event=stop)
+    finally:
+        stop.set()
+        watcher.cancel()
+        await orch.close()
+        try:
+            await asyncio.to_thread(smaster.deregister)
+        except Exception as e:
+            logger.info("frontend deregister failed: %s", e)
+        smaster.close()
+        await amaster.close()
+
+
+def main_from_args(config_json: str, *, index: int, master_address: str, token: str, fd: int,
+                   api_key: str | None, served_model_name: str, log_level: str = "INFO") -> int:
+    from omni.config import loads_json
+
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = loads_json(config_json)
+    sock = socket.socket(fileno=fd)
+    try:
+        asyncio.run(serve_frontend(config, index=index, master_address=master_address, token=token,
+                                   sock=sock, api_key=api_key, served_model_name=served_model_name,
+                                   host=sock.getsockname()[0]))
+    except Exception as e:
+        print(f"omni: frontend {index} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 1
+    return 0

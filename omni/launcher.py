@@ -1,0 +1,308 @@
+"""The parent process of `omni serve`: master, stage processes, frontends, supervision.
+
+Single-command mode runs everything here; head mode (--stage-id 0) runs the master,
+stage 0 and the frontends and waits for the other stages; headless mode with several
+replicas runs those replicas. Children are real processes started from this same
+package; they die with the parent (PR_SET_PDEATHSIG) so nothing is orphaned.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+
+from omni.config import DeployConfig
+from omni.errors import OmniError
+
+logger = logging.getLogger(__name__)
+
+PR_SET_PDEATHSIG = 1
+
+
+def progress(msg: str) -> None:
+    print(f"omni: {msg}", file=sys.stderr, flush=True)
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+    # Ctrl-C goes to the parent, which stops children in order.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@dataclass
+class Child:
+    name: str
+    kind: str                 # "stage" | "frontend"
+    argv: list[str]
+    stage_id: int = -1
+    index: int = 0
+    pass_fds: tuple[int, ...] = ()
+    proc: subprocess.Popen | None = None
+    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=20))
+    restarts: int = 0
+    env: dict | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            self.argv, stderr=subprocess.PIPE, pass_fds=self.pass_fds, env=self.env,
+            preexec_fn=_die_with_parent, text=True, bufsize=1,
+        )
+        threading.Thread(target=self._pump, args=(self.proc,), daemon=True,
+                         name=f"omni-log-{self.name}").start()
+
+    def _pump(self, proc: subprocess.Popen) -> None:
+        for line in proc.stderr:
+            self.tail.append(line.rstrip())
+            sys.stderr.write(f"[{self.name}] {line}")
+        sys.stderr.flush()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def last_words(self) -> str:
+        for line in reversed(self.tail):
+            if line.startswith("omni:") or "Error" in line:
+                return line
+        return self.tail[-1] if self.tail else "(no output)"
+
+
+@dataclass
+class LaunchPlan:
+    config: DeployConfig
+    stages: list[int]                      # stages to run here (all replicas of each)
+    master_host: str = "127.0.0.1"
+    master_port: int = 0
+    host_master: bool = True               # embed the master in this process
+    api_server_count: int = 1
+    host: str = "127.0.0.1"
+    port: int = 8091
+    token: str = ""
+    api_key: str | None = None
+    served_model_name: str | None = None
+    replica_address: str | None = None
+    num_replicas: int | None = None        # override for the local stages
+    engine_flags: dict = field(default_factory=dict)
+    log_level: str = "WARNING"
+    state_dir: str | None = None
+
+
+class Launcher:
+    def __init__(self, plan: LaunchPlan):
+        self.plan = plan
+        self.children: list[Child] = []
+        self.master = None
+        self.master_address = f"{plan.master_host}:{plan.master_port}"
+        self._stop = threading.Event()
+        self._listener: socket.socket | None = None
+        self._tmp = tempfile.TemporaryDirectory(prefix="omni-")
+        self.http_port: int | None = None
+
+    # ------------------------------------------------------------ building
+
+    def _config_file(self) -> str:
+        path = os.path.join(self._tmp.name, "config.json")
+        if not os.path.exists(path):
+            with open(path, "w") as f:
+                json.dump(self.plan.config.to_dict(), f)
+        return path
+
+    def _child_argv(self, role: str, *args: str) -> list[str]:
+        return [sys.executable, "-m", "omni.children", role, "--config", self._config_file(),
+                "--master", self.master_address, "--log-level", self.plan.log_level, *args]
+
+    def _plan_children(self) -> None:
+        p = self.plan
+        # The token goes by environment, not argv (argv is world-readable in ps).
+        env = {**os.environ, "OMNI_TOKEN": p.token} if p.token else None
+        for stage_id in p.stages:
+            stage = p.config.stage(stage_id)
+            count = p.num_replicas or stage.num_replicas
+            for r in range(count):
+                args = ["--stage-id", str(stage_id), "--replica-hint", str(r)]
+                if p.replica_address:
+                    args += ["--replica-address", p.replica_address]
+                if p.engine_flags:
+                    args += ["--engine-flags", json.dumps(p.engine_flags)]
+                name = f"stage{stage_id}" + (f".{r}" if count > 1 else "") + (f"-{stage.name}" if stage.name else "")
+                self.children.append(Child(name, "stage", self._child_argv("stage", *args), stage_id=stage_id,
+                                           index=r, env=env))
+        if p.api_server_count:
+            self._listener = self._bind_http()
+            fd = self._listener.fileno()
+            for i in range(p.api_server_count):
+                args = ["--index", str(i), "--fd", str(fd),
+                        "--served-model-name", p.served_model_name or p.config.model]
+                if p.api_key:
+                    args += ["--api-key", p.api_key]
+                self.children.append(Child(f"api{i}", "frontend", self._child_argv("frontend", *args),
+                                           index=i, pass_fds=(fd,), env=env))
+
+    def _bind_http(self) -> socket.socket:
+        sock = socket.socket(socket.AF_INET6 if ":" in self.plan.host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.plan.host, self.plan.port))
+        except OSError as e:
+            sock.close()
+            raise OmniError(f"--port {self.plan.port}: cannot bind {self.plan.host}:{self.plan.port}: {e.strerror}") from None
+        sock.listen(1024)
+        sock.set_inheritable(True)
+        self.http_port = sock.getsockname()[1]
+        return sock
+
+    # ------------------------------------------------------------ running
+
+    def start_master(self) -> None:
+        from omni.master.server import MasterServer
+
+        p = self.plan
+        self.master = MasterServer(p.config.to_dict(), p.config.config_hash(), host=p.master_host,
+                                   port=p.master_port, token=p.token or None,
+                                   lease_ttl_s=p.config.pipeline.lease_ttl_s, state_dir=p.state_dir)
+        port = self.master.start()
+        self.master_address = f"{p.master_host}:{port}"
+        progress(f"master listening on {self.master_address}")
+
+    def run(self) -> int:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: self._stop.set())
+        try:
+            if self.plan.host_master:
+                self.start_master()
+            self._plan_children()
+            for child in self.children:
+                if child.kind == "stage":
+                    child.start()
+            if not self._wait_ready():
+                return 1
+            for child in self.children:
+                if child.kind == "frontend":
+                    child.start()
+            if self.plan.api_server_count and not self._wait_frontends():
+                return 1
+            if self.http_port is not None:
+                progress(f"serving {self.plan.served_model_name or self.plan.config.model} on "
+                         f"http://{self.plan.host}:{self.http_port} "
+                         f"({self.plan.api_server_count} API frontend(s)); Ctrl-C stops")
+            return self._supervise()
+        except OmniError as e:
+            progress(f"error: {e}")
+            return 1
+        finally:
+            self.shutdown()
+
+    def _status(self):
+        from omni.master.client import MasterClient
+
+        with MasterClient(self.master_address, token=self.plan.token or None, timeout_s=5.0) as c:
+            return c.get_status()
+
+    def _wait_ready(self) -> bool:
+        """Every stage has a READY replica, or the deadline passes, or a child dies."""
+        deadline = time.monotonic() + self.plan.config.pipeline.startup_timeout_s
+        last_report = 0.0
+        while not self._stop.is_set():
+            for child in self.children:
+                if child.kind == "stage" and child.proc is not None and child.proc.poll() is not None:
+                    progress(f"{child.name} exited with code {child.proc.returncode} during start-up: "
+                             f"{child.last_words()}")
+                    return False
+            try:
+                status = self._status()
+                ready = {s.stage_id for s in status.stages if s.ready_replicas > 0} if status.has_config else set()
+            except OmniError as e:
+                if self.plan.host_master:
+                    raise
+                ready = set()
+                logger.info("master not reachable yet: %s", e)
+            missing = [s for s in self.plan.config.stages if s.stage_id not in ready]
+            if not missing:
+                return True
+            now = time.monotonic()
+            if now > deadline:
+                progress("start-up deadline passed; still waiting for " +
+                         ", ".join(s.label for s in missing))
+                return False
+            if now - last_report > 5.0:
+                last_report = now
+                progress("waiting for " + ", ".join(s.label for s in missing))
+            self._stop.wait(0.2)
+        return False
+
+    def _wait_frontends(self) -> bool:
+        deadline = time.monotonic() + 120
+        want = self.plan.api_server_count
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            for child in self.children:
+                if child.kind == "frontend" and child.proc.poll() is not None:
+                    progress(f"{child.name} exited with code {child.proc.returncode} during start-up: "
+                             f"{child.last_words()}")
+                    return False
+            status = self._status()
+            n = sum(1 for r in status.replicas if r.role == "FRONTEND" and r.state == "READY")
+            if n >= want:
+                return True
+            self._stop.wait(0.2)
+        if not self._stop.is_set():
+            progress(f"API frontends did not become ready within 120 s")
+        return False
+
+    def _supervise(self) -> int:
+        while not self._stop.wait(0.5):
+            for child in self.children:
+                if child.alive():
+                    continue
+                code = child.proc.returncode
+                if child.kind == "frontend":
+                    # A crashed frontend is replaced; the engines carry on.
+                    progress(f"{child.name} exited with code {code}; restarting it")
+                    child.restarts += 1
+                    child.start()
+                    continue
+                alive = [c for c in self.children if c.kind == "stage" and c.stage_id == child.stage_id and c.alive()]
+                if alive:
+                    progress(f"{child.name} exited with code {code}; {len(alive)} replica(s) of stage "
+                             f"{child.stage_id} remain")
+                    self.children.remove(child)
+                    break
+                progress(f"{child.name} exited with code {code} and no replica of stage {child.stage_id} "
+                         f"is left: {child.last_words()}; shutting down")
+                return 1
+        progress("shutting down")
+        return 0
+
+    def shutdown(self, grace_s: float = 10.0) -> None:
+        # Frontends first (stop taking requests), then stages, then the master.
+        for kind in ("frontend", "stage"):
+            group = [c for c in self.children if c.kind == kind and c.alive()]
+            for c in group:
+                c.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            for c in group:
+                try:
+                    c.proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    progress(f"{c.name} did not stop within {grace_s:.0f} s; killing it")
+                    c.proc.kill()
+                    c.proc.wait()
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        if self.master is not None:
+            self.master.stop(grace=1.0)
+            self.master = None
+        self._tmp.cleanup()

@@ -1,0 +1,152 @@
+"""Entry of a stage replica process: `omni serve MODEL --stage-id K --headless ...`.
+
+build engine -> bind channel -> register -> keep-alive -> loop; SIGTERM/SIGINT
+stop the loop (finish or abort in flight within a grace period), deregister,
+free shared memory, exit. A failure to start prints its cause and exits 1.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+from omni.config import DeployConfig, StageConfig
+from omni.errors import OmniError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StageOptions:
+    master_address: str
+    token: str = ""
+    replica_address: str | None = None     # advertised host of this replica's endpoints
+    bind_host: str = "127.0.0.1"
+    replica_hint: int = -1
+    grace_s: float = 5.0
+    register_wait_s: float = 120.0
+
+
+def progress(msg: str) -> None:
+    print(f"omni: {msg}", file=sys.stderr, flush=True)
+
+
+def default_advertise_host(master_address: str) -> str:
+    """The local address that routes to the master (what peers can reach us on)."""
+    host = master_address.rsplit(":", 1)[0].strip("[]")
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+def run_stage(config: DeployConfig, stage_id: int, opts: StageOptions,
+              engine_flags: dict | None = None) -> int:
+    """`config` is the hashed pipeline; `engine_flags` tune this replica's engine only."""
+    from omni.config import apply_engine_flags
+
+    stage = apply_engine_flags(config, stage_id, engine_flags or {}).stage(stage_id)
+    from omni.engines.factory import build_engine
+    from omni.master.client import MasterClient
+    from omni.stage.worker import StageWorker
+    from omni.transport.factory import MultiConsumer, make_producer
+
+    stop = threading.Event()
+    worker_box: list[StageWorker] = []
+
+    def on_signal(signum, frame):
+        # Only enqueue the shutdown; the loop does the work.
+        stop.set()
+        if worker_box:
+            worker_box[0].stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    label = stage.label
+    advertise = opts.replica_address or default_advertise_host(opts.master_address)
+    bind_host = opts.bind_host if advertise in ("127.0.0.1", opts.bind_host) else "0.0.0.0"
+    progress(f"{label}: loading engine {stage.engine} ...")
+    t0 = time.monotonic()
+    try:
+        engine = build_engine(config, stage)
+    except OmniError as e:
+        progress(f"{label}: cannot start engine {stage.engine}: {e}")
+        return 1
+    except Exception as e:  # the cause, not "see above"
+        logger.debug("engine load failed", exc_info=True)
+        progress(f"{label}: engine {stage.engine} failed to load: {type(e).__name__}: {e}")
+        return 1
+    progress(f"{label}: engine loaded in {time.monotonic() - t0:.1f} s")
+
+    default_transport = "shm"
+    worker = StageWorker(
+        stage, engine, host=bind_host, advertise_host=advertise, token=opts.token,
+        default_transport=default_transport,
+        make_producer=lambda kind: make_producer(kind, host=bind_host, advertise_host=advertise,
+                                                 token=opts.token),
+        consumer=MultiConsumer(token=opts.token),
+    )
+    worker_box.append(worker)
+    if stop.is_set():
+        worker.close()
+        return 0
+
+    client = MasterClient(opts.master_address, token=opts.token or None)
+    try:
+        reg = client.register(
+            "STAGE", stage.stage_id,
+            config_hash=config.config_hash(),
+            pipeline_config=config.to_dict(),
+            endpoints={"channel": worker.endpoint},
+            replica_hint=opts.replica_hint,
+            host=advertise,
+            pid=os.getpid(),
+            capabilities={"can_sleep": "true" if engine.can_sleep() else "false",
+                          "engine": stage.engine},
+            wait_s=opts.register_wait_s,
+        )
+    except OmniError as e:
+        progress(f"{label}: registration refused: {e}")
+        worker.close()
+        return 1
+    worker.replica_id = reg.replica_id
+
+    def on_registration(r):
+        worker.replica_id = r.replica_id
+        progress(f"{label}: re-registered as replica {r.replica_id}")
+
+    def on_command(cmd):
+        return worker.command(cmd.kind, cmd.args)
+
+    client.start_keepalive(worker.load, on_command, interval_s=min(1.0, reg.lease_ttl_s / 4),
+                           on_registration=on_registration)
+    progress(f"{label}: registered as replica {reg.replica_id}, serving on {worker.endpoint}; ready")
+    try:
+        worker.run(grace_s=opts.grace_s)
+    finally:
+        try:
+            client.deregister()
+        except OmniError as e:
+            logger.info("deregister failed: %s", e)
+        client.close()
+    progress(f"{label}: replica {reg.replica_id} stopped")
+    return 0
+
+
+def main_from_args(config_json: str, stage_id: int, opts: StageOptions, log_level: str = "INFO") -> int:
+    """For child processes the launcher spawns (config already resolved)."""
+    from omni.config import loads_json
+
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run_stage(loads_json(config_json), stage_id, opts)
