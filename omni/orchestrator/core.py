@@ -487,7 +487,7 @@ class Orchestrator:
         if self.master is None:
             raise Unavailable("no omni master connection: cannot reach the stage engines")
         try:
-            results = await self.master.send_command([], kind, args, 60.0)
+            results = await self.master.send_command(kind, (), args, timeout_s=60.0)
         except OmniError:
             raise
         except Exception as e:

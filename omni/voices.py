@@ -1,0 +1,46 @@
+"""Voices shared by every frontend: stored once in the master's KV store (persisted
+there when the master has a --state-dir), built-in voices always present."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from omni.errors import BadRequest, NotFound
+
+NAMESPACE = "voices"
+BUILTIN: dict[str, dict[str, Any]] = {"joe": {"base": "joe", "speed": 1.0, "builtin": True}}
+
+
+class MasterVoiceStore:
+    def __init__(self, master: Any):
+        self._master = master
+
+    async def list(self) -> dict[str, dict[str, Any]]:
+        stored = await self._master.kv_list(NAMESPACE)
+        voices = {name: json.loads(blob) for name, blob in stored.items()}
+        return {**voices, **BUILTIN}
+
+    async def get(self, name: str) -> dict[str, Any]:
+        if name in BUILTIN:
+            return BUILTIN[name]
+        blob = await self._master.kv_get(NAMESPACE, name)
+        if blob is None:
+            raise NotFound(f"voice {name!r} does not exist")
+        return json.loads(blob)
+
+    async def add(self, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+        if name in BUILTIN:
+            raise BadRequest(f"voice {name!r} is built in and cannot be replaced")
+        base = spec.get("base", "joe")
+        if base not in BUILTIN:
+            raise BadRequest(f"voice base {base!r} is not a built-in voice ({', '.join(BUILTIN)})")
+        record = {"base": base, "speed": float(spec.get("speed", 1.0)), "builtin": False}
+        await self._master.kv_put(NAMESPACE, name, json.dumps(record).encode())
+        return record
+
+    async def delete(self, name: str) -> None:
+        if name in BUILTIN:
+            raise BadRequest(f"voice {name!r} is built in and cannot be deleted")
+        if not await self._master.kv_delete(NAMESPACE, name):
+            raise NotFound(f"voice {name!r} does not exist")

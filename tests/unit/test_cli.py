@@ -1,0 +1,42 @@
+"""The CLI refuses bad flag combinations with a message naming the flag, fast."""
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.e2e.harness import REPO
+
+
+def omni(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "omni.cli", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["serve", "smollm2", "--headless"], "--headless needs --stage-id"),
+    (["serve", "smollm2", "--stage-id", "1", "--headless"], "--stage-id needs --omni-master-address"),
+    (["serve", "smollm2", "--stage-id", "7", "--headless", "--omni-master-address", "127.0.0.1",
+      "--omni-master-port", "1"], "--stage-id 7"),
+    (["serve", "smollm2", "--stage-overrides", "{bad"], "--stage-overrides: not valid JSON"),
+    (["serve", "smollm2", "--stage-overrides.5.x", "1"], "unknown stage 5"),
+    (["serve", "smollm2", "--api-server-count", "0"], "--api-server-count must be >= 1"),
+    (["serve", "smollm2", "--max-model-len", "64"], "need --stage-id"),
+    (["serve", "no/such-model"], "no bundled deploy config"),
+    (["serve", "smollm2", "--deploy-config", "/nonexistent.yaml"], "file not found"),
+])
+def test_bad_flags_exit_2_naming_the_flag(args, message):
+    r = omni(*args)
+    assert r.returncode == 2, r.stderr
+    assert message in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_help_lists_the_flags():
+    r = omni("serve", "--help")
+    assert r.returncode == 0
+    for flag in ("--stage-id", "--headless", "--omni-master-address", "--omni-master-port",
+                 "--deploy-config", "--stage-overrides", "--api-server-count", "--omni-token"):
+        assert flag in r.stdout, flag
+    r = omni("status", "--help")
+    assert r.returncode == 0 and "--json" in r.stdout and "--watch" in r.stdout

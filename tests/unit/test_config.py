@@ -1,0 +1,132 @@
+import json
+
+import pytest
+
+from omni import config as cfg
+from omni.cli import fold_dotted_args
+from omni.errors import ConfigError
+
+MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def write(tmp_path, name, text):
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+def test_bundled_default_by_model_id_and_alias():
+    a = cfg.load(MODEL)
+    b = cfg.load("smollm2-135m-instruct")
+    assert [s.name for s in a.stages] == ["thinker", "talker", "code2wav"]
+    assert a.stages[0].engine == "torch_lm" and a.final_stage("audio").stage_id == 2
+    assert a.config_hash() != b.config_hash()   # the model name is part of the pipeline
+    assert cfg.load(MODEL).config_hash() == a.config_hash()
+
+
+def test_unknown_model_names_the_flag():
+    with pytest.raises(ConfigError, match="--deploy-config"):
+        cfg.load("no/such-model")
+
+
+def test_stage_overrides_patch_fields_and_engine_args():
+    c = cfg.load(MODEL, stage_overrides={"0": {"max_model_len": 512, "engine": "vllm"}, "2": {"num_replicas": 2}})
+    assert c.stages[0].engine == "vllm"
+    assert c.stages[0].engine_args["max_model_len"] == 512
+    assert c.stages[0].engine_args["dtype"] == "bfloat16"   # untouched keys stay
+    assert c.stages[2].num_replicas == 2
+    assert c.config_hash() != cfg.load(MODEL).config_hash()
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ({"9": {}}, "unknown stage 9"),
+    ({"x": {}}, "not a stage id"),
+    ({"0": 3}, "expected an object"),
+    ({"0": {"stage_id": 4}}, "stage_id cannot"),
+])
+def test_bad_stage_overrides(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        cfg.load(MODEL, stage_overrides=overrides)
+
+
+def test_base_config_inheritance_merges_stages_by_id(tmp_path):
+    base = write(tmp_path, "base.yaml", """
+model: m
+stages:
+  - {stage_id: 0, engine: torch_lm, engine_args: {dtype: float32, max_model_len: 256}, final_output: true, final_output_type: text}
+  - {stage_id: 1, engine: hidden_pooler, inputs: [0], final_output: true, final_output_type: embedding}
+""")
+    child = write(tmp_path, "child.yaml", f"""
+base_config: {base}
+pipeline: {{name: child}}
+stages:
+  - {{stage_id: 0, engine_args: {{max_model_len: 128}}}}
+""")
+    c = cfg.load("m", child)
+    assert c.pipeline.name == "child"
+    assert c.stages[0].engine_args == {"dtype": "float32", "max_model_len": 128}
+    assert c.stages[1].engine == "hidden_pooler"
+
+
+@pytest.mark.parametrize("yaml_text, match", [
+    ("model: m\nstages: [{stage_id: 0, engine: torch_lm, final_output: true, final_output_type: text, colour: red}]",
+     "unknown field `colour` - at `stages\\[0\\]`"),
+    ("model: m\nstages: [{stage_id: zero, engine: torch_lm}]", "Expected `int`, got `str` - at `stages\\[0\\].stage_id`"),
+    ("model: m\nstages: [{stage_id: 0, engine: a, final_output: true, final_output_type: text}, {stage_id: 2, engine: b}]",
+     "contiguous"),
+    ("model: m\nstages: [{stage_id: 0, engine: a, inputs: [1], final_output: true, final_output_type: text}]",
+     "not an earlier stage"),
+    ("model: m\nstages: [{stage_id: 0, engine: a, final_output: true, final_output_type: video}]", "final_output_type"),
+    ("model: m\nstages: [{stage_id: 0, engine: a, final_output: true, final_output_type: text, connectors: {'0': {transport: pigeon}}}]",
+     "transport must be one of"),
+    ("model: m\nstages: []", "empty"),
+    ("model: m\nstages: [{stage_id: 0, engine: a}]", "final_output"),
+    ("- a list", "mapping"),
+    ("model: [unclosed", "not valid YAML"),
+])
+def test_bad_yaml_names_the_key(tmp_path, yaml_text, match):
+    path = write(tmp_path, "bad.yaml", yaml_text)
+    with pytest.raises(ConfigError, match=match):
+        cfg.load("m", path)
+
+
+def test_base_config_cycle(tmp_path):
+    a = tmp_path / "a.yaml"
+    b = tmp_path / "b.yaml"
+    a.write_text(f"base_config: {b}\n")
+    b.write_text(f"base_config: {a}\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        cfg.load("m", str(a))
+
+
+def test_engine_flags_patch_one_stage_without_changing_the_hash():
+    c = cfg.load(MODEL)
+    patched = cfg.apply_engine_flags(c, 0, {"max_model_len": 64, "dtype": None})
+    assert patched.stages[0].engine_args["max_model_len"] == 64
+    assert patched.stages[1] == c.stages[1]
+    assert c.config_hash() == cfg.load(MODEL).config_hash()
+
+
+def test_resolved_config_round_trips_through_json():
+    c = cfg.load(MODEL, stage_overrides={"1": {"num_replicas": 3}})
+    assert cfg.loads_json(json.dumps(c.to_dict())).config_hash() == c.config_hash()
+
+
+def test_dotted_json_flags_fold_into_one():
+    argv = ["serve", "m", "--stage-overrides", '{"0": {"a": 1}}', "--stage-overrides.0.b", "2",
+            "--stage-overrides.1.c=true", "--port", "0"]
+    out = fold_dotted_args(argv)
+    assert out[:4] == ["serve", "m", "--port", "0"]
+    assert out[4] == "--stage-overrides"
+    assert json.loads(out[5]) == {"0": {"a": 1, "b": 2}, "1": {"c": True}}
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--stage-overrides", "{nope"], "not valid JSON"),
+    (["--stage-overrides", "[1]"], "expected a JSON object"),
+    (["--stage-overrides.0..x", "1"], "empty key"),
+    (["--stage-overrides"], "expected a value"),
+])
+def test_dotted_json_flag_errors(argv, match):
+    with pytest.raises(ConfigError, match=match):
+        fold_dotted_args(argv)
