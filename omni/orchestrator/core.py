@@ -231,7 +231,8 @@ class Orchestrator:
                 raise StageFailed(stage_id, replica.replica_id if replica else "?", "replica is gone")
             replica = st.replica = self._pick(stage_id)
         ch = await self._channel(replica)
-        extra = dict(inp.extra)
+        # Stage defaults (e.g. the talker's noise scales) under the request's own options.
+        extra = {**stage.default_sampling_params, **inp.extra}
         producer = extra.pop("_producer", "")
         extra.setdefault("final", final)
         out_transport, out_tensors = self._out_route(state, stage)
