@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -240,3 +243,52 @@ def test_bad_constructor_args(tiny):
         TorchLMEngine(tiny[0], dtype="float16")
     with pytest.raises(ConfigError, match="max_position_embeddings"):
         TorchLMEngine(tiny[0], dtype="float32", max_model_len=4096)
+
+
+# ---- model resolution (no real model here) ----------------------------------------
+
+def test_resolve_local_dir_and_unknown_names(tiny, tmp_path):
+    from omni.models import resolve_model
+
+    assert resolve_model(tiny[0]) == str(Path(tiny[0]).resolve())
+    with pytest.raises(ConfigError, match="no config.json"):
+        resolve_model(str(tmp_path))
+    with pytest.raises(ConfigError, match=r"'org/nope'.*HuggingFaceTB/SmolLM2-135M-Instruct"):
+        resolve_model("org/nope")
+    with pytest.raises(ConfigError, match="empty"):
+        resolve_model(" ")
+    assert os.environ["HF_HUB_OFFLINE"] == "1"
+
+
+def test_prepare_converts_once_under_concurrent_callers(tmp_path, monkeypatch):
+    import json
+    import threading
+
+    from omni.models import smollm2
+
+    calls = []
+
+    def fake_convert(folder):
+        calls.append(folder)
+        folder.mkdir(parents=True)
+        (folder / smollm2.MARKER).write_text(json.dumps({"format_version": smollm2.FORMAT_VERSION}))
+
+    monkeypatch.setattr(smollm2, "_convert", fake_convert)
+    dest = tmp_path / "m"
+    start = threading.Barrier(3)
+    results = []
+
+    def worker():
+        start.wait(timeout=10)
+        results.append(smollm2.prepare(dest))
+
+    threads = [threading.Thread(target=worker) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert results == [dest] * 3
+    assert calls == [dest]
+    assert smollm2.is_prepared(dest)
+    (dest / smollm2.MARKER).write_text("{not json")      # a damaged marker means "prepare again"
+    assert not smollm2.is_prepared(dest)
