@@ -1,0 +1,185 @@
+"""StageWorker over a real ZMQ socket, with an in-memory engine."""
+
+from __future__ import annotations
+
+import threading
+
+import msgspec
+import pytest
+import zmq
+
+from omni.config import StageConfig
+from omni.engines.base import Engine, EngineError, EngineOutput, EngineRequest, SamplingParams
+from omni.stage import messages as m
+from omni.stage.worker import StageWorker
+
+
+class CountEngine(Engine):
+    """Emits prompt[-1]+1, +2, ... one token per step, max_tokens of them."""
+
+    def __init__(self):
+        self.reqs: dict[str, list] = {}
+        self.aborted: list[str] = []
+        self.sleeping = False
+
+    def add_request(self, r: EngineRequest) -> None:
+        if not r.prompt_token_ids:
+            raise EngineError("empty prompt")
+        self.reqs[r.request_id] = [r.prompt_token_ids[-1], r.sampling.max_tokens]
+
+    def abort(self, rid: str) -> None:
+        if self.reqs.pop(rid, None) is not None:
+            self.aborted.append(rid)
+
+    def step(self) -> list[EngineOutput]:
+        outs = []
+        for rid, st in list(self.reqs.items()):
+            st[0] += 1
+            st[1] -= 1
+            done = st[1] == 0
+            outs.append(EngineOutput(request_id=rid, token_ids=[st[0]], finished=done,
+                                     finish_reason="length" if done else None))
+            if done:
+                del self.reqs[rid]
+        return outs
+
+    def has_unfinished(self) -> bool:
+        return bool(self.reqs)
+
+    def can_sleep(self) -> bool:
+        return True
+
+    def sleep(self, level: int = 1) -> None:
+        self.sleeping = True
+
+    def wake_up(self) -> None:
+        self.sleeping = False
+
+    def is_sleeping(self) -> bool:
+        return self.sleeping
+
+
+@pytest.fixture
+def worker():
+    stage = StageConfig(stage_id=0, engine="count", name="counter")
+    engine = CountEngine()
+    w = StageWorker(stage, engine, token="secret", replica_id="s0r0")
+    t = threading.Thread(target=w.run, kwargs={"grace_s": 1.0}, daemon=True)
+    t.start()
+    yield w, engine
+    w.stop()
+    t.join(10)
+    assert not t.is_alive()
+
+
+def dealer(endpoint: str, ident: bytes = b"fe-test"):
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.IDENTITY, ident)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.RCVTIMEO, 10_000)   # every wait has a deadline
+    s.connect(endpoint)
+    return s
+
+
+enc = msgspec.msgpack.Encoder()
+dec = msgspec.msgpack.Decoder(m.FromStage)
+
+
+def recv(s):
+    return dec.decode(s.recv())
+
+
+def hello(s, token="secret"):
+    s.send(enc.encode(m.Hello("fe-test", token)))
+    return recv(s)
+
+
+def test_request_streams_outputs_back_to_its_frontend(worker):
+    w, _ = worker
+    s = dealer(w.endpoint)
+    assert hello(s).ok
+    s.send(enc.encode(m.AddRequest(request_id="r1", prompt_token_ids=[10],
+                                   sampling=SamplingParams(max_tokens=3))))
+    outs = [recv(s) for _ in range(3)]
+    assert [o.token_ids for o in outs] == [[11], [12], [13]]
+    assert [o.finished for o in outs] == [False, False, True]
+    assert outs[0].queue_s is not None and outs[0].queue_s >= 0
+    assert w.load()["requests_total"] == 1 and w.load()["in_flight"] == 0
+    s.close()
+
+
+def test_bad_token_is_refused_and_ignored(worker):
+    w, engine = worker
+    s = dealer(w.endpoint, b"intruder")
+    welcome = hello(s, token="wrong")
+    assert not welcome.ok and "token" in welcome.error
+    s.send(enc.encode(m.AddRequest(request_id="x", prompt_token_ids=[1])))
+    s.send(enc.encode(m.Utility(1, "ping")))
+    # Nothing comes back for an unauthenticated peer; an authenticated one still works.
+    good = dealer(w.endpoint)
+    assert hello(good).ok
+    good.send(enc.encode(m.Utility(2, "ping")))
+    res = recv(good)
+    assert res.call_id == 2 and res.result == "pong"
+    assert "x" not in engine.reqs
+    s.close()
+    good.close()
+
+
+def test_garbage_and_bad_requests_get_errors_and_the_worker_lives(worker):
+    w, _ = worker
+    s = dealer(w.endpoint)
+    assert hello(s).ok
+    s.send(b"\xff\x00garbage")                          # undecodable: dropped with a warning
+    s.send(enc.encode({"type": "nope"}))               # unknown tag: dropped
+    s.send(enc.encode(m.AddRequest(request_id="bad", prompt_token_ids=[])))
+    err = recv(s)
+    assert isinstance(err, m.RequestError) and err.request_id == "bad" and "empty prompt" in err.message
+    assert err.stage_id == 0 and err.replica_id == "s0r0"
+    from omni.transport.base import TensorRef
+    ref = TensorRef(transport="shm", endpoint="nowhere", key=1, dtype="float32", shape=(2,), nbytes=8)
+    s.send(enc.encode(m.AddRequest(request_id="t", prompt_token_ids=[1], tensors={"x": ref})))
+    err = recv(s)
+    assert isinstance(err, m.RequestError) and err.request_id == "t"
+    s.send(enc.encode(m.Utility(5, "no_such_method")))
+    res = recv(s)
+    assert not res.ok and "no_such_method" in res.error
+    s.send(enc.encode(m.AddRequest(request_id="ok", prompt_token_ids=[1], sampling=SamplingParams(max_tokens=1))))
+    assert recv(s).finished
+    s.close()
+
+
+def test_abort_stops_a_request(worker):
+    w, engine = worker
+    s = dealer(w.endpoint)
+    assert hello(s).ok
+    s.send(enc.encode(m.AddRequest(request_id="long", prompt_token_ids=[0],
+                                   sampling=SamplingParams(max_tokens=10_000_000))))
+    first = recv(s)
+    assert first.request_id == "long"
+    s.send(enc.encode(m.Abort(["long"])))
+    s.send(enc.encode(m.Utility(9, "ping")))
+    while True:   # outputs already in flight may precede the ping's answer
+        msg = recv(s)
+        if isinstance(msg, m.UtilityResult):
+            break
+    assert "long" in engine.aborted and w.load()["in_flight"] == 0
+    s.close()
+
+
+def test_commands_sleep_wake_and_drain(worker):
+    w, engine = worker
+    assert w.command("SLEEP", {"level": 1}) == (True, "sleeping")
+    assert engine.sleeping and w.load()["is_sleeping"]
+    assert w.command("WAKE_UP") == (True, "awake")
+    assert not engine.sleeping
+    ok, msg = w.command("BOGUS")
+    assert not ok and "BOGUS" in msg
+    assert w.command("DRAIN") == (True, "draining")
+    s = dealer(w.endpoint)
+    assert hello(s).ok
+    s.send(enc.encode(m.AddRequest(request_id="late", prompt_token_ids=[1])))
+    err = recv(s)
+    assert isinstance(err, m.RequestError) and "draining" in err.message
+    s.close()
