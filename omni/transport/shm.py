@@ -1,0 +1,265 @@
+"""Shared-memory transport for one host: a producer-owned arena of memfd segments.
+
+No names are created in /dev/shm: each segment is an anonymous `memfd_create` file,
+handed to consumers over an abstract-namespace unix socket with SCM_RIGHTS. The memory
+goes away when the last process holding the fd or a mapping exits, so nothing leaks
+even on SIGKILL. Each slot starts with a 64-byte header (magic, key, nbytes) that the
+consumer checks, so a ref to a freed or foreign slot raises instead of returning
+someone else's bytes. `get()` returns a zero-copy view: it stays valid until the
+producer frees the slot (on ack), so consumers ack only after they are done with it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import mmap
+import os
+import secrets
+import socket
+import struct
+import threading
+
+import torch
+
+from omni.transport.alloc import ALIGN, SlotAllocator, round_up
+from omni.transport.base import TensorConsumer, TensorProducer, TensorRef, TransportError
+from omni.transport.server import SocketServer
+from omni.transport.util import check_ref, dtype_name, flat_bytes, recv_exact
+
+logger = logging.getLogger(__name__)
+
+HEADER = ALIGN
+_MAGIC = 0x4F4D4E4953484D31  # "OMNISHM1"
+_SLOT = struct.Struct("<QQQ")  # magic, key, nbytes
+_REQ = struct.Struct("<I")     # segment index
+_REP = struct.Struct("<BQ")    # status (0 ok, 1 no such segment), segment size
+DEFAULT_ARENA_BYTES = 256 << 20
+
+
+def _peer_uid(conn: socket.socket) -> int:
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[1]
+
+
+class _Segment:
+    def __init__(self, index: int, size: int, tag: str):
+        self.index = index
+        self.size = size
+        self.fd = os.memfd_create(f"omni-shm-{tag}-{index}", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, size)
+        self.mm = mmap.mmap(self.fd, size)
+        self.alloc = SlotAllocator(size)
+
+    def close(self) -> None:
+        try:
+            self.mm.close()
+        except BufferError:
+            pass  # a view is still alive somewhere; the mapping goes with it
+        os.close(self.fd)
+
+
+class ShmProducer(TensorProducer):
+    """Owns the arena. `arena_bytes` is the size of one segment (the largest tensor that
+    fits, less a 64-byte header); up to `max_segments` segments are added as it fills."""
+
+    transport = "shm"
+
+    def __init__(self, arena_bytes: int = DEFAULT_ARENA_BYTES, max_segments: int = 4, host: str = "127.0.0.1"):
+        if arena_bytes < 2 * HEADER or max_segments < 1:
+            raise ValueError(f"shm arena_bytes must be >= {2 * HEADER} and max_segments >= 1")
+        self.arena_bytes = round_up(arena_bytes)
+        self.max_segments = max_segments
+        self.host = host
+        self.name = f"omni-shm-{os.getpid()}-{secrets.token_hex(4)}"
+        self._lock = threading.Lock()
+        self._segments: list[_Segment] = [_Segment(0, self.arena_bytes, self.name)]
+        self._next_key = 1
+        self._slots: dict[int, tuple[int, int, str]] = {}   # key -> (segment, offset, owner)
+        self._by_owner: dict[str, set[int]] = {}
+        self._closed = False
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind("\0" + self.name)
+        sock.listen(64)
+        self._server = SocketServer(sock, self._serve_fds, "omni-shm")
+
+    # -- fd server -----------------------------------------------------------------------
+    def _serve_fds(self, conn: socket.socket) -> None:
+        if _peer_uid(conn) != os.getuid():
+            logger.warning("shm %s: refused a peer running as another user", self.name)
+            return
+        while True:
+            try:
+                (index,) = _REQ.unpack(recv_exact(conn, _REQ.size))
+            except ConnectionError:
+                return
+            with self._lock:
+                seg = self._segments[index] if index < len(self._segments) and not self._closed else None
+                if seg is None:
+                    conn.sendall(_REP.pack(1, 0))
+                else:
+                    socket.send_fds(conn, [_REP.pack(0, seg.size)], [seg.fd])
+
+    # -- producer API --------------------------------------------------------------------
+    def put(self, tensor: torch.Tensor, owner: str = "") -> TensorRef:
+        if not isinstance(tensor, torch.Tensor):
+            raise TransportError(f"put() needs a torch.Tensor, got {type(tensor).__name__}")
+        dtype = dtype_name(tensor.dtype)
+        src = tensor.detach().contiguous()
+        nbytes = src.numel() * src.element_size()
+        need = HEADER + nbytes
+        if round_up(need) > self.arena_bytes:
+            raise TransportError(
+                f"tensor of {nbytes} bytes (+{HEADER} header) does not fit the shm arena segment of "
+                f"{self.arena_bytes} bytes; raise arena_bytes"
+            )
+        with self._lock:
+            if self._closed:
+                raise TransportError(f"shm producer {self.name} is closed")
+            seg, off = self._alloc(need)
+            key = self._next_key
+            self._next_key += 1
+            self._slots[key] = (seg.index, off, owner)
+            self._by_owner.setdefault(owner, set()).add(key)
+        try:
+            if nbytes:
+                dst = torch.frombuffer(seg.mm, dtype=torch.uint8, count=nbytes, offset=off + HEADER)
+                dst.copy_(flat_bytes(src))
+                del dst
+            # header last: a consumer never sees a valid header over half-written bytes
+            _SLOT.pack_into(seg.mm, off, _MAGIC, key, nbytes)
+        except Exception:
+            self.free([key])
+            raise
+        return TensorRef(transport="shm", endpoint=f"{self.name}/{seg.index}", key=key, dtype=dtype,
+                         shape=tuple(src.shape), nbytes=nbytes, offset=off, owner=owner)
+
+    def _alloc(self, need: int) -> tuple[_Segment, int]:
+        for seg in self._segments:
+            off = seg.alloc.alloc(need)
+            if off is not None:
+                return seg, off
+        if len(self._segments) >= self.max_segments:
+            raise TransportError(
+                f"shm arena full: {self._bytes_in_use()} of {self.arena_bytes * self.max_segments} bytes "
+                f"in use, {need} more needed; consumers must ack (free) tensors"
+            )
+        seg = _Segment(len(self._segments), self.arena_bytes, self.name)
+        self._segments.append(seg)
+        logger.debug("shm %s: added segment %d", self.name, seg.index)
+        off = seg.alloc.alloc(need)
+        assert off is not None
+        return seg, off
+
+    def free(self, keys: list[int]) -> None:
+        with self._lock:
+            for key in keys:
+                slot = self._slots.pop(key, None)
+                if slot is None:
+                    continue  # double ack or unknown key: freeing is idempotent
+                index, off, owner = slot
+                seg = self._segments[index]
+                if not self._closed:
+                    _SLOT.pack_into(seg.mm, off, 0, 0, 0)
+                seg.alloc.free(off)
+                owned = self._by_owner.get(owner)
+                if owned is not None:
+                    owned.discard(key)
+                    if not owned:
+                        del self._by_owner[owner]
+
+    def free_owner(self, owner: str) -> None:
+        with self._lock:
+            keys = list(self._by_owner.get(owner, ()))
+        self.free(keys)
+
+    def bytes_in_use(self) -> int:
+        with self._lock:
+            return self._bytes_in_use()
+
+    def _bytes_in_use(self) -> int:
+        return sum(seg.alloc.bytes_in_use for seg in self._segments)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._server.close()
+        with self._lock:
+            for seg in self._segments:
+                seg.close()
+            self._slots.clear()
+            self._by_owner.clear()
+
+
+class ShmConsumer(TensorConsumer):
+    """Maps each producer segment once (fd fetched over the producer's unix socket)."""
+
+    def __init__(self, connect_timeout: float = 10.0):
+        self._timeout = connect_timeout
+        self._lock = threading.Lock()
+        self._maps: dict[str, mmap.mmap] = {}
+
+    def get(self, ref: TensorRef) -> torch.Tensor:
+        dtype = check_ref(ref, ("shm",))
+        mm = self._segment(ref.endpoint)
+        off = ref.offset
+        if off < 0 or off % ALIGN or off + HEADER + ref.nbytes > len(mm):
+            raise TransportError(
+                f"shm ref key {ref.key}: offset {off} + {ref.nbytes} bytes is outside segment "
+                f"{ref.endpoint} of {len(mm)} bytes"
+            )
+        magic, key, nbytes = _SLOT.unpack_from(mm, off)
+        if magic != _MAGIC or key != ref.key or nbytes != ref.nbytes:
+            raise TransportError(
+                f"shm ref key {ref.key} at {ref.endpoint}+{off}: slot holds "
+                + (f"key {key} ({nbytes} bytes)" if magic == _MAGIC else "nothing")
+                + "; the tensor was freed or the ref is foreign"
+            )
+        if ref.nbytes == 0:
+            return torch.empty(ref.shape, dtype=dtype)
+        flat = torch.frombuffer(mm, dtype=dtype, count=math.prod(ref.shape), offset=off + HEADER)
+        return flat.view(ref.shape)
+
+    def _segment(self, endpoint: str) -> mmap.mmap:
+        with self._lock:
+            mm = self._maps.get(endpoint)
+            if mm is None:
+                mm = self._fetch(endpoint)
+                self._maps[endpoint] = mm
+            return mm
+
+    def _fetch(self, endpoint: str) -> mmap.mmap:
+        name, sep, index = endpoint.rpartition("/")
+        if not sep or not index.isdigit() or not name.startswith("omni-shm-"):
+            raise TransportError(f"bad shm endpoint {endpoint!r}, expected omni-shm-<pid>-<id>/<segment>")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(self._timeout)
+            try:
+                sock.connect("\0" + name)
+                sock.sendall(_REQ.pack(int(index)))
+                msg, fds, _flags, _addr = socket.recv_fds(sock, _REP.size, 1)
+            except OSError as e:
+                raise TransportError(f"shm producer {name} unreachable: {e}") from e
+        if len(msg) != _REP.size:
+            for fd in fds:
+                os.close(fd)
+            raise TransportError(f"shm producer {name} closed the connection (is it shutting down?)")
+        status, size = _REP.unpack(msg)
+        if status != 0 or not fds:
+            raise TransportError(f"shm producer {name} has no segment {index}")
+        try:
+            return mmap.mmap(fds[0], size)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def close(self) -> None:
+        with self._lock:
+            maps, self._maps = self._maps, {}
+        for mm in maps.values():
+            try:
+                mm.close()
+            except BufferError:
+                pass  # tensors still view it; the mapping is released with them

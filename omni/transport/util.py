@@ -1,0 +1,84 @@
+"""Small helpers shared by the transports: dtype names, ref checks, socket I/O."""
+
+from __future__ import annotations
+
+import math
+import socket
+
+import torch
+
+from omni.transport.base import TensorRef, TransportError
+
+_DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in (
+        "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8",
+        "uint8", "bool", "complex64", "complex128",
+    )
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise TransportError(f"dtype {dtype} is not supported by omni transports")
+    return name
+
+
+def check_ref(ref: TensorRef, transports: tuple[str, ...]) -> torch.dtype:
+    """Validate the parts of a ref every transport relies on; return its torch dtype."""
+    if ref.transport not in transports:
+        raise TransportError(f"ref for transport {ref.transport!r} given to a {'/'.join(transports)} consumer")
+    dtype = _DTYPES.get(ref.dtype)
+    if dtype is None:
+        raise TransportError(f"ref key {ref.key}: unknown dtype {ref.dtype!r}")
+    if any(d < 0 for d in ref.shape):
+        raise TransportError(f"ref key {ref.key}: negative dimension in shape {ref.shape}")
+    expected = math.prod(ref.shape) * dtype.itemsize
+    if ref.nbytes != expected:
+        raise TransportError(
+            f"ref key {ref.key}: nbytes {ref.nbytes} does not match dtype {ref.dtype} "
+            f"and shape {tuple(ref.shape)} ({expected} bytes)"
+        )
+    return dtype
+
+
+def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous 1-D uint8 view of a contiguous CPU tensor (no copy)."""
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+def as_memoryview(tensor: torch.Tensor) -> memoryview:
+    """A writable memoryview over a contiguous CPU tensor's bytes (no copy)."""
+    return memoryview(flat_bytes(tensor).numpy())
+
+
+def prepare(tensor: torch.Tensor, device: str = "cpu") -> torch.Tensor:
+    """Detached, contiguous, on `device`: what a producer keeps or copies from."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TransportError(f"put() needs a torch.Tensor, got {type(tensor).__name__}")
+    dtype_name(tensor.dtype)
+    return tensor.detach().to(device).contiguous()
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    recv_into_exact(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def recv_into_exact(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    n = len(view)
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise ConnectionError(f"peer closed the connection after {got} of {n} bytes")
+        got += k
+
+
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not port.isdigit():
+        raise TransportError(f"bad endpoint {endpoint!r}, expected host:port")
+    return host.strip("[]"), int(port)
