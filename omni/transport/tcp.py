@@ -1,0 +1,278 @@
+"""TCP transport for other hosts: the producer keeps the tensor and serves its bytes.
+
+Wire format (all little endian, no pickle):
+  hello    client -> server  "OMT1" | u16 token length | token bytes
+           server -> client  u8 status (0 ok, 1 bad token)
+  request  client -> server  u64 key | u64 expected nbytes
+  reply    server -> client  u8 status (0 ok, 1 unknown key, 2 size mismatch) | u64 nbytes | raw bytes
+The consumer keeps a pool of open connections per endpoint and receives straight into
+the buffer of a preallocated tensor (`recv_into`); the producer sends from the
+tensor's memory (`sendall(memoryview)`).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import math
+import socket
+import struct
+import threading
+
+import torch
+
+from omni.transport.base import TensorConsumer, TensorProducer, TensorRef, TransportError
+from omni.transport.server import SocketServer
+from omni.transport.util import (
+    as_memoryview, check_ref, dtype_name, prepare, recv_exact, recv_into_exact, split_endpoint,
+)
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"OMT1"
+HELLO = struct.Struct("<4sH")
+STATUS = struct.Struct("<B")
+REQ = struct.Struct("<QQ")
+REP = struct.Struct("<BQ")
+OK, UNKNOWN_KEY, SIZE_MISMATCH = 0, 1, 2
+BAD_TOKEN = 1
+DEFAULT_MAX_TENSOR_BYTES = 16 << 30
+_SMALL = 64 << 10
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+class KeyedProducer(TensorProducer):
+    """Holds tensors by key and serves them over a TCP control server. Subclasses
+    change how the bytes travel (`_send_payload`) and what a connection sets up."""
+
+    transport = "tcp"
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
+                 max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES, advertise_host: str | None = None):
+        self.host = host
+        self.max_tensor_bytes = max_tensor_bytes
+        self._token = (token or "").encode()
+        self._lock = threading.Lock()
+        self._next_key = 1
+        self._tensors: dict[int, tuple[torch.Tensor, str]] = {}
+        self._by_owner: dict[str, set[int]] = {}
+        self._bytes = 0
+        self._closed = False
+        sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                    backlog=64)
+        bound_port = sock.getsockname()[1]
+        adv = advertise_host or host
+        self.endpoint = f"[{adv}]:{bound_port}" if ":" in adv else f"{adv}:{bound_port}"
+        self._server = SocketServer(sock, self._serve, f"omni-{self.transport}")
+
+    # -- connection handling --------------------------------------------------------------
+    def _serve(self, conn: socket.socket) -> None:
+        _tune(conn)
+        magic, n = HELLO.unpack(recv_exact(conn, HELLO.size))
+        token = recv_exact(conn, n) if n <= 4096 else b""
+        if magic != MAGIC or n > 4096 or not hmac.compare_digest(token, self._token):
+            logger.warning("%s %s: refused a connection from %s (bad hello or token)",
+                           self.transport, self.endpoint, conn.getpeername())
+            conn.sendall(STATUS.pack(BAD_TOKEN))
+            return
+        conn.sendall(STATUS.pack(OK))
+        state = self._on_connect(conn)
+        try:
+            while True:
+                try:
+                    key, want = REQ.unpack(recv_exact(conn, REQ.size))
+                except ConnectionError:
+                    return
+                with self._lock:
+                    entry = self._tensors.get(key)
+                if entry is None:
+                    conn.sendall(REP.pack(UNKNOWN_KEY, 0))
+                    continue
+                tensor = entry[0]
+                nbytes = tensor.numel() * tensor.element_size()
+                if nbytes != want:
+                    conn.sendall(REP.pack(SIZE_MISMATCH, nbytes))
+                    continue
+                self._send_payload(conn, state, key, tensor, nbytes)
+        finally:
+            self._on_disconnect(state)
+
+    def _on_connect(self, conn: socket.socket) -> object:
+        return None
+
+    def _on_disconnect(self, state: object) -> None:
+        pass
+
+    def _send_payload(self, conn: socket.socket, state: object, key: int, tensor: torch.Tensor, nbytes: int) -> None:
+        head = REP.pack(OK, nbytes)
+        if nbytes == 0:
+            conn.sendall(head)
+        elif nbytes <= _SMALL:
+            conn.sendall(head + bytes(as_memoryview(tensor)))
+        else:
+            conn.sendall(head)
+            conn.sendall(as_memoryview(tensor))
+
+    # -- producer API --------------------------------------------------------------------
+    def _keep(self, tensor: torch.Tensor) -> torch.Tensor:
+        return prepare(tensor, "cpu")
+
+    def put(self, tensor: torch.Tensor, owner: str = "") -> TensorRef:
+        """Keeps a reference (no copy for a contiguous CPU tensor): don't modify it in place
+        until the consumer has acked it."""
+        if not isinstance(tensor, torch.Tensor):
+            raise TransportError(f"put() needs a torch.Tensor, got {type(tensor).__name__}")
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes > self.max_tensor_bytes:
+            raise TransportError(
+                f"tensor of {nbytes} bytes exceeds the {self.transport} limit of {self.max_tensor_bytes} bytes "
+                "(max_tensor_bytes)"
+            )
+        kept = self._keep(tensor)
+        with self._lock:
+            if self._closed:
+                raise TransportError(f"{self.transport} producer {self.endpoint} is closed")
+            key = self._next_key
+            self._next_key += 1
+            self._tensors[key] = (kept, owner)
+            self._by_owner.setdefault(owner, set()).add(key)
+            self._bytes += nbytes
+        return TensorRef(transport=self._ref_transport(kept), endpoint=self.endpoint, key=key,
+                         dtype=dtype_name(kept.dtype), shape=tuple(kept.shape), nbytes=nbytes, owner=owner)
+
+    def _ref_transport(self, tensor: torch.Tensor) -> str:
+        return self.transport
+
+    def free(self, keys: list[int]) -> None:
+        with self._lock:
+            for key in keys:
+                entry = self._tensors.pop(key, None)
+                if entry is None:
+                    continue  # double ack or unknown key: freeing is idempotent
+                tensor, owner = entry
+                self._bytes -= tensor.numel() * tensor.element_size()
+                owned = self._by_owner.get(owner)
+                if owned is not None:
+                    owned.discard(key)
+                    if not owned:
+                        del self._by_owner[owner]
+
+    def free_owner(self, owner: str) -> None:
+        with self._lock:
+            keys = list(self._by_owner.get(owner, ()))
+        self.free(keys)
+
+    def bytes_in_use(self) -> int:
+        with self._lock:
+            return self._bytes
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._tensors.clear()
+            self._by_owner.clear()
+            self._bytes = 0
+        self._server.close()
+
+
+class TcpProducer(KeyedProducer):
+    transport = "tcp"
+
+
+def connect(endpoint: str, token: str | None, timeout: float) -> socket.socket:
+    """Open a connection to a keyed producer and pass the hello; TransportError if refused."""
+    host, port = split_endpoint(endpoint)
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout)
+    except OSError as e:
+        raise TransportError(f"producer {endpoint} unreachable: {e}") from e
+    try:
+        _tune(sock)
+        tok = (token or "").encode()
+        sock.sendall(HELLO.pack(MAGIC, len(tok)) + tok)
+        (status,) = STATUS.unpack(recv_exact(sock, STATUS.size))
+    except (OSError, ConnectionError) as e:
+        sock.close()
+        raise TransportError(f"producer {endpoint}: handshake failed: {e}") from e
+    if status != OK:
+        sock.close()
+        raise TransportError(f"producer {endpoint} refused the connection: bad token")
+    return sock
+
+
+def request(sock: socket.socket, ref: TensorRef) -> int:
+    """Ask for ref.key; returns the payload size or raises TransportError for a bad ref."""
+    sock.sendall(REQ.pack(ref.key, ref.nbytes))
+    status, nbytes = REP.unpack(recv_exact(sock, REP.size))
+    if status == UNKNOWN_KEY:
+        raise TransportError(f"{ref.transport} producer {ref.endpoint} has no tensor with key {ref.key} "
+                             "(freed or foreign ref)")
+    if status == SIZE_MISMATCH:
+        raise TransportError(f"{ref.transport} ref key {ref.key}: ref says {ref.nbytes} bytes, "
+                             f"producer holds {nbytes}")
+    if status != OK:
+        raise TransportError(f"{ref.transport} producer {ref.endpoint}: bad reply status {status}")
+    return nbytes
+
+
+class TcpConsumer(TensorConsumer):
+    def __init__(self, token: str | None = None, timeout: float = 30.0,
+                 max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES):
+        self._token = token
+        self._timeout = timeout
+        self._max = max_tensor_bytes
+        self._lock = threading.Lock()
+        self._idle: dict[str, list[socket.socket]] = {}
+        self._closed = False
+
+    def _take(self, endpoint: str) -> socket.socket:
+        with self._lock:
+            if self._closed:
+                raise TransportError("tcp consumer is closed")
+            pool = self._idle.get(endpoint)
+            if pool:
+                return pool.pop()
+        return connect(endpoint, self._token, self._timeout)
+
+    def _give(self, endpoint: str, sock: socket.socket) -> None:
+        with self._lock:
+            if not self._closed:
+                self._idle.setdefault(endpoint, []).append(sock)
+                return
+        sock.close()
+
+    def get(self, ref: TensorRef) -> torch.Tensor:
+        dtype = check_ref(ref, ("tcp",))
+        if ref.nbytes > self._max:
+            raise TransportError(f"tcp ref key {ref.key}: {ref.nbytes} bytes exceeds this consumer's limit "
+                                 f"of {self._max} bytes")
+        sock = self._take(ref.endpoint)
+        try:
+            request(sock, ref)
+            out = torch.empty(ref.shape, dtype=dtype)
+            if ref.nbytes:
+                recv_into_exact(sock, as_memoryview(out))
+        except TransportError:
+            self._give(ref.endpoint, sock)  # the connection is still in step
+            raise
+        except (OSError, ConnectionError) as e:
+            sock.close()
+            raise TransportError(f"tcp producer {ref.endpoint}: transfer of key {ref.key} failed: {e}") from e
+        except BaseException:
+            sock.close()
+            raise
+        self._give(ref.endpoint, sock)
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            pools, self._idle = self._idle, {}
+        for pool in pools.values():
+            for sock in pool:
+                sock.close()
