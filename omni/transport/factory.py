@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import torch
+
 from omni.transport.base import TensorConsumer, TensorProducer, TensorRef, TransportError
 
 KINDS = ("shm", "tcp", "gloo", "nccl")
@@ -81,7 +83,7 @@ class MultiConsumer(TensorConsumer):
                 self._consumers[family] = consumer
             return consumer
 
-    def get(self, ref: TensorRef) -> "torch.Tensor":  # noqa: F821
+    def get(self, ref: TensorRef) -> torch.Tensor:
         return self._consumer(ref.transport).get(ref)
 
     def close(self) -> None:

@@ -99,7 +99,9 @@ class GlooProducer(KeyedProducer):
     def _on_connect(self, conn: socket.socket) -> _Pair:
         pair_id = next(self._pair_ids)
         conn.sendall(PAIR.pack(pair_id, self._store.port))
-        pair = _Pair(f"pair-{pair_id}", self._store, self._group_host, PRODUCER_RANK, self._timeout)
+        # a store client per pair: one client blocked in a rendezvous would stall the others
+        store = dist.TCPStore(self.host, self._store.port, None, False, self._timeout)
+        pair = _Pair(f"pair-{pair_id}", store, self._group_host, PRODUCER_RANK, self._timeout)
         pair.group("gloo")  # meets the consumer's half; fails after `timeout` if it never comes
         return pair
 
@@ -116,7 +118,7 @@ class GlooProducer(KeyedProducer):
 
     def close(self) -> None:
         super().close()
-        del self._store
+        self._store = None  # stops the TCPStore server once the pairs let go
 
 
 class _Conn:
@@ -136,7 +138,6 @@ class GlooConsumer(TensorConsumer):
         self._device = device
         self._lock = threading.Lock()
         self._idle: dict[str, list[_Conn]] = {}
-        self._stores: dict[str, dist.Store] = {}
         self._closed = False
 
     def _open(self, endpoint: str) -> _Conn:
@@ -145,13 +146,8 @@ class GlooConsumer(TensorConsumer):
             pair_id, store_port = PAIR.unpack(recv_exact(sock, PAIR.size))
             host, _ = split_endpoint(endpoint)
             td = datetime.timedelta(seconds=self._timeout)
-            store_key = f"{host}:{store_port}"
-            with self._lock:
-                store = self._stores.get(store_key)
-            if store is None:
-                store = dist.TCPStore(host, store_port, None, False, td)
-                with self._lock:
-                    store = self._stores.setdefault(store_key, store)
+            # a store client per connection: one blocked in a rendezvous would stall the others
+            store = dist.TCPStore(host, store_port, None, False, td)
             pair = _Pair(f"pair-{pair_id}", store, sock.getsockname()[0], CONSUMER_RANK, td)
             pair.group("gloo")
         except BaseException as e:
@@ -206,7 +202,6 @@ class GlooConsumer(TensorConsumer):
         with self._lock:
             self._closed = True
             pools, self._idle = self._idle, {}
-            self._stores.clear()
         for pool in pools.values():
             for conn in pool:
                 conn.sock.close()
