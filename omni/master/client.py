@@ -11,7 +11,7 @@ import queue
 import socket
 import threading
 import time
-from typing import AsyncIterator, Callable, Iterable, Iterator
+from typing import AsyncIterator, Callable, Iterable
 
 import grpc
 
@@ -84,6 +84,36 @@ class _Stream:
     def __init__(self):
         self.done = False
         self.wake = threading.Event()
+
+
+class TopologyWatch:
+    """An iterator of TopologyEvents over one WatchTopology call; thread-safe cancel()."""
+
+    def __init__(self, call, address: str):
+        self._call = call
+        self._address = address
+
+    def __iter__(self) -> "TopologyWatch":
+        return self
+
+    def __next__(self) -> TopologyEvent:
+        try:
+            return wire.event_from_pb(next(self._call))
+        except grpc.RpcError as e:
+            if e.code() is grpc.StatusCode.CANCELLED:
+                raise StopIteration from None
+            raise from_rpc_error(e, self._address, streaming=True) from None
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+    close = cancel
+
+    def __enter__(self) -> "TopologyWatch":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.cancel()
 
 
 class MasterClient:
@@ -268,17 +298,11 @@ class MasterClient:
     def get_status(self, timeout_s: float | None = None) -> Status:
         return wire.status_from_pb(self._unary(self._stub.GetStatus, pb.GetStatusRequest(), timeout=timeout_s))
 
-    def watch(self, timeout_s: float | None = None) -> Iterator[TopologyEvent]:
-        """Topology events, a SNAPSHOT first. `timeout_s` bounds the whole watch (RequestTimeout)."""
+    def watch(self, timeout_s: float | None = None) -> "TopologyWatch":
+        """Topology events, a SNAPSHOT first; `timeout_s` bounds the whole watch (RequestTimeout).
+        Iterate it; `cancel()` (from any thread) ends the iteration."""
         call = self._stub.WatchTopology(pb.WatchRequest(), metadata=self._md, timeout=timeout_s)
-        try:
-            for msg in call:
-                yield wire.event_from_pb(msg)
-        except grpc.RpcError as e:
-            if e.code() is not grpc.StatusCode.CANCELLED:
-                raise from_rpc_error(e, self.address, streaming=True) from None
-        finally:
-            call.cancel()
+        return TopologyWatch(call, self.address)
 
     def send_command(self, kind: str, stage_ids: Iterable[int] = (), args: dict | None = None,
                      timeout_s: float = 10.0, replica_ids: Iterable[str] = ()) -> list[CommandResult]:

@@ -1,0 +1,170 @@
+"""`omni master` and `omni status`: plain functions with typer.Option defaults (cli.py mounts them)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import msgspec
+import typer
+
+from omni.errors import OmniError
+from omni.master import DEFAULT_PORT
+from omni.master.auth import tls_from_options
+from omni.master.types import Status
+
+logger = logging.getLogger(__name__)
+
+EXIT_OK, EXIT_NOT_READY, EXIT_UNREACHABLE = 0, 1, 2
+
+_TOKEN_HELP = "Shared secret: every call must carry it (env OMNI_TOKEN)."
+_MASTER_HELP = "The omni master's HOST:PORT."
+
+
+def master(
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0 for every interface)."),
+    port: int = typer.Option(DEFAULT_PORT, "--port", help="Port to listen on; 0 picks a free one (printed)."),
+    omni_token: str | None = typer.Option(None, "--omni-token", envvar="OMNI_TOKEN", help=_TOKEN_HELP),
+    lease_ttl: float = typer.Option(5.0, "--lease-ttl", min=0.1,
+                                    help="Seconds without a heartbeat before a replica is DEAD."),
+    state_dir: str | None = typer.Option(None, "--state-dir",
+                                         help="Folder to persist the shared key-value state in (reloaded at start)."),
+    tls_cert: str | None = typer.Option(None, "--tls-cert", help="PEM server certificate (enables TLS)."),
+    tls_key: str | None = typer.Option(None, "--tls-key", help="PEM private key of --tls-cert."),
+    tls_ca: str | None = typer.Option(None, "--tls-ca", help="PEM CA bundle; when given, clients need certs (mTLS)."),
+    deploy_config: str | None = typer.Option(
+        None, "--deploy-config",
+        help="Pipeline config (YAML/JSON) to enforce; without it the first registrant's is adopted."),
+) -> None:
+    """Run a standalone omni master (the control plane) until SIGINT/SIGTERM."""
+    from omni.master.configdiff import hash_config
+    from omni.master.server import MasterServer
+
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = _load_config(deploy_config) if deploy_config else None
+        server = MasterServer(config, hash_config(config) if config else None, host=host, port=port,
+                              token=omni_token, tls=tls_from_options(tls_cert, tls_key, tls_ca),
+                              lease_ttl_s=lease_ttl, state_dir=state_dir)
+        stop = threading.Event()
+        # Handlers only note the request; the main thread does the stopping.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        server.start()
+    except OmniError as e:
+        typer.echo(f"omni master: {e}", err=True)
+        raise typer.Exit(EXIT_UNREACHABLE) from None
+    print(f"omni master listening on {server.address}", flush=True)
+    stop.wait()
+    logger.info("stopping the omni master")
+    server.stop(grace=1.0)
+
+
+def _load_config(path: str) -> dict:
+    import yaml
+
+    from omni.errors import ConfigError
+
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read --deploy-config {path}: {e.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--deploy-config {path} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--deploy-config {path} must hold a mapping, got {type(data).__name__}")
+    return data
+
+
+def status(
+    master: str = typer.Option(f"127.0.0.1:{DEFAULT_PORT}", "--master", "-m", help=_MASTER_HELP),
+    json_: bool = typer.Option(False, "--json", help="Print one JSON document instead of tables."),
+    watch: bool = typer.Option(False, "--watch", help="Refresh on every topology change until Ctrl-C."),
+    omni_token: str | None = typer.Option(None, "--omni-token", envvar="OMNI_TOKEN", help=_TOKEN_HELP),
+    tls_cert: str | None = typer.Option(None, "--tls-cert", help="PEM client certificate (mTLS)."),
+    tls_key: str | None = typer.Option(None, "--tls-key", help="PEM private key of --tls-cert."),
+    tls_ca: str | None = typer.Option(None, "--tls-ca", help="PEM CA to verify the master (enables TLS)."),
+) -> None:
+    """Show the pipeline's replicas. Exit 0 when every stage has a READY replica, 1 if not, 2 if the
+    master cannot be reached."""
+    from omni.master.client import MasterClient
+
+    try:
+        client = MasterClient(master, token=omni_token, tls=tls_from_options(tls_cert, tls_key, tls_ca),
+                              timeout_s=5.0)
+        st = client.get_status()
+        _show(st, json_, clear=False)
+        if watch:
+            st = _watch(client, json_, st)
+    except OmniError as e:
+        typer.echo(f"omni status: {_one_line(str(e))}", err=True)
+        raise typer.Exit(EXIT_UNREACHABLE) from None
+    problems = st.problems()
+    for line in problems:
+        typer.echo(f"omni status: {line}", err=True)
+    raise typer.Exit(EXIT_NOT_READY if problems else EXIT_OK)
+
+
+def _watch(client, json_: bool, st: Status) -> Status:
+    try:
+        for event in client.watch():
+            if event.kind == "SNAPSHOT":
+                continue
+            st = client.get_status()
+            _show(st, json_, clear=not json_ and sys.stdout.isatty())
+    except KeyboardInterrupt:
+        pass
+    return st
+
+
+def _show(st: Status, json_: bool, clear: bool) -> None:
+    if json_:
+        doc = msgspec.to_builtins(st)
+        doc["problems"] = st.problems()
+        print(json.dumps(doc, sort_keys=True), flush=True)
+        return
+    if clear:
+        print("\033[2J\033[H", end="")
+    print(render_table(st), flush=True)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+    return ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *rows]]
+
+
+def render_table(st: Status) -> str:
+    """The human view of a Status: a stages table and a frontends table."""
+    if not st.has_config:
+        return "no pipeline config yet (nothing has registered)"
+    lines = [f"pipeline: {len(st.stages)} stage(s), config {st.config_hash[:12]}, lease ttl {st.lease_ttl_s:g} s", ""]
+    stage_rows = []
+    for stage in st.stages:
+        reps = [r for r in st.replicas if r.role == "STAGE" and r.stage_id == stage.stage_id]
+        if not reps:
+            stage_rows.append([str(stage.stage_id), "-", "-", "-", "NO REPLICA", "-", "-", "-", "-"])
+        for r in reps:
+            stage_rows.append([str(r.stage_id), r.replica_id, r.host, str(r.pid), r.state, str(r.queue_len),
+                               str(r.in_flight), f"{r.heartbeat_age_s:.1f}s", "yes" if r.is_sleeping else "no"])
+    lines += _table(["STAGE", "REPLICA", "HOST", "PID", "STATE", "QUEUE", "IN-FLIGHT", "HEARTBEAT", "SLEEPING"],
+                    stage_rows)
+    fronts = [r for r in st.replicas if r.role == "FRONTEND"]
+    lines.append("")
+    if fronts:
+        lines += _table(["FRONTEND", "HOST", "PID", "STATE", "REQUESTS", "IN-FLIGHT"],
+                        [[r.replica_id, r.host, str(r.pid), r.state, str(r.requests_total), str(r.in_flight)]
+                         for r in fronts])
+    else:
+        lines.append("no frontends registered")
+    return "\n".join(lines)
