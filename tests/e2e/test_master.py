@@ -407,3 +407,21 @@ def test_master_cli_prints_port_and_stops_on_sigterm():
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(5)
+
+
+def test_status_cli_watch_refreshes_on_events_until_ctrl_c(master, client):
+    proc = subprocess.Popen([*CLI, "status", "--master", master.address, "--json", "--watch"], cwd=REPO,
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        first = json.loads(proc.stdout.readline())
+        assert first["replicas"] == [] and first["problems"] == ["stage 0 has no READY replica",
+                                                                 "stage 1 has no READY replica"]
+        client.register("STAGE", 0, config_hash=HASH)  # an ADDED event: the watcher prints again
+        second = json.loads(proc.stdout.readline())
+        assert [r["replica_id"] for r in second["replicas"]] == ["s0r0"]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(10) == 1  # the last view still misses READY replicas
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)

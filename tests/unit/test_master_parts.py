@@ -1,0 +1,74 @@
+"""Pure parts of the master: the KV store's files, load -> heartbeat, the status table."""
+
+import json
+
+import pytest
+
+from omni.master import wire
+from omni.master.commands import render_table
+from omni.master.kv import MAX_VALUE_BYTES, KvError, KvStore
+from omni.master.types import ReplicaInfo, StageStatus, Status
+
+
+def test_kv_persists_atomically_and_reloads(tmp_path):
+    kv = KvStore(tmp_path)
+    kv.put("voices", "alice", b"\x00\xff")
+    kv.put("voices", "bob", b"b")
+    kv.put("jobs", "j1", b"{}")
+    files = sorted(p.name for p in (tmp_path / "kv").iterdir())
+    assert files == ["jobs.json", "voices.json"]  # no temp files left behind
+    again = KvStore(tmp_path)
+    assert again.list("voices") == {"alice": b"\x00\xff", "bob": b"b"}
+    assert again.list("voices", prefix="b") == {"bob": b"b"}
+    assert again.delete("jobs", "j1") and not again.delete("jobs", "j1")
+    assert not (tmp_path / "kv" / "jobs.json").exists()
+    assert KvStore(tmp_path).get("jobs", "j1") is None
+
+
+def test_kv_refuses_bad_names_and_sizes(tmp_path):
+    kv = KvStore()
+    for ns in ("", "../x", ".hidden", "a/b", "x" * 200):
+        with pytest.raises(KvError, match="bad kv namespace"):
+            kv.put(ns, "k", b"")
+    with pytest.raises(KvError, match="bad kv key"):
+        kv.get("ns", "")
+    with pytest.raises(KvError, match="limit"):
+        kv.put("ns", "k", b"x" * (MAX_VALUE_BYTES + 1))
+
+
+def test_kv_corrupt_file_is_named(tmp_path):
+    (tmp_path / "kv").mkdir()
+    (tmp_path / "kv" / "voices.json").write_text("{not json")
+    from omni.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="voices.json is corrupt"):
+        KvStore(tmp_path)
+
+
+def test_heartbeat_from_load_maps_known_fields_and_extra():
+    hb = wire.heartbeat_from_load({"queue_len": 2, "in_flight": 1.0, "is_sleeping": True, "gpu": 0.5,
+                                   "name": "ignored", "extra": {"frontend_index": 1}}, "L", "s0r0", [])
+    assert (hb.queue_len, hb.in_flight, hb.is_sleeping) == (2, 1, True)
+    assert dict(hb.extra) == {"gpu": 0.5, "frontend_index": 1.0}
+
+
+def _rep(**kw):
+    base = dict(stage_id=0, replica_id="s0r0", replica_index=0, role="STAGE", host="h", pid=7, endpoints={},
+                state="READY", queue_len=4, in_flight=1, requests_total=9, cpu_seconds=0.0, is_sleeping=True,
+                draining=False, extra={}, heartbeat_age_s=0.25, version="", capabilities={})
+    return ReplicaInfo(**{**base, **kw})
+
+
+def test_render_table_and_problems():
+    st = Status(replicas=[_rep(), _rep(stage_id=-1, replica_id="fe0", role="FRONTEND", is_sleeping=False)],
+                stages=[StageStatus(0, 1, 1), StageStatus(1, 0, 0)], config_hash="ab" * 32, has_config=True,
+                lease_ttl_s=5.0, pipeline_config={})
+    lines = render_table(st).splitlines()
+    assert lines[0] == "pipeline: 2 stage(s), config abababababab, lease ttl 5 s"
+    assert lines[3].split() == ["0", "s0r0", "h", "7", "READY", "4", "1", "0.2s", "yes"]
+    assert lines[4].split()[:2] == ["1", "-"] and "NO REPLICA" in lines[4]
+    assert lines[-1].split() == ["fe0", "h", "7", "READY", "9", "1"]
+    assert st.problems() == ["stage 1 has no READY replica"]
+    empty = Status([], [], "", False, 5.0, {})
+    assert empty.problems() == ["the master has no pipeline config yet (nothing has registered)"]
+    assert json.loads(json.dumps(wire.command_kind("sleep"))) == 2
