@@ -81,7 +81,8 @@ class DeployConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         raise ConfigError(f"--stage-id {stage_id}: the pipeline has stages 0..{len(self.stages) - 1}")
 
     def to_dict(self) -> dict[str, Any]:
-        return msgspec.to_builtins(self)
+        # Through JSON so tuples become lists: the same shape a child reads back.
+        return json.loads(msgspec.json.encode(self))
 
     def config_hash(self) -> str:
         return config_hash(self.to_dict())

@@ -100,7 +100,9 @@ class Orchestrator:
         self.token = token
         self.host = host
         self.master = master
-        self._choose_transport = choose_transport or (lambda a, b, c: c if c and c != "auto" else ("shm" if a == b else "tcp"))
+        if choose_transport is None:
+            from omni.transport.factory import choose_transport
+        self._choose_transport = choose_transport
         self._processors = {s.stage_id: load_processor(s.processor) for s in config.stages}
         self._ctx = zmq.asyncio.Context()
         self._channels: dict[str, StageChannel] = {}
@@ -262,8 +264,9 @@ class Orchestrator:
             if t in state.stages:
                 consumer = state.stages[t].replica
                 conn = stage.connectors.get(str(t))
+                configured = conn.transport if conn and conn.transport != "auto" else None
                 return self._choose_transport(my_host, consumer.host if consumer else my_host,
-                                              conn.transport if conn else None), True
+                                              configured), True
         if stage.final_output and stage.final_output_type in ("audio", "embedding"):
             return self._choose_transport(my_host, self.host, None), True
         return "", False

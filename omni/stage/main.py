@@ -90,11 +90,15 @@ def run_stage(config: DeployConfig, stage_id: int, opts: StageOptions,
     progress(f"{label}: engine loaded in {time.monotonic() - t0:.1f} s")
 
     default_transport = "shm"
+
+    def producer_opts(kind: str) -> dict:
+        if kind == "shm":
+            return {}
+        return {"token": opts.token or None, "advertise_host": advertise}
     worker = StageWorker(
         stage, engine, host=bind_host, advertise_host=advertise, token=opts.token,
         default_transport=default_transport,
-        make_producer=lambda kind: make_producer(kind, host=bind_host, advertise_host=advertise,
-                                                 token=opts.token),
+        make_producer=lambda kind: make_producer(kind, host=bind_host, **producer_opts(kind)),
         consumer=MultiConsumer(token=opts.token),
     )
     worker_box.append(worker)
