@@ -22,7 +22,7 @@ class SocketServer:
         self._name = name
         self._wake_r, self._wake_w = socket.socketpair()
         self._lock = threading.Lock()
-        self._conns: set[socket.socket] = set()
+        self._conns: dict[socket.socket, threading.Thread] = {}
         self._closed = False
         self._thread = threading.Thread(target=self._accept_loop, name=f"{name}-accept", daemon=True)
         self._thread.start()
@@ -45,9 +45,10 @@ class SocketServer:
                         if self._closed:
                             conn.close()
                             return
-                        self._conns.add(conn)
-                    threading.Thread(target=self._serve, args=(conn,), name=f"{self._name}-conn",
-                                     daemon=True).start()
+                        thread = threading.Thread(target=self._serve, args=(conn,),
+                                                  name=f"{self._name}-conn", daemon=True)
+                        self._conns[conn] = thread
+                    thread.start()
         finally:
             sel.close()
 
@@ -60,7 +61,7 @@ class SocketServer:
             logger.exception("%s: connection handler failed", self._name)
         finally:
             with self._lock:
-                self._conns.discard(conn)
+                self._conns.pop(conn, None)
             conn.close()
 
     def close(self) -> None:
@@ -68,14 +69,19 @@ class SocketServer:
             if self._closed:
                 return
             self._closed = True
-            conns = list(self._conns)
         self._wake_w.send(b"x")
         self._thread.join(timeout=5)
+        with self._lock:
+            conns = dict(self._conns)
         for conn in conns:
             try:
                 conn.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+        # let handlers unwind (and drop what they hold, e.g. process groups) before we return
+        for thread in conns.values():
+            if thread is not threading.current_thread():
+                thread.join(timeout=5)
         self._sock.close()
         self._wake_r.close()
         self._wake_w.close()
