@@ -341,6 +341,16 @@ def test_mtls(tmp_path):
         server.stop(grace=0.2)
 
 
+def _readline(proc: subprocess.Popen, timeout: float = 15.0) -> str:
+    """One stdout line of proc, failing after timeout instead of blocking for ever."""
+    box: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: box.put(proc.stdout.readline()), daemon=True).start()
+    try:
+        return box.get(timeout=timeout)
+    except queue.Empty:
+        pytest.fail(f"no output line from {proc.args} within {timeout} s (exit {proc.poll()})")
+
+
 def _cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
     return subprocess.run([*CLI, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
@@ -392,7 +402,7 @@ def test_master_cli_prints_port_and_stops_on_sigterm():
     proc = subprocess.Popen([*CLI, "master", "--port", "0", "--lease-ttl", "1"], cwd=REPO, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
-        line = proc.stdout.readline()  # flushed by the command itself, so this returns promptly
+        line = _readline(proc)  # flushed by the command itself
         assert line.startswith("omni master listening on 127.0.0.1:"), line
         address = line.split()[-1]
         r = _cli("status", "--master", address)
@@ -413,11 +423,11 @@ def test_status_cli_watch_refreshes_on_events_until_ctrl_c(master, client):
     proc = subprocess.Popen([*CLI, "status", "--master", master.address, "--json", "--watch"], cwd=REPO,
                             text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
-        first = json.loads(proc.stdout.readline())
+        first = json.loads(_readline(proc))
         assert first["replicas"] == [] and first["problems"] == ["stage 0 has no READY replica",
                                                                  "stage 1 has no READY replica"]
         client.register("STAGE", 0, config_hash=HASH)  # an ADDED event: the watcher prints again
-        second = json.loads(proc.stdout.readline())
+        second = json.loads(_readline(proc))
         assert [r["replica_id"] for r in second["replicas"]] == ["s0r0"]
         proc.send_signal(signal.SIGINT)
         assert proc.wait(10) == 1  # the last view still misses READY replicas
