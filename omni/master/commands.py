@@ -66,21 +66,14 @@ def master(
 
 
 def _load_config(path: str) -> dict:
-    import yaml
-
+    """The resolved pipeline of a deploy YAML, as `omni serve` would resolve it."""
+    from omni import config as cfg
     from omni.errors import ConfigError
 
-    try:
-        text = Path(path).read_text()
-    except OSError as e:
-        raise ConfigError(f"cannot read --deploy-config {path}: {e.strerror}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"--deploy-config {path} is not valid YAML: {e}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"--deploy-config {path} must hold a mapping, got {type(data).__name__}")
-    return data
+    raw = cfg._read_yaml(Path(path))
+    if not raw.get("model"):
+        raise ConfigError(f"--deploy-config {path}: needs a `model` key for a standalone master")
+    return cfg.load(str(raw["model"]), path).to_dict()
 
 
 def status(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from typing import Any
 
@@ -10,9 +9,10 @@ _MISSING = object()
 
 
 def hash_config(config: dict) -> str:
-    """sha256 of the canonical JSON (sorted keys) of a config dict."""
-    text = json.dumps(config, sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(text.encode()).hexdigest()
+    """The pipeline's identity: the same hash `omni.config` computes for a resolved config."""
+    from omni.config import config_hash
+
+    return config_hash(config)
 
 
 def _show(value: Any) -> str:
