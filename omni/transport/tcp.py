@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import math
 import socket
 import struct
 import threading
