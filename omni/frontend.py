@@ -34,6 +34,19 @@ def _max_model_len(config: DeployConfig) -> int:
     return 2048
 
 
+def _sampling_defaults(config: DeployConfig) -> dict:
+    for s in config.stages:
+        if "prompt" in s.inputs:
+            d = s.default_sampling_params
+            out = {}
+            if "max_tokens" in d:
+                out["default_max_tokens"] = int(d["max_tokens"])
+            if "temperature" in d:
+                out["default_temperature"] = float(d["temperature"])
+            return out
+    return {}
+
+
 async def follow_topology(master, topology, stop: asyncio.Event) -> None:
     """Keep the topology current; reconnect with backoff when the master goes away."""
     from omni.errors import OmniError
@@ -96,7 +109,6 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
     frontend_id = f"{reg.replica_id}-{os.getpid()}"
     orch = Orchestrator(config, frontend_id=frontend_id, topology=topology, detokenize=detokenize,
                         consumer=MultiConsumer(token=token), token=token, host=host, master=amaster)
-    counters = {"requests_total": 0}
 
     def load() -> dict:
         return {"queue_len": 0, "in_flight": orch.in_flight,
@@ -114,8 +126,8 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
         speech_entry_stage=config.pipeline.speech_entry_stage,
         voices=MasterVoiceStore(amaster) if config.pipeline.speech_entry_stage is not None else None,
         api_key=api_key,
+        **_sampling_defaults(config),
     )
-    del counters
     try:
         await serve(app, sock=sock, shutdown_event=stop)
     finally:

@@ -9,17 +9,17 @@ from typing import Any
 from omni.errors import BadRequest, NotFound
 
 NAMESPACE = "voices"
-BUILTIN: dict[str, dict[str, Any]] = {"joe": {"base": "joe", "speed": 1.0, "builtin": True}}
+BUILTIN: dict[str, dict[str, Any]] = {"joe": {"name": "joe", "base": "joe", "speed": 1.0, "builtin": True}}
 
 
 class MasterVoiceStore:
     def __init__(self, master: Any):
         self._master = master
 
-    async def list(self) -> dict[str, dict[str, Any]]:
+    async def list(self) -> list[dict[str, Any]]:
         stored = await self._master.kv_list(NAMESPACE)
         voices = {name: json.loads(blob) for name, blob in stored.items()}
-        return {**voices, **BUILTIN}
+        return [dict(v) for v in {**voices, **BUILTIN}.values()]
 
     async def get(self, name: str) -> dict[str, Any]:
         if name in BUILTIN:
@@ -35,7 +35,9 @@ class MasterVoiceStore:
         base = spec.get("base", "joe")
         if base not in BUILTIN:
             raise BadRequest(f"voice base {base!r} is not a built-in voice ({', '.join(BUILTIN)})")
-        record = {"base": base, "speed": float(spec.get("speed", 1.0)), "builtin": False}
+        if await self._master.kv_get(NAMESPACE, name) is not None:
+            raise BadRequest(f"voice `{name}` already exists; delete it first")
+        record = {"name": name, "base": base, "speed": float(spec.get("speed", 1.0)), "builtin": False}
         await self._master.kv_put(NAMESPACE, name, json.dumps(record).encode())
         return record
 
