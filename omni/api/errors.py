@@ -1,0 +1,55 @@
+"""OpenAI-shaped error bodies, and the mapping from omni's error tree to HTTP."""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+from starlette.responses import Response
+
+from omni.errors import OmniError
+
+log = logging.getLogger(__name__)
+
+
+class APIError(Exception):
+    """An error the frontend answers with directly (bad input, unknown model, auth)."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, type: str, param: str | None = None,
+                   code: str | None = None, headers: dict | None = None) -> Response:
+    return Response(msgspec.json.encode(error_body(message, type, param, code)), status_code=status,
+                    media_type="application/json", headers=headers)
+
+
+def to_api_error(exc: BaseException) -> APIError:
+    """Any exception -> APIError; unexpected ones become a 500 without a traceback in the body."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, OmniError):
+        return APIError(exc.http_status, str(exc) or type(exc).__name__, type=exc.error_type,
+                        param=getattr(exc, "param", None))
+    log.exception("unexpected error while serving a request")
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="internal_error")
+
+
+def api_error_response(exc: BaseException) -> Response:
+    e = to_api_error(exc)
+    return error_response(e.status, e.message, e.type, e.param, e.code)

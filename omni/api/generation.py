@@ -1,0 +1,98 @@
+"""One request's trip through the orchestrator: detokenize, apply stop strings, gather audio.
+
+`Generation.start()` waits for the first pipeline output, so errors raised before any
+output (no replica, bad request in a stage) still become a proper HTTP status;
+`events()` then yields ("text", str) and ("audio", pcm_f32_bytes, sample_rate).
+The orchestrator's iterator is always closed at the end, which aborts the request
+in every stage when the client went away or a stop string ended it early.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import AsyncIterator, Callable
+
+import anyio
+
+from omni.api.detok import IncrementalDetokenizer, StopMatcher
+from omni.api.metrics import FrontendMetrics
+from omni.orchestrator.types import OrchestratorLike, PipelineOutput, PipelineRequest
+
+
+class Generation:
+    def __init__(self, orchestrator: OrchestratorLike, request: PipelineRequest, *,
+                 decode: Callable[[list[int]], str], prompt_ids: list[int], stops: list[str],
+                 metrics: FrontendMetrics, route: str, t0: float):
+        self.request = request
+        self.prompt_tokens = len(prompt_ids)
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+        self.text = ""
+        self.sample_rate = 0
+        self._orch = orchestrator
+        self._detok = IncrementalDetokenizer(decode, prompt_ids)
+        self._stop = StopMatcher(stops)
+        self._metrics, self._route, self._t0 = metrics, route, t0
+        self._it: AsyncIterator[PipelineOutput] | None = None
+        self._first: PipelineOutput | None = None
+        self._done = False
+
+    async def start(self) -> None:
+        self._it = aiter(self._orch.generate(self.request))
+        try:
+            self._first = await anext(self._it)
+        except StopAsyncIteration:
+            self._done = True
+        except BaseException:
+            await self.close()
+            raise
+        self._metrics.first_output(self._route, time.monotonic() - self._t0)
+
+    async def close(self) -> None:
+        it, self._it = self._it, None
+        aclose = getattr(it, "aclose", None)
+        if aclose is not None:
+            # Shielded: the close runs even when the stream was cancelled by a disconnect.
+            with anyio.CancelScope(shield=True):
+                await aclose()
+
+    async def events(self) -> AsyncIterator[tuple]:
+        try:
+            out = self._first
+            while out is not None:
+                for ev in self._handle(out):
+                    yield ev
+                if self._stop.stopped or out.finished:
+                    break
+                try:
+                    out = await anext(self._it)
+                except StopAsyncIteration:
+                    out = None
+            tail = self._stop.feed(self._detok.flush())
+            tail += self._stop.flush()
+            if tail:
+                self.text += tail
+                yield ("text", tail)
+            if self._stop.stopped:
+                self.finish_reason = "stop"
+            elif self.finish_reason is None:
+                self.finish_reason = "stop"
+        finally:
+            await self.close()
+
+    def _handle(self, out: PipelineOutput):
+        if out.modality == "text" and out.token_ids:
+            self.completion_tokens += len(out.token_ids)
+            text = self._stop.feed(self._detok.push(out.token_ids))
+            if text:
+                self.text += text
+                yield ("text", text)
+        elif out.modality == "audio" and out.audio_pcm and not self._stop.stopped:
+            self.sample_rate = out.sample_rate or self.sample_rate
+            yield ("audio", out.audio_pcm, out.sample_rate)
+        if out.finished:
+            self.finish_reason = out.finish_reason or "stop"
+
+    def usage(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}

@@ -1,0 +1,178 @@
+"""Request bodies of the OpenAI-compatible routes, decoded with msgspec, and their checks.
+
+Unknown fields are ignored (OpenAI clients send extras); wrong types and missing
+required fields become a 400 naming the parameter. Responses are plain dicts.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import msgspec
+
+from omni.api.errors import APIError, bad_request
+
+
+class ContentPart(msgspec.Struct):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class AudioOptions(msgspec.Struct):
+    voice: str | None = None
+    format: str = "wav"
+
+
+class _Sampling(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None              # extension
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # extension
+    ignore_eos: bool = False               # extension
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+
+
+class ChatCompletionRequest(_Sampling, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    modalities: list[str] | None = None
+    audio: AudioOptions | None = None
+
+
+class CompletionRequest(_Sampling, kw_only=True):
+    prompt: str | list[int]
+    echo: bool = False
+
+
+class SpeechRequest(msgspec.Struct, kw_only=True):
+    input: str
+    model: str | None = None
+    voice: str = "joe"
+    response_format: str = "wav"
+    speed: float = 1.0
+
+
+class SleepRequest(msgspec.Struct, kw_only=True):
+    level: int = 1
+
+
+class VoiceSpec(msgspec.Struct, kw_only=True):
+    name: str
+    base: str = "joe"
+    speed: float = 1.0
+
+
+_PATH_RE = re.compile(r"\$\.?([A-Za-z_][A-Za-z0-9_]*(?:\[\d+\])?(?:\.[A-Za-z_][A-Za-z0-9_]*)*)")
+MAX_BODY_BYTES = 16 * 1024 * 1024
+MAX_STOP_STRINGS = 16
+VOICE_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def decode_body(body: bytes, type_: type) -> Any:
+    """Decode a JSON body into `type_`; any problem is a 400 naming the parameter."""
+    if len(body) > MAX_BODY_BYTES:
+        raise APIError(413, f"request body is {len(body)} bytes; the limit is {MAX_BODY_BYTES}")
+    if not body.strip():
+        raise bad_request("request body is empty; expected a JSON object")
+    try:
+        return msgspec.json.decode(body, type=type_)
+    except msgspec.ValidationError as e:
+        msg = str(e)
+        m = _PATH_RE.search(msg)
+        param = m.group(1) if m else None
+        if param is None and "missing required field" in msg:
+            f = re.search(r"`([^`]+)`", msg)
+            param = f.group(1) if f else None
+        raise bad_request(f"invalid request: {msg}", param=param) from None
+    except msgspec.DecodeError as e:
+        raise bad_request(f"malformed JSON body: {e}") from None
+
+
+def check_sampling(req: _Sampling) -> None:
+    """Range checks shared by chat and completions (max_tokens is checked later, with the prompt)."""
+    if req.n != 1:
+        raise bad_request(f"n={req.n} is not supported; only n=1", param="n")
+    if req.temperature is not None and not 0.0 <= req.temperature <= 2.0:
+        raise bad_request(f"temperature={req.temperature} must be in [0, 2]", param="temperature")
+    if req.top_p is not None and not 0.0 < req.top_p <= 1.0:
+        raise bad_request(f"top_p={req.top_p} must be in (0, 1]", param="top_p")
+    if req.top_k is not None and req.top_k < -1:
+        raise bad_request(f"top_k={req.top_k} must be -1, 0 (off) or positive", param="top_k")
+    if req.seed is not None and not -(2**63) <= req.seed < 2**64:
+        raise bad_request(f"seed={req.seed} is out of range", param="seed")
+    for s in stop_list(req.stop):
+        if not s:
+            raise bad_request("stop strings must not be empty", param="stop")
+    if len(stop_list(req.stop)) > MAX_STOP_STRINGS:
+        raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings are allowed", param="stop")
+    if req.stop_token_ids is not None and any(t < 0 for t in req.stop_token_ids):
+        raise bad_request("stop_token_ids must be non-negative", param="stop_token_ids")
+
+
+def stop_list(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict]:
+    """The messages as plain dicts for the chat template (text parts joined)."""
+    if not req.messages:
+        raise bad_request("messages must not be empty", param="messages")
+    out = []
+    for i, m in enumerate(req.messages):
+        if m.role not in ("system", "user", "assistant", "developer", "tool"):
+            raise bad_request(f"messages[{i}].role `{m.role}` is not one of system, user, assistant, "
+                              "developer, tool", param=f"messages[{i}].role")
+        if m.content is None:
+            text = ""
+        elif isinstance(m.content, str):
+            text = m.content
+        else:
+            parts = []
+            for j, p in enumerate(m.content):
+                if p.type != "text":
+                    raise bad_request(f"messages[{i}].content[{j}].type `{p.type}` is not supported; "
+                                      "only text parts", param=f"messages[{i}].content[{j}].type")
+                if p.text is None:
+                    raise bad_request(f"messages[{i}].content[{j}] has no text",
+                                      param=f"messages[{i}].content[{j}].text")
+                parts.append(p.text)
+            text = "\n".join(parts)
+        d = {"role": "system" if m.role == "developer" else m.role, "content": text}
+        if m.name is not None:
+            d["name"] = m.name
+        out.append(d)
+    return out
+
+
+def check_voice_spec(spec: VoiceSpec, builtin: list[str]) -> None:
+    if not VOICE_NAME_RE.match(spec.name):
+        raise bad_request(f"voice name `{spec.name}` must be 1-64 letters, digits, '_' or '-'",
+                          param="name")
+    if spec.base not in builtin:
+        raise bad_request(f"base voice `{spec.base}` is not a built-in voice ({', '.join(builtin)})",
+                          param="base")
+    check_speed(spec.speed)
+
+
+def check_speed(speed: float) -> None:
+    if not 0.25 <= speed <= 4.0:
+        raise bad_request(f"speed={speed} must be in [0.25, 4.0]", param="speed")

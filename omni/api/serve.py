@@ -1,0 +1,65 @@
+"""Run an ASGI app on Hypercorn, on a socket we bind (or were handed) so the real port is known."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+from typing import Callable
+
+from hypercorn.asyncio import serve as hypercorn_serve
+from hypercorn.config import Config
+
+log = logging.getLogger(__name__)
+
+
+def bind_socket(host: str = "127.0.0.1", port: int = 0, *, reuse_port: bool = False,
+                backlog: int = 2048) -> socket.socket:
+    """A listening TCP socket. With reuse_port, several frontend processes can bind the same
+    port and the kernel spreads connections over them; or bind once and hand the socket
+    (its fd) to each child."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.bind((host, port))
+        sock.listen(backlog)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+async def serve(app, *, host: str = "127.0.0.1", port: int = 0, sock: socket.socket | None = None,
+                shutdown_event: asyncio.Event, reuse_port: bool = False,
+                on_ready: Callable[[str, int], None] | None = None, access_log: bool = False,
+                graceful_timeout: float = 5.0, keep_alive_timeout: float = 75.0) -> None:
+    """Serve `app` until `shutdown_event` is set, then stop within `graceful_timeout`.
+
+    `sock` (already bound, e.g. inherited from a parent) wins over host/port. `on_ready(host, port)`
+    is called with the real bound address once the socket is ready (port 0 -> the kernel's pick).
+    """
+    owned = sock is None
+    if sock is None:
+        sock = bind_socket(host, port, reuse_port=reuse_port)
+    bound_host, bound_port = sock.getsockname()[:2]
+    config = Config()
+    # Hypercorn takes ownership of the fd it is given and closes it: give it a duplicate.
+    config.bind = [f"fd://{os.dup(sock.fileno())}"]
+    config.accesslog = logging.getLogger("omni.api.access") if access_log else None
+    config.errorlog = logging.getLogger("omni.api.hypercorn")
+    config.graceful_timeout = graceful_timeout
+    config.keep_alive_timeout = keep_alive_timeout
+    config.include_server_header = False
+    log.info("HTTP frontend listening on %s:%d", bound_host, bound_port)
+    if on_ready is not None:
+        on_ready(bound_host, bound_port)
+    try:
+        await hypercorn_serve(app, config, shutdown_trigger=shutdown_event.wait)
+    finally:
+        if owned:
+            sock.close()

@@ -1,0 +1,14 @@
+"""Server-sent events framing for the streaming routes."""
+
+from __future__ import annotations
+
+import msgspec
+
+DONE = b"data: [DONE]\n\n"
+HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_enc = msgspec.json.Encoder()
+
+
+def event(obj: dict) -> bytes:
+    """One `data: {json}` event. JSON never contains a raw newline, so one line is enough."""
+    return b"data: " + _enc.encode(obj) + b"\n\n"

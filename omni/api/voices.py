@@ -1,0 +1,48 @@
+"""Named voice presets for /v1/audio/voices, and the in-memory store used in one-frontend setups and tests.
+
+A store is anything with these async methods (the lead plugs in a master-backed one so
+every frontend sees the same voices):
+    list() -> list[{"name", "base", "speed", "builtin"}]
+    add(name, spec: {"base", "speed"}) -> the stored entry
+    delete(name) -> None
+raising omni.errors.BadRequest (built-in or duplicate) or NotFound (unknown name).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from omni.errors import BadRequest, NotFound
+
+
+class VoiceStoreLike(Protocol):
+    async def list(self) -> list[dict]: ...
+
+    async def add(self, name: str, spec: dict) -> dict: ...
+
+    async def delete(self, name: str) -> None: ...
+
+
+class InMemoryVoiceStore:
+    def __init__(self, builtin: tuple[str, ...] = ("joe",)):
+        self._voices: dict[str, dict] = {
+            n: {"name": n, "base": n, "speed": 1.0, "builtin": True} for n in builtin}
+
+    async def list(self) -> list[dict]:
+        return [dict(v) for v in self._voices.values()]
+
+    async def add(self, name: str, spec: dict) -> dict:
+        if name in self._voices:
+            raise BadRequest(f"voice `{name}` already exists; delete it first")
+        entry = {"name": name, "base": spec["base"], "speed": float(spec.get("speed", 1.0)),
+                 "builtin": False}
+        self._voices[name] = entry
+        return dict(entry)
+
+    async def delete(self, name: str) -> None:
+        v = self._voices.get(name)
+        if v is None:
+            raise NotFound(f"voice `{name}` does not exist")
+        if v["builtin"]:
+            raise BadRequest(f"voice `{name}` is built in and cannot be deleted")
+        del self._voices[name]

@@ -1,0 +1,566 @@
+"""The HTTP frontend against an in-memory fake orchestrator and a tiny real tokenizer."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import struct
+
+import httpx
+import numpy as np
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from omni.api import InMemoryVoiceStore, build_app
+from omni.api.detok import IncrementalDetokenizer, StopMatcher, decoder_for
+from omni.api.serve import bind_socket, serve
+from omni.errors import StageFailed, Unavailable
+from omni.orchestrator.types import PipelineOutput, PipelineRequest
+
+pytestmark = pytest.mark.anyio
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CORPUS = ["hello world, the quick brown fox jumps over the lazy dog.",
+          "system user assistant: you are a helpful assistant. say hello!"] * 20
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    t = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|im_start|>")
+    t.chat_template = CHAT_TEMPLATE
+    return t
+
+
+class FakeOrchestrator:
+    """Replies with `reply` (a string) one token per output; can fail, hang, be unhealthy or sleep."""
+
+    def __init__(self, tokenizer, reply: str = "hello world"):
+        self.tok = tokenizer
+        self.reply = reply
+        self.fail: Exception | None = None        # raised before the first output
+        self.fail_after: int | None = None         # raise StageFailed after this many outputs
+        self.hang_after: int | None = None         # wait forever after this many outputs
+        self.audio_chunks = 0                      # audio outputs after the text
+        self.ok, self.reason = True, ""
+        self.sleeping = False
+        self.requests: list[PipelineRequest] = []
+        self.closed: list[str] = []
+        self.closed_event = asyncio.Event()
+
+    async def generate(self, request: PipelineRequest):
+        self.requests.append(request)
+        try:
+            if self.fail is not None:
+                raise self.fail
+            ids = self.tok.encode(self.reply, add_special_tokens=False) + [self.tok.eos_token_id]
+            if request.entry_stage != 0:
+                ids = []
+            n = request.sampling.max_tokens
+            out_ids, reason = (ids[:n], "length") if len(ids) > n else (ids, "stop")
+            total = len(out_ids) + self.audio_chunks
+            for i, t in enumerate(out_ids):
+                if self.fail_after is not None and i == self.fail_after:
+                    raise StageFailed(0, "r0", "boom")
+                if self.hang_after is not None and i == self.hang_after:
+                    await asyncio.Event().wait()
+                last = i == total - 1
+                yield PipelineOutput(request_id=request.request_id, stage_id=0, modality="text", token_ids=[t],
+                                     finished=last, finish_reason=reason if last else None)
+            for j in range(self.audio_chunks):
+                pcm = (np.full(100, 0.5 if j % 2 == 0 else -0.5, dtype="<f4")).tobytes()
+                last = j == self.audio_chunks - 1
+                yield PipelineOutput(request_id=request.request_id, stage_id=2, modality="audio", audio_pcm=pcm,
+                                     sample_rate=22050, finished=last, finish_reason="stop" if last else None)
+        finally:
+            self.closed.append(request.request_id)
+            self.closed_event.set()
+
+    def health(self):
+        return self.ok, self.reason
+
+    async def sleep(self, level: int = 1) -> dict:
+        self.sleeping = True
+        return {"sleeping": True, "level": level}
+
+    async def wake_up(self) -> dict:
+        self.sleeping = False
+        return {"sleeping": False}
+
+    async def is_sleeping(self) -> bool:
+        return self.sleeping
+
+    def metrics_text(self) -> str:
+        return "# TYPE omni_orchestrator_requests gauge\nomni_orchestrator_requests 7\n"
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+def make(tokenizer, **kw):
+    orch = FakeOrchestrator(tokenizer, kw.pop("reply", "hello world"))
+    kw.setdefault("served_model_name", "tiny")
+    kw.setdefault("max_model_len", 128)
+    app = build_app(orch, tokenizer, **kw)
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+    return orch, client
+
+
+def sse_events(body: str) -> list:
+    assert body.endswith("\n\n"), body[-50:]
+    frames = body.split("\n\n")[:-1]
+    assert all(f.startswith("data: ") for f in frames), frames
+    assert frames[-1] == "data: [DONE]"
+    return [json.loads(f[6:]) for f in frames[:-1]]
+
+
+def chat_body(**kw):
+    return {"model": "tiny", "messages": [{"role": "user", "content": "say hello"}], **kw}
+
+
+def assert_error(r, status, param=None, contains=None):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    if param is not None:
+        assert err["param"] == param, err
+    if contains is not None:
+        assert contains in err["message"], err
+    return err
+
+
+# ---- chat
+
+async def test_chat_non_streaming(tokenizer):
+    orch, c = make(tokenizer, frontend_index=3)
+    r = await c.post("/v1/chat/completions", json=chat_body(temperature=0, max_tokens=50, seed=5, top_k=4))
+    assert r.status_code == 200, r.text
+    assert r.headers["x-omni-frontend"] == "3"
+    d = r.json()
+    assert d["object"] == "chat.completion" and d["model"] == "tiny" and d["id"].startswith("chatcmpl-")
+    assert d["choices"][0]["message"] == {"role": "assistant", "content": "hello world"}
+    assert d["choices"][0]["finish_reason"] == "stop"
+    req = orch.requests[0]
+    expected_prompt = tokenizer.apply_chat_template([{"role": "user", "content": "say hello"}],
+                                                    add_generation_prompt=True, tokenize=False)
+    assert req.prompt_token_ids == tokenizer.encode(expected_prompt, add_special_tokens=False)
+    assert req.sampling.max_tokens == 50 and req.sampling.seed == 5 and req.sampling.top_k == 4
+    assert req.sampling.temperature == 0.0 and req.modalities == ("text",)
+    n_out = len(tokenizer.encode("hello world", add_special_tokens=False)) + 1
+    assert d["usage"] == {"prompt_tokens": len(req.prompt_token_ids), "completion_tokens": n_out,
+                          "total_tokens": len(req.prompt_token_ids) + n_out}
+
+
+async def test_chat_content_parts_and_length_finish(tokenizer):
+    orch, c = make(tokenizer)
+    body = {"messages": [{"role": "system", "content": "be brief"},
+                         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+            "max_completion_tokens": 2, "some_unknown_field": {"x": 1}}
+    r = await c.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+    assert r.json()["usage"]["completion_tokens"] == 2
+    text = tokenizer.decode(orch.requests[0].prompt_token_ids)
+    assert "a\nb" in text and "be brief" in text
+
+
+async def test_chat_streaming_framing_and_usage(tokenizer):
+    orch, c = make(tokenizer)
+    r = await c.post("/v1/chat/completions", json=chat_body(stream=True, stream_options={"include_usage": True}))
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    evs = sse_events(r.text)
+    assert all(e["object"] == "chat.completion.chunk" and e["id"] == evs[0]["id"] for e in evs)
+    assert evs[0]["choices"][0]["delta"]["role"] == "assistant"
+    content = "".join(e["choices"][0]["delta"].get("content", "") for e in evs if e["choices"])
+    assert content == "hello world"
+    fin = [e for e in evs if e["choices"] and e["choices"][0]["finish_reason"]]
+    assert len(fin) == 1 and fin[0]["choices"][0]["finish_reason"] == "stop"
+    assert evs[-1]["choices"] == [] and evs[-1]["usage"]["completion_tokens"] == \
+        len(tokenizer.encode("hello world", add_special_tokens=False)) + 1
+    assert all(e["usage"] is None for e in evs[:-1])
+
+
+async def test_stream_without_usage_has_no_usage_field(tokenizer):
+    _, c = make(tokenizer)
+    r = await c.post("/v1/chat/completions", json=chat_body(stream=True))
+    evs = sse_events(r.text)
+    assert all("usage" not in e for e in evs) and evs[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+async def test_stop_string_truncates_and_aborts(tokenizer):
+    orch, c = make(tokenizer, reply="hello world, the quick brown fox")
+    r = await c.post("/v1/chat/completions", json=chat_body(stop=["quick"]))
+    d = r.json()
+    assert d["choices"][0]["message"]["content"] == "hello world, the "
+    assert d["choices"][0]["finish_reason"] == "stop"
+    assert orch.closed == [orch.requests[0].request_id]
+    r = await c.post("/v1/chat/completions", json=chat_body(stop="fox", stream=True))
+    content = "".join(e["choices"][0]["delta"].get("content", "") for e in sse_events(r.text) if e["choices"])
+    assert content == "hello world, the quick brown "
+
+
+async def test_multibyte_stream_has_no_replacement_chars(tokenizer):
+    reply = "héllo 日本語 🙂 done"
+    _, c = make(tokenizer, reply=reply)
+    ids = tokenizer.encode(reply, add_special_tokens=False)
+    assert len(ids) > len(reply.split()) + 6  # really split inside characters
+    r = await c.post("/v1/chat/completions", json=chat_body(stream=True))
+    deltas = [e["choices"][0]["delta"].get("content", "") for e in sse_events(r.text) if e["choices"]]
+    assert "".join(deltas) == reply
+    assert not any("\ufffd" in d for d in deltas)
+
+
+# ---- errors
+
+@pytest.mark.parametrize("body,param,contains", [
+    ({"messages": []}, "messages", "empty"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", None),
+    ({}, "messages", "missing"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", "wizard"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n", "n=2"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens", None),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": "ten"}, "max_tokens", None),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 1000}, "max_tokens", "128"),
+    ({"messages": [{"role": "user", "content": "x"}], "temperature": 9}, "temperature", None),
+    ({"messages": [{"role": "user", "content": "x"}], "top_p": 0}, "top_p", None),
+    ({"messages": [{"role": "user", "content": "x"}], "modalities": ["video"]}, "modalities", "video"),
+    ({"messages": [{"role": "user", "content": "x"}], "modalities": ["text", "audio"]}, "modalities", "audio"),
+    ({"messages": [{"role": "user", "content": "x"}], "stop": [""]}, "stop", None),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0].type", None),
+])
+async def test_chat_bad_input_is_400(tokenizer, body, param, contains):
+    orch, c = make(tokenizer)
+    r = await c.post("/v1/chat/completions", json=body)
+    assert_error(r, 400, param, contains)
+    assert orch.requests == []
+
+
+async def test_context_length_message_names_numbers(tokenizer):
+    _, c = make(tokenizer, max_model_len=40)
+    long = "the quick brown fox " * 6
+    r = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": long}],
+                                                   "max_tokens": 30})
+    err = assert_error(r, 400, "max_tokens", "maximum context length is 40 tokens")
+    assert "30 in the completion" in err["message"]
+    r = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": long * 3}]})
+    assert_error(r, 400, "messages", "no room")
+
+
+async def test_max_tokens_limit_and_default(tokenizer):
+    orch, c = make(tokenizer, max_tokens_limit=10, default_max_tokens=7)
+    assert_error(await c.post("/v1/chat/completions", json=chat_body(max_tokens=11)), 400, "max_tokens", "10")
+    r = await c.post("/v1/chat/completions", json=chat_body())
+    assert r.status_code == 200 and orch.requests[0].sampling.max_tokens == 7
+
+
+async def test_malformed_json_and_non_object(tokenizer):
+    _, c = make(tokenizer)
+    for raw in (b"{not json", b"", b"[1, 2]", b"null", b"\xff\xfe"):
+        r = await c.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+        assert_error(r, 400)
+
+
+async def test_unknown_model_and_alias(tokenizer):
+    _, c = make(tokenizer, model_aliases=["tiny-alias"])
+    err = assert_error(await c.post("/v1/chat/completions", json=chat_body(model="gpt-9")), 404, "model")
+    assert err["message"] == "The model `gpt-9` does not exist."
+    r = await c.post("/v1/chat/completions", json=chat_body(model="tiny-alias"))
+    assert r.status_code == 200 and r.json()["model"] == "tiny"
+
+
+async def test_orchestrator_errors_map_to_status(tokenizer):
+    orch, c = make(tokenizer)
+    orch.fail = Unavailable("no READY replica for stage 0")
+    err = assert_error(await c.post("/v1/chat/completions", json=chat_body()), 503)
+    assert err["type"] == "service_unavailable" and "stage 0" in err["message"]
+    orch.fail = Unavailable("sleeping")
+    assert_error(await c.post("/v1/chat/completions", json=chat_body(stream=True)), 503)
+    orch.fail = RuntimeError("bug")
+    err = assert_error(await c.post("/v1/completions", json={"prompt": "hi"}), 500)
+    assert "Traceback" not in err["message"]
+
+
+async def test_error_mid_stream_is_an_event(tokenizer):
+    orch, c = make(tokenizer, reply="hello world, the quick brown fox")
+    orch.fail_after = 2
+    r = await c.post("/v1/chat/completions", json=chat_body(stream=True))
+    assert r.status_code == 200
+    evs = sse_events(r.text)
+    assert evs[-1]["error"]["type"] == "stage_error" and "boom" in evs[-1]["error"]["message"]
+    assert orch.closed == [orch.requests[0].request_id]
+
+
+async def test_unknown_route_and_method(tokenizer):
+    _, c = make(tokenizer)
+    assert_error(await c.get("/v1/nothing"), 404)
+    assert_error(await c.get("/v1/chat/completions"), 405)
+
+
+# ---- completions
+
+async def test_completions_string_and_ids(tokenizer):
+    orch, c = make(tokenizer)
+    r = await c.post("/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 1})
+    d = r.json()
+    assert d["object"] == "text_completion" and d["choices"][0]["finish_reason"] == "length"
+    assert d["choices"][0]["text"] == tokenizer.decode(tokenizer.encode("hello world", add_special_tokens=False)[:1])
+    assert orch.requests[0].prompt_token_ids == tokenizer.encode("hello")
+    r = await c.post("/v1/completions", json={"prompt": [5, 6, 7], "stream": True,
+                                              "stream_options": {"include_usage": True}})
+    evs = sse_events(r.text)
+    assert "".join(e["choices"][0]["text"] for e in evs if e["choices"]) == "hello world"
+    assert evs[-1]["usage"]["prompt_tokens"] == 3
+    assert all(e["object"] == "text_completion" for e in evs)
+    assert_error(await c.post("/v1/completions", json={"prompt": [99999]}), 400, "prompt", "vocabulary")
+    assert_error(await c.post("/v1/completions", json={"prompt": ""}), 400, "prompt")
+
+
+# ---- models, health, metrics, sleep, auth
+
+async def test_models(tokenizer):
+    _, c = make(tokenizer, model_aliases=["b"])
+    d = (await c.get("/v1/models")).json()
+    assert d["object"] == "list" and [m["id"] for m in d["data"]] == ["tiny", "b"]
+    assert all(m["owned_by"] == "omni" and m["object"] == "model" for m in d["data"])
+
+
+async def test_health(tokenizer):
+    orch, c = make(tokenizer)
+    assert (await c.get("/health")).status_code == 200
+    orch.ok, orch.reason = False, "stage 1 has no READY replica"
+    r = await c.get("/health")
+    assert r.status_code == 503 and r.json()["reason"] == "stage 1 has no READY replica"
+
+
+async def test_metrics(tokenizer):
+    _, c = make(tokenizer, frontend_index=1)
+    await c.post("/v1/chat/completions", json=chat_body())
+    await c.post("/v1/chat/completions", json=chat_body(n=3))
+    text = (await c.get("/metrics")).text
+    assert 'omni_api_requests_total{frontend="1",route="/v1/chat/completions",status="200"} 1' in text
+    assert 'omni_api_requests_total{frontend="1",route="/v1/chat/completions",status="400"} 1' in text
+    assert 'omni_api_request_duration_seconds_count{frontend="1",route="/v1/chat/completions"} 2' in text
+    assert 'omni_api_time_to_first_output_seconds_count{frontend="1",route="/v1/chat/completions"} 1' in text
+    assert 'omni_api_requests_in_flight{frontend="1"} 1' in text  # this /metrics request itself
+    assert text.endswith("omni_orchestrator_requests 7\n")
+
+
+async def test_sleep_wakeup(tokenizer):
+    orch, c = make(tokenizer)
+    assert (await c.get("/v1/omni/is_sleeping")).json() == {"is_sleeping": False}
+    assert (await c.post("/v1/omni/sleep", json={"level": 2})).json()["level"] == 2
+    assert (await c.get("/v1/omni/is_sleeping")).json() == {"is_sleeping": True}
+    assert (await c.post("/v1/omni/wakeup")).status_code == 200
+    assert orch.sleeping is False
+    assert_error(await c.post("/v1/omni/sleep", json={"level": 3}), 400, "level")
+
+
+async def test_api_key(tokenizer):
+    _, c = make(tokenizer, api_key="s3cret")
+    err = assert_error(await c.get("/v1/models"), 401)
+    assert err["code"] == "invalid_api_key"
+    assert_error(await c.post("/v1/chat/completions", json=chat_body(),
+                              headers={"Authorization": "Bearer wrong"}), 401)
+    r = await c.post("/v1/chat/completions", json=chat_body(), headers={"Authorization": "Bearer s3cret"})
+    assert r.status_code == 200 and r.headers["x-omni-frontend"] == "0"
+    assert (await c.get("/health")).status_code == 200
+    assert (await c.get("/metrics")).status_code == 200
+
+
+# ---- audio
+
+def _wav_info(data: bytes):
+    assert data[:4] == b"RIFF" and data[8:12] == b"WAVE"
+    channels, rate = struct.unpack("<HI", data[22:28])
+    bits = struct.unpack("<H", data[34:36])[0]
+    n = struct.unpack("<I", data[40:44])[0]
+    return channels, rate, bits, n
+
+
+async def test_speech(tokenizer):
+    orch, c = make(tokenizer, speech_entry_stage=1)
+    orch.audio_chunks = 3
+    r = await c.post("/v1/audio/speech", json={"input": "hi there", "voice": "joe", "speed": 1.5})
+    assert r.status_code == 200 and r.headers["content-type"] == "audio/wav", r.text
+    assert _wav_info(r.content) == (1, 22050, 16, 600)
+    assert r.headers["x-sample-rate"] == "22050"
+    assert struct.unpack("<h", r.content[44:46])[0] == round(0.5 * 32767)
+    req = orch.requests[0]
+    assert req.text == "hi there" and req.entry_stage == 1 and req.modalities == ("audio",)
+    assert req.extra["voice"] == "joe" and req.extra["speed"] == 1.5
+    r = await c.post("/v1/audio/speech", json={"input": "hi", "response_format": "pcm"})
+    assert r.headers["content-type"] == "audio/pcm" and len(r.content) == 600
+    assert_error(await c.post("/v1/audio/speech", json={"input": "hi", "speed": 9}), 400, "speed")
+    assert_error(await c.post("/v1/audio/speech", json={"input": "hi", "response_format": "mp3"}), 400,
+                 "response_format")
+    assert_error(await c.post("/v1/audio/speech", json={"input": "hi", "voice": "nobody"}), 400, "voice")
+    assert_error(await c.post("/v1/audio/speech", json={"voice": "joe"}), 400, "input")
+
+
+async def test_speech_absent_without_talker(tokenizer):
+    _, c = make(tokenizer)
+    assert_error(await c.post("/v1/audio/speech", json={"input": "hi"}), 404)
+    assert_error(await c.get("/v1/audio/voices"), 404)
+
+
+async def test_voices(tokenizer):
+    orch, c = make(tokenizer, speech_entry_stage=1, voices=InMemoryVoiceStore(("joe", "amy")))
+    names = [v["name"] for v in (await c.get("/v1/audio/voices")).json()["data"]]
+    assert names == ["joe", "amy"]
+    r = await c.post("/v1/audio/voices", json={"name": "slow-joe", "base": "joe", "speed": 0.5})
+    assert r.status_code == 201 and r.json()["base"] == "joe"
+    assert_error(await c.post("/v1/audio/voices", json={"name": "slow-joe"}), 400, None, "exists")
+    assert_error(await c.post("/v1/audio/voices", json={"name": "x", "base": "zed"}), 400, "base")
+    assert_error(await c.post("/v1/audio/voices", json={"name": "bad name!"}), 400, "name")
+    orch.audio_chunks = 1
+    await c.post("/v1/audio/speech", json={"input": "hi", "voice": "slow-joe", "speed": 2.0})
+    assert orch.requests[-1].extra == {"voice": "joe", "speed": 1.0, "voice_name": "slow-joe"}
+    assert_error(await c.delete("/v1/audio/voices/joe"), 400, None, "built in")
+    assert_error(await c.delete("/v1/audio/voices/nope"), 404)
+    assert (await c.delete("/v1/audio/voices/slow-joe")).status_code == 200
+    assert [v["name"] for v in (await c.get("/v1/audio/voices")).json()["data"]] == ["joe", "amy"]
+
+
+async def test_chat_with_audio(tokenizer):
+    orch, c = make(tokenizer, speech_entry_stage=1)
+    orch.audio_chunks = 2
+    body = chat_body(modalities=["text", "audio"], audio={"voice": "joe", "format": "wav"})
+    d = (await c.post("/v1/chat/completions", json=body)).json()
+    msg = d["choices"][0]["message"]
+    assert msg["content"] == "hello world" and msg["audio"]["transcript"] == "hello world"
+    assert _wav_info(base64.b64decode(msg["audio"]["data"])) == (1, 22050, 16, 400)
+    assert orch.requests[0].modalities == ("text", "audio") and orch.requests[0].extra["voice"] == "joe"
+    evs = sse_events((await c.post("/v1/chat/completions", json={**body, "stream": True})).text)
+    audio = [e["choices"][0]["delta"]["audio"] for e in evs if e["choices"] and "audio" in e["choices"][0]["delta"]]
+    assert [len(base64.b64decode(a["data"])) for a in audio[:-1]] == [200, 200]
+    assert audio[-1]["transcript"] == "hello world"
+    assert_error(await c.post("/v1/chat/completions", json={**body, "audio": {"format": "mp3"}}), 400,
+                 "audio.format")
+
+
+# ---- disconnect -> abort
+
+async def test_disconnect_closes_orchestrator_stream_asgi(tokenizer):
+    """Drive the ASGI app directly: the client disconnects after the first content chunk."""
+    orch, _ = make(tokenizer)
+    orch.hang_after = 2
+    app = build_app(orch, tokenizer, served_model_name="tiny", max_model_len=128)
+    body = json.dumps(chat_body(stream=True)).encode()
+    got_content = asyncio.Event()
+    sent = []
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive():
+        if messages:
+            return messages.pop(0)
+        await got_content.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(msg):
+        sent.append(msg)
+        if msg["type"] == "http.response.body" and b'"content":"' in msg.get("body", b"") \
+                and b'"content":""' not in msg["body"]:
+            got_content.set()
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.1"}, "http_version": "1.1",
+             "method": "POST", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
+             "query_string": b"", "headers": [(b"content-type", b"application/json")], "scheme": "http",
+             "server": ("test", 80), "client": ("127.0.0.1", 1), "root_path": ""}
+    await asyncio.wait_for(app(scope, receive, send), 10)
+    assert orch.closed == [orch.requests[0].request_id]
+    assert sent[0]["status"] == 200
+
+
+# ---- real sockets
+
+async def test_hypercorn_streaming_and_disconnect(tokenizer):
+    orch = FakeOrchestrator(tokenizer, "hello world, the quick brown fox")
+    app = build_app(orch, tokenizer, served_model_name="tiny", max_model_len=128, frontend_index=2)
+    stop = asyncio.Event()
+    ready: list = []
+    task = asyncio.create_task(serve(app, host="127.0.0.1", port=0, shutdown_event=stop,
+                                     on_ready=lambda h, p: ready.append(p)))
+    try:
+        await asyncio.wait_for(_until(lambda: ready or task.done()), 10)
+        port = ready[0]
+        assert port > 0
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as c:
+            async with c.stream("POST", "/v1/chat/completions", json=chat_body(stream=True)) as r:
+                assert r.status_code == 200 and r.headers["x-omni-frontend"] == "2"
+                body = "".join([chunk async for chunk in r.aiter_text()])
+            content = "".join(e["choices"][0]["delta"].get("content", "") for e in sse_events(body) if e["choices"])
+            assert content == "hello world, the quick brown fox"
+
+            orch.hang_after, orch.closed_event = 3, asyncio.Event()
+            async with c.stream("POST", "/v1/chat/completions", json=chat_body(stream=True)) as r:
+                async for line in r.aiter_lines():
+                    if '"content":"' in line and '"content":""' not in line:
+                        break  # leave mid-stream: the connection closes
+            await asyncio.wait_for(orch.closed_event.wait(), 10)
+            assert orch.closed[-1] == orch.requests[-1].request_id
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 15)
+
+
+async def test_bind_socket_reuse_port_and_handed_socket(tokenizer):
+    a = bind_socket("127.0.0.1", 0, reuse_port=True)
+    b = bind_socket("127.0.0.1", a.getsockname()[1], reuse_port=True)  # a second frontend, same port
+    orch = FakeOrchestrator(tokenizer)
+    stop = asyncio.Event()
+    ready: list = []
+    task = asyncio.create_task(serve(build_app(orch, tokenizer, served_model_name="tiny", max_model_len=128),
+                                     sock=b, shutdown_event=stop, on_ready=lambda h, p: ready.append(p)))
+    try:
+        await asyncio.wait_for(_until(lambda: ready or task.done()), 10)
+        assert ready == [a.getsockname()[1]]
+        a.close()  # only b's server is left on the port
+        async with httpx.AsyncClient(timeout=10) as c:
+            r = await c.get(f"http://127.0.0.1:{ready[0]}/health")
+            assert r.status_code == 200
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 15)
+        b.close()
+
+
+async def _until(cond):
+    while not cond():
+        await asyncio.sleep(0.01)
+
+
+# ---- detokenizer units
+
+def test_detok_matches_full_decode_for_every_split(tokenizer):
+    text = "aé日🙂 hello wörld"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    dec = decoder_for(tokenizer)
+    for step in (1, 2, 3):
+        d = IncrementalDetokenizer(dec, [1, 2])
+        deltas = [d.push(ids[i:i + step]) for i in range(0, len(ids), step)] + [d.flush()]
+        assert "".join(deltas) == text and not any("\ufffd" in x for x in deltas)
+
+
+def test_detok_flush_emits_incomplete_tail(tokenizer):
+    ids = tokenizer.encode("日", add_special_tokens=False)
+    d = IncrementalDetokenizer(decoder_for(tokenizer))
+    assert d.push(ids[:1]) == ""
+    assert d.flush() == "\ufffd"
+
+
+def test_stop_matcher_across_deltas():
+    m = StopMatcher(["STOP", "##"])
+    out = "".join(m.feed(x) for x in ["ab", "cS", "T", "O", "Pxyz"])
+    assert out == "abc" and m.stopped
+    m = StopMatcher(["STOP"])
+    assert m.feed("abcST") == "ab" and m.flush() == "cST" and not m.stopped
