@@ -37,6 +37,7 @@ from omni.api.metrics import FrontendMetrics
 from omni.api.voices import InMemoryVoiceStore
 from omni.api.wav import pcm16, wav_bytes
 from omni.engines.base import SamplingParams
+from omni.errors import NotFound
 from omni.orchestrator.types import OrchestratorLike, PipelineRequest
 
 log = logging.getLogger(__name__)
@@ -159,8 +160,9 @@ class Frontend:
         self.voices = voices if voices is not None or speech_entry_stage is None else InMemoryVoiceStore()
         self.default_temperature = default_temperature
         self.metrics = FrontendMetrics(frontend_index)
-        self.decode = decoder_for(tokenizer)
-        self.vocab_size = len(tokenizer)
+        # tokenizer None: a pipeline without a text model (speech only); text routes answer 404.
+        self.decode = decoder_for(tokenizer) if tokenizer is not None else (lambda ids: "")
+        self.vocab_size = len(tokenizer) if tokenizer is not None else 0
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is not None:
             self._encode = lambda text, special: backend.encode(text, add_special_tokens=special).ids
@@ -184,6 +186,11 @@ class Frontend:
             raise bad_request(f"the chat template could not render these messages: {e}",
                               param="messages") from None
         return list(self._encode(text, False))
+
+    def _need_text(self) -> None:
+        if self.tokenizer is None:
+            raise APIError(404, "this pipeline has no text model (no tokenizer); only /v1/audio/speech",
+                           type="not_found_error")
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name not in self.names:
@@ -222,12 +229,22 @@ class Frontend:
     async def _voice(self, name: str | None, speed: float = 1.0) -> dict:
         """Resolve a voice (maybe a preset) to what the speech stage needs: a base voice and speed."""
         name = name or "joe"
-        known = await self.voices.list() if self.voices is not None else []
-        for v in known:
-            if v["name"] == name:
-                return {"voice": v["base"], "speed": speed * float(v.get("speed", 1.0)), "voice_name": name}
-        raise bad_request(f"voice `{name}` does not exist; available: "
-                          f"{', '.join(v['name'] for v in known) or 'none'}", param="voice")
+        if self.voices is None:
+            raise bad_request(f"voice `{name}` does not exist; this pipeline has no voices", param="voice")
+        get = getattr(self.voices, "get", None)
+        v = None
+        if get is not None:  # the master-backed store looks one name up without listing all
+            try:
+                v = await get(name)
+            except NotFound:
+                v = None
+        else:
+            v = next((x for x in await self.voices.list() if x["name"] == name), None)
+        if v is None:
+            known = [x["name"] for x in await self.voices.list()]
+            raise bad_request(f"voice `{name}` does not exist; available: {', '.join(known) or 'none'}",
+                              param="voice")
+        return {"voice": v["base"], "speed": speed * float(v.get("speed", 1.0)), "voice_name": name}
 
     def _t0(self, request: Request) -> float:
         return request.scope.get("omni.t0", time.monotonic())
@@ -235,6 +252,7 @@ class Frontend:
     # ---- text routes
 
     async def chat(self, request: Request) -> Response:
+        self._need_text()
         req = P.decode_body(await request.body(), P.ChatCompletionRequest)
         self._check_model(req.model)
         P.check_sampling(req)
@@ -265,10 +283,13 @@ class Frontend:
                          t0=self._t0(request))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         if req.stream:
-            await gen.start()
-            return _ClosingStream(self._chat_stream(gen, include_usage), media_type="text/event-stream",
-                                  headers=sse.HEADERS)
+            return await _until_disconnect(request, lambda: self._open_stream(gen, self._chat_stream, include_usage))
         return await _until_disconnect(request, lambda: self._chat_full(gen))
+
+    async def _open_stream(self, gen: Generation, body, include_usage: bool) -> Response:
+        # Wait for the first output before sending headers, so early failures get a real status.
+        await gen.start()
+        return _ClosingStream(body(gen, include_usage), media_type="text/event-stream", headers=sse.HEADERS)
 
     def _chunk(self, gen: Generation, obj: str, choice: dict | None, usage: dict | None = None,
                include_usage: bool = False) -> bytes:
@@ -328,6 +349,7 @@ class Frontend:
         return Response(msgspec.json.encode(body), media_type="application/json")
 
     async def completions(self, request: Request) -> Response:
+        self._need_text()
         req = P.decode_body(await request.body(), P.CompletionRequest)
         self._check_model(req.model)
         P.check_sampling(req)
@@ -351,9 +373,7 @@ class Frontend:
                          t0=self._t0(request))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         if req.stream:
-            await gen.start()
-            return _ClosingStream(self._completion_stream(gen, include_usage), media_type="text/event-stream",
-                                  headers=sse.HEADERS)
+            return await _until_disconnect(request, lambda: self._open_stream(gen, self._completion_stream, include_usage))
         return await _until_disconnect(request, lambda: self._completion_full(gen))
 
     async def _completion_stream(self, gen: Generation, include_usage: bool):

@@ -3,6 +3,7 @@
 A store is anything with these async methods (the lead plugs in a master-backed one so
 every frontend sees the same voices):
     list() -> list[{"name", "base", "speed", "builtin"}]
+    get(name) -> one entry (optional; used when present, else list() is searched)
     add(name, spec: {"base", "speed"}) -> the stored entry
     delete(name) -> None
 raising omni.errors.BadRequest (built-in or duplicate) or NotFound (unknown name).
@@ -30,6 +31,12 @@ class InMemoryVoiceStore:
 
     async def list(self) -> list[dict]:
         return [dict(v) for v in self._voices.values()]
+
+    async def get(self, name: str) -> dict:
+        v = self._voices.get(name)
+        if v is None:
+            raise NotFound(f"voice `{name}` does not exist")
+        return dict(v)
 
     async def add(self, name: str, spec: dict) -> dict:
         if name in self._voices:

@@ -413,6 +413,27 @@ async def test_speech_absent_without_talker(tokenizer):
     assert_error(await c.get("/v1/audio/voices"), 404)
 
 
+async def test_speech_only_pipeline_without_tokenizer(tokenizer):
+    orch = FakeOrchestrator(tokenizer)
+    orch.audio_chunks = 1
+    app = build_app(orch, None, served_model_name="tts", max_model_len=0, speech_entry_stage=0)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        assert_error(await c.post("/v1/chat/completions", json=chat_body(model="tts")), 404, None, "no text model")
+        r = await c.post("/v1/audio/speech", json={"input": "hi", "model": "tts"})
+        assert r.status_code == 200 and _wav_info(r.content)[3] == 200
+
+
+class ListOnlyVoices(InMemoryVoiceStore):
+    get = None  # a store without get(): the frontend searches list()
+
+
+async def test_voice_store_without_get(tokenizer):
+    orch, c = make(tokenizer, speech_entry_stage=1, voices=ListOnlyVoices())
+    orch.audio_chunks = 1
+    assert (await c.post("/v1/audio/speech", json={"input": "hi"})).status_code == 200
+    assert_error(await c.post("/v1/audio/speech", json={"input": "hi", "voice": "zed"}), 400, "voice", "joe")
+
+
 async def test_voices(tokenizer):
     orch, c = make(tokenizer, speech_entry_stage=1, voices=InMemoryVoiceStore(("joe", "amy")))
     names = [v["name"] for v in (await c.get("/v1/audio/voices")).json()["data"]]
