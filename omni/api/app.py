@@ -43,8 +43,9 @@ from omni.orchestrator.types import OrchestratorLike, PipelineRequest
 log = logging.getLogger(__name__)
 
 # Prompts longer than this (characters) are templated/tokenized on a worker thread so
-# the event loop keeps serving other streams (measured: see tests/unit/test_api.py).
-OFFLOAD_CHARS = 2048
+# the event loop keeps serving other streams. Measured with the SmolLM2 tokenizer: template +
+# encode ~0.3 ms at 100 chars, ~3 ms at 2 k, ~56 ms at 20 k; a thread hop costs ~0.13 ms.
+OFFLOAD_CHARS = 1024
 AUDIO_TTL_S = 3600
 _ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics",
            "/v1/omni/sleep", "/v1/omni/wakeup", "/v1/omni/is_sleeping", "/v1/audio/speech",
@@ -373,7 +374,8 @@ class Frontend:
                          t0=self._t0(request))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         if req.stream:
-            return await _until_disconnect(request, lambda: self._open_stream(gen, self._completion_stream, include_usage))
+            return await _until_disconnect(
+                request, lambda: self._open_stream(gen, self._completion_stream, include_usage))
         return await _until_disconnect(request, lambda: self._completion_full(gen))
 
     async def _completion_stream(self, gen: Generation, include_usage: bool):

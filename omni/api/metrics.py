@@ -67,7 +67,8 @@ class FrontendMetrics:
             lines = ["# HELP omni_api_requests_total HTTP requests answered, by route and status.",
                      "# TYPE omni_api_requests_total counter"]
             for (route, status), n in sorted(self.requests.items()):
-                lines.append(f"omni_api_requests_total{_labels({**self._base, 'route': route, 'status': str(status)})} {n}")
+                labels = _labels({**self._base, "route": route, "status": str(status)})
+                lines.append(f"omni_api_requests_total{labels} {n}")
             lines += ["# HELP omni_api_requests_in_flight HTTP requests being served now.",
                       "# TYPE omni_api_requests_in_flight gauge",
                       f"omni_api_requests_in_flight{_labels(self._base)} {self.in_flight}"]

@@ -55,9 +55,11 @@ class FakeOrchestrator:
         self.requests: list[PipelineRequest] = []
         self.closed: list[str] = []
         self.closed_event = asyncio.Event()
+        self.started_event = asyncio.Event()
 
     async def generate(self, request: PipelineRequest):
         self.requests.append(request)
+        self.started_event.set()
         try:
             if self.fail is not None:
                 raise self.fail
@@ -471,35 +473,65 @@ async def test_chat_with_audio(tokenizer):
 
 # ---- disconnect -> abort
 
-async def test_disconnect_closes_orchestrator_stream_asgi(tokenizer):
-    """Drive the ASGI app directly: the client disconnects after the first content chunk."""
-    orch, _ = make(tokenizer)
-    orch.hang_after = 2
-    app = build_app(orch, tokenizer, served_model_name="tiny", max_model_len=128)
-    body = json.dumps(chat_body(stream=True)).encode()
-    got_content = asyncio.Event()
-    sent = []
-    messages = [{"type": "http.request", "body": body, "more_body": False}]
+async def _drive(app, body: dict, disconnect: asyncio.Event | None, on_send=None) -> list:
+    """Call the ASGI app directly; `receive` reports a disconnect once `disconnect` is set."""
+    sent: list = []
+    messages = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
 
     async def receive():
         if messages:
             return messages.pop(0)
-        await got_content.wait()
+        if disconnect is not None:
+            await disconnect.wait()
+        else:
+            await asyncio.Event().wait()
         return {"type": "http.disconnect"}
 
     async def send(msg):
         sent.append(msg)
-        if msg["type"] == "http.response.body" and b'"content":"' in msg.get("body", b"") \
-                and b'"content":""' not in msg["body"]:
-            got_content.set()
+        if on_send is not None and on_send(msg) == "block":
+            await asyncio.Event().wait()  # a client that stopped reading, then went away
 
     scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.1"}, "http_version": "1.1",
              "method": "POST", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
              "query_string": b"", "headers": [(b"content-type", b"application/json")], "scheme": "http",
              "server": ("test", 80), "client": ("127.0.0.1", 1), "root_path": ""}
     await asyncio.wait_for(app(scope, receive, send), 10)
+    return sent
+
+
+@pytest.mark.parametrize("where", ["in_orchestrator", "in_send"])
+async def test_disconnect_mid_stream_closes_orchestrator_stream(tokenizer, where):
+    """The client leaves after the first content chunk, while the app waits on the orchestrator
+    or on a send: either way the orchestrator's iterator is closed before the app returns."""
+    orch = FakeOrchestrator(tokenizer, "hello world, the quick brown fox")
+    if where == "in_orchestrator":
+        orch.hang_after = 2
+    app = build_app(orch, tokenizer, served_model_name="tiny", max_model_len=128)
+    gone = asyncio.Event()
+
+    def on_send(msg):
+        b = msg.get("body", b"")
+        if b'"content":"' in b and b'"content":""' not in b:
+            gone.set()
+            return "block" if where == "in_send" else None
+
+    sent = await _drive(app, chat_body(stream=True), gone, on_send)
+    assert sent[0]["status"] == 200 and gone.is_set()
     assert orch.closed == [orch.requests[0].request_id]
-    assert sent[0]["status"] == 200
+
+
+async def test_disconnect_non_streaming_and_before_first_output(tokenizer):
+    for stream in (False, True):
+        orch = FakeOrchestrator(tokenizer)
+        orch.hang_after = 0  # nothing is ever produced
+        app = build_app(orch, tokenizer, served_model_name="tiny", max_model_len=128)
+        gone = asyncio.Event()
+        task = asyncio.create_task(_drive(app, chat_body(stream=stream), gone))
+        await asyncio.wait_for(orch.started_event.wait(), 10)
+        gone.set()
+        await asyncio.wait_for(task, 10)
+        assert orch.closed == [orch.requests[0].request_id]
 
 
 # ---- real sockets
@@ -508,12 +540,12 @@ async def test_hypercorn_streaming_and_disconnect(tokenizer):
     orch = FakeOrchestrator(tokenizer, "hello world, the quick brown fox")
     app = build_app(orch, tokenizer, served_model_name="tiny", max_model_len=128, frontend_index=2)
     stop = asyncio.Event()
-    ready: list = []
+    ready, ports = asyncio.Event(), []
     task = asyncio.create_task(serve(app, host="127.0.0.1", port=0, shutdown_event=stop,
-                                     on_ready=lambda h, p: ready.append(p)))
+                                     on_ready=lambda h, p: (ports.append(p), ready.set())))
     try:
-        await asyncio.wait_for(_until(lambda: ready or task.done()), 10)
-        port = ready[0]
+        await _wait_ready(ready, task)
+        port = ports[0]
         assert port > 0
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as c:
             async with c.stream("POST", "/v1/chat/completions", json=chat_body(stream=True)) as r:
@@ -539,15 +571,15 @@ async def test_bind_socket_reuse_port_and_handed_socket(tokenizer):
     b = bind_socket("127.0.0.1", a.getsockname()[1], reuse_port=True)  # a second frontend, same port
     orch = FakeOrchestrator(tokenizer)
     stop = asyncio.Event()
-    ready: list = []
+    ready, ports = asyncio.Event(), []
     task = asyncio.create_task(serve(build_app(orch, tokenizer, served_model_name="tiny", max_model_len=128),
-                                     sock=b, shutdown_event=stop, on_ready=lambda h, p: ready.append(p)))
+                                     sock=b, shutdown_event=stop, on_ready=lambda h, p: (ports.append(p), ready.set())))
     try:
-        await asyncio.wait_for(_until(lambda: ready or task.done()), 10)
-        assert ready == [a.getsockname()[1]]
+        await _wait_ready(ready, task)
+        assert ports == [a.getsockname()[1]]
         a.close()  # only b's server is left on the port
         async with httpx.AsyncClient(timeout=10) as c:
-            r = await c.get(f"http://127.0.0.1:{ready[0]}/health")
+            r = await c.get(f"http://127.0.0.1:{ports[0]}/health")
             assert r.status_code == 200
     finally:
         stop.set()
@@ -555,9 +587,12 @@ async def test_bind_socket_reuse_port_and_handed_socket(tokenizer):
         b.close()
 
 
-async def _until(cond):
-    while not cond():
-        await asyncio.sleep(0.01)
+async def _wait_ready(ready: asyncio.Event, task: asyncio.Task) -> None:
+    """Wait for on_ready, failing at once if the server task dies first."""
+    waiter = asyncio.create_task(ready.wait())
+    done, _ = await asyncio.wait({waiter, task}, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+    waiter.cancel()
+    assert ready.is_set(), task.exception() if task.done() else "server not ready within 10 s"
 
 
 # ---- detokenizer units
