@@ -294,7 +294,7 @@ class Frontend:
 
     def _chunk(self, gen: Generation, obj: str, choice: dict | None, usage: dict | None = None,
                include_usage: bool = False) -> bytes:
-        d = {"id": gen.request.request_id, "object": obj, "created": int(time.time()), "model": self.model,
+        d = {"id": gen.request.request_id, "object": obj, "created": gen.created, "model": self.model,
              "choices": [choice] if choice is not None else []}
         if include_usage:
             d["usage"] = usage

@@ -24,6 +24,7 @@ class Generation:
                  decode: Callable[[list[int]], str], prompt_ids: list[int], stops: list[str],
                  metrics: FrontendMetrics, route: str, t0: float):
         self.request = request
+        self.created = int(time.time())  # one value for every chunk of the stream
         self.prompt_tokens = len(prompt_ids)
         self.completion_tokens = 0
         self.finish_reason: str | None = None
