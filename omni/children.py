@@ -23,10 +23,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replica-address")
     ap.add_argument("--engine-flags")
     ap.add_argument("--index", type=int, default=0)
-    ap.add_argument("--fd", type=int)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--api-key")
     ap.add_argument("--served-model-name", default="")
+    ap.add_argument("--parent-pid", type=int)
     a = ap.parse_args(argv)
+    if a.parent_pid:
+        from omni.launcher import die_with_parent
+
+        die_with_parent(a.parent_pid)
     with open(a.config) as f:
         config_json = f.read()
     token = os.environ.get("OMNI_TOKEN", "")
@@ -43,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_stage(config, a.stage_id, opts, engine_flags=flags)
     from omni.frontend import main_from_args
 
-    return main_from_args(config_json, index=a.index, master_address=a.master, token=token, fd=a.fd,
+    return main_from_args(config_json, index=a.index, master_address=a.master, token=token,
+                          host=a.host, port=a.port,
                           api_key=a.api_key, served_model_name=a.served_model_name, log_level=a.log_level)
 
 

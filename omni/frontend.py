@@ -11,11 +11,11 @@ import asyncio
 import logging
 import os
 import signal
-import socket
 import sys
 import time
 
 from omni.config import DeployConfig
+from omni.errors import OmniError
 
 logger = logging.getLogger(__name__)
 
@@ -72,12 +72,11 @@ async def follow_topology(master, topology, stop: asyncio.Event) -> None:
 
 
 async def serve_frontend(config: DeployConfig, *, index: int, master_address: str, token: str,
-                         sock: socket.socket, api_key: str | None, served_model_name: str,
-                         host: str = "127.0.0.1") -> None:
+                         host: str, port: int, api_key: str | None, served_model_name: str) -> None:
     from transformers import AutoTokenizer
 
     from omni.api.app import build_app
-    from omni.api.serve import serve
+    from omni.api.serve import bind_socket, serve
     from omni.master.client import AsyncMasterClient, MasterClient
     from omni.models.resolve import resolve_model
     from omni.orchestrator.core import Orchestrator
@@ -104,7 +103,7 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
     smaster = MasterClient(master_address, token=token or None)
     reg = await asyncio.to_thread(
         smaster.register, "FRONTEND", -1, config_hash=config.config_hash(),
-        pipeline_config=config.to_dict(), endpoints={"http": f"{host}:{sock.getsockname()[1]}"},
+        pipeline_config=config.to_dict(), endpoints={"http": f"{host}:{port}"},
         host=host, pid=os.getpid(), wait_s=30.0)
     frontend_id = f"{reg.replica_id}-{os.getpid()}"
     orch = Orchestrator(config, frontend_id=frontend_id, topology=topology, detokenize=detokenize,
@@ -116,7 +115,16 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
                 "cpu_seconds": time.process_time(), "extra": {"frontend_index": float(index)}}
 
     smaster.start_keepalive(load, lambda cmd: (True, "ignored by frontends"), interval_s=1.0)
+    synced = asyncio.Event()
+    topology.on_change(lambda r, kind: synced.set())
     watcher = asyncio.create_task(follow_topology(amaster, topology, stop))
+    # Take connections only once the topology is known, so none is answered 503.
+    try:
+        await asyncio.wait_for(synced.wait(), 60)
+    except asyncio.TimeoutError:
+        raise OmniError(f"no topology from the omni master at {master_address} within 60 s") from None
+    # Our own SO_REUSEPORT listener on the port the parent reserved.
+    sock = bind_socket(host, port, reuse_port=True)
     app = build_app(
         orch, tokenizer,
         served_model_name=served_model_name,
@@ -142,17 +150,19 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
         await amaster.close()
 
 
-def main_from_args(config_json: str, *, index: int, master_address: str, token: str, fd: int,
-                   api_key: str | None, served_model_name: str, log_level: str = "INFO") -> int:
+def main_from_args(config_json: str, *, index: int, master_address: str, token: str, host: str,
+                   port: int, api_key: str | None, served_model_name: str, log_level: str = "INFO") -> int:
     from omni.config import loads_json
 
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = loads_json(config_json)
-    sock = socket.socket(fileno=fd)
     try:
         asyncio.run(serve_frontend(config, index=index, master_address=master_address, token=token,
-                                   sock=sock, api_key=api_key, served_model_name=served_model_name,
-                                   host=sock.getsockname()[0]))
+                                   host=host, port=port, api_key=api_key,
+                                   served_model_name=served_model_name))
+    except OSError as e:
+        print(f"omni: frontend {index} cannot serve on {host}:{port}: {e}", file=sys.stderr, flush=True)
+        return 1
     except Exception as e:
         print(f"omni: frontend {index} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return 1

@@ -34,13 +34,14 @@ def progress(msg: str) -> None:
     print(f"omni: {msg}", file=sys.stderr, flush=True)
 
 
-def _die_with_parent() -> None:
+def die_with_parent(parent_pid: int) -> None:
+    """Called first thing in a child: SIGTERM when the parent dies, even by SIGKILL."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
         pass
-    # Ctrl-C goes to the parent, which stops children in order.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if os.getppid() != parent_pid:   # the parent died before prctl took effect
+        os._exit(1)
 
 
 @dataclass
@@ -50,16 +51,17 @@ class Child:
     argv: list[str]
     stage_id: int = -1
     index: int = 0
-    pass_fds: tuple[int, ...] = ()
     proc: subprocess.Popen | None = None
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=20))
     restarts: int = 0
     env: dict | None = None
 
     def start(self) -> None:
+        # Own process group: a terminal's Ctrl-C reaches the parent only, which then
+        # stops the children in order. No preexec_fn, so no fork() under gRPC's threads.
         self.proc = subprocess.Popen(
-            self.argv, stderr=subprocess.PIPE, pass_fds=self.pass_fds, env=self.env,
-            preexec_fn=_die_with_parent, text=True, bufsize=1,
+            self.argv + ["--parent-pid", str(os.getpid())], stderr=subprocess.PIPE, env=self.env,
+            process_group=0, text=True, bufsize=1,
         )
         threading.Thread(target=self._pump, args=(self.proc,), daemon=True,
                          name=f"omni-log-{self.name}").start()
@@ -142,25 +144,26 @@ class Launcher:
                                            index=r, env=env))
         if p.api_server_count:
             self._listener = self._bind_http()
-            fd = self._listener.fileno()
             for i in range(p.api_server_count):
-                args = ["--index", str(i), "--fd", str(fd),
+                args = ["--index", str(i), "--host", p.host, "--port", str(self.http_port),
                         "--served-model-name", p.served_model_name or p.config.model]
                 if p.api_key:
                     args += ["--api-key", p.api_key]
                 self.children.append(Child(f"api{i}", "frontend", self._child_argv("frontend", *args),
-                                           index=i, pass_fds=(fd,), env=env))
+                                           index=i, env=env))
 
     def _bind_http(self) -> socket.socket:
+        """Reserve the HTTP port (port 0: the kernel's pick, read back). Each frontend binds
+        its own SO_REUSEPORT listener on it, so the kernel spreads new connections over
+        them; this socket never listens, it only holds the port."""
         sock = socket.socket(socket.AF_INET6 if ":" in self.plan.host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         try:
             sock.bind((self.plan.host, self.plan.port))
         except OSError as e:
             sock.close()
             raise OmniError(f"--port {self.plan.port}: cannot bind {self.plan.host}:{self.plan.port}: {e.strerror}") from None
-        sock.listen(1024)
-        sock.set_inheritable(True)
         self.http_port = sock.getsockname()[1]
         return sock
 

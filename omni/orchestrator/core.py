@@ -55,6 +55,7 @@ class _StageState:
     sub_buffer: dict[str, list] = field(default_factory=dict)
     first_output_at: float | None = None
     n_sub: int = 0
+    streamed: bool = False                             # pieces went out at once; close with an empty final
 
 
 class _Request:
@@ -300,6 +301,8 @@ class Orchestrator:
         now = time.monotonic()
         if out.queue_s is not None:
             self.metrics.stage_queue(s, out.queue_s)
+        if out.sent_at:
+            self.metrics.output_queue(s, max(0.0, time.time() - out.sent_at))
         if st.first_output_at is None:
             st.first_output_at = now
             self.metrics.stage_first_output(s, now - state.started_at)
@@ -386,6 +389,10 @@ class Orchestrator:
             st.sub_order.append(erid)
             self._send_soon(state, t, erid, inp, final=True)
             return
+        if inp.stream:
+            st.streamed = True
+            self._send_soon(state, t, state.rid, inp, final=False)
+            return
         if st.pending is not None:
             prev, st.pending = st.pending, inp
             self._send_soon(state, t, state.rid, prev, final=False)
@@ -423,6 +430,8 @@ class Orchestrator:
                 if ts.pending is not None:
                     inp, ts.pending = ts.pending, None
                     self._send_soon(state, t, state.rid, inp, final=True)
+                elif ts.streamed:
+                    self._send_soon(state, t, state.rid, procs.StageInput(), final=True)
                 self._check_done(state, t)
         if not state.done and all(self._stage_done(state, x) for x in state.stages):
             state.done = True

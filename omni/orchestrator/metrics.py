@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from omni.api.metrics import LATENCY_BUCKETS, TTFO_BUCKETS, Histogram, _labels
 
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
@@ -18,6 +20,7 @@ class OrchestratorMetrics:
         self.queue: dict[int, Histogram] = {}
         self.stage_ttfo: dict[int, Histogram] = {}
         self.step: dict[int, Histogram] = {}
+        self.out_queue: dict[int, Histogram] = {}
 
     def request_started(self) -> None:
         self.requests_total += 1
@@ -38,6 +41,9 @@ class OrchestratorMetrics:
     def stage_first_output(self, stage: int, seconds: float) -> None:
         self.stage_ttfo.setdefault(stage, Histogram(TTFO_BUCKETS)).observe(seconds)
 
+    def output_queue(self, stage: int, seconds: float) -> None:
+        self.out_queue.setdefault(stage, Histogram(STEP_BUCKETS)).observe(seconds)
+
     def stage_step(self, stage: int, seconds: float) -> None:
         self.step.setdefault(stage, Histogram(STEP_BUCKETS)).observe(seconds)
 
@@ -47,6 +53,10 @@ class OrchestratorMetrics:
             "# TYPE omni_pipeline_requests_total counter",
             f"omni_pipeline_requests_total{_labels({**fe, 'outcome': 'ok'})} {self.requests_ok}",
             f"omni_pipeline_requests_total{_labels({**fe, 'outcome': 'failed'})} {self.requests_failed}",
+            "# TYPE omni_frontend_cpu_seconds_total counter",
+            f"omni_frontend_cpu_seconds_total{_labels(fe)} {time.process_time():.3f}",
+            "# TYPE omni_frontend_in_flight gauge",
+            f"omni_frontend_in_flight{_labels(fe)} {self.requests_total - self.requests_ok - self.requests_failed}",
             "# TYPE omni_tensor_bytes_total counter",
             f"omni_tensor_bytes_total{_labels(fe)} {self.tensor_bytes_total}",
             "# TYPE omni_pipeline_e2e_seconds histogram",
@@ -55,6 +65,7 @@ class OrchestratorMetrics:
             *self.ttfo.lines("omni_pipeline_first_output_seconds", fe),
         ]
         for name, table in (("omni_stage_queue_seconds", self.queue),
+                            ("omni_stage_output_queue_seconds", self.out_queue),
                             ("omni_stage_first_output_seconds", self.stage_ttfo),
                             ("omni_stage_step_seconds", self.step)):
             lines.append(f"# TYPE {name} histogram")

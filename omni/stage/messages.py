@@ -68,6 +68,7 @@ class Output(msgspec.Struct, frozen=True, tag="out", kw_only=True):
     # Seconds the request waited in the stage before its first step (on the first output).
     queue_s: float | None = None
     step_s: float = 0.0
+    sent_at: float = 0.0                 # wall clock when the stage sent it (output queue delay)
 
 
 class RequestError(msgspec.Struct, frozen=True, tag="err"):

@@ -1,0 +1,141 @@
+"""Issue 5: `--api-server-count 2` sharing one set of stage engines, state through the master."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import httpx
+import psutil
+import pytest
+
+from tests.e2e.harness import REPO, OmniProcess, omni_env
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    p = OmniProcess("serve", MODEL, "--port", "0", "--api-server-count", "2")
+    try:
+        url = p.http(300)
+        yield p, url, p.master_address()
+    finally:
+        if p.proc.poll() is None:
+            p.kill()
+
+
+def fresh(url: str, method: str, path: str, **kw) -> httpx.Response:
+    """One request on a new connection (so the kernel picks a frontend anew)."""
+    with httpx.Client(timeout=120) as c:
+        return c.request(method, f"{url}{path}", **kw)
+
+
+def pinned(url: str, index: str, tries: int = 200) -> httpx.Client:
+    """A keep-alive client whose one connection is served by frontend `index`."""
+    for _ in range(tries):
+        c = httpx.Client(base_url=url, timeout=120, limits=httpx.Limits(max_connections=1))
+        if c.get("/health").headers.get("x-omni-frontend") == index:
+            return c
+        c.close()
+    raise AssertionError(f"frontend {index} never answered in {tries} new connections")
+
+
+def until_frontend(url: str, index: str, method: str, path: str, tries: int = 200, **kw) -> httpx.Response:
+    c = pinned(url, index, tries)
+    try:
+        r = c.request(method, path, **kw)
+    finally:
+        c.close()
+    assert r.headers["x-omni-frontend"] == index
+    return r
+
+
+def test_connections_spread_over_both_frontends(server):
+    _, url, _ = server
+    seen = {fresh(url, "GET", "/v1/models").headers["x-omni-frontend"] for _ in range(60)}
+    assert seen == {"0", "1"}
+
+
+def test_both_frontends_answer_the_same_greedy_text(server):
+    _, url, _ = server
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 16, "temperature": 0}
+    a = until_frontend(url, "0", "POST", "/v1/chat/completions", json=body)
+    b = until_frontend(url, "1", "POST", "/v1/chat/completions", json=body)
+    assert a.status_code == b.status_code == 200
+    text = a.json()["choices"][0]["message"]["content"]
+    assert "Paris" in text and b.json()["choices"][0]["message"]["content"] == text
+
+
+def test_status_and_metrics_count_requests_per_frontend(server):
+    _, url, master = server
+    r = subprocess.run([sys.executable, "-m", "omni.cli", "status", "--master", master, "--json"],
+                       cwd=REPO, env=omni_env(), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    status = json.loads(r.stdout)
+    frontends = [x for x in status["replicas"] if x["role"] == "FRONTEND"]
+    assert len(frontends) == 2
+    assert all(f["requests_total"] >= 1 for f in frontends), frontends
+    m0 = until_frontend(url, "0", "GET", "/metrics").text
+    m1 = until_frontend(url, "1", "GET", "/metrics").text
+    assert "omni_frontend_cpu_seconds_total" in m0 and "omni_frontend_cpu_seconds_total" in m1
+
+
+def test_sleep_from_one_frontend_is_seen_by_the_other(server):
+    _, url, _ = server
+    r = until_frontend(url, "0", "POST", "/v1/omni/sleep", json={"level": 1})   # idempotent
+    assert r.status_code == 200, r.text
+    results = r.json()["results"]
+    # The thinker sleeps; the onnx stages cannot on this platform and say so.
+    assert any(x["ok"] for x in results)
+    assert any(not x["ok"] and "sleep" in x["message"] for x in results)
+    s = until_frontend(url, "1", "GET", "/v1/omni/is_sleeping")
+    assert s.json() == {"is_sleeping": True}
+    r = until_frontend(url, "1", "POST", "/v1/omni/wakeup")
+    assert r.status_code == 200, r.text
+    s = until_frontend(url, "0", "GET", "/v1/omni/is_sleeping")
+    assert s.json() == {"is_sleeping": False}
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 4, "temperature": 0}
+    assert fresh(url, "POST", "/v1/chat/completions", json=body).status_code == 200
+
+
+def test_voice_uploaded_through_one_is_listed_by_the_other(server):
+    _, url, _ = server
+    a, b = pinned(url, "0"), pinned(url, "1")
+    try:
+        r = a.post("/v1/audio/voices", json={"name": "slowjoe", "base": "joe", "speed": 0.8})
+        assert r.status_code in (200, 201), r.text
+        names = [v["name"] for v in b.get("/v1/audio/voices").json()["data"]]
+        assert "slowjoe" in names and "joe" in names
+        speech = b.post("/v1/audio/speech", json={"model": MODEL, "input": "Hi.", "voice": "slowjoe"})
+        assert speech.status_code == 200, speech.text
+        r = b.delete("/v1/audio/voices/slowjoe")
+        assert r.status_code in (200, 204), r.text
+        names = [v["name"] for v in a.get("/v1/audio/voices").json()["data"]]
+        assert "slowjoe" not in names
+        assert a.delete("/v1/audio/voices/joe").status_code == 400   # built in
+    finally:
+        a.close()
+        b.close()
+
+
+def test_sigkill_of_one_frontend_leaves_the_other_serving_and_it_comes_back(server):
+    p, url, _ = server
+    victims = [c for c in psutil.Process(p.proc.pid).children(recursive=True)
+               if "frontend" in c.cmdline() and "1" == c.cmdline()[c.cmdline().index("--index") + 1]]
+    assert len(victims) == 1
+    victims[0].send_signal(signal.SIGKILL)
+    victims[0].wait(10)
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 4, "temperature": 0}
+    ok = [fresh(url, "POST", "/v1/chat/completions", json=body) for _ in range(4)]
+    assert all(r.status_code == 200 for r in ok)
+    # The parent restarts it; it binds the same port again and serves.
+    p.wait_for(__import__("re").compile(r"api1 exited with code -9; restarting it"), 30)
+    until_frontend(url, "1", "GET", "/health", tries=400)
+    assert p.proc.poll() is None
