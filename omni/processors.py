@@ -25,6 +25,9 @@ class StageInput:
     # Set: an independent sub-request (e.g. one sentence); None: a piece of one
     # continuing request, the last of which the orchestrator marks extra["final"].
     sub_id: str | None = None
+    # A piece the next stage can take at once (not held back to be marked final);
+    # the orchestrator then closes the request with an empty piece marked final.
+    stream: bool = False
 
 
 class Context(Protocol):
@@ -76,5 +79,6 @@ def thinker_to_talker(ctx: Context, state: dict, out: Output) -> list[StageInput
 
 
 def talker_to_code2wav(ctx: Context, state: dict, out: Output) -> list[StageInput]:
+    # Streamed: code2wav starts decoding the first sentence while the next is spoken.
     ref = out.tensors.get("latents")
-    return [StageInput(tensors={"latents": ref})] if ref is not None else []
+    return [StageInput(tensors={"latents": ref}, stream=True)] if ref is not None else []
