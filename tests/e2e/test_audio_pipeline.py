@@ -1,0 +1,268 @@
+"""Issue 6: the speech pipeline (thinker -> talker -> code2wav) served by `omni serve`,
+checked over HTTP: WAV/PCM speech, determinism, chat with audio (whole and streamed),
+streamed audio joining to the one-shot waveform, and voices."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import re
+import uuid
+import wave
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.e2e.harness import OmniProcess
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+RATE = 22050
+# The greedy thinker answers this with two sentences, so the talker gets two sub-requests.
+CATS = [{"role": "user", "content": "Tell me about cats in three sentences."}]
+TEXTS = [
+    "Hi there.",
+    "The quick brown fox jumps over the lazy dog.",
+    "A stage runtime moves tensors between processes. It keeps every stage busy, "
+    "and it streams the audio while the text is still being written.",
+]
+
+
+@pytest.fixture(scope="module")
+def url():
+    p = OmniProcess("serve", MODEL, "--port", "0")
+    try:
+        yield p.http(300)
+    finally:
+        if p.proc.poll() is None:
+            try:
+                p.interrupt(60)
+            except Exception:
+                p.kill()
+
+
+def speech(url: str, text: str, **body) -> httpx.Response:
+    return httpx.post(f"{url}/v1/audio/speech", timeout=120,
+                      json={"model": MODEL, "input": text, "voice": "joe", **body})
+
+
+def wav_samples(data: bytes) -> np.ndarray:
+    with wave.open(io.BytesIO(data)) as w:
+        assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (RATE, 1, 2)
+        frames = w.readframes(w.getnframes())
+    assert len(frames) == 2 * w.getnframes()
+    return np.frombuffer(frames, dtype="<i2")
+
+
+def seconds(samples: np.ndarray) -> float:
+    return len(samples) / RATE
+
+
+def sentences(text: str) -> int:
+    return len(re.findall(r"[.!?](\s|$)", text))
+
+
+# ---------------------------------------------------------------- /v1/audio/speech
+
+
+@pytest.fixture(scope="module")
+def speech_wavs(url):
+    out = []
+    for text in TEXTS:
+        r = speech(url, text, response_format="wav")
+        assert r.status_code == 200, r.text
+        assert r.headers["content-type"].startswith("audio/wav")
+        out.append(r.content)
+    return out
+
+
+def test_speech_is_a_22khz_wav_whose_length_follows_the_text(speech_wavs):
+    durations = [seconds(wav_samples(w)) for w in speech_wavs]
+    for text, d in zip(TEXTS, durations):
+        # English speech runs at roughly 10-20 characters a second.
+        assert len(text) / 30 < d < len(text) / 6 + 0.5, (text, d)
+    assert durations == sorted(durations) and durations[0] < durations[-1] / 3
+    for w in speech_wavs:
+        s = wav_samples(w).astype(np.float32) / 32767
+        assert 0.01 < float(np.sqrt(np.mean(s ** 2))) < 0.7   # neither silence nor clipping noise
+
+
+def test_speech_is_deterministic_and_pcm_matches_the_wav(url, speech_wavs):
+    again = speech(url, TEXTS[1], response_format="wav")
+    assert again.status_code == 200
+    assert again.content == speech_wavs[1]   # noise scales are 0 in the deploy config
+    pcm = speech(url, TEXTS[1], response_format="pcm")
+    assert pcm.status_code == 200, pcm.text
+    assert pcm.headers["content-type"].startswith("audio/pcm")
+    assert pcm.headers["x-sample-rate"] == str(RATE)
+    assert pcm.content == wav_samples(speech_wavs[1]).tobytes()
+
+
+def test_speed_shortens_the_audio(url, speech_wavs):
+    r = speech(url, TEXTS[2], speed=2.0)
+    assert r.status_code == 200, r.text
+    ratio = seconds(wav_samples(r.content)) / seconds(wav_samples(speech_wavs[2]))
+    assert 0.35 < ratio < 0.7, ratio
+
+
+def test_served_speech_equals_an_in_process_one_shot_decode(speech_wavs):
+    """code2wav decodes in chunks with context on both sides; joined, they match one decode."""
+    import torch
+
+    from omni.engines.base import EngineRequest
+    from omni.engines.onnx_audio import Code2WavEngine, TalkerEngine
+    from omni.models.piper_voice import prepare_voice
+
+    torch.set_num_threads(1)
+    voice = prepare_voice("joe")
+    talker = TalkerEngine(voice)
+    talker.add_request(EngineRequest(request_id="ref", text=TEXTS[2],
+                                     extra={"noise_scale": 0.0, "noise_w_scale": 0.0}))
+    pieces = []
+    while talker.has_unfinished():
+        pieces += talker.step()
+    assert len(pieces) == 2   # two sentences: the stream crosses a sentence boundary
+    one_shot = Code2WavEngine(voice, chunk_frames=10**9)
+    one_shot.add_request(EngineRequest(request_id="ref", tensors={
+        "latents": torch.cat([p.tensors["latents"] for p in pieces], dim=2)}))
+    ref = np.concatenate([o.tensors["audio"].numpy() for o in one_shot.step()])
+    ref16 = (np.clip(ref, -1, 1) * 32767).round().astype(np.int32)
+    served = wav_samples(speech_wavs[2]).astype(np.int32)
+    assert len(served) == len(ref16)
+    diff = np.abs(served - ref16)
+    assert diff.max() <= 0.01 * 32767, diff.max()     # within 1% of full scale anywhere
+    assert diff.mean() <= 0.001 * 32767, diff.mean()
+
+
+# ---------------------------------------------------------------- chat with audio
+
+
+def chat_body(**extra) -> dict:
+    return {"model": MODEL, "messages": CATS, "max_tokens": 64, "temperature": 0,
+            "modalities": ["text", "audio"], "audio": {"voice": "joe", "format": "wav"}, **extra}
+
+
+@pytest.fixture(scope="module")
+def chat_full(url):
+    r = httpx.post(f"{url}/v1/chat/completions", json=chat_body(), timeout=180)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.fixture(scope="module")
+def chat_stream(url):
+    """The SSE events of the same request, streamed, in arrival order."""
+    events = []
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=chat_body(stream=True), timeout=180) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                events.append(("done", None))
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            for choice in chunk["choices"]:
+                delta = choice["delta"]
+                if delta.get("content"):
+                    events.append(("text", delta["content"]))
+                audio = delta.get("audio")
+                if audio and "data" in audio:
+                    assert audio["format"] == "pcm16" and audio["sample_rate"] == RATE
+                    events.append(("audio", base64.b64decode(audio["data"])))
+                elif audio:
+                    events.append(("audio_end", audio))
+                if choice["finish_reason"]:
+                    events.append(("finish", choice["finish_reason"]))
+    return events
+
+
+def test_chat_with_audio_returns_text_and_a_wav(chat_full):
+    msg = chat_full["choices"][0]["message"]
+    text = msg["content"]
+    assert sentences(text) >= 2, text   # several talker sub-requests
+    audio = msg["audio"]
+    assert audio["format"] == "wav" and audio["transcript"] == text and audio["id"]
+    d = seconds(wav_samples(base64.b64decode(audio["data"])))
+    assert len(text) / 30 < d < len(text) / 6 + 0.5, (text, d)
+    assert chat_full["choices"][0]["finish_reason"] == "stop"
+
+
+def test_streamed_audio_starts_before_the_text_ends(chat_stream):
+    kinds = [k for k, _ in chat_stream]
+    assert kinds[-1] == "done" and "finish" in kinds
+    first_audio = kinds.index("audio")
+    last_text = len(kinds) - 1 - kinds[::-1].index("text")
+    # Speech of the first sentence streams while the thinker still writes the second.
+    assert first_audio < last_text, kinds
+    assert kinds.count("audio") >= 3   # chunked, not one blob
+    assert kinds.index("audio_end") > len(kinds) - 1 - kinds[::-1].index("audio")
+
+
+def test_streamed_reply_joins_to_the_non_streaming_one(chat_full, chat_stream):
+    msg = chat_full["choices"][0]["message"]
+    text = "".join(v for k, v in chat_stream if k == "text")
+    assert text == msg["content"]
+    end = next(v for k, v in chat_stream if k == "audio_end")
+    assert end["transcript"] == text
+    streamed = np.frombuffer(b"".join(v for k, v in chat_stream if k == "audio"), dtype="<i2")
+    whole = wav_samples(base64.b64decode(msg["audio"]["data"]))
+    assert len(streamed) == len(whole)
+    diff = np.abs(streamed.astype(np.int32) - whole.astype(np.int32))
+    assert diff.max() <= 0.01 * 32767, diff.max()
+
+
+def test_text_only_chat_has_no_audio(url):
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=120,
+                   json={"model": MODEL, "messages": CATS, "max_tokens": 8, "temperature": 0})
+    assert r.status_code == 200, r.text
+    msg = r.json()["choices"][0]["message"]
+    assert msg["content"] and "audio" not in msg
+
+
+# ---------------------------------------------------------------- voices and errors
+
+
+def test_voice_presets_list_use_delete(url, speech_wavs):
+    listed = httpx.get(f"{url}/v1/audio/voices", timeout=30)
+    assert listed.status_code == 200
+    assert "joe" in [v["name"] for v in listed.json()["data"]]
+    name = f"quick-{uuid.uuid4().hex[:8]}"
+    r = httpx.post(f"{url}/v1/audio/voices", json={"name": name, "base": "joe", "speed": 2.0}, timeout=30)
+    assert r.status_code == 201, r.text
+    assert name in [v["name"] for v in httpx.get(f"{url}/v1/audio/voices").json()["data"]]
+    fast = speech(url, TEXTS[2], voice=name)
+    assert fast.status_code == 200, fast.text
+    ratio = seconds(wav_samples(fast.content)) / seconds(wav_samples(speech_wavs[2]))
+    assert 0.35 < ratio < 0.7, ratio   # the preset's speed applies
+    d = httpx.delete(f"{url}/v1/audio/voices/{name}", timeout=30)
+    assert d.status_code == 200, d.text
+    assert name not in [v["name"] for v in httpx.get(f"{url}/v1/audio/voices").json()["data"]]
+    gone = speech(url, "Hello.", voice=name)
+    assert 400 <= gone.status_code < 500 and name in gone.json()["error"]["message"]
+    again = httpx.delete(f"{url}/v1/audio/voices/{name}", timeout=30)
+    assert again.status_code == 404, again.text
+
+
+@pytest.mark.parametrize("body, status, needle", [
+    ({"input": "Hello.", "voice": "nobody-by-this-name"}, 400, "nobody-by-this-name"),
+    ({"input": ""}, 400, "input"),
+    ({"input": "   "}, 400, "input"),
+    ({"input": "Hello.", "response_format": "mp3"}, 400, "mp3"),
+    ({"input": "Hello.", "speed": 100}, 400, "speed"),
+])
+def test_bad_speech_requests_are_4xx_naming_the_problem(url, body, status, needle):
+    r = httpx.post(f"{url}/v1/audio/speech", json={"model": MODEL, **body}, timeout=60)
+    assert r.status_code == status, r.text
+    assert needle in r.json()["error"]["message"]
+
+
+def test_chat_audio_with_unknown_voice_is_a_4xx(url):
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=60,
+                   json=chat_body(audio={"voice": "nobody-by-this-name", "format": "wav"}))
+    assert 400 <= r.status_code < 500 and "nobody-by-this-name" in r.json()["error"]["message"]
