@@ -29,7 +29,7 @@ def pcm16_bytes(pcm_f32: Any) -> bytes:
     """Little-endian signed 16-bit samples; values outside [-1, 1] are clipped."""
     a = _as_mono_f32(pcm_f32)
     a = np.nan_to_num(a, nan=0.0, posinf=1.0, neginf=-1.0)
-    return (np.clip(a, -1.0, 1.0) * 32767.0).astype("<i2").tobytes()
+    return (np.clip(a, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
 
 
 def wav_header(sample_rate: int, num_samples: int | None = None) -> bytes:

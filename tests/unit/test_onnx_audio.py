@@ -260,7 +260,7 @@ def test_wav_bytes_round_trip():
     with wave.open(io.BytesIO(data)) as w:
         assert (w.getframerate(), w.getnchannels(), w.getsampwidth(), w.getnframes()) == (22050, 1, 2, 5)
         samples = np.frombuffer(w.readframes(5), dtype="<i2")
-    assert samples.tolist() == [0, 16383, -16383, 32767, -32767]       # clipped at +-1
+    assert samples.tolist() == [0, 16384, -16384, 32767, -32767]       # rounded, clipped at +-1
     assert pcm16_bytes(torch.from_numpy(pcm)) == data[44:]
     assert len(wav_header(16000)) == 44 and wav_header(16000)[40:44] == b"\xff\xff\xff\xff"
     with pytest.raises(ValueError, match="float samples"):
