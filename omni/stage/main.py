@@ -144,6 +144,9 @@ def run_stage(config: DeployConfig, stage_id: int, opts: StageOptions,
         except OmniError as e:
             logger.info("deregister failed: %s", e)
         client.close()
+    if worker.fatal:
+        progress(f"{label}: replica {reg.replica_id} failed: {worker.fatal}")
+        return 1
     progress(f"{label}: replica {reg.replica_id} stopped")
     return 0
 

@@ -81,6 +81,7 @@ class StageWorker:
         self._commands: "queue.Queue[_Command]" = queue.Queue()
         self._stopping = threading.Event()
         self.draining = False
+        self.fatal: str | None = None      # why the engine can serve no more (set by _step)
         self.stats = WorkerStats()
         self._codec = m.stage_codec()
         self._out = m.Codec(m.ToStage)   # encoder side only
@@ -243,11 +244,16 @@ class StageWorker:
         try:
             outputs = self.engine.step()
         except Exception as e:
-            # An engine step that raises fails every request it held; the loop lives.
+            # An engine step that raises fails every request it held; the loop lives,
+            # unless the error says the engine is gone for good (`fatal = True`, e.g. a
+            # dead vLLM EngineCore): then the loop stops and the process exits non-zero.
             logger.exception("%s: engine step failed", self.stage.label)
             for rid in list(self._reqs):
                 self.engine.abort(rid)
                 self._fail(rid, f"engine step failed: {type(e).__name__}: {e}")
+            if getattr(e, "fatal", False):
+                self.fatal = f"{type(e).__name__}: {e}"
+                self._stopping.set()
             return
         dt = time.monotonic() - t0
         self.stats.steps += 1

@@ -1,0 +1,364 @@
+"""VllmEngine: a stage engine backed by a vLLM EngineCore in its own process.
+
+The stage process holds vLLM's own client (`LLMEngine` in multiprocess mode:
+a SyncMPClient talking ZMQ to an EngineCore process that vLLM launches and
+monitors). Token ids go in and come out; tokenization stays in the frontends
+(`skip_tokenizer_init`). Each step() hands back the delta token ids that the
+EngineCore produced since the previous step.
+
+Liveness: vLLM's monitor thread marks the client dead when the EngineCore
+process exits, but a blocked `get_output()` would then wait forever. So step()
+waits on the output queue itself, with a short bound, and checks for death on
+every wait; a dead EngineCore makes step() raise EngineCoreDied (fatal: the
+stage worker fails the requests it held and the stage process exits non-zero).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import logging
+import os
+import queue
+import signal
+import time
+import uuid
+from concurrent.futures import Future, TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any
+
+from omni.config import DeployConfig, StageConfig
+from omni.engines.base import Engine, EngineError, EngineOutput, EngineRequest, SamplingParams
+from omni.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+# Engine args omni itself understands (not vLLM's): CPU threads of the EngineCore.
+OMNI_ARGS = ("num_threads",)
+# Env defaults for the EngineCore (read by vLLM at import and in its children).
+# Loopback for vLLM's own sockets: the EngineCore always sits next to its stage.
+ENV_DEFAULTS = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+# Only on CPU: a fixed KV cache (else start-up fails a memory check) and no warm-up pass.
+CPU_ENV_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_CI_ENV": "1"}
+# How long one step() waits for the EngineCore's next outputs before it returns
+# (so the worker can read new requests and aborts meanwhile).
+STEP_WAIT_S = 0.002
+SHUTDOWN_TIMEOUT_S = 3.0
+UTILITY_TIMEOUT_S = 30.0
+
+
+class EngineCoreDied(RuntimeError):
+    """The EngineCore process is gone: no request can be served by this engine again."""
+
+    fatal = True   # the stage worker stops and the stage process exits non-zero
+
+
+@dataclass
+class _Live:
+    num_prompt_tokens: int
+    started: bool = False
+
+
+def engine_arg_names() -> set[str]:
+    from vllm.engine.arg_utils import EngineArgs
+
+    return {f.name for f in dataclasses.fields(EngineArgs)}
+
+
+def split_engine_args(label: str, args: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(vLLM EngineArgs kwargs, omni's own args); unknown keys are a ConfigError naming them."""
+    known = engine_arg_names()
+    unknown = sorted(k for k in args if k not in known and k not in OMNI_ARGS)
+    if unknown:
+        hints = []
+        for k in unknown:
+            close = difflib.get_close_matches(k, sorted(known | set(OMNI_ARGS)), n=1)
+            hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise ConfigError(f"{label}: engine 'vllm' does not take engine_args " + ", ".join(hints) +
+                          "; it takes vLLM's EngineArgs fields (vllm.engine.arg_utils.EngineArgs) "
+                          "and " + ", ".join(OMNI_ARGS))
+    for k in ("model", "skip_tokenizer_init"):
+        if k in args:
+            raise ConfigError(f"{label}: engine_args.{k} is set by omni (the stage's model; "
+                              "tokenization stays in the frontends); remove it")
+    vllm_args = {k: v for k, v in args.items() if k not in OMNI_ARGS}
+    omni_args = {k: v for k, v in args.items() if k in OMNI_ARGS}
+    return vllm_args, omni_args
+
+
+def prepare_env(num_threads: int | None, cpu: bool) -> None:
+    """Environment the EngineCore process inherits; user-set values win."""
+    for k, v in ENV_DEFAULTS.items():
+        os.environ.setdefault(k, v)
+    if not cpu:
+        return
+    for k, v in CPU_ENV_DEFAULTS.items():
+        os.environ.setdefault(k, v)
+    if num_threads is not None:
+        # vLLM's CPU worker binds its OpenMP threads to whole NUMA nodes by default;
+        # on a shared host a stage gets exactly the threads it was given instead.
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        os.environ["OMP_NUM_THREADS"] = str(int(num_threads))
+
+
+def to_vllm_sampling(p: SamplingParams):
+    from vllm import SamplingParams as VSP
+    from vllm.sampling_params import RequestOutputKind
+
+    return VSP(
+        n=1,
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,            # 0: off, in both
+        seed=p.seed,
+        max_tokens=p.max_tokens,
+        stop_token_ids=list(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+        output_kind=RequestOutputKind.DELTA,
+        detokenize=False,
+    )
+
+
+class VllmEngine(Engine):
+    def __init__(self, config: DeployConfig, stage: StageConfig):
+        from omni.models.resolve import resolve_model
+
+        self.label = stage.label
+        vllm_args, omni_args = split_engine_args(stage.label, dict(stage.engine_args))
+        model_path = resolve_model(stage.model or config.model)
+        from vllm.platforms import current_platform
+
+        self.platform = current_platform.device_name
+        cpu = current_platform.is_cpu()
+        prepare_env(omni_args.get("num_threads"), cpu)
+        if cpu:
+            # Compiled mode is slow to start and flaky in warm-up on CPU.
+            vllm_args.setdefault("enforce_eager", True)
+        vllm_args.setdefault("disable_log_stats", True)
+
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        try:
+            engine_args = EngineArgs(model=model_path, skip_tokenizer_init=True, **vllm_args)
+        except TypeError as e:
+            raise ConfigError(f"{stage.label}: vLLM engine_args: {e}") from None
+        t0 = time.monotonic()
+        try:
+            vllm_config = engine_args.create_engine_config()
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"{stage.label}: vLLM refused the engine args: {e}") from None
+        from vllm.v1.executor import Executor
+
+        self._llm = LLMEngine(vllm_config=vllm_config, executor_class=Executor.get_class(vllm_config),
+                              log_stats=not engine_args.disable_log_stats, multiprocess_mode=True)
+        self._client = self._llm.engine_core
+        self.load_seconds = time.monotonic() - t0
+        mc = vllm_config.model_config
+        self.model_path = model_path
+        self.max_model_len = mc.max_model_len
+        self.vocab_size = mc.get_vocab_size()
+        self._can_sleep = bool(mc.enable_sleep_mode)
+        self._sleeping = False
+        self._live: dict[str, _Live] = {}
+        self._dead: str | None = None
+        self._steps = 0
+        self._prompt_tokens = 0
+        self._gen_tokens = 0
+        self._aborts = 0
+        logger.info("%s: vLLM EngineCore up in %.1f s (pid %s, %s, max_model_len %d)", self.label,
+                    self.load_seconds, self.core_pids(), self.platform, self.max_model_len)
+
+    # ---- liveness ------------------------------------------------------------------
+    def core_processes(self) -> list:
+        manager = getattr(self._client.resources, "engine_manager", None)
+        return list(getattr(manager, "processes", []) or [])
+
+    def core_pids(self) -> list[int]:
+        return [p.pid for p in self.core_processes()]
+
+    def _check_alive(self) -> None:
+        if self._dead is None:
+            gone = [p for p in self.core_processes() if p.exitcode is not None]
+            if gone or self._client.resources.engine_dead:
+                self._dead = "; ".join(_describe_exit(p) for p in gone) or "the EngineCore reported itself dead"
+        if self._dead is not None:
+            raise EngineCoreDied(f"{self.label}: vLLM EngineCore died: {self._dead}")
+
+    # ---- requests ----------------------------------------------------------------
+    def add_request(self, request: EngineRequest) -> None:
+        self._check_alive()
+        rid = request.request_id
+        if self._sleeping:
+            raise EngineError("engine is sleeping")
+        if rid in self._live:
+            raise EngineError(f"request {rid!r} is already queued or running")
+        if request.prompt_token_ids is None:
+            raise EngineError(f"request {rid!r}: the vLLM stage takes prompt_token_ids (tokenization "
+                              "happens in the frontends)")
+        if request.tensors:
+            raise EngineError(f"request {rid!r}: the vLLM stage takes no input tensors "
+                              f"(got {sorted(request.tensors)})")
+        prompt = [int(t) for t in request.prompt_token_ids]
+        if not prompt:
+            raise EngineError(f"request {rid!r}: the prompt is empty")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            # An id outside the embedding table would crash the EngineCore, not the request.
+            raise EngineError(f"request {rid!r}: token id {bad[0]} is outside the vocabulary "
+                              f"[0, {self.vocab_size})")
+        p = request.sampling
+        if p.max_tokens < 1:
+            raise EngineError(f"request {rid!r}: max_tokens must be >= 1, got {p.max_tokens}")
+        try:
+            params = to_vllm_sampling(p)
+            self._llm.add_request(rid, {"prompt_token_ids": prompt}, params)
+        except ValueError as e:   # vLLM's validation (prompt too long, bad top_p, ...)
+            raise EngineError(f"request {rid!r}: {e}") from None
+        self._live[rid] = _Live(len(prompt))
+        self._prompt_tokens += len(prompt)
+
+    def abort(self, request_id: str) -> None:
+        if self._live.pop(request_id, None) is None:
+            return
+        self._aborts += 1
+        try:
+            self._llm.abort_request([request_id])
+        except Exception as e:  # a dead core cannot be told; step() reports the death
+            logger.warning("%s: abort of %s did not reach the EngineCore: %s", self.label, request_id, e)
+
+    def has_unfinished(self) -> bool:
+        # A dead EngineCore counts as work: the worker's next step() reports the death.
+        return bool(self._live) or self._dead is not None or self._client.resources.engine_dead
+
+    def num_waiting(self) -> int:
+        return sum(1 for s in list(self._live.values()) if not s.started)
+
+    def num_running(self) -> int:
+        return sum(1 for s in list(self._live.values()) if s.started)
+
+    # ---- the step ----------------------------------------------------------------
+    def step(self) -> list[EngineOutput]:
+        self._check_alive()
+        if not self._wait_for_outputs(STEP_WAIT_S):
+            return []
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        try:
+            results = self._llm.step()
+        except EngineDeadError as e:
+            self._dead = f"{type(e).__name__}: {e}"
+            self._check_alive()
+            raise
+        self._steps += 1
+        outputs = []
+        for r in results:
+            live = self._live.get(r.request_id)
+            if live is None:
+                continue   # aborted meanwhile
+            c = r.outputs[0] if r.outputs else None
+            ids = list(c.token_ids) if c is not None else []
+            self._gen_tokens += len(ids)
+            out = EngineOutput(request_id=r.request_id, token_ids=ids)
+            if not live.started:
+                live.started = True
+                out.num_prompt_tokens = live.num_prompt_tokens
+            if r.finished:
+                del self._live[r.request_id]
+                reason = str(c.finish_reason) if c is not None and c.finish_reason is not None else "stop"
+                out.finished = True
+                if reason == "error":
+                    out.finish_reason, out.error = "error", f"vLLM failed request {r.request_id}"
+                else:
+                    out.finish_reason = reason if reason in ("stop", "length", "abort") else "stop"
+            outputs.append(out)
+        return outputs
+
+    def _wait_for_outputs(self, timeout: float) -> bool:
+        """True once the client's output queue holds something (we are its only reader)."""
+        q: queue.Queue = self._client.outputs_queue
+        with q.not_empty:
+            if not q.queue:
+                q.not_empty.wait(timeout)
+            return bool(q.queue)
+
+    # ---- utilities -----------------------------------------------------------------
+    def call_core(self, method: str, *args: Any, timeout: float = UTILITY_TIMEOUT_S) -> Any:
+        """A vLLM utility call on the EngineCore, bounded in time and by its death
+        (the client's own call_utility waits forever on a dead core)."""
+        from vllm.v1.engine import EngineCoreRequestType
+
+        self._check_alive()
+        call_id = uuid.uuid1().int >> 64
+        future: Future = Future()
+        self._client.utility_results[call_id] = future
+        self._client._send_input(EngineCoreRequestType.UTILITY, (0, call_id, method, args))
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return future.result(timeout=0.2)
+            except FutureTimeout:
+                self._check_alive()
+                if time.monotonic() > deadline:
+                    self._client.utility_results.pop(call_id, None)
+                    raise EngineError(f"vLLM utility {method} did not answer within {timeout:.0f} s") from None
+
+    def can_sleep(self) -> bool:
+        return self._can_sleep
+
+    def _refuse_sleep(self) -> None:
+        raise EngineError(
+            f"{self.label}: vLLM sleep mode is not available here "
+            f"(platform {self.platform}: "
+            + ("vLLM has no sleep mode on this platform)" if self.platform == "cpu"
+               else "start the stage with engine_args.enable_sleep_mode: true)"))
+
+    def sleep(self, level: int = 1) -> None:
+        if not self._can_sleep:
+            self._refuse_sleep()
+        self._check_alive()
+        self._llm.sleep(level)
+        for rid in list(self._live):   # vLLM's sleep aborts what it held
+            self.abort(rid)
+        self._sleeping = True
+
+    def wake_up(self) -> None:
+        if not self._can_sleep:
+            self._refuse_sleep()
+        self._check_alive()
+        self._llm.wake_up()
+        self._sleeping = False
+
+    def is_sleeping(self) -> bool:
+        return self._sleeping   # read from the keep-alive thread: no EngineCore round trip
+
+    def stats(self) -> dict[str, float]:
+        out = {
+            "steps": float(self._steps),
+            "prompt_tokens": float(self._prompt_tokens),
+            "generated_tokens": float(self._gen_tokens),
+            "aborts": float(self._aborts),
+            "live_requests": float(len(self._live)),
+            "load_seconds": self.load_seconds,
+        }
+        # Asked of the EngineCore itself: does its scheduler still hold requests?
+        out["core_has_work"] = float(bool(self.call_core("has_work", timeout=10.0)))
+        return out
+
+    def shutdown(self) -> None:
+        try:
+            self._client.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
+        except Exception:
+            logger.exception("%s: vLLM client shutdown", self.label)
+
+
+def _describe_exit(proc) -> str:
+    code = proc.exitcode
+    if code is not None and code < 0:
+        try:
+            how = f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            how = f"killed by signal {-code}"
+    else:
+        how = f"exited with code {code}"
+    return f"process {proc.name} (pid {proc.pid}) {how}"
