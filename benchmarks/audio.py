@@ -191,7 +191,7 @@ def main() -> None:
     ap.add_argument("--no-chat", action="store_true", help="skip streaming chat with audio")
     ap.add_argument("--max-tokens", type=int, default=32, help="thinker tokens per chat request")
     a = ap.parse_args()
-    speech_levels = [(1, 12), (4, 24)] if a.full else [(1, 4), (4, 8)]
+    speech_levels = [(1, 12), (4, 24)] if a.full else [(1, 4), (4, 4)]
     chat_levels = [(1, 4), (4, 8)] if a.full else [(1, 1), (4, 4)]
 
     t0 = time.perf_counter()
