@@ -112,6 +112,16 @@ def stage_replicas(address: str, stage_id: int, token: str | None = None, states
             if r.role == "STAGE" and r.stage_id == stage_id and r.state in states]
 
 
+def ready_pids(address: str, token: str | None = None) -> list[int]:
+    """Pids of READY stage replicas; [] while the master cannot be reached."""
+    from omni.errors import OmniError
+
+    try:
+        return sorted(r.pid for r in status(address, token).replicas if r.role == "STAGE" and r.state == "READY")
+    except OmniError:
+        return []
+
+
 def wait_until(fn, timeout: float, what: str, interval: float = 0.2):
     deadline = time.monotonic() + timeout
     while True:
@@ -286,6 +296,13 @@ class TestOrchestrator:
         self.tok = AutoTokenizer.from_pretrained(self.d.model)
         config = cfg.load(self.d.model, str(self.d.config_path))
         self.topology = Topology()
+        self.snapshots = 0     # one per (re)connected watch
+        apply = self.topology.apply
+
+        def counting_apply(event):
+            self.snapshots += event.kind == "SNAPSHOT"
+            apply(event)
+        self.topology.apply = counting_apply
         self.master = AsyncMasterClient(self.d.address)
         self._stop = asyncio.Event()
         self._task = asyncio.create_task(follow_topology(self.master, self.topology, self._stop))
@@ -606,17 +623,16 @@ async def restart_master(d: Headless) -> dict:
         d.master.kill()
         d.start_master(port)
         assert d.master_port == port
-        # Stages re-register (same processes), the orchestrator's watch reconnects.
-        deadline = time.monotonic() + 30
-        while True:
-            ready = {r.stage_id for r in t.topology.replicas.values() if r.role == "STAGE" and r.state == "READY"}
-            if t.topology.synced and ready == {0, 1} and \
-                    len([r for r in t.topology.replicas.values() if r.stage_id == 1 and r.state == "READY"]) == 2:
-                break
-            if time.monotonic() > deadline:
-                raise AssertionError(f"stages did not re-register within 30 s: {t.topology.replicas}")
-            await asyncio.sleep(0.05)
+        # Stages re-register (same processes) with the new master...
+        await asyncio.to_thread(wait_until, lambda: ready_pids(d.address) == sorted(pids),
+                                30, "every stage READY again on the new master")
         reregistered_s = time.monotonic() - t0
+        # ... and the orchestrator's watch reconnects to it (a fresh snapshot).
+        deadline = time.monotonic() + 30
+        while not (t.snapshots >= 2 and t.orch.health()[0]):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the orchestrator did not resync within 30 s: {t.orch.health()}")
+            await asyncio.sleep(0.05)   # polling local state, bounded
         results = [await t.run() for _ in range(3)]
         recover_s = time.monotonic() - t0
     return {"pids": pids, "first": first, "results": results, "reregistered_s": reregistered_s,
@@ -625,7 +641,9 @@ async def restart_master(d: Headless) -> dict:
 
 def test_master_restart_keeps_engines_and_resumes(headless):
     res = asyncio.run(restart_master(headless))
-    assert all(o.status == "completed" for o in res["results"]), [o.error for o in res["results"]]
+    assert all(o.status == "completed" for o in res["results"]), (
+        [o.error for o in res["results"]], headless.stages[0].output(), headless.master.output(),
+        status(headless.address))
     # Same processes: the engines were not reloaded.
     assert [p.proc.pid for p in headless.stages] == res["pids"]
     assert all(p.proc.poll() is None for p in headless.stages)
