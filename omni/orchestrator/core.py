@@ -124,6 +124,12 @@ class Orchestrator:
                 ch.close()
             for rid in list(self._by_replica.pop(r.replica_id, ())):
                 req = self._requests.get(rid)
+                picked = [st for st in req.stages.values()
+                          if st.replica is not None and st.replica.replica_id == r.replica_id] if req else []
+                if picked and not any(st.started for st in picked):
+                    for st in picked:   # nothing sent there yet: pick another replica at the first send
+                        st.replica = None
+                    continue
                 if req is not None:
                     self._fail(req, StageFailed(r.stage_id, r.replica_id, f"replica is {r.state.lower() if kind != 'REMOVED' else 'gone'}"))
 
@@ -194,6 +200,10 @@ class Orchestrator:
         state = _Request(req, needed, dict(req.extra))
         for s in needed:
             state.stages[s].replica = self._pick(s)
+        # Counted as load at once: concurrent requests spread over downstream replicas
+        # too, not only over the entry stage's (whose input is sent right away).
+        for st in state.stages.values():
+            self._by_replica.setdefault(st.replica.replica_id, set()).add(req.request_id)
         self._requests[req.request_id] = state
         self.metrics.request_started()
         timeout = req.timeout_s or self.config.pipeline.request_timeout_s
