@@ -425,7 +425,8 @@ def sigkill_under_load(d: Served, n: int = 6, max_tokens: int = 48) -> dict:
             break
         return {"victim": victim, "outcomes": outcomes, "after": after, "detect_s": detect_s,
                 "detect_state": ev[3], "new": new,
-                "recover_s": None if served_by_new is None else served_by_new - t_restart}
+                "restart_s": t_restart - t_kill,
+                "recover_s": None if served_by_new is None else served_by_new - t_kill}
     finally:
         watcher.close()
 

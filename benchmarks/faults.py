@@ -1,0 +1,168 @@
+"""Fault injection against real omni processes: how fast a fault is seen, what it costs, how fast
+the pipeline recovers. The LM -> pooler pipeline with the real SmolLM2 weights.
+
+    .venv/bin/python benchmarks/faults.py            # --quick: standalone master + headless stages
+    .venv/bin/python benchmarks/faults.py --full     # also `omni serve` (2 LM replicas): SIGKILL, frontend kill
+    .venv/bin/python benchmarks/faults.py --json     # {"faults": [{"fault", "detect_s", "failed", "hung",
+                                                     #              "completed", "recover_s"}, ...]}
+
+Columns: detect_s, fault -> the master publishing the new state (SUSPECT/DEAD/removed; for
+restart_master: until every stage is READY on the new master); failed / hung / completed, requests
+sent during the fault (hung must be 0: every request has a deadline); recover_s, fault -> the first
+request served by the replacement (or by the resumed component; for sigstop_stage: SIGCONT -> READY again).
+The scenarios themselves live in tests/e2e/test_faults.py (and tests/e2e/harness.py) and are reused here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.e2e import test_faults as tf            # noqa: E402
+from tests.e2e.harness import READY, OmniProcess   # noqa: E402
+
+
+def row(fault: str, detect_s, outcomes, recover_s) -> dict:
+    c = tf.count(outcomes)
+    return {"fault": fault, "detect_s": None if detect_s is None else round(detect_s, 3),
+            "failed": c["failed"], "hung": c["hung"], "completed": c["completed"],
+            "recover_s": None if recover_s is None else round(recover_s, 3)}
+
+
+# ------------------------------------------------------------------ headless deployment
+
+async def sigstop(d: tf.Headless) -> dict:
+    res = await tf.sigstop_stage(d)
+    return row("sigstop_stage", res["detect_s"], res["results"], res["rejoin_s"])
+
+
+async def sigkill_pooler(d: tf.Headless, n: int = 4) -> dict:
+    """SIGKILL one of two pooler replicas while requests run through it; start a replacement."""
+    victim = d.stages[2]
+    watcher = tf.Watcher(d.address)
+    try:
+        async with tf.TestOrchestrator(d) as t:
+            rep = next(r for r in t.topology.replicas.values() if r.pid == victim.proc.pid)
+            tasks = [asyncio.create_task(t.run(max_tokens=24)) for _ in range(n)]
+            deadline = time.monotonic() + 60
+            while not t.orch._by_replica.get(rep.replica_id):   # until the victim holds a request
+                if time.monotonic() > deadline or all(x.done() for x in tasks):
+                    break
+                await asyncio.sleep(0.01)
+            t0 = time.monotonic()
+            victim.proc.send_signal(signal.SIGKILL)
+            ev = await asyncio.to_thread(watcher.wait, lambda e: e[1] == rep.replica_id and
+                                         (e[3] in ("SUSPECT", "DEAD") or e[4] == "REMOVED"), 10, "victim gone", t0)
+            outcomes = list(await asyncio.gather(*tasks))
+            outcomes += [await t.run() for _ in range(2)]
+            new = OmniProcess("serve", d.model, "--deploy-config", str(d.config_path), "--stage-id", "1",
+                              "--headless", "--omni-master-address", "127.0.0.1",
+                              "--omni-master-port", str(d.master_port))
+            d.stages[2] = new
+            await asyncio.to_thread(new.wait_for, READY, 120)
+            recover_s = None
+            for _ in range(20):   # bounded: concurrent requests spread over both poolers
+                outcomes += await asyncio.gather(*(t.run() for _ in range(3)))
+                try:   # requests_total rides on heartbeats (one a second)
+                    await asyncio.to_thread(tf.wait_until, lambda: any(
+                        r.pid == new.proc.pid and r.requests_total > 0 for r in tf.status(d.address).replicas),
+                        1.5, "a heartbeat")
+                except AssertionError:
+                    continue
+                recover_s = time.monotonic() - t0
+                break
+    finally:
+        watcher.close()
+    return row("sigkill_stage", ev[0] - t0, outcomes, recover_s)
+
+
+async def restart_master(d: tf.Headless) -> dict:
+    res = await tf.restart_master(d)
+    return row("restart_master", res["reregistered_s"], [res["first"], *res["results"]], res["recover_s"])
+
+
+def run_headless(folder: Path) -> list[dict]:
+    d = tf.start_headless(folder)
+    try:
+        return [asyncio.run(sigstop(d)), asyncio.run(sigkill_pooler(d)), asyncio.run(restart_master(d))]
+    finally:
+        d.stop()
+
+
+# ------------------------------------------------------------------ omni serve deployment
+
+def kill_frontend(d: tf.Served) -> dict:
+    """SIGKILL the API frontend with a request in flight; the launcher starts a new one."""
+    fe = next(r for r in tf.status(d.master, tf.TOKEN).replicas if r.role == "FRONTEND" and r.state == "READY")
+    watcher = tf.Watcher(d.master, tf.TOKEN)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            out = tf.Outcome()
+            fut = pool.submit(tf.stream_chat, d.url, "Count to fifty.", 48, out, tf.API_KEY, 30.0)
+            if not out.first_chunk.wait(60):
+                raise AssertionError(f"no output before the fault: {out.status} {out.error}")
+            t0 = time.monotonic()
+            os.kill(fe.pid, signal.SIGKILL)
+            ev = watcher.wait(lambda e: e[1] == fe.replica_id and (e[3] in ("SUSPECT", "DEAD") or e[4] == "REMOVED"),
+                              10, "frontend gone", t0)
+            fut.result(60)
+        outcomes = [out]
+        recover_s = None
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            o = tf.stream_chat(d.url, "Say hi.", 4, tf.Outcome(), tf.API_KEY, 30.0)
+            if o.status == "completed":
+                recover_s = time.monotonic() - t0
+                outcomes.append(o)
+                break
+            time.sleep(0.5)   # a benchmark's retry pace: the port refuses until the new frontend binds
+    finally:
+        watcher.close()
+    return row("kill_frontend", ev[0] - t0, outcomes, recover_s)
+
+
+def run_served(folder: Path) -> list[dict]:
+    d = tf.start_served(folder)
+    try:
+        res = tf.sigkill_under_load(d)
+        rows = [row("sigkill_stage_http", res["detect_s"], res["outcomes"] + res["after"], res["recover_s"])]
+        rows.append(kill_frontend(d))
+        return rows
+    finally:
+        d.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="headless faults only (the default; under 2 minutes)")
+    ap.add_argument("--full", action="store_true", help="also the `omni serve` faults (two LM replicas)")
+    ap.add_argument("--json", action="store_true", help="print one JSON document")
+    args = ap.parse_args()
+    os.environ.setdefault("OMNI_TEST", "1")
+    with tempfile.TemporaryDirectory(prefix="omni-faults-") as tmp:
+        rows = run_headless(Path(tmp))
+        if args.full:
+            rows += run_served(Path(tmp))
+    if args.json:
+        print(json.dumps({"faults": rows}))
+        return
+    cols = ["fault", "detect_s", "failed", "hung", "completed", "recover_s"]
+    print(" ".join(f"{c:>18}" for c in cols))
+    for r in rows:
+        print(" ".join(f"{'-' if r[c] is None else r[c]:>18}" for c in cols))
+    if any(r["hung"] for r in rows):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
