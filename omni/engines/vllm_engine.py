@@ -86,14 +86,16 @@ def split_engine_args(label: str, args: dict[str, Any]) -> tuple[dict[str, Any],
     return vllm_args, omni_args
 
 
-def prepare_env(num_threads: int | None, cpu: bool) -> None:
+def prepare_env(num_threads: int | None, cpu: bool, kv_bytes_given: bool = False) -> None:
     """Environment the EngineCore process inherits; user-set values win."""
     for k, v in ENV_DEFAULTS.items():
         os.environ.setdefault(k, v)
     if not cpu:
         return
     for k, v in CPU_ENV_DEFAULTS.items():
-        os.environ.setdefault(k, v)
+        # On CPU, VLLM_CPU_KVCACHE_SPACE would override an explicit kv_cache_memory_bytes.
+        if not (k == "VLLM_CPU_KVCACHE_SPACE" and kv_bytes_given):
+            os.environ.setdefault(k, v)
     if num_threads is not None:
         # vLLM's CPU worker binds its OpenMP threads to whole NUMA nodes by default;
         # on a shared host a stage gets exactly the threads it was given instead.
@@ -130,7 +132,7 @@ class VllmEngine(Engine):
 
         self.platform = current_platform.device_name
         cpu = current_platform.is_cpu()
-        prepare_env(omni_args.get("num_threads"), cpu)
+        prepare_env(omni_args.get("num_threads"), cpu, vllm_args.get("kv_cache_memory_bytes") is not None)
         if cpu:
             # Compiled mode is slow to start and flaky in warm-up on CPU.
             vllm_args.setdefault("enforce_eager", True)
