@@ -212,11 +212,18 @@ class VllmEngine(Engine):
         p = request.sampling
         if p.max_tokens < 1:
             raise EngineError(f"request {rid!r}: max_tokens must be >= 1, got {p.max_tokens}")
+        from vllm.exceptions import VLLMClientError
+        from vllm.v1.engine.exceptions import EngineDeadError
+
         try:
             params = to_vllm_sampling(p)
             self._llm.add_request(rid, {"prompt_token_ids": prompt}, params)
-        except ValueError as e:   # vLLM's validation (prompt too long, bad top_p, ...)
+        except (ValueError, VLLMClientError) as e:   # vLLM's validation (prompt too long, bad top_p, ...)
             raise EngineError(f"request {rid!r}: {e}") from None
+        except EngineDeadError:
+            # Fails this request; the next step() reports the death (has_unfinished says so).
+            self._dead = self._dead or "the EngineCore reported itself dead"
+            raise EngineError(f"{self.label}: vLLM EngineCore died: {self._dead}") from None
         self._live[rid] = _Live(len(prompt))
         self._prompt_tokens += len(prompt)
 

@@ -1,0 +1,107 @@
+"""The vLLM engine's pure parts (args, sampling mapping) and the worker's fatal-step path."""
+
+from __future__ import annotations
+
+import threading
+
+import msgspec
+import pytest
+import zmq
+
+from omni.config import StageConfig
+from omni.engines.base import Engine, EngineOutput, EngineRequest, SamplingParams
+from omni.errors import ConfigError
+from omni.stage import messages as m
+from omni.stage.worker import StageWorker
+
+try:
+    import vllm  # noqa: F401
+    HAVE_VLLM = True
+except ImportError:
+    HAVE_VLLM = False
+
+needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (`pip install -e '.[vllm]'`)")
+
+
+@needs_vllm
+def test_unknown_engine_args_are_refused_by_name():
+    from omni.engines.vllm_engine import split_engine_args
+
+    with pytest.raises(ConfigError) as e:
+        split_engine_args("stage 0", {"max_model_len": 512, "max_num_seq": 4, "bogus": 1})
+    msg = str(e.value)
+    assert "'bogus'" in msg and "'max_num_seq'" in msg and "did you mean 'max_num_seqs'" in msg
+    assert "max_model_len" not in msg.split("engine_args")[1].split(";")[0]
+
+
+@needs_vllm
+def test_engine_args_split_into_vllm_and_omni_keys():
+    from omni.engines.vllm_engine import split_engine_args
+
+    v, o = split_engine_args("stage 0", {"max_model_len": 512, "enforce_eager": True,
+                                         "gpu_memory_utilization": 0.5, "num_threads": 1})
+    assert v == {"max_model_len": 512, "enforce_eager": True, "gpu_memory_utilization": 0.5}
+    assert o == {"num_threads": 1}
+    with pytest.raises(ConfigError, match="engine_args.model is set by omni"):
+        split_engine_args("stage 0", {"model": "/x"})
+
+
+@needs_vllm
+def test_sampling_maps_to_vllm_with_delta_token_outputs():
+    from vllm.sampling_params import RequestOutputKind
+
+    from omni.engines.vllm_engine import to_vllm_sampling
+
+    v = to_vllm_sampling(SamplingParams(max_tokens=7, temperature=0.0, top_k=0, seed=3,
+                                        stop_token_ids=(5, 6), ignore_eos=True))
+    assert (v.max_tokens, v.temperature, v.seed, v.ignore_eos) == (7, 0.0, 3, True)
+    assert v.stop_token_ids == [5, 6] and v.n == 1 and not v.detokenize
+    assert v.output_kind is RequestOutputKind.DELTA
+    from vllm.exceptions import VLLMClientError
+
+    with pytest.raises((ValueError, VLLMClientError), match="top_p"):   # add_request makes it an EngineError
+        to_vllm_sampling(SamplingParams(top_p=0.0))
+
+
+class DyingEngine(Engine):
+    """Holds requests; its first step raises a fatal error (like a dead EngineCore)."""
+
+    class Died(RuntimeError):
+        fatal = True
+
+    def __init__(self):
+        self.reqs: set[str] = set()
+        self.go = threading.Event()
+
+    def add_request(self, r: EngineRequest) -> None:
+        self.reqs.add(r.request_id)
+
+    def abort(self, rid: str) -> None:
+        self.reqs.discard(rid)
+
+    def step(self) -> list[EngineOutput]:
+        raise self.Died("EngineCore process 123 killed by SIGKILL")
+
+    def has_unfinished(self) -> bool:
+        return bool(self.reqs)
+
+
+def test_a_fatal_step_error_fails_requests_and_stops_the_worker():
+    w = StageWorker(StageConfig(stage_id=0, engine="dying"), DyingEngine(), replica_id="s0r0")
+    t = threading.Thread(target=w.run, kwargs={"grace_s": 5.0}, daemon=True)
+    t.start()
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.RCVTIMEO, 10_000)
+    s.connect(w.endpoint)
+    try:
+        s.send(msgspec.msgpack.encode(m.AddRequest(request_id="r1", prompt_token_ids=[1])))
+        err = msgspec.msgpack.Decoder(m.FromStage).decode(s.recv())
+        assert isinstance(err, m.RequestError) and "SIGKILL" in err.message, err
+        t.join(10)
+        assert not t.is_alive(), "the worker kept looping on a dead engine"
+        assert w.fatal and "Died" in w.fatal
+    finally:
+        s.close(0)
+        w.stop()
+        t.join(10)
