@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from typing import Any, Optional
 
@@ -126,6 +127,10 @@ def serve(
 
     if api_server_count < 1:
         raise ConfigError(f"--api-server-count must be >= 1, got {api_server_count}")
+    cores = os.cpu_count() or 1
+    if api_server_count > cores:
+        print(f"omni: warning: --api-server-count {api_server_count} is more than the {cores} CPU cores here; "
+              "extra frontends only add contention", file=sys.stderr)
     if num_replicas is not None and num_replicas < 1:
         raise ConfigError(f"--num-replicas must be >= 1, got {num_replicas}")
     if headless and stage_id is None:
