@@ -182,6 +182,11 @@ class VllmEngine(Engine):
     def _check_alive(self) -> None:
         if self._dead is None:
             gone = [p for p in self.core_processes() if p.exitcode is not None]
+            if not gone and self._client.resources.engine_dead:
+                # vLLM may flag the death before the exit status is there: give the cause a moment.
+                for p in self.core_processes():
+                    p.join(2.0)
+                gone = [p for p in self.core_processes() if p.exitcode is not None]
             if gone or self._client.resources.engine_dead:
                 self._dead = "; ".join(_describe_exit(p) for p in gone) or "the EngineCore reported itself dead"
         if self._dead is not None:
