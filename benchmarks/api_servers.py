@@ -137,10 +137,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", default=True)
     ap.add_argument("--full", action="store_true")
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--words", type=int, default=1500, help="prompt length in words")
-    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--words", type=int, default=200, help="prompt length in words")
+    ap.add_argument("--concurrency", type=int, default=4)
     a = ap.parse_args()
-    a.requests = 48 if a.full else 16
+    a.requests = 48 if a.full else 8
     a.repeats = 3 if a.full else 2
     counts = [1, 2, 4] if a.full else [1, 2]
     rows = [measure(c, a) for c in counts]
