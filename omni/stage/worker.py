@@ -13,6 +13,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -21,7 +22,7 @@ import zmq
 from omni.config import StageConfig
 from omni.engines.base import Engine, EngineError, EngineOutput, EngineRequest
 from omni.stage import messages as m
-from omni.transport.base import TensorProducer, TransportError
+from omni.transport.base import ProducerFull, TensorProducer, TransportError
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,23 @@ class WorkerStats:
     step_s_total: float = 0.0
     tensor_bytes_out: int = 0
     tensor_bytes_in: int = 0
+    stalls: int = 0                 # times output had to wait for consumers (backpressure)
+    stall_s_total: float = 0.0
+
+
+_GONE = _Req(b"", 0.0, "")
+
+
+@dataclass
+class _Held:
+    """Output that could not go out yet: its tensors did not fit the producer (`out`
+    set) or the frontend's queue was full (`frame` set, tensors already published)."""
+    rid: str
+    since: float
+    out: EngineOutput | None = None
+    step_s: float = 0.0
+    ident: bytes = b""
+    frame: bytes = b""
 
 
 @dataclass
@@ -67,6 +85,7 @@ class StageWorker:
         make_producer: Callable[[str], TensorProducer] | None = None,
         consumer: Any = None,
         replica_id: str = "",
+        stall_timeout_s: float = 60.0,
     ):
         self.stage = stage
         self.engine = engine
@@ -77,6 +96,12 @@ class StageWorker:
         self._producers: dict[str, TensorProducer] = {}
         self._consumer = consumer
         self._reqs: dict[str, _Req] = {}
+        # Backpressure: while anything is held, the engine is not stepped, so memory
+        # stays bounded by the producers' limits plus one step's output.
+        self._held: deque[_Held] = deque()
+        self._stall_started: float | None = None
+        self._flushing = False
+        self.stall_timeout_s = stall_timeout_s
         self._frontends: set[bytes] = set()
         self._commands: "queue.Queue[_Command]" = queue.Queue()
         self._stopping = threading.Event()
@@ -115,6 +140,9 @@ class StageWorker:
                 "step_s_total": self.stats.step_s_total,
                 "tensor_bytes_out": float(self.stats.tensor_bytes_out),
                 "tensor_bytes_in": float(self.stats.tensor_bytes_in),
+                "stalls": float(self.stats.stalls),
+                "stall_s_total": self.stats.stall_s_total,
+                "held_outputs": float(len(self._held)),
             },
         }
 
@@ -147,20 +175,25 @@ class StageWorker:
         stop_deadline: float | None = None
         while True:
             busy = self.engine.has_unfinished() and not self.engine.is_sleeping()
-            events = dict(poller.poll(0 if busy else 1000))
+            # Held output is retried every few ms (a full frontend queue gives no event);
+            # a FreeTensors from a consumer wakes the poll at once.
+            timeout = 5 if self._held else (0 if busy else 1000)
+            events = dict(poller.poll(timeout))
             if self._wake_rx in events:
                 while self._wake_rx.poll(0):
                     self._wake_rx.recv()
             if self._sock in events:
                 self._drain_socket()
             self._run_commands()
+            if self._held:
+                self._flush_held()
             if self._stopping.is_set():
                 if stop_deadline is None:
                     stop_deadline = time.monotonic() + grace_s
                     logger.info("%s: stopping, %d request(s) in flight", self.stage.label, len(self._reqs))
-                if not self._reqs or time.monotonic() > stop_deadline:
+                if (not self._reqs and not self._held) or time.monotonic() > stop_deadline:
                     break
-            if self.engine.has_unfinished() and not self.engine.is_sleeping():
+            if not self._held and self.engine.has_unfinished() and not self.engine.is_sleeping():
                 self._step()
         for rid in list(self._reqs):
             self._fail(rid, f"{self.stage.label} is shutting down")
@@ -262,26 +295,37 @@ class StageWorker:
             self._emit(out, dt)
 
     def _emit(self, out: EngineOutput, step_s: float) -> None:
+        if self._held:   # keep order: nothing overtakes held output
+            self._hold(_Held(out.request_id, time.monotonic(), out=out, step_s=step_s))
+            return
+        if not self._publish(out, step_s):
+            self._hold(_Held(out.request_id, time.monotonic(), out=out, step_s=step_s))
+
+    def _publish(self, out: EngineOutput, step_s: float) -> bool:
+        """Send one output; False when its tensors do not fit yet (nothing was kept)."""
         req = self._reqs.get(out.request_id)
         if req is None:
-            return  # aborted meanwhile
+            return True  # aborted meanwhile
         if out.error:
             self._fail(out.request_id, out.error)
-            return
+            return True
+        refs = {}
+        try:
+            for name, tensor in (out.tensors.items() if req.out_tensors else ()):
+                refs[name] = self._producer(req.out_transport).put(tensor, owner=out.request_id)
+        except ProducerFull:
+            self._free_refs(req.out_transport, refs)
+            return False
+        except (TransportError, ValueError) as e:
+            self._free_refs(req.out_transport, refs)
+            self.engine.abort(out.request_id)
+            self._fail(out.request_id, f"could not publish output tensors: {e}")
+            return True
+        self.stats.tensor_bytes_out += sum(r.nbytes for r in refs.values())
         queue_s = None
         if not req.started:
             req.started = True
             queue_s = max(0.0, time.monotonic() - req.added_at - step_s)
-        try:
-            refs = {}
-            for name, tensor in (out.tensors.items() if req.out_tensors else ()):
-                ref = self._producer(req.out_transport).put(tensor, owner=out.request_id)
-                self.stats.tensor_bytes_out += ref.nbytes
-                refs[name] = ref
-        except (TransportError, ValueError) as e:
-            self.engine.abort(out.request_id)
-            self._fail(out.request_id, f"could not publish output tensors: {e}")
-            return
         msg = m.Output(
             request_id=out.request_id,
             token_ids=out.token_ids,
@@ -297,6 +341,47 @@ class StageWorker:
         if out.finished:
             del self._reqs[out.request_id]
         self._send(req.frontend, msg)
+        return True
+
+    def _free_refs(self, transport: str, refs: dict) -> None:
+        if refs:
+            self._producers[transport].free([r.key for r in refs.values()])
+
+    def _hold(self, held: _Held) -> None:
+        if not self._held:
+            self._stall_started = time.monotonic()
+            self.stats.stalls += 1
+            logger.info("%s: output waits for consumers (backpressure)", self.stage.label)
+        self._held.append(held)
+
+    def _flush_held(self) -> None:
+        """Retry held output in order; past the stall timeout, fail the request at the head."""
+        self._flushing = True
+        try:
+            while self._held:
+                h = self._held.popleft()
+                if h.out is not None:
+                    if self._publish(h.out, h.step_s):
+                        continue      # sent, or its frame now heads the queue
+                elif self._send_frame(h.ident, h.frame):
+                    continue
+                self._held.appendleft(h)
+                if time.monotonic() - h.since <= self.stall_timeout_s:
+                    break
+                self._held.popleft()
+                self._drop_held(h.rid, f"{self.stage.label}: output waited {self.stall_timeout_s:.0f} s for "
+                                       f"consumers to free tensors or read results (stall_timeout_s)")
+        finally:
+            self._flushing = False
+        if not self._held and self._stall_started is not None:
+            self.stats.stall_s_total += time.monotonic() - self._stall_started
+            self._stall_started = None
+
+    def _drop_held(self, rid: str, message: str) -> None:
+        self._held = deque(h for h in self._held if not rid or h.rid != rid)
+        if rid in self._reqs:
+            self.engine.abort(rid)
+            self._fail(rid, message)
 
     def _producer(self, kind: str) -> TensorProducer:
         producer = self._producers.get(kind)
@@ -321,16 +406,33 @@ class StageWorker:
         return m.RequestError(rid, message, self.stage.stage_id, self.replica_id)
 
     def _send(self, ident: bytes, msg: Any) -> None:
+        frame = self._out.encode(msg)
+        rid = getattr(msg, "request_id", "")   # request messages keep their order; replies need not
+        if (rid and self._held and not self._flushing) or not self._send_frame(ident, frame):
+            held = _Held(rid, time.monotonic(), ident=ident, frame=frame)
+            if self._flushing:
+                self._held.appendleft(held)   # the head's own message: keeps the order
+            else:
+                self._hold(held)
+
+    def _send_frame(self, ident: bytes, frame: bytes) -> bool:
+        """False when the frontend's queue is full (it reads slowly): the caller holds the frame."""
         try:
-            self._sock.send_multipart([ident, self._out.encode(msg)], zmq.NOBLOCK)
+            self._sock.send_multipart([ident, frame], zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
         except zmq.ZMQError as e:
-            # Frontend gone (EHOSTUNREACH) or its queue full: its requests die with it.
+            # Frontend gone (EHOSTUNREACH): its requests and held frames die with it.
             logger.warning("%s: cannot reach frontend %r: %s", self.stage.label, ident, e)
+            self._held = deque(h for h in self._held if h.ident != ident and
+                               (h.out is None or self._reqs.get(h.rid, _GONE).frontend != ident))
             for rid, req in list(self._reqs.items()):
                 if req.frontend == ident:
                     self._reqs.pop(rid)
                     self.engine.abort(rid)
                     self._free_owner(rid)
+            return True
 
     # ------------------------------------------------------------ utilities / commands
 

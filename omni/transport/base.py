@@ -31,6 +31,11 @@ class TransportError(Exception):
     """A request-level transport failure (freed/foreign ref, bad dtype/shape, too large)."""
 
 
+class ProducerFull(TransportError):
+    """The producer holds its limit of unacknowledged bytes. Not a failure: the caller
+    waits until consumers free tensors (backpressure) and puts again."""
+
+
 class TensorProducer(abc.ABC):
     @abc.abstractmethod
     def put(self, tensor: torch.Tensor, owner: str = "") -> TensorRef: ...

@@ -23,7 +23,7 @@ import threading
 import torch
 
 from omni.transport.alloc import ALIGN, SlotAllocator, round_up
-from omni.transport.base import TensorConsumer, TensorProducer, TensorRef, TransportError
+from omni.transport.base import ProducerFull, TensorConsumer, TensorProducer, TensorRef, TransportError
 from omni.transport.server import SocketServer
 from omni.transport.util import check_ref, dtype_name, flat_bytes, recv_exact
 
@@ -140,7 +140,7 @@ class ShmProducer(TensorProducer):
             if off is not None:
                 return seg, off
         if len(self._segments) >= self.max_segments:
-            raise TransportError(
+            raise ProducerFull(
                 f"shm arena full: {self._bytes_in_use()} of {self.arena_bytes * self.max_segments} bytes "
                 f"in use, {need} more needed; consumers must ack (free) tensors"
             )

@@ -20,7 +20,7 @@ import threading
 
 import torch
 
-from omni.transport.base import TensorConsumer, TensorProducer, TensorRef, TransportError
+from omni.transport.base import ProducerFull, TensorConsumer, TensorProducer, TensorRef, TransportError
 from omni.transport.server import SocketServer
 from omni.transport.util import (
     as_memoryview, check_ref, dtype_name, prepare, recv_exact, recv_into_exact, split_endpoint,
@@ -36,6 +36,9 @@ REP = struct.Struct("<BQ")
 OK, UNKNOWN_KEY, SIZE_MISMATCH = 0, 1, 2
 BAD_TOKEN = 1
 DEFAULT_MAX_TENSOR_BYTES = 16 << 30
+# Bytes a producer keeps for consumers that have not acked yet; past it put() raises
+# ProducerFull and the stage stops producing until consumers free (backpressure).
+DEFAULT_MAX_BYTES_HELD = 1 << 30
 _SMALL = 64 << 10
 
 
@@ -50,9 +53,11 @@ class KeyedProducer(TensorProducer):
     transport = "tcp"
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
-                 max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES, advertise_host: str | None = None):
+                 max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES, advertise_host: str | None = None,
+                 max_bytes_held: int = DEFAULT_MAX_BYTES_HELD):
         self.host = host
         self.max_tensor_bytes = max_tensor_bytes
+        self.max_bytes_held = max_bytes_held
         self._token = (token or "").encode()
         self._lock = threading.Lock()
         self._next_key = 1
@@ -134,6 +139,14 @@ class KeyedProducer(TensorProducer):
         with self._lock:
             if self._closed:
                 raise TransportError(f"{self.transport} producer {self.endpoint} is closed")
+            if self._bytes + nbytes > self.max_bytes_held:
+                if self._bytes == 0:
+                    raise TransportError(
+                        f"tensor of {nbytes} bytes exceeds the {self.transport} producer's limit of "
+                        f"{self.max_bytes_held} bytes held (max_bytes_held)")
+                raise ProducerFull(
+                    f"{self.transport} producer {self.endpoint} holds {self._bytes} of {self.max_bytes_held} "
+                    f"bytes, {nbytes} more needed; consumers must ack (free) tensors")
             key = self._next_key
             self._next_key += 1
             self._tensors[key] = (kept, owner)
