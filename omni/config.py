@@ -63,6 +63,9 @@ class PipelineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     request_timeout_s: float = 300.0
     startup_timeout_s: float = 600.0
     lease_ttl_s: float = 5.0
+    # How long a stage's output may wait for consumers to free tensors or read results
+    # (backpressure) before the request at the head of the wait fails.
+    stall_timeout_s: float = 60.0
     # Stage that /v1/audio/speech enters at (None: the pipeline has no speech).
     speech_entry_stage: int | None = None
 
@@ -298,8 +301,13 @@ def validate(config: DeployConfig, source: str = "deploy config") -> None:
                     f"{where}.connectors.{edge}.transport must be one of {list(TRANSPORTS)}, "
                     f"got {conn.transport!r}"
                 )
+            if conn.arena_bytes is not None and conn.arena_bytes < 4096:
+                raise ConfigError(f"{where}.connectors.{edge}.arena_bytes must be >= 4096, got {conn.arena_bytes}")
     if not any(s.final_output for s in config.stages):
         raise ConfigError(f"{source}: no stage has final_output: true")
+    for key in ("request_timeout_s", "startup_timeout_s", "lease_ttl_s", "stall_timeout_s"):
+        if getattr(config.pipeline, key) <= 0:
+            raise ConfigError(f"{source}: pipeline.{key} must be > 0, got {getattr(config.pipeline, key)}")
     entry = config.pipeline.speech_entry_stage
     if entry is not None and entry not in ids:
         raise ConfigError(f"{source}: pipeline.speech_entry_stage {entry} is not a stage id")

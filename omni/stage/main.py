@@ -91,15 +91,18 @@ def run_stage(config: DeployConfig, stage_id: int, opts: StageOptions,
 
     default_transport = "shm"
 
+    arenas = [c.arena_bytes for c in stage.connectors.values() if c.arena_bytes]
+
     def producer_opts(kind: str) -> dict:
         if kind == "shm":
-            return {}
+            return {"arena_bytes": max(arenas)} if arenas else {}
         return {"token": opts.token or None, "advertise_host": advertise}
     worker = StageWorker(
         stage, engine, host=bind_host, advertise_host=advertise, token=opts.token,
         default_transport=default_transport,
         make_producer=lambda kind: make_producer(kind, host=bind_host, **producer_opts(kind)),
         consumer=MultiConsumer(token=opts.token),
+        stall_timeout_s=config.pipeline.stall_timeout_s,
     )
     worker_box.append(worker)
     if stop.is_set():

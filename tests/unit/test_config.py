@@ -130,3 +130,21 @@ def test_dotted_json_flags_fold_into_one():
 def test_dotted_json_flag_errors(argv, match):
     with pytest.raises(ConfigError, match=match):
         fold_dotted_args(argv)
+
+
+def test_backpressure_settings_are_checked():
+    import pytest
+
+    from omni.config import parse
+    from omni.errors import ConfigError
+
+    base = {"model": "m", "stages": [{"stage_id": 0, "engine": "torch_lm", "final_output": True,
+                                      "final_output_type": "text"}]}
+    assert parse(dict(base), source="x.yaml").pipeline.stall_timeout_s == 60.0
+    with pytest.raises(ConfigError, match=r"pipeline.stall_timeout_s must be > 0"):
+        parse({**base, "pipeline": {"stall_timeout_s": 0}}, source="x.yaml")
+    bad_arena = {"model": "m", "stages": [
+        {"stage_id": 0, "engine": "torch_lm", "connectors": {"1": {"arena_bytes": 10}}},
+        {"stage_id": 1, "engine": "pooler", "inputs": [0], "final_output": True, "final_output_type": "embedding"}]}
+    with pytest.raises(ConfigError, match=r"stages\[0\].connectors.1.arena_bytes must be >= 4096"):
+        parse(bad_arena, source="x.yaml")
