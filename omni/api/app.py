@@ -33,6 +33,7 @@ from omni.api import sse
 from omni.api.detok import decoder_for
 from omni.api.errors import APIError, api_error_response, bad_request, error_body, error_response, to_api_error
 from omni.api.generation import Generation
+from omni.api.jobs import Jobs
 from omni.api.metrics import FrontendMetrics
 from omni.api.voices import InMemoryVoiceStore
 from omni.api.wav import pcm16, wav_bytes
@@ -49,7 +50,7 @@ OFFLOAD_CHARS = 1024
 AUDIO_TTL_S = 3600
 _ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics",
            "/v1/omni/sleep", "/v1/omni/wakeup", "/v1/omni/is_sleeping", "/v1/audio/speech",
-           "/v1/audio/voices", "/openapi.json")
+           "/v1/audio/voices", "/openapi.json", "/v1/omni/jobs")
 
 
 def route_label(path: str) -> str:
@@ -57,6 +58,8 @@ def route_label(path: str) -> str:
         return path
     if path.startswith("/v1/audio/voices/"):
         return "/v1/audio/voices/{name}"
+    if path.startswith("/v1/omni/jobs/"):
+        return "/v1/omni/jobs/{id}/content" if path.endswith("/content") else "/v1/omni/jobs/{id}"
     return "other"
 
 
@@ -517,12 +520,20 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
 def build_app(orchestrator: OrchestratorLike, tokenizer: Any, *, served_model_name: str,
               model_aliases=(), frontend_index: int = 0, max_model_len: int, default_max_tokens: int = 256,
               max_tokens_limit: int | None = None, speech_entry_stage: int | None = None, voices=None,
-              api_key: str | None = None, default_temperature: float = 1.0) -> Starlette:
+              api_key: str | None = None, default_temperature: float = 1.0, jobs: Jobs | None = None) -> Starlette:
+    """`jobs`: the async job routes' state (master KV + shared result dir); in memory when None."""
     f = Frontend(orchestrator, tokenizer, served_model_name=served_model_name, model_aliases=model_aliases,
                  frontend_index=frontend_index, max_model_len=max_model_len,
                  default_max_tokens=default_max_tokens, max_tokens_limit=max_tokens_limit,
                  speech_entry_stage=speech_entry_stage, voices=voices, default_temperature=default_temperature)
     e = _endpoint
+    jobs = jobs if jobs is not None else Jobs(frontend_index=frontend_index)
+    runnable = {}
+    if tokenizer is not None:
+        runnable.update({"/v1/chat/completions": e(f.chat), "/v1/completions": e(f.completions)})
+    if speech_entry_stage is not None:
+        runnable["/v1/audio/speech"] = e(f.speech)
+    jobs.bind(runnable)
     routes = [
         Route("/v1/chat/completions", e(f.chat), methods=["POST"]),
         Route("/v1/completions", e(f.completions), methods=["POST"]),
@@ -537,9 +548,15 @@ def build_app(orchestrator: OrchestratorLike, tokenizer: Any, *, served_model_na
         Route("/v1/audio/voices", e(f.add_voice), methods=["POST"]),
         Route("/v1/audio/voices/{name}", e(f.delete_voice), methods=["DELETE"]),
         Route("/openapi.json", e(f.openapi), methods=["GET"]),
+        Route("/v1/omni/jobs", e(jobs.create), methods=["POST"]),
+        Route("/v1/omni/jobs", e(jobs.list), methods=["GET"]),
+        Route("/v1/omni/jobs/{job_id}", e(jobs.retrieve), methods=["GET"]),
+        Route("/v1/omni/jobs/{job_id}", e(jobs.delete), methods=["DELETE"]),
+        Route("/v1/omni/jobs/{job_id}/content", e(jobs.content), methods=["GET"]),
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error},
                     middleware=[Middleware(FrontendMiddleware, frontend_index=frontend_index, api_key=api_key,
                                            metrics=f.metrics)])
     app.state.frontend = f
+    app.state.jobs = jobs
     return app

@@ -1,0 +1,345 @@
+"""Async jobs (/v1/omni/jobs): run a normal request in the background, fetch its result later.
+
+Job records live in the master's KV store (namespace `jobs`), so every frontend lists and
+retrieves the same jobs; result bytes are files in a directory every frontend on the head host
+reads. The frontend that accepted a job runs it by calling its own route handler in-process, so
+a job's content is byte for byte what the synchronous call answers. Records name the running
+frontend's pid: a job whose frontend is no longer registered reads as failed, not running forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from omni.api import protocol as P
+from omni.api.errors import APIError, bad_request, to_api_error
+from omni.errors import Unavailable
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "jobs"
+BODY_TYPES = {"/v1/audio/speech": P.SpeechRequest, "/v1/chat/completions": P.ChatCompletionRequest,
+              "/v1/completions": P.CompletionRequest}
+PENDING = ("queued", "in_progress")
+HIDDEN = ("owner", "created_ns")
+JOB_ID_RE = re.compile(r"^job-[0-9a-f]{32}$")
+WATCH_S = 0.5      # how often a frontend running jobs looks for ones deleted through another frontend
+FINISH_S = 30.0    # how long the final status write is retried while the master is unreachable
+
+Handler = Callable[[Request], Awaitable[Response]]
+# -> {(host, pid)} of the registered frontends, or None while that is unknown (no topology yet)
+LiveFrontends = Callable[[], "set[tuple[str, int]] | None"]
+
+
+class JobRequest(msgspec.Struct):
+    endpoint: str
+    body: dict[str, Any]
+
+
+class LocalKv:
+    """The master client's four KV calls, in memory: jobs of one frontend without a master (tests)."""
+
+    def __init__(self):
+        self._data: dict[str, dict[str, bytes]] = {}
+
+    async def kv_put(self, namespace: str, key: str, value: bytes) -> None:
+        self._data.setdefault(namespace, {})[key] = bytes(value)
+
+    async def kv_get(self, namespace: str, key: str) -> bytes | None:
+        return self._data.get(namespace, {}).get(key)
+
+    async def kv_list(self, namespace: str, prefix: str = "") -> dict[str, bytes]:
+        items = self._data.get(namespace, {})
+        return {k: items[k] for k in sorted(items) if k.startswith(prefix)}
+
+    async def kv_delete(self, namespace: str, key: str) -> bool:
+        return self._data.get(namespace, {}).pop(key, None) is not None
+
+
+class Results:
+    """Result bytes by job id: files in a directory the frontends share, or memory without one."""
+
+    def __init__(self, directory: str | os.PathLike | None = None):
+        self._dir = Path(directory) if directory else None
+        self._mem: dict[str, bytes] = {}
+        if self._dir is not None:
+            self._dir.mkdir(parents=True, exist_ok=True)
+
+    async def put(self, job_id: str, data: bytes) -> None:
+        if self._dir is None:
+            self._mem[job_id] = data
+        else:
+            await asyncio.to_thread(self._write, job_id, data)
+
+    def _write(self, job_id: str, data: bytes) -> None:
+        # temp file + rename: a reader sees the whole result or none
+        fd, tmp = tempfile.mkstemp(prefix=f".{job_id}.", suffix=".tmp", dir=self._dir)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self._dir / job_id)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    async def get(self, job_id: str) -> bytes | None:
+        if self._dir is None:
+            return self._mem.get(job_id)
+        try:
+            return await asyncio.to_thread((self._dir / job_id).read_bytes)
+        except FileNotFoundError:
+            return None
+
+    async def delete(self, job_id: str) -> None:
+        if self._dir is None:
+            self._mem.pop(job_id, None)
+        else:
+            (self._dir / job_id).unlink(missing_ok=True)
+
+
+def _public(record: dict) -> dict:
+    return {k: v for k, v in record.items() if k not in HIDDEN}
+
+
+def _not_found(job_id: str) -> APIError:
+    return APIError(404, f"job `{job_id}` does not exist", type="not_found_error", param="job_id",
+                    code="job_not_found")
+
+
+def _error(message: str, type: str = "server_error", param: str | None = None, code: str | None = None) -> dict:
+    return {"message": message, "type": type, "param": param, "code": code}
+
+
+class Jobs:
+    """The job routes of one frontend. `kv` is the master client (or LocalKv); `bind` gives the handlers."""
+
+    def __init__(self, kv: Any = None, results: Results | None = None, *, frontend_index: int = 0,
+                 host: str = "", live_frontends: LiveFrontends | None = None):
+        self.kv = kv if kv is not None else LocalKv()
+        self.results = results if results is not None else Results()
+        self.frontend_index = frontend_index
+        self.owner = {"host": host, "pid": os.getpid(), "frontend": frontend_index}
+        self.live_frontends = live_frontends
+        self.handlers: dict[str, Handler] = {}
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._mine: set[str] = set()   # accepted here and not finished: ours even before the task exists
+        self._watcher: asyncio.Task | None = None
+
+    def bind(self, handlers: dict[str, Handler]) -> None:
+        """The endpoints jobs may run (only those this pipeline serves), path -> route handler."""
+        self.handlers = {p: h for p, h in handlers.items() if p in BODY_TYPES}
+
+    # ---- routes
+
+    async def create(self, request: Request) -> Response:
+        spec = P.decode_body(await request.body(), JobRequest)
+        if spec.endpoint not in self.handlers:
+            raise bad_request(f"endpoint `{spec.endpoint}` cannot run as a job here; one of: "
+                              f"{', '.join(self.handlers) or 'none'}", param="endpoint")
+        if spec.body.get("stream"):
+            raise bad_request("a job cannot stream; drop body.stream or call the endpoint directly",
+                              param="body.stream")
+        body = msgspec.json.encode(spec.body)
+        try:  # wrong types and missing fields are refused now, not as a failed job later
+            P.decode_body(body, BODY_TYPES[spec.endpoint])
+        except APIError as e:
+            raise APIError(e.status, f"body: {e.message}", param=f"body.{e.param}" if e.param else "body") from None
+        now = time.time_ns()
+        record = {"id": f"job-{uuid.uuid4().hex}", "object": "omni.job", "endpoint": spec.endpoint,
+                  "status": "queued", "created_at": now // 10**9, "completed_at": None,
+                  "frontend": self.frontend_index, "error": None, "content_type": None, "bytes": None,
+                  "owner": self.owner, "created_ns": now}
+        self._mine.add(record["id"])
+        try:
+            await self._save(record)   # master unreachable: 503 and nothing runs
+        except BaseException:
+            self._mine.discard(record["id"])
+            raise
+        self._tasks[record["id"]] = asyncio.create_task(self._run(record, body), name=record["id"])
+        if self._watcher is None or self._watcher.done():
+            self._watcher = asyncio.create_task(self._watch_deletions())
+        return JSONResponse(_public(record))
+
+    async def list(self, request: Request) -> Response:
+        raw = request.query_params.get("limit", "20")
+        try:
+            limit = int(raw)
+        except ValueError:
+            limit = 0
+        if not 1 <= limit <= 100:
+            raise bad_request(f"limit={raw} must be an integer in [1, 100]", param="limit")
+        records = [json.loads(v) for v in (await self.kv.kv_list(NAMESPACE)).values()]
+        records.sort(key=lambda r: r.get("created_ns", 0), reverse=True)
+        live = self._live()
+        return JSONResponse({"object": "list", "data": [self._view(r, live) for r in records[:limit]],
+                             "has_more": len(records) > limit})
+
+    async def retrieve(self, request: Request) -> Response:
+        return JSONResponse(self._view(await self._get(request.path_params["job_id"]), self._live()))
+
+    async def content(self, request: Request) -> Response:
+        job = self._view(await self._get(request.path_params["job_id"]), self._live())
+        if job["status"] != "completed":
+            why = f": {job['error']['message']}" if job["error"] else ""
+            raise APIError(409, f"job `{job['id']}` is {job['status']}, not completed{why}",
+                           param="job_id", code="job_not_completed")
+        data = await self.results.get(job["id"])
+        if data is None:
+            raise APIError(404, f"the result of job `{job['id']}` is gone from the result store",
+                           type="not_found_error", param="job_id")
+        return Response(data, media_type=job["content_type"])
+
+    async def delete(self, request: Request) -> Response:
+        job_id = request.path_params["job_id"]
+        await self._get(job_id)
+        await self.kv.kv_delete(NAMESPACE, job_id)
+        task = self._tasks.get(job_id)
+        if task is not None:   # a job running elsewhere is cancelled by its frontend's watcher
+            task.cancel()
+        await self.results.delete(job_id)
+        return JSONResponse({"id": job_id, "object": "omni.job.deleted", "deleted": True})
+
+    async def close(self) -> None:
+        """Cancel running jobs (a stopping frontend deregisters, so readers see them failed)."""
+        tasks = list(self._tasks.values())
+        if self._watcher is not None:
+            tasks.append(self._watcher)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # ---- state
+
+    async def _get(self, job_id: str) -> dict:
+        if not JOB_ID_RE.match(job_id):
+            raise _not_found(job_id)
+        blob = await self.kv.kv_get(NAMESPACE, job_id)
+        if blob is None:
+            raise _not_found(job_id)
+        return json.loads(blob)
+
+    async def _save(self, record: dict) -> None:
+        await self.kv.kv_put(NAMESPACE, record["id"], json.dumps(record).encode())
+
+    def _live(self) -> set[tuple[str, int]] | None:
+        return self.live_frontends() if self.live_frontends is not None else None
+
+    def _view(self, record: dict, live: set[tuple[str, int]] | None) -> dict:
+        """The public job; a pending one whose frontend is gone reads as failed."""
+        owner = record.get("owner") or {}
+        if record["status"] in PENDING:
+            if owner.get("pid") == self.owner["pid"] and owner.get("host") == self.owner["host"]:
+                gone = record["id"] not in self._mine
+            else:
+                gone = live is not None and (owner.get("host"), owner.get("pid")) not in live
+            if gone:
+                msg = (f"frontend {owner.get('frontend')} (pid {owner.get('pid')}) that ran this job is gone; "
+                       f"submit it again")
+                record = {**record, "status": "failed", "error": _error(msg, code="frontend_gone")}
+        return _public(record)
+
+    # ---- running
+
+    async def _run(self, record: dict, body: bytes) -> None:
+        job_id = record["id"]
+        try:
+            try:
+                await self._save({**record, "status": "in_progress"})
+                final = await self._execute(record["endpoint"], job_id, body)
+            except asyncio.CancelledError:
+                await self.results.delete(job_id)
+                raise
+            except Exception as e:
+                err = to_api_error(e)
+                final = {"status": "failed", "error": _error(err.message, err.type, err.param, err.code)}
+            await self._finish({**record, **final, "completed_at": int(time.time())})
+        finally:
+            self._tasks.pop(job_id, None)
+            self._mine.discard(job_id)
+
+    async def _execute(self, endpoint: str, job_id: str, body: bytes) -> dict:
+        status, ctype, content = await self._call(endpoint, body)
+        if status == 200:
+            await self.results.put(job_id, content)
+            return {"status": "completed", "content_type": ctype, "bytes": len(content)}
+        try:
+            error = json.loads(content)["error"]
+        except (ValueError, KeyError, TypeError):
+            error = _error(f"{endpoint} answered HTTP {status}: {content[:200]!r}")
+        return {"status": "failed", "error": error}
+
+    async def _call(self, endpoint: str, body: bytes) -> tuple[int, str, bytes]:
+        """POST body to our own handler over ASGI, in this process; (status, content type, body)."""
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                 "scheme": "http", "path": endpoint, "raw_path": endpoint.encode(), "root_path": "",
+                 "query_string": b"", "client": None, "server": None,
+                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+        delivered = False
+        never = asyncio.Event()
+
+        async def receive():
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await never.wait()   # no client to disconnect; cancelling the job ends this wait
+
+        out: dict = {"status": 500, "ctype": "", "body": bytearray()}
+
+        async def send(message):
+            if message["type"] == "http.response.start":
+                out["status"] = message["status"]
+                out["ctype"] = next((v.decode() for k, v in message.get("headers", [])
+                                     if k.lower() == b"content-type"), "application/octet-stream")
+            elif message["type"] == "http.response.body":
+                out["body"] += message.get("body", b"")
+
+        response = await self.handlers[endpoint](Request(scope, receive))
+        await response(scope, receive, send)
+        return out["status"], out["ctype"], bytes(out["body"])
+
+    async def _finish(self, record: dict) -> None:
+        deadline = time.monotonic() + FINISH_S
+        while True:
+            try:
+                # A job deleted (through any frontend) while it ran stays deleted.
+                if await self.kv.kv_get(NAMESPACE, record["id"]) is None:
+                    await self.results.delete(record["id"])
+                    return
+                await self._save(record)
+                return
+            except Exception as e:
+                if not isinstance(e, Unavailable) or time.monotonic() > deadline:
+                    log.warning("job %s finished as %s but its status could not be stored: %s",
+                                record["id"], record["status"], e)
+                    return
+                await asyncio.sleep(1.0)   # retry pacing while the master is away, not synchronisation
+
+    async def _watch_deletions(self) -> None:
+        """Cancel this frontend's jobs that were deleted through another frontend."""
+        while self._tasks:
+            await asyncio.sleep(WATCH_S)
+            running = list(self._tasks.items())  # before the list call: jobs created after it are not judged
+            try:
+                present = await self.kv.kv_list(NAMESPACE)
+            except Exception as e:
+                log.debug("job watcher: %s", e)
+                continue
+            for job_id, task in running:
+                if job_id not in present:
+                    task.cancel()

@@ -1,0 +1,208 @@
+"""Async jobs (/v1/omni/jobs) against the fake orchestrator, with an in-memory KV shared by two frontends."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+
+import httpx
+import pytest
+
+from omni.api import build_app
+from omni.api.jobs import Jobs, LocalKv, Results
+from omni.errors import Unavailable
+from omni.voices import MasterVoiceStore
+from tests.unit.test_api import FakeOrchestrator, assert_error, chat_body, tokenizer  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.anyio
+
+SPEECH = {"model": "tiny", "input": "Hello there.", "voice": "joe"}
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+def frontend(tokenizer, kv, results_dir, index=0, host="h0", live=None, **kw):
+    orch = FakeOrchestrator(tokenizer)
+    orch.audio_chunks = 3
+    jobs = Jobs(kv, Results(results_dir), frontend_index=index, host=host, live_frontends=live)
+    app = build_app(orch, tokenizer, served_model_name="tiny", max_model_len=128, speech_entry_stage=1,
+                    frontend_index=index, jobs=jobs, **kw)
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+    return orch, jobs, client
+
+
+async def settle(jobs: Jobs, timeout: float = 10.0) -> None:
+    """Wait (bounded) until every job this frontend runs has finished."""
+    tasks = list(jobs._tasks.values())
+    if tasks:
+        await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout)
+
+
+async def test_speech_job_lifecycle_matches_the_sync_answer(tokenizer, tmp_path):
+    _, jobs, c = frontend(tokenizer, LocalKv(), tmp_path)
+    r = await c.post("/v1/omni/jobs", json={"endpoint": "/v1/audio/speech", "body": SPEECH})
+    assert r.status_code == 200, r.text
+    job = r.json()
+    assert job["object"] == "omni.job" and job["id"].startswith("job-") and job["status"] == "queued"
+    assert job["endpoint"] == "/v1/audio/speech" and job["frontend"] == 0 and job["error"] is None
+    assert "owner" not in job and "created_ns" not in job
+    await settle(jobs)
+    got = (await c.get(f"/v1/omni/jobs/{job['id']}")).json()
+    sync = await c.post("/v1/audio/speech", json=SPEECH)
+    assert got["status"] == "completed" and got["completed_at"] >= got["created_at"]
+    assert got["content_type"] == "audio/wav" and got["bytes"] == len(sync.content)
+    content = await c.get(f"/v1/omni/jobs/{job['id']}/content")
+    assert content.status_code == 200 and content.headers["content-type"] == "audio/wav"
+    assert content.content == sync.content and content.content[:4] == b"RIFF"
+    # The result is one file in the shared directory, no temp files left behind.
+    assert os.listdir(tmp_path) == [job["id"]]
+    listed = (await c.get("/v1/omni/jobs")).json()
+    assert listed["object"] == "list" and [j["id"] for j in listed["data"]] == [job["id"]]
+    d = await c.delete(f"/v1/omni/jobs/{job['id']}")
+    assert d.json() == {"id": job["id"], "object": "omni.job.deleted", "deleted": True}
+    assert os.listdir(tmp_path) == []
+    for method, path in (("GET", ""), ("GET", "/content"), ("DELETE", "")):
+        err = assert_error(await c.request(method, f"/v1/omni/jobs/{job['id']}{path}"), 404, param="job_id")
+        assert err["type"] == "not_found_error"
+
+
+async def test_chat_job_content_has_the_sync_shape(tokenizer, tmp_path):
+    _, jobs, c = frontend(tokenizer, LocalKv(), tmp_path)
+    job = (await c.post("/v1/omni/jobs", json={"endpoint": "/v1/chat/completions",
+                                              "body": chat_body(temperature=0)})).json()
+    await settle(jobs)
+    content = await c.get(f"/v1/omni/jobs/{job['id']}/content")
+    sync = (await c.post("/v1/chat/completions", json=chat_body(temperature=0))).json()
+    got = content.json()
+    assert content.headers["content-type"] == "application/json"
+    assert set(got) == set(sync) and got["object"] == "chat.completion"
+    assert got["choices"][0]["message"]["content"] == sync["choices"][0]["message"]["content"] == "hello world"
+    assert got["usage"] == sync["usage"]
+
+
+async def test_list_is_newest_first_with_limit(tokenizer, tmp_path):
+    _, jobs, c = frontend(tokenizer, LocalKv(), tmp_path)
+    ids = []
+    for _ in range(3):
+        r = await c.post("/v1/omni/jobs", json={"endpoint": "/v1/completions",
+                                               "body": {"model": "tiny", "prompt": "hello"}})
+        ids.append(r.json()["id"])
+    await settle(jobs)
+    listed = (await c.get("/v1/omni/jobs?limit=2")).json()
+    assert [j["id"] for j in listed["data"]] == ids[::-1][:2] and listed["has_more"] is True
+    assert all(j["status"] == "completed" for j in listed["data"])
+    assert_error(await c.get("/v1/omni/jobs?limit=0"), 400, param="limit")
+    assert_error(await c.get("/v1/omni/jobs?limit=x"), 400, param="limit")
+
+
+@pytest.mark.parametrize("body,param,contains", [
+    ({"endpoint": "/v1/models", "body": {}}, "endpoint", "/v1/audio/speech"),
+    ({"body": SPEECH}, "endpoint", None),
+    ({"endpoint": "/v1/audio/speech"}, "body", None),
+    ({"endpoint": "/v1/audio/speech", "body": [1]}, "body", None),
+    ({"endpoint": "/v1/chat/completions", "body": chat_body(stream=True)}, "body.stream", "stream"),
+    ({"endpoint": "/v1/audio/speech", "body": {"model": "tiny"}}, "body.input", "input"),
+    ({"endpoint": "/v1/completions", "body": {"prompt": 5}}, "body.prompt", None),
+])
+async def test_bad_job_requests_are_400(tokenizer, tmp_path, body, param, contains):
+    _, jobs, c = frontend(tokenizer, LocalKv(), tmp_path)
+    assert_error(await c.post("/v1/omni/jobs", json=body), 400, param=param, contains=contains)
+    assert jobs._tasks == {} and (await c.get("/v1/omni/jobs")).json()["data"] == []
+
+
+async def test_inner_error_is_a_failed_job(tokenizer, tmp_path):
+    _, jobs, c = frontend(tokenizer, LocalKv(), tmp_path)
+    job = (await c.post("/v1/omni/jobs", json={"endpoint": "/v1/audio/speech",
+                                              "body": {**SPEECH, "model": "nope"}})).json()
+    await settle(jobs)
+    got = (await c.get(f"/v1/omni/jobs/{job['id']}")).json()
+    assert got["status"] == "failed" and "`nope` does not exist" in got["error"]["message"]
+    assert got["content_type"] is None and got["completed_at"] is not None
+    assert_error(await c.get(f"/v1/omni/jobs/{job['id']}/content"), 409, contains="failed")
+
+
+async def test_unknown_ids_and_api_key(tokenizer, tmp_path):
+    _, _, c = frontend(tokenizer, LocalKv(), tmp_path, api_key="k")
+    assert_error(await c.get("/v1/omni/jobs"), 401)
+    h = {"Authorization": "Bearer k"}
+    assert_error(await c.get("/v1/omni/jobs/job-" + "0" * 32, headers=h), 404, param="job_id")
+    assert_error(await c.get("/v1/omni/jobs/..", headers=h), 404)
+    assert_error(await c.delete("/v1/omni/jobs/%2e%2e%2fx", headers=h), 404)
+
+
+async def test_other_frontend_sees_progress_and_owner_death(tokenizer, tmp_path):
+    kv, live = LocalKv(), {("h0", os.getpid()), ("h1", os.getpid())}
+    orch0, jobs0, c0 = frontend(tokenizer, kv, tmp_path, 0, "h0", lambda: set(live))
+    _, _, c1 = frontend(tokenizer, kv, tmp_path, 1, "h1", lambda: set(live))
+    orch0.hang_after = 0
+    job = (await c0.post("/v1/omni/jobs", json={"endpoint": "/v1/completions",
+                                               "body": {"model": "tiny", "prompt": "hello"}})).json()
+    await asyncio.wait_for(orch0.started_event.wait(), 5)
+    assert (await c1.get(f"/v1/omni/jobs/{job['id']}")).json()["status"] == "in_progress"
+    live.discard(("h0", os.getpid()))   # frontend 0 left the master's topology
+    got = (await c1.get(f"/v1/omni/jobs/{job['id']}")).json()
+    assert got["status"] == "failed" and got["error"]["code"] == "frontend_gone"
+    assert "frontend 0" in got["error"]["message"]
+    assert (await c1.get("/v1/omni/jobs")).json()["data"][0]["status"] == "failed"
+    assert_error(await c1.get(f"/v1/omni/jobs/{job['id']}/content"), 409, contains="frontend 0")
+    await jobs0.close()
+
+
+async def test_delete_through_another_frontend_cancels_the_running_job(tokenizer, tmp_path):
+    kv = LocalKv()
+    orch0, jobs0, c0 = frontend(tokenizer, kv, tmp_path, 0, "h0")
+    _, _, c1 = frontend(tokenizer, kv, tmp_path, 1, "h1")
+    orch0.hang_after = 0
+    job = (await c0.post("/v1/omni/jobs", json={"endpoint": "/v1/completions",
+                                               "body": {"model": "tiny", "prompt": "hello"}})).json()
+    await asyncio.wait_for(orch0.started_event.wait(), 5)
+    assert (await c1.delete(f"/v1/omni/jobs/{job['id']}")).json()["deleted"] is True
+    await asyncio.wait_for(orch0.closed_event.wait(), 5)   # frontend 0's watcher cancelled it
+    await settle(jobs0)
+    assert await kv.kv_get("jobs", job["id"]) is None and os.listdir(tmp_path) == []
+
+
+async def test_delete_on_the_owner_cancels_at_once(tokenizer, tmp_path):
+    orch, jobs, c = frontend(tokenizer, LocalKv(), tmp_path)
+    orch.hang_after = 0
+    job = (await c.post("/v1/omni/jobs", json={"endpoint": "/v1/completions",
+                                              "body": {"model": "tiny", "prompt": "hello"}})).json()
+    await asyncio.wait_for(orch.started_event.wait(), 5)
+    await c.delete(f"/v1/omni/jobs/{job['id']}")
+    await settle(jobs)
+    assert orch.closed == [orch.requests[0].request_id] and jobs._tasks == {}
+
+
+class DownKv(LocalKv):
+    async def kv_put(self, *a):
+        raise Unavailable("cannot reach the omni master at 127.0.0.1:1: connection refused")
+
+    kv_get = kv_list = kv_delete = kv_put
+
+
+async def test_master_unreachable_is_503_for_jobs_and_voices(tokenizer, tmp_path):
+    _, jobs, c = frontend(tokenizer, DownKv(), tmp_path, voices=MasterVoiceStore(DownKv()))
+    for r in (await c.post("/v1/omni/jobs", json={"endpoint": "/v1/audio/speech", "body": SPEECH}),
+              await c.get("/v1/omni/jobs"), await c.get("/v1/omni/jobs/job-" + "0" * 32),
+              await c.get("/v1/audio/voices"),
+              await c.post("/v1/audio/voices", json={"name": "x", "base": "joe"})):
+        err = assert_error(r, 503, contains="cannot reach the omni master")
+        assert err["type"] == "service_unavailable"
+    assert jobs._tasks == {}
+
+
+async def test_jobs_without_speech_stage_refuse_speech(tokenizer, tmp_path):
+    orch = FakeOrchestrator(tokenizer)
+    app = build_app(orch, tokenizer, served_model_name="tiny", max_model_len=128)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        r = await c.post("/v1/omni/jobs", json={"endpoint": "/v1/audio/speech", "body": SPEECH})
+        assert_error(r, 400, param="endpoint", contains="/v1/chat/completions")
+        r = await c.post("/v1/omni/jobs", json={"endpoint": "/v1/completions",
+                                               "body": {"model": "tiny", "prompt": "hello"}})
+        assert r.status_code == 200
+        await settle(app.state.jobs)
+        assert json.loads((await c.get(f"/v1/omni/jobs/{r.json()['id']}/content")).content)["choices"]
