@@ -27,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--api-key")
     ap.add_argument("--served-model-name", default="")
+    ap.add_argument("--jobs-dir")
     ap.add_argument("--parent-pid", type=int)
     a = ap.parse_args(argv)
     if a.parent_pid:
@@ -51,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
 
     return main_from_args(config_json, index=a.index, master_address=a.master, token=token,
                           host=a.host, port=a.port,
-                          api_key=a.api_key, served_model_name=a.served_model_name, log_level=a.log_level)
+                          api_key=a.api_key, served_model_name=a.served_model_name, log_level=a.log_level,
+                          jobs_dir=a.jobs_dir)
 
 
 if __name__ == "__main__":

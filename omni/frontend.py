@@ -72,15 +72,18 @@ async def follow_topology(master, topology, stop: asyncio.Event) -> None:
 
 
 async def serve_frontend(config: DeployConfig, *, index: int, master_address: str, token: str,
-                         host: str, port: int, api_key: str | None, served_model_name: str) -> None:
+                         host: str, port: int, api_key: str | None, served_model_name: str,
+                         jobs_dir: str | None = None) -> None:
     from transformers import AutoTokenizer
 
     from omni.api.app import build_app
+    from omni.api.jobs import Jobs, Results
     from omni.api.serve import bind_socket, serve
     from omni.master.client import AsyncMasterClient, MasterClient
     from omni.models.resolve import resolve_model
     from omni.orchestrator.core import Orchestrator
     from omni.orchestrator.topology import Topology
+    from omni.stage.main import advertised_host
     from omni.transport.factory import MultiConsumer
     from omni.voices import MasterVoiceStore
 
@@ -101,13 +104,15 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
     topology = Topology()
     amaster = AsyncMasterClient(master_address, token=token or None)
     smaster = MasterClient(master_address, token=token or None)
+    # This host as peers see it (--host 0.0.0.0 is not an address): status and transport choice.
+    advertise = advertised_host(host, master_address)
     reg = await asyncio.to_thread(
         smaster.register, "FRONTEND", -1, config_hash=config.config_hash(),
-        pipeline_config=config.to_dict(), endpoints={"http": f"{host}:{port}"},
-        host=host, pid=os.getpid(), wait_s=30.0)
+        pipeline_config=config.to_dict(), endpoints={"http": f"{advertise}:{port}"},
+        host=advertise, pid=os.getpid(), wait_s=30.0)
     frontend_id = f"{reg.replica_id}-{os.getpid()}"
     orch = Orchestrator(config, frontend_id=frontend_id, topology=topology, detokenize=detokenize,
-                        consumer=MultiConsumer(token=token), token=token, host=host, master=amaster)
+                        consumer=MultiConsumer(token=token), token=token, host=advertise, master=amaster)
 
     def load() -> dict:
         return {"queue_len": 0, "in_flight": orch.in_flight,
@@ -125,6 +130,14 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
         raise OmniError(f"no topology from the omni master at {master_address} within 60 s") from None
     # Our own SO_REUSEPORT listener on the port the parent reserved.
     sock = bind_socket(host, port, reuse_port=True)
+
+    def live_frontends():
+        # Job owners are named by (host, pid): a re-registration may change the replica id.
+        if not topology.synced:
+            return None
+        return {(r.host, r.pid) for r in topology.replicas.values() if r.role == "FRONTEND" and r.state != "DEAD"}
+
+    jobs = Jobs(amaster, Results(jobs_dir), frontend_index=index, host=host, live_frontends=live_frontends)
     app = build_app(
         orch, tokenizer,
         served_model_name=served_model_name,
@@ -134,6 +147,7 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
         speech_entry_stage=config.pipeline.speech_entry_stage,
         voices=MasterVoiceStore(amaster) if config.pipeline.speech_entry_stage is not None else None,
         api_key=api_key,
+        jobs=jobs,
         **_sampling_defaults(config),
     )
     try:
@@ -141,6 +155,7 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
     finally:
         stop.set()
         watcher.cancel()
+        await jobs.close()
         await orch.close()
         try:
             await asyncio.to_thread(smaster.deregister)
@@ -151,7 +166,8 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
 
 
 def main_from_args(config_json: str, *, index: int, master_address: str, token: str, host: str,
-                   port: int, api_key: str | None, served_model_name: str, log_level: str = "INFO") -> int:
+                   port: int, api_key: str | None, served_model_name: str, log_level: str = "INFO",
+                   jobs_dir: str | None = None) -> int:
     from omni.config import loads_json
 
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -159,7 +175,7 @@ def main_from_args(config_json: str, *, index: int, master_address: str, token: 
     try:
         asyncio.run(serve_frontend(config, index=index, master_address=master_address, token=token,
                                    host=host, port=port, api_key=api_key,
-                                   served_model_name=served_model_name))
+                                   served_model_name=served_model_name, jobs_dir=jobs_dir))
     except OSError as e:
         print(f"omni: frontend {index} cannot serve on {host}:{port}: {e}", file=sys.stderr, flush=True)
         return 1

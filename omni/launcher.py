@@ -144,9 +144,12 @@ class Launcher:
                                            index=r, env=env))
         if p.api_server_count:
             self._listener = self._bind_http()
+            # Job results: one directory every frontend reads; kept with --state-dir, else removed at exit.
+            jobs_dir = os.path.join(p.state_dir or self._tmp.name, "jobs")
+            os.makedirs(jobs_dir, exist_ok=True)
             for i in range(p.api_server_count):
                 args = ["--index", str(i), "--host", p.host, "--port", str(self.http_port),
-                        "--served-model-name", p.served_model_name or p.config.model]
+                        "--served-model-name", p.served_model_name or p.config.model, "--jobs-dir", jobs_dir]
                 if p.api_key:
                     args += ["--api-key", p.api_key]
                 self.children.append(Child(f"api{i}", "frontend", self._child_argv("frontend", *args),

@@ -206,3 +206,21 @@ async def test_jobs_without_speech_stage_refuse_speech(tokenizer, tmp_path):
         assert r.status_code == 200
         await settle(app.state.jobs)
         assert json.loads((await c.get(f"/v1/omni/jobs/{r.json()['id']}/content")).content)["choices"]
+
+
+@pytest.mark.parametrize("persist", [False, True])
+def test_launcher_gives_every_frontend_one_jobs_dir(tmp_path, persist):
+    from omni import config as cfg
+    from omni.launcher import Launcher, LaunchPlan
+
+    plan = LaunchPlan(cfg.load("HuggingFaceTB/SmolLM2-135M-Instruct"), stages=[], api_server_count=2, port=0,
+                      state_dir=str(tmp_path) if persist else None)
+    launcher = Launcher(plan)
+    launcher._plan_children()
+    dirs = {c.argv[c.argv.index("--jobs-dir") + 1] for c in launcher.children if c.kind == "frontend"}
+    assert len(dirs) == 1 and len(launcher.children) == 2
+    jobs_dir = dirs.pop()
+    assert os.path.isdir(jobs_dir)
+    assert (jobs_dir == str(tmp_path / "jobs")) == persist
+    launcher.shutdown()
+    assert os.path.isdir(jobs_dir) == persist   # a temp one goes with the launcher
