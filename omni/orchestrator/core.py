@@ -380,7 +380,7 @@ class Orchestrator:
             if ref is None:
                 return
             tensor = self.consumer.get(ref).float()
-            self.metrics.tensor_bytes(ref.nbytes)
+            self.metrics.tensor_bytes(ref.nbytes, ref.transport)
             if kind == "audio":
                 po.audio_pcm = tensor.numpy().astype(np.float32).tobytes()
                 po.sample_rate = int(state.request_extra.get("sample_rate", 0) or 22050)
@@ -392,7 +392,7 @@ class Orchestrator:
     def _route(self, state: _Request, t: int, inp: procs.StageInput, producer: str) -> None:
         st = state.stages[t]
         for ref in inp.tensors.values():
-            self.metrics.tensor_bytes(ref.nbytes)
+            self.metrics.tensor_bytes(ref.nbytes, ref.transport)
         inp.extra["_producer"] = producer
         if inp.sub_id is not None:
             erid = f"{state.rid}/{inp.sub_id}"

@@ -15,6 +15,7 @@ class OrchestratorMetrics:
         self.requests_ok = 0
         self.requests_failed = 0
         self.tensor_bytes_total = 0
+        self.tensor_bytes_by_transport: dict[str, int] = {}
         self.e2e = Histogram(LATENCY_BUCKETS)
         self.ttfo = Histogram(TTFO_BUCKETS)
         self.queue: dict[int, Histogram] = {}
@@ -57,8 +58,10 @@ class OrchestratorMetrics:
             f"omni_frontend_cpu_seconds_total{_labels(fe)} {time.process_time():.3f}",
             "# TYPE omni_frontend_in_flight gauge",
             f"omni_frontend_in_flight{_labels(fe)} {self.requests_total - self.requests_ok - self.requests_failed}",
+            "# HELP omni_tensor_bytes_total Bytes of tensors this frontend routed or received, by transport.",
             "# TYPE omni_tensor_bytes_total counter",
-            f"omni_tensor_bytes_total{_labels(fe)} {self.tensor_bytes_total}",
+            *(f"omni_tensor_bytes_total{_labels({**fe, 'transport': t})} {n}"
+              for t, n in sorted(self.tensor_bytes_by_transport.items())),
             "# TYPE omni_pipeline_e2e_seconds histogram",
             *self.e2e.lines("omni_pipeline_e2e_seconds", fe),
             "# TYPE omni_pipeline_first_output_seconds histogram",
@@ -73,5 +76,6 @@ class OrchestratorMetrics:
                 lines.extend(h.lines(name, {**fe, "stage": str(stage)}))
         return "\n".join(lines) + "\n"
 
-    def tensor_bytes(self, n: int) -> None:
+    def tensor_bytes(self, n: int, transport: str) -> None:
         self.tensor_bytes_total += n
+        self.tensor_bytes_by_transport[transport] = self.tensor_bytes_by_transport.get(transport, 0) + n

@@ -50,6 +50,14 @@ def default_advertise_host(master_address: str) -> str:
         return "127.0.0.1"
 
 
+def advertised_host(bind_host: str, master_address: str) -> str:
+    """What peers should dial for a listener bound on `bind_host`: itself, unless it is
+    a wildcard (0.0.0.0, ::), then the local address that routes to the master."""
+    if bind_host in ("0.0.0.0", "::", ""):
+        return default_advertise_host(master_address)
+    return bind_host
+
+
 def run_stage(config: DeployConfig, stage_id: int, opts: StageOptions,
               engine_flags: dict | None = None) -> int:
     """`config` is the hashed pipeline; `engine_flags` tune this replica's engine only."""

@@ -28,8 +28,9 @@ def omni_env(**extra: str) -> dict:
 class OmniProcess:
     """One `omni ...` command in its own process group."""
 
-    def __init__(self, *args: str, env: dict | None = None):
-        self.argv = [sys.executable, "-m", "omni.cli", *args]
+    def __init__(self, *args: str, env: dict | None = None, prefix: tuple[str, ...] = ()):
+        # prefix: a command that runs the rest, e.g. ("ip", "netns", "exec", NAME).
+        self.argv = [*prefix, sys.executable, "-m", "omni.cli", *args]
         self.proc = subprocess.Popen(
             self.argv, cwd=REPO, env=env or omni_env(), stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True,

@@ -1,0 +1,248 @@
+"""Issue 8, item 5: the head and headless stages on two hosts.
+
+The hosts are two fresh network namespaces joined directly by one veth pair (nothing is
+configured in the root namespace; only the two addresses inside exist). Host A runs the
+head (master, thinker, HTTP frontend); host B runs the talker and code2wav headless.
+Stages advertise their own address (auto-detected, or --omni-replica-address); tensors go
+over TCP between the hosts and over shared memory within B.
+"""
+
+from __future__ import annotations
+
+import base64
+import ctypes
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import wave
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.e2e.harness import REPO, SERVING, OmniProcess, omni_env, omni_shm_entries
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
+
+MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+ADDR_A, ADDR_B = "10.213.0.1", "10.213.0.2"
+CLONE_NEWNET = 0x40000000
+CMD_TIMEOUT_S = 30
+
+
+def _ip(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=CMD_TIMEOUT_S)
+
+
+def make_hosts(ns_a: str, ns_b: str) -> None:
+    """Two namespaces, one veth pair created with an end in each, /30 addresses, lo up."""
+    steps = [
+        ("link", "add", "omni0", "netns", ns_a, "type", "veth", "peer", "name", "omni0", "netns", ns_b),
+        ("-n", ns_a, "addr", "add", f"{ADDR_A}/30", "dev", "omni0"),
+        ("-n", ns_b, "addr", "add", f"{ADDR_B}/30", "dev", "omni0"),
+    ]
+    for ns in (ns_a, ns_b):
+        steps += [("-n", ns, "link", "set", "lo", "up"), ("-n", ns, "link", "set", "omni0", "up")]
+    for step in steps:
+        r = _ip(*step)
+        if r.returncode != 0:
+            raise AssertionError(f"ip {' '.join(step)} failed: {r.stderr.strip()}")
+
+
+def enter_netns(name: str) -> None:
+    """Move the calling thread into network namespace `name` (network namespaces are per thread)."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns {name}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+class Host:
+    """A namespace: commands run in it with `ip netns exec`, HTTP calls from a thread inside it."""
+
+    def __init__(self, name: str, addr: str):
+        self.name = name
+        self.addr = addr
+        self.prefix = ("ip", "netns", "exec", name)
+        self._pool = ThreadPoolExecutor(max_workers=1, initializer=enter_netns, initargs=(name,),
+                                        thread_name_prefix=f"netns-{name}")
+
+    def call(self, fn, *args, timeout: float = 180.0, **kwargs):
+        return self._pool.submit(fn, *args, **kwargs).result(timeout)
+
+    def run(self, *argv: str, timeout: float = CMD_TIMEOUT_S) -> subprocess.CompletedProcess:
+        return subprocess.run([*self.prefix, *argv], capture_output=True, text=True, timeout=timeout,
+                              cwd=REPO, env=omni_env())
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root (CI runs this test as root)")
+    if shutil.which("ip") is None:
+        pytest.skip("iproute2's `ip` is not installed")
+    tag = os.getpid()
+    names = [f"omni-mh-a-{tag}", f"omni-mh-b-{tag}"]
+    made: list[str] = []
+    pools: list[Host] = []
+    try:
+        for name in names:
+            r = _ip("netns", "add", name)
+            if r.returncode != 0:
+                pytest.skip(f"cannot create a network namespace here: ip netns add: {r.stderr.strip()}")
+            made.append(name)
+        make_hosts(*names)
+        pools += [Host(names[0], ADDR_A), Host(names[1], ADDR_B)]
+        yield pools[0], pools[1]
+    finally:
+        for host in pools:
+            host.close()
+        for name in made:   # deletes the veth pair too
+            _ip("netns", "delete", name)
+
+
+@dataclass
+class Deployment:
+    a: Host
+    b: Host
+    master: str
+    url: str
+    procs: list[OmniProcess]
+    shm_before: set[str]
+
+
+@pytest.fixture(scope="module")
+def deployment(hosts):
+    a, b = hosts
+    procs: list[OmniProcess] = []
+    shm_before = set(omni_shm_entries())
+    try:
+        # HTTP on every address of A (there are only lo and the veth end): the frontend must
+        # still advertise A's address, not 0.0.0.0.
+        head = OmniProcess("serve", MODEL, "--stage-id", "0", "--omni-master-address", a.addr,
+                           "--omni-master-port", "0", "--host", "0.0.0.0", "--port", "0", prefix=a.prefix)
+        procs.append(head)
+        master = head.master_address(120)
+        assert master.startswith(f"{a.addr}:"), master
+        port = master.rsplit(":", 1)[1]
+        # The talker auto-detects its address (the route to the master); code2wav names it.
+        procs.append(OmniProcess("serve", MODEL, "--stage-id", "1", "--headless",
+                                 "--omni-master-address", a.addr, "--omni-master-port", port, prefix=b.prefix))
+        procs.append(OmniProcess("serve", MODEL, "--stage-id", "2", "--headless",
+                                 "--omni-master-address", a.addr, "--omni-master-port", port,
+                                 "--omni-replica-address", b.addr, prefix=b.prefix))
+        m = head.wait_for(SERVING, 600)
+        assert m.group(1) == "0.0.0.0", m.group(0)
+        yield Deployment(a, b, master, f"http://{a.addr}:{m.group(2)}", procs, shm_before)
+    finally:
+        for p in procs:
+            if p.proc.poll() is None:
+                p.kill()
+
+
+def status(host: Host, master: str, *extra: str) -> subprocess.CompletedProcess:
+    return host.run(sys.executable, "-m", "omni.cli", "status", "--master", master, *extra)
+
+
+def test_status_shows_each_replica_on_its_own_host(deployment):
+    a, b, master = deployment.a, deployment.b, deployment.master
+    r = status(a, master, "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = json.loads(r.stdout)
+    stages = {rep["stage_id"]: rep for rep in doc["replicas"] if rep["role"] == "STAGE"}
+    assert sorted(stages) == [0, 1, 2]
+    assert stages[0]["host"] == a.addr
+    assert stages[1]["host"] == b.addr     # auto-detected
+    assert stages[2]["host"] == b.addr     # --omni-replica-address
+    for sid, host in ((0, a.addr), (1, b.addr), (2, b.addr)):
+        assert stages[sid]["endpoints"]["channel"].startswith(f"tcp://{host}:"), stages[sid]["endpoints"]
+    fronts = [rep for rep in doc["replicas"] if rep["role"] == "FRONTEND"]
+    assert [f["host"] for f in fronts] == [a.addr]   # bound on 0.0.0.0, advertises A
+
+    table = status(a, master)
+    assert table.returncode == 0, table.stdout + table.stderr
+    rows = {}
+    lines = table.stdout.splitlines()
+    header = next(line for line in lines if line.startswith("STAGE"))
+    assert header.split()[:3] == ["STAGE", "REPLICA", "HOST"]
+    for line in lines[lines.index(header) + 1:]:
+        if not line.strip():
+            break
+        cols = line.split()
+        rows[int(cols[0])] = cols[2]
+    assert rows == {0: a.addr, 1: b.addr, 2: b.addr}
+
+
+def _wav(data: bytes) -> tuple[int, np.ndarray]:
+    with wave.open(io.BytesIO(data)) as w:
+        assert w.getsampwidth() == 2 and w.getnchannels() == 1
+        return w.getframerate(), np.frombuffer(w.readframes(w.getnframes()), dtype="<i2")
+
+
+def assert_speech(data: bytes, min_s: float, max_s: float) -> None:
+    rate, pcm = _wav(data)
+    assert rate == 22050
+    assert min_s < len(pcm) / rate < max_s, len(pcm) / rate
+    assert np.abs(pcm.astype(np.int32)).max() > 1000, "silent audio"
+
+
+def test_speech_across_hosts_is_valid_and_deterministic(deployment):
+    a, url = deployment.a, deployment.url
+    body = {"model": MODEL, "input": "Hello there, this is omni speaking.", "voice": "joe",
+            "response_format": "wav"}
+    first = a.call(httpx.post, f"{url}/v1/audio/speech", json=body, timeout=120)
+    assert first.status_code == 200, first.text
+    assert_speech(first.content, 0.8, 10.0)
+    again = a.call(httpx.post, f"{url}/v1/audio/speech", json=body, timeout=120)
+    assert again.status_code == 200, again.text
+    assert again.content == first.content
+
+
+def test_chat_with_audio_across_hosts(deployment):
+    a, url = deployment.a, deployment.url
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 24, "temperature": 0, "modalities": ["text", "audio"],
+            "audio": {"voice": "joe", "format": "wav"}}
+    r = a.call(httpx.post, f"{url}/v1/chat/completions", json=body, timeout=180)
+    assert r.status_code == 200, r.text
+    msg = r.json()["choices"][0]["message"]
+    assert "Paris" in msg["content"]
+    assert_speech(base64.b64decode(msg["audio"]["data"]), 0.5, 30.0)
+
+
+METRIC = re.compile(r'^omni_tensor_bytes_total\{[^}]*transport="(\w+)"[^}]*\} (\d+)$', re.M)
+
+
+def test_tensors_cross_hosts_over_tcp_and_stay_in_shared_memory_within_one(deployment):
+    """code2wav (B) -> frontend (A) over TCP; talker -> code2wav (both on B) over shared memory.
+    The frontend counts the bytes of every tensor it routes or receives, by transport."""
+    a, url = deployment.a, deployment.url
+    body = {"model": MODEL, "input": "Counting bytes.", "voice": "joe", "response_format": "wav"}
+    r = a.call(httpx.post, f"{url}/v1/audio/speech", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    metrics = a.call(httpx.get, f"{url}/metrics", timeout=30)
+    assert metrics.status_code == 200
+    by_transport = {t: int(n) for t, n in METRIC.findall(metrics.text)}
+    assert by_transport.get("tcp", 0) > 0, by_transport
+    assert by_transport.get("shm", 0) > 0, by_transport
+    assert set(by_transport) <= {"tcp", "shm"}, by_transport
+
+
+def test_ctrl_c_stops_every_host(deployment):
+    """Last: the head and the headless stages each stop cleanly on Ctrl-C, leaving no shared memory."""
+    for p in deployment.procs:
+        assert p.interrupt(60) == 0, p.output()
+    assert set(omni_shm_entries()) <= deployment.shm_before
