@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import io
 import signal
 import subprocess
 import sys
+import time
+import wave
 
 import httpx
 import psutil
@@ -125,6 +128,71 @@ def test_voice_uploaded_through_one_is_listed_by_the_other(server):
         b.close()
 
 
+def finished_job(client: httpx.Client, job_id: str, deadline_s: float = 180) -> dict:
+    """Poll a job until it is no longer queued or running, within a deadline."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        r = client.get(f"/v1/omni/jobs/{job_id}")
+        assert r.status_code == 200, r.text
+        job = r.json()
+        if job["status"] not in ("queued", "in_progress"):
+            return job
+        assert time.monotonic() < deadline, f"job still {job['status']} after {deadline_s} s: {job}"
+        time.sleep(0.2)   # poll pacing; the deadline bounds the wait
+
+
+def test_speech_job_made_on_one_frontend_is_served_by_the_other(server):
+    _, url, _ = server
+    body = {"model": MODEL, "input": "Jobs run in the background.", "voice": "joe"}
+    a, b = pinned(url, "0"), pinned(url, "1")
+    try:
+        r = a.post("/v1/omni/jobs", json={"endpoint": "/v1/audio/speech", "body": body})
+        assert r.status_code == 200 and r.headers["x-omni-frontend"] == "0", r.text
+        job = r.json()
+        assert job["frontend"] == 0 and job["status"] in ("queued", "in_progress")
+        done = finished_job(b, job["id"])
+        assert done["status"] == "completed", done
+        wav = b.get(f"/v1/omni/jobs/{job['id']}/content")
+        assert wav.status_code == 200 and wav.headers["x-omni-frontend"] == "1"
+        assert wav.headers["content-type"] == "audio/wav" and len(wav.content) == done["bytes"]
+        with wave.open(io.BytesIO(wav.content)) as w:
+            assert w.getnchannels() == 1 and w.getsampwidth() == 2 and w.getnframes() > w.getframerate() // 2
+        sync = b.post("/v1/audio/speech", json=body)
+        assert sync.status_code == 200 and wav.content == sync.content   # the pipeline is deterministic
+        assert job["id"] in [j["id"] for j in a.get("/v1/omni/jobs").json()["data"]]
+        d = b.delete(f"/v1/omni/jobs/{job['id']}")
+        assert d.json() == {"id": job["id"], "object": "omni.job.deleted", "deleted": True}
+        for c in (a, b):
+            r = c.get(f"/v1/omni/jobs/{job['id']}")
+            assert r.status_code == 404 and r.json()["error"]["param"] == "job_id"
+    finally:
+        a.close()
+        b.close()
+
+
+def test_chat_job_content_is_the_sync_chat_response(server):
+    _, url, _ = server
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 16, "temperature": 0}
+    a, b = pinned(url, "0"), pinned(url, "1")
+    try:
+        r = b.post("/v1/omni/jobs", json={"endpoint": "/v1/chat/completions", "body": body})
+        assert r.status_code == 200, r.text
+        assert r.json()["frontend"] == 1
+        done = finished_job(a, r.json()["id"])
+        assert done["status"] == "completed" and done["content_type"] == "application/json", done
+        got = a.get(f"/v1/omni/jobs/{done['id']}/content").json()
+        sync = a.post("/v1/chat/completions", json=body).json()
+        assert set(got) == set(sync) and got["object"] == "chat.completion"
+        assert got["choices"][0]["message"] == sync["choices"][0]["message"]
+        assert "Paris" in got["choices"][0]["message"]["content"]
+        stream = a.post("/v1/omni/jobs", json={"endpoint": "/v1/chat/completions", "body": {**body, "stream": True}})
+        assert stream.status_code == 400 and stream.json()["error"]["param"] == "body.stream"
+        assert a.delete(f"/v1/omni/jobs/{done['id']}").status_code == 200
+    finally:
+        a.close()
+        b.close()
+
+
 def test_sigkill_of_one_frontend_leaves_the_other_serving_and_it_comes_back(server):
     p, url, _ = server
     victims = [c for c in psutil.Process(p.proc.pid).children(recursive=True)
@@ -139,3 +207,34 @@ def test_sigkill_of_one_frontend_leaves_the_other_serving_and_it_comes_back(serv
     p.wait_for(__import__("re").compile(r"api1 exited with code -9; restarting it"), 30)
     until_frontend(url, "1", "GET", "/health", tries=400)
     assert p.proc.poll() is None
+
+
+def test_job_of_a_killed_frontend_reads_as_failed_from_the_other(server):
+    p, url, _ = server
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    a, b = pinned(url, "0"), pinned(url, "1")
+    try:
+        job = a.post("/v1/omni/jobs", json={"endpoint": "/v1/chat/completions", "body": body}).json()
+        assert b.get(f"/v1/omni/jobs/{job['id']}").json()["status"] in ("queued", "in_progress")
+        victims = [c for c in psutil.Process(p.proc.pid).children(recursive=True)
+                   if "frontend" in c.cmdline() and c.cmdline()[c.cmdline().index("--index") + 1] == "0"]
+        assert len(victims) == 1
+        victims[0].send_signal(signal.SIGKILL)
+        victims[0].wait(10)
+        # Failed once the master drops the frontend's lease (lease_ttl_s), never stuck in progress.
+        done = finished_job(b, job["id"], deadline_s=60)
+        assert done["status"] == "failed" and done["error"]["code"] == "frontend_gone", done
+        assert "frontend 0" in done["error"]["message"]
+        assert b.delete(f"/v1/omni/jobs/{job['id']}").status_code == 200
+    finally:
+        a.close()
+        b.close()
+    # The parent restarts it; new connections reach it once it listens again.
+    p.wait_for(__import__("re").compile(r"api0 exited with code -9; restarting it"), 30)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            until_frontend(url, "0", "GET", "/health", tries=100)
+            break
+        except (AssertionError, httpx.HTTPError):
+            assert time.monotonic() < deadline, "frontend 0 did not come back within 120 s"
