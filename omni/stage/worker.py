@@ -44,8 +44,12 @@ class WorkerStats:
     step_s_total: float = 0.0
     tensor_bytes_out: int = 0
     tensor_bytes_in: int = 0
+    by_transport: dict[str, float] = field(default_factory=dict)   # "tensor_bytes_out.tcp" -> bytes
     stalls: int = 0                 # times output had to wait for consumers (backpressure)
     stall_s_total: float = 0.0
+
+    def count(self, key: str, n: int) -> None:
+        self.by_transport[key] = self.by_transport.get(key, 0.0) + n
 
 
 _GONE = _Req(b"", 0.0, "")
@@ -143,6 +147,7 @@ class StageWorker:
                 "stalls": float(self.stats.stalls),
                 "stall_s_total": self.stats.stall_s_total,
                 "held_outputs": float(len(self._held)),
+                **self.stats.by_transport,
             },
         }
 
@@ -254,6 +259,7 @@ class StageWorker:
                     raise TransportError("this stage has no tensor consumer")
                 tensors[name] = self._consumer.get(ref)
                 self.stats.tensor_bytes_in += ref.nbytes
+                self.stats.count(f"tensor_bytes_in.{ref.transport}", ref.nbytes)
             req = EngineRequest(
                 request_id=rid,
                 prompt_token_ids=msg.prompt_token_ids,
@@ -322,6 +328,8 @@ class StageWorker:
             self._fail(out.request_id, f"could not publish output tensors: {e}")
             return True
         self.stats.tensor_bytes_out += sum(r.nbytes for r in refs.values())
+        for r in refs.values():
+            self.stats.count(f"tensor_bytes_out.{r.transport}", r.nbytes)
         queue_s = None
         if not req.started:
             req.started = True

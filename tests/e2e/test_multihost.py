@@ -18,6 +18,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 import wave
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -228,7 +229,8 @@ METRIC = re.compile(r'^omni_tensor_bytes_total\{[^}]*transport="(\w+)"[^}]*\} (\
 
 def test_tensors_cross_hosts_over_tcp_and_stay_in_shared_memory_within_one(deployment):
     """code2wav (B) -> frontend (A) over TCP; talker -> code2wav (both on B) over shared memory.
-    The frontend counts the bytes of every tensor it routes or receives, by transport."""
+    The frontend counts the bytes of every tensor it routes or receives, by transport; each
+    stage counts what it publishes and reads (`omni status --json`, replica extra)."""
     a, url = deployment.a, deployment.url
     body = {"model": MODEL, "input": "Counting bytes.", "voice": "joe", "response_format": "wav"}
     r = a.call(httpx.post, f"{url}/v1/audio/speech", json=body, timeout=120)
@@ -239,6 +241,22 @@ def test_tensors_cross_hosts_over_tcp_and_stay_in_shared_memory_within_one(deplo
     assert by_transport.get("tcp", 0) > 0, by_transport
     assert by_transport.get("shm", 0) > 0, by_transport
     assert set(by_transport) <= {"tcp", "shm"}, by_transport
+
+    # The stages count the same, by direction and transport, in their load reports.
+    def counters() -> dict[int, dict[str, float]]:
+        r = status(a, deployment.master, "--json")
+        assert r.returncode == 0, r.stdout + r.stderr
+        return {rep["stage_id"]: {k: v for k, v in rep["extra"].items() if k.startswith("tensor_bytes_")}
+                for rep in json.loads(r.stdout)["replicas"] if rep["role"] == "STAGE"}
+
+    deadline = time.monotonic() + 30
+    seen = counters()
+    while seen[2].get("tensor_bytes_out.tcp", 0) == 0 and time.monotonic() < deadline:
+        seen = counters()   # the next keep-alive carries it (each call takes a process start)
+    talker, code2wav = seen[1], seen[2]
+    assert talker.get("tensor_bytes_out.shm", 0) > 0 and "tensor_bytes_out.tcp" not in talker, seen
+    assert code2wav.get("tensor_bytes_in.shm", 0) > 0 and "tensor_bytes_in.tcp" not in code2wav, seen
+    assert code2wav.get("tensor_bytes_out.tcp", 0) > 0 and "tensor_bytes_out.shm" not in code2wav, seen
 
 
 def test_ctrl_c_stops_every_host(deployment):
