@@ -53,7 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     return main_from_args(config_json, index=a.index, master_address=a.master, token=token,
                           host=a.host, port=a.port,
                           api_key=a.api_key, served_model_name=a.served_model_name, log_level=a.log_level,
-                          jobs_dir=a.jobs_dir)
+                          jobs_dir=a.jobs_dir,
+                          # Like the token, the control key comes by environment, not argv.
+                          control_api_key=os.environ.get("OMNI_CONTROL_API_KEY") or None,
+                          control_routes=os.environ.get("OMNI_CONTROL_ROUTES", "on") != "off")
 
 
 if __name__ == "__main__":

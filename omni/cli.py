@@ -111,6 +111,8 @@ def serve(
     port: int = typer.Option(8091, "--port", help="HTTP port; 0 picks a free one (printed)."),
     api_server_count: int = typer.Option(1, "--api-server-count", help="Number of API frontend processes sharing the stage engines."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="OMNI_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1 routes."),
+    control_api_key: Optional[str] = typer.Option(None, "--control-api-key", envvar="OMNI_CONTROL_API_KEY", help="Require 'Authorization: Bearer KEY' with this key (not --api-key) on the control routes /v1/omni/sleep and /v1/omni/wakeup."),
+    disable_control_routes: bool = typer.Option(False, "--disable-control-routes", help="Answer 403 on /v1/omni/sleep and /v1/omni/wakeup (the master's `omni sleep`/`omni wakeup` still work)."),
     served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="Model name the API reports (default: MODEL)."),
     num_replicas: Optional[int] = typer.Option(None, "--num-replicas", "--omni-dp-size-local", help="Replicas of the stage(s) run here."),
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Per-stage engine flag (stage mode): context length."),
@@ -133,6 +135,9 @@ def serve(
               "extra frontends only add contention", file=sys.stderr)
     if num_replicas is not None and num_replicas < 1:
         raise ConfigError(f"--num-replicas must be >= 1, got {num_replicas}")
+    if disable_control_routes and control_api_key:
+        raise ConfigError("--control-api-key and --disable-control-routes contradict each other: "
+                          "a key guards the control routes, the other flag turns them off")
     if headless and stage_id is None:
         raise ConfigError("--headless needs --stage-id K (which stage to run)")
     if stage_id is not None and (omni_master_address is None or omni_master_port is None):
@@ -176,6 +181,7 @@ def serve(
         plan = LaunchPlan(config, stages=[0], master_host=omni_master_address, master_port=omni_master_port,
                           api_server_count=api_server_count, host=host, port=port, token=token,
                           api_key=api_key, served_model_name=served_model_name,
+                          control_api_key=control_api_key, control_routes=not disable_control_routes,
                           replica_address=omni_replica_address, num_replicas=num_replicas,
                           engine_flags=flags, log_level=log_level, state_dir=state_dir)
     else:
@@ -183,6 +189,7 @@ def serve(
                           master_host=omni_master_address or "127.0.0.1", master_port=omni_master_port or 0,
                           api_server_count=api_server_count, host=host, port=port, token=token,
                           api_key=api_key, served_model_name=served_model_name, log_level=log_level,
+                          control_api_key=control_api_key, control_routes=not disable_control_routes,
                           state_dir=state_dir)
     raise typer.Exit(Launcher(plan).run())
 
@@ -192,6 +199,11 @@ def _register_master_commands() -> None:
 
     app.command("master", help="Run a standalone omni master (gRPC).")(commands.master)
     app.command("status", help="Show the topology, health and load of a running omni deployment.")(commands.status)
+    from omni.master import admin
+
+    app.command("drain", help="Drain stage replicas: they finish what they hold and get no new requests.")(admin.drain)
+    app.command("sleep", help="Put stage engines to sleep through the master.")(admin.sleep)
+    app.command("wakeup", help="Wake sleeping stage engines through the master.")(admin.wakeup)
 
 
 _register_master_commands()

@@ -73,7 +73,8 @@ async def follow_topology(master, topology, stop: asyncio.Event) -> None:
 
 async def serve_frontend(config: DeployConfig, *, index: int, master_address: str, token: str,
                          host: str, port: int, api_key: str | None, served_model_name: str,
-                         jobs_dir: str | None = None) -> None:
+                         jobs_dir: str | None = None, control_api_key: str | None = None,
+                         control_routes: bool = True) -> None:
     from transformers import AutoTokenizer
 
     from omni.api.app import build_app
@@ -147,6 +148,8 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
         speech_entry_stage=config.pipeline.speech_entry_stage,
         voices=MasterVoiceStore(amaster) if config.pipeline.speech_entry_stage is not None else None,
         api_key=api_key,
+        control_api_key=control_api_key,
+        control_routes=control_routes,
         jobs=jobs,
         **_sampling_defaults(config),
     )
@@ -167,7 +170,8 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
 
 def main_from_args(config_json: str, *, index: int, master_address: str, token: str, host: str,
                    port: int, api_key: str | None, served_model_name: str, log_level: str = "INFO",
-                   jobs_dir: str | None = None) -> int:
+                   jobs_dir: str | None = None, control_api_key: str | None = None,
+                   control_routes: bool = True) -> int:
     from omni.config import loads_json
 
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -175,7 +179,8 @@ def main_from_args(config_json: str, *, index: int, master_address: str, token: 
     try:
         asyncio.run(serve_frontend(config, index=index, master_address=master_address, token=token,
                                    host=host, port=port, api_key=api_key,
-                                   served_model_name=served_model_name, jobs_dir=jobs_dir))
+                                   served_model_name=served_model_name, jobs_dir=jobs_dir,
+                                   control_api_key=control_api_key, control_routes=control_routes))
     except OSError as e:
         print(f"omni: frontend {index} cannot serve on {host}:{port}: {e}", file=sys.stderr, flush=True)
         return 1

@@ -94,6 +94,8 @@ class LaunchPlan:
     port: int = 8091
     token: str = ""
     api_key: str | None = None
+    control_api_key: str | None = None     # guards /v1/omni/sleep and /wakeup with a key of their own
+    control_routes: bool = True            # False: those routes answer 403
     served_model_name: str | None = None
     replica_address: str | None = None
     num_replicas: int | None = None        # override for the local stages
@@ -146,6 +148,9 @@ class Launcher:
             self._listener = self._bind_http()
             # Job results: one directory every frontend reads; kept with --state-dir, else removed at exit.
             jobs_dir = os.path.join(p.state_dir or self._tmp.name, "jobs")
+            fenv = {**(env or os.environ), "OMNI_CONTROL_ROUTES": "on" if p.control_routes else "off"}
+            if p.control_api_key:
+                fenv["OMNI_CONTROL_API_KEY"] = p.control_api_key
             os.makedirs(jobs_dir, exist_ok=True)
             for i in range(p.api_server_count):
                 args = ["--index", str(i), "--host", p.host, "--port", str(self.http_port),
@@ -153,7 +158,7 @@ class Launcher:
                 if p.api_key:
                     args += ["--api-key", p.api_key]
                 self.children.append(Child(f"api{i}", "frontend", self._child_argv("frontend", *args),
-                                           index=i, env=env))
+                                           index=i, env=fenv))
 
     def _bind_http(self) -> socket.socket:
         """Reserve the HTTP port (port 0: the kernel's pick, read back). Each frontend binds

@@ -63,13 +63,21 @@ def route_label(path: str) -> str:
     return "other"
 
 
-class FrontendMiddleware:
-    """X-Omni-Frontend on every response, bearer auth on /v1, request metrics."""
+# Routes that change engine state for every user; `--control-api-key` guards them with a key
+# of their own and `--disable-control-routes` turns them off.
+CONTROL_ROUTES = ("/v1/omni/sleep", "/v1/omni/wakeup")
 
-    def __init__(self, app, *, frontend_index: int, api_key: str | None, metrics: FrontendMetrics):
+
+class FrontendMiddleware:
+    """X-Omni-Frontend on every response, bearer auth on /v1 (and on control routes), request metrics."""
+
+    def __init__(self, app, *, frontend_index: int, api_key: str | None, metrics: FrontendMetrics,
+                 control_api_key: str | None = None, control_routes: bool = True):
         self.app = app
         self.header = (b"x-omni-frontend", str(frontend_index).encode())
         self.key = f"Bearer {api_key}".encode() if api_key else None
+        self.control_key = f"Bearer {control_api_key}".encode() if control_api_key else None
+        self.control_routes = control_routes
         self.metrics = metrics
 
     async def __call__(self, scope, receive, send):
@@ -89,19 +97,36 @@ class FrontendMiddleware:
             await send(message)
 
         try:
-            if self.key is not None and scope["path"].startswith("/v1") and not self._authorized(scope):
-                resp = error_response(401, "invalid or missing API key (send Authorization: Bearer <key>)",
-                                      "invalid_request_error", code="invalid_api_key",
-                                      headers={"WWW-Authenticate": "Bearer"})
-                return await resp(scope, receive, send_wrapper)
+            refusal = self._refusal(scope)
+            if refusal is not None:
+                return await refusal(scope, receive, send_wrapper)
             await self.app(scope, receive, send_wrapper)
         finally:
             self.metrics.finished(route, status, time.monotonic() - t0)
 
-    def _authorized(self, scope) -> bool:
+    def _refusal(self, scope) -> Response | None:
+        path = scope["path"]
+        if path in CONTROL_ROUTES:
+            if not self.control_routes:
+                return error_response(403, f"{path} is disabled on this server (--disable-control-routes)",
+                                      "permission_error", code="control_routes_disabled")
+            if self.control_key is not None:
+                if self._authorized(scope, self.control_key):
+                    return None
+                return error_response(401, f"{path} needs the control API key (send Authorization: Bearer "
+                                           "<control key>; see --control-api-key)", "invalid_request_error",
+                                      code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        if self.key is not None and path.startswith("/v1") and not self._authorized(scope, self.key):
+            return error_response(401, "invalid or missing API key (send Authorization: Bearer <key>)",
+                                  "invalid_request_error", code="invalid_api_key",
+                                  headers={"WWW-Authenticate": "Bearer"})
+        return None
+
+    @staticmethod
+    def _authorized(scope, key: bytes) -> bool:
         for k, v in scope["headers"]:
             if k == b"authorization":
-                return hmac.compare_digest(v, self.key)
+                return hmac.compare_digest(v, key)
         return False
 
 
@@ -520,7 +545,8 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
 def build_app(orchestrator: OrchestratorLike, tokenizer: Any, *, served_model_name: str,
               model_aliases=(), frontend_index: int = 0, max_model_len: int, default_max_tokens: int = 256,
               max_tokens_limit: int | None = None, speech_entry_stage: int | None = None, voices=None,
-              api_key: str | None = None, default_temperature: float = 1.0, jobs: Jobs | None = None) -> Starlette:
+              api_key: str | None = None, default_temperature: float = 1.0, jobs: Jobs | None = None,
+              control_api_key: str | None = None, control_routes: bool = True) -> Starlette:
     """`jobs`: the async job routes' state (master KV + shared result dir); in memory when None."""
     f = Frontend(orchestrator, tokenizer, served_model_name=served_model_name, model_aliases=model_aliases,
                  frontend_index=frontend_index, max_model_len=max_model_len,
@@ -556,7 +582,8 @@ def build_app(orchestrator: OrchestratorLike, tokenizer: Any, *, served_model_na
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error},
                     middleware=[Middleware(FrontendMiddleware, frontend_index=frontend_index, api_key=api_key,
-                                           metrics=f.metrics)])
+                                           metrics=f.metrics, control_api_key=control_api_key,
+                                           control_routes=control_routes)])
     app.state.frontend = f
     app.state.jobs = jobs
     return app

@@ -15,6 +15,8 @@ import os
 import random
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -32,6 +34,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 TOKEN = "fault-token"
 API_KEY = "fault-key"
+CONTROL_KEY = "fault-admin"
 LM_POOLER = Path(__file__).resolve().parents[2] / "deploy" / "lm-pooler.yaml"
 STANDALONE_MASTER = re.compile(r"omni master listening on ([\d.]+):(\d+)")
 
@@ -221,7 +224,7 @@ def start_served(folder: Path) -> Served:
     mp = model_path()
     config = write_deploy(folder, lease_ttl_s=3.0, lm_replicas=2)
     p = OmniProcess("serve", mp, "--deploy-config", str(config), "--port", "0", "--served-model-name", MODEL,
-                    "--omni-token", TOKEN, "--api-key", API_KEY)
+                    "--omni-token", TOKEN, "--api-key", API_KEY, "--control-api-key", CONTROL_KEY)
     try:
         master = p.master_address(120)
         url = p.http(300)
@@ -523,6 +526,20 @@ def test_api_key_guards_v1_routes(served):
     assert r.status_code == 200, r.text
 
 
+def test_control_routes_need_the_control_key(served):
+    user = {"authorization": f"Bearer {API_KEY}"}
+    admin = {"authorization": f"Bearer {CONTROL_KEY}"}
+    r = httpx.post(f"{served.url}/v1/omni/sleep", headers=user, json={}, timeout=60)
+    assert r.status_code == 401 and "control API key" in r.json()["error"]["message"], r.text
+    r = httpx.post(f"{served.url}/v1/omni/sleep", headers=admin, json={}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert httpx.get(f"{served.url}/v1/omni/is_sleeping", headers=user, timeout=30).json() == {"is_sleeping": True}
+    r = httpx.post(f"{served.url}/v1/omni/wakeup", headers=admin, timeout=60)
+    assert r.status_code == 200, r.text
+    assert httpx.get(f"{served.url}/v1/omni/is_sleeping", headers=user, timeout=30).json() == {"is_sleeping": False}
+    assert chat_once(served.url).status_code == 200
+
+
 # ------------------------------------------------------------------ 5. decoder fuzz
 
 def fuzz_frames(rng: random.Random, n: int) -> list[list[bytes]]:
@@ -693,3 +710,39 @@ def test_sigstop_is_dead_at_lease_expiry_and_rejoins(headless):
     assert all(o.status == "completed" for o in res["results"]), [o.error for o in res["results"]]
     assert res["victim_pid"] in {r.pid for r in res["ready_poolers"]}
     assert len(res["ready_poolers"]) == 2
+
+
+# ------------------------------------------------------------------ admin commands (last: a drain is for good)
+
+def omni_cli(*args: str, token: str | None = TOKEN) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "OMNI_TOKEN"}
+    if token:
+        env["OMNI_TOKEN"] = token
+    return subprocess.run([sys.executable, "-m", "omni.cli", *args], env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_omni_drain_through_the_master_and_traffic_moves(served):
+    lm = sorted((r for r in status(served.master, TOKEN).replicas if r.role == "STAGE" and r.stage_id == 0
+                 and r.state == "READY"), key=lambda r: r.replica_id)
+    assert len(lm) == 2, lm
+    victim = lm[0].replica_id
+    refused = omni_cli("drain", "--master", served.master, "--replica", victim, token=None)
+    assert refused.returncode == 2 and "token" in refused.stderr.lower(), refused.stderr
+    bad = omni_cli("drain", "--master", served.master, "--replica", "nope")
+    assert bad.returncode == 2 and "--replica nope" in bad.stderr, bad.stderr
+    done = omni_cli("drain", "--master", served.master, "--replica", victim, "--json")
+    assert done.returncode == 0, done.stderr
+    results = json.loads(done.stdout)["results"]
+    assert [(r["replica_id"], r["ok"]) for r in results] == [(victim, True)]
+    wait_until(lambda: {r.replica_id: r.state for r in status(served.master, TOKEN).replicas}[victim] == "DRAINING",
+               30, f"{victim} DRAINING")
+    before = {r.replica_id: r.requests_total for r in status(served.master, TOKEN).replicas}
+    for _ in range(3):
+        assert chat_once(served.url).status_code == 200
+    # Keep-alive load reports lag by up to a second: wait for the other replica's count to move.
+    other = lm[1].replica_id
+    wait_until(lambda: {r.replica_id: r.requests_total for r in status(served.master, TOKEN).replicas}[other]
+               >= before[other] + 3, 30, "the other LM replica served the requests")
+    after = {r.replica_id: r.requests_total for r in status(served.master, TOKEN).replicas}
+    assert after[victim] == before[victim]

@@ -379,6 +379,30 @@ async def test_api_key(tokenizer):
     assert (await c.get("/metrics")).status_code == 200
 
 
+async def test_control_routes_take_their_own_key(tokenizer):
+    orch, c = make(tokenizer, api_key="user", control_api_key="admin")
+    user, admin = {"Authorization": "Bearer user"}, {"Authorization": "Bearer admin"}
+    err = assert_error(await c.post("/v1/omni/sleep", json={}, headers=user), 401, contains="control API key")
+    assert err["code"] == "invalid_api_key"
+    assert orch.sleeping is False
+    assert (await c.post("/v1/omni/sleep", json={}, headers=admin)).status_code == 200
+    assert orch.sleeping is True
+    # Reading the state and ordinary routes stay on the user key; the admin key is not a user key.
+    assert (await c.get("/v1/omni/is_sleeping", headers=user)).json() == {"is_sleeping": True}
+    assert_error(await c.get("/v1/models", headers=admin), 401)
+    assert_error(await c.post("/v1/omni/wakeup", headers=user), 401)
+    assert (await c.post("/v1/omni/wakeup", headers=admin)).status_code == 200
+
+
+async def test_control_routes_can_be_turned_off(tokenizer):
+    orch, c = make(tokenizer, control_routes=False)
+    for path in ("/v1/omni/sleep", "/v1/omni/wakeup"):
+        err = assert_error(await c.post(path, json={}), 403, contains="--disable-control-routes")
+        assert err["type"] == "permission_error"
+    assert orch.sleeping is False
+    assert (await c.get("/v1/omni/is_sleeping")).status_code == 200
+
+
 # ---- audio
 
 def _wav_info(data: bytes):

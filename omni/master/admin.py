@@ -1,0 +1,96 @@
+"""`omni drain`, `omni sleep`, `omni wakeup`: commands fanned out by the master.
+
+Each goes to the master (token/TLS like `omni status`), which sends it down the keep-alive
+stream of every targeted replica and collects their acks. Exit 0 when every targeted replica
+acked ok, 1 when one refused or did not answer, 2 when the master cannot be reached or the
+target names nothing.
+"""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import typer
+
+from omni.errors import OmniError
+from omni.master import DEFAULT_PORT
+from omni.master.auth import tls_from_options
+from omni.master.commands import EXIT_NOT_READY, EXIT_OK, EXIT_UNREACHABLE, _one_line, _table
+
+# Shared option declarations (typer reads them from each command's signature).
+_MASTER = typer.Option(f"127.0.0.1:{DEFAULT_PORT}", "--master", "-m", help="The omni master's HOST:PORT.")
+_STAGE = typer.Option(None, "--stage", help="Only these stage ids (repeat the flag); default: every stage.")
+_REPLICA = typer.Option(None, "--replica", help="Only these replica ids, as `omni status` lists them (repeat it).")
+_JSON = typer.Option(False, "--json", help="Print one JSON document.")
+_TOKEN = typer.Option(None, "--omni-token", envvar="OMNI_TOKEN", help="The master's token (env OMNI_TOKEN).")
+_CERT = typer.Option(None, "--tls-cert", help="PEM client certificate (mTLS).")
+_KEY = typer.Option(None, "--tls-key", help="PEM private key of --tls-cert.")
+_CA = typer.Option(None, "--tls-ca", help="PEM CA to verify the master (enables TLS).")
+
+
+def _run(kind: str, master: str, stage: list[int] | None, replica: list[str] | None, args: dict,
+         timeout: float, json_: bool, omni_token: str | None, tls: tuple) -> None:
+    from omni.master.client import MasterClient
+
+    verb = kind.lower().replace("_", "")
+    try:
+        with MasterClient(master, token=omni_token, tls=tls_from_options(*tls), timeout_s=5.0) as client:
+            st = client.get_status()
+            known = {r.replica_id for r in st.replicas if r.role == "STAGE"}
+            unknown = sorted(set(replica or ()) - known)
+            if unknown:
+                typer.echo(f"omni {verb}: --replica {', '.join(unknown)}: no such stage replica "
+                           f"(known: {', '.join(sorted(known)) or 'none'})", err=True)
+                raise typer.Exit(EXIT_UNREACHABLE)
+            stages = {s.stage_id for s in st.stages}
+            bad = sorted(set(stage or ()) - stages)
+            if bad:
+                typer.echo(f"omni {verb}: --stage {', '.join(map(str, bad))}: no such stage "
+                           f"(the pipeline has {', '.join(map(str, sorted(stages))) or 'none'})", err=True)
+                raise typer.Exit(EXIT_UNREACHABLE)
+            results = client.send_command(kind, stage or (), args, timeout_s=timeout, replica_ids=replica or ())
+    except OmniError as e:
+        typer.echo(f"omni {verb}: {_one_line(str(e))}", err=True)
+        raise typer.Exit(EXIT_UNREACHABLE) from None
+    if json_:
+        print(json.dumps({"command": kind, "results": msgspec.to_builtins(results)}, sort_keys=True))
+    elif results:
+        print("\n".join(_table(["STAGE", "REPLICA", "OK", "OUTCOME", "MESSAGE"],
+                               [[str(r.stage_id), r.replica_id, "yes" if r.ok else "no", r.outcome, r.message]
+                                for r in results])))
+    if not results:
+        typer.echo(f"omni {verb}: no live stage replica matched", err=True)
+        raise typer.Exit(EXIT_UNREACHABLE)
+    raise typer.Exit(EXIT_OK if all(r.ok for r in results) else EXIT_NOT_READY)
+
+
+def drain(
+    master: str = _MASTER, stage: list[int] = _STAGE, replica: list[str] = _REPLICA,
+    timeout: float = typer.Option(10.0, "--timeout", min=0.1, help="Seconds to wait for the acks."),
+    json_: bool = _JSON, omni_token: str | None = _TOKEN,
+    tls_cert: str | None = _CERT, tls_key: str | None = _KEY, tls_ca: str | None = _CA,
+) -> None:
+    """Stop sending new requests to replicas (they finish what they hold; frontends route around them)."""
+    _run("DRAIN", master, stage, replica, {}, timeout, json_, omni_token, (tls_cert, tls_key, tls_ca))
+
+
+def sleep(
+    master: str = _MASTER, stage: list[int] = _STAGE, replica: list[str] = _REPLICA,
+    level: int = typer.Option(1, "--level", min=1, max=2, help="1: free the KV cache; 2: also drop weights."),
+    timeout: float = typer.Option(60.0, "--timeout", min=0.1, help="Seconds to wait for the acks."),
+    json_: bool = _JSON, omni_token: str | None = _TOKEN,
+    tls_cert: str | None = _CERT, tls_key: str | None = _KEY, tls_ca: str | None = _CA,
+) -> None:
+    """Put stage engines to sleep (engines that cannot sleep here say so)."""
+    _run("SLEEP", master, stage, replica, {"level": level}, timeout, json_, omni_token, (tls_cert, tls_key, tls_ca))
+
+
+def wakeup(
+    master: str = _MASTER, stage: list[int] = _STAGE, replica: list[str] = _REPLICA,
+    timeout: float = typer.Option(60.0, "--timeout", min=0.1, help="Seconds to wait for the acks."),
+    json_: bool = _JSON, omni_token: str | None = _TOKEN,
+    tls_cert: str | None = _CERT, tls_key: str | None = _KEY, tls_ca: str | None = _CA,
+) -> None:
+    """Wake sleeping stage engines."""
+    _run("WAKE_UP", master, stage, replica, {}, timeout, json_, omni_token, (tls_cert, tls_key, tls_ca))
