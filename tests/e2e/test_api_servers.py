@@ -31,7 +31,10 @@ def server():
         yield p, url, p.master_address()
     finally:
         if p.proc.poll() is None:
-            p.kill()
+            try:
+                p.interrupt(60)   # a clean stop removes the launcher's temp dir (config, job results)
+            except subprocess.TimeoutExpired:
+                p.kill()
 
 
 def fresh(url: str, method: str, path: str, **kw) -> httpx.Response:
