@@ -130,8 +130,30 @@ class Orchestrator:
                     for st in picked:   # nothing sent there yet: pick another replica at the first send
                         st.replica = None
                     continue
+                if req is not None and self._replay(req, r.replica_id):
+                    continue
                 if req is not None:
                     self._fail(req, StageFailed(r.stage_id, r.replica_id, f"replica is {r.state.lower() if kind != 'REMOVED' else 'gone'}"))
+
+    def _replay(self, state: _Request, dead: str) -> bool:
+        """Move the request's entry stage to another replica when the dead one held only that
+        stage and nothing of it was seen yet (no output): sending the input again is then safe."""
+        entry = state.req.entry_stage
+        held = [s for s, st in state.stages.items() if st.replica is not None and st.replica.replica_id == dead]
+        st = state.stages.get(entry)
+        if held != [entry] or st is None or st.first_output_at is not None or state.done:
+            return False
+        if not [r for r in self.topology.stage_replicas(entry) if r.replica_id != dead]:
+            return False
+        logger.info("request %s: %s replica %s is gone before its first output; replaying it elsewhere",
+                    state.rid, self.config.stage(entry).label, dead)
+        st.replica, st.started = None, False
+        st.open.discard(state.rid)
+        self.metrics.replayed(entry)
+        first = procs.StageInput(token_ids=state.req.prompt_token_ids, text=state.req.text,
+                                 extra=dict(state.req.extra))
+        self._spawn(self._send_input(state, entry, state.rid, first, final=True), state)
+        return True
 
     async def _channel(self, r: ReplicaInfo) -> StageChannel:
         ch = self._channels.get(r.replica_id)

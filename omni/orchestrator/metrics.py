@@ -16,6 +16,7 @@ class OrchestratorMetrics:
         self.requests_failed = 0
         self.tensor_bytes_total = 0
         self.tensor_bytes_by_transport: dict[str, int] = {}
+        self.replays: dict[int, int] = {}     # stage -> requests moved off a dead replica
         self.e2e = Histogram(LATENCY_BUCKETS)
         self.ttfo = Histogram(TTFO_BUCKETS)
         self.queue: dict[int, Histogram] = {}
@@ -45,6 +46,9 @@ class OrchestratorMetrics:
     def output_queue(self, stage: int, seconds: float) -> None:
         self.out_queue.setdefault(stage, Histogram(STEP_BUCKETS)).observe(seconds)
 
+    def replayed(self, stage: int) -> None:
+        self.replays[stage] = self.replays.get(stage, 0) + 1
+
     def stage_step(self, stage: int, seconds: float) -> None:
         self.step.setdefault(stage, Histogram(STEP_BUCKETS)).observe(seconds)
 
@@ -62,6 +66,10 @@ class OrchestratorMetrics:
             "# TYPE omni_tensor_bytes_total counter",
             *(f"omni_tensor_bytes_total{_labels({**fe, 'transport': t})} {n}"
               for t, n in sorted(self.tensor_bytes_by_transport.items())),
+            "# HELP omni_stage_replays_total Requests moved to another replica when theirs died before any output.",
+            "# TYPE omni_stage_replays_total counter",
+            *(f"omni_stage_replays_total{_labels({**fe, 'stage': str(s)})} {n}"
+              for s, n in sorted(self.replays.items())),
             "# TYPE omni_pipeline_e2e_seconds histogram",
             *self.e2e.lines("omni_pipeline_e2e_seconds", fe),
             "# TYPE omni_pipeline_first_output_seconds histogram",

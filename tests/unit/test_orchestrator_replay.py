@@ -1,0 +1,118 @@
+"""A replica that dies before a request's first output: the orchestrator sends the request
+to another replica of the entry stage (nothing of it was seen, so it is safe). After the
+first output it fails, naming the stage and replica. Real StageWorkers on real sockets;
+the topology events are fed by hand in place of the master."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from omni.config import parse
+from omni.engines.base import SamplingParams
+from omni.errors import StageFailed
+from omni.master.types import ReplicaInfo, TopologyEvent
+from omni.orchestrator.core import Orchestrator
+from omni.orchestrator.topology import Topology
+from omni.orchestrator.types import PipelineRequest
+from omni.stage.worker import StageWorker
+from tests.unit.test_stage_worker import CountEngine
+
+CONFIG = parse({"model": "m", "stages": [{"stage_id": 0, "engine": "count", "final_output": True,
+                                          "final_output_type": "text"}]}, source="test")
+
+
+class StallEngine(CountEngine):
+    """Emits `emit` outputs, then holds every request without output (a replica about to die)."""
+
+    def __init__(self, emit: int):
+        super().__init__()
+        self.emit = emit
+        self.added = threading.Event()
+
+    def add_request(self, r) -> None:
+        super().add_request(r)
+        self.added.set()
+
+    def step(self):
+        if self.emit <= 0:
+            return []
+        self.emit -= 1
+        return super().step()
+
+
+def info(w: StageWorker, replica_id: str, state: str = "READY") -> ReplicaInfo:
+    return ReplicaInfo(stage_id=0, replica_id=replica_id, replica_index=int(replica_id[-1]), role="STAGE",
+                       host="127.0.0.1", pid=1, endpoints={"channel": w.endpoint}, state=state, queue_len=0,
+                       in_flight=0, requests_total=0, cpu_seconds=0.0, is_sleeping=False, draining=False,
+                       extra={}, heartbeat_age_s=0.0, version="test", capabilities={})
+
+
+@pytest.fixture
+def replicas():
+    """Replica s0r0 stalls after `emit` outputs (set by the test); s0r1 counts normally."""
+    workers, threads = [], []
+
+    def start(emit: int):
+        for rid, engine in (("s0r0", StallEngine(emit)), ("s0r1", CountEngine())):
+            w = StageWorker(CONFIG.stage(0), engine, replica_id=rid)
+            t = threading.Thread(target=w.run, kwargs={"grace_s": 0.5}, daemon=True)
+            t.start()
+            workers.append(w)
+            threads.append(t)
+        return workers
+    yield start
+    for w in workers:
+        w.stop()
+    for t in threads:
+        t.join(10)
+
+
+async def run(workers, after_first_output: bool) -> tuple[list, BaseException | None, Orchestrator]:
+    topo = Topology()
+    topo.apply(TopologyEvent("SNAPSHOT", [info(workers[0], "s0r0"), info(workers[1], "s0r1")], 1))
+    orch = Orchestrator(CONFIG, frontend_id="fe-test", topology=topo, detokenize=lambda ids: "")
+    req = PipelineRequest(request_id="r1", prompt_token_ids=[10], sampling=SamplingParams(max_tokens=3),
+                          timeout_s=30)
+    outs, error = [], None
+    first = asyncio.Event()
+
+    async def consume():
+        async for out in orch.generate(req):
+            outs.append(out)
+            first.set()
+
+    task = asyncio.create_task(consume())
+    if after_first_output:
+        await asyncio.wait_for(first.wait(), 10)
+    else:
+        added = workers[0].engine.added
+        assert await asyncio.to_thread(added.wait, 10), "the first replica never got the request"
+    # The master saw its keep-alive stream break.
+    topo.apply(TopologyEvent("UPDATED", [info(workers[0], "s0r0", "SUSPECT")], 2))
+    try:
+        await asyncio.wait_for(task, 30)
+    except StageFailed as e:
+        error = e
+    await orch.close()
+    return outs, error, orch
+
+
+def test_a_request_is_replayed_when_its_replica_dies_before_any_output(replicas):
+    workers = replicas(emit=0)
+    outs, error, orch = asyncio.run(run(workers, after_first_output=False))
+    assert error is None
+    assert [o.token_ids for o in outs if o.token_ids] == [[11], [12], [13]] and outs[-1].finished
+    assert orch.metrics.replays == {0: 1}
+    assert 'omni_stage_replays_total{frontend="fe-test",stage="0"} 1' in orch.metrics.render("fe-test")
+
+
+def test_after_the_first_output_it_fails_naming_stage_and_replica(replicas):
+    workers = replicas(emit=1)
+    outs, error, orch = asyncio.run(run(workers, after_first_output=True))
+    assert isinstance(error, StageFailed)
+    assert "stage 0" in str(error) and "s0r0" in str(error), str(error)
+    assert [o.token_ids for o in outs] == [[11]]
+    assert orch.metrics.replays == {}
