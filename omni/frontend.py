@@ -138,7 +138,8 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
             return None
         return {(r.host, r.pid) for r in topology.replicas.values() if r.role == "FRONTEND" and r.state != "DEAD"}
 
-    jobs = Jobs(amaster, Results(jobs_dir), frontend_index=index, host=host, live_frontends=live_frontends)
+    # host as registered, so owners match the topology's entries
+    jobs = Jobs(amaster, Results(jobs_dir), frontend_index=index, host=advertise, live_frontends=live_frontends)
     app = build_app(
         orch, tokenizer,
         served_model_name=served_model_name,
