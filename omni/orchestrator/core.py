@@ -56,6 +56,10 @@ class _StageState:
     first_output_at: float | None = None
     n_sub: int = 0
     streamed: bool = False                             # pieces went out at once; close with an empty final
+    # Inputs sent per engine request id, kept until it finishes, so a replica that dies before
+    # any output can be replaced by sending them again (descriptors only; producers keep the bytes).
+    sent: dict[str, list] = field(default_factory=dict)
+    sending: int = 0                                   # _send_soon tasks not finished yet
 
 
 class _Request:
@@ -130,29 +134,44 @@ class Orchestrator:
                     for st in picked:   # nothing sent there yet: pick another replica at the first send
                         st.replica = None
                     continue
-                if req is not None and self._replay(req, r.replica_id):
+                if req is not None and self._replay(req, r):
                     continue
                 if req is not None:
                     self._fail(req, StageFailed(r.stage_id, r.replica_id, f"replica is {r.state.lower() if kind != 'REMOVED' else 'gone'}"))
 
-    def _replay(self, state: _Request, dead: str) -> bool:
-        """Move the request's entry stage to another replica when the dead one held only that
-        stage and nothing of it was seen yet (no output): sending the input again is then safe."""
-        entry = state.req.entry_stage
-        held = [s for s, st in state.stages.items() if st.replica is not None and st.replica.replica_id == dead]
-        st = state.stages.get(entry)
-        if held != [entry] or st is None or st.first_output_at is not None or state.done:
+    def _replay(self, state: _Request, dead: ReplicaInfo) -> bool:
+        """Move a stage's part of the request to another replica when the dead one had produced
+        nothing for it yet and every input was already sent: nothing of it was seen, so sending
+        the same inputs again (in order) is safe. Shared-memory inputs need a replica on the
+        dead one's host; a stage still receiving inputs is not moved (their order would mix)."""
+        held = [s for s, st in state.stages.items()
+                if st.replica is not None and st.replica.replica_id == dead.replica_id]
+        if len(held) != 1 or state.done:
             return False
-        if not [r for r in self.topology.stage_replicas(entry) if r.replica_id != dead]:
+        s = held[0]
+        st = state.stages[s]
+        if st.first_output_at is not None or not st.inputs_closed or st.pending is not None or st.sending \
+                or not st.sent:
             return False
-        logger.info("request %s: %s replica %s is gone before its first output; replaying it elsewhere",
-                    state.rid, self.config.stage(entry).label, dead)
-        st.replica, st.started = None, False
-        st.open.discard(state.rid)
-        self.metrics.replayed(entry)
-        first = procs.StageInput(token_ids=state.req.prompt_token_ids, text=state.req.text,
-                                 extra=dict(state.req.extra))
-        self._spawn(self._send_input(state, entry, state.rid, first, final=True), state)
+        others = [r for r in self.topology.stage_replicas(s) if r.replica_id != dead.replica_id]
+        if any(ref.transport == "shm" for items in st.sent.values() for inp, _ in items
+               for ref in inp.tensors.values()):
+            others = [r for r in others if r.host == dead.host]
+        if not others:
+            return False
+        st.replica, st.started = min(others, key=self._load), False
+        sent, st.sent = st.sent, {}
+        for erid in sent:
+            st.refs_in.pop(erid, None)     # recorded again as they are sent again
+        logger.info("request %s: %s replica %s is gone before any output; replaying on %s",
+                    state.rid, self.config.stage(s).label, dead.replica_id, st.replica.replica_id)
+        self.metrics.replayed(s)
+
+        async def resend() -> None:
+            for erid, items in sent.items():
+                for inp, final in items:
+                    await self._send_input(state, s, erid, inp, final)
+        self._spawn(resend(), state)
         return True
 
     async def _channel(self, r: ReplicaInfo) -> StageChannel:
@@ -176,11 +195,11 @@ class Orchestrator:
         if not replicas:
             stage = self.config.stage(stage_id)
             raise Unavailable(f"{stage.label} has no READY replica")
-        # Least loaded: the master's load report plus what this frontend sent since.
-        def load(r: ReplicaInfo) -> tuple[int, str]:
-            local = len(self._by_replica.get(r.replica_id, ()))
-            return (r.queue_len + r.in_flight + local, r.replica_id)
-        return min(replicas, key=load)
+        return min(replicas, key=self._load)
+
+    def _load(self, r: ReplicaInfo) -> tuple[int, str]:
+        """Least loaded first: the master's load report plus what this frontend sent since."""
+        return (r.queue_len + r.in_flight + len(self._by_replica.get(r.replica_id, ())), r.replica_id)
 
     def health(self) -> tuple[bool, str]:
         if not self.topology.synced:
@@ -284,6 +303,7 @@ class Orchestrator:
         )
         st.started = True
         st.open.add(erid)
+        st.sent.setdefault(erid, []).append((inp, final))
         if inp.tensors:
             st.refs_in.setdefault(erid, []).extend((producer, r) for r in inp.tensors.values())
         self._by_replica.setdefault(replica.replica_id, set()).add(state.rid)
@@ -381,6 +401,7 @@ class Orchestrator:
             self._free_refs(ch, unused)
         if out.finished:
             st.open.discard(out.request_id)
+            st.sent.pop(out.request_id, None)
             self._release_inputs(state, s, out.request_id)
             if out.finish_reason and stage.final_output_type == "text":
                 state.finish_reason = out.finish_reason
@@ -433,8 +454,16 @@ class Orchestrator:
 
     def _send_soon(self, state: _Request, t: int, erid: str, inp: procs.StageInput, final: bool) -> None:
         # Open now, not when the task runs, so completion checks see it at once.
-        state.stages[t].open.add(erid)
-        self._spawn(self._send_input(state, t, erid, inp, final), state)
+        st = state.stages[t]
+        st.open.add(erid)
+        st.sending += 1
+
+        async def send() -> None:
+            try:
+                await self._send_input(state, t, erid, inp, final)
+            finally:
+                st.sending -= 1
+        self._spawn(send(), state)
 
     def _spawn(self, coro, state: _Request) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import msgspec
 import pytest
 
 from omni.config import parse
@@ -116,3 +117,63 @@ def test_after_the_first_output_it_fails_naming_stage_and_replica(replicas):
     assert "stage 0" in str(error) and "s0r0" in str(error), str(error)
     assert [o.token_ids for o in outs] == [[11]]
     assert orch.metrics.replays == {}
+
+
+# ---- a downstream stage: its input was complete when its replica died
+
+PIPE = parse({"model": "m", "stages": [
+    {"stage_id": 0, "engine": "count"},
+    {"stage_id": 1, "engine": "count", "inputs": [0], "processor": "tests.unit.test_orchestrator_replay:collect_all",
+     "final_output": True, "final_output_type": "text"}]}, source="test")
+
+
+def collect_all(ctx, state, out):
+    """Stage 0's tokens as one input for stage 1, once stage 0 is done."""
+    from omni.processors import StageInput
+
+    state.setdefault("ids", []).extend(out.token_ids)
+    return [StageInput(token_ids=list(state["ids"]))] if out.finished else []
+
+
+def test_a_downstream_stage_is_replayed_when_its_input_was_complete():
+    specs = [(0, "s0r0", CountEngine()), (1, "s1r0", StallEngine(0)), (1, "s1r1", CountEngine())]
+    workers, threads = [], []
+    for stage, rid, engine in specs:
+        w = StageWorker(PIPE.stage(stage), engine, replica_id=rid)
+        t = threading.Thread(target=w.run, kwargs={"grace_s": 0.5}, daemon=True)
+        t.start()
+        workers.append(w)
+        threads.append(t)
+
+    def rinfo(w, stage, rid, state="READY"):
+        r = info(w, rid, state)
+        return msgspec.structs.replace(r, stage_id=stage)
+
+    async def go():
+        topo = Topology()
+        topo.apply(TopologyEvent("SNAPSHOT", [rinfo(w, st, rid) for w, (st, rid, _) in zip(workers, specs)], 1))
+        orch = Orchestrator(PIPE, frontend_id="fe-test", topology=topo, detokenize=lambda ids: "")
+        req = PipelineRequest(request_id="r2", prompt_token_ids=[10], sampling=SamplingParams(max_tokens=2),
+                              timeout_s=30)
+        outs = []
+
+        async def consume():
+            async for out in orch.generate(req):
+                outs.append(out)
+        task = asyncio.create_task(consume())
+        assert await asyncio.to_thread(specs[1][2].added.wait, 10), "the stalling replica never got the input"
+        topo.apply(TopologyEvent("UPDATED", [rinfo(workers[1], 1, "s1r0", "SUSPECT")], 2))
+        await asyncio.wait_for(task, 30)
+        await orch.close()
+        return outs, orch
+
+    try:
+        outs, orch = asyncio.run(go())
+    finally:
+        for w in workers:
+            w.stop()
+        for t in threads:
+            t.join(10)
+    # Stage 0 counted 11, 12; stage 1 (the replacement) continued from the last: 13, 14.
+    assert [o.token_ids for o in outs if o.token_ids] == [[13], [14]] and outs[-1].finished
+    assert orch.metrics.replays == {1: 1}
