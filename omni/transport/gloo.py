@@ -8,7 +8,10 @@ connection, then `send`s the tensor on that connection's group while the consume
 `recv`s into a preallocated tensor. CUDA tensors give refs with transport "nccl" and
 travel on an NCCL group made lazily for the same pair; CPU tensors use gloo.
 
-Extra wire step after the tcp hello: server -> client  u32 pair id | u16 store port.
+Extra wire step after the tcp hello: server -> client  u32 pair id | u16 store port | 16-byte nonce.
+The TCPStore itself has no authentication; the pair's keys live under a prefix with a random
+nonce that only a client past the token hello learns, so a stranger on the store's port cannot
+join or disturb a pair's rendezvous.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import datetime
 import itertools
 import logging
+import secrets
 import socket
 import struct
 import threading
@@ -30,7 +34,7 @@ from omni.transport.util import check_ref, prepare, recv_exact, split_endpoint
 
 logger = logging.getLogger(__name__)
 
-PAIR = struct.Struct("<IH")
+PAIR = struct.Struct("<IH16s")
 PRODUCER_RANK, CONSUMER_RANK = 0, 1
 
 
@@ -98,10 +102,11 @@ class GlooProducer(KeyedProducer):
 
     def _on_connect(self, conn: socket.socket) -> _Pair:
         pair_id = next(self._pair_ids)
-        conn.sendall(PAIR.pack(pair_id, self._store.port))
+        nonce = secrets.token_bytes(16)
+        conn.sendall(PAIR.pack(pair_id, self._store.port, nonce))
         # a store client per pair: one client blocked in a rendezvous would stall the others
         store = dist.TCPStore(self.host, self._store.port, None, False, self._timeout)
-        pair = _Pair(f"pair-{pair_id}", store, self._group_host, PRODUCER_RANK, self._timeout)
+        pair = _Pair(f"pair-{pair_id}-{nonce.hex()}", store, self._group_host, PRODUCER_RANK, self._timeout)
         pair.group("gloo")  # meets the consumer's half; fails after `timeout` if it never comes
         return pair
 
@@ -143,12 +148,12 @@ class GlooConsumer(TensorConsumer):
     def _open(self, endpoint: str) -> _Conn:
         sock = connect(endpoint, self._token, self._timeout)
         try:
-            pair_id, store_port = PAIR.unpack(recv_exact(sock, PAIR.size))
+            pair_id, store_port, nonce = PAIR.unpack(recv_exact(sock, PAIR.size))
             host, _ = split_endpoint(endpoint)
             td = datetime.timedelta(seconds=self._timeout)
             # a store client per connection: one blocked in a rendezvous would stall the others
             store = dist.TCPStore(host, store_port, None, False, td)
-            pair = _Pair(f"pair-{pair_id}", store, sock.getsockname()[0], CONSUMER_RANK, td)
+            pair = _Pair(f"pair-{pair_id}-{nonce.hex()}", store, sock.getsockname()[0], CONSUMER_RANK, td)
             pair.group("gloo")
         except BaseException as e:
             sock.close()
