@@ -9,7 +9,8 @@ the pipeline recovers. The LM -> pooler pipeline with the real SmolLM2 weights.
 Columns: detect_s, fault -> the master publishing the new state (SUSPECT/DEAD/removed; for
 restart_master: until every stage is READY on the new master); failed / hung / completed, requests
 sent during the fault (hung must be 0: every request has a deadline); recover_s, fault -> the first
-request served by the replacement (or by the resumed component; for sigstop_stage: SIGCONT -> READY again).
+request served by the replacement (or by the resumed component; for sigstop_stage: SIGCONT -> READY again;
+for sigstop_replay: requests sent to a stopped replica, all done once they moved to the other one).
 The scenarios themselves live in tests/e2e/test_faults.py (and tests/e2e/harness.py) and are reused here.
 """
 
@@ -86,6 +87,11 @@ async def sigkill_pooler(d: tf.Headless, n: int = 4) -> dict:
     return row("sigkill_stage", ev[0] - t0, outcomes, recover_s)
 
 
+async def replay_stopped(d: tf.Headless) -> dict:
+    res = await tf.replay_off_stopped_pooler(d)
+    return row("sigstop_replay", res["detect_s"], res["outcomes"], res["elapsed_s"])
+
+
 async def restart_master(d: tf.Headless) -> dict:
     res = await tf.restart_master(d)
     return row("restart_master", res["reregistered_s"], [res["first"], *res["results"]], res["recover_s"])
@@ -94,7 +100,8 @@ async def restart_master(d: tf.Headless) -> dict:
 def run_headless(folder: Path) -> list[dict]:
     d = tf.start_headless(folder)
     try:
-        return [asyncio.run(sigstop(d)), asyncio.run(sigkill_pooler(d)), asyncio.run(restart_master(d))]
+        return [asyncio.run(sigstop(d)), asyncio.run(replay_stopped(d)), asyncio.run(sigkill_pooler(d)),
+                asyncio.run(restart_master(d))]
     finally:
         d.stop()
 

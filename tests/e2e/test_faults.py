@@ -712,6 +712,41 @@ def test_sigstop_is_dead_at_lease_expiry_and_rejoins(headless):
     assert len(res["ready_poolers"]) == 2
 
 
+# ------------------------------------------------------------------ 3b. replay off a stopped replica
+
+async def replay_off_stopped_pooler(d: Headless, n: int = 4) -> dict:
+    """SIGSTOP a pooler, then send requests: those routed to it wait until it is DEAD and then
+    move to the other pooler (their inputs were complete and it had produced nothing)."""
+    victim = d.stages[1]
+    watcher = Watcher(d.address)
+    try:
+        async with TestOrchestrator(d) as t:
+            rep = next(r for r in t.topology.replicas.values() if r.pid == victim.proc.pid)
+            os.kill(victim.proc.pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            try:
+                # Concurrent picks count as load at once, so about half go to the stopped one.
+                outcomes = list(await asyncio.gather(*(t.run(deadline_s=d.lease_ttl_s + 30) for _ in range(n))))
+                replays = dict(t.orch.metrics.replays)
+                dead = watcher.wait(lambda e: e[1] == rep.replica_id and e[3] == "DEAD", 5, "victim DEAD", t0)
+            finally:
+                t1 = time.monotonic()
+                os.kill(victim.proc.pid, signal.SIGCONT)
+            elapsed = t1 - t0
+            await asyncio.to_thread(watcher.wait, lambda e: e[1] == rep.replica_id and e[3] == "READY",
+                                    20, "victim READY again", t1)
+            await t.healthy(20)
+    finally:
+        watcher.close()
+    return {"outcomes": outcomes, "replays": replays, "elapsed_s": elapsed, "detect_s": dead[0] - t0}
+
+
+def test_requests_on_a_stopped_replica_move_to_another_once_it_is_dead(headless):
+    res = asyncio.run(replay_off_stopped_pooler(headless))
+    assert [o.status for o in res["outcomes"]] == ["completed"] * 4, [o.error for o in res["outcomes"]]
+    assert res["replays"].get(1, 0) >= 1, res["replays"]
+
+
 # ------------------------------------------------------------------ admin commands (last: a drain is for good)
 
 def omni_cli(*args: str, token: str | None = TOKEN) -> subprocess.CompletedProcess:
