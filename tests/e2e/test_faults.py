@@ -706,7 +706,8 @@ async def sigstop_stage(d: Headless) -> dict:
 def test_sigstop_is_dead_at_lease_expiry_and_rejoins(headless):
     res = asyncio.run(sigstop_stage(headless))
     ttl = headless.lease_ttl_s
-    assert ttl * 0.8 <= res["detect_s"] <= ttl + 2.0, res["detect_s"]
+    # The lease runs from the last heartbeat (every min(1, ttl/4) s), which may precede the SIGSTOP.
+    assert ttl - min(1.0, ttl / 4) - 0.05 <= res["detect_s"] <= ttl + 2.0, res["detect_s"]
     assert all(o.status == "completed" for o in res["results"]), [o.error for o in res["results"]]
     assert res["victim_pid"] in {r.pid for r in res["ready_poolers"]}
     assert len(res["ready_poolers"]) == 2
