@@ -138,6 +138,10 @@ def serve(
     if disable_control_routes and control_api_key:
         raise ConfigError("--control-api-key and --disable-control-routes contradict each other: "
                           "a key guards the control routes, the other flag turns them off")
+    if omni_master_address in ("0.0.0.0", "::") and not omni_replica_address:
+        print(f"omni: warning: --omni-master-address {omni_master_address} is a wildcard, so this process "
+              "advertises 127.0.0.1 to its peers; stages on other hosts cannot reach it. Pass "
+              "--omni-replica-address with this host's address.", file=sys.stderr)
     if headless and stage_id is None:
         raise ConfigError("--headless needs --stage-id K (which stage to run)")
     if stage_id is not None and (omni_master_address is None or omni_master_port is None):

@@ -24,6 +24,7 @@ def omni(*args: str) -> subprocess.CompletedProcess:
     (["serve", "smollm2", "--max-model-len", "64"], "need --stage-id"),
     (["serve", "no/such-model"], "no bundled deploy config"),
     (["serve", "smollm2", "--deploy-config", "/nonexistent.yaml"], "file not found"),
+    (["serve", "smollm2", "--control-api-key", "k", "--disable-control-routes"], "contradict"),
 ])
 def test_bad_flags_exit_2_naming_the_flag(args, message):
     r = omni(*args)
