@@ -50,7 +50,7 @@ OFFLOAD_CHARS = 1024
 AUDIO_TTL_S = 3600
 _ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics",
            "/v1/omni/sleep", "/v1/omni/wakeup", "/v1/omni/is_sleeping", "/v1/audio/speech",
-           "/v1/audio/voices", "/openapi.json", "/v1/omni/jobs")
+           "/v1/audio/voices", "/openapi.json", "/v1/omni/jobs", "/tokenize", "/detokenize")
 
 
 def route_label(path: str) -> str:
@@ -116,7 +116,8 @@ class FrontendMiddleware:
                 return error_response(401, f"{path} needs the control API key (send Authorization: Bearer "
                                            "<control key>; see --control-api-key)", "invalid_request_error",
                                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-        if self.key is not None and path.startswith("/v1") and not self._authorized(scope, self.key):
+        guarded = path.startswith("/v1") or path in ("/tokenize", "/detokenize")
+        if self.key is not None and guarded and not self._authorized(scope, self.key):
             return error_response(401, "invalid or missing API key (send Authorization: Bearer <key>)",
                                   "invalid_request_error", code="invalid_api_key",
                                   headers={"WWW-Authenticate": "Bearer"})
@@ -406,6 +407,32 @@ class Frontend:
                 request, lambda: self._open_stream(gen, self._completion_stream, include_usage))
         return await _until_disconnect(request, lambda: self._completion_full(gen))
 
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's /tokenize; frontend work only (no stage is involved)."""
+        self._need_text()
+        req = P.decode_body(await request.body(), P.TokenizeRequest)
+        self._check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("send exactly one of `prompt` and `messages`", param="prompt")
+        if req.messages is not None:
+            messages = P.chat_messages(req)
+            ids = await self._offload(sum(len(m["content"]) for m in messages) > OFFLOAD_CHARS,
+                                      self._render_chat, messages)
+        else:
+            ids = list(await self._offload(len(req.prompt) > OFFLOAD_CHARS, self._encode, req.prompt,
+                                           req.add_special_tokens))
+        return JSONResponse({"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids})
+
+    async def detokenize(self, request: Request) -> Response:
+        self._need_text()
+        req = P.decode_body(await request.body(), P.DetokenizeRequest)
+        self._check_model(req.model)
+        bad = next((t for t in req.tokens if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param="tokens")
+        text = await self._offload(len(req.tokens) > OFFLOAD_CHARS // 4, self.tokenizer.decode, req.tokens)
+        return JSONResponse({"prompt": text})
+
     async def _completion_stream(self, gen: Generation, include_usage: bool):
         def choice(text, finish=None):
             return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
@@ -564,6 +591,8 @@ def build_app(orchestrator: OrchestratorLike, tokenizer: Any, *, served_model_na
         Route("/v1/chat/completions", e(f.chat), methods=["POST"]),
         Route("/v1/completions", e(f.completions), methods=["POST"]),
         Route("/v1/models", e(f.models), methods=["GET"]),
+        Route("/tokenize", e(f.tokenize), methods=["POST"]),
+        Route("/detokenize", e(f.detokenize), methods=["POST"]),
         Route("/health", e(f.health), methods=["GET"]),
         Route("/metrics", e(f.metrics_route), methods=["GET"]),
         Route("/v1/omni/sleep", e(f.sleep), methods=["POST"]),

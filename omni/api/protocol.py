@@ -69,6 +69,19 @@ class SpeechRequest(msgspec.Struct, kw_only=True):
     speed: float = 1.0
 
 
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    """vLLM's /tokenize: `prompt` (raw text) or `messages` (through the chat template)."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True       # with `prompt`; the chat template decides for `messages`
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    tokens: list[int]
+    model: str | None = None
+
+
 class SleepRequest(msgspec.Struct, kw_only=True):
     level: int = 1
 

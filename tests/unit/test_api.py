@@ -403,6 +403,29 @@ async def test_control_routes_can_be_turned_off(tokenizer):
     assert (await c.get("/v1/omni/is_sleeping")).status_code == 200
 
 
+async def test_tokenize_and_detokenize_like_vllm(tokenizer):
+    _, c = make(tokenizer, api_key="k")
+    auth = {"Authorization": "Bearer k"}
+    assert_error(await c.post("/tokenize", json={"prompt": "hi"}), 401)
+    r = await c.post("/tokenize", json={"model": "tiny", "prompt": "hello world"}, headers=auth)
+    assert r.status_code == 200, r.text
+    doc = r.json()
+    assert doc["tokens"] == tokenizer.encode("hello world") and doc["count"] == len(doc["tokens"])
+    assert doc["max_model_len"] == 128
+    chat = (await c.post("/tokenize", json={"messages": [{"role": "user", "content": "say hello"}]},
+                         headers=auth)).json()
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "say hello"}],
+                                             add_generation_prompt=True, tokenize=False)
+    assert chat["tokens"] == tokenizer.encode(rendered, add_special_tokens=False)
+    back = (await c.post("/detokenize", json={"tokens": doc["tokens"]}, headers=auth)).json()
+    assert back == {"prompt": tokenizer.decode(doc["tokens"])}
+    assert_error(await c.post("/tokenize", json={}, headers=auth), 400, "prompt", "exactly one")
+    assert_error(await c.post("/tokenize", json={"prompt": "a", "messages": []}, headers=auth), 400, "prompt")
+    assert_error(await c.post("/detokenize", json={"tokens": [-1]}, headers=auth), 400, "tokens", "vocabulary")
+    assert_error(await c.post("/detokenize", json={"tokens": "x"}, headers=auth), 400, "tokens")
+    assert_error(await c.post("/tokenize", json={"model": "other", "prompt": "a"}, headers=auth), 404, "model")
+
+
 # ---- audio
 
 def _wav_info(data: bytes):

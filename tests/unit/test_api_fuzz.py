@@ -42,8 +42,11 @@ _plausible = {
     "level": st.integers(0, 3) | _json,
     "name": st.text(max_size=10) | _json,
     "base": st.sampled_from(["joe", "zed"]) | _json,
+    "tokens": st.lists(st.integers(-5, 500) | st.integers(2**63, 2**65), max_size=5) | _json,
+    "add_special_tokens": st.booleans() | _json,
 }
-_ROUTES = ["/v1/chat/completions", "/v1/completions", "/v1/audio/speech", "/v1/audio/voices", "/v1/omni/sleep"]
+_ROUTES = ["/v1/chat/completions", "/v1/completions", "/v1/audio/speech", "/v1/audio/voices", "/v1/omni/sleep",
+           "/tokenize", "/detokenize"]
 _body = st.dictionaries(st.sampled_from(sorted(_plausible)), st.none(), max_size=8).flatmap(
     lambda keys: st.fixed_dictionaries({k: _plausible[k] for k in keys}))
 
