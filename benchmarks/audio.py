@@ -8,9 +8,9 @@ texts, same chunking as the deployed code2wav), so the difference is omni's
 overhead: processes, channels, shared-memory tensors, HTTP.
 
 Requests arrive in bursts of the concurrency level on both sides. TTFA for
-speech is the client's time to the first body byte, which is the whole response
-(`/v1/audio/speech` is not streamed); `srv TTFA` is the orchestrator's time to the
-first code2wav chunk (mean, from /metrics). Chat rows have no in-process twin:
+speech is the client's time to the first body byte (`response_format: pcm` streams
+as code2wav makes it); `srv TTFA` is the orchestrator's time to the first code2wav
+chunk (mean, from /metrics). Chat rows have no in-process twin:
 they include the thinker.
 
     .venv/bin/python benchmarks/audio.py              # --quick, under 2 minutes

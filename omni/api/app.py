@@ -483,6 +483,24 @@ class Frontend:
         gen = Generation(self.orch, preq, decode=self.decode, prompt_ids=[], stops=[], metrics=self.metrics,
                          route="/v1/audio/speech", t0=self._t0(request))
 
+        async def stream_pcm() -> Response:
+            # Raw s16le as it is made (OpenAI's stream_format "audio"): the first bytes leave
+            # with the first chunk, not with the last. A WAV answer needs its length up front.
+            await gen.start()
+            if not gen.first_sample_rate:
+                await gen.close()
+                raise APIError(500, "the pipeline finished without producing audio", type="stage_error")
+
+            async def body():
+                async for ev in gen.events():
+                    if ev[0] == "audio":
+                        yield pcm16(ev[1])
+            return _ClosingStream(body(), media_type="audio/pcm",
+                                  headers={"X-Sample-Rate": str(gen.first_sample_rate or 22050)})
+
+        if req.response_format == "pcm":
+            return await _until_disconnect(request, stream_pcm)
+
         async def work() -> Response:
             await gen.start()
             audio = bytearray()
@@ -492,9 +510,7 @@ class Frontend:
             if not audio:
                 raise APIError(500, "the pipeline finished without producing audio", type="stage_error")
             headers = {"X-Sample-Rate": str(gen.sample_rate)}
-            if req.response_format == "wav":
-                return Response(wav_bytes(bytes(audio), gen.sample_rate), media_type="audio/wav", headers=headers)
-            return Response(pcm16(bytes(audio)), media_type="audio/pcm", headers=headers)
+            return Response(wav_bytes(bytes(audio), gen.sample_rate), media_type="audio/wav", headers=headers)
 
         return await _until_disconnect(request, work)
 

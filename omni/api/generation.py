@@ -49,6 +49,11 @@ class Generation:
             raise
         self._metrics.first_output(self._route, time.monotonic() - self._t0)
 
+    @property
+    def first_sample_rate(self) -> int:
+        """The sample rate of the first output (after start()), 0 when it carries no audio."""
+        return self._first.sample_rate if self._first is not None else 0
+
     async def close(self) -> None:
         it, self._it = self._it, None
         aclose = getattr(it, "aclose", None)

@@ -81,11 +81,15 @@ def test_both_frontends_answer_the_same_greedy_text(server):
 
 def test_status_and_metrics_count_requests_per_frontend(server):
     _, url, master = server
-    r = subprocess.run([sys.executable, "-m", "omni.cli", "status", "--master", master, "--json"],
-                       cwd=REPO, env=omni_env(), capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
-    status = json.loads(r.stdout)
-    frontends = [x for x in status["replicas"] if x["role"] == "FRONTEND"]
+    deadline = time.monotonic() + 10
+    while True:   # request counts ride on heartbeats (one a second): poll, bounded
+        r = subprocess.run([sys.executable, "-m", "omni.cli", "status", "--master", master, "--json"],
+                           cwd=REPO, env=omni_env(), capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        status = json.loads(r.stdout)
+        frontends = [x for x in status["replicas"] if x["role"] == "FRONTEND"]
+        if all(f["requests_total"] >= 1 for f in frontends) or time.monotonic() > deadline:
+            break
     assert len(frontends) == 2
     assert all(f["requests_total"] >= 1 for f in frontends), frontends
     m0 = until_frontend(url, "0", "GET", "/metrics").text
