@@ -101,6 +101,25 @@ def test_speech_is_deterministic_and_pcm_matches_the_wav(url, speech_wavs):
     assert pcm.content == wav_samples(speech_wavs[1]).tobytes()
 
 
+def test_pcm_speech_streams_while_the_request_is_still_running(url, speech_wavs):
+    import re
+
+    body = {"model": MODEL, "input": " ".join(TEXTS), "response_format": "pcm"}
+    got = bytearray()
+    with httpx.stream("POST", f"{url}/v1/audio/speech", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        chunks = r.iter_raw()
+        got += next(chunks)
+        # The first bytes are here and the pipeline still holds the request: it streams.
+        metrics = httpx.get(f"{url}/metrics", timeout=30).text
+        in_flight = re.search(r"^omni_frontend_in_flight\{[^}]*\} (\d+)", metrics, re.M)
+        assert in_flight and int(in_flight.group(1)) == 1, metrics
+        for chunk in chunks:
+            got += chunk
+    whole = speech(url, " ".join(TEXTS), response_format="pcm")
+    assert bytes(got) == whole.content and len(got) > 2 * RATE
+
+
 def test_speed_shortens_the_audio(url, speech_wavs):
     r = speech(url, TEXTS[2], speed=2.0)
     assert r.status_code == 200, r.text
