@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from omni.config import DeployConfig
 from omni.errors import OmniError
+from omni.signals import StopRequest
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +111,7 @@ class Launcher:
         self.children: list[Child] = []
         self.master = None
         self.master_address = f"{plan.master_host}:{plan.master_port}"
-        self._stop = threading.Event()
+        self._stop = StopRequest()   # set by the signal handlers: no locks there
         self._listener: socket.socket | None = None
         self._tmp = tempfile.TemporaryDirectory(prefix="omni-")
         self.http_port: int | None = None
@@ -189,8 +190,7 @@ class Launcher:
         progress(f"master listening on {self.master_address}")
 
     def run(self) -> int:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: self._stop.set())
+        self._stop.install()
         try:
             if self.plan.host_master:
                 self.start_master()

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-import signal
 import sys
-import threading
 from pathlib import Path
 
 import msgspec
@@ -16,6 +14,7 @@ from omni.errors import OmniError
 from omni.master import DEFAULT_PORT
 from omni.master.auth import tls_from_options
 from omni.master.types import Status
+from omni.signals import StopRequest
 
 logger = logging.getLogger(__name__)
 
@@ -51,10 +50,8 @@ def master(
         server = MasterServer(config, hash_config(config) if config else None, host=host, port=port,
                               token=omni_token, tls=tls_from_options(tls_cert, tls_key, tls_ca),
                               lease_ttl_s=lease_ttl, state_dir=state_dir)
-        stop = threading.Event()
-        # Handlers only note the request; the main thread does the stopping.
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
+        # Handlers only note the request (no locks); the main thread does the stopping.
+        stop = StopRequest().install()
         server.start()
     except OmniError as e:
         typer.echo(f"omni master: {e}", err=True)

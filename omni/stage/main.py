@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
 import sys
-import threading
 import time
 from dataclasses import dataclass
 
 from omni.config import DeployConfig, StageConfig
 from omni.errors import OmniError
+from omni.signals import StopRequest
 
 logger = logging.getLogger(__name__)
 
@@ -69,17 +68,8 @@ def run_stage(config: DeployConfig, stage_id: int, opts: StageOptions,
     from omni.stage.worker import StageWorker
     from omni.transport.factory import MultiConsumer, make_producer
 
-    stop = threading.Event()
-    worker_box: list[StageWorker] = []
-
-    def on_signal(signum, frame):
-        # Only enqueue the shutdown; the loop does the work.
-        stop.set()
-        if worker_box:
-            worker_box[0].stop()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    # The handler only notes the request (no locks); the worker's loop polls it and stops.
+    stop = StopRequest().install()
 
     label = stage.label
     advertise = opts.replica_address or default_advertise_host(opts.master_address)
@@ -111,8 +101,8 @@ def run_stage(config: DeployConfig, stage_id: int, opts: StageOptions,
         make_producer=lambda kind: make_producer(kind, host=bind_host, **producer_opts(kind)),
         consumer=MultiConsumer(token=opts.token),
         stall_timeout_s=config.pipeline.stall_timeout_s,
+        stop_request=stop,
     )
-    worker_box.append(worker)
     if stop.is_set():
         worker.close()
         return 0

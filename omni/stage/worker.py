@@ -20,6 +20,7 @@ from typing import Any, Callable
 import zmq
 
 from omni.config import StageConfig
+from omni.signals import StopRequest
 from omni.engines.base import Engine, EngineError, EngineOutput, EngineRequest
 from omni.stage import messages as m
 from omni.transport.base import ProducerFull, TensorProducer, TransportError
@@ -90,6 +91,7 @@ class StageWorker:
         consumer: Any = None,
         replica_id: str = "",
         stall_timeout_s: float = 60.0,
+        stop_request: StopRequest | None = None,
     ):
         self.stage = stage
         self.engine = engine
@@ -106,6 +108,7 @@ class StageWorker:
         self._stall_started: float | None = None
         self._flushing = False
         self.stall_timeout_s = stall_timeout_s
+        self._stop_request = stop_request    # set by a signal handler; polled by the loop
         self._frontends: set[bytes] = set()
         self._commands: "queue.Queue[_Command]" = queue.Queue()
         self._stopping = threading.Event()
@@ -177,6 +180,8 @@ class StageWorker:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._wake_rx, zmq.POLLIN)
+        if self._stop_request is not None:
+            poller.register(self._stop_request.fileno(), zmq.POLLIN)
         stop_deadline: float | None = None
         while True:
             busy = self.engine.has_unfinished() and not self.engine.is_sleeping()
@@ -190,6 +195,8 @@ class StageWorker:
             if self._sock in events:
                 self._drain_socket()
             self._run_commands()
+            if self._stop_request is not None and self._stop_request.is_set():
+                self._stopping.set()
             if self._held:
                 self._flush_held()
             if self._stopping.is_set():
