@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import re
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -27,6 +26,7 @@ from starlette.responses import JSONResponse, Response
 from omni.api import protocol as P
 from omni.api.errors import APIError, bad_request, to_api_error
 from omni.errors import Unavailable
+from omni.fsutil import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -85,17 +85,7 @@ class Results:
             await asyncio.to_thread(self._write, job_id, data)
 
     def _write(self, job_id: str, data: bytes) -> None:
-        # temp file + rename: a reader sees the whole result or none
-        fd, tmp = tempfile.mkstemp(prefix=f".{job_id}.", suffix=".tmp", dir=self._dir)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self._dir / job_id)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        atomic_write(self._dir / job_id, data)   # a reader sees the whole result or none
 
     async def get(self, job_id: str) -> bytes | None:
         if self._dir is None:

@@ -11,10 +11,10 @@ import json
 import logging
 import os
 import re
-import tempfile
 from pathlib import Path
 
 from omni.errors import ConfigError
+from omni.fsutil import atomic_write
 
 logger = logging.getLogger(__name__)
 
@@ -78,16 +78,7 @@ class KvStore:
             target.unlink(missing_ok=True)
             return
         text = json.dumps({k: base64.b64encode(v).decode() for k, v in items.items()}, sort_keys=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{namespace}.", suffix=".tmp", dir=self._dir)
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, target)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        atomic_write(target, text.encode())
 
 
 def _check(namespace: str, key: str | None) -> None:
