@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import json
 import re
-import statistics
 import sys
 import time
 from pathlib import Path

@@ -273,7 +273,7 @@ class Launcher:
                 return True
             self._stop.wait(0.2)
         if not self._stop.is_set():
-            progress(f"API frontends did not become ready within 120 s")
+            progress("API frontends did not become ready within 120 s")
         return False
 
     def _supervise(self) -> int:

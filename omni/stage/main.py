@@ -14,7 +14,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from omni.config import DeployConfig, StageConfig
+from omni.config import DeployConfig
 from omni.errors import OmniError
 from omni.signals import StopRequest
 

@@ -545,7 +545,6 @@ def test_control_routes_need_the_control_key(served):
 def fuzz_frames(rng: random.Random, n: int) -> list[list[bytes]]:
     from omni.engines.base import SamplingParams
     from omni.stage import messages as m
-    from omni.transport.base import TensorRef
 
     enc = m.stage_codec()
     valid = [

@@ -11,7 +11,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.e2e.harness import READY, OmniProcess, omni_shm_entries
+from tests.e2e.harness import OmniProcess, omni_shm_entries
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
