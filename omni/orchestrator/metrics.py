@@ -14,7 +14,6 @@ class OrchestratorMetrics:
         self.requests_total = 0
         self.requests_ok = 0
         self.requests_failed = 0
-        self.tensor_bytes_total = 0
         self.tensor_bytes_by_transport: dict[str, int] = {}
         self.replays: dict[int, int] = {}     # stage -> requests moved off a dead replica
         self.e2e = Histogram(LATENCY_BUCKETS)
@@ -45,6 +44,10 @@ class OrchestratorMetrics:
 
     def output_queue(self, stage: int, seconds: float) -> None:
         self.out_queue.setdefault(stage, Histogram(STEP_BUCKETS)).observe(seconds)
+
+    @property
+    def tensor_bytes_total(self) -> int:
+        return sum(self.tensor_bytes_by_transport.values())
 
     def replayed(self, stage: int) -> None:
         self.replays[stage] = self.replays.get(stage, 0) + 1
@@ -85,5 +88,4 @@ class OrchestratorMetrics:
         return "\n".join(lines) + "\n"
 
     def tensor_bytes(self, n: int, transport: str) -> None:
-        self.tensor_bytes_total += n
         self.tensor_bytes_by_transport[transport] = self.tensor_bytes_by_transport.get(transport, 0) + n

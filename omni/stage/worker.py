@@ -53,18 +53,16 @@ class WorkerStats:
         self.by_transport[key] = self.by_transport.get(key, 0.0) + n
 
 
-_GONE = _Req(b"", 0.0, "")
-
-
 @dataclass
 class _Held:
     """Output that could not go out yet: its tensors did not fit the producer (`out`
-    set) or the frontend's queue was full (`frame` set, tensors already published)."""
+    set) or the frontend's queue was full (`frame` set, tensors already published).
+    `ident`: the frontend it goes to."""
     rid: str
     since: float
+    ident: bytes
     out: EngineOutput | None = None
     step_s: float = 0.0
-    ident: bytes = b""
     frame: bytes = b""
 
 
@@ -308,11 +306,11 @@ class StageWorker:
             self._emit(out, dt)
 
     def _emit(self, out: EngineOutput, step_s: float) -> None:
-        if self._held:   # keep order: nothing overtakes held output
-            self._hold(_Held(out.request_id, time.monotonic(), out=out, step_s=step_s))
-            return
-        if not self._publish(out, step_s):
-            self._hold(_Held(out.request_id, time.monotonic(), out=out, step_s=step_s))
+        # Nothing overtakes held output, so while anything is held this output waits too.
+        if self._held or not self._publish(out, step_s):
+            req = self._reqs.get(out.request_id)
+            self._hold(_Held(out.request_id, time.monotonic(), req.frontend if req else b"",
+                             out=out, step_s=step_s))
 
     def _publish(self, out: EngineOutput, step_s: float) -> bool:
         """Send one output; False when its tensors do not fit yet (nothing was kept)."""
@@ -424,7 +422,7 @@ class StageWorker:
         frame = self._out.encode(msg)
         rid = getattr(msg, "request_id", "")   # request messages keep their order; replies need not
         if (rid and self._held and not self._flushing) or not self._send_frame(ident, frame):
-            held = _Held(rid, time.monotonic(), ident=ident, frame=frame)
+            held = _Held(rid, time.monotonic(), ident, frame=frame)
             if self._flushing:
                 self._held.appendleft(held)   # the head's own message: keeps the order
             else:
@@ -440,8 +438,7 @@ class StageWorker:
         except zmq.ZMQError as e:
             # Frontend gone (EHOSTUNREACH): its requests and held frames die with it.
             logger.warning("%s: cannot reach frontend %r: %s", self.stage.label, ident, e)
-            self._held = deque(h for h in self._held if h.ident != ident and
-                               (h.out is None or self._reqs.get(h.rid, _GONE).frontend != ident))
+            self._held = deque(h for h in self._held if h.ident != ident)
             for rid, req in list(self._reqs.items()):
                 if req.frontend == ident:
                     self._reqs.pop(rid)
