@@ -217,6 +217,11 @@ class Frontend:
                               param="messages") from None
         return list(self._encode(text, False))
 
+    def _check_token_ids(self, ids: list[int], what: str, param: str) -> None:
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"{what} {bad} is outside the vocabulary [0, {self.vocab_size})", param=param)
+
     def _need_text(self) -> None:
         if self.tokenizer is None:
             raise APIError(404, "this pipeline has no text model (no tokenizer); only /v1/audio/speech",
@@ -391,10 +396,7 @@ class Frontend:
             prompt_ids = list(req.prompt)
             if not prompt_ids:
                 raise bad_request("prompt must not be empty", param="prompt")
-            bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
-            if bad is not None:
-                raise bad_request(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})",
-                                  param="prompt")
+            self._check_token_ids(prompt_ids, "prompt token id", "prompt")
         mt = self._max_tokens(req.max_tokens, len(prompt_ids), "max_tokens", "prompt")
         preq = PipelineRequest(request_id=f"cmpl-{uuid.uuid4().hex}", prompt_token_ids=prompt_ids,
                                sampling=self._sampling(req, mt))
@@ -427,9 +429,7 @@ class Frontend:
         self._need_text()
         req = P.decode_body(await request.body(), P.DetokenizeRequest)
         self._check_model(req.model)
-        bad = next((t for t in req.tokens if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise bad_request(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param="tokens")
+        self._check_token_ids(req.tokens, "token id", "tokens")
         text = await self._offload(len(req.tokens) > OFFLOAD_CHARS // 4, self.tokenizer.decode, req.tokens)
         return JSONResponse({"prompt": text})
 
