@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import threading
 
-import msgspec
 import pytest
 
 from omni.config import parse
@@ -44,31 +43,37 @@ class StallEngine(CountEngine):
         return super().step()
 
 
-def info(w: StageWorker, replica_id: str, state: str = "READY") -> ReplicaInfo:
-    return ReplicaInfo(stage_id=0, replica_id=replica_id, replica_index=int(replica_id[-1]), role="STAGE",
+def info(w: StageWorker, replica_id: str, state: str = "READY", stage_id: int = 0) -> ReplicaInfo:
+    return ReplicaInfo(stage_id=stage_id, replica_id=replica_id, replica_index=int(replica_id[-1]), role="STAGE",
                        host="127.0.0.1", pid=1, endpoints={"channel": w.endpoint}, state=state, queue_len=0,
                        in_flight=0, requests_total=0, cpu_seconds=0.0, is_sleeping=False, draining=False,
                        extra={}, heartbeat_age_s=0.0, version="test", capabilities={})
 
 
 @pytest.fixture
-def replicas():
-    """Replica s0r0 stalls after `emit` outputs (set by the test); s0r1 counts normally."""
+def running():
+    """start(config, [(stage_id, replica_id, engine), ...]) -> one running StageWorker each,
+    stopped at teardown."""
     workers, threads = [], []
 
-    def start(emit: int):
-        for rid, engine in (("s0r0", StallEngine(emit)), ("s0r1", CountEngine())):
-            w = StageWorker(CONFIG.stage(0), engine, replica_id=rid)
+    def start(config, specs) -> list[StageWorker]:
+        for stage_id, rid, engine in specs:
+            w = StageWorker(config.stage(stage_id), engine, replica_id=rid)
             t = threading.Thread(target=w.run, kwargs={"grace_s": 0.5}, daemon=True)
             t.start()
             workers.append(w)
             threads.append(t)
-        return workers
+        return list(workers)
     yield start
     for w in workers:
         w.stop()
     for t in threads:
         t.join(10)
+
+
+def replicas(running, emit: int) -> list[StageWorker]:
+    """Replica s0r0 stalls after `emit` outputs; s0r1 counts normally."""
+    return running(CONFIG, [(0, "s0r0", StallEngine(emit)), (0, "s0r1", CountEngine())])
 
 
 async def run(workers, after_first_output: bool) -> tuple[list, BaseException | None, Orchestrator]:
@@ -101,8 +106,8 @@ async def run(workers, after_first_output: bool) -> tuple[list, BaseException | 
     return outs, error, orch
 
 
-def test_a_request_is_replayed_when_its_replica_dies_before_any_output(replicas):
-    workers = replicas(emit=0)
+def test_a_request_is_replayed_when_its_replica_dies_before_any_output(running):
+    workers = replicas(running, emit=0)
     outs, error, orch = asyncio.run(run(workers, after_first_output=False))
     assert error is None
     assert [o.token_ids for o in outs if o.token_ids] == [[11], [12], [13]] and outs[-1].finished
@@ -110,8 +115,8 @@ def test_a_request_is_replayed_when_its_replica_dies_before_any_output(replicas)
     assert 'omni_stage_replays_total{frontend="fe-test",stage="0"} 1' in orch.metrics.render("fe-test")
 
 
-def test_after_the_first_output_it_fails_naming_stage_and_replica(replicas):
-    workers = replicas(emit=1)
+def test_after_the_first_output_it_fails_naming_stage_and_replica(running):
+    workers = replicas(running, emit=1)
     outs, error, orch = asyncio.run(run(workers, after_first_output=True))
     assert isinstance(error, StageFailed)
     assert "stage 0" in str(error) and "s0r0" in str(error), str(error)
@@ -135,23 +140,14 @@ def collect_all(ctx, state, out):
     return [StageInput(token_ids=list(state["ids"]))] if out.finished else []
 
 
-def test_a_downstream_stage_is_replayed_when_its_input_was_complete():
+def test_a_downstream_stage_is_replayed_when_its_input_was_complete(running):
     specs = [(0, "s0r0", CountEngine()), (1, "s1r0", StallEngine(0)), (1, "s1r1", CountEngine())]
-    workers, threads = [], []
-    for stage, rid, engine in specs:
-        w = StageWorker(PIPE.stage(stage), engine, replica_id=rid)
-        t = threading.Thread(target=w.run, kwargs={"grace_s": 0.5}, daemon=True)
-        t.start()
-        workers.append(w)
-        threads.append(t)
-
-    def rinfo(w, stage, rid, state="READY"):
-        r = info(w, rid, state)
-        return msgspec.structs.replace(r, stage_id=stage)
+    workers = running(PIPE, specs)
 
     async def go():
         topo = Topology()
-        topo.apply(TopologyEvent("SNAPSHOT", [rinfo(w, st, rid) for w, (st, rid, _) in zip(workers, specs)], 1))
+        topo.apply(TopologyEvent("SNAPSHOT", [info(w, rid, stage_id=st) for w, (st, rid, _) in zip(workers, specs)],
+                                 1))
         orch = Orchestrator(PIPE, frontend_id="fe-test", topology=topo, detokenize=lambda ids: "")
         req = PipelineRequest(request_id="r2", prompt_token_ids=[10], sampling=SamplingParams(max_tokens=2),
                               timeout_s=30)
@@ -162,18 +158,12 @@ def test_a_downstream_stage_is_replayed_when_its_input_was_complete():
                 outs.append(out)
         task = asyncio.create_task(consume())
         assert await asyncio.to_thread(specs[1][2].added.wait, 10), "the stalling replica never got the input"
-        topo.apply(TopologyEvent("UPDATED", [rinfo(workers[1], 1, "s1r0", "SUSPECT")], 2))
+        topo.apply(TopologyEvent("UPDATED", [info(workers[1], "s1r0", "SUSPECT", stage_id=1)], 2))
         await asyncio.wait_for(task, 30)
         await orch.close()
         return outs, orch
 
-    try:
-        outs, orch = asyncio.run(go())
-    finally:
-        for w in workers:
-            w.stop()
-        for t in threads:
-            t.join(10)
+    outs, orch = asyncio.run(go())
     # Stage 0 counted 11, 12; stage 1 (the replacement) continued from the last: 13, 14.
     assert [o.token_ids for o in outs if o.token_ids] == [[13], [14]] and outs[-1].finished
     assert orch.metrics.replays == {1: 1}
