@@ -1,8 +1,10 @@
 """Deploy configs: YAML -> one typed, frozen, validated tree.
 
 Resolution order (each step validated once, at the end):
-  bundled YAML for the model (or --deploy-config FILE)
+  bundled YAML for the model, or for a model folder by its config.json `model_type`
+  (or --deploy-config FILE | bundled name)
   -> base_config inheritance (deep merge, stages merged by stage_id)
+  -> `platforms.<cpu|cuda>` section of the YAML (merged the same way)
   -> --stage-overrides (single-command mode)
   => config hash (identifies the pipeline; every replica must match the head)
   -> per-stage engine flags (stage mode; that replica only, not hashed)
@@ -123,19 +125,80 @@ def bundled_configs() -> dict[str, Path]:
     return table
 
 
+# config.json `model_type` of a model folder -> the bundled pipeline that serves it.
+FOLDER_PIPELINES = {"qwen3_omni_moe": "qwen3-omni-moe.yaml"}
+
+
 def default_config_path(model: str) -> Path:
     table = bundled_configs()
     key = model.lower().rstrip("/")
     if key in table:
         return table[key]
     if os.path.isdir(model):
-        # A local model folder with no deploy config of its own: one torch_lm stage.
-        return DEPLOY_DIR / "single-stage-lm.yaml"
+        return folder_config_path(Path(model))
     known = ", ".join(sorted({str(p.name) for p in table.values()}))
     raise ConfigError(
         f"no bundled deploy config for model {model!r}; pass --deploy-config FILE "
         f"(bundled: {known})"
     )
+
+
+def folder_model_type(folder: Path) -> str:
+    """`model_type` from a model folder's config.json; one clear line when it cannot be read."""
+    path = folder / "config.json"
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: not found; a model folder needs its config.json") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: not readable as JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object, found {type(data).__name__}")
+    return str(data.get("model_type") or "")
+
+
+def folder_config_path(folder: Path) -> Path:
+    """A local model folder picks its pipeline by what it is (config.json `model_type`);
+    anything else is served as one torch_lm stage."""
+    model_type = folder_model_type(folder)
+    if model_type in FOLDER_PIPELINES:
+        return DEPLOY_DIR / FOLDER_PIPELINES[model_type]
+    return DEPLOY_DIR / "single-stage-lm.yaml"
+
+
+def deploy_config_path(name: str) -> Path:
+    """--deploy-config: a YAML file, or the name of a bundled one (`qwen3-omni-moe-thinker-only`)."""
+    path = Path(name)
+    if path.exists() or path.suffix in (".yaml", ".yml") or os.sep in name:
+        return path
+    bundled = DEPLOY_DIR / f"{name}.yaml"
+    if bundled.is_file():
+        return bundled
+    known = ", ".join(sorted(p.stem for p in DEPLOY_DIR.glob("*.yaml")))
+    raise ConfigError(f"--deploy-config: {name!r} is neither a file nor a bundled deploy config ({known})")
+
+
+def current_platform() -> str:
+    """"cuda" where an NVIDIA GPU is visible, else "cpu" (OMNI_PLATFORM overrides). Read without
+    importing torch: config loading stays fast."""
+    forced = os.environ.get("OMNI_PLATFORM", "").strip().lower()
+    if forced:
+        return forced
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return "cuda" if gpus.is_dir() and any(gpus.iterdir()) else "cpu"
+
+
+def apply_platform(data: dict[str, Any], platform: str, source: str) -> dict[str, Any]:
+    """Merge the YAML's `platforms.<platform>` section (same shape as the top level) over it."""
+    platforms = data.pop("platforms", None) or {}
+    if not isinstance(platforms, dict):
+        raise ConfigError(f"{source}: `platforms` must be a mapping of platform -> overrides")
+    section = platforms.get(platform)
+    if section is None:
+        return data
+    if not isinstance(section, dict):
+        raise ConfigError(f"{source}: `platforms.{platform}` must be a mapping")
+    return merge_configs(data, section)
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
@@ -318,8 +381,8 @@ def load(
     deploy_config: str | None = None,
     stage_overrides: dict[str, Any] | None = None,
 ) -> DeployConfig:
-    path = Path(deploy_config) if deploy_config else default_config_path(model)
-    data = _load_raw(path)
+    path = deploy_config_path(deploy_config) if deploy_config else default_config_path(model)
+    data = apply_platform(_load_raw(path), current_platform(), str(path))
     data["model"] = model   # the CLI's MODEL names the weights; the YAML the shape
     if stage_overrides:
         data = apply_stage_overrides(data, stage_overrides)

@@ -65,7 +65,24 @@ def resolve_model(name_or_path: str) -> str:
         if not (path / "config.json").is_file():
             raise ConfigError(f"model directory {path} has no config.json")
         return str(path.resolve())
+    cached = _hf_cache_snapshot(name_or_path)
+    if cached is not None:
+        return cached
     raise ConfigError(
-        f"model {name_or_path!r} is neither a bundled model nor a local directory "
+        f"model {name_or_path!r} is neither a bundled model, a local directory nor in the local "
+        f"Hugging Face cache "
         f"(omni does not download from the hub); bundled models: "
         + ", ".join(f"{e.model_id} (from {e.source})" for e in BUNDLED))
+
+
+def _hf_cache_snapshot(repo_id: str) -> str | None:
+    """The newest snapshot of `repo_id` already in the local Hugging Face cache (HF_HOME /
+    HF_HUB_CACHE honoured), or None. Never downloads."""
+    if repo_id.count("/") != 1:
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+        path = snapshot_download(repo_id, local_files_only=True)
+    except Exception:   # not cached, or a name the hub client refuses: not ours to explain here
+        return None
+    return path if (Path(path) / "config.json").is_file() else None

@@ -1,0 +1,75 @@
+"""A model folder picks its pipeline by config.json; platform sections; bundled names for --deploy-config."""
+
+import json
+
+import pytest
+
+from omni import config as cfg
+from omni.errors import ConfigError
+
+
+def folder(tmp_path, model_type):
+    d = tmp_path / "any-name-at-all"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": model_type, "architectures": ["X"]}))
+    return str(d)
+
+
+def test_qwen3_omni_folder_uses_the_qwen3_pipeline_whatever_its_name(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMNI_PLATFORM", "cuda")
+    c = cfg.load(folder(tmp_path, "qwen3_omni_moe"))
+    assert [(s.name, s.engine, s.devices) for s in c.stages] == [
+        ("thinker", "vllm", "0"), ("talker", "qwen3_talker", "1"), ("code2wav", "qwen3_code2wav", "1")]
+    assert c.model.endswith("any-name-at-all")         # the folder is every stage's weights
+    assert all(s.model is None for s in c.stages)
+    assert c.stages[0].engine_args["gpu_memory_utilization"] == 0.9
+    assert c.stages[1].default_sampling_params == {
+        "temperature": 0.9, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.05, "max_tokens": 4096}
+    assert "enforce_eager" not in c.stages[0].engine_args   # the cpu section is not applied on cuda
+    assert c.final_stage("audio").stage_id == 2 and c.final_stage("text").stage_id == 0
+
+
+def test_platform_section_merges_over_the_stages(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMNI_PLATFORM", "cpu")
+    c = cfg.load(folder(tmp_path, "qwen3_omni_moe"))
+    assert c.stages[0].engine_args["enforce_eager"] is True
+    assert c.stages[0].engine_args["max_num_seqs"] == 8                 # cpu value wins
+    assert c.stages[0].engine_args["max_num_batched_tokens"] == 32768   # untouched keys stay
+    assert c.stages[1].engine_args == {"gpu_memory_utilization": 0.6, "max_num_seqs": 64, "num_threads": 1}
+
+
+def test_hub_id_and_thinker_only_variant():
+    c = cfg.load("Qwen/Qwen3-Omni-30B-A3B-Instruct")
+    assert len(c.stages) == 3 and c.model == "Qwen/Qwen3-Omni-30B-A3B-Instruct"
+    t = cfg.load("Qwen/Qwen3-Omni-30B-A3B-Instruct", deploy_config="qwen3-omni-moe-thinker-only")
+    assert [s.name for s in t.stages] == ["thinker"] and t.modalities() == ["text"]
+    assert t.model == "Qwen/Qwen3-Omni-30B-A3B-Instruct"
+    assert len(cfg.load("Qwen/Qwen3-Omni-30B-A3B-Thinking").stages) == 1
+
+
+def test_unknown_architecture_folder_keeps_one_lm_stage(tmp_path):
+    c = cfg.load(folder(tmp_path, "llama"))
+    assert [s.engine for s in c.stages] == ["torch_lm"]
+
+
+def test_folder_without_config_json_is_one_line_naming_the_file(tmp_path):
+    with pytest.raises(ConfigError, match=r"config\.json: not found") as e:
+        cfg.load(str(tmp_path))
+    assert "\n" not in str(e.value)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=r"config\.json: not readable as JSON"):
+        cfg.load(str(tmp_path))
+
+
+def test_unknown_bundled_name_lists_the_known_ones():
+    with pytest.raises(ConfigError, match="qwen3-omni-moe-thinker-only"):
+        cfg.load("Qwen/Qwen3-Omni-30B-A3B-Instruct", deploy_config="no-such-pipeline")
+
+
+def test_bad_platforms_section_names_the_key(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMNI_PLATFORM", "cpu")
+    p = tmp_path / "d.yaml"
+    p.write_text("model: x\nstages:\n  - {stage_id: 0, engine: torch_lm, final_output: true, "
+                 "final_output_type: text}\nplatforms: {cpu: 3}\n")
+    with pytest.raises(ConfigError, match=r"platforms\.cpu"):
+        cfg.load("x", deploy_config=str(p))
