@@ -57,6 +57,23 @@ def advertised_host(bind_host: str, master_address: str) -> str:
     return bind_host
 
 
+def select_devices(devices: str) -> None:
+    """A stage's `devices` ("1", "0,1") become CUDA_VISIBLE_DEVICES before any engine touches CUDA,
+    as indices into an outer CUDA_VISIBLE_DEVICES when one is set. "cpu" leaves it alone."""
+    devices = (devices or "").strip()
+    if not devices or devices == "cpu":
+        return
+    wanted = [d.strip() for d in devices.split(",") if d.strip()]
+    outer = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if outer is not None and outer.strip():
+        visible = [d.strip() for d in outer.split(",")]
+        try:
+            wanted = [visible[int(d)] for d in wanted]
+        except (ValueError, IndexError):
+            raise OmniError(f"devices {devices!r}: not indices into CUDA_VISIBLE_DEVICES={outer!r}") from None
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(wanted)
+
+
 def run_stage(config: DeployConfig, stage_id: int, opts: StageOptions,
               engine_flags: dict | None = None) -> int:
     """`config` is the hashed pipeline; `engine_flags` tune this replica's engine only."""
@@ -74,6 +91,7 @@ def run_stage(config: DeployConfig, stage_id: int, opts: StageOptions,
     label = stage.label
     advertise = opts.replica_address or default_advertise_host(opts.master_address)
     bind_host = opts.bind_host if advertise in ("127.0.0.1", opts.bind_host) else "0.0.0.0"
+    select_devices(stage.devices)
     progress(f"{label}: loading engine {stage.engine} ...")
     t0 = time.monotonic()
     try:

@@ -73,3 +73,20 @@ def test_bad_platforms_section_names_the_key(tmp_path, monkeypatch):
                  "final_output_type: text}\nplatforms: {cpu: 3}\n")
     with pytest.raises(ConfigError, match=r"platforms\.cpu"):
         cfg.load("x", deploy_config=str(p))
+
+
+def test_stage_devices_become_cuda_visible_devices(monkeypatch):
+    from omni.errors import OmniError
+    from omni.stage.main import select_devices
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    select_devices("cpu")
+    import os
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ
+    select_devices("1")
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "1"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")
+    select_devices("0,2")                      # indices into the outer selection
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "4,6"
+    with pytest.raises(OmniError, match="devices '7'"):
+        select_devices("7")
