@@ -2,8 +2,9 @@
 
 Request contract: one continuing request per thinker request, fed in pieces with the
 same request_id; `extra["final"]` (default True) marks the last piece.
-  first piece   `prompt_token_ids` = the thinker's prompt ids (audio placeholders
-                expanded, ending with the `<|im_start|>assistant\\n` header);
+  first piece   `prompt_token_ids` (or an int tensor `tensors["prompt_token_ids"]`) = the
+                thinker's prompt ids (audio placeholders expanded, ending with the
+                `<|im_start|>assistant\\n` header);
                 `extra["speaker"]` (or `extra["voice"]`): chelsie / ethan / aiden, any case;
                 optional `tensors["mm_hidden"]` float [n_mm, H_thinker]: the thinker's
                 layer-`accept_hidden_layer` rows at every audio/image/video placeholder
@@ -75,7 +76,8 @@ def _opt(req: EngineRequest, key: str, default):
 class Qwen3TalkerEngine(Engine):
     def __init__(self, model_dir: str | Path, *, dtype: str = "auto", device: str = "cpu",
                  first_chunk_frames: int = 4, chunk_frames: int = 25, repetition_penalty: float = 1.05,
-                 text_eos_token_ids: list[int] | None = None, threads: int | None = None):
+                 text_eos_token_ids: list[int] | None = None, batch_decode: bool = True,
+                 threads: int | None = None):
         if first_chunk_frames < 1 or chunk_frames < 1:
             raise ValueError(f"first_chunk_frames and chunk_frames must be >= 1, "
                              f"got {first_chunk_frames} and {chunk_frames}")
@@ -87,6 +89,7 @@ class Qwen3TalkerEngine(Engine):
         self.first_chunk_frames = first_chunk_frames
         self.chunk_frames = chunk_frames
         self.repetition_penalty = repetition_penalty
+        self.batch_decode = batch_decode
         self.text_eos = set(text_eos_token_ids or [self.config.im_end_token_id])
         vocab = self.config.talker_config.text_config.vocab_size
         self._suppress = suppress_mask(vocab, self.ids.codec_eos, self.device)
@@ -100,13 +103,16 @@ class Qwen3TalkerEngine(Engine):
     def _new(self, req: EngineRequest) -> _Req:
         rid = req.request_id
         extra = req.extra or {}
-        if not req.prompt_token_ids:
+        prompt = req.prompt_token_ids
+        if prompt is None and "prompt_token_ids" in (req.tensors or {}):
+            prompt = torch.as_tensor(req.tensors["prompt_token_ids"]).reshape(-1).tolist()
+        if not prompt:
             raise EngineError(f"request {rid}: the first piece needs prompt_token_ids (the thinker's prompt)")
         name = extra.get("speaker", extra.get("voice"))
         known = ", ".join(sorted(self.ids.speakers))
         if not isinstance(name, str) or name.lower() not in self.ids.speakers:
             raise EngineError(f"request {rid}: unknown speaker {name!r}; known speakers: {known}")
-        prompt = [int(t) for t in req.prompt_token_ids]
+        prompt = [int(t) for t in prompt]
         try:
             edges.assistant_start(prompt, self.ids)
         except ValueError as e:
@@ -198,46 +204,86 @@ class Qwen3TalkerEngine(Engine):
 
     @torch.no_grad()
     def step(self) -> list[EngineOutput]:
-        from transformers import DynamicCache
-
         t0 = time.perf_counter()
-        chosen: list[tuple[_Req, torch.Tensor]] = []     # (request, logits row), hidden saved on request
-        hidden_rows: list[torch.Tensor] = []
+        chosen: list[_Req] = []
+        logits: list[torch.Tensor] = []
+        hidden: list[torch.Tensor] = []
+        decode = []
         for r in list(self._reqs.values()):
             if r.cache is None and r.final and not r.generated and r.done is None:
                 r.done = "stop"
             if self._can_prefill(r):
-                try:
-                    x = edges.prefill_embeds(self.talker, self.embed, self.ids, r.prompt, r.generated[0],
-                                             r.speaker_id, r.mm_hidden, self._tts)
-                except ValueError as e:
-                    r.done, r.frames, r.error = "error", [], f"request {r.rid}: {e}"
-                    continue
-                r.cache = DynamicCache(config=self.talker.config.text_config)
-                h = self.talker.model(inputs_embeds=x[None], past_key_values=r.cache,
-                                      use_cache=True).last_hidden_state[0, -1]
-                self._stats["prefill_tokens"] += x.shape[0]
-                chosen.append((r, self.talker.codec_head(h)))
-                hidden_rows.append(h)
+                h = self._prefill(r)
+                if h is not None:
+                    chosen.append(r)
+                    hidden.append(h)
             elif self._can_decode(r):
-                x = r.next_codec + self._next_text_row(r)
-                h = self.talker.model(inputs_embeds=x[None, None], past_key_values=r.cache,
-                                      use_cache=True).last_hidden_state[0, -1]
+                decode.append(r)
+        if decode:
+            x = torch.stack([r.next_codec + self._next_text_row(r) for r in decode])
+            h = self._decode(decode, x) if self.batch_decode else torch.cat(
+                [self._decode([r], x[i:i + 1]) for i, r in enumerate(decode)])
+            for r in decode:
                 r.step += 1
-                chosen.append((r, self.talker.codec_head(h)))
-                hidden_rows.append(h)
-        self._sample(chosen, hidden_rows)
+            chosen.extend(decode)
+            hidden.extend(h)
         if chosen:
+            logits = list(self.talker.codec_head(torch.stack(hidden)))
+            self._sample(chosen, logits, hidden)
             self._stats["talker_seconds"] += time.perf_counter() - t0
             self._stats["talker_steps"] += 1
         return self._emit()
 
-    def _sample(self, chosen: list[tuple[_Req, torch.Tensor]], hidden_rows: list[torch.Tensor]) -> None:
+    def _prefill(self, r: _Req) -> torch.Tensor | None:
+        from transformers import DynamicCache
+
+        try:
+            x = edges.prefill_embeds(self.talker, self.embed, self.ids, r.prompt, r.generated[0],
+                                     r.speaker_id, r.mm_hidden, self._tts)
+        except ValueError as e:
+            r.done, r.frames, r.error = "error", [], f"request {r.rid}: {e}"
+            return None
+        r.cache = DynamicCache(config=self.talker.config.text_config)
+        self._stats["prefill_tokens"] += x.shape[0]
+        return self.talker.model(inputs_embeds=x[None], past_key_values=r.cache,
+                                 use_cache=True).last_hidden_state[0, -1]
+
+    def _decode(self, reqs: list[_Req], x: torch.Tensor) -> torch.Tensor:
+        """One talker forward for one new row per request (x [B, H]) -> last normed hidden [B, H].
+        Several requests: their caches are left-padded into one batch cache, masked, and each
+        request's cache takes its new key/value row back."""
+        from transformers import DynamicCache
+
+        if len(reqs) == 1:
+            return self.talker.model(inputs_embeds=x[:, None], past_key_values=reqs[0].cache,
+                                     use_cache=True).last_hidden_state[:, -1]
+        lengths = [r.cache.get_seq_length() for r in reqs]
+        width = max(lengths)
+        batch = DynamicCache(config=self.talker.config.text_config)
+        for i in range(len(reqs[0].cache.layers)):
+            k = [r.cache.layers[i].keys for r in reqs]
+            v = [r.cache.layers[i].values for r in reqs]
+            pad = [(0, 0, width - n, 0) for n in lengths]
+            batch.update(torch.cat([torch.nn.functional.pad(t, p) for t, p in zip(k, pad)]),
+                         torch.cat([torch.nn.functional.pad(t, p) for t, p in zip(v, pad)]), i)
+        mask = torch.zeros((len(reqs), width + 1), dtype=torch.long, device=self.device)
+        for b, n in enumerate(lengths):
+            mask[b, width - n:] = 1
+        pos = torch.tensor(lengths, device=self.device).view(1, -1, 1).expand(3, -1, -1)
+        h = self.talker.model(inputs_embeds=x[:, None], past_key_values=batch, attention_mask=mask,
+                              position_ids=pos, use_cache=True).last_hidden_state[:, -1]
+        for i, layer in enumerate(batch.layers):
+            for b, r in enumerate(reqs):
+                r.cache.update(layer.keys[b:b + 1, :, -1:], layer.values[b:b + 1, :, -1:], i)
+        self._stats["batched_decodes"] += 1
+        return h
+
+    def _sample(self, chosen: list[_Req], logits: list[torch.Tensor], hidden: list[torch.Tensor]) -> None:
         go, go_hidden = [], []
-        for (r, logits), h in zip(chosen, hidden_rows):
-            logits = repetition_penalty(logits, r.history, r.penalty)
-            logits = logits.masked_fill(self._suppress, float("-inf"))
-            code = pick(logits, r.code0)
+        for r, row, h in zip(chosen, logits, hidden):
+            row = repetition_penalty(row, r.history, r.penalty)
+            row = row.masked_fill(self._suppress, float("-inf"))
+            code = pick(row, r.code0)
             r.history.append(code)
             if code == self.ids.codec_eos:
                 r.done = "stop"
