@@ -160,6 +160,7 @@ class Qwen3Code2WavEngine(Engine):
             t0 = time.perf_counter()
             wav = self.model(torch.stack(windows)).reshape(len(batch), -1).float()
             self._stats["code2wav_seconds"] += time.perf_counter() - t0
+            self._stats["batched"] += len(batch) > 1
             for i, s in enumerate(batch):
                 lo, end = self._window(s)
                 stop = (end - lo) * self.hop - self.lost     # = wav.shape[1]: the final samples
