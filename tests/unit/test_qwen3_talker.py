@@ -12,6 +12,7 @@ from omni.engines.base import EngineError, EngineRequest
 from tests.unit.qwen3_ref import Reference, drive, talker_pieces
 
 pytest.importorskip("transformers")
+pytestmark = pytest.mark.filterwarnings("ignore:Passing `repetition_penalty`:UserWarning")
 
 TALKER_TOKENS = 24
 

@@ -103,6 +103,8 @@ class Qwen3Code2WavEngine(Engine):
 
     def add_request(self, request: EngineRequest) -> None:
         rid = request.request_id
+        if self._sleeping:
+            raise EngineError(f"request {rid}: qwen3_code2wav is asleep (wake_up first)")
         final = (request.extra or {}).get("final", True)
         if not isinstance(final, bool):
             raise EngineError(f"request {rid}: extra.final must be true or false, got {final!r}")
@@ -204,6 +206,8 @@ class Qwen3Code2WavEngine(Engine):
     def sleep(self, level: int = 1) -> None:
         if not self.can_sleep():
             raise EngineError("qwen3_code2wav on CPU cannot sleep: its weights have no device memory to free")
+        if self._streams:
+            raise EngineError(f"qwen3_code2wav cannot sleep with {len(self._streams)} stream(s) open")
         self.model.to("cpu")
         self._sleeping = True
 

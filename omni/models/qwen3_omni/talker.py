@@ -23,7 +23,8 @@ Output: `tensors["codes"]` int64 [16, n] per chunk (first `first_chunk_frames`, 
 
 The talker prefills once it has the first generated id and then takes one trailing
 text row per step; a request whose next id has not arrived (stream not final)
-skips the step while others go on. Sleep: CPU has no device to free, so it refuses.
+skips the step while others go on. Sleep moves the weights to host memory when idle;
+on CPU there is no device memory to free, so it refuses.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class _Req:
     penalty: float
     max_tokens: int
     generated: list[int] = dataclasses.field(default_factory=list)
+    text: tuple[list[int], bool] | None = None   # (trailing ids, thinker EOS seen), cached
     final: bool = False
     cache: Any = None                 # DynamicCache after prefill
     step: int = 0                     # decode steps done (= trailing rows consumed)
@@ -97,6 +99,7 @@ class Qwen3TalkerEngine(Engine):
             self._tts = edges.tts_rows(self.talker, self.embed, self.ids)
         self._reqs: collections.OrderedDict[str, _Req] = collections.OrderedDict()
         self._stats: collections.Counter = collections.Counter()
+        self._sleeping = False
 
     # -- requests ------------------------------------------------------------
 
@@ -114,9 +117,12 @@ class Qwen3TalkerEngine(Engine):
             raise EngineError(f"request {rid}: unknown speaker {name!r}; known speakers: {known}")
         prompt = [int(t) for t in prompt]
         try:
-            edges.assistant_start(prompt, self.ids)
+            header = len(prompt) - edges.assistant_start(prompt, self.ids)
         except ValueError as e:
             raise EngineError(f"request {rid}: {e}") from None
+        if header != 3:
+            raise EngineError(f"request {rid}: the prompt must end with the 3-token assistant header "
+                              f"('<|im_start|>assistant\\n'), found {header} token(s) from it")
         mm = edges.mm_positions(prompt, self.ids)
         th = self.config.thinker_config
         if any(prompt[p] in (th.image_token_id, th.video_token_id) for p in mm):
@@ -147,6 +153,8 @@ class Qwen3TalkerEngine(Engine):
 
     def add_request(self, request: EngineRequest) -> None:
         rid = request.request_id
+        if self._sleeping:
+            raise EngineError(f"request {rid}: qwen3_talker is asleep (wake_up first)")
         extra = request.extra or {}
         final = extra.get("final", True)
         if not isinstance(final, bool):
@@ -165,6 +173,7 @@ class Qwen3TalkerEngine(Engine):
         except (TypeError, ValueError):
             raise EngineError(f"request {rid}: token_ids must be a list of ints") from None
         r.generated.extend(delta)
+        r.text = None
         r.final = final
         self._reqs[rid] = r
 
@@ -174,7 +183,9 @@ class Qwen3TalkerEngine(Engine):
     # -- stepping --------------------------------------------------------------
 
     def _text(self, r: _Req) -> tuple[list[int], bool]:
-        trailing, ended = edges.trailing_ids(r.generated, self.text_eos)
+        if r.text is None:       # recomputed only after a new piece
+            r.text = edges.trailing_ids(r.generated, self.text_eos)
+        trailing, ended = r.text
         return trailing, ended or r.final
 
     def _next_text_row(self, r: _Req) -> torch.Tensor | None:
@@ -337,6 +348,27 @@ class Qwen3TalkerEngine(Engine):
 
     def num_running(self) -> int:
         return sum(1 for r in self._reqs.values() if self._ready(r))
+
+    def can_sleep(self) -> bool:
+        return self.device.type != "cpu"
+
+    def sleep(self, level: int = 1) -> None:
+        if not self.can_sleep():
+            raise EngineError("qwen3_talker on CPU cannot sleep: its weights have no device memory to free")
+        if self._reqs:
+            raise EngineError(f"qwen3_talker cannot sleep with {len(self._reqs)} request(s) in flight")
+        self.talker.to("cpu")
+        self.embed = self.embed.cpu()
+        self._sleeping = True
+
+    def wake_up(self) -> None:
+        if self._sleeping:
+            self.talker.to(self.device)
+            self.embed = self.embed.to(self.device)
+            self._sleeping = False
+
+    def is_sleeping(self) -> bool:
+        return self._sleeping
 
     def stats(self) -> dict[str, float]:
         return dict(self._stats)
