@@ -154,3 +154,18 @@ def test_processors():
     out = p.talker_to_code2wav(Ctx(), {}, Output(request_id="r", tensors={"codes": ref}))
     assert out[0].tensors == {"codes": ref} and out[0].stream
     assert p.talker_to_code2wav(Ctx(), {}, Output(request_id="r", finished=True)) == []
+
+
+def test_factory_builds_both_engines(folder):
+    from omni.config import DeployConfig, StageConfig
+    from omni.engines.factory import build_engine
+    from omni.errors import ConfigError
+
+    stages = (StageConfig(stage_id=0, engine="qwen3_talker", engine_args={"chunk_frames": 10}),
+              StageConfig(stage_id=1, engine="qwen3_code2wav", engine_args={"context_frames": 30}),
+              StageConfig(stage_id=2, engine="qwen3_code2wav", engine_args={"context": 30}))
+    config = DeployConfig(model=str(folder), stages=stages)
+    assert build_engine(config, stages[0]).chunk_frames == 10
+    assert build_engine(config, stages[1]).context_frames == 30
+    with pytest.raises(ConfigError, match="context"):
+        build_engine(config, stages[2])
