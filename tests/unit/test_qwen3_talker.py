@@ -175,3 +175,18 @@ def test_step_times(talker, code2wav, france):
     rtf = (time.perf_counter() - t0) / (audio.shape[0] / 24000)
     print(f"\ntiny talker: {talker_ms:.1f} ms/frame (12.5 frames/s of audio); code2wav RTF {rtf:.3f}")
     assert frames == TALKER_TOKENS - 1
+
+
+def test_bad_options_and_ids(talker, france):
+    base = dict(request_id="o", prompt_token_ids=france.prompt)
+    with pytest.raises(EngineError, match="top_p"):
+        talker.add_request(EngineRequest(**base, extra={"top_p": 0.0}))
+    with pytest.raises(EngineError, match="bad sampling option"):
+        talker.add_request(EngineRequest(**base, extra={"max_tokens": "many"}))
+    with pytest.raises(EngineError, match=r"outside the thinker's vocabulary \[0, 1024\)"):
+        talker.add_request(EngineRequest(**base, extra={"token_ids": [5000]}))
+    talker.add_request(EngineRequest(**base, extra={"final": False}))    # speaker defaults to ethan
+    with pytest.raises(EngineError, match="outside"):
+        talker.add_request(EngineRequest(request_id="o", extra={"token_ids": [-1]}))
+    talker.abort("o")
+    assert not talker.has_open_streams()

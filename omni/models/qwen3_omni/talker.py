@@ -5,7 +5,8 @@ same request_id; `extra["final"]` (default True) marks the last piece.
   first piece   `prompt_token_ids` (or an int tensor `tensors["prompt_token_ids"]`) = the
                 thinker's prompt ids (audio placeholders expanded, ending with the
                 `<|im_start|>assistant\\n` header);
-                `extra["speaker"]` (or `extra["voice"]`): chelsie / ethan / aiden, any case;
+                `extra["speaker"]` (or `extra["voice"]`): chelsie / ethan / aiden, any case
+                (default ethan, as transformers);
                 optional `tensors["mm_hidden"]` float [n_mm, H_thinker]: the thinker's
                 layer-`accept_hidden_layer` rows at every audio/image/video placeholder
                 of the prompt, in order (audio only: image/video need 3-D positions);
@@ -32,6 +33,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -44,6 +46,8 @@ from omni.models.qwen3_omni.codes import Pick, pick, repetition_penalty, residua
 from omni.models.qwen3_omni.weights import load_talker
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_SPEAKER = "ethan"     # transformers' generate() default
 
 
 @dataclasses.dataclass
@@ -111,11 +115,11 @@ class Qwen3TalkerEngine(Engine):
             prompt = torch.as_tensor(req.tensors["prompt_token_ids"]).reshape(-1).tolist()
         if not prompt:
             raise EngineError(f"request {rid}: the first piece needs prompt_token_ids (the thinker's prompt)")
-        name = extra.get("speaker", extra.get("voice"))
+        name = extra.get("speaker", extra.get("voice")) or DEFAULT_SPEAKER
         known = ", ".join(sorted(self.ids.speakers))
         if not isinstance(name, str) or name.lower() not in self.ids.speakers:
             raise EngineError(f"request {rid}: unknown speaker {name!r}; known speakers: {known}")
-        prompt = [int(t) for t in prompt]
+        prompt = self._ids(rid, prompt)
         try:
             header = len(prompt) - edges.assistant_start(prompt, self.ids)
         except ValueError as e:
@@ -138,18 +142,37 @@ class Qwen3TalkerEngine(Engine):
             raise EngineError(f"request {rid}: the prompt has {len(mm)} audio placeholder(s) but "
                               f"mm_hidden has {0 if hidden is None else hidden.shape[0]} row(s)")
         s = req.sampling
-        temperature = float(_opt(req, "temperature", s.temperature))
-        seed = _opt(req, "seed", s.seed)
+        try:
+            temperature = float(_opt(req, "temperature", s.temperature))
+            top_k, top_p = int(_opt(req, "top_k", s.top_k)), float(_opt(req, "top_p", s.top_p))
+            max_tokens = int(_opt(req, "max_tokens", s.max_tokens))
+            penalty = float(_opt(req, "repetition_penalty", self.repetition_penalty))
+            seed = _opt(req, "seed", s.seed)
+            seed = None if seed is None else int(seed)
+        except (TypeError, ValueError) as e:
+            raise EngineError(f"request {rid}: bad sampling option: {e}") from None
+        if not (math.isfinite(temperature) and top_k >= 0 and 0 < top_p <= 1 and max_tokens >= 1
+                and math.isfinite(penalty) and penalty > 0):
+            raise EngineError(f"request {rid}: sampling needs a finite temperature, top_k >= 0, "
+                              f"0 < top_p <= 1, max_tokens >= 1 and repetition_penalty > 0; got "
+                              f"{temperature}, {top_k}, {top_p}, {max_tokens}, {penalty}")
         gen = None
         if temperature > 0 and seed is not None:
-            gen = torch.Generator(device=self.device).manual_seed(int(seed))
-        code0 = Pick(temperature, int(_opt(req, "top_k", s.top_k)), float(_opt(req, "top_p", s.top_p)), gen)
-        residual = Pick() if code0.greedy else Pick(1.0, 50, 0.8, gen)
-        max_tokens = int(_opt(req, "max_tokens", s.max_tokens))
-        if max_tokens < 1:
-            raise EngineError(f"request {rid}: max_tokens must be >= 1, got {max_tokens}")
-        return _Req(rid, prompt, self.ids.speakers[name.lower()], hidden, code0, residual,
-                    float(_opt(req, "repetition_penalty", self.repetition_penalty)), max_tokens)
+            gen = torch.Generator(device=self.device).manual_seed(seed)
+        code0 = Pick(temperature, top_k, top_p, gen)
+        residual = Pick() if code0.greedy else Pick(1.0, 50, 0.8, gen)   # transformers' choice
+        return _Req(rid, prompt, self.ids.speakers[name.lower()], hidden, code0, residual, penalty, max_tokens)
+
+    def _ids(self, rid: str, ids) -> list[int]:
+        try:
+            out = [int(t) for t in ids]
+        except (TypeError, ValueError):
+            raise EngineError(f"request {rid}: token ids must be a list of ints") from None
+        vocab = self.embed.shape[0]
+        bad = [t for t in out if not 0 <= t < vocab]
+        if bad:
+            raise EngineError(f"request {rid}: token ids {bad[:5]} are outside the thinker's vocabulary [0, {vocab})")
+        return out
 
     def add_request(self, request: EngineRequest) -> None:
         rid = request.request_id
@@ -168,11 +191,7 @@ class Qwen3TalkerEngine(Engine):
                 raise EngineError(f"request {rid}: a piece after the one marked final")
             if delta is None:
                 delta = request.prompt_token_ids
-        try:
-            delta = [int(t) for t in (delta or [])]
-        except (TypeError, ValueError):
-            raise EngineError(f"request {rid}: token_ids must be a list of ints") from None
-        r.generated.extend(delta)
+        r.generated.extend(self._ids(rid, delta or []))
         r.text = None
         r.final = final
         self._reqs[rid] = r
