@@ -104,7 +104,9 @@ def drive(engine, feeds: dict[str, list[EngineRequest]], on_output=None, limit: 
     for _ in range(limit):
         for rid, q in queues.items():
             if q:
-                engine.add_request(q.pop(0))
+                piece = q.pop(0)
+                if piece is not None:     # None: nothing arrives for this request at this step
+                    engine.add_request(piece)
         for o in engine.step():
             outs[o.request_id].append(o)
             if on_output is not None:

@@ -98,6 +98,26 @@ def test_two_concurrent_requests(ref, talker, france):
     assert talker.stats()["batched_decodes"] > before     # one forward served both
 
 
+def test_batch_changes_keep_every_request_exact(ref, talker, france):
+    """Requests joining late, skipping steps (text not there yet) and finishing early."""
+    other = ref.run("Hello, tell me a story about the sea.", "Chelsie", thinker_tokens=6,
+                    talker_tokens=TALKER_TOKENS)
+    gappy = talker_pieces(france, "d", "ethan", True, TALKER_TOKENS)
+    gappy = [x for p in gappy for x in (p, None, None)]
+    feeds = {"a": talker_pieces(france, "a", "ethan", True, TALKER_TOKENS),
+             "b": talker_pieces(other, "b", "chelsie", False, TALKER_TOKENS),
+             "c": [None] * 3 + talker_pieces(france, "c", "ethan", False, 10),
+             "d": gappy}
+    before = talker.stats().get("batch_builds", 0)
+    outs = drive(talker, feeds)
+    assert torch.equal(_codes(outs["a"]), france.codes)
+    assert torch.equal(_codes(outs["b"]), other.codes)
+    assert torch.equal(_codes(outs["c"]), france.codes[:, :9]) and outs["c"][-1].finish_reason == "length"
+    assert torch.equal(_codes(outs["d"]), france.codes)
+    assert talker.stats()["batch_builds"] - before > 3
+    assert not talker.has_open_streams()
+
+
 def test_audio_input(ref, talker):
     audio = ref.run("Describe this sound.", "Aiden", audio=True, talker_tokens=TALKER_TOKENS)
     assert audio.mm_hidden is not None and audio.mm_hidden.shape[0] > 0

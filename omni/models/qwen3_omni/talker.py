@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from omni.engines.base import Engine, EngineError, EngineOutput, EngineRequest
 from omni.models.qwen3_omni import edges
@@ -48,6 +49,17 @@ from omni.models.qwen3_omni.weights import load_talker
 logger = logging.getLogger(__name__)
 
 DEFAULT_SPEAKER = "ethan"     # transformers' generate() default
+
+
+_IN_BATCH = object()      # a request's cache while its rows live in the batch cache
+
+
+@dataclasses.dataclass
+class _Batch:
+    reqs: tuple["_Req", ...]
+    cache: Any                # DynamicCache [B, kv_heads, width, head_dim] per layer, left-padded
+    lengths: list[int]        # real positions per row
+    width: int
 
 
 @dataclasses.dataclass
@@ -104,6 +116,7 @@ class Qwen3TalkerEngine(Engine):
         self._reqs: collections.OrderedDict[str, _Req] = collections.OrderedDict()
         self._stats: collections.Counter = collections.Counter()
         self._sleeping = False
+        self._batch: _Batch | None = None
 
     # -- requests ------------------------------------------------------------
 
@@ -280,33 +293,61 @@ class Qwen3TalkerEngine(Engine):
 
     def _decode(self, reqs: list[_Req], x: torch.Tensor) -> torch.Tensor:
         """One talker forward for one new row per request (x [B, H]) -> last normed hidden [B, H].
-        Several requests: their caches are left-padded into one batch cache, masked, and each
-        request's cache takes its new key/value row back."""
-        from transformers import DynamicCache
 
+        Several requests decode in one batch cache: their caches left-padded and masked. The
+        batch stays while the same requests step together (the usual case: only a new,
+        finished or waiting request changes it), so the caches are copied only then."""
         if len(reqs) == 1:
+            self._unbatch()
             return self.talker.model(inputs_embeds=x[:, None], past_key_values=reqs[0].cache,
                                      use_cache=True).last_hidden_state[:, -1]
-        lengths = [r.cache.get_seq_length() for r in reqs]
-        width = max(lengths)
-        batch = DynamicCache(config=self.talker.config.text_config)
-        for i in range(len(reqs[0].cache.layers)):
-            k = [r.cache.layers[i].keys for r in reqs]
-            v = [r.cache.layers[i].values for r in reqs]
-            pad = [(0, 0, width - n, 0) for n in lengths]
-            batch.update(torch.cat([torch.nn.functional.pad(t, p) for t, p in zip(k, pad)]),
-                         torch.cat([torch.nn.functional.pad(t, p) for t, p in zip(v, pad)]), i)
-        mask = torch.zeros((len(reqs), width + 1), dtype=torch.long, device=self.device)
-        for b, n in enumerate(lengths):
-            mask[b, width - n:] = 1
-        pos = torch.tensor(lengths, device=self.device).view(1, -1, 1).expand(3, -1, -1)
-        h = self.talker.model(inputs_embeds=x[:, None], past_key_values=batch, attention_mask=mask,
+        if self._batch is None or len(self._batch.reqs) != len(reqs) or any(
+                a is not b for a, b in zip(self._batch.reqs, reqs)):   # identity: ids may be reused
+            self._unbatch()
+            self._batch = self._make_batch(reqs)
+        b = self._batch
+        mask = torch.zeros((len(reqs), b.width + 1), dtype=torch.long, device=self.device)
+        for row, n in enumerate(b.lengths):
+            mask[row, b.width - n:] = 1
+        pos = torch.tensor(b.lengths, device=self.device).view(1, -1, 1).expand(3, -1, -1)
+        h = self.talker.model(inputs_embeds=x[:, None], past_key_values=b.cache, attention_mask=mask,
                               position_ids=pos, use_cache=True).last_hidden_state[:, -1]
-        for i, layer in enumerate(batch.layers):
-            for b, r in enumerate(reqs):
-                r.cache.update(layer.keys[b:b + 1, :, -1:], layer.values[b:b + 1, :, -1:], i)
+        b.width += 1
+        b.lengths = [n + 1 for n in b.lengths]
         self._stats["batched_decodes"] += 1
         return h
+
+    def _make_batch(self, reqs: list[_Req]) -> "_Batch":
+        from transformers import DynamicCache
+
+        lengths = [r.cache.get_seq_length() for r in reqs]
+        width = max(lengths)
+        cache = DynamicCache(config=self.talker.config.text_config)
+        for i in range(len(reqs[0].cache.layers)):
+            pad = [(0, 0, width - n, 0) for n in lengths]
+            cache.update(
+                torch.cat([F.pad(r.cache.layers[i].keys, p) for r, p in zip(reqs, pad)]),
+                torch.cat([F.pad(r.cache.layers[i].values, p) for r, p in zip(reqs, pad)]), i)
+        for r in reqs:
+            r.cache = _IN_BATCH
+        self._stats["batch_builds"] += 1
+        return _Batch(tuple(reqs), cache, lengths, width)
+
+    def _unbatch(self) -> None:
+        """Give each live request of the batch its own cache back (its rows without the padding)."""
+        from transformers import DynamicCache
+
+        b, self._batch = self._batch, None
+        if b is None:
+            return
+        for row, r in enumerate(b.reqs):
+            if self._reqs.get(r.rid) is not r or r.done is not None:
+                continue
+            cache = DynamicCache(config=self.talker.config.text_config)
+            start = b.width - b.lengths[row]
+            for i, layer in enumerate(b.cache.layers):
+                cache.update(layer.keys[row:row + 1, :, start:], layer.values[row:row + 1, :, start:], i)
+            r.cache = cache
 
     def _sample(self, chosen: list[_Req], logits: list[torch.Tensor], hidden: list[torch.Tensor]) -> None:
         go, go_hidden = [], []
@@ -376,6 +417,7 @@ class Qwen3TalkerEngine(Engine):
             raise EngineError("qwen3_talker on CPU cannot sleep: its weights have no device memory to free")
         if self._reqs:
             raise EngineError(f"qwen3_talker cannot sleep with {len(self._reqs)} request(s) in flight")
+        self._batch = None
         self.talker.to("cpu")
         self.embed = self.embed.cpu()
         self._sleeping = True
