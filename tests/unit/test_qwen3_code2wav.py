@@ -150,6 +150,12 @@ def test_processors():
     assert p.thinker_to_talker(Ctx(), state, Output(request_id="r", token_ids=[])) == []
     later = p.thinker_to_talker(Ctx(), state, Output(request_id="r", token_ids=[8, 9], finished=True))
     assert later[0].extra == {"token_ids": [8, 9]} and later[0].token_ids is None and later[0].stream
+    held: dict = {}
+    Ctx.request_extra = {"prompt_token_ids": [1, 2], "mm_hidden_expected": True}
+    assert p.thinker_to_talker(Ctx(), held, Output(request_id="r", token_ids=[5])) == []
+    rows = TensorRef(transport="shm", endpoint="seg", key=2, dtype="float32", shape=(3, 64), nbytes=768)
+    first = p.thinker_to_talker(Ctx(), held, Output(request_id="r", token_ids=[6], tensors={"mm_hidden": rows}))
+    assert first[0].extra == {"speaker": "ethan", "token_ids": [5, 6]} and first[0].tensors == {"mm_hidden": rows}
     ref = TensorRef(transport="shm", endpoint="seg", key=1, dtype="int64", shape=(16, 4), nbytes=512)
     out = p.talker_to_code2wav(Ctx(), {}, Output(request_id="r", tensors={"codes": ref}))
     assert out[0].tensors == {"codes": ref} and out[0].stream

@@ -210,3 +210,51 @@ def test_bad_options_and_ids(talker, france):
         talker.add_request(EngineRequest(request_id="o", extra={"token_ids": [-1]}))
     talker.abort("o")
     assert not talker.has_open_streams()
+
+
+def test_processors_chain_the_engines(talker, code2wav, france):
+    """thinker outputs -> processor -> talker -> processor -> code2wav, the pieces mapped as the
+    orchestrator maps them (StageInput.token_ids -> prompt_token_ids, an empty final piece to close
+    a streamed request): the waveform is the reference's."""
+    from omni.models.qwen3_omni import processors as p
+    from omni.stage.messages import Output
+
+    class Ctx:
+        request_extra = {"voice": "Ethan", "prompt_token_ids": france.prompt}
+
+        def detokenize(self, ids):
+            return ""
+
+    def request(inp, final=False):   # the stage's default_sampling_params go under the piece's extra
+        return EngineRequest(request_id="p", prompt_token_ids=inp.token_ids, tensors=dict(inp.tensors),
+                             extra={"max_tokens": TALKER_TOKENS, "temperature": 0.0, **inp.extra,
+                                    "final": final})
+
+    talker_state, c2w_state, audio = {}, {}, []
+
+    def run_code2wav():
+        while code2wav.has_unfinished():
+            audio.extend(o.tensors["audio"] for o in code2wav.step())
+
+    def run_talker():
+        while talker.has_unfinished():
+            for o in talker.step():
+                for inp in p.talker_to_code2wav(Ctx(), c2w_state, Output(request_id="p", tensors=o.tensors,
+                                                                         finished=o.finished)):
+                    code2wav.add_request(request(inp))
+                if o.finished:
+                    code2wav.add_request(EngineRequest(request_id="p", extra={"final": True}))
+                run_code2wav()
+
+    gen = france.generated
+    for i, tok in enumerate(gen):
+        out = Output(request_id="p", token_ids=[tok], finished=i == len(gen) - 1)
+        for inp in p.thinker_to_talker(Ctx(), talker_state, out):
+            assert inp.stream
+            talker.add_request(request(inp))
+        run_talker()
+    talker.add_request(EngineRequest(request_id="p", extra={"final": True}))
+    run_talker()
+    wav = torch.cat(audio)
+    assert wav.shape == france.wav.shape and (wav - france.wav).abs().max() < 1e-3
+    assert not talker.has_open_streams() and not code2wav.has_open_streams()

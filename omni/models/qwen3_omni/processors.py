@@ -8,6 +8,8 @@ thinker -> talker (`thinker_to_talker`): one continuing talker request, every pi
     as is. `extra["speaker"]` = `ctx.request_extra["voice"]` (default "ethan");
     `extra["token_ids"]` = the thinker's first generated ids; a `mm_hidden` tensor on
     that output (the thinker's layer-k rows at the prompt's audio positions) is passed on.
+    With `ctx.request_extra["mm_hidden_expected"]` true (the prompt has audio), the
+    generated ids are held until an output carries `mm_hidden` (or the thinker finishes).
   later pieces: `extra["token_ids"]` = each output's generated ids (delta, including
     the thinker's EOS token when it stopped on it).
 talker -> code2wav (`talker_to_code2wav`): each `codes` chunk as a streamed piece.
@@ -25,6 +27,10 @@ def thinker_to_talker(ctx: Context, state: dict, out: Output) -> list[StageInput
     ids = list(out.token_ids)
     if state.get("started"):
         return [StageInput(extra={"token_ids": ids}, stream=True)] if ids else []
+    if ctx.request_extra.get("mm_hidden_expected") and "mm_hidden" not in out.tensors and not out.finished:
+        state.setdefault("held", []).extend(ids)    # the talker cannot prefill without those rows
+        return []
+    ids = state.pop("held", []) + ids
     state["started"] = True
     extra = {"speaker": ctx.request_extra.get("voice") or DEFAULT_SPEAKER, "token_ids": ids}
     tensors = {k: out.tensors[k] for k in ("mm_hidden",) if k in out.tensors}
