@@ -36,6 +36,18 @@ def _code2wav(config: DeployConfig, stage: StageConfig) -> Engine:
     return Code2WavEngine(prepare_voice(stage.model or "joe").dir, **stage.engine_args)
 
 
+def _qwen3_talker(config: DeployConfig, stage: StageConfig) -> Engine:
+    from omni.models.qwen3_omni.talker import Qwen3TalkerEngine
+
+    return Qwen3TalkerEngine(stage.model or config.model, **stage.engine_args)
+
+
+def _qwen3_code2wav(config: DeployConfig, stage: StageConfig) -> Engine:
+    from omni.models.qwen3_omni.code2wav import Qwen3Code2WavEngine
+
+    return Qwen3Code2WavEngine(stage.model or config.model, **stage.engine_args)
+
+
 def _vllm(config: DeployConfig, stage: StageConfig) -> Engine:
     try:
         import vllm  # noqa: F401
@@ -55,6 +67,8 @@ ENGINES: dict[str, Callable[[DeployConfig, StageConfig], Engine]] = {
     "piper_talker": _talker,
     "piper_code2wav": _code2wav,
     "vllm": _vllm,
+    "qwen3_talker": _qwen3_talker,
+    "qwen3_code2wav": _qwen3_code2wav,
 }
 
 

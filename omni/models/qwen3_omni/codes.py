@@ -1,0 +1,94 @@
+"""Choosing codec codes: the talker's code 0 and the code predictor's 15 residual codes.
+
+The same maths as transformers' talker generate (repetition penalty, suppressed
+special ids, temperature / top-k / top-p) with a per-request `torch.Generator`, so a
+seeded request draws the same codes whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Pick:
+    """How one request chooses a code: greedy when temperature <= 0."""
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    generator: torch.Generator | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+def repetition_penalty(logits: torch.Tensor, history: list[int], penalty: float) -> torch.Tensor:
+    """transformers' RepetitionPenaltyLogitsProcessor for one row: divide positive, multiply negative."""
+    if penalty == 1.0 or not history:
+        return logits
+    idx = torch.as_tensor(sorted(set(history)), dtype=torch.long, device=logits.device)
+    score = logits[idx]
+    logits = logits.clone()
+    logits[idx] = torch.where(score < 0, score * penalty, score / penalty)
+    return logits
+
+
+def pick(logits: torch.Tensor, how: Pick) -> int:
+    """One code from a 1-D row of logits."""
+    if how.greedy:
+        return int(torch.argmax(logits))
+    scores = logits.float() / how.temperature
+    if how.top_k > 0 and how.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, how.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if how.top_p < 1.0:
+        order = torch.argsort(scores)                      # ascending, as transformers' TopPLogitsWarper
+        cum = torch.softmax(scores[order], -1).cumsum(-1)
+        drop = cum <= (1 - how.top_p)
+        drop[-1] = False                                   # keep at least one
+        scores = scores.clone()
+        scores[order[drop]] = float("-inf")
+    probs = torch.softmax(scores, -1)
+    return int(torch.multinomial(probs, 1, generator=how.generator))
+
+
+def suppress_mask(vocab: int, eos: int, device=None) -> torch.Tensor:
+    """True at the ids code 0 may never take: the top 1024 ids of the codec vocabulary except EOS."""
+    mask = torch.zeros(vocab, dtype=torch.bool, device=device)
+    mask[max(0, vocab - 1024):] = True
+    mask[eos] = False
+    return mask
+
+
+@torch.no_grad()
+def residual_codes(talker, hidden: torch.Tensor, code0: torch.Tensor, picks: list[Pick]):
+    """The code predictor for a batch of frames.
+
+    hidden [B, H]: the talker's last normed hidden that chose code 0; code0 [B].
+    Returns (codes [B, G] int64 with code 0 first, codec embedding sum [B, H]: the
+    codec part of the talker's next input).
+    """
+    from transformers import DynamicCache
+
+    cp = talker.code_predictor
+    groups = talker.config.num_code_groups
+    first = talker.get_input_embeddings()(code0)                       # [B, H]
+    embeds = [first]
+    codes = [code0]
+    cache = DynamicCache(config=cp.config)
+    x = torch.stack([hidden, first], dim=1)                            # [B, 2, H]
+    out = cp.model(inputs_embeds=x, past_key_values=cache, use_cache=True)
+    for g in range(1, groups):
+        logits = cp.lm_head[g - 1](out.last_hidden_state[:, -1])
+        code = torch.tensor([pick(row, p) for row, p in zip(logits, picks)], dtype=torch.long,
+                            device=hidden.device)
+        codes.append(code)
+        e = cp.model.get_input_embeddings()[g - 1](code)
+        embeds.append(e)
+        if g < groups - 1:
+            out = cp.model(inputs_embeds=e[:, None], past_key_values=cache, use_cache=True)
+    # One reduction over the 16 rows, as transformers sums them (order matters in float).
+    return torch.stack(codes, dim=1), torch.stack(embeds, dim=1).sum(1)

@@ -1,0 +1,435 @@
+"""Qwen3-Omni talker + code predictor as an omni Engine (engine name `qwen3_talker`).
+
+Request contract: one continuing request per thinker request, fed in pieces with the
+same request_id; `extra["final"]` (default True) marks the last piece.
+  first piece   `prompt_token_ids` (or an int tensor `tensors["prompt_token_ids"]`) = the
+                thinker's prompt ids (audio placeholders expanded, ending with the
+                `<|im_start|>assistant\\n` header);
+                `extra["speaker"]` (or `extra["voice"]`): chelsie / ethan / aiden, any case
+                (default ethan, as transformers);
+                optional `tensors["mm_hidden"]` float [n_mm, H_thinker]: the thinker's
+                layer-`accept_hidden_layer` rows at every audio/image/video placeholder
+                of the prompt, in order (audio only: image/video need 3-D positions);
+                `extra["token_ids"]`: the thinker's first generated ids (may be empty).
+  later pieces  generated ids (delta) in `extra["token_ids"]`, or in `prompt_token_ids`
+                (where the orchestrator puts a StageInput's `token_ids`), including the
+                thinker's EOS if it stopped on it; ids after that EOS are ignored.
+Sampling: `request.sampling` (temperature <= 0 is greedy; top_k, top_p, seed ->
+a per-request generator; max_tokens = the talker's max new tokens, as transformers'
+`talker_max_new_tokens`: at most max_tokens - 1 frames), each overridable by the same
+key in `extra` (stage defaults arrive there); `extra["repetition_penalty"]` else the
+engine's (1.05). Residual codes: greedy when code 0 is, else top_k 50 / top_p 0.8.
+Output: `tensors["codes"]` int64 [16, n] per chunk (first `first_chunk_frames`, then
+`chunk_frames`); finished at codec EOS ("stop") or max_tokens ("length").
+
+The talker prefills once it has the first generated id and then takes one trailing
+text row per step; a request whose next id has not arrived (stream not final)
+skips the step while others go on. Sleep moves the weights to host memory when idle;
+on CPU there is no device memory to free, so it refuses.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from omni.engines.base import Engine, EngineError, EngineOutput, EngineRequest
+from omni.models.qwen3_omni import edges
+from omni.models.qwen3_omni.codes import Pick, pick, repetition_penalty, residual_codes, suppress_mask
+from omni.models.qwen3_omni.weights import load_talker
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SPEAKER = "ethan"     # transformers' generate() default
+
+
+_IN_BATCH = object()      # a request's cache while its rows live in the batch cache
+
+
+@dataclasses.dataclass
+class _Batch:
+    reqs: tuple["_Req", ...]
+    cache: Any                # DynamicCache [B, kv_heads, width, head_dim] per layer, left-padded
+    lengths: list[int]        # real positions per row
+    width: int
+
+
+@dataclasses.dataclass
+class _Req:
+    rid: str
+    prompt: list[int]
+    speaker_id: int
+    mm_hidden: torch.Tensor | None
+    code0: Pick
+    residual: Pick
+    penalty: float
+    max_tokens: int
+    generated: list[int] = dataclasses.field(default_factory=list)
+    text: tuple[list[int], bool] | None = None   # (trailing ids, thinker EOS seen), cached
+    final: bool = False
+    cache: Any = None                 # DynamicCache after prefill
+    step: int = 0                     # decode steps done (= trailing rows consumed)
+    history: list[int] = dataclasses.field(default_factory=list)   # code-0 ids chosen
+    next_codec: torch.Tensor | None = None   # codec part of the next input [H]
+    frames: list[torch.Tensor] = dataclasses.field(default_factory=list)   # unsent [16] frames
+    sent: int = 0
+    first_out: bool = True
+    done: str | None = None           # finish reason once finished
+    error: str | None = None
+
+
+def _opt(req: EngineRequest, key: str, default):
+    value = (req.extra or {}).get(key)
+    return default if value is None else value
+
+
+class Qwen3TalkerEngine(Engine):
+    def __init__(self, model_dir: str | Path, *, dtype: str = "auto", device: str = "cpu",
+                 first_chunk_frames: int = 4, chunk_frames: int = 25, repetition_penalty: float = 1.05,
+                 text_eos_token_ids: list[int] | None = None, batch_decode: bool = True,
+                 threads: int | None = None):
+        if first_chunk_frames < 1 or chunk_frames < 1:
+            raise ValueError(f"first_chunk_frames and chunk_frames must be >= 1, "
+                             f"got {first_chunk_frames} and {chunk_frames}")
+        if threads:
+            torch.set_num_threads(threads)
+        self.config, self.talker, self.embed = load_talker(model_dir, dtype=dtype, device=device)
+        self.ids = edges.TalkerIds.from_config(self.config)
+        self.device = torch.device(device)
+        self.first_chunk_frames = first_chunk_frames
+        self.chunk_frames = chunk_frames
+        self.repetition_penalty = repetition_penalty
+        self.batch_decode = batch_decode
+        self.text_eos = set(text_eos_token_ids or [self.config.im_end_token_id])
+        vocab = self.config.talker_config.text_config.vocab_size
+        self._suppress = suppress_mask(vocab, self.ids.codec_eos, self.device)
+        with torch.no_grad():
+            self._tts = edges.tts_rows(self.talker, self.embed, self.ids)
+        self._reqs: collections.OrderedDict[str, _Req] = collections.OrderedDict()
+        self._stats: collections.Counter = collections.Counter()
+        self._sleeping = False
+        self._batch: _Batch | None = None
+
+    # -- requests ------------------------------------------------------------
+
+    def _new(self, req: EngineRequest) -> _Req:
+        rid = req.request_id
+        extra = req.extra or {}
+        prompt = req.prompt_token_ids
+        if prompt is None and "prompt_token_ids" in (req.tensors or {}):
+            prompt = torch.as_tensor(req.tensors["prompt_token_ids"]).reshape(-1).tolist()
+        if not prompt:
+            raise EngineError(f"request {rid}: the first piece needs prompt_token_ids (the thinker's prompt)")
+        name = extra.get("speaker", extra.get("voice")) or DEFAULT_SPEAKER
+        known = ", ".join(sorted(self.ids.speakers))
+        if not isinstance(name, str) or name.lower() not in self.ids.speakers:
+            raise EngineError(f"request {rid}: unknown speaker {name!r}; known speakers: {known}")
+        prompt = self._ids(rid, prompt)
+        try:
+            header = len(prompt) - edges.assistant_start(prompt, self.ids)
+        except ValueError as e:
+            raise EngineError(f"request {rid}: {e}") from None
+        if header != 3:
+            raise EngineError(f"request {rid}: the prompt must end with the 3-token assistant header "
+                              f"('<|im_start|>assistant\\n'), found {header} token(s) from it")
+        mm = edges.mm_positions(prompt, self.ids)
+        th = self.config.thinker_config
+        if any(prompt[p] in (th.image_token_id, th.video_token_id) for p in mm):
+            raise EngineError(f"request {rid}: image/video prompts need 3-D talker positions (not supported)")
+        hidden = (req.tensors or {}).get("mm_hidden")
+        if hidden is not None:
+            hidden = torch.as_tensor(hidden)
+            if hidden.ndim != 2 or hidden.shape[1] != self.embed.shape[1] or not hidden.is_floating_point():
+                raise EngineError(f"request {rid}: mm_hidden must be float [n, {self.embed.shape[1]}], "
+                                  f"got {hidden.dtype} {list(hidden.shape)}")
+            hidden = hidden.to(self.device, self.embed.dtype)
+        if len(mm) != (0 if hidden is None else hidden.shape[0]):
+            raise EngineError(f"request {rid}: the prompt has {len(mm)} audio placeholder(s) but "
+                              f"mm_hidden has {0 if hidden is None else hidden.shape[0]} row(s)")
+        s = req.sampling
+        try:
+            temperature = float(_opt(req, "temperature", s.temperature))
+            top_k, top_p = int(_opt(req, "top_k", s.top_k)), float(_opt(req, "top_p", s.top_p))
+            max_tokens = int(_opt(req, "max_tokens", s.max_tokens))
+            penalty = float(_opt(req, "repetition_penalty", self.repetition_penalty))
+            seed = _opt(req, "seed", s.seed)
+            seed = None if seed is None else int(seed)
+        except (TypeError, ValueError) as e:
+            raise EngineError(f"request {rid}: bad sampling option: {e}") from None
+        if not (math.isfinite(temperature) and top_k >= 0 and 0 < top_p <= 1 and max_tokens >= 1
+                and math.isfinite(penalty) and penalty > 0):
+            raise EngineError(f"request {rid}: sampling needs a finite temperature, top_k >= 0, "
+                              f"0 < top_p <= 1, max_tokens >= 1 and repetition_penalty > 0; got "
+                              f"{temperature}, {top_k}, {top_p}, {max_tokens}, {penalty}")
+        gen = None
+        if temperature > 0 and seed is not None:
+            gen = torch.Generator(device=self.device).manual_seed(seed)
+        code0 = Pick(temperature, top_k, top_p, gen)
+        residual = Pick() if code0.greedy else Pick(1.0, 50, 0.8, gen)   # transformers' choice
+        return _Req(rid, prompt, self.ids.speakers[name.lower()], hidden, code0, residual, penalty, max_tokens)
+
+    def _ids(self, rid: str, ids) -> list[int]:
+        try:
+            out = [int(t) for t in ids]
+        except (TypeError, ValueError):
+            raise EngineError(f"request {rid}: token ids must be a list of ints") from None
+        vocab = self.embed.shape[0]
+        bad = [t for t in out if not 0 <= t < vocab]
+        if bad:
+            raise EngineError(f"request {rid}: token ids {bad[:5]} are outside the thinker's vocabulary [0, {vocab})")
+        return out
+
+    def add_request(self, request: EngineRequest) -> None:
+        rid = request.request_id
+        if self._sleeping:
+            raise EngineError(f"request {rid}: qwen3_talker is asleep (wake_up first)")
+        extra = request.extra or {}
+        final = extra.get("final", True)
+        if not isinstance(final, bool):
+            raise EngineError(f"request {rid}: extra.final must be true or false, got {final!r}")
+        r = self._reqs.get(rid)
+        delta = extra.get("token_ids")
+        if r is None:
+            r = self._new(request)
+        else:
+            if r.final:
+                raise EngineError(f"request {rid}: a piece after the one marked final")
+            if delta is None:
+                delta = request.prompt_token_ids
+        r.generated.extend(self._ids(rid, delta or []))
+        r.text = None
+        r.final = final
+        self._reqs[rid] = r
+
+    def abort(self, request_id: str) -> None:
+        self._reqs.pop(request_id, None)
+
+    # -- stepping --------------------------------------------------------------
+
+    def _text(self, r: _Req) -> tuple[list[int], bool]:
+        if r.text is None:       # recomputed only after a new piece
+            r.text = edges.trailing_ids(r.generated, self.text_eos)
+        trailing, ended = r.text
+        return trailing, ended or r.final
+
+    def _next_text_row(self, r: _Req) -> torch.Tensor | None:
+        """The trailing text row for decode step `r.step`, or None while it has not arrived."""
+        trailing, closed = self._text(r)
+        if r.step < len(trailing):
+            return edges.text_rows(self.talker, self.embed, [trailing[r.step]])[0]
+        if not closed:
+            return None
+        return self._tts[1] if r.step == len(trailing) else self._tts[2]
+
+    def _can_prefill(self, r: _Req) -> bool:
+        return r.cache is None and r.done is None and bool(r.generated)
+
+    def _can_decode(self, r: _Req) -> bool:
+        if r.cache is None or r.done is not None or r.next_codec is None:
+            return False
+        trailing, closed = self._text(r)
+        return closed or r.step < len(trailing)
+
+    def _ready(self, r: _Req) -> bool:
+        if r.done is not None:
+            return True
+        if r.cache is None and r.final and not r.generated:
+            return True       # the thinker said nothing: no audio
+        return self._can_prefill(r) or self._can_decode(r)
+
+    @torch.no_grad()
+    def step(self) -> list[EngineOutput]:
+        t0 = time.perf_counter()
+        chosen: list[_Req] = []
+        logits: list[torch.Tensor] = []
+        hidden: list[torch.Tensor] = []
+        decode = []
+        for r in list(self._reqs.values()):
+            if r.cache is None and r.final and not r.generated and r.done is None:
+                r.done = "stop"
+            if self._can_prefill(r):
+                h = self._prefill(r)
+                if h is not None:
+                    chosen.append(r)
+                    hidden.append(h)
+            elif self._can_decode(r):
+                decode.append(r)
+        if decode:
+            x = torch.stack([r.next_codec + self._next_text_row(r) for r in decode])
+            h = self._decode(decode, x) if self.batch_decode else torch.cat(
+                [self._decode([r], x[i:i + 1]) for i, r in enumerate(decode)])
+            for r in decode:
+                r.step += 1
+            chosen.extend(decode)
+            hidden.extend(h)
+        if chosen:
+            logits = list(self.talker.codec_head(torch.stack(hidden)))
+            self._sample(chosen, logits, hidden)
+            self._stats["talker_seconds"] += time.perf_counter() - t0
+            self._stats["talker_steps"] += 1
+        return self._emit()
+
+    def _prefill(self, r: _Req) -> torch.Tensor | None:
+        from transformers import DynamicCache
+
+        try:
+            x = edges.prefill_embeds(self.talker, self.embed, self.ids, r.prompt, r.generated[0],
+                                     r.speaker_id, r.mm_hidden, self._tts)
+        except ValueError as e:
+            r.done, r.frames, r.error = "error", [], f"request {r.rid}: {e}"
+            return None
+        r.cache = DynamicCache(config=self.talker.config.text_config)
+        self._stats["prefill_tokens"] += x.shape[0]
+        return self.talker.model(inputs_embeds=x[None], past_key_values=r.cache,
+                                 use_cache=True).last_hidden_state[0, -1]
+
+    def _decode(self, reqs: list[_Req], x: torch.Tensor) -> torch.Tensor:
+        """One talker forward for one new row per request (x [B, H]) -> last normed hidden [B, H].
+
+        Several requests decode in one batch cache: their caches left-padded and masked. The
+        batch stays while the same requests step together (the usual case: only a new,
+        finished or waiting request changes it), so the caches are copied only then."""
+        if len(reqs) == 1:
+            self._unbatch()
+            return self.talker.model(inputs_embeds=x[:, None], past_key_values=reqs[0].cache,
+                                     use_cache=True).last_hidden_state[:, -1]
+        if self._batch is None or len(self._batch.reqs) != len(reqs) or any(
+                a is not b for a, b in zip(self._batch.reqs, reqs)):   # identity: ids may be reused
+            self._unbatch()
+            self._batch = self._make_batch(reqs)
+        b = self._batch
+        mask = torch.zeros((len(reqs), b.width + 1), dtype=torch.long, device=self.device)
+        for row, n in enumerate(b.lengths):
+            mask[row, b.width - n:] = 1
+        pos = torch.tensor(b.lengths, device=self.device).view(1, -1, 1).expand(3, -1, -1)
+        h = self.talker.model(inputs_embeds=x[:, None], past_key_values=b.cache, attention_mask=mask,
+                              position_ids=pos, use_cache=True).last_hidden_state[:, -1]
+        b.width += 1
+        b.lengths = [n + 1 for n in b.lengths]
+        self._stats["batched_decodes"] += 1
+        return h
+
+    def _make_batch(self, reqs: list[_Req]) -> "_Batch":
+        from transformers import DynamicCache
+
+        lengths = [r.cache.get_seq_length() for r in reqs]
+        width = max(lengths)
+        cache = DynamicCache(config=self.talker.config.text_config)
+        for i in range(len(reqs[0].cache.layers)):
+            pad = [(0, 0, width - n, 0) for n in lengths]
+            cache.update(
+                torch.cat([F.pad(r.cache.layers[i].keys, p) for r, p in zip(reqs, pad)]),
+                torch.cat([F.pad(r.cache.layers[i].values, p) for r, p in zip(reqs, pad)]), i)
+        for r in reqs:
+            r.cache = _IN_BATCH
+        self._stats["batch_builds"] += 1
+        return _Batch(tuple(reqs), cache, lengths, width)
+
+    def _unbatch(self) -> None:
+        """Give each live request of the batch its own cache back (its rows without the padding)."""
+        from transformers import DynamicCache
+
+        b, self._batch = self._batch, None
+        if b is None:
+            return
+        for row, r in enumerate(b.reqs):
+            if self._reqs.get(r.rid) is not r or r.done is not None:
+                continue
+            cache = DynamicCache(config=self.talker.config.text_config)
+            start = b.width - b.lengths[row]
+            for i, layer in enumerate(b.cache.layers):
+                cache.update(layer.keys[row:row + 1, :, start:], layer.values[row:row + 1, :, start:], i)
+            r.cache = cache
+
+    def _sample(self, chosen: list[_Req], logits: list[torch.Tensor], hidden: list[torch.Tensor]) -> None:
+        go, go_hidden = [], []
+        for r, row, h in zip(chosen, logits, hidden):
+            row = repetition_penalty(row, r.history, r.penalty)
+            row = row.masked_fill(self._suppress, float("-inf"))
+            code = pick(row, r.code0)
+            r.history.append(code)
+            if code == self.ids.codec_eos:
+                r.done = "stop"
+            elif len(r.history) >= r.max_tokens:
+                r.done = "length"     # as transformers: the last code 0 gets no residual codes
+            else:
+                go.append(r)
+                go_hidden.append(h)
+        if not go:
+            return
+        code0 = torch.tensor([r.history[-1] for r in go], dtype=torch.long, device=self.device)
+        codes, codec = residual_codes(self.talker, torch.stack(go_hidden), code0, [r.residual for r in go])
+        self._stats["frames"] += len(go)
+        for i, r in enumerate(go):
+            r.frames.append(codes[i])
+            r.next_codec = codec[i]
+
+    def _emit(self) -> list[EngineOutput]:
+        outs = []
+        for r in list(self._reqs.values()):
+            want = self.first_chunk_frames if r.sent == 0 else self.chunk_frames
+            if r.done is None and len(r.frames) < want:
+                continue
+            if r.done is None:
+                frames, r.frames = r.frames[:want], r.frames[want:]
+            else:
+                frames, r.frames = r.frames, []
+                del self._reqs[r.rid]
+            codes = torch.stack(frames, dim=1) if frames else torch.zeros(
+                (self.config.talker_config.num_code_groups, 0), dtype=torch.long)
+            r.sent += len(frames)
+            out = EngineOutput(request_id=r.rid, tensors={} if r.error else {"codes": codes.cpu().contiguous()},
+                               finished=r.done is not None, finish_reason=r.done, error=r.error,
+                               num_prompt_tokens=len(r.prompt) if r.first_out else None)
+            r.first_out = False
+            outs.append(out)
+        return outs
+
+    # -- bookkeeping -------------------------------------------------------------
+
+    def has_unfinished(self) -> bool:
+        # Only requests a step can advance, else the stage loop would spin on
+        # streams waiting for their next thinker token (those count in num_waiting()).
+        return any(self._ready(r) for r in self._reqs.values())
+
+    def has_open_streams(self) -> bool:
+        return bool(self._reqs)
+
+    def num_waiting(self) -> int:
+        return sum(1 for r in self._reqs.values() if not self._ready(r))
+
+    def num_running(self) -> int:
+        return sum(1 for r in self._reqs.values() if self._ready(r))
+
+    def can_sleep(self) -> bool:
+        return self.device.type != "cpu"
+
+    def sleep(self, level: int = 1) -> None:
+        if not self.can_sleep():
+            raise EngineError("qwen3_talker on CPU cannot sleep: its weights have no device memory to free")
+        if self._reqs:
+            raise EngineError(f"qwen3_talker cannot sleep with {len(self._reqs)} request(s) in flight")
+        self._batch = None
+        self.talker.to("cpu")
+        self.embed = self.embed.cpu()
+        self._sleeping = True
+
+    def wake_up(self) -> None:
+        if self._sleeping:
+            self.talker.to(self.device)
+            self.embed = self.embed.to(self.device)
+            self._sleeping = False
+
+    def is_sleeping(self) -> bool:
+        return self._sleeping
+
+    def stats(self) -> dict[str, float]:
+        return dict(self._stats)

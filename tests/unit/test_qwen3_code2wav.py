@@ -1,0 +1,177 @@
+"""Qwen3-Omni code2wav streaming, stage weight loading and the pipeline processors (tiny model)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from omni.engines.base import EngineError, EngineRequest
+from tests.unit.qwen3_ref import drive
+
+pytest.importorskip("transformers")
+
+T = 120
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    from omni.models import qwen3_omni_tiny
+
+    torch.set_num_threads(1)
+    return qwen3_omni_tiny.build(tmp_path_factory.mktemp("qwen3_tiny"))
+
+
+@pytest.fixture(scope="module")
+def engine(folder):
+    from omni.models.qwen3_omni.code2wav import Qwen3Code2WavEngine
+
+    return Qwen3Code2WavEngine(folder)
+
+
+@pytest.fixture(scope="module")
+def codes():
+    return torch.randint(0, 2048, (16, T), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def whole(engine, codes):
+    with torch.no_grad():
+        return engine.model(codes[None]).reshape(-1)
+
+
+def _pieces(rid, codes, sizes):
+    out, at = [], 0
+    for i, n in enumerate(sizes):
+        out.append(EngineRequest(request_id=rid, tensors={"codes": codes[:, at:at + n]},
+                                 extra={"final": i == len(sizes) - 1}))
+        at += n
+    assert at == codes.shape[1]
+    return out
+
+
+def _audio(outs):
+    return torch.cat([o.tensors["audio"] for o in outs])
+
+
+def _chunked_decode_error(engine, codes, whole, sizes, context=25):
+    """transformers' / vllm-omni's chunking: decode [start - context, end), keep from frame `start`."""
+    parts, start = [], 0
+    with torch.no_grad():
+        for n in sizes:
+            lo = max(0, start - context)
+            parts.append(engine.model(codes[None, :, lo:start + n]).reshape(-1)[(start - lo) * engine.hop:])
+            start += n
+    joined = torch.cat(parts)
+    m = min(joined.shape[0], whole.shape[0])
+    rms = ((joined[:m] - whole[:m]).pow(2).mean().sqrt() / whole.pow(2).mean().sqrt()).item()
+    return (joined[:m] - whole[:m]).abs().max().item(), rms, whole.shape[0] - joined.shape[0]
+
+
+@pytest.mark.parametrize("sizes", [[4, 25, 25, 25, 25, 16], [1] * T, [7, 50, 63], [60, 60]],
+                         ids=["4+25s", "one-frame", "7-50-63", "60-60"])
+def test_streamed_equals_whole_decode(engine, codes, whole, sizes):
+    audio = _audio(drive(engine, {"s": _pieces("s", codes, sizes)})["s"])
+    assert audio.shape == whole.shape
+    err = (audio - whole).abs().max().item()
+    assert err < 1e-4
+    # The same chunk edges the other way; one-frame pieces reach the engine's decodes as 4, 25, ...
+    edges = [4, 25, 25, 25, 25, 16] if len(sizes) > 20 else sizes
+    c_err, c_rms, c_lost = _chunked_decode_error(engine, codes, whole, edges)
+    print(f"\n{edges}: tail-aware max|err| {err:.2e}; chunked_decode-style max|err| {c_err:.2e}, "
+          f"rms {c_rms:.1%}, {c_lost} samples lost")
+    assert c_err > 10 * err
+
+
+def test_one_piece_is_exactly_the_whole_decode(engine, codes, whole):
+    audio = _audio(drive(engine, {"w": _pieces("w", codes, [T])})["w"])
+    assert torch.equal(audio, whole)
+
+
+def test_concurrent_streams_batch(engine, codes, whole):
+    other = torch.flip(codes, dims=[1])
+    with torch.no_grad():
+        other_whole = engine.model(other[None]).reshape(-1)
+    before = engine.stats().get("batched", 0)
+    sizes = [4, 25, 25, 25, 25, 16]
+    outs = drive(engine, {"a": _pieces("a", codes, sizes), "b": _pieces("b", other, sizes)})
+    assert (_audio(outs["a"]) - whole).abs().max() < 1e-4
+    assert (_audio(outs["b"]) - other_whole).abs().max() < 1e-4
+    assert engine.stats()["batched"] > before
+
+
+def test_bad_pieces(engine, codes):
+    with pytest.raises(EngineError, match=r"codes must be int64 \[16, n\]"):
+        engine.add_request(EngineRequest(request_id="x", tensors={"codes": codes[:8]}))
+    with pytest.raises(EngineError, match=r"in \[0, 2048\)"):
+        engine.add_request(EngineRequest(request_id="x", tensors={"codes": codes + 2048}))
+    with pytest.raises(EngineError, match="only a final piece"):
+        engine.add_request(EngineRequest(request_id="x", extra={"final": False}))
+    engine.add_request(EngineRequest(request_id="x", tensors={"codes": codes[:, :3]}, extra={"final": False}))
+    assert not engine.has_unfinished() and engine.num_waiting() == 1   # waits for its first 4 frames
+    engine.abort("x")
+    assert not engine.has_open_streams()
+    # A stream closed with no codes at all ends with an empty chunk.
+    outs = drive(engine, {"e": [EngineRequest(request_id="e", extra={"final": True})]})["e"]
+    assert outs[-1].finished and outs[-1].tensors["audio"].numel() == 0
+
+
+def test_stage_weights_only_their_prefix(folder):
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    from omni.models.qwen3_omni import weights
+
+    full = Qwen3OmniMoeForConditionalGeneration.from_pretrained(folder, dtype=torch.float32)
+    _, talker, embed = weights.load_talker(folder)
+    _, c2w = weights.load_code2wav(folder)
+    for mine, theirs in ((talker, full.talker), (c2w, full.code2wav)):
+        ref = theirs.state_dict()
+        got = mine.state_dict()
+        assert set(got) == set(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
+    assert torch.equal(embed, full.thinker.model.embed_tokens.weight)
+    with pytest.raises(EngineError, match="no tensors named nope"):
+        weights.load_prefix(folder, "nope.")
+
+
+def test_processors():
+    from omni.models.qwen3_omni import processors as p
+    from omni.stage.messages import Output
+    from omni.transport.base import TensorRef
+
+    class Ctx:
+        request_extra = {"voice": "Chelsie", "prompt_token_ids": [1, 2, 3]}
+
+        def detokenize(self, ids):
+            return ""
+
+    state: dict = {}
+    first = p.thinker_to_talker(Ctx(), state, Output(request_id="r", token_ids=[7]))
+    assert len(first) == 1 and first[0].stream
+    assert first[0].token_ids == [1, 2, 3] and first[0].extra == {"speaker": "Chelsie", "token_ids": [7]}
+    assert p.thinker_to_talker(Ctx(), state, Output(request_id="r", token_ids=[])) == []
+    later = p.thinker_to_talker(Ctx(), state, Output(request_id="r", token_ids=[8, 9], finished=True))
+    assert later[0].extra == {"token_ids": [8, 9]} and later[0].token_ids is None and later[0].stream
+    held: dict = {}
+    Ctx.request_extra = {"prompt_token_ids": [1, 2], "mm_hidden_expected": True}
+    assert p.thinker_to_talker(Ctx(), held, Output(request_id="r", token_ids=[5])) == []
+    rows = TensorRef(transport="shm", endpoint="seg", key=2, dtype="float32", shape=(3, 64), nbytes=768)
+    first = p.thinker_to_talker(Ctx(), held, Output(request_id="r", token_ids=[6], tensors={"mm_hidden": rows}))
+    assert first[0].extra == {"speaker": "ethan", "token_ids": [5, 6]} and first[0].tensors == {"mm_hidden": rows}
+    ref = TensorRef(transport="shm", endpoint="seg", key=1, dtype="int64", shape=(16, 4), nbytes=512)
+    out = p.talker_to_code2wav(Ctx(), {}, Output(request_id="r", tensors={"codes": ref}))
+    assert out[0].tensors == {"codes": ref} and out[0].stream
+    assert p.talker_to_code2wav(Ctx(), {}, Output(request_id="r", finished=True)) == []
+
+
+def test_factory_builds_both_engines(folder):
+    from omni.config import DeployConfig, StageConfig
+    from omni.engines.factory import build_engine
+    from omni.errors import ConfigError
+
+    stages = (StageConfig(stage_id=0, engine="qwen3_talker", engine_args={"chunk_frames": 10}),
+              StageConfig(stage_id=1, engine="qwen3_code2wav", engine_args={"context_frames": 30}),
+              StageConfig(stage_id=2, engine="qwen3_code2wav", engine_args={"context": 30}))
+    config = DeployConfig(model=str(folder), stages=stages)
+    assert build_engine(config, stages[0]).chunk_frames == 10
+    assert build_engine(config, stages[1]).context_frames == 30
+    with pytest.raises(ConfigError, match="context"):
+        build_engine(config, stages[2])
