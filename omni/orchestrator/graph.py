@@ -229,16 +229,17 @@ class OrchestratorCore:
 
     def _replay(self, state: _Request, dead: ReplicaInfo) -> bool:
         """Move a stage's part of the request to another replica when the dead one had produced
-        nothing for it yet and every input was already sent: nothing of it was seen, so sending
-        the same inputs again (in order) is safe. Shared-memory inputs need a replica on the
-        dead one's host; a stage still receiving inputs is not moved (their order would mix)."""
+        nothing for it yet: nothing of it was seen, so sending the same inputs again (in order)
+        is safe. A stage still receiving inputs moves too: the inputs sent so far go first and
+        every later one follows them (sends are made in order, here). Shared-memory inputs
+        need a replica on the dead one's host."""
         held = [s for s, st in state.stages.items()
                 if st.replica is not None and st.replica.replica_id == dead.replica_id]
         if len(held) != 1:
             return False
         s = held[0]
         st = state.stages[s]
-        if st.first_output_at is not None or not st.inputs_closed or st.pending is not None or not st.sent:
+        if st.first_output_at is not None or not st.sent:
             return False
         others = [r for r in self.topology.stage_replicas(s) if r.replica_id != dead.replica_id]
         if any(ref.transport == "shm" for items in st.sent.values() for inp, _ in items

@@ -189,6 +189,22 @@ def test_downstream_shm_inputs_replay_only_on_the_same_host():
     assert of(acts, ev.Finished)[0].outcome == "failed"
 
 
+def test_a_stage_still_receiving_inputs_is_replayed_and_later_inputs_follow():
+    core = make_core(replica(0, "s0r0"), replica(1, "s1r0"), replica(2, "a-h1"), replica(2, "c-h1"))
+    core.submit(PipelineRequest(request_id="sp", text="Hi. Yo.", entry_stage=1, modalities=("audio",)))
+    core.handle(output("s1r0", 1, "sp", tensors={"latents": ref(1)}))          # the talker goes on
+    dead = replica(2, "a-h1", state="DEAD")
+    core.topology.apply(TopologyEvent("UPDATED", [dead], 2))
+    acts = core.handle(ev.ReplicaGone(dead, "dead"))
+    assert sends(acts) == [("c-h1", "sp", False)] and of(acts, ev.Send)[0].message.tensors["latents"] == ref(1)
+    acts = core.handle(output("s1r0", 1, "sp", tensors={"latents": ref(2)}, finished=True))
+    assert sends(acts) == [("c-h1", "sp", False), ("c-h1", "sp", True)]
+    acts = core.handle(output("c-h1", 2, "sp", tensors={"audio": ref(3, "c-h1")}, sample_rate=16000,
+                              finished=True))
+    assert of(acts, ev.Finished)[0].outcome == "ok"
+    assert ev.Free("s1r0", "shm", (1, 2)) in acts                 # the latents sent twice are freed once
+
+
 def test_failure_after_partial_output_fails_and_aborts_what_is_left():
     core = make_core(*ALL)
     core.submit(chat())
