@@ -10,11 +10,14 @@ TTFO_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
+def _escape(v: object) -> str:
+    return str(v).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
 def labels(d: dict[str, str]) -> str:
     if not d:
         return ""
-    esc = (lambda v: str(v).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"'))
-    return "{" + ",".join(f'{k}="{esc(v)}"' for k, v in d.items()) + "}"
+    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in d.items()) + "}"
 
 
 class Histogram:
