@@ -11,10 +11,8 @@ needed stage is.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
 from omni import errors
@@ -24,6 +22,8 @@ from omni.errors import BadRequest, OmniError, StageFailed, Unavailable
 from omni.master.types import ReplicaInfo
 from omni.orchestrator import events as ev
 from omni.orchestrator.metrics import OrchestratorMetrics
+from omni.orchestrator.request_state import (ProcessorContext, RequestState, load_processor, needed_stages,
+                                             ref_id)
 from omni.orchestrator.topology import Topology
 from omni.orchestrator.types import PipelineOutput, PipelineRequest
 from omni.stage import messages as m
@@ -32,60 +32,6 @@ from omni.transport.base import TensorRef
 logger = logging.getLogger(__name__)
 
 TENSOR_OUTPUTS = ("audio", "embedding")     # final outputs read from a tensor, not token ids
-
-
-def load_processor(path: str | None) -> Callable:
-    if not path:
-        return procs.passthrough
-    module, _, name = path.partition(":")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise OmniError(f"processor {path!r} cannot be loaded: {e}") from None
-
-
-def _ref_id(ref: TensorRef) -> tuple[str, str, int]:
-    return ref.transport, ref.endpoint, ref.key
-
-
-@dataclass
-class _Stage:
-    replica: ReplicaInfo | None = None
-    open: set[str] = field(default_factory=set)        # engine request ids sent and not finished
-    inputs_closed: bool = False
-    started: bool = False                              # something was sent
-    pending: procs.StageInput | None = None            # held back to mark the last piece final
-    refs_in: dict[str, list] = field(default_factory=dict)   # erid -> [(producer, ref)] sent here
-    proc_state: dict = field(default_factory=dict)
-    sub_order: list[str] = field(default_factory=list)
-    sub_buffer: dict[str, list] = field(default_factory=dict)
-    first_output_at: float | None = None
-    streamed: bool = False                             # pieces went out at once; close with an empty final
-    # Inputs sent per engine request id, kept until it finishes, so a replica that dies before
-    # any output can be replaced by sending them again (descriptors only; producers keep the bytes).
-    sent: dict[str, list] = field(default_factory=dict)
-
-
-class _Request:
-    def __init__(self, req: PipelineRequest, needed: list[int], now: float):
-        self.req = req
-        self.rid = req.request_id
-        self.stages = {s: _Stage() for s in needed}
-        self.extra = dict(req.extra)
-        self.started_at = now
-        self.first_output_at: float | None = None
-        self.finish_reason: str | None = None
-        self.num_prompt_tokens: int | None = None
-        # Which replica produced each tensor this request saw, so its consumers' frees go back there.
-        self.origin: dict[tuple[str, str, int], str] = {}
-
-
-class _Ctx:
-    """What a processor sees of the request (omni.processors.Context)."""
-
-    def __init__(self, detokenize: Callable[[list[int]], str], extra: dict):
-        self.detokenize = detokenize
-        self.request_extra = extra
 
 
 class OrchestratorCore:
@@ -102,7 +48,7 @@ class OrchestratorCore:
         self.metrics = metrics if metrics is not None else OrchestratorMetrics()
         self.clock = clock
         self._processors = {s.stage_id: load_processor(s.processor) for s in config.stages}
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[str, RequestState] = {}
         self.by_replica: dict[str, set[str]] = {}       # replica id -> request ids holding work there
         self._out: list[ev.Action] = []
         self._handlers = {ev.StageOutput: self._on_output, ev.StageError: self._on_error,
@@ -116,7 +62,7 @@ class OrchestratorCore:
         needed = self.needed_stages(req)
         if req.request_id in self.requests:
             raise BadRequest(f"request id {req.request_id!r} is already in flight")
-        state = _Request(req, needed, self.clock())
+        state = RequestState(req, needed, self.clock())
         for st_id, st in state.stages.items():
             st.replica = self.pick(st_id)
         # Counted as load at once: concurrent requests spread over downstream replicas
@@ -143,24 +89,7 @@ class OrchestratorCore:
     # ------------------------------------------------------------ replicas
 
     def needed_stages(self, req: PipelineRequest) -> list[int]:
-        finals = []
-        for modality in req.modalities:
-            stage = self.config.final_stage(modality)
-            if stage is None:
-                raise BadRequest(f"modality {modality!r} is not produced by this pipeline "
-                                 f"(it produces {self.config.modalities()})")
-            finals.append(stage.stage_id)
-        needed: set[int] = set()
-        todo = list(finals)
-        while todo:
-            s = todo.pop()
-            if s in needed or s < req.entry_stage:
-                continue
-            needed.add(s)
-            todo.extend(self.config.stage(s).upstream())
-        if req.entry_stage not in needed:
-            raise BadRequest(f"modalities {list(req.modalities)} are not reachable from stage {req.entry_stage}")
-        return sorted(needed)
+        return needed_stages(self.config, req)
 
     def pick(self, stage_id: int) -> ReplicaInfo:
         replicas = self.topology.stage_replicas(stage_id)
@@ -174,7 +103,7 @@ class OrchestratorCore:
 
     # ------------------------------------------------------------ events
 
-    def _guarded(self, state: _Request, fn: Callable[[], None]) -> None:
+    def _guarded(self, state: RequestState, fn: Callable[[], None]) -> None:
         try:
             fn()
         except OmniError as e:
@@ -192,7 +121,7 @@ class OrchestratorCore:
             self._free(e.replica_id, list(out.tensors.values()))
             return
         for ref in out.tensors.values():
-            state.origin[_ref_id(ref)] = e.replica_id
+            state.origin[ref_id(ref)] = e.replica_id
         self._guarded(state, lambda: self._output(state, e.stage_id, out))
 
     def _on_error(self, e: ev.StageError) -> None:
@@ -227,7 +156,7 @@ class OrchestratorCore:
                 self._fail(state, StageFailed(dead.stage_id, dead.replica_id, f"replica is {e.why}",
                                               errors.UNAVAILABLE))
 
-    def _replay(self, state: _Request, dead: ReplicaInfo) -> bool:
+    def _replay(self, state: RequestState, dead: ReplicaInfo) -> bool:
         """Move a stage's part of the request to another replica when the dead one had produced
         nothing for it yet: nothing of it was seen, so sending the same inputs again (in order)
         is safe. A stage still receiving inputs moves too: the inputs sent so far go first and
@@ -261,7 +190,7 @@ class OrchestratorCore:
 
     # ------------------------------------------------------------ outputs
 
-    def _output(self, state: _Request, s: int, out: m.Output) -> None:
+    def _output(self, state: RequestState, s: int, out: m.Output) -> None:
         st = state.stages[s]
         now = self.clock()
         if out.queue_s is not None:
@@ -286,7 +215,7 @@ class OrchestratorCore:
             return
         self._process(state, s, out)
 
-    def _drain_subs(self, state: _Request, s: int) -> None:
+    def _drain_subs(self, state: RequestState, s: int) -> None:
         st = state.stages[s]
         while st.sub_order and state.rid in self.requests:
             buffered = st.sub_buffer.pop(st.sub_order[0], [])
@@ -296,7 +225,7 @@ class OrchestratorCore:
                 return
             st.sub_order.pop(0)
 
-    def _process(self, state: _Request, s: int, out: m.Output) -> None:
+    def _process(self, state: RequestState, s: int, out: m.Output) -> None:
         st = state.stages[s]
         stage = self.config.stage(s)
         forwarded: set[tuple] = set()
@@ -305,12 +234,12 @@ class OrchestratorCore:
         for t in self.config.downstream(s):
             if t not in state.stages:
                 continue
-            ctx = _Ctx(self.detokenize, state.extra)
+            ctx = ProcessorContext(self.detokenize, state.extra)
             for inp in self._processors[t](ctx, state.stages[t].proc_state, out):
-                forwarded.update(_ref_id(r) for r in inp.tensors.values())
+                forwarded.update(ref_id(r) for r in inp.tensors.values())
                 self._route(state, t, inp)
         # What no consumer took (the emitted tensor too: the executor read it already).
-        self._free(state.origin.get, [r for r in out.tensors.values() if _ref_id(r) not in forwarded])
+        self._free(state.origin.get, [r for r in out.tensors.values() if ref_id(r) not in forwarded])
         if out.finished:
             st.open.discard(out.request_id)
             st.sent.pop(out.request_id, None)
@@ -319,7 +248,7 @@ class OrchestratorCore:
                 state.finish_reason = out.finish_reason
             self._check_done(state, s)
 
-    def _emit_final(self, state: _Request, stage: StageConfig, out: m.Output) -> None:
+    def _emit_final(self, state: RequestState, stage: StageConfig, out: m.Output) -> None:
         kind = stage.final_output_type
         po = PipelineOutput(request_id=state.rid, stage_id=stage.stage_id, modality=kind,
                             num_prompt_tokens=state.num_prompt_tokens)
@@ -342,7 +271,7 @@ class OrchestratorCore:
             self.metrics.first_output(state.first_output_at - state.started_at)
         self._out.append(ev.Emit(state.rid, po, ref))
 
-    def _route(self, state: _Request, t: int, inp: procs.StageInput) -> None:
+    def _route(self, state: RequestState, t: int, inp: procs.StageInput) -> None:
         st = state.stages[t]
         for ref in inp.tensors.values():
             self.metrics.tensor_bytes(ref.nbytes, ref.transport)
@@ -361,7 +290,7 @@ class OrchestratorCore:
 
     # ------------------------------------------------------------ sends
 
-    def _send(self, state: _Request, s: int, erid: str, inp: procs.StageInput, final: bool) -> None:
+    def _send(self, state: RequestState, s: int, erid: str, inp: procs.StageInput, final: bool) -> None:
         st = state.stages[s]
         stage = self.config.stage(s)
         replica = st.replica
@@ -384,11 +313,11 @@ class OrchestratorCore:
         st.sent.setdefault(erid, []).append((inp, final))
         if inp.tensors:
             st.refs_in.setdefault(erid, []).extend(
-                (state.origin.get(_ref_id(r), ""), r) for r in inp.tensors.values())
+                (state.origin.get(ref_id(r), ""), r) for r in inp.tensors.values())
         self.by_replica.setdefault(replica.replica_id, set()).add(state.rid)
         self._out.append(ev.Send(state.rid, replica, msg))
 
-    def _out_route(self, state: _Request, stage: StageConfig) -> tuple[str, bool]:
+    def _out_route(self, state: RequestState, stage: StageConfig) -> tuple[str, bool]:
         """Where this stage's output tensors go for this request, and if anyone reads them."""
         me = state.stages[stage.stage_id].replica
         my_host = me.host if me else self.host
@@ -404,11 +333,11 @@ class OrchestratorCore:
 
     # ------------------------------------------------------------ completion
 
-    def _stage_done(self, state: _Request, s: int) -> bool:
+    def _stage_done(self, state: RequestState, s: int) -> bool:
         st = state.stages[s]
         return st.inputs_closed and not st.open and st.pending is None
 
-    def _check_done(self, state: _Request, s: int) -> None:
+    def _check_done(self, state: RequestState, s: int) -> None:
         """Cascade: a stage whose inputs are closed and that holds nothing is done."""
         if not self._stage_done(state, s):
             return
@@ -430,12 +359,12 @@ class OrchestratorCore:
                 finish_reason=state.finish_reason or "stop", num_prompt_tokens=state.num_prompt_tokens)))
             self._end(state, "ok")
 
-    def _fail(self, state: _Request, error: OmniError) -> None:
+    def _fail(self, state: RequestState, error: OmniError) -> None:
         if state.rid in self.requests:
             self._out.append(ev.Fail(state.rid, error))
             self._end(state, "failed")
 
-    def _end(self, state: _Request, outcome: str) -> None:
+    def _end(self, state: RequestState, outcome: str) -> None:
         """The request leaves: stages that still hold it are told to abort (a finished request
         holds nothing), the inputs they held are freed, and Finished closes it."""
         if self.requests.pop(state.rid, None) is None:
@@ -462,7 +391,7 @@ class OrchestratorCore:
 
     # ------------------------------------------------------------ tensors
 
-    def _release_inputs(self, state: _Request, s: int, erid: str) -> None:
+    def _release_inputs(self, state: RequestState, s: int, erid: str) -> None:
         """The stage finished with these tensors: their producers may free them."""
         by_producer: dict[str, list] = {}
         for producer, ref in state.stages[s].refs_in.pop(erid, []):
@@ -474,7 +403,7 @@ class OrchestratorCore:
         """Free `refs` at their producer (a replica id, or a lookup from a ref's id to one)."""
         groups: dict[tuple[str, str], list[int]] = {}
         for ref in refs:
-            rep = producer(_ref_id(ref), "") if callable(producer) else producer
+            rep = producer(ref_id(ref), "") if callable(producer) else producer
             if rep:
                 groups.setdefault((rep, ref.transport), []).append(ref.key)
         for (rep, transport), keys in groups.items():
