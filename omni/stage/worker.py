@@ -276,8 +276,8 @@ class StageWorker:
             self.engine.add_request(req)
         except (EngineError, TransportError, ValueError, TypeError) as e:
             self.stats.errors_total += 1
-            self._send(ident, self._error(rid, f"{type(e).__name__}: {e}",
-                                          "internal" if isinstance(e, TransportError) else "client"))
+            kind = "internal" if isinstance(e, TransportError) else "client"   # the engine refused it
+            self._send(ident, self._error(rid, f"{type(e).__name__}: {e}", kind))
             return
         if rid not in self._reqs:
             self.stats.requests_total += 1
@@ -350,8 +350,7 @@ class StageWorker:
             num_prompt_tokens=out.num_prompt_tokens,
             queue_s=queue_s,
             step_s=step_s,
-            sent_at=time.time(),
-            sample_rate=out.sample_rate,
+            sent_at=time.time(), sample_rate=out.sample_rate,
         )
         if out.finished:
             del self._reqs[out.request_id]
