@@ -51,7 +51,7 @@ class SpeechRoutes:
                     if ev[0] == "audio":
                         yield pcm16(ev[1])
             return ClosingStream(body(), media_type="audio/pcm",
-                                  headers={"X-Sample-Rate": str(gen.first_sample_rate or 22050)})
+                                  headers={"X-Sample-Rate": str(gen.first_sample_rate)})
 
         if req.response_format == "pcm":
             return await until_disconnect(request, stream_pcm)
