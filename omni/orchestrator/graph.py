@@ -72,10 +72,15 @@ class OrchestratorCore:
         self.requests[state.rid] = state
         self.metrics.request_started()
         self._out = []
-        first = procs.StageInput(token_ids=req.prompt_token_ids, text=req.text, extra=dict(req.extra))
+        first = self.entry_input(req)
         self._guarded(state, lambda: self._send(state, req.entry_stage, state.rid, first, final=True))
         state.stages[req.entry_stage].inputs_closed = True
         return self._take()
+
+    @staticmethod
+    def entry_input(req: PipelineRequest) -> procs.StageInput:
+        """What the entry stage gets: the prompt's token ids or text (the place for new request inputs)."""
+        return procs.StageInput(token_ids=req.prompt_token_ids, text=req.text, extra=dict(req.extra))
 
     def handle(self, event: ev.Event) -> list[ev.Action]:
         self._out = []
