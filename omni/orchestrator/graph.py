@@ -121,8 +121,9 @@ class OrchestratorCore:
         out = e.output
         state = self.requests.get(out.request_id.split("/", 1)[0])
         st = state.stages.get(e.stage_id) if state is not None else None
-        if st is None:
-            # Late output of a request that ended (or a stage it does not use): free what it published.
+        if st is None or st.replica is None or st.replica.replica_id != e.replica_id:
+            # Late output of a request that ended, of a stage it does not use, or from a replica
+            # it was moved away from (replayed): free what it published.
             self._free(e.replica_id, list(out.tensors.values()))
             return
         for ref in out.tensors.values():
@@ -131,7 +132,8 @@ class OrchestratorCore:
 
     def _on_error(self, e: ev.StageError) -> None:
         state = self.requests.get(e.error.request_id.split("/", 1)[0])
-        if state is not None:
+        st = state.stages.get(e.stage_id) if state is not None else None
+        if st is not None and st.replica is not None and st.replica.replica_id == e.replica_id:
             self._fail(state, StageFailed(e.stage_id, e.replica_id, e.error.message, e.error.kind))
 
     def _on_cancel(self, e: ev.Cancel) -> None:

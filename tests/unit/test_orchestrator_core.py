@@ -160,8 +160,12 @@ def test_entry_replica_dies_before_any_output_the_request_is_replayed():
     assert sends(acts) == [(other, "r1", True)]
     assert of(acts, ev.Send)[0].message.prompt_token_ids == [1, 2]
     assert core.metrics.replays == {0: 1}
+    # The first replica was only SUSPECT: what it still sends for the request is freed, not used.
+    late = core.handle(output(dead.replica_id, 0, "r1", token_ids=[66], tensors={"h": ref(4, dead.replica_id)}))
+    assert late == [ev.Free(dead.replica_id, "shm", (4,))]
+    assert core.handle(ev.StageError(dead.replica_id, 0, m.RequestError("r1", "stopping"))) == []
     acts = core.handle(output(other, 0, "r1", token_ids=[65], finished=True))
-    assert of(acts, ev.Finished)[0].outcome == "ok"
+    assert [a.output.token_ids for a in of(acts, ev.Emit)] == [[65], []] and of(acts, ev.Finished)[0].outcome == "ok"
 
 
 def speech_with_code2wav_on(*code2wav: ReplicaInfo) -> tuple[OrchestratorCore, list]:
