@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PORT ?= 8091
 MODEL ?= HuggingFaceTB/SmolLM2-135M-Instruct
 
-.PHONY: demo test venv proto clean
+.PHONY: demo test lint venv proto clean
 
 venv: $(VENV)/.installed
 
@@ -21,8 +21,12 @@ $(VENV)/.installed: pyproject.toml
 demo: venv
 	$(VENV)/bin/omni serve $(MODEL) --host 127.0.0.1 --port $(PORT)
 
-test: venv
+# The linter first: a broken import or an undefined name fails in a second, not after the e2e tests.
+test: lint
 	$(PY) -m pytest
+
+lint: venv
+	$(PY) -m ruff check .
 
 proto: venv
 	$(PY) -m omni._proto.build

@@ -134,7 +134,7 @@ def bench_transport(kind: str, sizes: dict[int, int], floor: list[float]) -> lis
                 try:
                     ref = dec.decode(sock.recv())
                 except zmq.Again:
-                    raise SystemExit(f"{kind} producer did not answer within 60 s (alive: {proc.is_alive()})")
+                    raise SystemExit(f"{kind} producer did not answer within 60 s (alive: {proc.is_alive()})") from None
                 tensor = consumer.get(ref)
                 dt = time.perf_counter() - t0
                 assert tensor.numel() == nbytes

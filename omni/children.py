@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
+
+from omni import envs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         die_with_parent(a.parent_pid)
     with open(a.config) as f:
         config_json = f.read()
-    token = os.environ.get("OMNI_TOKEN", "")
+    token = envs.OMNI_TOKEN
     if a.role == "stage":
         from omni.config import loads_json
         from omni.stage.main import StageOptions, run_stage
@@ -55,8 +56,7 @@ def main(argv: list[str] | None = None) -> int:
                           api_key=a.api_key, served_model_name=a.served_model_name, log_level=a.log_level,
                           jobs_dir=a.jobs_dir,
                           # Like the token, the control key comes by environment, not argv.
-                          control_api_key=os.environ.get("OMNI_CONTROL_API_KEY") or None,
-                          control_routes=os.environ.get("OMNI_CONTROL_ROUTES", "on") != "off")
+                          control_api_key=envs.OMNI_CONTROL_API_KEY, control_routes=envs.OMNI_CONTROL_ROUTES)
 
 
 if __name__ == "__main__":

@@ -1,51 +1,53 @@
-"""omni's error tree. Map to HTTP / gRPC codes only at the edges."""
+"""omni's error tree. Each error says its kind; HTTP (omni/api/errors.py) and gRPC codes
+are chosen from the kind at the edges only."""
 
 from __future__ import annotations
+
+# The kinds of failure, as the stage channel (RequestError.kind) and the API edge name them.
+CLIENT = "client"            # the request itself is wrong; sending it again will not help
+NOT_FOUND = "not_found"      # it names something that does not exist
+UNAVAILABLE = "unavailable"  # recoverable: no READY replica, master unreachable, draining, sleeping
+TIMEOUT = "timeout"          # a deadline passed
+INTERNAL = "internal"        # a bug or a broken component
+KINDS = (CLIENT, NOT_FOUND, UNAVAILABLE, TIMEOUT, INTERNAL)
 
 
 class OmniError(Exception):
     """Base of every error omni raises on purpose."""
 
-    http_status = 500
-    error_type = "internal_error"
+    kind = INTERNAL
 
 
 class ConfigError(OmniError):
     """Bad deploy config or CLI flags; the message names the key or flag."""
 
-    http_status = 400
-    error_type = "invalid_request_error"
+    kind = CLIENT
 
 
 class BadRequest(OmniError):
-    http_status = 400
-    error_type = "invalid_request_error"
+    kind = CLIENT
 
 
 class NotFound(OmniError):
-    http_status = 404
-    error_type = "not_found_error"
+    kind = NOT_FOUND
 
 
 class Unavailable(OmniError):
     """Recoverable: no READY replica, master unreachable, sleeping engine."""
 
-    http_status = 503
-    error_type = "service_unavailable"
+    kind = UNAVAILABLE
 
 
 class StageFailed(OmniError):
-    """A stage replica failed a request (or died holding it)."""
+    """A stage replica failed a request (or died holding it); `kind` is the stage's word
+    for it (a request the engine refused is a client error, a dead replica unavailable)."""
 
-    http_status = 500
-    error_type = "stage_error"
-
-    def __init__(self, stage_id: int, replica_id: str, message: str):
+    def __init__(self, stage_id: int, replica_id: str, message: str, kind: str = INTERNAL):
         super().__init__(f"stage {stage_id} replica {replica_id}: {message}")
         self.stage_id = stage_id
         self.replica_id = replica_id
+        self.kind = kind if kind in KINDS else INTERNAL
 
 
 class RequestTimeout(OmniError):
-    http_status = 504
-    error_type = "timeout"
+    kind = TIMEOUT

@@ -7,7 +7,8 @@ import logging
 import msgspec
 from starlette.responses import Response
 
-from omni.errors import OmniError
+from omni import errors
+from omni.errors import OmniError, StageFailed
 
 log = logging.getLogger(__name__)
 
@@ -39,13 +40,25 @@ def error_response(status: int, message: str, type: str, param: str | None = Non
                     media_type="application/json", headers=headers)
 
 
+# The one place an omni error kind becomes an HTTP status and an OpenAI error type.
+HTTP_BY_KIND = {
+    errors.CLIENT: (400, "invalid_request_error"),
+    errors.NOT_FOUND: (404, "not_found_error"),
+    errors.UNAVAILABLE: (503, "service_unavailable"),
+    errors.TIMEOUT: (504, "timeout"),
+    errors.INTERNAL: (500, "internal_error"),
+}
+
+
 def to_api_error(exc: BaseException) -> APIError:
     """Any exception -> APIError; unexpected ones become a 500 without a traceback in the body."""
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, OmniError):
-        return APIError(exc.http_status, str(exc) or type(exc).__name__, type=exc.error_type,
-                        param=getattr(exc, "param", None))
+        status, type_ = HTTP_BY_KIND.get(exc.kind, HTTP_BY_KIND[errors.INTERNAL])
+        if isinstance(exc, StageFailed) and exc.kind == errors.INTERNAL:
+            type_ = "stage_error"
+        return APIError(status, str(exc) or type(exc).__name__, type=type_, param=getattr(exc, "param", None))
     log.exception("unexpected error while serving a request")
     return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="internal_error")
 

@@ -11,9 +11,17 @@ raising omni.errors.BadRequest (built-in or duplicate) or NotFound (unknown name
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from omni.api import protocol as P
+from omni.api.errors import APIError
 from omni.errors import BadRequest, NotFound
+
+if TYPE_CHECKING:
+    from omni.api.state import FrontendState
 
 
 class VoiceStoreLike(Protocol):
@@ -53,3 +61,33 @@ class InMemoryVoiceStore:
         if v["builtin"]:
             raise BadRequest(f"voice `{name}` is built in and cannot be deleted")
         del self._voices[name]
+
+
+class VoiceRoutes:
+    """/v1/audio/voices: list, add, delete named presets."""
+
+    def __init__(self, fe: FrontendState):
+        self.fe = fe
+
+    async def list(self, request: Request) -> Response:
+        self.fe.need_speech()
+        voices = await self.fe.voices.list()
+        return JSONResponse({"object": "list", "data": voices})
+
+    async def add(self, request: Request) -> Response:
+        self.fe.need_speech()
+        ctype = request.headers.get("content-type", "")
+        if ctype.startswith("multipart/"):
+            raise APIError(415, "send the voice as JSON {\"name\", \"base\", \"speed\"}; multipart is not supported")
+        spec = P.decode_body(await request.body(), P.VoiceSpec)
+        builtin = [v["name"] for v in await self.fe.voices.list() if v.get("builtin")]
+        P.check_voice_spec(spec, builtin)
+        entry = await self.fe.voices.add(spec.name, {"base": spec.base, "speed": spec.speed})
+        return JSONResponse(entry, status_code=201)
+
+    async def delete(self, request: Request) -> Response:
+        self.fe.need_speech()
+        name = request.path_params["name"]
+        await self.fe.voices.delete(name)
+        return JSONResponse({"name": name, "deleted": True})
+

@@ -47,6 +47,7 @@ class EngineOutput(msgspec.Struct, kw_only=True):
     error: str | None = None
     # Number of prompt tokens (set on the first output of a request).
     num_prompt_tokens: int | None = None
+    sample_rate: int = 0               # Hz of an "audio" tensor (audio outputs only)
 
 
 class EngineError(Exception):

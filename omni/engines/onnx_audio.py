@@ -271,7 +271,7 @@ class Code2WavEngine(Engine):
         if done:
             del self._streams[stream.request_id]
         return [EngineOutput(request_id=stream.request_id, tensors={"audio": torch.from_numpy(audio)},
-                             finished=done, finish_reason="stop" if done else None)]
+                             finished=done, finish_reason="stop" if done else None, sample_rate=self.sample_rate)]
 
     def _decode_next(self, s: _Stream) -> np.ndarray:
         n = self.first_chunk_frames if s.emitted == 0 else self.chunk_frames

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from omni import envs
 from omni.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -81,8 +82,7 @@ class VoicePaths:
 
 
 def cache_root() -> Path:
-    env = os.environ.get("OMNI_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "omni"
+    return Path(envs.OMNI_CACHE_DIR)
 
 
 def locate_voice(name: str) -> tuple[Path, Path]:

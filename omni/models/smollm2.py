@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from omni import envs
 from omni.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -32,8 +33,7 @@ FORMAT_VERSION = 1
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("OMNI_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "omni")
-    return Path(root) / "models"
+    return Path(envs.OMNI_CACHE_DIR) / "models"
 
 
 def gguf_path() -> Path:

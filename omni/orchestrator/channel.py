@@ -49,13 +49,26 @@ class StageChannel:
         self._reader = asyncio.create_task(self._read(), name=f"omni-channel-{replica_id}")
         self.closed = False
 
-    async def start(self) -> None:
-        await self.send(self._hello)
+    def start(self) -> None:
+        self.post(self._hello)
 
-    async def send(self, msg: Any) -> None:
+    def post(self, msg: Any) -> None:
+        """Queue `msg` now, in order: pyzmq sends at once when it can and keeps later sends
+        behind earlier ones when the socket is full, so the caller never awaits."""
         if self.closed:
             raise Unavailable(f"stage {self.stage_id} replica {self.replica_id}: channel closed")
-        await self._sock.send(self._enc.encode(msg))
+        fut = self._sock.send(self._enc.encode(msg))
+        if not fut.done():
+            fut.add_done_callback(self._sent)
+        elif fut.exception() is not None:
+            self._sent(fut)
+
+    def _sent(self, fut) -> None:
+        if not fut.cancelled() and fut.exception() is not None and not self.closed:
+            logger.warning("send to %s failed: %s", self.replica_id, fut.exception())
+
+    async def send(self, msg: Any) -> None:
+        self.post(msg)
 
     async def call(self, method: str, args: dict | None = None, timeout: float = 30.0) -> Any:
         call_id = next(self._ids)

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import time
 
-from omni.api.metrics import LATENCY_BUCKETS, TTFO_BUCKETS, Histogram, _labels
+from omni.metrics import LATENCY_BUCKETS, STEP_BUCKETS, TTFO_BUCKETS, Histogram
+from omni.metrics import labels as _labels
 
-STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+OUTCOMES = ("ok", "aborted", "failed")
 
 
 class OrchestratorMetrics:
     def __init__(self) -> None:
         self.requests_total = 0
-        self.requests_ok = 0
-        self.requests_failed = 0
+        self.outcomes = dict.fromkeys(OUTCOMES, 0)   # finished requests: completed, client gone, failed
         self.tensor_bytes_by_transport: dict[str, int] = {}
         self.replays: dict[int, int] = {}     # stage -> requests moved off a dead replica
         self.e2e = Histogram(LATENCY_BUCKETS)
@@ -26,11 +26,8 @@ class OrchestratorMetrics:
     def request_started(self) -> None:
         self.requests_total += 1
 
-    def request_finished(self, ok: bool, seconds: float) -> None:
-        if ok:
-            self.requests_ok += 1
-        else:
-            self.requests_failed += 1
+    def request_finished(self, outcome: str, seconds: float) -> None:
+        self.outcomes[outcome] += 1
         self.e2e.observe(seconds)
 
     def first_output(self, seconds: float) -> None:
@@ -58,13 +55,13 @@ class OrchestratorMetrics:
     def render(self, frontend_id: str) -> str:
         fe = {"frontend": frontend_id}
         lines = [
+            "# HELP omni_pipeline_requests_total Finished requests: ok (completed), aborted (client gone), failed.",
             "# TYPE omni_pipeline_requests_total counter",
-            f"omni_pipeline_requests_total{_labels({**fe, 'outcome': 'ok'})} {self.requests_ok}",
-            f"omni_pipeline_requests_total{_labels({**fe, 'outcome': 'failed'})} {self.requests_failed}",
+            *(f"omni_pipeline_requests_total{_labels({**fe, 'outcome': k})} {n}" for k, n in self.outcomes.items()),
             "# TYPE omni_frontend_cpu_seconds_total counter",
             f"omni_frontend_cpu_seconds_total{_labels(fe)} {time.process_time():.3f}",
             "# TYPE omni_frontend_in_flight gauge",
-            f"omni_frontend_in_flight{_labels(fe)} {self.requests_total - self.requests_ok - self.requests_failed}",
+            f"omni_frontend_in_flight{_labels(fe)} {self.requests_total - sum(self.outcomes.values())}",
             "# HELP omni_tensor_bytes_total Bytes of tensors this frontend routed or received, by transport.",
             "# TYPE omni_tensor_bytes_total counter",
             *(f"omni_tensor_bytes_total{_labels({**fe, 'transport': t})} {n}"

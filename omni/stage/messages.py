@@ -69,6 +69,7 @@ class Output(msgspec.Struct, frozen=True, tag="out", kw_only=True):
     queue_s: float | None = None
     step_s: float = 0.0
     sent_at: float = 0.0                 # wall clock when the stage sent it (output queue delay)
+    sample_rate: int = 0                 # Hz of the audio tensor in `tensors` (audio outputs only)
 
 
 class RequestError(msgspec.Struct, frozen=True, tag="err"):
@@ -76,6 +77,7 @@ class RequestError(msgspec.Struct, frozen=True, tag="err"):
     message: str
     stage_id: int = -1
     replica_id: str = ""
+    kind: str = "internal"               # omni.errors kinds: client | unavailable | timeout | internal
 
 
 class UtilityResult(msgspec.Struct, frozen=True, tag="ures"):

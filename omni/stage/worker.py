@@ -206,7 +206,7 @@ class StageWorker:
             if not self._held and self.engine.has_unfinished() and not self.engine.is_sleeping():
                 self._step()
         for rid in list(self._reqs):
-            self._fail(rid, f"{self.stage.label} is shutting down")
+            self._fail(rid, f"{self.stage.label} is shutting down", "unavailable")
         self.close()
 
     def _drain_socket(self) -> None:
@@ -255,7 +255,7 @@ class StageWorker:
     def _add(self, ident: bytes, msg: m.AddRequest) -> None:
         rid = msg.request_id
         if self.draining or self._stopping.is_set():
-            self._send(ident, self._error(rid, f"{self.stage.label} is draining"))
+            self._send(ident, self._error(rid, f"{self.stage.label} is draining", "unavailable"))
             return
         try:
             tensors = {}
@@ -276,7 +276,8 @@ class StageWorker:
             self.engine.add_request(req)
         except (EngineError, TransportError, ValueError, TypeError) as e:
             self.stats.errors_total += 1
-            self._send(ident, self._error(rid, f"{type(e).__name__}: {e}"))
+            kind = "internal" if isinstance(e, TransportError) else "client"   # the engine refused it
+            self._send(ident, self._error(rid, f"{type(e).__name__}: {e}", kind))
             return
         if rid not in self._reqs:
             self.stats.requests_total += 1
@@ -349,7 +350,7 @@ class StageWorker:
             num_prompt_tokens=out.num_prompt_tokens,
             queue_s=queue_s,
             step_s=step_s,
-            sent_at=time.time(),
+            sent_at=time.time(), sample_rate=out.sample_rate,
         )
         if out.finished:
             del self._reqs[out.request_id]
@@ -408,15 +409,15 @@ class StageWorker:
         for producer in self._producers.values():
             producer.free_owner(rid)
 
-    def _fail(self, rid: str, message: str) -> None:
+    def _fail(self, rid: str, message: str, kind: str = "internal") -> None:
         req = self._reqs.pop(rid, None)
         self.stats.errors_total += 1
         self._free_owner(rid)
         if req is not None:
-            self._send(req.frontend, self._error(rid, message))
+            self._send(req.frontend, self._error(rid, message, kind))
 
-    def _error(self, rid: str, message: str) -> m.RequestError:
-        return m.RequestError(rid, message, self.stage.stage_id, self.replica_id)
+    def _error(self, rid: str, message: str, kind: str = "internal") -> m.RequestError:
+        return m.RequestError(rid, message, self.stage.stage_id, self.replica_id, kind)
 
     def _send(self, ident: bytes, msg: Any) -> None:
         frame = self._out.encode(msg)

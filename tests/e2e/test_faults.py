@@ -419,9 +419,9 @@ def sigkill_under_load(d: Served, n: int = 6, max_tokens: int = 48) -> dict:
             after += extra
             # requests_total rides on heartbeats (one a second): wait for one, bounded.
             try:
-                r = wait_until(lambda: next((x for x in stage_replicas(d.master, 0, TOKEN)
-                                             if x.replica_id == new.replica_id and x.requests_total > 0), None),
-                               2.5, "the replacement's requests_total")
+                wait_until(lambda: next((x for x in stage_replicas(d.master, 0, TOKEN)
+                                         if x.replica_id == new.replica_id and x.requests_total > 0), None),
+                           2.5, "the replacement's requests_total")
             except AssertionError:
                 continue
             served_by_new = time.monotonic()

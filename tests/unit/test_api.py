@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerFast
 from omni.api import InMemoryVoiceStore, build_app
 from omni.api.detok import IncrementalDetokenizer, StopMatcher, decoder_for
 from omni.api.serve import bind_socket, serve
-from omni.errors import StageFailed, Unavailable
+from omni.errors import RequestTimeout, StageFailed, Unavailable
 from omni.orchestrator.types import PipelineOutput, PipelineRequest
 
 pytestmark = pytest.mark.anyio
@@ -290,6 +290,18 @@ async def test_orchestrator_errors_map_to_status(tokenizer):
     orch.fail = RuntimeError("bug")
     err = assert_error(await c.post("/v1/completions", json={"prompt": "hi"}), 500)
     assert "Traceback" not in err["message"]
+
+
+async def test_error_kinds_map_to_status_at_the_edge(tokenizer):
+    orch, c = make(tokenizer)
+    for error, status, type_ in ((StageFailed(0, "r0", "prompt too long", kind="client"), 400, "invalid_request_error"),
+                                 (StageFailed(1, "r1", "replica is dead", kind="unavailable"), 503,
+                                  "service_unavailable"),
+                                 (StageFailed(0, "r0", "engine step failed"), 500, "stage_error"),
+                                 (RequestTimeout("request x timed out after 1 s"), 504, "timeout")):
+        orch.fail = error
+        err = assert_error(await c.post("/v1/completions", json={"prompt": "hi"}), status)
+        assert err["type"] == type_ and str(error) == err["message"]
 
 
 async def test_error_mid_stream_is_an_event(tokenizer):

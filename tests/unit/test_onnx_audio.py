@@ -112,7 +112,7 @@ def test_streamed_pieces_join_to_one_shot(voice_dir):
     assert e.sample_rate == 8000
     outs = []
     cuts = [0, 1, 7, 20, 21, 50]
-    for i, (a, b) in enumerate(zip(cuts, cuts[1:])):
+    for a, b in zip(cuts, cuts[1:]):
         e.add_request(EngineRequest(request_id="s", tensors={"latents": lat[:, :, a:b]},
                                     extra={"final": b == 50}))
         outs += _run(e)

@@ -1,0 +1,46 @@
+"""Admin routes: /v1/models, /health, /metrics, /openapi.json."""
+
+from __future__ import annotations
+
+import logging
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from omni.api.routes import openapi_spec
+from omni.api.state import FrontendState
+
+log = logging.getLogger(__name__)
+
+
+class AdminRoutes:
+    def __init__(self, fe: FrontendState):
+        self.fe = fe
+
+    async def models(self, request: Request) -> Response:
+        data = [{"id": n, "object": "model", "created": self.fe.created, "owned_by": "omni", "root": self.fe.model,
+                 "parent": None, "max_model_len": self.fe.max_model_len}
+                for n in [self.fe.model, *sorted(self.fe.names - {self.fe.model})]]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def health(self, request: Request) -> Response:
+        try:
+            ok, reason = self.fe.orch.health()
+        except Exception as e:
+            ok, reason = False, f"health check failed: {type(e).__name__}: {e}"
+        if ok:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)
+
+    async def metrics(self, request: Request) -> Response:
+        text = self.fe.metrics.render()
+        try:
+            text += self.fe.orch.metrics_text()
+        except Exception as e:
+            log.warning("orchestrator metrics failed: %s: %s", type(e).__name__, e)
+            text += f"# orchestrator metrics unavailable: {type(e).__name__}\n"
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def openapi(self, request: Request) -> Response:
+        return JSONResponse(openapi_spec(self.fe.model))
+

@@ -1,0 +1,131 @@
+"""HTTP plumbing shared by every route: the middleware (frontend header, bearer auth, control
+route guard, request metrics), error bodies for every failure, and cancel-on-disconnect."""
+
+from __future__ import annotations
+
+import functools
+import hmac
+import logging
+import time
+from typing import Awaitable, Callable
+
+import anyio
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from omni.api import routes
+from omni.api.errors import api_error_response, error_response
+from omni.api.metrics import FrontendMetrics
+
+log = logging.getLogger(__name__)
+
+
+class FrontendMiddleware:
+    """X-Omni-Frontend on every response, bearer auth on /v1 (and on control routes), request metrics."""
+
+    def __init__(self, app, *, frontend_index: int, api_key: str | None, metrics: FrontendMetrics,
+                 control_api_key: str | None = None, control_routes: bool = True):
+        self.app = app
+        self.header = (b"x-omni-frontend", str(frontend_index).encode())
+        self.key = f"Bearer {api_key}".encode() if api_key else None
+        self.control_key = f"Bearer {control_api_key}".encode() if control_api_key else None
+        self.control_routes = control_routes
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0 = time.monotonic()
+        scope["omni.t0"] = t0
+        route = routes.label(scope["path"])
+        status = 500
+        self.metrics.started()
+
+        async def send_wrapper(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
+            await send(message)
+
+        try:
+            refusal = self._refusal(scope)
+            if refusal is not None:
+                return await refusal(scope, receive, send_wrapper)
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            self.metrics.finished(route, status, time.monotonic() - t0)
+
+    def _refusal(self, scope) -> Response | None:
+        path = scope["path"]
+        if path in routes.CONTROL_PATHS:
+            if not self.control_routes:
+                return error_response(403, f"{path} is disabled on this server (--disable-control-routes)",
+                                      "permission_error", code="control_routes_disabled")
+            if self.control_key is not None:
+                if self._authorized(scope, self.control_key):
+                    return None
+                return error_response(401, f"{path} needs the control API key (send Authorization: Bearer "
+                                           "<control key>; see --control-api-key)", "invalid_request_error",
+                                      code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        guarded = path.startswith("/v1") or path in ("/tokenize", "/detokenize")
+        if self.key is not None and guarded and not self._authorized(scope, self.key):
+            return error_response(401, "invalid or missing API key (send Authorization: Bearer <key>)",
+                                  "invalid_request_error", code="invalid_api_key",
+                                  headers={"WWW-Authenticate": "Bearer"})
+        return None
+
+    @staticmethod
+    def _authorized(scope, key: bytes) -> bool:
+        for k, v in scope["headers"]:
+            if k == b"authorization":
+                return hmac.compare_digest(v, key)
+        return False
+
+
+class ClosingStream(StreamingResponse):
+    """Starlette cancels a stream on disconnect without closing its iterator; close it here."""
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()
+
+
+def endpoint(fn: Callable[..., Awaitable[Response]]):
+    @functools.wraps(fn)
+    async def wrapper(request: Request) -> Response:
+        try:
+            return await fn(request)
+        except Exception as e:  # every failure becomes an OpenAI error body, never a traceback
+            return api_error_response(e)
+    return wrapper
+
+
+async def until_disconnect(request: Request, work: Callable[[], Awaitable[Response]]) -> Response:
+    """Run `work`, cancelling it if the client disconnects first (non-streaming routes)."""
+    result: list[Response] = []
+    error: list[Exception] = []
+    async with anyio.create_task_group() as tg:
+        async def watch():
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            log.debug("client disconnected from %s; cancelling", request.url.path)
+            tg.cancel_scope.cancel()
+        tg.start_soon(watch)
+        try:
+            result.append(await work())
+        except Exception as e:  # re-raised outside the group, so it is not wrapped in an ExceptionGroup
+            error.append(e)
+        tg.cancel_scope.cancel()
+    if error:
+        raise error[0]
+    return result[0] if result else Response(status_code=499)
+
+async def http_error(request: Request, exc: HTTPException) -> Response:
+    type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return error_response(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", type_)
+

@@ -1,0 +1,209 @@
+"""Text routes: /v1/chat/completions, /v1/completions (SSE streaming, stop strings, audio in
+chat), and vLLM's /tokenize and /detokenize (frontend work only).
+
+Streaming audio in chat (our choice, documented in docs): text deltas go to
+`delta.content`; each audio delta is its own chunk with
+`delta.audio = {"id", "data": base64 PCM16 LE mono, "format": "pcm16", "sample_rate"}`,
+and the finishing chunk carries `delta.audio = {"id", "transcript", "expires_at"}`.
+Non-streaming chat puts the whole WAV in `message.audio.data` (base64).
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+import uuid
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from omni.api import protocol as P
+from omni.api import sse
+from omni.api.errors import bad_request, error_body, to_api_error
+from omni.api.generation import Generation
+from omni.api.http import ClosingStream, until_disconnect
+from omni.api.state import OFFLOAD_CHARS, FrontendState
+from omni.api.wav import pcm16, wav_bytes
+from omni.orchestrator.types import PipelineRequest
+
+AUDIO_TTL_S = 3600
+
+
+class TextRoutes:
+    def __init__(self, fe: FrontendState):
+        self.fe = fe
+
+    async def chat(self, request: Request) -> Response:
+        self.fe.need_text()
+        req = P.decode_body(await request.body(), P.ChatCompletionRequest)
+        self.fe.check_model(req.model)
+        P.check_sampling(req)
+        messages = P.chat_messages(req)
+        modalities = tuple(req.modalities or ("text",))
+        for m in modalities:
+            if m not in ("text", "audio"):
+                raise bad_request(f"modality `{m}` is not supported (text, audio)", param="modalities")
+            if m == "audio" and self.fe.speech_stage is None:
+                raise bad_request("modality `audio` is not available: this pipeline has no speech stage",
+                                  param="modalities")
+        extra: dict = {}
+        if "audio" in modalities:
+            fmt = req.audio.format if req.audio else "wav"
+            if fmt not in ("wav", "pcm16"):
+                raise bad_request(f"audio.format `{fmt}` is not supported (wav, pcm16)", param="audio.format")
+            extra = await self.fe.voice(req.audio.voice if req.audio else None)
+        heavy = sum(len(m["content"]) for m in messages) > OFFLOAD_CHARS
+        prompt_ids = await self.fe.offload(heavy, self.fe.render_chat, messages)
+        if req.max_completion_tokens is not None:
+            mt = self.fe.max_tokens(req.max_completion_tokens, len(prompt_ids), "max_completion_tokens", "messages")
+        else:
+            mt = self.fe.max_tokens(req.max_tokens, len(prompt_ids), "max_tokens", "messages")
+        preq = PipelineRequest(request_id=f"chatcmpl-{uuid.uuid4().hex}", prompt_token_ids=prompt_ids,
+                               sampling=self.fe.sampling(req, mt), modalities=modalities, extra=extra)
+        gen = Generation(self.fe.orch, preq, decode=self.fe.decode, prompt_ids=prompt_ids,
+                         stops=P.stop_list(req.stop), metrics=self.fe.metrics, route="/v1/chat/completions",
+                         t0=self.fe.t0(request))
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        if req.stream:
+            return await until_disconnect(request, lambda: self._open_stream(gen, self._chat_stream, include_usage))
+        return await until_disconnect(request, lambda: self._chat_full(gen))
+
+    async def _open_stream(self, gen: Generation, body, include_usage: bool) -> Response:
+        # Wait for the first output before sending headers, so early failures get a real status.
+        await gen.start()
+        return ClosingStream(body(gen, include_usage), media_type="text/event-stream", headers=sse.HEADERS)
+
+    def _chunk(self, gen: Generation, obj: str, choice: dict | None, usage: dict | None = None,
+               include_usage: bool = False) -> bytes:
+        d = {"id": gen.request.request_id, "object": obj, "created": gen.created, "model": self.fe.model,
+             "choices": [choice] if choice is not None else []}
+        if include_usage:
+            d["usage"] = usage
+        return sse.event(d)
+
+    async def _chat_stream(self, gen: Generation, include_usage: bool):
+        audio_id = f"audio-{gen.request.request_id}"
+        obj = "chat.completion.chunk"
+        had_audio = False
+
+        def choice(delta, finish=None):
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+        try:
+            yield self._chunk(gen, obj, choice({"role": "assistant", "content": ""}), None, include_usage)
+            async for ev in gen.events():
+                if ev[0] == "text":
+                    yield self._chunk(gen, obj, choice({"content": ev[1]}), None, include_usage)
+                else:
+                    had_audio = True
+                    data = base64.b64encode(pcm16(ev[1])).decode()
+                    yield self._chunk(gen, obj, choice({"audio": {"id": audio_id, "data": data, "format": "pcm16",
+                                                                  "sample_rate": ev[2]}}), None, include_usage)
+            final = {}
+            if had_audio:
+                final["audio"] = {"id": audio_id, "transcript": gen.text,
+                                  "expires_at": int(time.time()) + AUDIO_TTL_S}
+            yield self._chunk(gen, obj, choice(final, gen.finish_reason), None, include_usage)
+            if include_usage:
+                yield self._chunk(gen, obj, None, gen.usage(), True)
+        except Exception as e:  # after the headers went out, an error is an event in the stream
+            err = to_api_error(e)
+            yield sse.event(error_body(err.message, err.type, err.param, err.code))
+        yield sse.DONE
+
+    async def _chat_full(self, gen: Generation) -> Response:
+        await gen.start()
+        audio = bytearray()
+        async for ev in gen.events():
+            if ev[0] == "audio":
+                audio += ev[1]
+        message: dict = {"role": "assistant", "content": gen.text}
+        if audio:
+            message["audio"] = {"id": f"audio-{gen.request.request_id}",
+                                "data": base64.b64encode(wav_bytes(bytes(audio), gen.sample_rate)).decode(),
+                                "format": "wav", "expires_at": int(time.time()) + AUDIO_TTL_S,
+                                "transcript": gen.text}
+        body = {"id": gen.request.request_id, "object": "chat.completion", "created": int(time.time()),
+                "model": self.fe.model,
+                "choices": [{"index": 0, "message": message, "logprobs": None,
+                             "finish_reason": gen.finish_reason}],
+                "usage": gen.usage()}
+        return Response(msgspec.json.encode(body), media_type="application/json")
+
+    async def completions(self, request: Request) -> Response:
+        self.fe.need_text()
+        req = P.decode_body(await request.body(), P.CompletionRequest)
+        self.fe.check_model(req.model)
+        P.check_sampling(req)
+        if isinstance(req.prompt, str):
+            if not req.prompt:
+                raise bad_request("prompt must not be empty", param="prompt")
+            prompt_ids = list(await self.fe.offload(len(req.prompt) > OFFLOAD_CHARS, self.fe.encode, req.prompt, True))
+        else:
+            prompt_ids = list(req.prompt)
+            if not prompt_ids:
+                raise bad_request("prompt must not be empty", param="prompt")
+            self.fe.check_token_ids(prompt_ids, "prompt token id", "prompt")
+        mt = self.fe.max_tokens(req.max_tokens, len(prompt_ids), "max_tokens", "prompt")
+        preq = PipelineRequest(request_id=f"cmpl-{uuid.uuid4().hex}", prompt_token_ids=prompt_ids,
+                               sampling=self.fe.sampling(req, mt))
+        gen = Generation(self.fe.orch, preq, decode=self.fe.decode, prompt_ids=prompt_ids,
+                         stops=P.stop_list(req.stop), metrics=self.fe.metrics, route="/v1/completions",
+                         t0=self.fe.t0(request))
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        if req.stream:
+            return await until_disconnect(
+                request, lambda: self._open_stream(gen, self._completion_stream, include_usage))
+        return await until_disconnect(request, lambda: self._completion_full(gen))
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's /tokenize; frontend work only (no stage is involved)."""
+        self.fe.need_text()
+        req = P.decode_body(await request.body(), P.TokenizeRequest)
+        self.fe.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("send exactly one of `prompt` and `messages`", param="prompt")
+        if req.messages is not None:
+            messages = P.chat_messages(req)
+            ids = await self.fe.offload(sum(len(m["content"]) for m in messages) > OFFLOAD_CHARS,
+                                      self.fe.render_chat, messages)
+        else:
+            ids = list(await self.fe.offload(len(req.prompt) > OFFLOAD_CHARS, self.fe.encode, req.prompt,
+                                           req.add_special_tokens))
+        return JSONResponse({"count": len(ids), "max_model_len": self.fe.max_model_len, "tokens": ids})
+
+    async def detokenize(self, request: Request) -> Response:
+        self.fe.need_text()
+        req = P.decode_body(await request.body(), P.DetokenizeRequest)
+        self.fe.check_model(req.model)
+        self.fe.check_token_ids(req.tokens, "token id", "tokens")
+        text = await self.fe.offload(len(req.tokens) > OFFLOAD_CHARS // 4, self.fe.tokenizer.decode, req.tokens)
+        return JSONResponse({"prompt": text})
+
+    async def _completion_stream(self, gen: Generation, include_usage: bool):
+        def choice(text, finish=None):
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+
+        try:
+            async for ev in gen.events():
+                if ev[0] == "text":
+                    yield self._chunk(gen, "text_completion", choice(ev[1]), None, include_usage)
+            yield self._chunk(gen, "text_completion", choice("", gen.finish_reason), None, include_usage)
+            if include_usage:
+                yield self._chunk(gen, "text_completion", None, gen.usage(), True)
+        except Exception as e:
+            err = to_api_error(e)
+            yield sse.event(error_body(err.message, err.type, err.param, err.code))
+        yield sse.DONE
+
+    async def _completion_full(self, gen: Generation) -> Response:
+        await gen.start()
+        async for _ in gen.events():
+            pass
+        body = {"id": gen.request.request_id, "object": "text_completion", "created": int(time.time()),
+                "model": self.fe.model,
+                "choices": [{"index": 0, "text": gen.text, "logprobs": None, "finish_reason": gen.finish_reason}],
+                "usage": gen.usage()}
+        return Response(msgspec.json.encode(body), media_type="application/json")
+

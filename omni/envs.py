@@ -1,0 +1,34 @@
+"""Every environment variable omni reads, in one place (the model is vLLM's envs.py).
+
+Read lazily as attributes, so a value set after import (a test, a parent process) counts:
+`from omni import envs; envs.OMNI_CACHE_DIR`. The CLI's typer options name the same
+variables as fallbacks for their flags (`envvar=`): OMNI_TOKEN, OMNI_API_KEY, OMNI_CONTROL_API_KEY.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+environment_variables: dict[str, Callable[[], Any]] = {
+    # Shared secret of the master and the data plane; children get it by environment, never argv.
+    "OMNI_TOKEN": lambda: os.environ.get("OMNI_TOKEN", ""),
+    # Bearer key the /v1 routes require (--api-key).
+    "OMNI_API_KEY": lambda: os.environ.get("OMNI_API_KEY") or None,
+    # Bearer key of the control routes (--control-api-key); the launcher hands it to frontends.
+    "OMNI_CONTROL_API_KEY": lambda: os.environ.get("OMNI_CONTROL_API_KEY") or None,
+    # "off": the control routes answer 403 (--disable-control-routes, set by the launcher).
+    "OMNI_CONTROL_ROUTES": lambda: os.environ.get("OMNI_CONTROL_ROUTES", "on") != "off",
+    # Where converted models and extracted voices are cached.
+    "OMNI_CACHE_DIR": lambda: os.path.expanduser(os.environ.get("OMNI_CACHE_DIR") or "~/.cache/omni"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in environment_variables:
+        return environment_variables[name]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return list(environment_variables)

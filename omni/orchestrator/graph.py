@@ -1,0 +1,417 @@
+"""The orchestrator core: each request's stage graph, as events in and actions out.
+
+No sockets, tasks or clocks it waits on: `submit(request)` and `handle(event)` return the
+actions (omni/orchestrator/events.py) the Orchestrator carries out in order. Per request:
+the stages it needs (ancestors of the stages making the requested modalities), a sticky
+least-loaded replica per stage, the entry stage's input, then for each output: final
+outputs to the client, the next stages' processors turning it into inputs, and a stage is
+done when its inputs are closed and it holds nothing; the request is done when every
+needed stage is.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+from omni import errors
+from omni import processors as procs
+from omni.config import DeployConfig, StageConfig
+from omni.errors import BadRequest, OmniError, StageFailed, Unavailable
+from omni.master.types import ReplicaInfo
+from omni.orchestrator import events as ev
+from omni.orchestrator.metrics import OrchestratorMetrics
+from omni.orchestrator.request_state import (ProcessorContext, RequestState, load_processor, needed_stages,
+                                             ref_id)
+from omni.orchestrator.topology import Topology
+from omni.orchestrator.types import PipelineOutput, PipelineRequest
+from omni.stage import messages as m
+from omni.transport.base import TensorRef
+
+logger = logging.getLogger(__name__)
+
+TENSOR_OUTPUTS = ("audio", "embedding")     # final outputs read from a tensor, not token ids
+
+
+class OrchestratorCore:
+    def __init__(self, config: DeployConfig, *, topology: Topology, detokenize: Callable[[list[int]], str],
+                 host: str = "127.0.0.1", choose_transport: Callable[[str, str, str | None], str] | None = None,
+                 metrics: OrchestratorMetrics | None = None, clock: Callable[[], float] = time.monotonic):
+        self.config = config
+        self.topology = topology
+        self.detokenize = detokenize
+        self.host = host
+        if choose_transport is None:
+            from omni.transport.factory import choose_transport
+        self._choose_transport = choose_transport
+        self.metrics = metrics if metrics is not None else OrchestratorMetrics()
+        self.clock = clock
+        self._processors = {s.stage_id: load_processor(s.processor) for s in config.stages}
+        self.requests: dict[str, RequestState] = {}
+        self.by_replica: dict[str, set[str]] = {}       # replica id -> request ids holding work there
+        self._out: list[ev.Action] = []
+        self._handlers = {ev.StageOutput: self._on_output, ev.StageError: self._on_error,
+                          ev.ReplicaGone: self._on_gone, ev.Cancel: self._on_cancel}
+
+    # ------------------------------------------------------------ entry points
+
+    def submit(self, req: PipelineRequest) -> list[ev.Action]:
+        """Admit a request and send the entry stage its input. Raises BadRequest/Unavailable
+        (nothing was sent then)."""
+        needed = self.needed_stages(req)
+        if req.request_id in self.requests:
+            raise BadRequest(f"request id {req.request_id!r} is already in flight")
+        state = RequestState(req, needed, self.clock())
+        for st_id, st in state.stages.items():
+            st.replica = self.pick(st_id)
+        # Counted as load at once: concurrent requests spread over downstream replicas
+        # too, not only over the entry stage's (whose input is sent right away).
+        for st in state.stages.values():
+            self.by_replica.setdefault(st.replica.replica_id, set()).add(state.rid)
+        self.requests[state.rid] = state
+        self.metrics.request_started()
+        self._out = []
+        first = self.entry_input(req)
+        self._guarded(state, lambda: self._send(state, req.entry_stage, state.rid, first, final=True))
+        state.stages[req.entry_stage].inputs_closed = True
+        return self._take()
+
+    @staticmethod
+    def entry_input(req: PipelineRequest) -> procs.StageInput:
+        """What the entry stage gets: the prompt's token ids or text (the place for new request inputs)."""
+        return procs.StageInput(token_ids=req.prompt_token_ids, text=req.text, extra=dict(req.extra))
+
+    def handle(self, event: ev.Event) -> list[ev.Action]:
+        self._out = []
+        self._handlers[type(event)](event)
+        return self._take()
+
+    def _take(self) -> list[ev.Action]:
+        out, self._out = self._out, []
+        return out
+
+    # ------------------------------------------------------------ replicas
+
+    def needed_stages(self, req: PipelineRequest) -> list[int]:
+        return needed_stages(self.config, req)
+
+    def pick(self, stage_id: int) -> ReplicaInfo:
+        replicas = self.topology.stage_replicas(stage_id)
+        if not replicas:
+            raise Unavailable(f"{self.config.stage(stage_id).label} has no READY replica")
+        return min(replicas, key=self.load)
+
+    def load(self, r: ReplicaInfo) -> tuple[int, str]:
+        """Least loaded first: the master's load report plus what this frontend sent since."""
+        return (r.queue_len + r.in_flight + len(self.by_replica.get(r.replica_id, ())), r.replica_id)
+
+    # ------------------------------------------------------------ events
+
+    def _guarded(self, state: RequestState, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except OmniError as e:
+            self._fail(state, e)
+        except Exception as e:
+            logger.exception("request %s: orchestration failed", state.rid)
+            self._fail(state, OmniError(f"orchestration failed: {type(e).__name__}: {e}"))
+
+    def _on_output(self, e: ev.StageOutput) -> None:
+        out = e.output
+        state = self.requests.get(out.request_id.split("/", 1)[0])
+        st = state.stages.get(e.stage_id) if state is not None else None
+        if st is None or st.replica is None or st.replica.replica_id != e.replica_id:
+            # Late output of a request that ended, of a stage it does not use, or from a replica
+            # it was moved away from (replayed): free what it published.
+            self._free(e.replica_id, list(out.tensors.values()))
+            return
+        for ref in out.tensors.values():
+            state.origin[ref_id(ref)] = e.replica_id
+        self._guarded(state, lambda: self._output(state, e.stage_id, out))
+
+    def _on_error(self, e: ev.StageError) -> None:
+        state = self.requests.get(e.error.request_id.split("/", 1)[0])
+        st = state.stages.get(e.stage_id) if state is not None else None
+        if st is not None and st.replica is not None and st.replica.replica_id == e.replica_id:
+            self._fail(state, StageFailed(e.stage_id, e.replica_id, e.error.message, e.error.kind))
+
+    def _on_cancel(self, e: ev.Cancel) -> None:
+        state = self.requests.get(e.request_id)
+        if state is None:
+            return
+        if e.error is None:
+            self._end(state, "aborted")
+        else:
+            self._fail(state, e.error)
+
+    def _on_gone(self, e: ev.ReplicaGone) -> None:
+        dead = e.replica
+        for rid in sorted(self.by_replica.pop(dead.replica_id, ())):
+            state = self.requests.get(rid)
+            if state is None:
+                continue
+            held = [st for st in state.stages.values()
+                    if st.replica is not None and st.replica.replica_id == dead.replica_id]
+            if not held:
+                continue
+            if not any(st.started for st in held):
+                for st in held:    # nothing sent there yet: pick another replica at the first send
+                    st.replica = None
+                continue
+            if not self._replay(state, dead):
+                self._fail(state, StageFailed(dead.stage_id, dead.replica_id, f"replica is {e.why}",
+                                              errors.UNAVAILABLE))
+
+    def _replay(self, state: RequestState, dead: ReplicaInfo) -> bool:
+        """Move a stage's part of the request to another replica when the dead one had produced
+        nothing for it yet: nothing of it was seen, so sending the same inputs again (in order)
+        is safe. A stage still receiving inputs moves too: the inputs sent so far go first and
+        every later one follows them (sends are made in order, here). Shared-memory inputs
+        need a replica on the dead one's host."""
+        held = [s for s, st in state.stages.items()
+                if st.replica is not None and st.replica.replica_id == dead.replica_id]
+        if len(held) != 1:
+            return False
+        s = held[0]
+        st = state.stages[s]
+        if st.first_output_at is not None or not st.sent:
+            return False
+        others = [r for r in self.topology.stage_replicas(s) if r.replica_id != dead.replica_id]
+        if any(ref.transport == "shm" for items in st.sent.values() for inp, _ in items
+               for ref in inp.tensors.values()):
+            others = [r for r in others if r.host == dead.host]
+        if not others:
+            return False
+        st.replica, st.started = min(others, key=self.load), False
+        sent, st.sent = st.sent, {}
+        for erid in sent:
+            st.refs_in.pop(erid, None)     # recorded again as they are sent again
+        logger.info("request %s: %s replica %s is gone before any output; replaying on %s",
+                    state.rid, self.config.stage(s).label, dead.replica_id, st.replica.replica_id)
+        self.metrics.replayed(s)
+        for erid, items in sent.items():
+            for inp, final in items:
+                self._send(state, s, erid, inp, final)
+        return True
+
+    # ------------------------------------------------------------ outputs
+
+    def _output(self, state: RequestState, s: int, out: m.Output) -> None:
+        st = state.stages[s]
+        now = self.clock()
+        if out.queue_s is not None:
+            self.metrics.stage_queue(s, out.queue_s)
+        if out.sent_at:
+            self.metrics.output_queue(s, max(0.0, time.time() - out.sent_at))
+        if st.first_output_at is None:
+            st.first_output_at = now
+            self.metrics.stage_first_output(s, now - state.started_at)
+        self.metrics.stage_step(s, out.step_s)
+        if out.num_prompt_tokens is not None and state.num_prompt_tokens is None:
+            state.num_prompt_tokens = out.num_prompt_tokens
+        # Sub-requests of one stage are forwarded in the order they were made.
+        if out.request_id in st.sub_order:
+            if out.request_id != st.sub_order[0]:
+                st.sub_buffer.setdefault(out.request_id, []).append(out)
+                return
+            self._process(state, s, out)
+            if out.finished:
+                st.sub_order.pop(0)
+                self._drain_subs(state, s)
+            return
+        self._process(state, s, out)
+
+    def _drain_subs(self, state: RequestState, s: int) -> None:
+        st = state.stages[s]
+        while st.sub_order and state.rid in self.requests:
+            buffered = st.sub_buffer.pop(st.sub_order[0], [])
+            for b in buffered:
+                self._process(state, s, b)
+            if not (buffered and buffered[-1].finished):
+                return
+            st.sub_order.pop(0)
+
+    def _process(self, state: RequestState, s: int, out: m.Output) -> None:
+        st = state.stages[s]
+        stage = self.config.stage(s)
+        forwarded: set[tuple] = set()
+        if stage.final_output and stage.final_output_type in state.req.modalities:
+            self._emit_final(state, stage, out)
+        for t in self.config.downstream(s):
+            if t not in state.stages:
+                continue
+            ctx = ProcessorContext(self.detokenize, state.extra)
+            for inp in self._processors[t](ctx, state.stages[t].proc_state, out):
+                forwarded.update(ref_id(r) for r in inp.tensors.values())
+                self._route(state, t, inp)
+        # What no consumer took (the emitted tensor too: the executor read it already).
+        self._free(state.origin.get, [r for r in out.tensors.values() if ref_id(r) not in forwarded])
+        if out.finished:
+            st.open.discard(out.request_id)
+            st.sent.pop(out.request_id, None)
+            self._release_inputs(state, s, out.request_id)
+            if out.finish_reason and stage.final_output_type == "text":
+                state.finish_reason = out.finish_reason
+            self._check_done(state, s)
+
+    def _emit_final(self, state: RequestState, stage: StageConfig, out: m.Output) -> None:
+        kind = stage.final_output_type
+        po = PipelineOutput(request_id=state.rid, stage_id=stage.stage_id, modality=kind,
+                            num_prompt_tokens=state.num_prompt_tokens)
+        ref = None
+        if kind == "text":
+            if not out.token_ids:
+                return
+            po.token_ids = list(out.token_ids)
+        else:
+            ref = next(iter(out.tensors.values()), None)
+            if ref is None:
+                return
+            self.metrics.tensor_bytes(ref.nbytes, ref.transport)
+            if kind == "audio":
+                if out.sample_rate <= 0:
+                    raise OmniError(f"{stage.label} sent audio without a sample rate")
+                po.sample_rate = out.sample_rate
+        if state.first_output_at is None:
+            state.first_output_at = self.clock()
+            self.metrics.first_output(state.first_output_at - state.started_at)
+        self._out.append(ev.Emit(state.rid, po, ref))
+
+    def _route(self, state: RequestState, t: int, inp: procs.StageInput) -> None:
+        st = state.stages[t]
+        for ref in inp.tensors.values():
+            self.metrics.tensor_bytes(ref.nbytes, ref.transport)
+        if inp.sub_id is not None:
+            erid = f"{state.rid}/{inp.sub_id}"
+            st.sub_order.append(erid)
+            self._send(state, t, erid, inp, final=True)
+        elif inp.stream:
+            st.streamed = True
+            self._send(state, t, state.rid, inp, final=False)
+        elif st.pending is not None:
+            prev, st.pending = st.pending, inp
+            self._send(state, t, state.rid, prev, final=False)
+        else:
+            st.pending = inp
+
+    # ------------------------------------------------------------ sends
+
+    def _send(self, state: RequestState, s: int, erid: str, inp: procs.StageInput, final: bool) -> None:
+        st = state.stages[s]
+        stage = self.config.stage(s)
+        replica = st.replica
+        live = self.topology.replicas.get(replica.replica_id) if replica is not None else None
+        if live is None or live.state != "READY":
+            if st.started:
+                raise StageFailed(s, replica.replica_id if replica else "?", "replica is gone", errors.UNAVAILABLE)
+            if replica is not None:
+                self._unhold(replica.replica_id, state.rid)
+            replica = st.replica = self.pick(s)
+        # Stage defaults (e.g. the talker's noise scales) under the request's own options.
+        extra = {**stage.default_sampling_params, **inp.extra}
+        extra.setdefault("final", final)
+        out_transport, out_tensors = self._out_route(state, stage)
+        msg = m.AddRequest(request_id=erid, prompt_token_ids=inp.token_ids, text=inp.text,
+                           sampling=state.req.sampling, tensors=dict(inp.tensors), extra=extra,
+                           out_transport=out_transport, out_tensors=out_tensors, sent_at=time.time())
+        st.started = True
+        st.open.add(erid)
+        st.sent.setdefault(erid, []).append((inp, final))
+        if inp.tensors:
+            st.refs_in.setdefault(erid, []).extend(
+                (state.origin.get(ref_id(r), ""), r) for r in inp.tensors.values())
+        self.by_replica.setdefault(replica.replica_id, set()).add(state.rid)
+        self._out.append(ev.Send(state.rid, replica, msg))
+
+    def _out_route(self, state: RequestState, stage: StageConfig) -> tuple[str, bool]:
+        """Where this stage's output tensors go for this request, and if anyone reads them."""
+        me = state.stages[stage.stage_id].replica
+        my_host = me.host if me else self.host
+        for t in self.config.downstream(stage.stage_id):
+            if t in state.stages:
+                consumer = state.stages[t].replica
+                conn = stage.connectors.get(str(t))
+                configured = conn.transport if conn and conn.transport != "auto" else None
+                return self._choose_transport(my_host, consumer.host if consumer else my_host, configured), True
+        if stage.final_output and stage.final_output_type in TENSOR_OUTPUTS:
+            return self._choose_transport(my_host, self.host, None), True
+        return "", False
+
+    # ------------------------------------------------------------ completion
+
+    def _stage_done(self, state: RequestState, s: int) -> bool:
+        st = state.stages[s]
+        return st.inputs_closed and not st.open and st.pending is None
+
+    def _check_done(self, state: RequestState, s: int) -> None:
+        """Cascade: a stage whose inputs are closed and that holds nothing is done."""
+        if not self._stage_done(state, s):
+            return
+        for t in self.config.downstream(s):
+            ts = state.stages.get(t)
+            if ts is None or ts.inputs_closed:
+                continue
+            if all(self._stage_done(state, u) for u in self.config.stage(t).upstream() if u in state.stages):
+                ts.inputs_closed = True
+                if ts.pending is not None:
+                    inp, ts.pending = ts.pending, None
+                    self._send(state, t, state.rid, inp, final=True)
+                elif ts.streamed:
+                    self._send(state, t, state.rid, procs.StageInput(), final=True)
+                self._check_done(state, t)
+        if state.rid in self.requests and all(self._stage_done(state, x) for x in state.stages):
+            self._out.append(ev.Emit(state.rid, PipelineOutput(
+                request_id=state.rid, stage_id=s, modality="text", finished=True,
+                finish_reason=state.finish_reason or "stop", num_prompt_tokens=state.num_prompt_tokens)))
+            self._end(state, "ok")
+
+    def _fail(self, state: RequestState, error: OmniError) -> None:
+        if state.rid in self.requests:
+            self._out.append(ev.Fail(state.rid, error))
+            self._end(state, "failed")
+
+    def _end(self, state: RequestState, outcome: str) -> None:
+        """The request leaves: stages that still hold it are told to abort (a finished request
+        holds nothing), the inputs they held are freed, and Finished closes it."""
+        if self.requests.pop(state.rid, None) is None:
+            return
+        for s, st in state.stages.items():
+            if st.replica is None:
+                continue
+            self._unhold(st.replica.replica_id, state.rid)
+            if outcome != "ok" and st.started:
+                ids = tuple(sorted(st.open | set(st.sub_order) | {state.rid}))
+                self._out.append(ev.AbortStage(st.replica.replica_id, ids))
+            for erid in list(st.refs_in):
+                self._release_inputs(state, s, erid)
+        seconds = self.clock() - state.started_at
+        self.metrics.request_finished(outcome, seconds)
+        self._out.append(ev.Finished(state.rid, outcome, seconds))
+
+    def _unhold(self, replica_id: str, rid: str) -> None:
+        holders = self.by_replica.get(replica_id)
+        if holders is not None:
+            holders.discard(rid)
+            if not holders:
+                del self.by_replica[replica_id]
+
+    # ------------------------------------------------------------ tensors
+
+    def _release_inputs(self, state: RequestState, s: int, erid: str) -> None:
+        """The stage finished with these tensors: their producers may free them."""
+        by_producer: dict[str, list] = {}
+        for producer, ref in state.stages[s].refs_in.pop(erid, []):
+            by_producer.setdefault(producer, []).append(ref)
+        for producer, refs in by_producer.items():
+            self._free(producer, refs)
+
+    def _free(self, producer: str | Callable, refs: list[TensorRef]) -> None:
+        """Free `refs` at their producer (a replica id, or a lookup from a ref's id to one)."""
+        groups: dict[tuple[str, str], list[int]] = {}
+        for ref in refs:
+            rep = producer(ref_id(ref), "") if callable(producer) else producer
+            if rep:
+                groups.setdefault((rep, ref.transport), []).append(ref.key)
+        for (rep, transport), keys in groups.items():
+            self._out.append(ev.Free(rep, transport, tuple(keys)))

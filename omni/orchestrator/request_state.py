@@ -1,0 +1,90 @@
+"""Per-request state of the orchestrator core, and the pure helpers it is built from."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+from omni import processors as procs
+from omni.config import DeployConfig
+from omni.errors import BadRequest, OmniError
+from omni.master.types import ReplicaInfo
+from omni.orchestrator.types import PipelineRequest
+from omni.transport.base import TensorRef
+
+
+def load_processor(path: str | None) -> Callable:
+    if not path:
+        return procs.passthrough
+    module, _, name = path.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise OmniError(f"processor {path!r} cannot be loaded: {e}") from None
+
+
+def ref_id(ref: TensorRef) -> tuple[str, str, int]:
+    return ref.transport, ref.endpoint, ref.key
+
+
+@dataclass
+class StageState:
+    replica: ReplicaInfo | None = None
+    open: set[str] = field(default_factory=set)        # engine request ids sent and not finished
+    inputs_closed: bool = False
+    started: bool = False                              # something was sent
+    pending: procs.StageInput | None = None            # held back to mark the last piece final
+    refs_in: dict[str, list] = field(default_factory=dict)   # erid -> [(producer, ref)] sent here
+    proc_state: dict = field(default_factory=dict)
+    sub_order: list[str] = field(default_factory=list)
+    sub_buffer: dict[str, list] = field(default_factory=dict)
+    first_output_at: float | None = None
+    streamed: bool = False                             # pieces went out at once; close with an empty final
+    # Inputs sent per engine request id, kept until it finishes, so a replica that dies before
+    # any output can be replaced by sending them again (descriptors only; producers keep the bytes).
+    sent: dict[str, list] = field(default_factory=dict)
+
+
+class RequestState:
+    def __init__(self, req: PipelineRequest, needed: list[int], now: float):
+        self.req = req
+        self.rid = req.request_id
+        self.stages = {s: StageState() for s in needed}
+        self.extra = dict(req.extra)
+        self.started_at = now
+        self.first_output_at: float | None = None
+        self.finish_reason: str | None = None
+        self.num_prompt_tokens: int | None = None
+        # Which replica produced each tensor this request saw, so its consumers' frees go back there.
+        self.origin: dict[tuple[str, str, int], str] = {}
+
+
+class ProcessorContext:
+    """What a processor sees of the request (omni.processors.Context)."""
+
+    def __init__(self, detokenize: Callable[[list[int]], str], extra: dict):
+        self.detokenize = detokenize
+        self.request_extra = extra
+
+
+def needed_stages(config: DeployConfig, req: PipelineRequest) -> list[int]:
+    """The stages making the requested modalities and their ancestors, from the entry stage on."""
+    finals = []
+    for modality in req.modalities:
+        stage = config.final_stage(modality)
+        if stage is None:
+            raise BadRequest(f"modality {modality!r} is not produced by this pipeline "
+                             f"(it produces {config.modalities()})")
+        finals.append(stage.stage_id)
+    needed: set[int] = set()
+    todo = list(finals)
+    while todo:
+        s = todo.pop()
+        if s in needed or s < req.entry_stage:
+            continue
+        needed.add(s)
+        todo.extend(config.stage(s).upstream())
+    if req.entry_stage not in needed:
+        raise BadRequest(f"modalities {list(req.modalities)} are not reachable from stage {req.entry_stage}")
+    return sorted(needed)

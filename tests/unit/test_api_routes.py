@@ -1,0 +1,31 @@
+"""The one route table: Starlette's routes, metric labels, the control guard and the OpenAPI
+description all come from it."""
+
+from __future__ import annotations
+
+from omni.api import build_app
+from omni.api.routes import CONTROL_PATHS, ROUTES, label, openapi_spec
+from tests.unit.test_api import FakeOrchestrator, tokenizer  # noqa: F401 (fixture)
+
+
+def test_labels_name_the_template_not_the_id():
+    assert label("/v1/chat/completions") == "/v1/chat/completions"
+    assert label("/v1/audio/voices/alice") == "/v1/audio/voices/{name}"
+    assert label("/v1/omni/jobs/job-1") == "/v1/omni/jobs/{job_id}"
+    assert label("/v1/omni/jobs/job-1/content") == "/v1/omni/jobs/{job_id}/content"
+    assert label("/v1/omni/jobs/job-1/other") == "other" and label("/secret/123") == "other"
+
+
+def test_app_openapi_and_guard_follow_the_table(tokenizer):
+    app = build_app(FakeOrchestrator(tokenizer), tokenizer, served_model_name="tiny", max_model_len=64,
+                    speech_entry_stage=1)
+    served = {(r.path, m) for r in app.routes for m in r.methods if m != "HEAD"}
+    table = {(r.path, r.method) for r in ROUTES}
+    assert served == table
+    spec = openapi_spec("tiny")["paths"]
+    assert {(p, m.upper()) for p, ops in spec.items() for m in ops} == table
+    assert "requestBody" in spec["/v1/chat/completions"]["post"]
+    assert CONTROL_PATHS == {"/v1/omni/sleep", "/v1/omni/wakeup"}
+    assert set(app.state.jobs.handlers) == {"/v1/chat/completions", "/v1/completions", "/v1/audio/speech"}
+    text_only = build_app(FakeOrchestrator(tokenizer), tokenizer, served_model_name="tiny", max_model_len=64)
+    assert set(text_only.state.jobs.handlers) == {"/v1/chat/completions", "/v1/completions"}

@@ -1,0 +1,254 @@
+"""The orchestrator core with no sockets and no processes: events in, actions out.
+
+The pipeline is the default one's shape: thinker (0) -> talker (1, one sub-request per
+sentence) -> code2wav (2, streamed latents); token ids are character codes here, so the
+thinker's "text" is what its ids spell.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from omni import errors
+from omni.config import parse
+from omni.engines.base import SamplingParams
+from omni.errors import BadRequest, StageFailed, Unavailable
+from omni.master.types import ReplicaInfo, TopologyEvent
+from omni.orchestrator import events as ev
+from omni.orchestrator.graph import OrchestratorCore
+from omni.orchestrator.topology import Topology
+from omni.orchestrator.types import PipelineRequest
+from omni.stage import messages as m
+from omni.transport.base import TensorRef
+
+CONFIG = parse({"model": "m", "pipeline": {"speech_entry_stage": 1}, "stages": [
+    {"stage_id": 0, "name": "thinker", "engine": "count", "final_output": True, "final_output_type": "text"},
+    {"stage_id": 1, "name": "talker", "engine": "count", "inputs": [0],
+     "processor": "omni.processors:thinker_to_talker", "default_sampling_params": {"noise_scale": 0.0}},
+    {"stage_id": 2, "name": "code2wav", "engine": "count", "inputs": [1],
+     "processor": "omni.processors:talker_to_code2wav", "final_output": True, "final_output_type": "audio"},
+]}, source="test")
+
+
+def replica(stage_id: int, replica_id: str, host: str = "h1", state: str = "READY") -> ReplicaInfo:
+    return ReplicaInfo(stage_id=stage_id, replica_id=replica_id, replica_index=0, role="STAGE", host=host, pid=1,
+                       endpoints={"channel": f"tcp://{host}:1"}, state=state, queue_len=0, in_flight=0,
+                       requests_total=0, cpu_seconds=0.0, is_sleeping=False, draining=False, extra={},
+                       heartbeat_age_s=0.0, version="test", capabilities={})
+
+
+def make_core(*replicas: ReplicaInfo, config=CONFIG) -> OrchestratorCore:
+    topo = Topology()
+    topo.apply(TopologyEvent("SNAPSHOT", list(replicas), 1))
+    return OrchestratorCore(config, topology=topo, detokenize=lambda ids: "".join(map(chr, ids)),
+                            choose_transport=lambda a, b, configured: configured or ("shm" if a == b else "tcp"))
+
+
+def ref(key: int, producer: str = "s1r0", transport: str = "shm") -> TensorRef:
+    return TensorRef(transport=transport, endpoint=f"seg-{producer}", key=key, dtype="float32", shape=(4,),
+                     nbytes=16)
+
+
+def output(replica_id: str, stage_id: int, request_id: str, **kw) -> ev.StageOutput:
+    return ev.StageOutput(replica_id, stage_id, m.Output(request_id=request_id, **kw))
+
+
+def ids(text: str) -> list[int]:
+    return [ord(c) for c in text]
+
+
+def of(actions, kind) -> list:
+    return [a for a in actions if isinstance(a, kind)]
+
+
+def chat(rid: str = "r1", modalities=("text", "audio")) -> PipelineRequest:
+    return PipelineRequest(request_id=rid, prompt_token_ids=[1, 2], modalities=modalities,
+                           sampling=SamplingParams(max_tokens=8), extra={"voice": "joe", "speed": 1.0})
+
+
+def sends(actions) -> list[tuple[str, str, bool]]:
+    """(replica, engine request id, final) of each Send."""
+    return [(a.replica.replica_id, a.message.request_id, a.message.extra["final"]) for a in of(actions, ev.Send)]
+
+
+ALL = (replica(0, "s0r0"), replica(1, "s1r0"), replica(2, "s2r0"))
+
+
+def test_three_stages_text_and_audio_end_ok_with_nothing_aborted():
+    core = make_core(*ALL)
+    acts = core.submit(chat())
+    assert sends(acts) == [("s0r0", "r1", True)]
+    assert acts[0].message.prompt_token_ids == [1, 2]
+    # Thinker output: text to the client, and the finished sentence to the talker at once.
+    acts = core.handle(output("s0r0", 0, "r1", token_ids=ids("Hi. Yo")))
+    assert of(acts, ev.Emit)[0].output.token_ids == ids("Hi. Yo")
+    assert sends(acts) == [("s1r0", "r1/s1", True)]
+    talk = of(acts, ev.Send)[0].message
+    assert talk.text == "Hi." and talk.extra["voice"] == "joe" and talk.extra["noise_scale"] == 0.0
+    assert talk.out_transport == "shm" and talk.out_tensors            # code2wav is on the same host
+    acts = core.handle(output("s0r0", 0, "r1", token_ids=ids("!"), finished=True, finish_reason="length"))
+    assert sends(acts) == [("s1r0", "r1/s2", True)] and of(acts, ev.Send)[0].message.text == "Yo!"
+    # The second sentence's latents arrive first: held until the first sentence is through.
+    assert core.handle(output("s1r0", 1, "r1/s2", tensors={"latents": ref(2)}, finished=True)) == []
+    acts = core.handle(output("s1r0", 1, "r1/s1", tensors={"latents": ref(1)}, finished=True))
+    # Streamed to code2wav in sentence order; the talker is then done, so code2wav's
+    # stream is closed with an empty final piece.
+    assert sends(acts) == [("s2r0", "r1", False), ("s2r0", "r1", False), ("s2r0", "r1", True)]
+    assert [a.message.tensors.get("latents") for a in of(acts, ev.Send)] == [ref(1), ref(2), None]
+    acts = core.handle(output("s2r0", 2, "r1", tensors={"audio": ref(7, "s2r0")}, sample_rate=24000))
+    emit = of(acts, ev.Emit)[0]
+    assert emit.output.modality == "audio" and emit.output.sample_rate == 24000 and emit.tensor.key == 7
+    assert of(acts, ev.Free) == [ev.Free("s2r0", "shm", (7,))]              # after the emit reads it
+    assert acts.index(emit) < acts.index(of(acts, ev.Free)[0])
+    acts = core.handle(output("s2r0", 2, "r1", finished=True))
+    assert of(acts, ev.Free) == [ev.Free("s1r0", "shm", (1, 2))]   # code2wav is done with the latents
+    assert [type(a) for a in acts] == [ev.Free, ev.Emit, ev.Finished]
+    assert acts[1].output.finished and acts[1].output.finish_reason == "length" and acts[2].outcome == "ok"
+    assert core.metrics.outcomes == {"ok": 1, "aborted": 0, "failed": 0}
+
+
+def test_streamed_edge_is_closed_with_an_empty_final_piece_and_inputs_are_freed():
+    core = make_core(*ALL)
+    core.submit(PipelineRequest(request_id="sp", text="Hello there.", entry_stage=1, modalities=("audio",)))
+    acts = core.handle(output("s1r0", 1, "sp", tensors={"latents": ref(1)}))
+    assert sends(acts) == [("s2r0", "sp", False)]
+    acts = core.handle(output("s1r0", 1, "sp", tensors={"latents": ref(2)}, finished=True))
+    assert sends(acts) == [("s2r0", "sp", False), ("s2r0", "sp", True)]
+    last = of(acts, ev.Send)[-1].message
+    assert last.tensors == {} and last.extra["final"] is True
+    acts = core.handle(output("s2r0", 2, "sp", tensors={"audio": ref(9, "s2r0")}, sample_rate=22050,
+                              finished=True))
+    kinds = [type(a) for a in acts]
+    assert kinds == [ev.Emit, ev.Free, ev.Free, ev.Emit, ev.Finished], acts
+    # The latents go back to the talker that made them, once code2wav finished with them.
+    assert of(acts, ev.Free)[1] == ev.Free("s1r0", "shm", (1, 2))
+    assert acts[-2].output.finished and acts[-1].outcome == "ok"
+    assert core.requests == {} and core.by_replica == {}
+    assert core.metrics.outcomes == {"ok": 1, "aborted": 0, "failed": 0}
+
+
+def test_text_only_request_needs_no_talker_or_code2wav():
+    core = make_core(replica(0, "s0r0"))                  # no talker, no code2wav replica at all
+    req = chat(modalities=("text",))
+    assert core.needed_stages(req) == [0]
+    core.submit(req)
+    acts = core.handle(output("s0r0", 0, "r1", token_ids=ids("Done. Really."), finished=True, finish_reason="stop"))
+    assert not of(acts, ev.Send) and not of(acts, ev.AbortStage)
+    assert [a.output.finished for a in of(acts, ev.Emit)] == [False, True]
+    assert of(acts, ev.Finished)[0].outcome == "ok"
+    with pytest.raises(Unavailable, match="talker"):
+        core.submit(chat("r2"))                           # audio needs the talker: 503, nothing sent
+    assert "r2" not in core.requests
+
+
+def test_bad_requests_are_refused_before_anything_is_sent():
+    core = make_core(*ALL)
+    with pytest.raises(BadRequest, match="video"):
+        core.submit(chat(modalities=("video",)))
+    core.submit(chat())
+    with pytest.raises(BadRequest, match="already in flight"):
+        core.submit(chat())
+
+
+def test_entry_replica_dies_before_any_output_the_request_is_replayed():
+    core = make_core(replica(0, "s0r0"), replica(0, "s0r1"), replica(1, "s1r0"), replica(2, "s2r0"))
+    first = core.submit(chat(modalities=("text",)))
+    dead = first[0].replica
+    core.topology.apply(TopologyEvent("UPDATED", [replica(0, dead.replica_id, state="SUSPECT")], 2))
+    acts = core.handle(ev.ReplicaGone(dead, "suspect"))
+    other = "s0r1" if dead.replica_id == "s0r0" else "s0r0"
+    assert sends(acts) == [(other, "r1", True)]
+    assert of(acts, ev.Send)[0].message.prompt_token_ids == [1, 2]
+    assert core.metrics.replays == {0: 1}
+    # The first replica was only SUSPECT: what it still sends for the request is freed, not used.
+    late = core.handle(output(dead.replica_id, 0, "r1", token_ids=[66], tensors={"h": ref(4, dead.replica_id)}))
+    assert late == [ev.Free(dead.replica_id, "shm", (4,))]
+    assert core.handle(ev.StageError(dead.replica_id, 0, m.RequestError("r1", "stopping"))) == []
+    acts = core.handle(output(other, 0, "r1", token_ids=[65], finished=True))
+    assert [a.output.token_ids for a in of(acts, ev.Emit)] == [[65], []] and of(acts, ev.Finished)[0].outcome == "ok"
+
+
+def speech_with_code2wav_on(*code2wav: ReplicaInfo) -> tuple[OrchestratorCore, list]:
+    """A speech request whose talker finished (its shm latents all sent to code2wav); then
+    the code2wav replica it went to dies. -> (core, actions of that death)."""
+    core = make_core(replica(0, "s0r0"), replica(1, "s1r0"), *code2wav)
+    core.submit(PipelineRequest(request_id="sp", text="Hi.", entry_stage=1, modalities=("audio",)))
+    core.handle(output("s1r0", 1, "sp", tensors={"latents": ref(1)}, finished=True))
+    dead = core.requests["sp"].stages[2].replica
+    assert dead.replica_id == "a-h1"                         # least loaded, then by id
+    dead = replica(2, dead.replica_id, state="DEAD")
+    core.topology.apply(TopologyEvent("UPDATED", [dead], 2))
+    return core, core.handle(ev.ReplicaGone(dead, "dead"))
+
+
+def test_downstream_shm_inputs_replay_only_on_the_same_host():
+    core, acts = speech_with_code2wav_on(replica(2, "a-h1"), replica(2, "b-h2", host="h2"), replica(2, "c-h1"))
+    assert sends(acts) == [("c-h1", "sp", False), ("c-h1", "sp", True)]     # both pieces, in order
+    assert core.metrics.replays == {2: 1}
+    core, acts = speech_with_code2wav_on(replica(2, "a-h1"), replica(2, "b-h2", host="h2"))
+    assert not of(acts, ev.Send)                             # h2 cannot map h1's shared memory
+    fail = of(acts, ev.Fail)[0].error
+    assert isinstance(fail, StageFailed) and fail.kind == errors.UNAVAILABLE
+    assert "stage 2 replica a-h1: replica is dead" in str(fail)
+    assert of(acts, ev.Finished)[0].outcome == "failed"
+
+
+def test_a_stage_still_receiving_inputs_is_replayed_and_later_inputs_follow():
+    core = make_core(replica(0, "s0r0"), replica(1, "s1r0"), replica(2, "a-h1"), replica(2, "c-h1"))
+    core.submit(PipelineRequest(request_id="sp", text="Hi. Yo.", entry_stage=1, modalities=("audio",)))
+    core.handle(output("s1r0", 1, "sp", tensors={"latents": ref(1)}))          # the talker goes on
+    dead = replica(2, "a-h1", state="DEAD")
+    core.topology.apply(TopologyEvent("UPDATED", [dead], 2))
+    acts = core.handle(ev.ReplicaGone(dead, "dead"))
+    assert sends(acts) == [("c-h1", "sp", False)] and of(acts, ev.Send)[0].message.tensors["latents"] == ref(1)
+    acts = core.handle(output("s1r0", 1, "sp", tensors={"latents": ref(2)}, finished=True))
+    assert sends(acts) == [("c-h1", "sp", False), ("c-h1", "sp", True)]
+    acts = core.handle(output("c-h1", 2, "sp", tensors={"audio": ref(3, "c-h1")}, sample_rate=16000,
+                              finished=True))
+    assert of(acts, ev.Finished)[0].outcome == "ok"
+    assert ev.Free("s1r0", "shm", (1, 2)) in acts                 # the latents sent twice are freed once
+
+
+def test_failure_after_partial_output_fails_and_aborts_what_is_left():
+    core = make_core(*ALL)
+    core.submit(chat())
+    core.handle(output("s0r0", 0, "r1", token_ids=ids("One. Tw")))            # the talker got "One."
+    core.topology.apply(TopologyEvent("UPDATED", [replica(0, "s0r0", state="DEAD")], 2))
+    acts = core.handle(ev.ReplicaGone(replica(0, "s0r0", state="DEAD"), "dead"))
+    assert [type(a) for a in acts] == [ev.Fail, ev.AbortStage, ev.AbortStage, ev.Finished], acts
+    err = acts[0].error
+    assert isinstance(err, StageFailed) and "stage 0 replica s0r0: replica is dead" in str(err)
+    assert of(acts, ev.AbortStage)[1] == ev.AbortStage("s1r0", ("r1", "r1/s1"))
+    assert acts[-1].outcome == "failed" and core.metrics.outcomes["failed"] == 1
+    # Outputs that were on their way are only freed.
+    late = core.handle(output("s1r0", 1, "r1/s1", tensors={"latents": ref(3)}))
+    assert late == [ev.Free("s1r0", "shm", (3,))]
+
+
+def test_stage_error_carries_its_kind():
+    core = make_core(*ALL)
+    core.submit(chat(modalities=("text",)))
+    acts = core.handle(ev.StageError("s0r0", 0, m.RequestError("r1", "prompt too long", 0, "s0r0", kind="client")))
+    err = of(acts, ev.Fail)[0].error
+    assert isinstance(err, StageFailed) and err.kind == errors.CLIENT and "prompt too long" in str(err)
+    assert of(acts, ev.AbortStage) == [ev.AbortStage("s0r0", ("r1",))]
+
+
+def test_client_abort_aborts_every_started_stage_and_frees_inputs():
+    core = make_core(*ALL)
+    core.submit(PipelineRequest(request_id="sp", text="A. B.", entry_stage=1, modalities=("audio",)))
+    core.handle(output("s1r0", 1, "sp", tensors={"latents": ref(1)}))
+    acts = core.handle(ev.Cancel("sp"))
+    assert of(acts, ev.AbortStage) == [ev.AbortStage("s1r0", ("sp",)), ev.AbortStage("s2r0", ("sp",))]
+    assert of(acts, ev.Free) == [ev.Free("s1r0", "shm", (1,))]     # latents sent to code2wav
+    assert of(acts, ev.Finished)[0].outcome == "aborted" and not of(acts, ev.Fail)
+    assert core.handle(ev.Cancel("sp")) == []                       # once only
+    assert core.metrics.outcomes == {"ok": 0, "aborted": 1, "failed": 0}
+
+
+def test_audio_without_a_sample_rate_fails_naming_the_stage():
+    core = make_core(*ALL)
+    core.submit(PipelineRequest(request_id="sp", text="Hi.", entry_stage=1, modalities=("audio",)))
+    core.handle(output("s1r0", 1, "sp", tensors={"latents": ref(1)}, finished=True))
+    acts = core.handle(output("s2r0", 2, "sp", tensors={"audio": ref(5, "s2r0")}))
+    assert "stage 2 (code2wav) sent audio without a sample rate" in str(of(acts, ev.Fail)[0].error)
