@@ -138,18 +138,14 @@ class VllmEngine(Engine):
             vllm_args.setdefault("enforce_eager", True)
         vllm_args.setdefault("disable_log_stats", True)
 
-        from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
-        try:
-            engine_args = EngineArgs(model=model_path, skip_tokenizer_init=True, **vllm_args)
-        except TypeError as e:
-            raise ConfigError(f"{stage.label}: vLLM engine_args: {e}") from None
         t0 = time.monotonic()
-        try:
-            vllm_config = engine_args.create_engine_config()
-        except (ValueError, TypeError) as e:
-            raise ConfigError(f"{stage.label}: vLLM refused the engine args: {e}") from None
+        engine_args, vllm_config = _engine_config(stage.label, model_path, vllm_args, skip_tokenizer=True)
+        if vllm_config.model_config.is_multimodal_model:
+            # vLLM's multi-modal processors need the tokenizer (to expand placeholders);
+            # outputs stay token ids (detokenize=False per request).
+            engine_args, vllm_config = _engine_config(stage.label, model_path, vllm_args, skip_tokenizer=False)
         from vllm.v1.executor import Executor
 
         self._llm = LLMEngine(vllm_config=vllm_config, executor_class=Executor.get_class(vllm_config),
@@ -364,6 +360,19 @@ class VllmEngine(Engine):
             self._client.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
         except Exception:
             logger.exception("%s: vLLM client shutdown", self.label)
+
+
+def _engine_config(label: str, model_path: str, vllm_args: dict[str, Any], skip_tokenizer: bool):
+    from vllm.engine.arg_utils import EngineArgs
+
+    try:
+        engine_args = EngineArgs(model=model_path, skip_tokenizer_init=skip_tokenizer, **vllm_args)
+    except TypeError as e:
+        raise ConfigError(f"{label}: vLLM engine_args: {e}") from None
+    try:
+        return engine_args, engine_args.create_engine_config()
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{label}: vLLM refused the engine args: {e}") from None
 
 
 def _describe_exit(proc) -> str:
