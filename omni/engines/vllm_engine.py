@@ -27,7 +27,10 @@ from concurrent.futures import Future, TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from omni.config import DeployConfig, StageConfig
+from omni.engines import vllm_mm
 from omni.engines.base import Engine, EngineError, EngineOutput, EngineRequest, SamplingParams
 from omni.errors import ConfigError
 
@@ -57,6 +60,7 @@ class EngineCoreDied(RuntimeError):
 class _Live:
     num_prompt_tokens: int
     started: bool = False
+    emit_prompt_ids: bool = False
 
 
 def engine_arg_names() -> set[str]:
@@ -142,10 +146,16 @@ class VllmEngine(Engine):
 
         t0 = time.monotonic()
         engine_args, vllm_config = _engine_config(stage.label, model_path, vllm_args, skip_tokenizer=True)
+        self._mm_tokens: vllm_mm.MmTokens | None = None
+        self._mm_limits: dict[str, int] = {}
         if vllm_config.model_config.is_multimodal_model:
             # vLLM's multi-modal processors need the tokenizer (to expand placeholders);
             # outputs stay token ids (detokenize=False per request).
+            tokens = vllm_mm.MmTokens.from_hf_config(vllm_config.model_config.hf_config)
+            vllm_mm.default_limits(vllm_args, {k for k in ("audio", "image", "video") if getattr(tokens, k) is not None})
             engine_args, vllm_config = _engine_config(stage.label, model_path, vllm_args, skip_tokenizer=False)
+            self._mm_tokens = tokens
+            self._mm_limits = dict(vllm_args["limit_mm_per_prompt"])
         from vllm.v1.executor import Executor
 
         self._llm = LLMEngine(vllm_config=vllm_config, executor_class=Executor.get_class(vllm_config),
@@ -199,8 +209,8 @@ class VllmEngine(Engine):
         if request.prompt_token_ids is None:
             raise EngineError(f"request {rid!r}: the vLLM stage takes prompt_token_ids (tokenization "
                               "happens in the frontends)")
-        if request.tensors:
-            raise EngineError(f"request {rid!r}: the vLLM stage takes no input tensors "
+        if request.tensors and self._mm_tokens is None:
+            raise EngineError(f"request {rid!r}: the vLLM stage takes no input tensors for this model "
                               f"(got {sorted(request.tensors)})")
         prompt = [int(t) for t in request.prompt_token_ids]
         if not prompt:
@@ -210,6 +220,9 @@ class VllmEngine(Engine):
             # An id outside the embedding table would crash the EngineCore, not the request.
             raise EngineError(f"request {rid!r}: token id {bad[0]} is outside the vocabulary "
                               f"[0, {self.vocab_size})")
+        vllm_prompt: dict[str, Any] = {"prompt_token_ids": prompt}
+        if self._mm_tokens is not None:
+            vllm_prompt, _ = vllm_mm.build_prompt(request, prompt, self._mm_tokens, self._mm_limits)
         p = request.sampling
         if p.max_tokens < 1:
             raise EngineError(f"request {rid!r}: max_tokens must be >= 1, got {p.max_tokens}")
@@ -218,14 +231,14 @@ class VllmEngine(Engine):
 
         try:
             params = to_vllm_sampling(p)
-            self._llm.add_request(rid, {"prompt_token_ids": prompt}, params)
+            self._llm.add_request(rid, vllm_prompt, params)
         except (ValueError, VLLMClientError) as e:   # vLLM's validation (prompt too long, bad top_p, ...)
             raise EngineError(f"request {rid!r}: {e}") from None
         except EngineDeadError:
             # Fails this request; the next step() reports the death (has_unfinished says so).
             self._dead = self._dead or "the EngineCore reported itself dead"
             raise EngineError(f"{self.label}: vLLM EngineCore died: {self._dead}") from None
-        self._live[rid] = _Live(len(prompt))
+        self._live[rid] = _Live(len(prompt), emit_prompt_ids=bool(request.extra.get("emit_prompt_ids")))
         self._prompt_tokens += len(prompt)
 
     def abort(self, request_id: str) -> None:
@@ -272,7 +285,11 @@ class VllmEngine(Engine):
             out = EngineOutput(request_id=r.request_id, token_ids=ids)
             if not live.started:
                 live.started = True
-                out.num_prompt_tokens = live.num_prompt_tokens
+                # vLLM's prompt: audio placeholders expanded to the audio tower's output length.
+                expanded = r.prompt_token_ids
+                out.num_prompt_tokens = len(expanded) if expanded else live.num_prompt_tokens
+                if live.emit_prompt_ids and expanded is not None:
+                    out.tensors = {"prompt_token_ids": torch.tensor(expanded, dtype=torch.int64)}
             if r.finished:
                 del self._live[r.request_id]
                 reason = str(c.finish_reason) if c is not None and c.finish_reason is not None else "stop"
