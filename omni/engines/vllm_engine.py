@@ -37,7 +37,9 @@ from omni.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 # Engine args omni itself understands (not vLLM's): CPU threads of the EngineCore.
-OMNI_ARGS = ("num_threads",)
+# mm_hidden_layer: capture hidden_states[k] at multi-modal prompt positions ("talker": the
+# model's talker_config.accept_hidden_layer), delivered as mm_hidden with the final output.
+OMNI_ARGS = ("num_threads", "mm_hidden_layer")
 # Env defaults for the EngineCore (read by vLLM at import and in its children).
 # Loopback for vLLM's own sockets: the EngineCore always sits next to its stage.
 ENV_DEFAULTS = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
@@ -148,6 +150,8 @@ class VllmEngine(Engine):
         engine_args, vllm_config = _engine_config(stage.label, model_path, vllm_args, skip_tokenizer=True)
         self._mm_tokens: vllm_mm.MmTokens | None = None
         self._mm_limits: dict[str, int] = {}
+        self._hidden = None   # a vllm_hidden.HiddenStatesReader while capture is on
+        self._held: dict[str, EngineOutput] = {}   # final outputs waiting for their hidden states
         if vllm_config.model_config.is_multimodal_model:
             # vLLM's multi-modal processors need the tokenizer (to expand placeholders);
             # outputs stay token ids (detokenize=False per request).
@@ -156,6 +160,12 @@ class VllmEngine(Engine):
             engine_args, vllm_config = _engine_config(stage.label, model_path, vllm_args, skip_tokenizer=False)
             self._mm_tokens = tokens
             self._mm_limits = dict(vllm_args["limit_mm_per_prompt"])
+            self._hidden = vllm_mm.enable_hidden_capture(stage.label, omni_args.get("mm_hidden_layer"),
+                                                         vllm_config.model_config.hf_config, vllm_args)
+            if self._hidden is not None:
+                engine_args, vllm_config = _engine_config(stage.label, model_path, vllm_args, skip_tokenizer=False)
+        elif omni_args.get("mm_hidden_layer") is not None:
+            raise ConfigError(f"{stage.label}: engine_args.mm_hidden_layer needs a multi-modal model")
         from vllm.v1.executor import Executor
 
         self._llm = LLMEngine(vllm_config=vllm_config, executor_class=Executor.get_class(vllm_config),
@@ -221,8 +231,9 @@ class VllmEngine(Engine):
             raise EngineError(f"request {rid!r}: token id {bad[0]} is outside the vocabulary "
                               f"[0, {self.vocab_size})")
         vllm_prompt: dict[str, Any] = {"prompt_token_ids": prompt}
+        n_audio = 0
         if self._mm_tokens is not None:
-            vllm_prompt, _ = vllm_mm.build_prompt(request, prompt, self._mm_tokens, self._mm_limits)
+            vllm_prompt, n_audio = vllm_mm.build_prompt(request, prompt, self._mm_tokens, self._mm_limits)
         p = request.sampling
         if p.max_tokens < 1:
             raise EngineError(f"request {rid!r}: max_tokens must be >= 1, got {p.max_tokens}")
@@ -231,6 +242,8 @@ class VllmEngine(Engine):
 
         try:
             params = to_vllm_sampling(p)
+            if n_audio and self._hidden is not None:
+                params.extra_args = vllm_mm.hidden_request_args()   # only prompts with audio pay for it
             self._llm.add_request(rid, vllm_prompt, params)
         except (ValueError, VLLMClientError) as e:   # vLLM's validation (prompt too long, bad top_p, ...)
             raise EngineError(f"request {rid!r}: {e}") from None
@@ -242,6 +255,9 @@ class VllmEngine(Engine):
         self._prompt_tokens += len(prompt)
 
     def abort(self, request_id: str) -> None:
+        if self._held.pop(request_id, None) is not None:
+            self._hidden.discard(request_id)
+            return   # vLLM is done with it
         if self._live.pop(request_id, None) is None:
             return
         self._aborts += 1
@@ -252,7 +268,8 @@ class VllmEngine(Engine):
 
     def has_unfinished(self) -> bool:
         # A dead EngineCore counts as work: the worker's next step() reports the death.
-        return bool(self._live) or self._dead is not None or self._client.resources.engine_dead
+        return (bool(self._live) or bool(self._held) or self._dead is not None
+                or self._client.resources.engine_dead)
 
     def num_waiting(self) -> int:
         return sum(1 for s in list(self._live.values()) if not s.started)
@@ -263,8 +280,9 @@ class VllmEngine(Engine):
     # ---- the step ----------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
         self._check_alive()
+        released = self._release_held() if self._held else []
         if not self._wait_for_outputs(STEP_WAIT_S):
-            return []
+            return released
         from vllm.v1.engine.exceptions import EngineDeadError
 
         try:
@@ -298,8 +316,26 @@ class VllmEngine(Engine):
                     out.finish_reason, out.error = "error", f"vLLM failed request {r.request_id}"
                 else:
                     out.finish_reason = reason if reason in ("stop", "length", "abort") else "stop"
+                path = (r.kv_transfer_params or {}).get("hidden_states_path")
+                if path and self._hidden is not None and out.error is None:
+                    self._hidden.expect(r.request_id, path)   # vLLM writes the file one step later
+                    self._held[r.request_id] = out
+                    continue
             outputs.append(out)
-        return outputs
+        return released + outputs
+
+    def _release_held(self) -> list[EngineOutput]:
+        out = []
+        for rid, rows in self._hidden.poll().items():
+            held = self._held.pop(rid, None)
+            if held is None:
+                continue
+            if isinstance(rows, str):
+                held.finish_reason, held.error = "error", rows
+            else:
+                held.tensors = {**held.tensors, "mm_hidden": rows}
+            out.append(held)
+        return out
 
     def _wait_for_outputs(self, timeout: float) -> bool:
         """True once the client's output queue holds something (we are its only reader)."""
@@ -377,6 +413,8 @@ class VllmEngine(Engine):
             self._client.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
         except Exception:
             logger.exception("%s: vLLM client shutdown", self.label)
+        if self._hidden is not None:
+            self._hidden.close()
 
 
 def _engine_config(label: str, model_path: str, vllm_args: dict[str, Any], skip_tokenizer: bool):

@@ -103,3 +103,37 @@ def build_prompt(request: EngineRequest, prompt: list[int], tokens: MmTokens,
     if audios:
         out["multi_modal_data"] = {"audio": [(a, AUDIO_SAMPLE_RATE) for a in audios]}
     return out, len(audios)
+
+
+def enable_hidden_capture(label: str, layer: Any, hf_config: Any, vllm_args: dict[str, Any]):
+    """Turn on hidden-state capture at `layer` (an int, or "talker": the talker's accept_hidden_layer);
+    returns the engine's HiddenStatesReader, or None when `layer` is None."""
+    if layer is None:
+        return None
+    from omni.errors import ConfigError
+
+    if layer == "talker":
+        layer = getattr(getattr(hf_config, "talker_config", None), "accept_hidden_layer", None)
+        if layer is None:
+            raise ConfigError(f"{label}: engine_args.mm_hidden_layer 'talker': the model has no "
+                              "talker_config.accept_hidden_layer")
+    c = getattr(hf_config, "thinker_config", hf_config)
+    n_layers = getattr(getattr(c, "text_config", c), "num_hidden_layers", None)
+    if isinstance(layer, bool) or not isinstance(layer, int) or not (n_layers is None or 0 <= layer < n_layers):
+        raise ConfigError(f"{label}: engine_args.mm_hidden_layer must be 'talker' or a layer index in "
+                          f"[0, {n_layers}), got {layer!r}")
+    taken = [k for k in ("speculative_config", "kv_transfer_config") if vllm_args.get(k) is not None]
+    if taken:
+        raise ConfigError(f"{label}: engine_args.mm_hidden_layer uses vLLM's {' and '.join(taken)}; "
+                          "remove them or mm_hidden_layer")
+    from omni.engines import vllm_hidden
+
+    reader = vllm_hidden.HiddenStatesReader()
+    vllm_args.update(vllm_hidden.engine_args(layer, str(reader.dir)))
+    return reader
+
+
+def hidden_request_args() -> dict[str, Any]:
+    from omni.engines import vllm_hidden
+
+    return {"kv_transfer_params": {vllm_hidden.PARAM: True}}
