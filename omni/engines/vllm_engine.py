@@ -6,6 +6,19 @@ monitors). Token ids go in and come out; tokenization stays in the frontends
 (`skip_tokenizer_init`). Each step() hands back the delta token ids that the
 EngineCore produced since the previous step.
 
+Multi-modal models (Qwen3-Omni: vLLM runs its thinker) load the tokenizer, which vLLM's
+processor needs to expand placeholders. Request contract (checked in vllm_mm.py):
+- `prompt_token_ids`: token ids, one `<|audio_start|><|audio_pad|><|audio_end|>` per audio
+  (the frontends tokenize; the single pad is expanded by vLLM to the audio tower's length).
+- `tensors["audio_<i>"]`: float32 mono waveform at 16 kHz, 1-D, i = 0.. in placeholder order.
+  Images and video are refused by name.
+- `extra["emit_prompt_ids"]`: the first output carries `tensors["prompt_token_ids"]` (int64),
+  the prompt as vLLM expanded it.
+- With `engine_args.mm_hidden_layer` (k, or "talker": the talker's accept_hidden_layer), the
+  final output of a prompt with audio carries `tensors["mm_hidden"]` (float, [n_audio_positions,
+  hidden]): transformers' `hidden_states[k]` at its `<|audio_pad|>` positions (vllm_hidden.py).
+  Text-only prompts capture nothing.
+
 Liveness: vLLM's monitor thread marks the client dead when the EngineCore
 process exits, but a blocked `get_output()` would then wait forever. So step()
 waits on the output queue itself, with a short bound, and checks for death on
