@@ -76,6 +76,7 @@ class _Live:
     num_prompt_tokens: int
     started: bool = False
     emit_prompt_ids: bool = False
+    hidden_name: str | None = None   # the mm_hidden file vLLM writes once the prefill is done
 
 
 def engine_arg_names() -> set[str]:
@@ -164,7 +165,6 @@ class VllmEngine(Engine):
         self._mm_tokens: vllm_mm.MmTokens | None = None
         self._mm_limits: dict[str, int] = {}
         self._hidden = None   # a vllm_hidden.HiddenStatesReader while capture is on
-        self._held: dict[str, EngineOutput] = {}   # final outputs waiting for their hidden states
         if vllm_config.model_config.is_multimodal_model:
             # vLLM's multi-modal processors need the tokenizer (to expand placeholders);
             # outputs stay token ids (detokenize=False per request).
@@ -255,8 +255,10 @@ class VllmEngine(Engine):
 
         try:
             params = to_vllm_sampling(p)
-            if n_audio and self._hidden is not None:
-                params.extra_args = vllm_mm.hidden_request_args()   # only prompts with audio pay for it
+            hidden_name = None
+            if n_audio and self._hidden is not None:   # only prompts with audio pay for it
+                hidden_name = self._hidden.new_name()
+                params.extra_args = vllm_mm.hidden_request_args(hidden_name)
             self._llm.add_request(rid, vllm_prompt, params)
         except (ValueError, VLLMClientError) as e:   # vLLM's validation (prompt too long, bad top_p, ...)
             raise EngineError(f"request {rid!r}: {e}") from None
@@ -264,15 +266,16 @@ class VllmEngine(Engine):
             # Fails this request; the next step() reports the death (has_unfinished says so).
             self._dead = self._dead or "the EngineCore reported itself dead"
             raise EngineError(f"{self.label}: vLLM EngineCore died: {self._dead}") from None
-        self._live[rid] = _Live(len(prompt), emit_prompt_ids=bool(request.extra.get("emit_prompt_ids")))
+        self._live[rid] = _Live(len(prompt), emit_prompt_ids=bool(request.extra.get("emit_prompt_ids")),
+                                hidden_name=hidden_name)
         self._prompt_tokens += len(prompt)
 
     def abort(self, request_id: str) -> None:
-        if self._held.pop(request_id, None) is not None:
-            self._hidden.discard(request_id)
-            return   # vLLM is done with it
-        if self._live.pop(request_id, None) is None:
+        live = self._live.pop(request_id, None)
+        if live is None:
             return
+        if live.hidden_name is not None and not live.started:
+            self._hidden.discard(live.hidden_name)
         self._aborts += 1
         try:
             self._llm.abort_request([request_id])
@@ -281,8 +284,7 @@ class VllmEngine(Engine):
 
     def has_unfinished(self) -> bool:
         # A dead EngineCore counts as work: the worker's next step() reports the death.
-        return (bool(self._live) or bool(self._held) or self._dead is not None
-                or self._client.resources.engine_dead)
+        return bool(self._live) or self._dead is not None or self._client.resources.engine_dead
 
     def num_waiting(self) -> int:
         return sum(1 for s in list(self._live.values()) if not s.started)
@@ -293,9 +295,8 @@ class VllmEngine(Engine):
     # ---- the step ----------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
         self._check_alive()
-        released = self._release_held() if self._held else []
         if not self._wait_for_outputs(STEP_WAIT_S):
-            return released
+            return []
         from vllm.v1.engine.exceptions import EngineDeadError
 
         try:
@@ -321,34 +322,31 @@ class VllmEngine(Engine):
                 out.num_prompt_tokens = len(expanded) if expanded else live.num_prompt_tokens
                 if live.emit_prompt_ids and expanded is not None:
                     out.tensors = {"prompt_token_ids": torch.tensor(expanded, dtype=torch.int64)}
+                if live.hidden_name is not None:
+                    self._attach_mm_hidden(out, live.hidden_name, r.finished)
             if r.finished:
-                del self._live[r.request_id]
+                self._live.pop(r.request_id, None)
                 reason = str(c.finish_reason) if c is not None and c.finish_reason is not None else "stop"
                 out.finished = True
-                if reason == "error":
+                if out.error is not None:
+                    pass
+                elif reason == "error":
                     out.finish_reason, out.error = "error", f"vLLM failed request {r.request_id}"
                 else:
                     out.finish_reason = reason if reason in ("stop", "length", "abort") else "stop"
-                path = (r.kv_transfer_params or {}).get("hidden_states_path")
-                if path and self._hidden is not None and out.error is None:
-                    self._hidden.expect(r.request_id, path)   # vLLM writes the file one step later
-                    self._held[r.request_id] = out
-                    continue
             outputs.append(out)
-        return released + outputs
+        return outputs
 
-    def _release_held(self) -> list[EngineOutput]:
-        out = []
-        for rid, rows in self._hidden.poll().items():
-            held = self._held.pop(rid, None)
-            if held is None:
-                continue
-            if isinstance(rows, str):
-                held.finish_reason, held.error = "error", rows
-            else:
-                held.tensors = {**held.tensors, "mm_hidden": rows}
-            out.append(held)
-        return out
+    def _attach_mm_hidden(self, out: EngineOutput, name: str, finished: bool) -> None:
+        """The file is complete before the first token leaves vLLM's worker (vllm_hidden.py)."""
+        rows = self._hidden.take(name)
+        if rows is not None:
+            out.tensors = {**out.tensors, "mm_hidden": rows}
+            return
+        if not finished:
+            self.abort(out.request_id)
+        out.finished, out.finish_reason = True, "error"
+        out.error = out.error or f"vLLM wrote no hidden states for request {out.request_id}"
 
     def _wait_for_outputs(self, timeout: float) -> bool:
         """True once the client's output queue holds something (we are its only reader)."""

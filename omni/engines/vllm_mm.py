@@ -133,7 +133,7 @@ def enable_hidden_capture(label: str, layer: Any, hf_config: Any, vllm_args: dic
     return reader
 
 
-def hidden_request_args() -> dict[str, Any]:
+def hidden_request_args(file_name: str) -> dict[str, Any]:
     from omni.engines import vllm_hidden
 
-    return {"kv_transfer_params": {vllm_hidden.PARAM: True}}
+    return {"kv_transfer_params": {vllm_hidden.PARAM: file_name}}

@@ -145,7 +145,7 @@ def test_text_only_greedy_ids_equal_transformers(served, reference):
     assert got["first"].tensors["prompt_token_ids"].tolist() == ids
     assert got["last"].finished and got["last"].finish_reason == "length"
     # Text-only prompts capture nothing, even with capture on.
-    assert "mm_hidden" not in got["last"].tensors
+    assert "mm_hidden" not in got["first"].tensors and "mm_hidden" not in got["last"].tensors
 
 
 def test_audio_prompt_greedy_ids_prompt_and_hidden_rows_equal_transformers(served, reference, tok, tiny):
@@ -161,8 +161,8 @@ def test_audio_prompt_greedy_ids_prompt_and_hidden_rows_equal_transformers(serve
     positions = [i for i, t in enumerate(expanded) if t == pad]
     assert len(positions) > 1
     k = reference.config.talker_config.accept_hidden_layer
-    rows = got["last"].tensors["mm_hidden"]
-    assert got["last"].finished and rows.shape == (len(positions), reference.config.thinker_config.text_config.hidden_size)
+    rows = first.tensors["mm_hidden"]   # with the first token: the talker can start at once
+    assert not first.finished and rows.shape == (len(positions), reference.config.thinker_config.text_config.hidden_size)
     torch.testing.assert_close(rows, hidden[k][0, positions], atol=1e-5, rtol=1e-5)
 
 
