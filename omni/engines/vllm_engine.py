@@ -15,7 +15,7 @@ processor needs to expand placeholders. Request contract (checked in vllm_mm.py)
 - `extra["emit_prompt_ids"]`: the first output carries `tensors["prompt_token_ids"]` (int64),
   the prompt as vLLM expanded it.
 - With `engine_args.mm_hidden_layer` (k, or "talker": the talker's accept_hidden_layer), the
-  final output of a prompt with audio carries `tensors["mm_hidden"]` (float, [n_audio_positions,
+  first output of a prompt with audio carries `tensors["mm_hidden"]` (float, [n_audio_positions,
   hidden]): transformers' `hidden_states[k]` at its `<|audio_pad|>` positions (vllm_hidden.py).
   Text-only prompts capture nothing.
 
@@ -51,7 +51,7 @@ logger = logging.getLogger(__name__)
 
 # Engine args omni itself understands (not vLLM's): CPU threads of the EngineCore.
 # mm_hidden_layer: capture hidden_states[k] at multi-modal prompt positions ("talker": the
-# model's talker_config.accept_hidden_layer), delivered as mm_hidden with the final output.
+# model's talker_config.accept_hidden_layer), delivered as mm_hidden with the first output.
 OMNI_ARGS = ("num_threads", "mm_hidden_layer")
 # Env defaults for the EngineCore (read by vLLM at import and in its children).
 # Loopback for vLLM's own sockets: the EngineCore always sits next to its stage.

@@ -62,7 +62,9 @@ def engine(tiny):
     torch.set_num_threads(1)
     stage = StageConfig(stage_id=0, engine="vllm", engine_args={
         "num_threads": 1, "dtype": "float32", "max_model_len": 1024, "max_num_seqs": 4,
-        "kv_cache_memory_bytes": 128 * 2**20, "mm_hidden_layer": "talker"})
+        "kv_cache_memory_bytes": 128 * 2**20, "mm_hidden_layer": "talker",
+        # Small blocks and step budget: the audio prompt spans blocks and its prefill takes two steps.
+        "block_size": 32, "max_num_batched_tokens": 32})
     eng = VllmEngine(DeployConfig(model=tiny, stages=(stage,)), stage)
     yield eng
     eng.shutdown()
@@ -128,7 +130,8 @@ def served(engine, tok):
     """One batch: a text-only prompt and an audio prompt, served together."""
     text_ids = _chat_ids(tok, QUESTION)
     audio_ids = _chat_ids(tok, [{"type": "audio"}, {"type": "text", "text": "What is this sound?"}])
-    audio = _tone(1.0, 440.0, seed=0)   # a multiple of the 160-sample hop: no padding on either side
+    # 3 s (a multiple of the 160-sample hop: no padding on either side): 39 audio positions.
+    audio = _tone(3.0, 440.0, seed=0)
     sp = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     got = run(engine, [
         EngineRequest(request_id="text", prompt_token_ids=text_ids, sampling=sp, extra={"emit_prompt_ids": True}),
@@ -159,7 +162,8 @@ def test_audio_prompt_greedy_ids_prompt_and_hidden_rows_equal_transformers(serve
     assert first.num_prompt_tokens == len(expanded)
     pad = tok.convert_tokens_to_ids("<|audio_pad|>")
     positions = [i for i, t in enumerate(expanded) if t == pad]
-    assert len(positions) > 1
+    # Spans two KV blocks (block_size 32) and a two-step prefill (32 tokens a step).
+    assert len(expanded) > 32 and positions[0] < 32 <= positions[-1]
     k = reference.config.talker_config.accept_hidden_layer
     rows = first.tensors["mm_hidden"]   # with the first token: the talker can start at once
     assert not first.finished and rows.shape == (len(positions), reference.config.thinker_config.text_config.hidden_size)
