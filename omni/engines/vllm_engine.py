@@ -168,21 +168,25 @@ class VllmEngine(Engine):
         if vllm_config.model_config.is_multimodal_model:
             # vLLM's multi-modal processors need the tokenizer (to expand placeholders);
             # outputs stay token ids (detokenize=False per request).
-            tokens = vllm_mm.MmTokens.from_hf_config(vllm_config.model_config.hf_config)
-            vllm_mm.default_limits(vllm_args, {k for k in ("audio", "image", "video") if getattr(tokens, k) is not None})
+            hf_config = vllm_config.model_config.hf_config
+            tokens = vllm_mm.MmTokens.from_hf_config(hf_config)
+            vllm_mm.default_limits(vllm_args, tokens.modalities())
+            self._hidden = vllm_mm.enable_hidden_capture(stage.label, omni_args.get("mm_hidden_layer"), hf_config,
+                                                         vllm_args)
             engine_args, vllm_config = _engine_config(stage.label, model_path, vllm_args, skip_tokenizer=False)
             self._mm_tokens = tokens
             self._mm_limits = dict(vllm_args["limit_mm_per_prompt"])
-            self._hidden = vllm_mm.enable_hidden_capture(stage.label, omni_args.get("mm_hidden_layer"),
-                                                         vllm_config.model_config.hf_config, vllm_args)
-            if self._hidden is not None:
-                engine_args, vllm_config = _engine_config(stage.label, model_path, vllm_args, skip_tokenizer=False)
         elif omni_args.get("mm_hidden_layer") is not None:
             raise ConfigError(f"{stage.label}: engine_args.mm_hidden_layer needs a multi-modal model")
         from vllm.v1.executor import Executor
 
-        self._llm = LLMEngine(vllm_config=vllm_config, executor_class=Executor.get_class(vllm_config),
-                              log_stats=not engine_args.disable_log_stats, multiprocess_mode=True)
+        try:
+            self._llm = LLMEngine(vllm_config=vllm_config, executor_class=Executor.get_class(vllm_config),
+                                  log_stats=not engine_args.disable_log_stats, multiprocess_mode=True)
+        except BaseException:
+            if self._hidden is not None:
+                self._hidden.close()
+            raise
         self._client = self._llm.engine_core
         self.load_seconds = time.monotonic() - t0
         mc = vllm_config.model_config

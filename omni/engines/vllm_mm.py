@@ -37,6 +37,9 @@ class MmTokens:
     image: int | None = None
     video: int | None = None
 
+    def modalities(self) -> set[str]:
+        return {k for k in ("audio", "image", "video") if getattr(self, k) is not None}
+
     @classmethod
     def from_hf_config(cls, hf_config: Any) -> MmTokens:
         c = getattr(hf_config, "thinker_config", hf_config)

@@ -166,7 +166,8 @@ def test_audio_prompt_greedy_ids_prompt_and_hidden_rows_equal_transformers(serve
     assert len(expanded) > 32 and positions[0] < 32 <= positions[-1]
     k = reference.config.talker_config.accept_hidden_layer
     rows = first.tensors["mm_hidden"]   # with the first token: the talker can start at once
-    assert not first.finished and rows.shape == (len(positions), reference.config.thinker_config.text_config.hidden_size)
+    hidden_size = reference.config.thinker_config.text_config.hidden_size
+    assert not first.finished and rows.shape == (len(positions), hidden_size)
     torch.testing.assert_close(rows, hidden[k][0, positions], atol=1e-5, rtol=1e-5)
 
 
