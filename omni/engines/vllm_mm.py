@@ -8,6 +8,8 @@ The request contract (see VllmEngine's docstring for the whole of it):
   order of their placeholders. Images and video are refused by name.
 - `extra["emit_prompt_ids"]`: the first output carries `tensors["prompt_token_ids"]` (int64), the
   prompt as vLLM expanded it (the talker needs the audio positions).
+- With `engine_args.mm_hidden_layer`, the first output of a prompt with audio also carries
+  `tensors["mm_hidden"]` (vllm_hidden.py).
 """
 
 from __future__ import annotations
