@@ -91,6 +91,19 @@ def test_health_models_and_metrics(server):
     assert "omni_pipeline_requests_total" in metrics
 
 
+def pipeline_outcomes(url: str) -> dict[str, float]:
+    lines = [x for x in httpx.get(f"{url}/metrics").text.splitlines() if x.startswith("omni_pipeline_requests_total{")]
+    return {o: sum(float(x.rsplit(" ", 1)[1]) for x in lines if f'outcome="{o}"' in x) for o in ("ok", "aborted", "failed")}
+
+
+def test_a_completed_request_counts_as_ok(server):
+    """Issue 16: every HTTP 200 was counted as a failed pipeline request (and aborted in every stage)."""
+    _, url = server
+    before = pipeline_outcomes(url)
+    assert chat(url, max_tokens=4).status_code == 200
+    assert pipeline_outcomes(url) == {**before, "ok": before["ok"] + 1}
+
+
 @pytest.mark.parametrize("body, status", [
     ({"model": "nope", "messages": QUESTION}, 404),
     ({"model": MODEL, "messages": QUESTION, "max_tokens": 0}, 400),
