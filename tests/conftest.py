@@ -4,6 +4,20 @@ or in a test's finalizer). They are listed loudly and killed, so one run never l
 from __future__ import annotations
 
 import os
+import uuid
+
+# Every process this session starts inherits the tag, so the sweep below touches only ours,
+# never another test run's (or a deployment's) on the same machine.
+SESSION_TAG = f"OMNI_TEST_SESSION={uuid.uuid4().hex}"
+os.environ["OMNI_TEST_SESSION"] = SESSION_TAG.split("=", 1)[1]
+
+
+def _ours(p) -> bool:
+    try:
+        with open(f"/proc/{p.pid}/environ", "rb") as f:
+            return SESSION_TAG.encode() in f.read().split(b"\0")
+    except OSError:
+        return False
 
 
 def _omni_orphans() -> list:
@@ -13,7 +27,7 @@ def _omni_orphans() -> list:
     found = []
     for p in psutil.process_iter(["pid", "ppid", "cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
-        if p.info["pid"] != me and p.info["ppid"] == 1 and ("omni.children" in cmd or "omni.cli" in cmd):
+        if p.info["pid"] != me and p.info["ppid"] == 1 and ("omni" in cmd or "VLLM" in cmd) and _ours(p):
             found.append(p)
     return found
 
