@@ -102,7 +102,7 @@ def drive(engine, feeds: dict[str, list[EngineRequest]], on_output=None, limit: 
     outs: dict[str, list] = {rid: [] for rid in feeds}
     queues = {rid: list(pieces) for rid, pieces in feeds.items()}
     for _ in range(limit):
-        for rid, q in queues.items():
+        for q in queues.values():
             if q:
                 piece = q.pop(0)
                 if piece is not None:     # None: nothing arrives for this request at this step
