@@ -52,3 +52,79 @@ def wav_bytes(pcm_f32: Any, sample_rate: int) -> bytes:
     """A complete mono 16-bit PCM WAV file."""
     data = pcm16_bytes(pcm_f32)
     return wav_header(sample_rate, len(data) // 2) + data
+
+
+# ---------------------------------------------------------------- decoding (audio input)
+
+_PCM, _FLOAT, _EXTENSIBLE = 1, 3, 0xFFFE
+
+
+def read_wav(data: bytes) -> tuple[np.ndarray, int]:
+    """A RIFF/WAVE file -> (float32 mono samples in [-1, 1], sample rate). Integer PCM (8/16/24/32
+    bit) and IEEE float (32/64 bit), any channel count (averaged). ValueError names what is wrong."""
+    if len(data) < 12 or data[:4] != b"RIFF" or data[8:12] != b"WAVE":
+        raise ValueError("not a WAV file (no RIFF/WAVE header)")
+    fmt = None
+    pos = 12
+    while pos + 8 <= len(data):
+        cid, size = data[pos:pos + 4], struct.unpack_from("<I", data, pos + 4)[0]
+        body = data[pos + 8:pos + 8 + size]
+        if cid == b"fmt ":
+            if len(body) < 16:
+                raise ValueError("WAV fmt chunk is too short")
+            tag, channels, rate, _, _, bits = struct.unpack_from("<HHIIHH", body)
+            if tag == _EXTENSIBLE and len(body) >= 26:
+                tag = struct.unpack_from("<H", body, 24)[0]
+            fmt = (tag, channels, rate, bits)
+        elif cid == b"data":
+            if fmt is None:
+                raise ValueError("WAV data chunk comes before its fmt chunk")
+            return _decode_samples(body, *fmt)
+        pos += 8 + size + (size & 1)
+    raise ValueError("WAV file has no data chunk")
+
+
+def _decode_samples(body: bytes, tag: int, channels: int, rate: int, bits: int) -> tuple[np.ndarray, int]:
+    if channels < 1 or rate < 1:
+        raise ValueError(f"WAV header says {channels} channels at {rate} Hz")
+    width = bits // 8
+    usable = len(body) - len(body) % (width * channels) if width else 0
+    body = body[:usable]
+    if tag == _PCM and bits == 8:
+        a = (np.frombuffer(body, np.uint8).astype(np.float32) - 128.0) / 128.0
+    elif tag == _PCM and bits in (16, 32):
+        a = np.frombuffer(body, f"<i{width}").astype(np.float32) / float(2 ** (bits - 1))
+    elif tag == _PCM and bits == 24:
+        b = np.frombuffer(body, np.uint8).reshape(-1, 3).astype(np.int32)
+        v = b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16)
+        a = (np.where(v >= 1 << 23, v - (1 << 24), v)).astype(np.float32) / float(1 << 23)
+    elif tag == _FLOAT and bits in (32, 64):
+        a = np.frombuffer(body, f"<f{width}").astype(np.float32)
+    else:
+        raise ValueError(f"WAV encoding (format tag {tag}, {bits} bits) is not supported: "
+                         "use integer PCM or 32/64-bit float")
+    a = a.reshape(-1, channels).mean(axis=1) if channels > 1 else a
+    if not np.isfinite(a).all():
+        raise ValueError("WAV samples are not finite")
+    return np.ascontiguousarray(a, dtype=np.float32), rate
+
+
+def resample(x: np.ndarray, rate_in: int, rate_out: int, half_taps: int = 16) -> np.ndarray:
+    """Band-limited resampling (Hann-windowed sinc, cut off below the lower Nyquist), evaluated
+    directly at each output instant; blocks keep the working memory small."""
+    if rate_in == rate_out or x.size == 0:
+        return x.astype(np.float32, copy=False)
+    ratio = rate_out / rate_in
+    cutoff = min(1.0, ratio) * 0.97
+    width = int(np.ceil(half_taps / cutoff))
+    offs = np.arange(-width + 1, width + 1)
+    n_out = int(round(x.size * ratio))
+    out = np.empty(n_out, np.float32)
+    for start in range(0, n_out, 16384):
+        t = np.arange(start, min(n_out, start + 16384)) / ratio      # instants in input samples
+        idx = np.floor(t).astype(np.int64)[:, None] + offs[None, :]
+        d = t[:, None] - idx
+        w = cutoff * np.sinc(cutoff * d) * (0.5 + 0.5 * np.cos(np.pi * np.clip(d / width, -1.0, 1.0)))
+        taps = np.where((idx >= 0) & (idx < x.size), x[np.clip(idx, 0, x.size - 1)], 0.0)
+        out[start:start + t.size] = (taps * w).sum(axis=1)
+    return out

@@ -70,6 +70,9 @@ class PipelineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     stall_timeout_s: float = 60.0
     # Stage that /v1/audio/speech enters at (None: the pipeline has no speech).
     speech_entry_stage: int | None = None
+    # The model's own speakers (chat `audio.voice`, any case); empty: the voice store's voices.
+    voices: tuple[str, ...] = ()
+    default_voice: str | None = None
 
 
 class DeployConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -147,6 +147,8 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
         frontend_index=index,
         max_model_len=_max_model_len(config),
         speech_entry_stage=config.pipeline.speech_entry_stage,
+        audio_out=config.final_stage("audio") is not None,
+        speakers=tuple(config.pipeline.voices), default_voice=config.pipeline.default_voice,
         voices=MasterVoiceStore(amaster) if config.pipeline.speech_entry_stage is not None else None,
         api_key=api_key,
         control_api_key=control_api_key,

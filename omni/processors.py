@@ -28,6 +28,8 @@ class StageInput:
     # A piece the next stage can take at once (not held back to be marked final);
     # the orchestrator then closes the request with an empty piece marked final.
     stream: bool = False
+    # Client input tensors carried in the request itself (entry stage: audio in a chat message).
+    inline: dict[str, Any] = field(default_factory=dict)
 
 
 class Context(Protocol):

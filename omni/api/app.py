@@ -30,12 +30,14 @@ def build_app(orchestrator: OrchestratorLike, tokenizer: Any, *, served_model_na
               model_aliases=(), frontend_index: int = 0, max_model_len: int, default_max_tokens: int = 256,
               max_tokens_limit: int | None = None, speech_entry_stage: int | None = None, voices=None,
               api_key: str | None = None, default_temperature: float = 1.0, jobs: Jobs | None = None,
-              control_api_key: str | None = None, control_routes: bool = True) -> Starlette:
+              control_api_key: str | None = None, control_routes: bool = True, audio_out: bool | None = None,
+              speakers: tuple[str, ...] = (), default_voice: str | None = None) -> Starlette:
     """`jobs`: the async job routes' state (master KV + shared result dir); in memory when None."""
     fe = FrontendState(orchestrator, tokenizer, served_model_name=served_model_name, model_aliases=model_aliases,
                        frontend_index=frontend_index, max_model_len=max_model_len,
                        default_max_tokens=default_max_tokens, max_tokens_limit=max_tokens_limit,
-                       speech_entry_stage=speech_entry_stage, voices=voices, default_temperature=default_temperature)
+                       speech_entry_stage=speech_entry_stage, voices=voices, default_temperature=default_temperature,
+                       audio_out=audio_out, speakers=speakers, default_voice=default_voice)
     jobs = jobs if jobs is not None else Jobs(frontend_index=frontend_index)
     families = {"text": TextRoutes(fe), "speech": SpeechRoutes(fe), "voices": VoiceRoutes(fe),
                 "control": ControlRoutes(fe), "jobs": jobs, "admin": AdminRoutes(fe)}

@@ -14,9 +14,15 @@ import msgspec
 from omni.api.errors import APIError, bad_request
 
 
+class InputAudio(msgspec.Struct):
+    data: str                 # base64 of the file
+    format: str = "wav"
+
+
 class ContentPart(msgspec.Struct):
     type: str
     text: str | None = None
+    input_audio: InputAudio | None = None
 
 
 class ChatMessage(msgspec.Struct):
@@ -145,8 +151,10 @@ def stop_list(stop: str | list[str] | None) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop)
 
 
-def chat_messages(req: ChatCompletionRequest) -> list[dict]:
-    """The messages as plain dicts for the chat template (text parts joined)."""
+def chat_messages(req: ChatCompletionRequest, audios: list | None = None) -> list[dict]:
+    """The messages as plain dicts for the chat template (text parts joined). `input_audio` parts
+    become `{"type": "audio"}` parts in place (the template draws the placeholder) and their
+    payloads are appended to `audios` as (param path, InputAudio); without `audios` they are refused."""
     if not req.messages:
         raise bad_request("messages must not be empty", param="messages")
     out = []
@@ -159,16 +167,24 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
         elif isinstance(m.content, str):
             text = m.content
         else:
-            parts = []
+            parts, has_audio = [], False
             for j, p in enumerate(m.content):
+                where = f"messages[{i}].content[{j}]"
+                if p.type == "input_audio" and audios is not None:
+                    if p.input_audio is None:
+                        raise bad_request(f"{where} has no input_audio", param=f"{where}.input_audio")
+                    audios.append((f"{where}.input_audio", p.input_audio))
+                    parts.append({"type": "audio"})
+                    has_audio = True
+                    continue
                 if p.type != "text":
-                    raise bad_request(f"messages[{i}].content[{j}].type `{p.type}` is not supported; "
-                                      "only text parts", param=f"messages[{i}].content[{j}].type")
+                    supported = "text and input_audio parts" if audios is not None else "only text parts"
+                    raise bad_request(f"{where}.type `{p.type}` is not supported; {supported}",
+                                      param=f"{where}.type")
                 if p.text is None:
-                    raise bad_request(f"messages[{i}].content[{j}] has no text",
-                                      param=f"messages[{i}].content[{j}].text")
-                parts.append(p.text)
-            text = "\n".join(parts)
+                    raise bad_request(f"{where} has no text", param=f"{where}.text")
+                parts.append({"type": "text", "text": p.text})
+            text = parts if has_audio else "\n".join(q["text"] for q in parts)
         d = {"role": "system" if m.role == "developer" else m.role, "content": text}
         if m.name is not None:
             d["name"] = m.name

@@ -4,12 +4,16 @@ the model's limits, and the checks built on them (model name, token ids, max_tok
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import concurrent.futures
+import struct
 import time
 from typing import Any
 
 from starlette.requests import Request
 
+from omni import audio
 from omni.api.detok import decoder_for
 from omni.api.errors import APIError, bad_request
 from omni.api.metrics import FrontendMetrics
@@ -17,18 +21,23 @@ from omni.api.voices import InMemoryVoiceStore
 from omni.engines.base import SamplingParams
 from omni.errors import NotFound
 from omni.orchestrator.types import OrchestratorLike
+from omni.stage.messages import InlineTensor
 
 # Prompts longer than this (characters) are templated/tokenized on a worker thread so
 # the event loop keeps serving other streams. Measured with the SmolLM2 tokenizer: template +
 # encode ~0.3 ms at 100 chars, ~3 ms at 2 k, ~56 ms at 20 k; a thread hop costs ~0.13 ms.
 OFFLOAD_CHARS = 1024
+# The thinker's audio tower takes 16 kHz; longer audio is refused before decoding work piles up.
+AUDIO_IN_RATE = 16000
+MAX_AUDIO_SECONDS = 600
 
 
 class FrontendState:
     def __init__(self, orchestrator: OrchestratorLike, tokenizer: Any, *, served_model_name: str,
                  model_aliases, frontend_index: int, max_model_len: int, default_max_tokens: int,
                  max_tokens_limit: int | None, speech_entry_stage: int | None, voices,
-                 default_temperature: float):
+                 default_temperature: float, audio_out: bool | None = None, speakers: tuple[str, ...] = (),
+                 default_voice: str | None = None):
         self.orch = orchestrator
         self.tokenizer = tokenizer
         self.model = served_model_name
@@ -40,6 +49,17 @@ class FrontendState:
         self.speech_stage = speech_entry_stage
         self.voices = voices if voices is not None or speech_entry_stage is None else InMemoryVoiceStore()
         self.default_temperature = default_temperature
+        # Audio out through chat: a pipeline with an audio stage (a speech entry implies one).
+        self.audio_out = speech_entry_stage is not None if audio_out is None else audio_out
+        # The model's own speakers (Qwen3-Omni: chelsie, ethan, aiden), matched in any case;
+        # empty: voices come from the voice store (Piper voices and presets).
+        self.speakers = tuple(s.lower() for s in speakers)
+        if self.speakers:
+            self.default_voice = (default_voice or self.speakers[0]).lower()
+        else:
+            self.default_voice = default_voice or "joe"
+        token = getattr(tokenizer, "audio_token", None) if tokenizer is not None else None
+        self.audio_token_id = tokenizer.convert_tokens_to_ids(token) if token else None
         self.metrics = FrontendMetrics(frontend_index)
         # tokenizer None: a pipeline without a text model (speech only); text routes answer 404.
         self.decode = decoder_for(tokenizer) if tokenizer is not None else (lambda ids: "")
@@ -113,7 +133,13 @@ class FrontendState:
 
     async def voice(self, name: str | None, speed: float = 1.0) -> dict:
         """Resolve a voice (maybe a preset) to what the speech stage needs: a base voice and speed."""
-        name = name or "joe"
+        if self.speakers:
+            key = (name or self.default_voice).lower()
+            if key not in self.speakers:
+                raise bad_request(f"voice `{name}` does not exist; available: {', '.join(self.speakers)}",
+                                  param="audio.voice")
+            return {"voice": key}
+        name = name or self.default_voice
         if self.voices is None:
             raise bad_request(f"voice `{name}` does not exist; this pipeline has no voices", param="voice")
         get = getattr(self.voices, "get", None)
@@ -131,12 +157,53 @@ class FrontendState:
                               param="voice")
         return {"voice": v["base"], "speed": speed * float(v.get("speed", 1.0)), "voice_name": name}
 
+    # ---- audio input (chat `input_audio` parts)
+
+    def need_audio_in(self) -> None:
+        if self.audio_token_id is None:
+            raise bad_request("input_audio parts are not supported: this model takes no audio input",
+                              param="messages")
+
+    def audio_inputs(self, audios: list) -> dict:
+        """(param path, InputAudio) pairs -> the thinker's inline inputs `audio_<i>`: float32 mono at
+        16 kHz. Runs on the tokenizer thread (decoding and resampling are CPU work)."""
+        inputs = {}
+        for i, (where, ia) in enumerate(audios):
+            if ia.format.lower() != "wav":
+                raise bad_request(f"{where}.format `{ia.format}` is not supported (wav)", param=f"{where}.format")
+            try:
+                raw = base64.b64decode(ia.data, validate=True)
+            except (binascii.Error, ValueError):
+                raise bad_request(f"{where}.data is not valid base64", param=f"{where}.data") from None
+            try:
+                samples, rate = audio.read_wav(raw)
+            except (ValueError, struct.error) as e:
+                raise bad_request(f"{where}.data is not decodable audio: {e}", param=f"{where}.data") from None
+            if samples.size == 0:
+                raise bad_request(f"{where}.data holds no samples", param=f"{where}.data")
+            if samples.size / rate > MAX_AUDIO_SECONDS:
+                raise bad_request(f"{where} is {samples.size / rate:.0f} s long; the limit is {MAX_AUDIO_SECONDS} s",
+                                  param=f"{where}.data")
+            pcm = audio.resample(samples, rate, AUDIO_IN_RATE)
+            inputs[f"audio_{i}"] = InlineTensor("float32", (int(pcm.size),), pcm.astype("<f4").tobytes())
+        return inputs
+
+    def check_audio_placeholders(self, prompt_ids: list[int], n: int) -> None:
+        found = sum(1 for t in prompt_ids if t == self.audio_token_id)
+        if found != n:
+            raise bad_request(f"the chat template placed {found} audio placeholder(s) for {n} input_audio part(s)",
+                              param="messages")
+
     def t0(self, request: Request) -> float:
         return request.scope.get("omni.t0", time.monotonic())
 
     # ---- text routes
 
     def need_speech(self) -> None:
+        if self.speech_stage is None and self.audio_out:
+            raise bad_request("/v1/audio/speech is not available for this pipeline: its talker speaks the "
+                              "thinker's answer and has no text-to-speech entry; use /v1/chat/completions with "
+                              '"modalities": ["text", "audio"]', param="input")
         if self.speech_stage is None:
             raise APIError(404, "this pipeline has no speech output (no talker stage)", type="not_found_error")
 

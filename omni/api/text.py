@@ -39,12 +39,13 @@ class TextRoutes:
         req = P.decode_body(await request.body(), P.ChatCompletionRequest)
         self.fe.check_model(req.model)
         P.check_sampling(req)
-        messages = P.chat_messages(req)
+        audios: list = []
+        messages = P.chat_messages(req, audios)
         modalities = tuple(req.modalities or ("text",))
         for m in modalities:
             if m not in ("text", "audio"):
                 raise bad_request(f"modality `{m}` is not supported (text, audio)", param="modalities")
-            if m == "audio" and self.fe.speech_stage is None:
+            if m == "audio" and not self.fe.audio_out:
                 raise bad_request("modality `audio` is not available: this pipeline has no speech stage",
                                   param="modalities")
         extra: dict = {}
@@ -53,14 +54,22 @@ class TextRoutes:
             if fmt not in ("wav", "pcm16"):
                 raise bad_request(f"audio.format `{fmt}` is not supported (wav, pcm16)", param="audio.format")
             extra = await self.fe.voice(req.audio.voice if req.audio else None)
-        heavy = sum(len(m["content"]) for m in messages) > OFFLOAD_CHARS
+        inputs = {}
+        if audios:
+            self.fe.need_audio_in()
+            inputs = await self.fe.offload(True, self.fe.audio_inputs, audios)   # decode + resample
+            extra["num_audio_inputs"] = len(inputs)
+        heavy = sum(len(str(m["content"])) for m in messages) > OFFLOAD_CHARS
         prompt_ids = await self.fe.offload(heavy, self.fe.render_chat, messages)
+        if audios:
+            self.fe.check_audio_placeholders(prompt_ids, len(audios))
         if req.max_completion_tokens is not None:
             mt = self.fe.max_tokens(req.max_completion_tokens, len(prompt_ids), "max_completion_tokens", "messages")
         else:
             mt = self.fe.max_tokens(req.max_tokens, len(prompt_ids), "max_tokens", "messages")
         preq = PipelineRequest(request_id=f"chatcmpl-{uuid.uuid4().hex}", prompt_token_ids=prompt_ids,
-                               sampling=self.fe.sampling(req, mt), modalities=modalities, extra=extra)
+                               sampling=self.fe.sampling(req, mt), modalities=modalities, extra=extra,
+                               inputs=inputs)
         gen = Generation(self.fe.orch, preq, decode=self.fe.decode, prompt_ids=prompt_ids,
                          stops=P.stop_list(req.stop), metrics=self.fe.metrics, route="/v1/chat/completions",
                          t0=self.fe.t0(request))
@@ -166,7 +175,7 @@ class TextRoutes:
             raise bad_request("send exactly one of `prompt` and `messages`", param="prompt")
         if req.messages is not None:
             messages = P.chat_messages(req)
-            ids = await self.fe.offload(sum(len(m["content"]) for m in messages) > OFFLOAD_CHARS,
+            ids = await self.fe.offload(sum(len(str(m["content"])) for m in messages) > OFFLOAD_CHARS,
                                       self.fe.render_chat, messages)
         else:
             ids = list(await self.fe.offload(len(req.prompt) > OFFLOAD_CHARS, self.fe.encode, req.prompt,

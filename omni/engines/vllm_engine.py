@@ -52,7 +52,8 @@ logger = logging.getLogger(__name__)
 # Engine args omni itself understands (not vLLM's): CPU threads of the EngineCore.
 # mm_hidden_layer: capture hidden_states[k] at multi-modal prompt positions ("talker": the
 # model's talker_config.accept_hidden_layer), delivered as mm_hidden with the first output.
-OMNI_ARGS = ("num_threads", "mm_hidden_layer")
+# emit_prompt_ids: every request's first output carries its prompt ids (as extra.emit_prompt_ids does).
+OMNI_ARGS = ("num_threads", "mm_hidden_layer", "emit_prompt_ids")
 # Env defaults for the EngineCore (read by vLLM at import and in its children).
 # Loopback for vLLM's own sockets: the EngineCore always sits next to its stage.
 ENV_DEFAULTS = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
@@ -147,6 +148,7 @@ class VllmEngine(Engine):
 
         self.label = stage.label
         vllm_args, omni_args = split_engine_args(stage.label, dict(stage.engine_args))
+        self._emit_prompt_ids = bool(omni_args.get("emit_prompt_ids", False))
         model_path = resolve_model(stage.model or config.model)
         from vllm.platforms import current_platform
 
@@ -270,7 +272,7 @@ class VllmEngine(Engine):
             # Fails this request; the next step() reports the death (has_unfinished says so).
             self._dead = self._dead or "the EngineCore reported itself dead"
             raise EngineError(f"{self.label}: vLLM EngineCore died: {self._dead}") from None
-        self._live[rid] = _Live(len(prompt), emit_prompt_ids=bool(request.extra.get("emit_prompt_ids")),
+        self._live[rid] = _Live(len(prompt), emit_prompt_ids=bool(request.extra.get("emit_prompt_ids", self._emit_prompt_ids)),
                                 hidden_name=hidden_name)
         self._prompt_tokens += len(prompt)
 

@@ -80,7 +80,8 @@ class OrchestratorCore:
     @staticmethod
     def entry_input(req: PipelineRequest) -> procs.StageInput:
         """What the entry stage gets: the prompt's token ids or text (the place for new request inputs)."""
-        return procs.StageInput(token_ids=req.prompt_token_ids, text=req.text, extra=dict(req.extra))
+        return procs.StageInput(token_ids=req.prompt_token_ids, text=req.text, extra=dict(req.extra),
+                                inline=dict(req.inputs))
 
     def handle(self, event: ev.Event) -> list[ev.Action]:
         self._out = []
@@ -314,7 +315,8 @@ class OrchestratorCore:
         out_transport, out_tensors = self._out_route(state, stage)
         msg = m.AddRequest(request_id=erid, prompt_token_ids=inp.token_ids, text=inp.text,
                            sampling=state.req.sampling, tensors=dict(inp.tensors), extra=extra,
-                           out_transport=out_transport, out_tensors=out_tensors, sent_at=time.time())
+                           out_transport=out_transport, out_tensors=out_tensors, sent_at=time.time(),
+                           inline=dict(inp.inline))
         st.started = True
         st.open.add(erid)
         st.sent.setdefault(erid, []).append((inp, final))

@@ -7,6 +7,7 @@ from typing import AsyncIterator, Protocol
 import msgspec
 
 from omni.engines.base import SamplingParams
+from omni.stage.messages import InlineTensor
 
 
 class PipelineRequest(msgspec.Struct, kw_only=True):
@@ -22,6 +23,8 @@ class PipelineRequest(msgspec.Struct, kw_only=True):
     entry_stage: int = 0
     extra: dict = {}
     timeout_s: float | None = None
+    # Client input tensors for the entry stage (e.g. "audio_0": 16 kHz float32), carried inline.
+    inputs: dict[str, InlineTensor] = {}
 
 
 class PipelineOutput(msgspec.Struct, kw_only=True):

@@ -22,6 +22,14 @@ class Hello(msgspec.Struct, frozen=True, tag="hello"):
     host: str = "127.0.0.1"
 
 
+class InlineTensor(msgspec.Struct, frozen=True):
+    """A client's input tensor (audio in a chat message) carried in the request itself: it comes
+    from the HTTP body, not from a stage, so no producer holds it. Bounded by the frontend's caps."""
+    dtype: str                       # torch dtype name without "torch.", e.g. "float32"
+    shape: tuple[int, ...]
+    data: bytes
+
+
 class AddRequest(msgspec.Struct, frozen=True, tag="add", kw_only=True):
     request_id: str
     prompt_token_ids: list[int] | None = None
@@ -35,6 +43,8 @@ class AddRequest(msgspec.Struct, frozen=True, tag="add", kw_only=True):
     sent_at: float = 0.0
     # False: nobody will read this request's output tensors; do not publish them.
     out_tensors: bool = True
+    # Client inputs carried inline (name -> tensor), e.g. "audio_0"; the engine sees them in `tensors`.
+    inline: dict[str, InlineTensor] = {}
 
 
 class Abort(msgspec.Struct, frozen=True, tag="abort"):
@@ -117,3 +127,21 @@ def stage_codec() -> Codec:
 
 def frontend_codec() -> Codec:
     return Codec(FromStage)
+
+
+def inline_tensor(t: InlineTensor) -> Any:
+    """The torch tensor an InlineTensor carries (a copy: the message buffer is not kept)."""
+    import math
+
+    import torch
+
+    dtype = getattr(torch, t.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"inline tensor dtype {t.dtype!r} is not a torch dtype")
+    n = math.prod(t.shape)
+    if n * dtype.itemsize != len(t.data):
+        raise ValueError(f"inline tensor of shape {list(t.shape)} {t.dtype} needs {n * dtype.itemsize} bytes, "
+                         f"got {len(t.data)}")
+    if n == 0:
+        return torch.empty(t.shape, dtype=dtype)
+    return torch.frombuffer(bytearray(t.data), dtype=dtype).reshape(t.shape)

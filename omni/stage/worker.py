@@ -265,6 +265,8 @@ class StageWorker:
                 tensors[name] = self._consumer.get(ref)
                 self.stats.tensor_bytes_in += ref.nbytes
                 self.stats.count(f"tensor_bytes_in.{ref.transport}", ref.nbytes)
+            for name, t in msg.inline.items():
+                tensors[name] = m.inline_tensor(t)
             req = EngineRequest(
                 request_id=rid,
                 prompt_token_ids=msg.prompt_token_ids,

@@ -182,6 +182,7 @@ class Qwen3Code2WavEngine(Engine):
             else:
                 self._streams.move_to_end(s.rid)   # round-robin
             outs.append(EngineOutput(request_id=s.rid, tensors={"audio": a.cpu()}, finished=done,
+                                     sample_rate=self.sample_rate,
                                      finish_reason="stop" if done else None))
         return outs
 

@@ -8,7 +8,7 @@ thinker -> talker (`thinker_to_talker`): one continuing talker request, every pi
     as is. `extra["speaker"]` = `ctx.request_extra["voice"]` (default "ethan");
     `extra["token_ids"]` = the thinker's first generated ids; a `mm_hidden` tensor on
     that output (the thinker's layer-k rows at the prompt's audio positions) is passed on.
-    With `ctx.request_extra["mm_hidden_expected"]` true (the prompt has audio), the
+    With `ctx.request_extra["num_audio_inputs"]` > 0 (the prompt has audio), the
     generated ids are held until an output carries `mm_hidden` (or the thinker finishes).
   later pieces: `extra["token_ids"]` = each output's generated ids (delta, including
     the thinker's EOS token when it stopped on it).
@@ -27,7 +27,8 @@ def thinker_to_talker(ctx: Context, state: dict, out: Output) -> list[StageInput
     ids = list(out.token_ids)
     if state.get("started"):
         return [StageInput(extra={"token_ids": ids}, stream=True)] if ids else []
-    if ctx.request_extra.get("mm_hidden_expected") and "mm_hidden" not in out.tensors and not out.finished:
+    expect_rows = ctx.request_extra.get("mm_hidden_expected") or ctx.request_extra.get("num_audio_inputs")
+    if expect_rows and "mm_hidden" not in out.tensors and not out.finished:
         state.setdefault("held", []).extend(ids)    # the talker cannot prefill without those rows
         return []
     ids = state.pop("held", []) + ids
