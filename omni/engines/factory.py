@@ -36,16 +36,40 @@ def _code2wav(config: DeployConfig, stage: StageConfig) -> Engine:
     return Code2WavEngine(prepare_voice(stage.model or "joe").dir, **stage.engine_args)
 
 
+def torch_stage_args(stage: StageConfig) -> dict:
+    """The deploy keys every torch model engine shares, turned into constructor arguments:
+    `num_threads` (CPU threads), `device` (default: CUDA when this stage sees a GPU), and
+    `gpu_memory_utilization` (this process's share of the GPU; no meaning on CPU, where the
+    platform section of a deploy YAML may still carry it). `max_num_seqs` passes through."""
+    import torch
+
+    args = dict(stage.engine_args)
+    threads = args.pop("num_threads", None)
+    if threads is not None:
+        args["threads"] = threads
+    cuda = stage.devices != "cpu" and torch.cuda.is_available()
+    args.setdefault("device", "cuda" if cuda else "cpu")
+    share = args.pop("gpu_memory_utilization", None)
+    if share is not None:
+        if not 0 < float(share) <= 1:
+            raise ConfigError(f"{stage.label}: gpu_memory_utilization must be in (0, 1], got {share}")
+        if str(args["device"]).startswith("cuda"):
+            torch.cuda.set_per_process_memory_fraction(float(share))
+    return args
+
+
 def _qwen3_talker(config: DeployConfig, stage: StageConfig) -> Engine:
     from omni.models.qwen3_omni.talker import Qwen3TalkerEngine
+    from omni.models.resolve import resolve_model
 
-    return Qwen3TalkerEngine(stage.model or config.model, **stage.engine_args)
+    return Qwen3TalkerEngine(resolve_model(stage.model or config.model), **torch_stage_args(stage))
 
 
 def _qwen3_code2wav(config: DeployConfig, stage: StageConfig) -> Engine:
     from omni.models.qwen3_omni.code2wav import Qwen3Code2WavEngine
+    from omni.models.resolve import resolve_model
 
-    return Qwen3Code2WavEngine(stage.model or config.model, **stage.engine_args)
+    return Qwen3Code2WavEngine(resolve_model(stage.model or config.model), **torch_stage_args(stage))
 
 
 def _vllm(config: DeployConfig, stage: StageConfig) -> Engine:

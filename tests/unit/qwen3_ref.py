@@ -11,6 +11,13 @@ import torch
 from omni.engines.base import EngineRequest, SamplingParams
 
 
+def tone(seed: int = 0) -> np.ndarray:
+    """A seeded 1 s sine + noise at 16 kHz: the audio input of the references."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(16000) / 16000
+    return (0.5 * np.sin(2 * np.pi * 220 * t) + 0.05 * rng.standard_normal(16000)).astype(np.float32)
+
+
 @dataclass
 class Ref:
     prompt: list[int]
@@ -47,10 +54,7 @@ class Reference:
         """Whisper features of a seeded 1 s sine + noise at 16 kHz, and the audio tower's output length."""
         from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import _get_feat_extract_output_lengths
 
-        rng = np.random.default_rng(seed)
-        t = np.arange(16000) / 16000
-        wave = (0.5 * np.sin(2 * np.pi * 220 * t) + 0.05 * rng.standard_normal(16000)).astype(np.float32)
-        f = self.features(wave, sampling_rate=16000, return_attention_mask=True, padding="longest",
+        f = self.features(tone(seed), sampling_rate=16000, return_attention_mask=True, padding="longest",
                           return_tensors="pt")
         n = int(_get_feat_extract_output_lengths(f["attention_mask"].sum(-1)).item())
         return f["input_features"], f["attention_mask"], n

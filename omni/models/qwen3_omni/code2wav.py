@@ -49,11 +49,14 @@ class _Stream:
 class Qwen3Code2WavEngine(Engine):
     def __init__(self, model_dir: str | Path, *, dtype: str = "auto", device: str = "cpu",
                  first_chunk_frames: int = 4, chunk_frames: int = 25, context_frames: int = 25,
-                 max_frames: int = 300, threads: int | None = None):
+                 max_frames: int = 300, threads: int | None = None, max_num_seqs: int = 64):
         if min(first_chunk_frames, chunk_frames) < 1 or context_frames < 0 or max_frames < chunk_frames:
             raise ValueError(f"need first_chunk_frames, chunk_frames >= 1, context_frames >= 0 and "
                              f"max_frames >= chunk_frames; got {first_chunk_frames}, {chunk_frames}, "
                              f"{context_frames}, {max_frames}")
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        self.max_num_seqs = max_num_seqs     # streams decoded in one batch
         if threads:
             torch.set_num_threads(threads)
         self.config, self.model = load_code2wav(model_dir, dtype=dtype, device=device)
@@ -151,7 +154,7 @@ class Qwen3Code2WavEngine(Engine):
             return []
         # One batch: the first ready stream and every other whose window has the same length.
         width = self._width(ready[0])
-        batch = [s for s in ready if self._width(s) == width]
+        batch = [s for s in ready if self._width(s) == width][:self.max_num_seqs]
         outs = []
         audio: list[torch.Tensor] = []
         if width > 0:

@@ -95,10 +95,13 @@ class Qwen3TalkerEngine(Engine):
     def __init__(self, model_dir: str | Path, *, dtype: str = "auto", device: str = "cpu",
                  first_chunk_frames: int = 4, chunk_frames: int = 25, repetition_penalty: float = 1.05,
                  text_eos_token_ids: list[int] | None = None, batch_decode: bool = True,
-                 threads: int | None = None):
+                 threads: int | None = None, max_num_seqs: int = 64):
         if first_chunk_frames < 1 or chunk_frames < 1:
             raise ValueError(f"first_chunk_frames and chunk_frames must be >= 1, "
                              f"got {first_chunk_frames} and {chunk_frames}")
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        self.max_num_seqs = max_num_seqs     # requests decoded in one step; the rest wait their turn
         if threads:
             torch.set_num_threads(threads)
         self.config, self.talker, self.embed = load_talker(model_dir, dtype=dtype, device=device)
@@ -260,8 +263,10 @@ class Qwen3TalkerEngine(Engine):
                 if h is not None:
                     chosen.append(r)
                     hidden.append(h)
-            elif self._can_decode(r):
+            elif self._can_decode(r) and len(decode) < self.max_num_seqs:
                 decode.append(r)
+        for r in decode:            # round-robin when more can step than one batch takes
+            self._reqs.move_to_end(r.rid)
         if decode:
             x = torch.stack([r.next_codec + self._next_text_row(r) for r in decode])
             h = self._decode(decode, x) if self.batch_decode else torch.cat(
