@@ -73,7 +73,8 @@ def run_stage(config: DeployConfig, stage_id: int, opts: StageOptions,
 
     label = stage.label
     advertise = opts.replica_address or default_advertise_host(opts.master_address)
-    bind_host = opts.bind_host if advertise in ("127.0.0.1", opts.bind_host) else "0.0.0.0"
+    # Listeners bind the advertised address only (loopback on one host), never a wildcard.
+    bind_host = advertise
     progress(f"{label}: loading engine {stage.engine} ...")
     t0 = time.monotonic()
     try:
