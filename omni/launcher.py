@@ -147,6 +147,8 @@ class Launcher:
                 self.children.append(Child(name, "stage", self._child_argv("stage", *args), stage_id=stage_id,
                                            index=r, env=env))
         if p.api_server_count:
+            if self._listener is None:
+                self._listener = self._bind_http()
             # Job results: one directory every frontend reads; kept with --state-dir, else removed at exit.
             jobs_dir = os.path.join(p.state_dir or self._tmp.name, "jobs")
             fenv = {**(env or os.environ), "OMNI_CONTROL_ROUTES": "on" if p.control_routes else "off"}

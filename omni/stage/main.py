@@ -94,7 +94,7 @@ def run_stage(config: DeployConfig, stage_id: int, opts: StageOptions,
 
     def producer_opts(kind: str) -> dict:
         if kind == "shm":
-            return {"arena_bytes": max(arenas)} if arenas else {}
+            return {"token": opts.token or None, **({"arena_bytes": max(arenas)} if arenas else {})}
         return {"token": opts.token or None, "advertise_host": advertise}
     worker = StageWorker(
         stage, engine, host=bind_host, advertise_host=advertise, token=opts.token,
