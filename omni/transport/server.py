@@ -1,6 +1,10 @@
 """A listening socket served by one accept thread; a connection gets a thread of its own
 only once its hello has passed.
 
+The hello proves the token without sending it: on accept the server sends a 16-byte nonce,
+the client answers magic | HMAC-SHA256(token, magic | nonce) (32 bytes), compared in
+constant time. A sniffer on the link learns neither the token nor a reusable answer.
+
 Used by the shm fd server (unix socket) and the tcp/gloo data servers. Connections that
 have not passed their hello are handled in the accept thread itself (non-blocking reads):
 at most `max_pending` at a time (the oldest is dropped for a new one), each with a
@@ -11,8 +15,10 @@ thousands of idle sockets costs a bounded set of file descriptors and no threads
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
+import secrets
 import selectors
 import socket
 import struct
@@ -25,47 +31,50 @@ from omni.ratelog import RateLimitedLog
 
 logger = logging.getLogger(__name__)
 
-HELLO = struct.Struct("<4sH")      # magic | u16 token length, then the token
-MAX_TOKEN = 4096
+NONCE_BYTES = 16
+HELLO_BYTES = 4 + 32               # magic | HMAC-SHA256
 MAX_PENDING = 64
 HELLO_TIMEOUT_S = 5.0
 
-# hello(conn, bytes so far) -> None: need more; True: admit; False: refuse.
-Hello = Callable[[socket.socket, bytes], "bool | None"]
+# hello(conn, bytes so far, nonce sent) -> None: need more; True: admit; False: refuse.
+Hello = Callable[[socket.socket, bytes, bytes], "bool | None"]
+
+
+def _answer(magic: bytes, token: str | bytes | None, nonce: bytes) -> bytes:
+    key = token.encode() if isinstance(token, str) else (token or b"")
+    return magic + hmac.new(key, magic + nonce, hashlib.sha256).digest()
 
 
 def token_hello(magic: bytes, token: bytes) -> Hello:
-    """The hello every data server uses: magic | u16 n | n token bytes, compared in
-    constant time. The client waits for the server's status, so nothing may follow."""
-    def check(conn: socket.socket, buf: bytes) -> bool | None:
-        if len(buf) < HELLO.size:
-            return None
-        got, n = HELLO.unpack_from(buf)
-        if got != magic or n > MAX_TOKEN:
-            return False
-        if len(buf) < HELLO.size + n:
-            return None
-        return len(buf) == HELLO.size + n and hmac.compare_digest(buf[HELLO.size:], token)
+    """The hello every data server uses. The client waits for the server's status, so
+    nothing may follow the answer."""
+    def check(conn: socket.socket, buf: bytes, nonce: bytes) -> bool | None:
+        if len(buf) < HELLO_BYTES:
+            return None if buf == magic[:len(buf)] else False
+        return len(buf) == HELLO_BYTES and hmac.compare_digest(buf, _answer(magic, token, nonce))
     return check
 
 
-def hello_bytes(magic: bytes, token: str | None) -> bytes:
-    tok = (token or "").encode()
-    return HELLO.pack(magic, len(tok)) + tok
+def client_hello(sock: socket.socket, magic: bytes, token: str | None) -> None:
+    """The client's half: read the nonce, answer it (the caller then reads the status)."""
+    from omni.transport.util import recv_exact
+
+    sock.sendall(_answer(magic, token, recv_exact(sock, NONCE_BYTES)))
 
 
 class _Pending:
-    __slots__ = ("buf", "deadline")
+    __slots__ = ("buf", "deadline", "nonce")
 
     def __init__(self, deadline: float):
         self.buf = b""
         self.deadline = deadline
+        self.nonce = secrets.token_bytes(NONCE_BYTES)
 
 
 class SocketServer:
     def __init__(self, sock: socket.socket, handler: Callable[[socket.socket], None], name: str, *,
                  hello: Hello, refusal: bytes = b"", max_pending: int = MAX_PENDING,
-                 hello_timeout_s: float = HELLO_TIMEOUT_S, max_hello_bytes: int = HELLO.size + MAX_TOKEN):
+                 hello_timeout_s: float = HELLO_TIMEOUT_S, max_hello_bytes: int = HELLO_BYTES):
         self._sock = sock
         self._handler = handler
         self._name = name
@@ -121,7 +130,12 @@ class SocketServer:
             # The oldest waiter is the likeliest idle one: a real client sends its hello at once.
             self._drop(sel, next(iter(self._pending)), "too many connections without a hello")
         conn.setblocking(False)
-        self._pending[conn] = _Pending(time.monotonic() + self._hello_timeout)
+        p = self._pending[conn] = _Pending(time.monotonic() + self._hello_timeout)
+        try:
+            conn.send(p.nonce)     # 16 bytes into a fresh socket's empty buffer
+        except OSError:
+            self._drop(sel, conn, None)
+            return
         sel.register(conn, selectors.EVENT_READ)
 
     def _read_hello(self, sel: selectors.BaseSelector, conn: socket.socket) -> None:
@@ -138,7 +152,7 @@ class SocketServer:
             self._drop(sel, conn, None)
             return
         p.buf += data
-        verdict = self._hello(conn, p.buf)
+        verdict = self._hello(conn, p.buf, p.nonce)
         if verdict is None and len(p.buf) < self._max_hello:
             return
         if not verdict:

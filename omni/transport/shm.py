@@ -2,7 +2,7 @@
 
 No names are created in /dev/shm: each segment is an anonymous `memfd_create` file,
 handed to consumers over an abstract-namespace unix socket with SCM_RIGHTS, only to a peer
-of the same user that passed the token hello ("OMS1" | u16 n | token, as tcp.py). The memory
+of the same user that passed the token hello ("OMS1", see server.py). The memory
 goes away when the last process holding the fd or a mapping exits, so nothing leaks
 even on SIGKILL. Each slot starts with a 64-byte header (magic, key, nbytes) that the
 consumer checks, so a ref to a freed or foreign slot raises instead of returning
@@ -25,7 +25,7 @@ import torch
 
 from omni.transport.alloc import ALIGN, SlotAllocator, round_up
 from omni.transport.base import ProducerFull, TensorConsumer, TensorProducer, TensorRef, TransportError
-from omni.transport.server import SocketServer, hello_bytes, token_hello
+from omni.transport.server import SocketServer, client_hello, token_hello
 from omni.transport.util import check_ref, dtype_name, flat_bytes, recv_exact
 
 logger = logging.getLogger(__name__)
@@ -87,8 +87,8 @@ class ShmProducer(TensorProducer):
         sock.listen(64)
         token_ok = token_hello(MAGIC, (token or "").encode())
 
-        def hello(conn: socket.socket, buf: bytes) -> bool | None:
-            return token_ok(conn, buf) if _peer_uid(conn) == os.getuid() else False
+        def hello(conn: socket.socket, buf: bytes, nonce: bytes) -> bool | None:
+            return token_ok(conn, buf, nonce) if _peer_uid(conn) == os.getuid() else False
 
         self._server = SocketServer(sock, self._serve_fds, "omni-shm", hello=hello, refusal=_STATUS.pack(1))
 
@@ -247,7 +247,7 @@ class ShmConsumer(TensorConsumer):
             sock.settimeout(self._timeout)
             try:
                 sock.connect("\0" + name)
-                sock.sendall(hello_bytes(MAGIC, self._token))
+                client_hello(sock, MAGIC, self._token)
                 status = sock.recv(_STATUS.size)
                 if status != _STATUS.pack(0):
                     raise TransportError(f"shm producer {name} refused the connection (bad token, or another user)")

@@ -22,7 +22,7 @@ import threading
 import torch.distributed as dist
 
 from omni.transport.base import TransportError
-from omni.transport.server import SocketServer, hello_bytes, token_hello
+from omni.transport.server import SocketServer, client_hello, token_hello
 from omni.transport.util import recv_exact
 
 MAGIC = b"OMG1"
@@ -183,7 +183,7 @@ class RemoteStore(dist.Store):
         self._lock = threading.Lock()
         try:
             self._sock = socket.create_connection((host, port), timeout=timeout_s + 5)
-            self._sock.sendall(hello_bytes(MAGIC, token))
+            client_hello(self._sock, MAGIC, token)
             (status,) = STATUS.unpack(recv_exact(self._sock, STATUS.size))
         except (OSError, ConnectionError) as e:
             raise TransportError(f"gloo store {host}:{port}: handshake failed: {e}") from e

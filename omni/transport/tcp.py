@@ -1,8 +1,9 @@
 """TCP transport for other hosts: the producer keeps the tensor and serves its bytes.
 
 Wire format (all little endian, no pickle):
-  hello    client -> server  "OMT1" | u16 token length | token bytes (within 5 s; checked in the
-           accept thread, so an idle stranger costs no thread)
+  hello    server -> client  16-byte nonce
+           client -> server  "OMT1" | HMAC-SHA256(token, "OMT1" | nonce) (within 5 s; checked in
+           the accept thread, so an idle stranger costs no thread; server.py)
            server -> client  u8 status (0 ok, 1 bad token)
   request  client -> server  u64 key | u64 expected nbytes
   reply    server -> client  u8 status (0 ok, 1 unknown key, 2 size mismatch) | u64 nbytes | raw bytes
@@ -21,7 +22,7 @@ import threading
 import torch
 
 from omni.transport.base import ProducerFull, TensorConsumer, TensorProducer, TensorRef, TransportError
-from omni.transport.server import SocketServer, hello_bytes, token_hello
+from omni.transport.server import SocketServer, client_hello, token_hello
 from omni.transport.util import (
     as_memoryview, check_ref, dtype_name, prepare, recv_exact, recv_into_exact, split_endpoint,
 )
@@ -199,7 +200,7 @@ def connect(endpoint: str, token: str | None, timeout: float) -> socket.socket:
         raise TransportError(f"producer {endpoint} unreachable: {e}") from e
     try:
         _tune(sock)
-        sock.sendall(hello_bytes(MAGIC, token))
+        client_hello(sock, MAGIC, token)
         (status,) = STATUS.unpack(recv_exact(sock, STATUS.size))
     except (OSError, ConnectionError) as e:
         sock.close()
