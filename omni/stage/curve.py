@@ -22,6 +22,7 @@ from zmq.utils import z85
 # token ids and descriptors only, tensors travel apart.
 MAX_MESSAGE_BYTES = 64 << 20
 ZAP_DOMAIN = "omni-stage"
+HANDSHAKE_MS = 10_000
 
 _lock = threading.Lock()
 _authenticators: dict[int, tuple[object, set[bytes]]] = {}   # id(context) -> (authenticator, client keys)
@@ -60,6 +61,7 @@ def _admit(ctx: zmq.Context, client_public: bytes) -> None:
 def secure_server(sock: zmq.Socket, token: str) -> None:
     """Before bind: CURVE server with the token's keys (no token: NULL, unauthenticated)."""
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+    sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)   # a peer that never finishes its handshake goes
     if not token:
         return
     _admit(sock.context, key_pair(token, b"omni-stage-client")[0])

@@ -26,7 +26,6 @@ class StageOptions:
     master_address: str
     token: str = ""
     replica_address: str | None = None     # advertised host of this replica's endpoints
-    bind_host: str = "127.0.0.1"
     replica_hint: int = -1
     grace_s: float = 5.0
     register_wait_s: float = 120.0
