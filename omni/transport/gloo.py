@@ -106,7 +106,11 @@ class GlooProducer(KeyedProducer):
         conn.sendall(PAIR.pack(pair_id, self._store.port, nonce))
         pair = _Pair(f"pair-{pair_id}-{nonce.hex()}", LocalStore(self._store.kv), self._group_host,
                      PRODUCER_RANK, self._timeout)
-        pair.group("gloo")  # meets the consumer's half; fails after `timeout` if it never comes
+        try:
+            pair.group("gloo")  # meets the consumer's half; fails after `timeout` if it never comes
+        except BaseException:
+            self._store.kv.drop_prefix(pair.prefix + "/")
+            raise
         return pair
 
     def _on_disconnect(self, state: object) -> None:

@@ -64,9 +64,9 @@ class KeyValues:
         return None
 
     def add(self, key: str, n: int) -> int:
-        with self._cond:
+        with self._cond:   # an RLock: set() takes it again
             value = int(self._data.get(key, b"0")) + n
-        self.set(key, str(value).encode())
+            self.set(key, str(value).encode())
         return value
 
     def wait(self, keys: list[str], timeout_s: float | None = None) -> bool:
