@@ -75,6 +75,15 @@ def test_kv_namespaces_have_caps_and_jobs_expire(tmp_path):
     assert again.list("jobs") == ({}, "")
 
 
+def test_kv_reads_the_older_file_format(tmp_path):
+    (tmp_path / "kv").mkdir()
+    (tmp_path / "kv" / "voices.json").write_text(json.dumps({"alice": "AP8="}))   # key -> base64 only
+    kv = KvStore(tmp_path)
+    assert kv.get("voices", "alice") == b"\x00\xff"
+    kv.put("voices", "bob", b"b")
+    assert json.loads((tmp_path / "kv" / "voices.json").read_text())["alice"]["v"] == "AP8="
+
+
 def test_kv_corrupt_file_is_named(tmp_path):
     (tmp_path / "kv").mkdir()
     (tmp_path / "kv" / "voices.json").write_text("{not json")
