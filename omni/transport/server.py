@@ -121,11 +121,16 @@ class SocketServer:
             sel.close()
 
     def _accept(self, sel: selectors.BaseSelector) -> None:
-        try:
-            conn, _addr = self._sock.accept()
-        except OSError as e:   # EAGAIN (another thread took it), EMFILE ...
-            logger.debug("%s: accept failed: %s", self._name, e)
-            return
+        for _ in range(self._max_pending):   # drain the kernel's queue, so a flood finds it short
+            try:
+                conn, _addr = self._sock.accept()
+            except OSError as e:   # EAGAIN (queue empty), EMFILE ...
+                if not isinstance(e, BlockingIOError):
+                    logger.debug("%s: accept failed: %s", self._name, e)
+                return
+            self._admit(sel, conn)
+
+    def _admit(self, sel: selectors.BaseSelector, conn: socket.socket) -> None:
         if len(self._pending) >= self._max_pending:
             # The oldest waiter is the likeliest idle one: a real client sends its hello at once.
             self._drop(sel, next(iter(self._pending)), "too many connections without a hello")

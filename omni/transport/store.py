@@ -128,7 +128,7 @@ class StoreServer:
     def __init__(self, kv: KeyValues, host: str, token: bytes):
         self.kv = kv
         sock = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
-                                    backlog=64)
+                                    backlog=1024)
         self.port = sock.getsockname()[1]
         self._server = SocketServer(sock, self._serve, "omni-gloo-store", hello=token_hello(MAGIC, token),
                                     refusal=STATUS.pack(1))

@@ -66,7 +66,7 @@ class KeyedProducer(TensorProducer):
         self._bytes = 0
         self._closed = False
         sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
-                                    backlog=64)
+                                    backlog=1024)
         bound_port = sock.getsockname()[1]
         adv = advertise_host or host
         self.endpoint = f"[{adv}]:{bound_port}" if ":" in adv else f"{adv}:{bound_port}"
