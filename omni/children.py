@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--index", type=int, default=0)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
-    ap.add_argument("--api-key")
+    ap.add_argument("--listen-fd", type=int)
     ap.add_argument("--served-model-name", default="")
     ap.add_argument("--jobs-dir")
     ap.add_argument("--parent-pid", type=int)
@@ -52,8 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     from omni.frontend import main_from_args
 
     return main_from_args(config_json, index=a.index, master_address=a.master, token=token,
-                          host=a.host, port=a.port,
-                          api_key=a.api_key, served_model_name=a.served_model_name, log_level=a.log_level,
+                          host=a.host, port=a.port, listen_fd=a.listen_fd,
+                          # Secrets come by environment, never argv (world-readable in ps).
+                          api_key=envs.OMNI_API_KEY, served_model_name=a.served_model_name, log_level=a.log_level,
                           jobs_dir=a.jobs_dir,
                           # Like the token, the control key comes by environment, not argv.
                           control_api_key=envs.OMNI_CONTROL_API_KEY, control_routes=envs.OMNI_CONTROL_ROUTES)

@@ -213,8 +213,43 @@ def _register_master_commands() -> None:
 _register_master_commands()
 
 
+SECRET_FLAGS = {"--omni-token": "OMNI_TOKEN", "--api-key": "OMNI_API_KEY",
+                "--control-api-key": "OMNI_CONTROL_API_KEY"}
+
+
+def hide_secrets(argv: list[str]) -> list[str]:
+    """argv with secret values masked; warns about each secret given on the command line,
+    where every user on the host can read it (/proc/PID/cmdline)."""
+    out, hide = [], False
+    for arg in argv:
+        name, eq, _ = arg.partition("=")
+        if hide:
+            out.append("***")
+            hide = False
+        elif name in SECRET_FLAGS:
+            print(f"omni: warning: {name} on the command line is visible to every user of this host (ps); "
+                  f"set {SECRET_FLAGS[name]} in the environment instead", file=sys.stderr)
+            out.append(f"{name}=***" if eq else arg)
+            hide = not eq
+        else:
+            out.append(arg)
+    return out
+
+
+def _mask_process_title(argv: list[str]) -> None:
+    masked = hide_secrets(argv)
+    if masked == argv:
+        return
+    try:
+        import setproctitle   # rewrites /proc/PID/cmdline in place (installed with vLLM)
+    except ImportError:
+        return
+    setproctitle.setproctitle(" ".join(["omni", *masked]))
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    _mask_process_title(argv)
     try:
         argv = fold_dotted_args(argv)
         app(args=argv, prog_name="omni", standalone_mode=True)

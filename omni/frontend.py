@@ -11,6 +11,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 
@@ -73,8 +74,8 @@ async def follow_topology(master, topology, stop: asyncio.Event) -> None:
 
 async def serve_frontend(config: DeployConfig, *, index: int, master_address: str, token: str,
                          host: str, port: int, api_key: str | None, served_model_name: str,
-                         jobs_dir: str | None = None, control_api_key: str | None = None,
-                         control_routes: bool = True) -> None:
+                         listen_fd: int | None = None, jobs_dir: str | None = None,
+                         control_api_key: str | None = None, control_routes: bool = True) -> None:
     from transformers import AutoTokenizer
 
     from omni.api.app import build_app
@@ -129,8 +130,8 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
         await asyncio.wait_for(synced.wait(), 60)
     except asyncio.TimeoutError:
         raise OmniError(f"no topology from the omni master at {master_address} within 60 s") from None
-    # Our own SO_REUSEPORT listener on the port the parent reserved.
-    sock = bind_socket(host, port, reuse_port=True)
+    # Accept from the launcher's listener (inherited fd) once the topology is known; alone: our own.
+    sock = socket.socket(fileno=listen_fd) if listen_fd is not None else bind_socket(host, port)
 
     def live_frontends():
         # Job owners are named by (host, pid): a re-registration may change the replica id.
@@ -173,6 +174,7 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
 
 def main_from_args(config_json: str, *, index: int, master_address: str, token: str, host: str,
                    port: int, api_key: str | None, served_model_name: str, log_level: str = "INFO",
+                   listen_fd: int | None = None,
                    jobs_dir: str | None = None, control_api_key: str | None = None,
                    control_routes: bool = True) -> int:
     from omni.config import loads_json
@@ -181,7 +183,7 @@ def main_from_args(config_json: str, *, index: int, master_address: str, token: 
     config = loads_json(config_json)
     try:
         asyncio.run(serve_frontend(config, index=index, master_address=master_address, token=token,
-                                   host=host, port=port, api_key=api_key,
+                                   host=host, port=port, api_key=api_key, listen_fd=listen_fd,
                                    served_model_name=served_model_name, jobs_dir=jobs_dir,
                                    control_api_key=control_api_key, control_routes=control_routes))
     except OSError as e:

@@ -56,13 +56,14 @@ class Child:
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=20))
     restarts: int = 0
     env: dict | None = None
+    pass_fds: tuple[int, ...] = ()
 
     def start(self) -> None:
         # Own process group: a terminal's Ctrl-C reaches the parent only, which then
         # stops the children in order. No preexec_fn, so no fork() under gRPC's threads.
         self.proc = subprocess.Popen(
             self.argv + ["--parent-pid", str(os.getpid())], stderr=subprocess.PIPE, env=self.env,
-            process_group=0, text=True, bufsize=1,
+            process_group=0, text=True, bufsize=1, pass_fds=self.pass_fds,
         )
         threading.Thread(target=self._pump, args=(self.proc,), daemon=True,
                          name=f"omni-log-{self.name}").start()
@@ -146,33 +147,34 @@ class Launcher:
                 self.children.append(Child(name, "stage", self._child_argv("stage", *args), stage_id=stage_id,
                                            index=r, env=env))
         if p.api_server_count:
-            self._listener = self._bind_http()
+            if self._listener is None:
+                self._listener = self._bind_http()
             # Job results: one directory every frontend reads; kept with --state-dir, else removed at exit.
             jobs_dir = os.path.join(p.state_dir or self._tmp.name, "jobs")
             fenv = {**(env or os.environ), "OMNI_CONTROL_ROUTES": "on" if p.control_routes else "off"}
             if p.control_api_key:
                 fenv["OMNI_CONTROL_API_KEY"] = p.control_api_key
+            if p.api_key:
+                fenv["OMNI_API_KEY"] = p.api_key   # secrets by environment, never argv
             os.makedirs(jobs_dir, exist_ok=True)
             for i in range(p.api_server_count):
                 args = ["--index", str(i), "--host", p.host, "--port", str(self.http_port),
-                        "--served-model-name", p.served_model_name or p.config.model, "--jobs-dir", jobs_dir]
-                if p.api_key:
-                    args += ["--api-key", p.api_key]
+                        "--served-model-name", p.served_model_name or p.config.model, "--jobs-dir", jobs_dir,
+                        "--listen-fd", str(self._listener.fileno())]
                 self.children.append(Child(f"api{i}", "frontend", self._child_argv("frontend", *args),
-                                           index=i, env=fenv))
+                                           index=i, env=fenv, pass_fds=(self._listener.fileno(),)))
 
     def _bind_http(self) -> socket.socket:
-        """Reserve the HTTP port (port 0: the kernel's pick, read back). Each frontend binds
-        its own SO_REUSEPORT listener on it, so the kernel spreads new connections over
-        them; this socket never listens, it only holds the port."""
-        sock = socket.socket(socket.AF_INET6 if ":" in self.plan.host else socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        """The one HTTP listening socket (port 0: the kernel's pick, read back), handed to
+        every frontend by fd; they all accept from it. No SO_REUSEPORT: a port someone
+        else holds (another omni included) is refused, and nobody can join ours."""
+        from omni.api.serve import HTTP_BACKLOG, bind_socket
+
         try:
-            sock.bind((self.plan.host, self.plan.port))
+            sock = bind_socket(self.plan.host, self.plan.port, backlog=HTTP_BACKLOG)
         except OSError as e:
-            sock.close()
-            raise OmniError(f"--port {self.plan.port}: cannot bind {self.plan.host}:{self.plan.port}: {e.strerror}") from None
+            raise OmniError(f"--port {self.plan.port}: cannot listen on {self.plan.host}:{self.plan.port}: "
+                            f"{e.strerror}") from None
         self.http_port = sock.getsockname()[1]
         return sock
 
@@ -192,6 +194,8 @@ class Launcher:
     def run(self) -> int:
         self._stop.install()
         try:
+            if self.plan.api_server_count:
+                self._listener = self._bind_http()   # first: a taken port fails before anything starts
             if self.plan.host_master:
                 self.start_master()
             self._plan_children()

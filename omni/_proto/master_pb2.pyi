@@ -345,12 +345,16 @@ class KvGetResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ..., value: _Optional[bytes] = ...) -> None: ...
 
 class KvListRequest(_message.Message):
-    __slots__ = ("namespace", "prefix")
+    __slots__ = ("namespace", "prefix", "limit", "start_after")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    START_AFTER_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     prefix: str
-    def __init__(self, namespace: _Optional[str] = ..., prefix: _Optional[str] = ...) -> None: ...
+    limit: int
+    start_after: str
+    def __init__(self, namespace: _Optional[str] = ..., prefix: _Optional[str] = ..., limit: _Optional[int] = ..., start_after: _Optional[str] = ...) -> None: ...
 
 class KvEntry(_message.Message):
     __slots__ = ("key", "value")
@@ -361,10 +365,12 @@ class KvEntry(_message.Message):
     def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
 
 class KvListResponse(_message.Message):
-    __slots__ = ("entries",)
+    __slots__ = ("entries", "next_start_after")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_START_AFTER_FIELD_NUMBER: _ClassVar[int]
     entries: _containers.RepeatedCompositeFieldContainer[KvEntry]
-    def __init__(self, entries: _Optional[_Iterable[_Union[KvEntry, _Mapping]]] = ...) -> None: ...
+    next_start_after: str
+    def __init__(self, entries: _Optional[_Iterable[_Union[KvEntry, _Mapping]]] = ..., next_start_after: _Optional[str] = ...) -> None: ...
 
 class KvDeleteRequest(_message.Message):
     __slots__ = ("namespace", "key")

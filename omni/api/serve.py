@@ -13,18 +13,17 @@ from hypercorn.config import Config
 
 log = logging.getLogger(__name__)
 
+HTTP_BACKLOG = 2048
 
-def bind_socket(host: str = "127.0.0.1", port: int = 0, *, reuse_port: bool = False,
-                backlog: int = 2048) -> socket.socket:
-    """A listening TCP socket. With reuse_port, several frontend processes can bind the same
-    port and the kernel spreads connections over them; or bind once and hand the socket
-    (its fd) to each child."""
+
+def bind_socket(host: str = "127.0.0.1", port: int = 0, *, backlog: int = HTTP_BACKLOG) -> socket.socket:
+    """A listening TCP socket. Never SO_REUSEPORT: a port in use is refused, and no other
+    process can bind beside us and take a share of the connections. Several frontends
+    share one listener by inheriting its fd."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if reuse_port:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # only skips TIME_WAIT on Linux
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.bind((host, port))
         sock.listen(backlog)
@@ -35,7 +34,7 @@ def bind_socket(host: str = "127.0.0.1", port: int = 0, *, reuse_port: bool = Fa
 
 
 async def serve(app, *, host: str = "127.0.0.1", port: int = 0, sock: socket.socket | None = None,
-                shutdown_event: asyncio.Event, reuse_port: bool = False,
+                shutdown_event: asyncio.Event,
                 on_ready: Callable[[str, int], None] | None = None, access_log: bool = False,
                 graceful_timeout: float = 5.0, keep_alive_timeout: float = 75.0) -> None:
     """Serve `app` until `shutdown_event` is set, then stop within `graceful_timeout`.
@@ -45,7 +44,7 @@ async def serve(app, *, host: str = "127.0.0.1", port: int = 0, sock: socket.soc
     """
     owned = sock is None
     if sock is None:
-        sock = bind_socket(host, port, reuse_port=reuse_port)
+        sock = bind_socket(host, port)
     bound_host, bound_port = sock.getsockname()[:2]
     config = Config()
     # Hypercorn takes ownership of the fd it is given and closes it: give it a duplicate.
@@ -55,6 +54,7 @@ async def serve(app, *, host: str = "127.0.0.1", port: int = 0, sock: socket.soc
     config.graceful_timeout = graceful_timeout
     config.keep_alive_timeout = keep_alive_timeout
     config.include_server_header = False
+    config.backlog = HTTP_BACKLOG   # asyncio listen()s again on the socket it is given
     log.info("HTTP frontend listening on %s:%d", bound_host, bound_port)
     if on_ready is not None:
         on_ready(bound_host, bound_port)

@@ -321,9 +321,18 @@ class MasterClient:
         resp = self._unary(self._stub.KvGet, pb.KvGetRequest(namespace=namespace, key=key))
         return resp.value if resp.found else None
 
-    def kv_list(self, namespace: str, prefix: str = "") -> dict[str, bytes]:
-        resp = self._unary(self._stub.KvList, pb.KvListRequest(namespace=namespace, prefix=prefix))
-        return {e.key: e.value for e in resp.entries}
+    def kv_list(self, namespace: str, prefix: str = "", max_entries: int = 100_000) -> dict[str, bytes]:
+        """Every entry (page by page, up to max_entries)."""
+        out: dict[str, bytes] = {}
+        after = ""
+        while len(out) < max_entries:
+            resp = self._unary(self._stub.KvList, pb.KvListRequest(namespace=namespace, prefix=prefix,
+                                                                   start_after=after))
+            out.update((e.key, e.value) for e in resp.entries)
+            after = resp.next_start_after
+            if not after:
+                break
+        return out
 
     def kv_delete(self, namespace: str, key: str) -> bool:
         return self._unary(self._stub.KvDelete, pb.KvDeleteRequest(namespace=namespace, key=key)).deleted
@@ -391,9 +400,18 @@ class AsyncMasterClient:
         resp = await self._unary("KvGet", pb.KvGetRequest(namespace=namespace, key=key))
         return resp.value if resp.found else None
 
-    async def kv_list(self, namespace: str, prefix: str = "") -> dict[str, bytes]:
-        resp = await self._unary("KvList", pb.KvListRequest(namespace=namespace, prefix=prefix))
-        return {e.key: e.value for e in resp.entries}
+    async def kv_list(self, namespace: str, prefix: str = "", max_entries: int = 100_000) -> dict[str, bytes]:
+        """Every entry (page by page, up to max_entries)."""
+        out: dict[str, bytes] = {}
+        after = ""
+        while len(out) < max_entries:
+            resp = await self._unary("KvList", pb.KvListRequest(namespace=namespace, prefix=prefix,
+                                                                start_after=after))
+            out.update((e.key, e.value) for e in resp.entries)
+            after = resp.next_start_after
+            if not after:
+                break
+        return out
 
     async def kv_delete(self, namespace: str, key: str) -> bool:
         return (await self._unary("KvDelete", pb.KvDeleteRequest(namespace=namespace, key=key))).deleted

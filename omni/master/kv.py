@@ -2,6 +2,11 @@
 
 Writes go to a temp file, are fsynced and renamed over the old one, so a crash leaves either
 the old or the new namespace file, never a torn one.
+
+Every namespace is bounded (value size, entries, bytes; `LIMITS`), some expire entries a
+while after their last write (jobs), and lists come in pages, so no client can make the
+master or a reader of the list allocate without bound, and one oversize record cannot make
+the list fail for everyone.
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ import json
 import logging
 import os
 import re
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from omni.errors import ConfigError
@@ -20,16 +27,39 @@ logger = logging.getLogger(__name__)
 
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 MAX_KEY_LEN = 1024
-MAX_VALUE_BYTES = 2 * 1024 * 1024
+MAX_NAMESPACES = 64
+PAGE_ENTRIES = 1000
+PAGE_BYTES = 1 << 20     # far below gRPC's 4 MB message limit
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_value_bytes: int = 64 << 10
+    max_entries: int = 10_000
+    max_bytes: int = 64 << 20
+    ttl_s: float | None = None          # entries go this long after their last write
+
+
+LIMITS = {"jobs": Limits(ttl_s=7 * 86400.0), "voices": Limits(max_entries=1000)}
+DEFAULT_LIMITS = Limits()
+MAX_VALUE_BYTES = max(lim.max_value_bytes for lim in (DEFAULT_LIMITS, *LIMITS.values()))
 
 
 class KvError(ValueError):
     """Bad namespace, key or value; the message says which."""
 
 
+class KvFull(KvError):
+    """A namespace (or the store) is at its limit."""
+
+
 class KvStore:
-    def __init__(self, state_dir: str | os.PathLike | None = None):
+    def __init__(self, state_dir: str | os.PathLike | None = None, limits: dict[str, Limits] | None = None,
+                 clock=time.time):
         self._data: dict[str, dict[str, bytes]] = {}
+        self._written: dict[str, dict[str, float]] = {}
+        self._limits = {**LIMITS, **(limits or {})}
+        self._clock = clock
         self._dir = Path(state_dir) / "kv" if state_dir else None
         if self._dir is not None:
             self._dir.mkdir(parents=True, exist_ok=True)
@@ -39,26 +69,63 @@ class KvStore:
         for path in sorted(self._dir.glob("*.json")):
             try:
                 raw = json.loads(path.read_text())
-                self._data[path.stem] = {k: base64.b64decode(v) for k, v in raw.items()}
-            except (ValueError, AttributeError) as e:
+                now = self._clock()
+                # {"key": {"v": base64, "t": written}}; older files hold the base64 alone
+                self._data[path.stem] = {k: base64.b64decode(v["v"] if isinstance(v, dict) else v)
+                                         for k, v in raw.items()}
+                self._written[path.stem] = {k: float(v["t"]) if isinstance(v, dict) else now
+                                            for k, v in raw.items()}
+            except (ValueError, AttributeError, KeyError, TypeError) as e:
                 raise ConfigError(f"master state file {path} is corrupt: {e}") from None
         logger.info("loaded %d kv namespaces from %s", len(self._data), self._dir)
 
+    def limits(self, namespace: str) -> Limits:
+        return self._limits.get(namespace, DEFAULT_LIMITS)
+
     def put(self, namespace: str, key: str, value: bytes) -> None:
         _check(namespace, key)
-        if len(value) > MAX_VALUE_BYTES:
-            raise KvError(f"value for {namespace}/{key} is {len(value)} bytes; the limit is {MAX_VALUE_BYTES}")
-        self._data.setdefault(namespace, {})[key] = bytes(value)
+        lim = self.limits(namespace)
+        if len(value) > lim.max_value_bytes:
+            raise KvError(f"value for {namespace}/{key[:64]} is {len(value)} bytes; the limit in namespace "
+                          f"{namespace!r} is {lim.max_value_bytes}")
+        self._expire(namespace)
+        if namespace not in self._data and len(self._data) >= MAX_NAMESPACES:
+            raise KvFull(f"the kv store holds {MAX_NAMESPACES} namespaces, the limit")
+        items = self._data.setdefault(namespace, {})
+        if key not in items and len(items) >= lim.max_entries:
+            raise KvFull(f"kv namespace {namespace!r} holds {lim.max_entries} entries, the limit; delete some")
+        used = sum(len(v) for v in items.values()) - len(items.get(key, b""))
+        if used + len(value) > lim.max_bytes:
+            raise KvFull(f"kv namespace {namespace!r} holds {used} bytes; {len(value)} more would pass its "
+                         f"limit of {lim.max_bytes}")
+        items[key] = bytes(value)
+        self._written.setdefault(namespace, {})[key] = self._clock()
         self._persist(namespace)
 
     def get(self, namespace: str, key: str) -> bytes | None:
         _check(namespace, key)
+        if self._expired(namespace, key):
+            return None
         return self._data.get(namespace, {}).get(key)
 
-    def list(self, namespace: str, prefix: str = "") -> dict[str, bytes]:
+    def list(self, namespace: str, prefix: str = "", limit: int = 0,
+             start_after: str = "") -> tuple[dict[str, bytes], str]:
+        """One page of the entries under `prefix` after `start_after`: at most `limit`
+        (0: PAGE_ENTRIES) entries and about PAGE_BYTES; returns (page, next start_after or "")."""
         _check(namespace, None)
+        self._expire(namespace)
         items = self._data.get(namespace, {})
-        return {k: items[k] for k in sorted(items) if k.startswith(prefix)}
+        limit = min(limit or PAGE_ENTRIES, PAGE_ENTRIES)
+        page: dict[str, bytes] = {}
+        size = 0
+        for k in sorted(items):
+            if not k.startswith(prefix) or (start_after and k <= start_after):
+                continue
+            if len(page) >= limit or (page and size + len(items[k]) > PAGE_BYTES):
+                return page, max(page)
+            page[k] = items[k]
+            size += len(k) + len(items[k])
+        return page, ""
 
     def delete(self, namespace: str, key: str) -> bool:
         _check(namespace, key)
@@ -66,8 +133,27 @@ class KvStore:
         if key not in items:
             return False
         del items[key]
+        self._written.get(namespace, {}).pop(key, None)
         self._persist(namespace)
         return True
+
+    def _expired(self, namespace: str, key: str) -> bool:
+        ttl = self.limits(namespace).ttl_s
+        t = self._written.get(namespace, {}).get(key)
+        return ttl is not None and t is not None and self._clock() - t > ttl
+
+    def _expire(self, namespace: str) -> None:
+        ttl = self.limits(namespace).ttl_s
+        if ttl is None or namespace not in self._data:
+            return
+        written = self._written.get(namespace, {})
+        old = [k for k, t in written.items() if self._clock() - t > ttl]
+        for k in old:
+            self._data[namespace].pop(k, None)
+            written.pop(k, None)
+        if old:
+            logger.info("kv namespace %s: %d entries expired", namespace, len(old))
+            self._persist(namespace)
 
     def _persist(self, namespace: str) -> None:
         if self._dir is None:
@@ -76,8 +162,12 @@ class KvStore:
         items = self._data.get(namespace, {})
         if not items:
             target.unlink(missing_ok=True)
+            self._data.pop(namespace, None)
+            self._written.pop(namespace, None)
             return
-        text = json.dumps({k: base64.b64encode(v).decode() for k, v in items.items()}, sort_keys=True)
+        written = self._written.get(namespace, {})
+        text = json.dumps({k: {"v": base64.b64encode(v).decode(), "t": written.get(k, 0.0)}
+                           for k, v in items.items()}, sort_keys=True)
         atomic_write(target, text.encode())
 
 

@@ -22,7 +22,7 @@ from omni._proto import master_pb2_grpc as pb_grpc
 from omni.errors import ConfigError
 from omni.master import wire
 from omni.master.auth import TlsFiles, TokenInterceptor
-from omni.master.kv import KvError, KvStore
+from omni.master.kv import KvError, KvFull, KvStore
 from omni.master.registry import (
     BadRegistration, ConfigMismatch, Event, LeaseUnknown, Load, RegisterInput, Registry, ReplicaState, Role,
 )
@@ -262,6 +262,8 @@ class MasterServicer(pb_grpc.MasterServicer):
     async def _kv(self, context, fn: Callable, *args):
         try:
             return fn(*args)
+        except KvFull as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except KvError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
@@ -274,8 +276,10 @@ class MasterServicer(pb_grpc.MasterServicer):
         return pb.KvGetResponse(found=value is not None, value=value or b"")
 
     async def KvList(self, request, context):
-        items = await self._kv(context, self.kv.list, request.namespace, request.prefix)
-        return pb.KvListResponse(entries=[pb.KvEntry(key=k, value=v) for k, v in items.items()])
+        items, after = await self._kv(context, self.kv.list, request.namespace, request.prefix,
+                                      request.limit, request.start_after)
+        return pb.KvListResponse(entries=[pb.KvEntry(key=k, value=v) for k, v in items.items()],
+                                 next_start_after=after)
 
     async def KvDelete(self, request, context):
         return pb.KvDeleteResponse(deleted=await self._kv(context, self.kv.delete, request.namespace, request.key))

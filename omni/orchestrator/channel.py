@@ -15,6 +15,7 @@ import zmq.asyncio
 
 from omni.errors import Unavailable
 from omni.stage import messages as m
+from omni.stage.curve import secure_client
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ class StageChannel:
         self._sock = ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.IDENTITY, frontend_id.encode())
         self._sock.setsockopt(zmq.LINGER, 0)
+        secure_client(self._sock, token)
         self._sock.connect(endpoint)
         self._calls: dict[int, asyncio.Future] = {}
         self._ids = itertools.count(1)

@@ -26,7 +26,6 @@ class StageOptions:
     master_address: str
     token: str = ""
     replica_address: str | None = None     # advertised host of this replica's endpoints
-    bind_host: str = "127.0.0.1"
     replica_hint: int = -1
     grace_s: float = 5.0
     register_wait_s: float = 120.0
@@ -90,7 +89,8 @@ def run_stage(config: DeployConfig, stage_id: int, opts: StageOptions,
 
     label = stage.label
     advertise = opts.replica_address or default_advertise_host(opts.master_address)
-    bind_host = opts.bind_host if advertise in ("127.0.0.1", opts.bind_host) else "0.0.0.0"
+    # Listeners bind the advertised address only (loopback on one host), never a wildcard.
+    bind_host = advertise
     select_devices(stage.devices)
     progress(f"{label}: loading engine {stage.engine} ...")
     t0 = time.monotonic()
@@ -111,7 +111,7 @@ def run_stage(config: DeployConfig, stage_id: int, opts: StageOptions,
 
     def producer_opts(kind: str) -> dict:
         if kind == "shm":
-            return {"arena_bytes": max(arenas)} if arenas else {}
+            return {"token": opts.token or None, **({"arena_bytes": max(arenas)} if arenas else {})}
         return {"token": opts.token or None, "advertise_host": advertise}
     worker = StageWorker(
         stage, engine, host=bind_host, advertise_host=advertise, token=opts.token,

@@ -9,6 +9,7 @@ Master commands arrive on the keep-alive thread and are queued to the loop.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import queue
 import threading
@@ -20,9 +21,11 @@ from typing import Any, Callable
 import zmq
 
 from omni.config import StageConfig
+from omni.ratelog import RateLimitedLog
 from omni.signals import StopRequest
 from omni.engines.base import Engine, EngineError, EngineOutput, EngineRequest
 from omni.stage import messages as m
+from omni.stage.curve import secure_server
 from omni.transport.base import ProducerFull, TensorProducer, TransportError
 
 logger = logging.getLogger(__name__)
@@ -119,6 +122,8 @@ class StageWorker:
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        secure_server(self._sock, token)   # CURVE: each connection proves the token; size cap
+        self._bad_frames = RateLimitedLog(logger)
         port = self._sock.bind_to_random_port(f"tcp://{host}")
         self.endpoint = f"tcp://{advertise_host or host}:{port}"
         # A command from another thread wakes the loop through this pair.
@@ -216,23 +221,23 @@ class StageWorker:
             except zmq.Again:
                 return
             if len(frames) != 2:
-                logger.warning("%s: dropped a message with %d frames", self.stage.label, len(frames))
+                self._bad_frames.warning("%s: dropped a message with %d frames", self.stage.label, len(frames))
                 continue
             ident, payload = frames[0].bytes, frames[1].buffer
             try:
                 msg = self._codec.decode(payload)
             except Exception as e:  # msgspec.DecodeError / ValidationError
-                logger.warning("%s: undecodable message from %r: %s", self.stage.label, ident, e)
+                self._bad_frames.warning("%s: undecodable message from %r: %s", self.stage.label, ident[:64], e)
                 continue
             self._handle(ident, msg)
 
     def _handle(self, ident: bytes, msg: Any) -> None:
         if isinstance(msg, m.Hello):
-            ok = not self.token or msg.token == self.token
+            ok = not self.token or hmac.compare_digest(msg.token.encode(), self.token.encode())
             if ok:
                 self._frontends.add(ident)
             else:
-                logger.warning("%s: refused frontend %s: bad token", self.stage.label, msg.frontend_id)
+                self._bad_frames.warning("%s: refused frontend %s: bad token", self.stage.label, msg.frontend_id[:64])
             self._send(ident, m.Welcome(self.stage.stage_id, self.replica_id, ok=ok,
                                         error="" if ok else "bad data-plane token"))
             return

@@ -58,7 +58,7 @@ def choose_transport(producer_host: str, consumer_host: str, configured: str | N
 class MultiConsumer(TensorConsumer):
     """Dispatches on `ref.transport`, building each transport's consumer on first use.
     `options` maps a transport name to its consumer's keyword arguments; `token` goes to
-    the socket transports unless their options name one."""
+    every transport unless its options name one."""
 
     def __init__(self, options: dict[str, dict[str, Any]] | None = None, token: str | None = None):
         self._options = options or {}
@@ -77,8 +77,7 @@ class MultiConsumer(TensorConsumer):
                 if kind not in KINDS:
                     raise _unknown(kind)
                 opts = dict(self._options.get(family, {}))
-                if family != "shm":
-                    opts.setdefault("token", self._token)
+                opts.setdefault("token", self._token)
                 consumer = make_consumer(family, **opts)
                 self._consumers[family] = consumer
             return consumer

@@ -1,7 +1,9 @@
 """torch.distributed transport: gloo for CPU tensors, NCCL for CUDA tensors.
 
-The producer runs the tcp control server (tcp.py's hello/request/reply) plus one
-TCPStore. Each consumer connection becomes a two-rank process group of its own
+The producer runs the tcp control server (tcp.py's hello/request/reply) plus the
+rendezvous store (store.py: token hello, bounded, on the producer's address only; torch's
+TCPStore has no authentication and listens on every interface). Each consumer connection
+becomes a two-rank process group of its own
 (producer rank 0, consumer rank 1; groups are built directly, no default group, so
 one process can hold many). For a request the producer answers on the control
 connection, then `send`s the tensor on that connection's group while the consumer
@@ -9,9 +11,7 @@ connection, then `send`s the tensor on that connection's group while the consume
 travel on an NCCL group made lazily for the same pair; CPU tensors use gloo.
 
 Extra wire step after the tcp hello: server -> client  u32 pair id | u16 store port | 16-byte nonce.
-The TCPStore itself has no authentication; the pair's keys live under a prefix with a random
-nonce that only a client past the token hello learns, so a stranger on the store's port cannot
-join or disturb a pair's rendezvous.
+The pair's keys live under a prefix with that nonce and go when the connection closes.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from omni.transport.base import TensorConsumer, TensorRef, TransportError
+from omni.transport.store import KeyValues, LocalStore, RemoteStore, StoreServer
 from omni.transport.tcp import DEFAULT_MAX_TENSOR_BYTES, KeyedProducer, REP, OK, connect, request
 from omni.transport.util import check_ref, prepare, recv_exact, split_endpoint
 
@@ -89,7 +90,7 @@ class GlooProducer(KeyedProducer):
                  timeout: float = 30.0):
         self._timeout = datetime.timedelta(seconds=timeout)
         self._pair_ids = itertools.count(1)
-        self._store = dist.TCPStore(host, 0, None, True, self._timeout, wait_for_workers=False)
+        self._store = StoreServer(KeyValues(timeout), host, (token or "").encode())
         self._group_host = advertise_host or host
         super().__init__(host, port, token, max_tensor_bytes, advertise_host)
 
@@ -104,15 +105,19 @@ class GlooProducer(KeyedProducer):
         pair_id = next(self._pair_ids)
         nonce = secrets.token_bytes(16)
         conn.sendall(PAIR.pack(pair_id, self._store.port, nonce))
-        # a store client per pair: one client blocked in a rendezvous would stall the others
-        store = dist.TCPStore(self.host, self._store.port, None, False, self._timeout)
-        pair = _Pair(f"pair-{pair_id}-{nonce.hex()}", store, self._group_host, PRODUCER_RANK, self._timeout)
-        pair.group("gloo")  # meets the consumer's half; fails after `timeout` if it never comes
+        pair = _Pair(f"pair-{pair_id}-{nonce.hex()}", LocalStore(self._store.kv), self._group_host,
+                     PRODUCER_RANK, self._timeout)
+        try:
+            pair.group("gloo")  # meets the consumer's half; fails after `timeout` if it never comes
+        except BaseException:
+            self._store.kv.drop_prefix(pair.prefix + "/")
+            raise
         return pair
 
     def _on_disconnect(self, state: object) -> None:
         if isinstance(state, _Pair):
             state.groups.clear()
+            self._store.kv.drop_prefix(state.prefix + "/")
 
     def _send_payload(self, conn: socket.socket, state: object, key: int, tensor: torch.Tensor, nbytes: int) -> None:
         assert isinstance(state, _Pair)
@@ -123,13 +128,18 @@ class GlooProducer(KeyedProducer):
 
     def close(self) -> None:
         super().close()
-        self._store = None  # stops the TCPStore server once the pairs let go
+        self._store.close()
 
 
 class _Conn:
     def __init__(self, sock: socket.socket, pair: _Pair):
         self.sock = sock
         self.pair = pair
+
+    def close(self) -> None:
+        self.sock.close()
+        self.pair.groups.clear()
+        self.pair.store.close()
 
 
 class GlooConsumer(TensorConsumer):
@@ -147,16 +157,19 @@ class GlooConsumer(TensorConsumer):
 
     def _open(self, endpoint: str) -> _Conn:
         sock = connect(endpoint, self._token, self._timeout)
+        store = None
         try:
             pair_id, store_port, nonce = PAIR.unpack(recv_exact(sock, PAIR.size))
             host, _ = split_endpoint(endpoint)
             td = datetime.timedelta(seconds=self._timeout)
-            # a store client per connection: one blocked in a rendezvous would stall the others
-            store = dist.TCPStore(host, store_port, None, False, td)
+            # a store connection per pair: one blocked in a rendezvous would stall the others
+            store = RemoteStore(host, store_port, self._token, self._timeout)
             pair = _Pair(f"pair-{pair_id}-{nonce.hex()}", store, sock.getsockname()[0], CONSUMER_RANK, td)
             pair.group("gloo")
         except BaseException as e:
             sock.close()
+            if store is not None:
+                store.close()
             if isinstance(e, TransportError):
                 raise
             if isinstance(e, Exception):
@@ -178,7 +191,7 @@ class GlooConsumer(TensorConsumer):
             if not self._closed:
                 self._idle.setdefault(endpoint, []).append(conn)
                 return
-        conn.sock.close()
+        conn.close()
 
     def get(self, ref: TensorRef) -> torch.Tensor:
         dtype = check_ref(ref, ("gloo", "nccl"))
@@ -197,7 +210,7 @@ class GlooConsumer(TensorConsumer):
             self._give(ref.endpoint, conn)
             raise
         except Exception as e:
-            conn.sock.close()
+            conn.close()
             raise TransportError(f"{ref.transport} producer {ref.endpoint}: transfer of key {ref.key} "
                                  f"failed: {e}") from e
         self._give(ref.endpoint, conn)
@@ -209,5 +222,4 @@ class GlooConsumer(TensorConsumer):
             pools, self._idle = self._idle, {}
         for pool in pools.values():
             for conn in pool:
-                conn.sock.close()
-                conn.pair.groups.clear()
+                conn.close()

@@ -1,29 +1,94 @@
-"""A listening socket served by one accept thread; each connection gets its own thread.
+"""A listening socket served by one accept thread; a connection gets a thread of its own
+only once its hello has passed.
 
-Used by the shm fd server (unix socket) and the tcp/gloo data servers. `close()` wakes
-the accept loop through a socketpair instead of relying on a timeout.
+The hello proves the token without sending it: on accept the server sends a 16-byte nonce,
+the client answers magic | HMAC-SHA256(token, magic | nonce) (32 bytes), compared in
+constant time. A sniffer on the link learns neither the token nor a reusable answer.
+
+Used by the shm fd server (unix socket) and the tcp/gloo data servers. Connections that
+have not passed their hello are handled in the accept thread itself (non-blocking reads):
+at most `max_pending` at a time (the oldest is dropped for a new one), each with a
+`hello_timeout_s` deadline and at most `max_hello_bytes` read. So a stranger who opens
+thousands of idle sockets costs a bounded set of file descriptors and no threads.
+`close()` wakes the accept loop through a socketpair instead of relying on a timeout.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
+import secrets
 import selectors
 import socket
 import threading
+import time
+from collections import OrderedDict
 from collections.abc import Callable
+
+from omni.ratelog import RateLimitedLog
 
 logger = logging.getLogger(__name__)
 
+NONCE_BYTES = 16
+HELLO_BYTES = 4 + 32               # magic | HMAC-SHA256
+MAX_PENDING = 64
+HELLO_TIMEOUT_S = 5.0
+
+# hello(conn, bytes so far, nonce sent) -> None: need more; True: admit; False: refuse.
+Hello = Callable[[socket.socket, bytes, bytes], "bool | None"]
+
+
+def _answer(magic: bytes, token: str | bytes | None, nonce: bytes) -> bytes:
+    key = token.encode() if isinstance(token, str) else (token or b"")
+    return magic + hmac.new(key, magic + nonce, hashlib.sha256).digest()
+
+
+def token_hello(magic: bytes, token: bytes) -> Hello:
+    """The hello every data server uses. The client waits for the server's status, so
+    nothing may follow the answer."""
+    def check(conn: socket.socket, buf: bytes, nonce: bytes) -> bool | None:
+        if len(buf) < HELLO_BYTES:
+            return None if buf == magic[:len(buf)] else False
+        return len(buf) == HELLO_BYTES and hmac.compare_digest(buf, _answer(magic, token, nonce))
+    return check
+
+
+def client_hello(sock: socket.socket, magic: bytes, token: str | None) -> None:
+    """The client's half: read the nonce, answer it (the caller then reads the status)."""
+    from omni.transport.util import recv_exact
+
+    sock.sendall(_answer(magic, token, recv_exact(sock, NONCE_BYTES)))
+
+
+class _Pending:
+    __slots__ = ("buf", "deadline", "nonce")
+
+    def __init__(self, deadline: float):
+        self.buf = b""
+        self.deadline = deadline
+        self.nonce = secrets.token_bytes(NONCE_BYTES)
+
 
 class SocketServer:
-    def __init__(self, sock: socket.socket, handler: Callable[[socket.socket], None], name: str):
+    def __init__(self, sock: socket.socket, handler: Callable[[socket.socket], None], name: str, *,
+                 hello: Hello, refusal: bytes = b"", max_pending: int = MAX_PENDING,
+                 hello_timeout_s: float = HELLO_TIMEOUT_S, max_hello_bytes: int = HELLO_BYTES):
         self._sock = sock
         self._handler = handler
         self._name = name
+        self._hello = hello
+        self._refusal = refusal
+        self._max_pending = max_pending
+        self._hello_timeout = hello_timeout_s
+        self._max_hello = max_hello_bytes
+        self._refused = RateLimitedLog(logger)
         self._wake_r, self._wake_w = socket.socketpair()
         self._lock = threading.Lock()
         self._conns: dict[socket.socket, threading.Thread] = {}
+        self._pending: OrderedDict[socket.socket, _Pending] = OrderedDict()
         self._closed = False
+        self._sock.setblocking(False)
         self._thread = threading.Thread(target=self._accept_loop, name=f"{name}-accept", daemon=True)
         self._thread.start()
 
@@ -33,24 +98,99 @@ class SocketServer:
         sel.register(self._wake_r, selectors.EVENT_READ)
         try:
             while True:
-                for key, _ in sel.select():
+                timeout = None
+                if self._pending:
+                    timeout = max(0.0, next(iter(self._pending.values())).deadline - time.monotonic())
+                for key, _ in sel.select(timeout):
                     if key.fileobj is self._wake_r:
                         return
-                    try:
-                        conn, _addr = self._sock.accept()
-                    except OSError as e:
-                        logger.debug("%s: accept failed: %s", self._name, e)
-                        continue
-                    with self._lock:
-                        if self._closed:
-                            conn.close()
-                            return
-                        thread = threading.Thread(target=self._serve, args=(conn,),
-                                                  name=f"{self._name}-conn", daemon=True)
-                        self._conns[conn] = thread
-                    thread.start()
+                    if key.fileobj is self._sock:
+                        self._accept(sel)
+                    else:
+                        self._read_hello(sel, key.fileobj)
+                now = time.monotonic()
+                while self._pending:
+                    conn, p = next(iter(self._pending.items()))
+                    if p.deadline > now:
+                        break
+                    self._drop(sel, conn, "no hello within %.0f s" % self._hello_timeout)
         finally:
+            for conn in list(self._pending):
+                self._drop(sel, conn, None)
             sel.close()
+
+    def _accept(self, sel: selectors.BaseSelector) -> None:
+        for _ in range(self._max_pending):   # drain the kernel's queue, so a flood finds it short
+            try:
+                conn, _addr = self._sock.accept()
+            except OSError as e:   # EAGAIN (queue empty), EMFILE ...
+                if not isinstance(e, BlockingIOError):
+                    logger.debug("%s: accept failed: %s", self._name, e)
+                return
+            self._admit(sel, conn)
+
+    def _admit(self, sel: selectors.BaseSelector, conn: socket.socket) -> None:
+        if len(self._pending) >= self._max_pending:
+            # The oldest waiter is the likeliest idle one: a real client sends its hello at once.
+            self._drop(sel, next(iter(self._pending)), "too many connections without a hello")
+        conn.setblocking(False)
+        p = self._pending[conn] = _Pending(time.monotonic() + self._hello_timeout)
+        try:
+            conn.send(p.nonce)     # 16 bytes into a fresh socket's empty buffer
+        except OSError:
+            self._drop(sel, conn, None)
+            return
+        sel.register(conn, selectors.EVENT_READ)
+
+    def _read_hello(self, sel: selectors.BaseSelector, conn: socket.socket) -> None:
+        p = self._pending.get(conn)
+        if p is None:
+            return
+        try:
+            data = conn.recv(self._max_hello - len(p.buf))
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._drop(sel, conn, None)
+            return
+        p.buf += data
+        verdict = self._hello(conn, p.buf, p.nonce)
+        if verdict is None and len(p.buf) < self._max_hello:
+            return
+        if not verdict:
+            if self._refusal:
+                try:
+                    conn.send(self._refusal)
+                except OSError:
+                    pass
+            self._drop(sel, conn, "bad hello or token")
+            return
+        sel.unregister(conn)
+        del self._pending[conn]
+        conn.setblocking(True)
+        with self._lock:
+            if self._closed:
+                conn.close()
+                return
+            thread = threading.Thread(target=self._serve, args=(conn,), name=f"{self._name}-conn", daemon=True)
+            self._conns[conn] = thread
+        thread.start()
+
+    def _drop(self, sel: selectors.BaseSelector, conn: socket.socket, why: str | None) -> None:
+        self._pending.pop(conn, None)
+        try:
+            sel.unregister(conn)
+        except (KeyError, ValueError):
+            pass
+        if why:
+            try:
+                peer = conn.getpeername()
+            except OSError:
+                peer = "?"
+            self._refused.warning("%s: refused a connection from %s: %s", self._name, peer, why)
+        conn.close()
 
     def _serve(self, conn: socket.socket) -> None:
         try:

@@ -1,7 +1,8 @@
 """Shared-memory transport for one host: a producer-owned arena of memfd segments.
 
 No names are created in /dev/shm: each segment is an anonymous `memfd_create` file,
-handed to consumers over an abstract-namespace unix socket with SCM_RIGHTS. The memory
+handed to consumers over an abstract-namespace unix socket with SCM_RIGHTS, only to a peer
+of the same user that passed the token hello ("OMS1", see server.py). The memory
 goes away when the last process holding the fd or a mapping exits, so nothing leaks
 even on SIGKILL. Each slot starts with a 64-byte header (magic, key, nbytes) that the
 consumer checks, so a ref to a freed or foreign slot raises instead of returning
@@ -24,7 +25,7 @@ import torch
 
 from omni.transport.alloc import ALIGN, SlotAllocator, round_up
 from omni.transport.base import ProducerFull, TensorConsumer, TensorProducer, TensorRef, TransportError
-from omni.transport.server import SocketServer
+from omni.transport.server import SocketServer, client_hello, token_hello
 from omni.transport.util import check_ref, dtype_name, flat_bytes, recv_exact
 
 logger = logging.getLogger(__name__)
@@ -35,6 +36,8 @@ _SLOT = struct.Struct("<QQQ")  # magic, key, nbytes
 _REQ = struct.Struct("<I")     # segment index
 _REP = struct.Struct("<BQ")    # status (0 ok, 1 no such segment), segment size
 DEFAULT_ARENA_BYTES = 256 << 20
+MAGIC = b"OMS1"
+_STATUS = struct.Struct("<B")  # hello reply: 0 ok, 1 refused
 
 
 def _peer_uid(conn: socket.socket) -> int:
@@ -65,7 +68,8 @@ class ShmProducer(TensorProducer):
 
     transport = "shm"
 
-    def __init__(self, arena_bytes: int = DEFAULT_ARENA_BYTES, max_segments: int = 4, host: str = "127.0.0.1"):
+    def __init__(self, arena_bytes: int = DEFAULT_ARENA_BYTES, max_segments: int = 4, host: str = "127.0.0.1",
+                 token: str | None = None):
         if arena_bytes < 2 * HEADER or max_segments < 1:
             raise ValueError(f"shm arena_bytes must be >= {2 * HEADER} and max_segments >= 1")
         self.arena_bytes = round_up(arena_bytes)
@@ -81,13 +85,17 @@ class ShmProducer(TensorProducer):
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.bind("\0" + self.name)
         sock.listen(64)
-        self._server = SocketServer(sock, self._serve_fds, "omni-shm")
+        token_ok = token_hello(MAGIC, (token or "").encode())
+
+        def hello(conn: socket.socket, buf: bytes, nonce: bytes) -> bool | None:
+            return token_ok(conn, buf, nonce) if _peer_uid(conn) == os.getuid() else False
+
+        self._server = SocketServer(sock, self._serve_fds, "omni-shm", hello=hello, refusal=_STATUS.pack(1))
 
     # -- fd server -----------------------------------------------------------------------
     def _serve_fds(self, conn: socket.socket) -> None:
-        if _peer_uid(conn) != os.getuid():
-            logger.warning("shm %s: refused a peer running as another user", self.name)
-            return
+        """A peer of this user that passed the token hello (SocketServer checked both)."""
+        conn.sendall(_STATUS.pack(0))
         while True:
             try:
                 (index,) = _REQ.unpack(recv_exact(conn, _REQ.size))
@@ -196,8 +204,9 @@ class ShmProducer(TensorProducer):
 class ShmConsumer(TensorConsumer):
     """Maps each producer segment once (fd fetched over the producer's unix socket)."""
 
-    def __init__(self, connect_timeout: float = 10.0):
+    def __init__(self, connect_timeout: float = 10.0, token: str | None = None):
         self._timeout = connect_timeout
+        self._token = token
         self._lock = threading.Lock()
         self._maps: dict[str, mmap.mmap] = {}
 
@@ -238,6 +247,10 @@ class ShmConsumer(TensorConsumer):
             sock.settimeout(self._timeout)
             try:
                 sock.connect("\0" + name)
+                client_hello(sock, MAGIC, self._token)
+                status = sock.recv(_STATUS.size)
+                if status != _STATUS.pack(0):
+                    raise TransportError(f"shm producer {name} refused the connection (bad token, or another user)")
                 sock.sendall(_REQ.pack(int(index)))
                 msg, fds, _flags, _addr = socket.recv_fds(sock, _REP.size, 1)
             except OSError as e:

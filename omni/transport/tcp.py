@@ -1,7 +1,9 @@
 """TCP transport for other hosts: the producer keeps the tensor and serves its bytes.
 
 Wire format (all little endian, no pickle):
-  hello    client -> server  "OMT1" | u16 token length | token bytes
+  hello    server -> client  16-byte nonce
+           client -> server  "OMT1" | HMAC-SHA256(token, "OMT1" | nonce) (within 5 s; checked in
+           the accept thread, so an idle stranger costs no thread; server.py)
            server -> client  u8 status (0 ok, 1 bad token)
   request  client -> server  u64 key | u64 expected nbytes
   reply    server -> client  u8 status (0 ok, 1 unknown key, 2 size mismatch) | u64 nbytes | raw bytes
@@ -12,7 +14,6 @@ tensor's memory (`sendall(memoryview)`).
 
 from __future__ import annotations
 
-import hmac
 import logging
 import socket
 import struct
@@ -21,7 +22,7 @@ import threading
 import torch
 
 from omni.transport.base import ProducerFull, TensorConsumer, TensorProducer, TensorRef, TransportError
-from omni.transport.server import SocketServer
+from omni.transport.server import SocketServer, client_hello, token_hello
 from omni.transport.util import (
     as_memoryview, check_ref, dtype_name, prepare, recv_exact, recv_into_exact, split_endpoint,
 )
@@ -29,7 +30,6 @@ from omni.transport.util import (
 logger = logging.getLogger(__name__)
 
 MAGIC = b"OMT1"
-HELLO = struct.Struct("<4sH")
 STATUS = struct.Struct("<B")
 REQ = struct.Struct("<QQ")
 REP = struct.Struct("<BQ")
@@ -66,22 +66,17 @@ class KeyedProducer(TensorProducer):
         self._bytes = 0
         self._closed = False
         sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
-                                    backlog=64)
+                                    backlog=1024)
         bound_port = sock.getsockname()[1]
         adv = advertise_host or host
         self.endpoint = f"[{adv}]:{bound_port}" if ":" in adv else f"{adv}:{bound_port}"
-        self._server = SocketServer(sock, self._serve, f"omni-{self.transport}")
+        self._server = SocketServer(sock, self._serve, f"omni-{self.transport}",
+                                    hello=token_hello(MAGIC, self._token), refusal=STATUS.pack(BAD_TOKEN))
 
     # -- connection handling --------------------------------------------------------------
     def _serve(self, conn: socket.socket) -> None:
+        """A connection whose hello passed (SocketServer checked it)."""
         _tune(conn)
-        magic, n = HELLO.unpack(recv_exact(conn, HELLO.size))
-        token = recv_exact(conn, n) if n <= 4096 else b""
-        if magic != MAGIC or n > 4096 or not hmac.compare_digest(token, self._token):
-            logger.warning("%s %s: refused a connection from %s (bad hello or token)",
-                           self.transport, self.endpoint, conn.getpeername())
-            conn.sendall(STATUS.pack(BAD_TOKEN))
-            return
         conn.sendall(STATUS.pack(OK))
         state = self._on_connect(conn)
         try:
@@ -205,8 +200,7 @@ def connect(endpoint: str, token: str | None, timeout: float) -> socket.socket:
         raise TransportError(f"producer {endpoint} unreachable: {e}") from e
     try:
         _tune(sock)
-        tok = (token or "").encode()
-        sock.sendall(HELLO.pack(MAGIC, len(tok)) + tok)
+        client_hello(sock, MAGIC, token)
         (status,) = STATUS.unpack(recv_exact(sock, STATUS.size))
     except (OSError, ConnectionError) as e:
         sock.close()

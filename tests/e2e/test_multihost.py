@@ -33,6 +33,8 @@ from tests.e2e.harness import REPO, SERVING, OmniProcess, descendants, omni_env,
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+# The token on: the stage channel runs CURVE and the tensor hellos HMAC across the two hosts.
+TOKEN = "multihost-token"
 ADDR_A, ADDR_B = "10.213.0.1", "10.213.0.2"
 CLONE_NEWNET = 0x40000000
 CMD_TIMEOUT_S = 30
@@ -86,7 +88,7 @@ class Host:
 
     def run(self, *argv: str, timeout: float = CMD_TIMEOUT_S) -> subprocess.CompletedProcess:
         return subprocess.run([*self.prefix, *argv], capture_output=True, text=True, timeout=timeout,
-                              cwd=REPO, env=omni_env())
+                              cwd=REPO, env=omni_env(OMNI_TOKEN=TOKEN))
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -137,17 +139,20 @@ def deployment(hosts):
         # HTTP on every address of A (there are only lo and the veth end): the frontend must
         # still advertise A's address, not 0.0.0.0.
         head = OmniProcess("serve", MODEL, "--stage-id", "0", "--omni-master-address", a.addr,
-                           "--omni-master-port", "0", "--host", "0.0.0.0", "--port", "0", prefix=a.prefix)
+                           "--omni-master-port", "0", "--host", "0.0.0.0", "--port", "0", prefix=a.prefix,
+                           env=omni_env(OMNI_TOKEN=TOKEN))
         procs.append(head)
         master = head.master_address(120)
         assert master.startswith(f"{a.addr}:"), master
         port = master.rsplit(":", 1)[1]
         # The talker auto-detects its address (the route to the master); code2wav names it.
         procs.append(OmniProcess("serve", MODEL, "--stage-id", "1", "--headless",
-                                 "--omni-master-address", a.addr, "--omni-master-port", port, prefix=b.prefix))
+                                 "--omni-master-address", a.addr, "--omni-master-port", port, prefix=b.prefix,
+                                 env=omni_env(OMNI_TOKEN=TOKEN)))
         procs.append(OmniProcess("serve", MODEL, "--stage-id", "2", "--headless",
                                  "--omni-master-address", a.addr, "--omni-master-port", port,
-                                 "--omni-replica-address", b.addr, prefix=b.prefix))
+                                 "--omni-replica-address", b.addr, prefix=b.prefix,
+                                 env=omni_env(OMNI_TOKEN=TOKEN)))
         m = head.wait_for(SERVING, 600)
         assert m.group(1) == "0.0.0.0", m.group(0)
         yield Deployment(a, b, master, f"http://{a.addr}:{m.group(2)}", procs, shm_before)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
+import socket
 import struct
 
 import httpx
@@ -625,9 +627,11 @@ async def test_hypercorn_streaming_and_disconnect(tokenizer):
         await asyncio.wait_for(task, 15)
 
 
-async def test_bind_socket_reuse_port_and_handed_socket(tokenizer):
-    a = bind_socket("127.0.0.1", 0, reuse_port=True)
-    b = bind_socket("127.0.0.1", a.getsockname()[1], reuse_port=True)  # a second frontend, same port
+async def test_bind_socket_refuses_a_taken_port_and_serves_a_handed_socket(tokenizer):
+    a = bind_socket("127.0.0.1", 0)
+    with pytest.raises(OSError):
+        bind_socket("127.0.0.1", a.getsockname()[1])   # no SO_REUSEPORT: nobody shares the port
+    b = socket.socket(fileno=os.dup(a.fileno()))       # the launcher hands its listener by fd
     orch = FakeOrchestrator(tokenizer)
     stop = asyncio.Event()
     ready, ports = asyncio.Event(), []
@@ -636,7 +640,7 @@ async def test_bind_socket_reuse_port_and_handed_socket(tokenizer):
     try:
         await _wait_ready(ready, task)
         assert ports == [a.getsockname()[1]]
-        a.close()  # only b's server is left on the port
+        a.close()  # b, the handed fd, still listens
         async with httpx.AsyncClient(timeout=10) as c:
             r = await c.get(f"http://127.0.0.1:{ports[0]}/health")
             assert r.status_code == 200

@@ -41,3 +41,15 @@ def test_help_lists_the_flags():
         assert flag in r.stdout, flag
     r = omni("status", "--help")
     assert r.returncode == 0 and "--json" in r.stdout and "--watch" in r.stdout
+
+
+def test_secrets_on_the_command_line_are_masked_with_a_warning(capsys):
+    from omni.cli import hide_secrets
+
+    argv = ["serve", "m", "--omni-token", "t0k", "--api-key=k3y", "--control-api-key", "adm", "--port", "1"]
+    masked = hide_secrets(argv)
+    assert masked == ["serve", "m", "--omni-token", "***", "--api-key=***", "--control-api-key", "***",
+                      "--port", "1"]
+    err = capsys.readouterr().err
+    assert "OMNI_TOKEN" in err and "OMNI_API_KEY" in err and "t0k" not in err
+    assert hide_secrets(["serve", "m"]) == ["serve", "m"]

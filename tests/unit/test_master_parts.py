@@ -6,7 +6,7 @@ import pytest
 
 from omni.master import wire
 from omni.master.commands import render_table
-from omni.master.kv import MAX_VALUE_BYTES, KvError, KvStore
+from omni.master.kv import MAX_VALUE_BYTES, PAGE_BYTES, KvError, KvFull, KvStore, Limits
 from omni.master.types import ReplicaInfo, StageStatus, Status
 
 
@@ -18,8 +18,8 @@ def test_kv_persists_atomically_and_reloads(tmp_path):
     files = sorted(p.name for p in (tmp_path / "kv").iterdir())
     assert files == ["jobs.json", "voices.json"]  # no temp files left behind
     again = KvStore(tmp_path)
-    assert again.list("voices") == {"alice": b"\x00\xff", "bob": b"b"}
-    assert again.list("voices", prefix="b") == {"bob": b"b"}
+    assert again.list("voices") == ({"alice": b"\x00\xff", "bob": b"b"}, "")
+    assert again.list("voices", prefix="b") == ({"bob": b"b"}, "")
     assert again.delete("jobs", "j1") and not again.delete("jobs", "j1")
     assert not (tmp_path / "kv" / "jobs.json").exists()
     assert KvStore(tmp_path).get("jobs", "j1") is None
@@ -34,6 +34,54 @@ def test_kv_refuses_bad_names_and_sizes(tmp_path):
         kv.get("ns", "")
     with pytest.raises(KvError, match="limit"):
         kv.put("ns", "k", b"x" * (MAX_VALUE_BYTES + 1))
+
+
+def test_kv_lists_in_bounded_pages(tmp_path):
+    kv = KvStore()
+    for i in range(30):
+        kv.put("jobs", f"j{i:02d}", b"x" * (60 << 10))
+    pages, after = [], ""
+    while True:
+        page, after = kv.list("jobs", start_after=after)
+        assert 0 < sum(len(v) for v in page.values()) <= PAGE_BYTES
+        pages.append(page)
+        if not after:
+            break
+    assert len(pages) > 1
+    assert [k for p in pages for k in p] == [f"j{i:02d}" for i in range(30)]
+    assert list(kv.list("jobs", limit=3)[0]) == ["j00", "j01", "j02"]
+
+
+def test_kv_namespaces_have_caps_and_jobs_expire(tmp_path):
+    now = [1000.0]
+    kv = KvStore(tmp_path, limits={"small": Limits(max_entries=2, max_bytes=10), "jobs": Limits(ttl_s=60)},
+                 clock=lambda: now[0])
+    kv.put("small", "a", b"1")
+    kv.put("small", "b", b"2")
+    kv.put("small", "b", b"3")                  # replacing is not growing
+    with pytest.raises(KvFull, match="2 entries"):
+        kv.put("small", "c", b"4")
+    kv.delete("small", "a")
+    with pytest.raises(KvFull, match="limit of 10"):
+        kv.put("small", "c", b"x" * 10)
+    kv.put("jobs", "old", b"{}")
+    now[0] += 50
+    kv.put("jobs", "new", b"{}")
+    now[0] += 20                                 # old: 70 s since its write, new: 20 s
+    assert kv.get("jobs", "old") is None and kv.get("jobs", "new") == b"{}"
+    assert list(kv.list("jobs")[0]) == ["new"]
+    # The write times persist: a restarted master expires on schedule.
+    again = KvStore(tmp_path, limits={"jobs": Limits(ttl_s=60)}, clock=lambda: now[0] + 50)
+    assert again.list("jobs") == ({}, "")
+
+
+def test_kv_reads_the_older_file_format(tmp_path):
+    (tmp_path / "kv").mkdir()
+    (tmp_path / "kv" / "voices.json").write_text(json.dumps({"alice": "AP8="}))   # key -> base64 only
+    kv = KvStore(tmp_path)
+    assert kv.get("voices", "alice") == b"\x00\xff"
+    kv.put("voices", "bob", b"b")
+    assert json.loads((tmp_path / "kv" / "voices.json").read_text())["alice"]["v"] == "AP8="
 
 
 def test_kv_corrupt_file_is_named(tmp_path):

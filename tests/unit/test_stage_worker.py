@@ -72,12 +72,15 @@ def worker():
     assert not t.is_alive()
 
 
-def dealer(endpoint: str, ident: bytes = b"fe-test"):
+def dealer(endpoint: str, ident: bytes = b"fe-test", token: str = "secret"):
+    from omni.stage.curve import secure_client
+
     ctx = zmq.Context.instance()
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.IDENTITY, ident)
     s.setsockopt(zmq.LINGER, 0)
     s.setsockopt(zmq.RCVTIMEO, 10_000)   # every wait has a deadline
+    secure_client(s, token)
     s.connect(endpoint)
     return s
 
@@ -111,12 +114,17 @@ def test_request_streams_outputs_back_to_its_frontend(worker):
 
 def test_bad_token_is_refused_and_ignored(worker):
     w, engine = worker
-    s = dealer(w.endpoint, b"intruder")
-    welcome = hello(s, token="wrong")
-    assert not welcome.ok and "token" in welcome.error
+    # CURVE keys from the wrong token: the handshake fails, ZMQ delivers nothing either way.
+    s = dealer(w.endpoint, b"intruder", token="wrong")
+    s.send(enc.encode(m.Hello("intruder", "secret")))
     s.send(enc.encode(m.AddRequest(request_id="x", prompt_token_ids=[1])))
     s.send(enc.encode(m.Utility(1, "ping")))
+    # Right keys but the wrong token in Hello: refused by the worker too.
+    half = dealer(w.endpoint, b"half")
+    welcome = hello(half, token="wrong")
+    assert not welcome.ok and "token" in welcome.error
     # Nothing comes back for an unauthenticated peer; an authenticated one still works.
+    assert not s.poll(500)
     good = dealer(w.endpoint)
     assert hello(good).ok
     good.send(enc.encode(m.Utility(2, "ping")))
@@ -124,6 +132,7 @@ def test_bad_token_is_refused_and_ignored(worker):
     assert res.call_id == 2 and res.result == "pong"
     assert "x" not in engine.reqs
     s.close()
+    half.close()
     good.close()
 
 

@@ -289,7 +289,7 @@ def test_close_leaves_nothing_and_refuses_puts(kind):
 
 
 # -- transport-specific parts ---------------------------------------------------------------
-@pytest.mark.parametrize("kind", ["tcp", "gloo"])
+@pytest.mark.parametrize("kind", ["shm", "tcp", "gloo"])
 def test_wrong_token_is_refused(kind):
     producer = make_producer(kind, token="sesame")
     try:

@@ -2,7 +2,7 @@
 
   consume          read msgspec-JSON TensorRefs from stdin, one a line; print the sha256 of
                    each tensor's bytes; keep the tensors alive; on "hold" print "held" and wait
-  produce KIND     make a KIND producer, put `sample(i)` for i in 0..3 (owner "child"),
+  produce KIND [TOKEN]  make a KIND producer, put `sample(i)` for i in 0..3 (owner "child"),
                    print each ref as JSON, then "ready", then wait on stdin
 """
 
@@ -44,7 +44,7 @@ def main() -> None:
             held.append(t)
             print(digest(t), flush=True)
     elif mode == "produce":
-        producer = make_producer(sys.argv[2])
+        producer = make_producer(sys.argv[2], **({"token": sys.argv[3]} if len(sys.argv) > 3 else {}))
         for i in range(4):
             print(enc.encode(producer.put(sample(i), owner="child")).decode(), flush=True)
         print("ready", flush=True)
