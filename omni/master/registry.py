@@ -21,6 +21,10 @@ Replica states and their transitions (`TRANSITIONS`; `next_state` applies it):
     any live     LEASE_EXPIRED    DEAD   (no heartbeat for lease_ttl_s)
     any          deregister       removed
 
+A lease runs only while the master runs: when the sweeps stop for longer than `stall_after_s`
+(the master was SIGSTOPped or starved), the silence was the master's, so every lease gets a
+fresh TTL from the moment it runs again; a replica that is really gone is DEAD one TTL later.
+
 DEAD is final for a lease: its heartbeats are refused (the client registers again). DEAD entries
 stay listed until their slot is reused or for `dead_retention_s`.
 """
@@ -176,10 +180,16 @@ class Registry:
         dead_retention_s: float = 60.0,
         load_event_interval_s: float = 0.5,
         new_lease_id: Callable[[], str] = lambda: uuid.uuid4().hex,
+        stall_after_s: float | None = None,
     ):
         if lease_ttl_s <= 0:
             raise ValueError(f"lease_ttl_s must be > 0, got {lease_ttl_s}")
         self.lease_ttl_s = lease_ttl_s
+        # A gap between two sweeps longer than this is a master stall (None: never; the
+        # server sweeps on a timer and sets it, unit tests that sweep by hand need not).
+        self._stall_after_s = stall_after_s
+        self._last_sweep: float | None = None
+        self._grace_from = float("-inf")   # leases count from here at the earliest
         self._clock = clock
         self._dead_retention_s = dead_retention_s
         self._load_interval = load_event_interval_s
@@ -345,9 +355,16 @@ class Registry:
     def sweep(self) -> list[Event]:
         """Expire leases, forget old DEAD entries, flush throttled load updates."""
         now = self._clock()
+        if (self._stall_after_s is not None and self._last_sweep is not None
+                and now - self._last_sweep > self._stall_after_s):
+            logger.warning("the master itself did not run for %.1f s (stopped or starved): every lease "
+                           "gets a fresh %.1f s before anyone is declared dead", now - self._last_sweep,
+                           self.lease_ttl_s)
+            self._grace_from = now
+        self._last_sweep = now
         events: list[Event] = []
         for rep in list(self._by_lease.values()):
-            if rep.state in LIVE_STATES and now - rep.last_seen > self.lease_ttl_s:
+            if rep.state in LIVE_STATES and now - max(rep.last_seen, self._grace_from) > self.lease_ttl_s:
                 logger.warning("replica %s (pid %d on %s): no heartbeat for %.1f s, lease expired",
                                rep.replica_id, rep.pid, rep.host, now - rep.last_seen)
                 rep.dead_at = now

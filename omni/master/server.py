@@ -33,6 +33,10 @@ WATCH_BACKLOG = 10_000
 MAX_COMMAND_TIMEOUT_S = 600.0
 
 
+def sweep_tick(lease_ttl_s: float) -> float:
+    return max(0.05, min(0.25, lease_ttl_s / 10))
+
+
 class _Conn:
     """One keep-alive stream: commands to send down, acks awaited."""
 
@@ -288,7 +292,8 @@ class MasterServer:
                  port: int = 0, token: str | None = None, tls: TlsFiles | None = None, lease_ttl_s: float = 5.0,
                  state_dir: str | None = None, clock: Callable[[], float] = time.monotonic):
         try:
-            self.registry = Registry(config, config_hash, lease_ttl_s=lease_ttl_s, clock=clock)
+            self.registry = Registry(config, config_hash, lease_ttl_s=lease_ttl_s, clock=clock,
+                                     stall_after_s=max(4 * sweep_tick(lease_ttl_s), lease_ttl_s / 2))
         except BadRegistration as e:
             raise ConfigError(f"master pipeline config: {e}") from None
         self._kv = KvStore(state_dir)
@@ -378,7 +383,7 @@ class MasterServer:
             await server.stop(self._grace)
 
     async def _sweep(self, servicer: MasterServicer) -> None:
-        tick = max(0.05, min(0.25, self.registry.lease_ttl_s / 10))
+        tick = sweep_tick(self.registry.lease_ttl_s)
         while True:
             await asyncio.sleep(tick)
             try:
