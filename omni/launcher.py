@@ -76,6 +76,26 @@ class Child:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def sweep(self) -> None:
+        """Once the child is gone: kill what is left of its process group (an engine process
+        that outlived it). The group id stays taken while any member lives, so it names no
+        stranger."""
+        if self.proc is not None and self.proc.poll() is not None:
+            from omni.proctree import kill_group
+
+            if kill_group(self.proc.pid):
+                logger.info("%s: killed what was left of its process group", self.name)
+
+    def exit_cause(self) -> str:
+        """How it ended: a signal names itself (older output would be stale), else its last words."""
+        code = self.proc.returncode
+        if code < 0:
+            try:
+                return f"was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"was killed by signal {-code}"
+        return f"exited with code {code}: {self.last_words()}"
+
     def last_words(self) -> str:
         for line in reversed(self.tail):
             if line.startswith("omni:") or "Error" in line:
@@ -229,8 +249,8 @@ class Launcher:
         while not self._stop.is_set():
             for child in self.children:
                 if child.kind == "stage" and child.proc is not None and child.proc.poll() is not None:
-                    progress(f"{child.name} exited with code {child.proc.returncode} during start-up: "
-                             f"{child.last_words()}")
+                    child.sweep()
+                    progress(f"{child.name} {child.exit_cause()} during start-up")
                     return False
             try:
                 status = self._status()
@@ -259,8 +279,8 @@ class Launcher:
         while not self._stop.is_set() and time.monotonic() < deadline:
             for child in self.children:
                 if child.kind == "frontend" and child.proc.poll() is not None:
-                    progress(f"{child.name} exited with code {child.proc.returncode} during start-up: "
-                             f"{child.last_words()}")
+                    child.sweep()
+                    progress(f"{child.name} {child.exit_cause()} during start-up")
                     return False
             try:
                 status = self._status()
@@ -281,6 +301,7 @@ class Launcher:
             for child in self.children:
                 if child.alive():
                     continue
+                child.sweep()
                 code = child.proc.returncode
                 if child.kind == "frontend":
                     # A crashed frontend is replaced; the engines carry on.
@@ -294,8 +315,8 @@ class Launcher:
                              f"{child.stage_id} remain")
                     self.children.remove(child)
                     break
-                progress(f"{child.name} exited with code {code} and no replica of stage {child.stage_id} "
-                         f"is left: {child.last_words()}; shutting down")
+                progress(f"{child.name} {child.exit_cause()}; no replica of stage {child.stage_id} "
+                         f"is left; shutting down")
                 return 1
         progress("shutting down")
         return 0
@@ -314,6 +335,8 @@ class Launcher:
                     progress(f"{c.name} did not stop within {grace_s:.0f} s; killing it")
                     c.proc.kill()
                     c.proc.wait()
+            for c in group:
+                c.sweep()
         if self._listener is not None:
             self._listener.close()
             self._listener = None
