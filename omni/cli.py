@@ -206,6 +206,7 @@ def _register_master_commands() -> None:
     from omni.master import admin
 
     app.command("drain", help="Drain stage replicas: they finish what they hold and get no new requests.")(admin.drain)
+    app.command("undrain", help="Take drained stage replicas back into service.")(admin.undrain)
     app.command("sleep", help="Put stage engines to sleep through the master.")(admin.sleep)
     app.command("wakeup", help="Wake sleeping stage engines through the master.")(admin.wakeup)
 

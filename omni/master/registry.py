@@ -14,6 +14,10 @@ Replica states and their transitions (`TRANSITIONS`; `next_state` applies it):
     DRAINING     DRAIN            DRAINING
     REGISTERING  DRAIN            REGISTERING (remembered: the first heartbeat makes it DRAINING)
     SUSPECT      DRAIN            SUSPECT (remembered likewise)
+    DRAINING     UNDRAIN          READY
+    READY        UNDRAIN          READY
+    REGISTERING  UNDRAIN          REGISTERING (the remembered drain is forgotten)
+    SUSPECT      UNDRAIN          SUSPECT (likewise)
     REGISTERING  STREAM_BROKEN    SUSPECT
     READY        STREAM_BROKEN    SUSPECT
     DRAINING     STREAM_BROKEN    SUSPECT
@@ -61,6 +65,7 @@ class ReplicaState(enum.Enum):
 class Trigger(enum.Enum):
     HEARTBEAT = "HEARTBEAT"
     DRAIN = "DRAIN"
+    UNDRAIN = "UNDRAIN"
     STREAM_BROKEN = "STREAM_BROKEN"
     LEASE_EXPIRED = "LEASE_EXPIRED"
 
@@ -77,6 +82,10 @@ TRANSITIONS: dict[tuple[ReplicaState, Trigger], ReplicaState] = {
     (S.DRAINING, T.DRAIN): S.DRAINING,
     (S.REGISTERING, T.DRAIN): S.REGISTERING,
     (S.SUSPECT, T.DRAIN): S.SUSPECT,
+    (S.DRAINING, T.UNDRAIN): S.READY,
+    (S.READY, T.UNDRAIN): S.READY,
+    (S.REGISTERING, T.UNDRAIN): S.REGISTERING,
+    (S.SUSPECT, T.UNDRAIN): S.SUSPECT,
     (S.REGISTERING, T.STREAM_BROKEN): S.SUSPECT,
     (S.READY, T.STREAM_BROKEN): S.SUSPECT,
     (S.DRAINING, T.STREAM_BROKEN): S.SUSPECT,
@@ -344,6 +353,27 @@ class Registry:
         if not events and not was_draining:  # state kept (REGISTERING/SUSPECT) but the flag is news
             events = [self._event("UPDATED", rep, self._clock())]
         return events
+
+    def undrain(self, replica_id: str) -> list[Event]:
+        rep = self.by_replica_id(replica_id)
+        if rep is None or rep.state is S.DEAD:
+            return []
+        was_draining, rep.draining = rep.draining, False
+        events = self._apply(rep, T.UNDRAIN)
+        if not events and was_draining:
+            events = [self._event("UPDATED", rep, self._clock())]
+        return events
+
+    def last_serving(self, replica_ids: set[str]) -> dict[int, list[str]]:
+        """Stages that would have no READY, awake replica left without `replica_ids`:
+        {stage_id: those of its serving replicas that are in replica_ids}."""
+        out: dict[int, list[str]] = {}
+        for sid in self.stage_ids():
+            serving = [r.replica_id for r in self._by_lease.values() if r.role is Role.STAGE
+                       and r.stage_id == sid and r.state is S.READY and not r.load.is_sleeping]
+            if serving and all(rid in replica_ids for rid in serving):
+                out[sid] = serving
+        return out
 
     def deregister(self, lease_id: str) -> tuple[bool, list[Event]]:
         rep = self._by_lease.pop(lease_id, None)

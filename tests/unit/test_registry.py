@@ -334,3 +334,28 @@ def test_sweeps_on_time_do_not_extend_leases(clock):
     assert reg.sweep() == []
     clock.advance(1.25)
 
+
+
+def test_undrain_takes_a_draining_replica_back(reg):
+    a, _ = reg.register(stage())
+    reg.heartbeat(a.lease_id, Load())
+    reg.drain("s1r0")
+    assert kinds(reg.undrain("s1r0")) == [("UPDATED", "s1r0", S.READY)]
+    assert kinds(reg.heartbeat(a.lease_id, Load())) == []          # stays READY
+    assert reg.undrain("s1r0") == []                                  # nothing to take back
+    b, _ = reg.register(stage(pid=2))
+    reg.drain(b.replica_id)                                           # remembered while REGISTERING ...
+    reg.undrain(b.replica_id)                                         # ... and forgotten
+    assert kinds(reg.heartbeat(b.lease_id, Load())) == [("UPDATED", "s1r1", S.READY)]
+
+
+def test_last_serving_names_the_stages_a_command_would_stop(reg):
+    a, _ = reg.register(stage(stage_id=0, pid=1))
+    b, _ = reg.register(stage(stage_id=1, pid=2))
+    c, _ = reg.register(stage(stage_id=1, pid=3))
+    for r in (a, b, c):
+        reg.heartbeat(r.lease_id, Load())
+    assert reg.last_serving({"s1r0"}) == {}                           # s1r1 still serves stage 1
+    assert reg.last_serving({"s0r0", "s1r0"}) == {0: ["s0r0"]}
+    reg.heartbeat(c.lease_id, Load(is_sleeping=True))                 # asleep: serves nothing
+    assert reg.last_serving({"s1r0"}) == {1: ["s1r0"]}
