@@ -29,6 +29,7 @@ from omni.signals import StopRequest
 logger = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
+OWNER_FILE = "launcher.pid"   # in the launcher's temp dir: whose it is, so a dead one's can be swept
 
 
 def progress(msg: str) -> None:
@@ -43,6 +44,32 @@ def die_with_parent(parent_pid: int) -> None:
         pass
     if os.getppid() != parent_pid:   # the parent died before prctl took effect
         os._exit(1)
+
+
+def sweep_stale_tmp(root: str | None = None) -> list[str]:
+    """Remove the temp dirs of launchers that died without cleaning up (SIGKILL): an omni-* dir
+    whose owner file names a process that is gone. Dirs without one are not ours to judge."""
+    import glob
+    import shutil
+
+    swept = []
+    for d in glob.glob(os.path.join(root or tempfile.gettempdir(), "omni-*")):
+        try:
+            with open(os.path.join(d, OWNER_FILE)) as f:
+                pid = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        try:
+            os.kill(pid, 0)
+            continue                          # its launcher still runs
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue                          # someone else's live process
+        shutil.rmtree(d, ignore_errors=True)
+        swept.append(d)
+        logger.info("removed %s, left by launcher pid %d that is gone", d, pid)
+    return swept
 
 
 @dataclass
@@ -133,7 +160,10 @@ class Launcher:
         self.master_address = f"{plan.master_host}:{plan.master_port}"
         self._stop = StopRequest()   # set by the signal handlers: no locks there
         self._listener: socket.socket | None = None
+        sweep_stale_tmp()
         self._tmp = tempfile.TemporaryDirectory(prefix="omni-")
+        with open(os.path.join(self._tmp.name, OWNER_FILE), "w") as f:
+            f.write(str(os.getpid()))
         self.http_port: int | None = None
 
     # ------------------------------------------------------------ building

@@ -36,12 +36,17 @@ class KvStore:
             self._load()
 
     def _load(self) -> None:
+        for tmp in self._dir.glob(".*.tmp"):   # a write the master was killed in: the old file stands
+            logger.info("removing %s, left by an interrupted write", tmp)
+            tmp.unlink(missing_ok=True)
         for path in sorted(self._dir.glob("*.json")):
             try:
                 raw = json.loads(path.read_text())
-                self._data[path.stem] = {k: base64.b64decode(v) for k, v in raw.items()}
-            except (ValueError, AttributeError) as e:
-                raise ConfigError(f"master state file {path} is corrupt: {e}") from None
+                if not isinstance(raw, dict) or not all(isinstance(v, str) for v in raw.values()):
+                    raise ValueError("expected one JSON object of base64 strings")
+                self._data[path.stem] = {k: base64.b64decode(v, validate=True) for k, v in raw.items()}
+            except (OSError, ValueError) as e:
+                raise ConfigError(f"master state file {path} is damaged ({e}); fix or remove it") from None
         logger.info("loaded %d kv namespaces from %s", len(self._data), self._dir)
 
     def put(self, namespace: str, key: str, value: bytes) -> None:
