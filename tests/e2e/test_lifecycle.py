@@ -65,19 +65,6 @@ def wait_until(fn, timeout: float, what: str):
         threading.Event().wait(0.1)   # polling process state, bounded by the deadline
 
 
-def gone_within(sid: int, timeout: float) -> float:
-    """Seconds until no process of the session is left; fails naming the survivors."""
-    t0 = time.monotonic()
-    deadline = t0 + timeout
-    while True:
-        left = session(sid)
-        if not left:
-            return time.monotonic() - t0
-        if time.monotonic() > deadline:
-            raise AssertionError(f"still alive {timeout} s after their owner died: {names(left)}")
-        threading.Event().wait(0.1)   # polling process state, bounded by the deadline
-
-
 def engine_core(sid: int) -> psutil.Process | None:
     for p in session(sid):
         try:
@@ -88,12 +75,17 @@ def engine_core(sid: int) -> psutil.Process | None:
     return None
 
 
+def start_master() -> tuple[OmniProcess, tuple[str, str]]:
+    p = OmniProcess("master", "--port", "0", "--lease-ttl", "2")
+    m = p.wait_for(STANDALONE_MASTER, 60)
+    return p, (m.group(1), m.group(2))
+
+
 @pytest.fixture(scope="module")
 def master():
-    p = OmniProcess("master", "--port", "0", "--lease-ttl", "2")
+    p, address = start_master()
     try:
-        m = p.wait_for(STANDALONE_MASTER, 60)
-        yield m.group(1), m.group(2)
+        yield address
     finally:
         p.kill()
 
@@ -105,15 +97,14 @@ def headless_vllm_stage(master) -> OmniProcess:
                        "--omni-master-port", port)
 
 
-@pytest.mark.vllm
-@needs_vllm
-@pytest.mark.parametrize("when", ["startup", "steady"])
-def test_sigkill_of_a_vllm_stage_leaves_no_process_behind(master, when):
+def sigkill_vllm_stage(master, when: str, wait_s: float = 10.0) -> dict:
+    """SIGKILL a headless vLLM stage while it loads ("startup": its EngineCore is up, it is not
+    registered yet) or once it serves ("steady"). {"before": its processes, "orphans": those of
+    its session alive `wait_s` later, "clean_s": seconds until none was}. Reused by benchmarks/faults.py."""
     p = headless_vllm_stage(master)
     sid = p.proc.pid
     try:
         if when == "startup":
-            # While the engine loads: the EngineCore is up, the stage not yet registered.
             wait_until(lambda: engine_core(sid) or p.proc.poll() is not None, 240, "an EngineCore")
             assert p.proc.poll() is None, p.output()
             assert not any(READY.search(line) for line in p.lines), "killed too late: already READY"
@@ -121,11 +112,81 @@ def test_sigkill_of_a_vllm_stage_leaves_no_process_behind(master, when):
             p.wait_for(READY, 300)
             assert engine_core(sid) is not None
         before = names(session(sid))
-        assert len(before) >= 2, before
         os.kill(p.proc.pid, signal.SIGKILL)
         p.proc.wait(10)
-        gone_within(sid, 10.0)
+        t0 = time.monotonic()
+        deadline = t0 + wait_s
+        while session(sid) and time.monotonic() < deadline:
+            threading.Event().wait(0.1)   # polling process state, bounded by the deadline
+        orphans = names(session(sid))
+        return {"before": before, "orphans": orphans, "clean_s": None if orphans else time.monotonic() - t0}
     finally:
         p.kill()
-        for q in session(sid):   # whatever the test leaves, it does not leave it to the next one
+        for q in session(sid):   # whatever it leaves, it does not leave it to the next test
+            q.kill()
+
+
+@pytest.mark.vllm
+@needs_vllm
+@pytest.mark.parametrize("when", ["startup", "steady"])
+def test_sigkill_of_a_vllm_stage_leaves_no_process_behind(master, when):
+    res = sigkill_vllm_stage(master, when)
+    assert len(res["before"]) >= 2, res["before"]          # the stage and at least its EngineCore
+    assert res["orphans"] == [], f"alive 10 s after the stage was SIGKILLed: {res['orphans']}"
+
+
+def launcher_tmp(pid: int) -> list[str]:
+    import glob
+    import tempfile
+
+    from omni.launcher import OWNER_FILE
+
+    out = []
+    for d in glob.glob(os.path.join(tempfile.gettempdir(), "omni-*")):
+        try:
+            with open(os.path.join(d, OWNER_FILE)) as f:
+                if f.read().strip() == str(pid):
+                    out.append(d)
+        except OSError:
+            pass
+    return out
+
+
+@pytest.mark.vllm
+@needs_vllm
+@pytest.mark.parametrize("how", ["ctrl-c", "sigkill"])
+def test_a_launcher_stopped_while_a_vllm_stage_loads_leaves_nothing(how):
+    """`omni serve` stopped while its vLLM stage loads: Ctrl-C stops it at once (no 'did not stop
+    within 10 s; killing it'), SIGKILL takes its children with it; nothing of either is left."""
+    p = OmniProcess("serve", "smollm2-vllm", "--port", "0")
+    sid = p.proc.pid
+    try:
+        wait_until(lambda: engine_core(sid) or p.proc.poll() is not None, 240, "an EngineCore")
+        assert p.proc.poll() is None, p.output()
+        tmp = launcher_tmp(sid)
+        assert len(tmp) == 1, tmp
+        t0 = time.monotonic()
+        if how == "ctrl-c":
+            p.interrupt(30)
+            stop_s = time.monotonic() - t0
+            said = "\n".join(p.lines)
+            assert stop_s < 10, (stop_s, p.output())
+            assert "did not stop" not in said and "Traceback" not in said, p.output()
+            assert "stopped while loading the engine" in said, p.output()
+            assert not os.path.exists(tmp[0])
+        else:
+            os.kill(sid, signal.SIGKILL)
+            p.proc.wait(10)
+        deadline = time.monotonic() + 10
+        while session(sid) and time.monotonic() < deadline:
+            threading.Event().wait(0.1)   # polling process state, bounded by the deadline
+        assert names(session(sid)) == []
+        if how == "sigkill":
+            from omni.launcher import sweep_stale_tmp
+
+            assert os.path.exists(tmp[0])              # a SIGKILLed launcher cannot clean up ...
+            assert tmp[0] in sweep_stale_tmp()         # ... the next one sweeps it
+    finally:
+        p.kill()
+        for q in session(sid):
             q.kill()
