@@ -34,7 +34,10 @@ class StageOptions:
 
 
 def progress(msg: str) -> None:
-    print(f"omni: {msg}", file=sys.stderr, flush=True)
+    try:
+        print(f"omni: {msg}", file=sys.stderr, flush=True)
+    except OSError:
+        pass   # stderr is a pipe to a launcher that is gone: the stop goes on without words
 
 
 def default_advertise_host(master_address: str) -> str:
