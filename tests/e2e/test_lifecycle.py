@@ -190,3 +190,84 @@ def test_a_launcher_stopped_while_a_vllm_stage_loads_leaves_nothing(how):
         p.kill()
         for q in session(sid):
             q.kill()
+
+
+STOP_MASTER = r"""
+import logging, sys
+logging.basicConfig(level=logging.WARNING)
+from omni.master.client import MasterClient
+from omni.master.configdiff import hash_config
+from omni.master.server import MasterServer
+config = {"model": "tiny", "stages": [{"stage_id": 0}]}
+server = MasterServer(config, hash_config(config), lease_ttl_s=2.0)
+port = server.start()
+clients = []
+for _ in range(2):
+    c = MasterClient(f"127.0.0.1:{port}")
+    c.register("STAGE", 0, config_hash=hash_config(config), endpoints={"channel": "tcp://127.0.0.1:1"})
+    c.start_keepalive(lambda: {}, lambda cmd: (True, ""), interval_s=0.2)
+    clients.append(c)
+watcher = MasterClient(f"127.0.0.1:{port}")
+watch = watcher.watch()
+next(watch)
+while len([r for r in watcher.get_status().replicas if r.state == "READY"]) < 2:
+    pass
+server.stop(grace=1.0)
+import gc
+gc.collect()   # a task destroyed pending says so when it is collected
+print("stopped", flush=True)
+for c in clients:
+    c.close()
+"""
+
+
+def test_a_master_stopped_with_open_streams_prints_no_traceback():
+    """Two keep-alive streams and a topology watch are open when the master stops (a head with
+    headless stages attached): they end as RPCs that returned, not as tasks destroyed pending."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", STOP_MASTER], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "stopped" in r.stdout, r.stderr
+    assert "Traceback" not in r.stderr and "Task was destroyed" not in r.stderr, r.stderr
+
+
+def test_a_master_stop_ends_open_streams_as_returned_rpcs():
+    """The deterministic half of the above: at stop the master's handlers return, so the peers'
+    streams end with status OK; a stream the grpc server cancels (the tracebacks) ends CANCELLED."""
+    import grpc
+
+    from omni._proto import master_pb2 as pb
+    from omni._proto import master_pb2_grpc as pb_grpc
+    from omni.master.configdiff import hash_config
+    from omni.master.server import MasterServer
+
+    config = {"model": "tiny", "stages": [{"stage_id": 0}]}
+    server = MasterServer(config, hash_config(config), lease_ttl_s=5.0)
+    port = server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        stub = pb_grpc.MasterStub(channel)
+        reg = stub.Register(pb.RegisterRequest(role=pb.STAGE, stage_id=0, host="127.0.0.1", pid=os.getpid(),
+                                               config_hash=hash_config(config)))
+        done = threading.Event()
+
+        def beats():
+            yield pb.Heartbeat(lease_id=reg.lease_id, replica_id=reg.replica_id)
+            done.wait(30)
+        keepalive = stub.KeepAlive(beats())
+        watch = stub.WatchTopology(pb.WatchRequest())
+        assert next(watch).kind == pb.TopologyEvent.SNAPSHOT
+        from omni.master import wire
+
+        wait_until(lambda: any(r.state == "READY" for r in wire.status_from_pb(
+            stub.GetStatus(pb.GetStatusRequest())).replicas), 10, "the replica READY (its stream open)")
+        server.stop(grace=1.0)
+        for call in (watch, keepalive):
+            for _ in call:   # drains; raises RpcError unless the stream ended OK
+                pass
+            assert call.code() is grpc.StatusCode.OK, (call.code(), call.details())
+        done.set()
+    finally:
+        channel.close()
+        server.stop(grace=0.1)
