@@ -13,6 +13,7 @@ import ctypes
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -29,6 +30,8 @@ from omni.signals import StopRequest
 logger = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
+# Lines of a stage's own engine processes (vLLM prefixes "(EngineCore pid=N) ", "(Worker pid=N) ").
+ENGINE_LINE = re.compile(r"\([\w.-]+ pid=\d+\) ")
 OWNER_FILE = "launcher.pid"   # in the launcher's temp dir: whose it is, so a dead one's can be swept
 
 
@@ -96,7 +99,8 @@ class Child:
 
     def _pump(self, proc: subprocess.Popen) -> None:
         for line in proc.stderr:
-            self.tail.append(line.rstrip())
+            if not ENGINE_LINE.match(line):   # the cause quoted for this child is its own words
+                self.tail.append(line.rstrip())
             sys.stderr.write(f"[{self.name}] {line}")
         sys.stderr.flush()
 

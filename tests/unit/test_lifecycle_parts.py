@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import threading
 
 from omni import proctree
 from omni.launcher import OWNER_FILE, sweep_stale_tmp
@@ -49,3 +50,26 @@ def test_an_owner_gets_its_orphans_back_and_sweeps_them():
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["parent"] == out["owner"]           # reparented to the subreaper, not PID 1
     assert out["killed"] == [out["orphan"]] and not out["left"], out
+
+
+def _child(code: str):
+    from omni.launcher import Child
+
+    c = Child("stage0", "stage", [sys.executable, "-c", code])
+    c.start()
+    c.proc.wait(30)
+    for t in threading.enumerate():   # its log pump reads to EOF, then ends
+        if t.name == "omni-log-stage0":
+            t.join(10)
+    return c
+
+
+def test_the_cause_quoted_for_a_dead_child_is_its_own():
+    code = ("import sys\nfor l in ['omni: stage 0: loading', 'omni: stage 0: failed: ValueError: bad weights',"
+            " '(EngineCore pid=7) ERROR Traceback (most recent call last):', '(Worker pid=8) RuntimeError: x']:\n"
+            "    print(l, file=sys.stderr, flush=True)\nsys.exit(1)")
+    c = _child(code)
+    assert c.exit_cause() == "exited with code 1: omni: stage 0: failed: ValueError: bad weights"
+    killed = _child("import os, signal, sys; print('omni: stage 0: ready', file=sys.stderr, flush=True); "
+                    "os.kill(os.getpid(), signal.SIGKILL)")
+    assert killed.exit_cause() == "was killed by SIGKILL"   # not its stale "ready" line
