@@ -55,7 +55,7 @@ def _run(kind: str, master: str, stage: list[int] | None, replica: list[str] | N
                 for line in _what_stops(st, stage, replica):
                     typer.echo(f"omni {verb}: --force: {line}", err=True)
             results = client.send_command(kind, stage or (), args, timeout_s=timeout, replica_ids=replica or (),
-                                          force=force)
+                                          keep_serving=not force)
     except OmniError as e:
         typer.echo(f"omni {verb}: {_one_line(str(e))}", err=True)
         raise typer.Exit(EXIT_UNREACHABLE) from None
@@ -103,7 +103,7 @@ def _what_stops(st, stage: list[int] | None, replica: list[str] | None) -> list[
             hit = serving if not stage or s.stage_id in stage else []
         if serving and len(hit) == len(serving):
             lines.append(f"stage {s.stage_id} will have no READY replica ({', '.join(hit)}); "
-                         "its requests fail with 503 until it is back")
+                         "its requests fail until it is back")
     return lines
 
 

@@ -250,7 +250,7 @@ class MasterServicer(pb_grpc.MasterServicer):
         targets, problem = self._targets(request)
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        if request.kind in (pb.DRAIN, pb.SLEEP) and not request.force:
+        if request.kind in (pb.DRAIN, pb.SLEEP) and request.keep_serving:
             stopped = self.reg.last_serving({r.replica_id for r in targets})
             if stopped:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, _would_stop(request.kind, stopped, self.reg))
