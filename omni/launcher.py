@@ -117,15 +117,15 @@ class Child:
             if kill_group(self.proc.pid):
                 logger.info("%s: killed what was left of its process group", self.name)
 
-    def exit_cause(self) -> str:
+    def exit_cause(self, when: str = "") -> str:
         """How it ended: a signal names itself (older output would be stale), else its last words."""
-        code = self.proc.returncode
+        code, when = self.proc.returncode, f" {when}" if when else ""
         if code < 0:
             try:
-                return f"was killed by {signal.Signals(-code).name}"
+                return f"was killed by {signal.Signals(-code).name}{when}"
             except ValueError:
-                return f"was killed by signal {-code}"
-        return f"exited with code {code}: {self.last_words()}"
+                return f"was killed by signal {-code}{when}"
+        return f"exited{when} with code {code}: {self.last_words()}"
 
     def last_words(self) -> str:
         for line in reversed(self.tail):
@@ -284,7 +284,7 @@ class Launcher:
             for child in self.children:
                 if child.kind == "stage" and child.proc is not None and child.proc.poll() is not None:
                     child.sweep()
-                    progress(f"{child.name} {child.exit_cause()} during start-up")
+                    progress(f"{child.name} {child.exit_cause('during start-up')}")
                     return False
             try:
                 status = self._status()
@@ -314,7 +314,7 @@ class Launcher:
             for child in self.children:
                 if child.kind == "frontend" and child.proc.poll() is not None:
                     child.sweep()
-                    progress(f"{child.name} {child.exit_cause()} during start-up")
+                    progress(f"{child.name} {child.exit_cause('during start-up')}")
                     return False
             try:
                 status = self._status()
