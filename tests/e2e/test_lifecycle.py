@@ -271,3 +271,30 @@ def test_a_master_stop_ends_open_streams_as_returned_rpcs():
     finally:
         channel.close()
         server.stop(grace=0.1)
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_ctrl_c_of_a_serving_vllm_deployment_is_quiet_and_complete():
+    """Steady state: Ctrl-C stops `omni serve` with a vLLM stage within its grace, with no
+    traceback from omni or vLLM, and leaves no process of it behind."""
+    p = OmniProcess("serve", "smollm2-vllm", "--port", "0")
+    sid = p.proc.pid
+    try:
+        p.http(400)
+        assert engine_core(sid) is not None
+        t0 = time.monotonic()
+        assert p.interrupt(60) == 0, p.output()
+        stop_s = time.monotonic() - t0
+        said = "\n".join(p.lines)
+        assert "Traceback" not in said and "did not stop" not in said, p.output()
+        assert "killed processes the engine left behind" not in said, p.output()
+        deadline = time.monotonic() + 10
+        while session(sid) and time.monotonic() < deadline:
+            threading.Event().wait(0.1)   # polling process state, bounded by the deadline
+        assert names(session(sid)) == []
+        assert stop_s < 30, stop_s
+    finally:
+        p.kill()
+        for q in session(sid):
+            q.kill()
