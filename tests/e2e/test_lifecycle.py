@@ -298,3 +298,24 @@ def test_ctrl_c_of_a_serving_vllm_deployment_is_quiet_and_complete():
         p.kill()
         for q in session(sid):
             q.kill()
+
+
+@pytest.mark.slow
+def test_a_sigkilled_launcher_takes_its_stages_and_frontends_with_it():
+    """Steady state, torch engines, two frontends: SIGKILL of `omni serve` leaves nothing of it
+    running 10 s later (its children stop on PR_SET_PDEATHSIG, even with their stderr gone)."""
+    p = OmniProcess("serve", "HuggingFaceTB/SmolLM2-135M-Instruct", "--port", "0", "--api-server-count", "2")
+    sid = p.proc.pid
+    try:
+        p.http(300)
+        assert len(session(sid)) >= 6, names(session(sid))   # launcher, 3 stages, 2 frontends
+        os.kill(sid, signal.SIGKILL)
+        p.proc.wait(10)
+        deadline = time.monotonic() + 10
+        while session(sid) and time.monotonic() < deadline:
+            threading.Event().wait(0.1)   # polling process state, bounded by the deadline
+        assert names(session(sid)) == []
+    finally:
+        p.kill()
+        for q in session(sid):
+            q.kill()
