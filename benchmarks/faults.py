@@ -4,14 +4,21 @@ the pipeline recovers. The LM -> pooler pipeline with the real SmolLM2 weights.
     .venv/bin/python benchmarks/faults.py            # --quick: standalone master + headless stages
     .venv/bin/python benchmarks/faults.py --full     # also `omni serve` (2 LM replicas): SIGKILL, frontend kill
     .venv/bin/python benchmarks/faults.py --json     # {"faults": [{"fault", "detect_s", "failed", "hung",
-                                                     #              "completed", "recover_s"}, ...]}
+                                                     #              "completed", "recover_s", "false_deaths",
+                                                     #              "orphans"}, ...]}
 
 Columns: detect_s, fault -> the master publishing the new state (SUSPECT/DEAD/removed; for
 restart_master: until every stage is READY on the new master); failed / hung / completed, requests
 sent during the fault (hung must be 0: every request has a deadline); recover_s, fault -> the first
 request served by the replacement (or by the resumed component; for sigstop_stage: SIGCONT -> READY again;
 for sigstop_replay: requests sent to a stopped replica, all done once they moved to the other one).
-The scenarios themselves live in tests/e2e/test_faults.py (and tests/e2e/harness.py) and are reused here.
+false_deaths: replicas the master declared DEAD that were not the fault's victim (master_pause:
+the master SIGSTOPped for 3 TTLs and more with one pooler, SIGCONT the master only; detect_s: master
+resumed -> the stopped pooler DEAD; recover_s: DEAD -> READY again after its SIGCONT). orphans:
+processes of a SIGKILLed vLLM stage (EngineCore, Worker, resource tracker) still alive 10 s later
+(vllm_kill_startup: while its engine loads; vllm_kill_steady: once it serves; detect_s: SIGKILL -> the
+last of them gone); those rows need vLLM. "-": not measured by that fault.
+The scenarios themselves live in tests/e2e/test_faults.py, test_lifecycle.py and harness.py and are reused here.
 """
 
 from __future__ import annotations
@@ -30,14 +37,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.e2e import test_faults as tf            # noqa: E402
+from tests.e2e import test_lifecycle as tl         # noqa: E402
 from tests.e2e.harness import READY, OmniProcess   # noqa: E402
 
 
-def row(fault: str, detect_s, outcomes, recover_s) -> dict:
+def row(fault: str, detect_s, outcomes, recover_s, false_deaths=None, orphans=None) -> dict:
     c = tf.count(outcomes)
     return {"fault": fault, "detect_s": None if detect_s is None else round(detect_s, 3),
             "failed": c["failed"], "hung": c["hung"], "completed": c["completed"],
-            "recover_s": None if recover_s is None else round(recover_s, 3)}
+            "recover_s": None if recover_s is None else round(recover_s, 3),
+            "false_deaths": false_deaths, "orphans": orphans}
 
 
 # ------------------------------------------------------------------ headless deployment
@@ -92,6 +101,12 @@ async def replay_stopped(d: tf.Headless) -> dict:
     return row("sigstop_replay", res["detect_s"], res["outcomes"], res["elapsed_s"])
 
 
+async def master_pause(d: tf.Headless) -> dict:
+    res = await tf.pause_master(d)
+    return row("master_pause", res["dead_after_resume_s"], res["outcomes"], res["rejoin_s"],
+               false_deaths=len(res["false_deaths"]))
+
+
 async def restart_master(d: tf.Headless) -> dict:
     res = await tf.restart_master(d)
     return row("restart_master", res["reregistered_s"], [res["first"], *res["results"]], res["recover_s"])
@@ -100,8 +115,8 @@ async def restart_master(d: tf.Headless) -> dict:
 def run_headless(folder: Path) -> list[dict]:
     d = tf.start_headless(folder)
     try:
-        return [asyncio.run(sigstop(d)), asyncio.run(replay_stopped(d)), asyncio.run(sigkill_pooler(d)),
-                asyncio.run(restart_master(d))]
+        return [asyncio.run(sigstop(d)), asyncio.run(replay_stopped(d)), asyncio.run(master_pause(d)),
+                asyncio.run(sigkill_pooler(d)), asyncio.run(restart_master(d))]
     finally:
         d.stop()
 
@@ -138,6 +153,22 @@ def kill_frontend(d: tf.Served) -> dict:
     return row("kill_frontend", ev[0] - t0, outcomes, recover_s)
 
 
+def run_vllm_kills() -> list[dict]:
+    """SIGKILL a headless vLLM stage at start-up and at steady state; count what outlives it."""
+    if not tl.HAVE_VLLM:
+        print("vLLM is not installed: no vllm_kill rows", file=sys.stderr)
+        return []
+    master, address = tl.start_master()
+    try:
+        rows = []
+        for when in ("startup", "steady"):
+            res = tl.sigkill_vllm_stage(address, when)
+            rows.append(row(f"vllm_kill_{when}", res["clean_s"], [], None, orphans=len(res["orphans"])))
+        return rows
+    finally:
+        master.kill()
+
+
 def run_served(folder: Path) -> list[dict]:
     d = tf.start_served(folder)
     try:
@@ -151,23 +182,24 @@ def run_served(folder: Path) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="headless faults only (the default; under 2 minutes)")
+    ap.add_argument("--quick", action="store_true", help="headless faults and the vLLM stage kills (the default; about 5 minutes here)")
     ap.add_argument("--full", action="store_true", help="also the `omni serve` faults (two LM replicas)")
     ap.add_argument("--json", action="store_true", help="print one JSON document")
     args = ap.parse_args()
     os.environ.setdefault("OMNI_TEST", "1")
     with tempfile.TemporaryDirectory(prefix="omni-faults-") as tmp:
         rows = run_headless(Path(tmp))
+        rows += run_vllm_kills()
         if args.full:
             rows += run_served(Path(tmp))
     if args.json:
         print(json.dumps({"faults": rows}))
         return
-    cols = ["fault", "detect_s", "failed", "hung", "completed", "recover_s"]
+    cols = ["fault", "detect_s", "failed", "hung", "completed", "recover_s", "false_deaths", "orphans"]
     print(" ".join(f"{c:>18}" for c in cols))
     for r in rows:
         print(" ".join(f"{'-' if r[c] is None else r[c]:>18}" for c in cols))
-    if any(r["hung"] for r in rows):
+    if any(r["hung"] or r["false_deaths"] or r["orphans"] for r in rows):
         sys.exit(1)
 
 

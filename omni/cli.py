@@ -96,6 +96,15 @@ def _json_flag(name: str, value: str | None) -> dict | None:
     return obj
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _log_level(value: str) -> str:
+    if value.upper() not in LOG_LEVELS:
+        raise ConfigError(f"--log-level must be one of {', '.join(LOG_LEVELS)} (any case), got {value!r}")
+    return value.upper()
+
+
 @app.command(context_settings={"help_option_names": ["-h", "--help"]})
 def serve(
     model: str = typer.Argument(..., help="Model id (e.g. HuggingFaceTB/SmolLM2-135M-Instruct) or a local folder."),
@@ -129,6 +138,10 @@ def serve(
 
     if api_server_count < 1:
         raise ConfigError(f"--api-server-count must be >= 1, got {api_server_count}")
+    for flag, value in (("--port", port), ("--omni-master-port", omni_master_port)):
+        if value is not None and not 0 <= value <= 65535:
+            raise ConfigError(f"{flag} must be a TCP port, 0-65535 (0: any free one), got {value}")
+    log_level = _log_level(log_level)
     cores = os.cpu_count() or 1
     if api_server_count > cores:
         print(f"omni: warning: --api-server-count {api_server_count} is more than the {cores} CPU cores here; "
@@ -206,6 +219,7 @@ def _register_master_commands() -> None:
     from omni.master import admin
 
     app.command("drain", help="Drain stage replicas: they finish what they hold and get no new requests.")(admin.drain)
+    app.command("undrain", help="Take drained stage replicas back into service.")(admin.undrain)
     app.command("sleep", help="Put stage engines to sleep through the master.")(admin.sleep)
     app.command("wakeup", help="Wake sleeping stage engines through the master.")(admin.wakeup)
 

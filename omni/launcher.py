@@ -13,6 +13,7 @@ import ctypes
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -29,6 +30,9 @@ from omni.signals import StopRequest
 logger = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
+# Lines of a stage's own engine processes (vLLM prefixes "(EngineCore pid=N) ", "(Worker pid=N) ").
+ENGINE_LINE = re.compile(r"\([\w.-]+ pid=\d+\) ")
+OWNER_FILE = "launcher.pid"   # in the launcher's temp dir: whose it is, so a dead one's can be swept
 
 
 def progress(msg: str) -> None:
@@ -43,6 +47,32 @@ def die_with_parent(parent_pid: int) -> None:
         pass
     if os.getppid() != parent_pid:   # the parent died before prctl took effect
         os._exit(1)
+
+
+def sweep_stale_tmp(root: str | None = None) -> list[str]:
+    """Remove the temp dirs of launchers that died without cleaning up (SIGKILL): an omni-* dir
+    whose owner file names a process that is gone. Dirs without one are not ours to judge."""
+    import glob
+    import shutil
+
+    swept = []
+    for d in glob.glob(os.path.join(root or tempfile.gettempdir(), "omni-*")):
+        try:
+            with open(os.path.join(d, OWNER_FILE)) as f:
+                pid = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        try:
+            os.kill(pid, 0)
+            continue                          # its launcher still runs
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue                          # someone else's live process
+        shutil.rmtree(d, ignore_errors=True)
+        swept.append(d)
+        logger.info("removed %s, left by launcher pid %d that is gone", d, pid)
+    return swept
 
 
 @dataclass
@@ -70,12 +100,33 @@ class Child:
 
     def _pump(self, proc: subprocess.Popen) -> None:
         for line in proc.stderr:
-            self.tail.append(line.rstrip())
+            if not ENGINE_LINE.match(line):   # the cause quoted for this child is its own words
+                self.tail.append(line.rstrip())
             sys.stderr.write(f"[{self.name}] {line}")
         sys.stderr.flush()
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    def sweep(self) -> None:
+        """Once the child is gone: kill what is left of its process group (an engine process
+        that outlived it). The group id stays taken while any member lives, so it names no
+        stranger."""
+        if self.proc is not None and self.proc.poll() is not None:
+            from omni.proctree import kill_group
+
+            if kill_group(self.proc.pid):
+                logger.info("%s: killed what was left of its process group", self.name)
+
+    def exit_cause(self, when: str = "") -> str:
+        """How it ended: a signal names itself (older output would be stale), else its last words."""
+        code, when = self.proc.returncode, f" {when}" if when else ""
+        if code < 0:
+            try:
+                return f"was killed by {signal.Signals(-code).name}{when}"
+            except ValueError:
+                return f"was killed by signal {-code}{when}"
+        return f"exited{when} with code {code}: {self.last_words()}"
 
     def last_words(self) -> str:
         for line in reversed(self.tail):
@@ -114,7 +165,10 @@ class Launcher:
         self.master_address = f"{plan.master_host}:{plan.master_port}"
         self._stop = StopRequest()   # set by the signal handlers: no locks there
         self._listener: socket.socket | None = None
+        sweep_stale_tmp()
         self._tmp = tempfile.TemporaryDirectory(prefix="omni-")
+        with open(os.path.join(self._tmp.name, OWNER_FILE), "w") as f:
+            f.write(str(os.getpid()))
         self.http_port: int | None = None
 
     # ------------------------------------------------------------ building
@@ -233,8 +287,8 @@ class Launcher:
         while not self._stop.is_set():
             for child in self.children:
                 if child.kind == "stage" and child.proc is not None and child.proc.poll() is not None:
-                    progress(f"{child.name} exited with code {child.proc.returncode} during start-up: "
-                             f"{child.last_words()}")
+                    child.sweep()
+                    progress(f"{child.name} {child.exit_cause('during start-up')}")
                     return False
             try:
                 status = self._status()
@@ -263,8 +317,8 @@ class Launcher:
         while not self._stop.is_set() and time.monotonic() < deadline:
             for child in self.children:
                 if child.kind == "frontend" and child.proc.poll() is not None:
-                    progress(f"{child.name} exited with code {child.proc.returncode} during start-up: "
-                             f"{child.last_words()}")
+                    child.sweep()
+                    progress(f"{child.name} {child.exit_cause('during start-up')}")
                     return False
             try:
                 status = self._status()
@@ -285,6 +339,7 @@ class Launcher:
             for child in self.children:
                 if child.alive():
                     continue
+                child.sweep()
                 code = child.proc.returncode
                 if child.kind == "frontend":
                     # A crashed frontend is replaced; the engines carry on.
@@ -298,8 +353,8 @@ class Launcher:
                              f"{child.stage_id} remain")
                     self.children.remove(child)
                     break
-                progress(f"{child.name} exited with code {code} and no replica of stage {child.stage_id} "
-                         f"is left: {child.last_words()}; shutting down")
+                progress(f"{child.name} {child.exit_cause()}; no replica of stage {child.stage_id} "
+                         f"is left; shutting down")
                 return 1
         progress("shutting down")
         return 0
@@ -318,6 +373,8 @@ class Launcher:
                     progress(f"{c.name} did not stop within {grace_s:.0f} s; killing it")
                     c.proc.kill()
                     c.proc.wait()
+            for c in group:
+                c.sweep()
         if self._listener is not None:
             self._listener.close()
             self._listener = None

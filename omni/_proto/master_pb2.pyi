@@ -29,6 +29,7 @@ class CommandKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SLEEP: _ClassVar[CommandKind]
     WAKE_UP: _ClassVar[CommandKind]
     SHUTDOWN: _ClassVar[CommandKind]
+    UNDRAIN: _ClassVar[CommandKind]
 ROLE_UNSPECIFIED: Role
 STAGE: Role
 FRONTEND: Role
@@ -43,6 +44,7 @@ DRAIN: CommandKind
 SLEEP: CommandKind
 WAKE_UP: CommandKind
 SHUTDOWN: CommandKind
+UNDRAIN: CommandKind
 
 class RegisterRequest(_message.Message):
     __slots__ = ("role", "stage_id", "replica_hint", "host", "pid", "endpoints", "config_hash", "pipeline_config_json", "version", "capabilities")
@@ -279,18 +281,20 @@ class TopologyEvent(_message.Message):
     def __init__(self, kind: _Optional[_Union[TopologyEvent.Kind, str]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class SendCommandRequest(_message.Message):
-    __slots__ = ("stage_ids", "kind", "args_json", "timeout_s", "replica_ids")
+    __slots__ = ("stage_ids", "kind", "args_json", "timeout_s", "replica_ids", "keep_serving")
     STAGE_IDS_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     ARGS_JSON_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     REPLICA_IDS_FIELD_NUMBER: _ClassVar[int]
+    KEEP_SERVING_FIELD_NUMBER: _ClassVar[int]
     stage_ids: _containers.RepeatedScalarFieldContainer[int]
     kind: CommandKind
     args_json: str
     timeout_s: float
     replica_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, stage_ids: _Optional[_Iterable[int]] = ..., kind: _Optional[_Union[CommandKind, str]] = ..., args_json: _Optional[str] = ..., timeout_s: _Optional[float] = ..., replica_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    keep_serving: bool
+    def __init__(self, stage_ids: _Optional[_Iterable[int]] = ..., kind: _Optional[_Union[CommandKind, str]] = ..., args_json: _Optional[str] = ..., timeout_s: _Optional[float] = ..., replica_ids: _Optional[_Iterable[str]] = ..., keep_serving: _Optional[bool] = ...) -> None: ...
 
 class CommandResult(_message.Message):
     __slots__ = ("replica_id", "stage_id", "ok", "message", "outcome")

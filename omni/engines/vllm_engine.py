@@ -28,6 +28,7 @@ stage worker fails the requests it held and the stage process exits non-zero).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import logging
@@ -183,8 +184,9 @@ class VllmEngine(Engine):
         from vllm.v1.executor import Executor
 
         try:
-            self._llm = LLMEngine(vllm_config=vllm_config, executor_class=Executor.get_class(vllm_config),
-                                  log_stats=not engine_args.disable_log_stats, multiprocess_mode=True)
+            with _engine_core_dies_with_us():
+                self._llm = LLMEngine(vllm_config=vllm_config, executor_class=Executor.get_class(vllm_config),
+                                      log_stats=not engine_args.disable_log_stats, multiprocess_mode=True)
         except BaseException:
             if self._hidden is not None:
                 self._hidden.close()
@@ -445,6 +447,48 @@ def _engine_config(label: str, model_path: str, vllm_args: dict[str, Any], skip_
         return engine_args, engine_args.create_engine_config()
     except (ValueError, TypeError) as e:
         raise ConfigError(f"{label}: vLLM refused the engine args: {e}") from None
+
+
+@contextlib.contextmanager
+def _engine_core_dies_with_us():
+    """vLLM starts its EngineCore with EngineCoreProc.run_engine_core as the spawn target; while
+    this is active that target is ours, which first asks the kernel for SIGKILL when the stage
+    process dies (a SIGKILLed stage left its EngineCore and Worker running under PID 1)."""
+    from vllm.v1.engine.core import EngineCoreProc
+
+    original = EngineCoreProc.__dict__["run_engine_core"]
+    EngineCoreProc.run_engine_core = staticmethod(run_engine_core_guarded)
+    try:
+        yield
+    finally:
+        EngineCoreProc.run_engine_core = original
+
+
+def _die_with_parent() -> None:
+    import multiprocessing
+
+    from omni.proctree import die_with_parent
+
+    parent = multiprocessing.parent_process()
+    die_with_parent(signal.SIGKILL, parent.pid if parent is not None else None)
+
+
+def run_engine_core_guarded(*args, **kwargs):
+    """The EngineCore process's entry (a fresh interpreter: spawn). Its Workers get the same
+    guard (vLLM's own death pipe lets a Worker linger for seconds after its EngineCore)."""
+    from vllm.v1.engine.core import EngineCoreProc
+    from vllm.v1.executor.multiproc_executor import WorkerProc
+
+    _die_with_parent()
+    WorkerProc.worker_main = staticmethod(run_worker_guarded)   # this process starts them
+    return EngineCoreProc.run_engine_core(*args, **kwargs)
+
+
+def run_worker_guarded(*args, **kwargs):
+    from vllm.v1.executor.multiproc_executor import WorkerProc
+
+    _die_with_parent()
+    return WorkerProc.worker_main(*args, **kwargs)
 
 
 def _describe_exit(proc) -> str:

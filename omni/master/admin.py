@@ -1,9 +1,10 @@
-"""`omni drain`, `omni sleep`, `omni wakeup`: commands fanned out by the master.
+"""`omni drain`, `omni undrain`, `omni sleep`, `omni wakeup`: commands fanned out by the master.
 
 Each goes to the master (token/TLS like `omni status`), which sends it down the keep-alive
 stream of every targeted replica and collects their acks. Exit 0 when every targeted replica
 acked ok, 1 when one refused or did not answer, 2 when the master cannot be reached or the
-target names nothing.
+target names nothing. Draining or sleeping the last READY, awake replica of a stage stops that
+stage: the master refuses it unless --force, and with --force the command says what it stops.
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ _TOKEN = typer.Option(None, "--omni-token", envvar="OMNI_TOKEN", help="The maste
 _CERT = typer.Option(None, "--tls-cert", help="PEM client certificate (mTLS).")
 _KEY = typer.Option(None, "--tls-key", help="PEM private key of --tls-cert.")
 _CA = typer.Option(None, "--tls-ca", help="PEM CA to verify the master (enables TLS).")
+_FORCE = typer.Option(False, "--force", help="Also when it takes the last READY replica of a stage out of service.")
 
 
 def _run(kind: str, master: str, stage: list[int] | None, replica: list[str] | None, args: dict,
-         timeout: float, json_: bool, omni_token: str | None, tls: tuple) -> None:
+         timeout: float, json_: bool, omni_token: str | None, tls: tuple, force: bool = False) -> None:
     from omni.master.client import MasterClient
 
     verb = kind.lower().replace("_", "")
@@ -49,7 +51,11 @@ def _run(kind: str, master: str, stage: list[int] | None, replica: list[str] | N
                 typer.echo(f"omni {verb}: --stage {', '.join(map(str, bad))}: no such stage "
                            f"(the pipeline has {', '.join(map(str, sorted(stages))) or 'none'})", err=True)
                 raise typer.Exit(EXIT_UNREACHABLE)
-            results = client.send_command(kind, stage or (), args, timeout_s=timeout, replica_ids=replica or ())
+            if force:
+                for line in _what_stops(st, stage, replica):
+                    typer.echo(f"omni {verb}: --force: {line}", err=True)
+            results = client.send_command(kind, stage or (), args, timeout_s=timeout, replica_ids=replica or (),
+                                          keep_serving=not force)
     except OmniError as e:
         typer.echo(f"omni {verb}: {_one_line(str(e))}", err=True)
         raise typer.Exit(EXIT_UNREACHABLE) from None
@@ -69,10 +75,36 @@ def drain(
     master: str = _MASTER, stage: list[int] = _STAGE, replica: list[str] = _REPLICA,
     timeout: float = typer.Option(10.0, "--timeout", min=0.1, help="Seconds to wait for the acks."),
     json_: bool = _JSON, omni_token: str | None = _TOKEN,
-    tls_cert: str | None = _CERT, tls_key: str | None = _KEY, tls_ca: str | None = _CA,
+    tls_cert: str | None = _CERT, tls_key: str | None = _KEY, tls_ca: str | None = _CA, force: bool = _FORCE,
 ) -> None:
     """Stop sending new requests to replicas (they finish what they hold; frontends route around them)."""
-    _run("DRAIN", master, stage, replica, {}, timeout, json_, omni_token, (tls_cert, tls_key, tls_ca))
+    _run("DRAIN", master, stage, replica, {}, timeout, json_, omni_token, (tls_cert, tls_key, tls_ca), force)
+
+
+def undrain(
+    master: str = _MASTER, stage: list[int] = _STAGE, replica: list[str] = _REPLICA,
+    timeout: float = typer.Option(10.0, "--timeout", min=0.1, help="Seconds to wait for the acks."),
+    json_: bool = _JSON, omni_token: str | None = _TOKEN,
+    tls_cert: str | None = _CERT, tls_key: str | None = _KEY, tls_ca: str | None = _CA,
+) -> None:
+    """Take DRAINING replicas back: they are READY again and frontends send them requests."""
+    _run("UNDRAIN", master, stage, replica, {}, timeout, json_, omni_token, (tls_cert, tls_key, tls_ca))
+
+
+def _what_stops(st, stage: list[int] | None, replica: list[str] | None) -> list[str]:
+    """The stages left with no READY, awake replica once the targeted ones stop serving."""
+    lines = []
+    for s in st.stages:
+        serving = [r.replica_id for r in st.replicas if r.role == "STAGE" and r.stage_id == s.stage_id
+                   and r.state == "READY" and not r.is_sleeping]
+        if replica:
+            hit = [r for r in serving if r in replica]
+        else:
+            hit = serving if not stage or s.stage_id in stage else []
+        if serving and len(hit) == len(serving):
+            lines.append(f"stage {s.stage_id} will have no READY replica ({', '.join(hit)}); "
+                         "its requests fail until it is back")
+    return lines
 
 
 def sleep(
@@ -80,10 +112,11 @@ def sleep(
     level: int = typer.Option(1, "--level", min=1, max=2, help="1: free the KV cache; 2: also drop weights."),
     timeout: float = typer.Option(60.0, "--timeout", min=0.1, help="Seconds to wait for the acks."),
     json_: bool = _JSON, omni_token: str | None = _TOKEN,
-    tls_cert: str | None = _CERT, tls_key: str | None = _KEY, tls_ca: str | None = _CA,
+    tls_cert: str | None = _CERT, tls_key: str | None = _KEY, tls_ca: str | None = _CA, force: bool = _FORCE,
 ) -> None:
     """Put stage engines to sleep (engines that cannot sleep here say so)."""
-    _run("SLEEP", master, stage, replica, {"level": level}, timeout, json_, omni_token, (tls_cert, tls_key, tls_ca))
+    _run("SLEEP", master, stage, replica, {"level": level}, timeout, json_, omni_token, (tls_cert, tls_key, tls_ca),
+         force)
 
 
 def wakeup(

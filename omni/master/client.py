@@ -74,13 +74,13 @@ def _register_request(role: str, stage_id: int, host: str | None, pid: int | Non
         capabilities={k: str(v) for k, v in (capabilities or {}).items()})
 
 
-def _send_command_request(kind, stage_ids, args, timeout_s, replica_ids) -> pb.SendCommandRequest:
+def _send_command_request(kind, stage_ids, args, timeout_s, replica_ids, keep_serving=False) -> pb.SendCommandRequest:
     try:
         kind_value = wire.command_kind(kind)
     except ValueError as e:
         raise BadRequest(str(e)) from None
     return pb.SendCommandRequest(stage_ids=list(stage_ids), kind=kind_value, args_json=json.dumps(args or {}),
-                                 timeout_s=timeout_s, replica_ids=list(replica_ids))
+                                 timeout_s=timeout_s, replica_ids=list(replica_ids), keep_serving=keep_serving)
 
 
 class _Stream:
@@ -310,8 +310,9 @@ class MasterClient:
         return TopologyWatch(call, self.address)
 
     def send_command(self, kind: str, stage_ids: Iterable[int] = (), args: dict | None = None,
-                     timeout_s: float = 10.0, replica_ids: Iterable[str] = ()) -> list[CommandResult]:
-        req = _send_command_request(kind, stage_ids, args, timeout_s, replica_ids)
+                     timeout_s: float = 10.0, replica_ids: Iterable[str] = (),
+                     keep_serving: bool = False) -> list[CommandResult]:
+        req = _send_command_request(kind, stage_ids, args, timeout_s, replica_ids, keep_serving)
         return wire.results_from_pb(self._unary(self._stub.SendCommand, req, timeout=timeout_s + 5))
 
     def kv_put(self, namespace: str, key: str, value: bytes) -> None:
@@ -389,8 +390,9 @@ class AsyncMasterClient:
             call.cancel()
 
     async def send_command(self, kind: str, stage_ids: Iterable[int] = (), args: dict | None = None,
-                           timeout_s: float = 10.0, replica_ids: Iterable[str] = ()) -> list[CommandResult]:
-        req = _send_command_request(kind, stage_ids, args, timeout_s, replica_ids)
+                           timeout_s: float = 10.0, replica_ids: Iterable[str] = (),
+                           keep_serving: bool = False) -> list[CommandResult]:
+        req = _send_command_request(kind, stage_ids, args, timeout_s, replica_ids, keep_serving)
         return wire.results_from_pb(await self._unary("SendCommand", req, timeout=timeout_s + 5))
 
     async def kv_put(self, namespace: str, key: str, value: bytes) -> None:

@@ -43,6 +43,9 @@ def master(
     from omni.master.configdiff import hash_config
     from omni.master.server import MasterServer
 
+    if not 0 <= port <= 65535:   # grpc would take it modulo 65536 and listen elsewhere
+        typer.echo(f"omni master: --port must be a TCP port, 0-65535 (0: any free one), got {port}", err=True)
+        raise typer.Exit(EXIT_UNREACHABLE)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

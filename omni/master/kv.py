@@ -66,17 +66,22 @@ class KvStore:
             self._load()
 
     def _load(self) -> None:
+        for tmp in self._dir.glob(".*.tmp"):   # a write the master was killed in: the old file stands
+            logger.info("removing %s, left by an interrupted write", tmp)
+            tmp.unlink(missing_ok=True)
         for path in sorted(self._dir.glob("*.json")):
             try:
                 raw = json.loads(path.read_text())
                 now = self._clock()
                 # {"key": {"v": base64, "t": written}}; older files hold the base64 alone
-                self._data[path.stem] = {k: base64.b64decode(v["v"] if isinstance(v, dict) else v)
+                if not isinstance(raw, dict) or not all(isinstance(v, (str, dict)) for v in raw.values()):
+                    raise ValueError("expected one JSON object of entries")
+                self._data[path.stem] = {k: base64.b64decode(v["v"] if isinstance(v, dict) else v, validate=True)
                                          for k, v in raw.items()}
                 self._written[path.stem] = {k: float(v["t"]) if isinstance(v, dict) else now
                                             for k, v in raw.items()}
-            except (ValueError, AttributeError, KeyError, TypeError) as e:
-                raise ConfigError(f"master state file {path} is corrupt: {e}") from None
+            except (OSError, ValueError, AttributeError, KeyError, TypeError) as e:
+                raise ConfigError(f"master state file {path} is damaged ({e}); fix or remove it") from None
         logger.info("loaded %d kv namespaces from %s", len(self._data), self._dir)
 
     def limits(self, namespace: str) -> Limits:

@@ -14,12 +14,20 @@ Replica states and their transitions (`TRANSITIONS`; `next_state` applies it):
     DRAINING     DRAIN            DRAINING
     REGISTERING  DRAIN            REGISTERING (remembered: the first heartbeat makes it DRAINING)
     SUSPECT      DRAIN            SUSPECT (remembered likewise)
+    DRAINING     UNDRAIN          READY
+    READY        UNDRAIN          READY
+    REGISTERING  UNDRAIN          REGISTERING (the remembered drain is forgotten)
+    SUSPECT      UNDRAIN          SUSPECT (likewise)
     REGISTERING  STREAM_BROKEN    SUSPECT
     READY        STREAM_BROKEN    SUSPECT
     DRAINING     STREAM_BROKEN    SUSPECT
     SUSPECT      STREAM_BROKEN    SUSPECT
     any live     LEASE_EXPIRED    DEAD   (no heartbeat for lease_ttl_s)
     any          deregister       removed
+
+A lease runs only while the master runs: when the sweeps stop for longer than `stall_after_s`
+(the master was SIGSTOPped or starved), the silence was the master's, so every lease gets a
+fresh TTL from the moment it runs again; a replica that is really gone is DEAD one TTL later.
 
 DEAD is final for a lease: its heartbeats are refused (the client registers again). DEAD entries
 stay listed until their slot is reused or for `dead_retention_s`.
@@ -57,6 +65,7 @@ class ReplicaState(enum.Enum):
 class Trigger(enum.Enum):
     HEARTBEAT = "HEARTBEAT"
     DRAIN = "DRAIN"
+    UNDRAIN = "UNDRAIN"
     STREAM_BROKEN = "STREAM_BROKEN"
     LEASE_EXPIRED = "LEASE_EXPIRED"
 
@@ -73,6 +82,10 @@ TRANSITIONS: dict[tuple[ReplicaState, Trigger], ReplicaState] = {
     (S.DRAINING, T.DRAIN): S.DRAINING,
     (S.REGISTERING, T.DRAIN): S.REGISTERING,
     (S.SUSPECT, T.DRAIN): S.SUSPECT,
+    (S.DRAINING, T.UNDRAIN): S.READY,
+    (S.READY, T.UNDRAIN): S.READY,
+    (S.REGISTERING, T.UNDRAIN): S.REGISTERING,
+    (S.SUSPECT, T.UNDRAIN): S.SUSPECT,
     (S.REGISTERING, T.STREAM_BROKEN): S.SUSPECT,
     (S.READY, T.STREAM_BROKEN): S.SUSPECT,
     (S.DRAINING, T.STREAM_BROKEN): S.SUSPECT,
@@ -176,10 +189,16 @@ class Registry:
         dead_retention_s: float = 60.0,
         load_event_interval_s: float = 0.5,
         new_lease_id: Callable[[], str] = lambda: uuid.uuid4().hex,
+        stall_after_s: float | None = None,
     ):
         if lease_ttl_s <= 0:
             raise ValueError(f"lease_ttl_s must be > 0, got {lease_ttl_s}")
         self.lease_ttl_s = lease_ttl_s
+        # A gap between two sweeps longer than this is a master stall (None: never; the
+        # server sweeps on a timer and sets it, unit tests that sweep by hand need not).
+        self._stall_after_s = stall_after_s
+        self._last_sweep: float | None = None
+        self._grace_from = float("-inf")   # leases count from here at the earliest
         self._clock = clock
         self._dead_retention_s = dead_retention_s
         self._load_interval = load_event_interval_s
@@ -335,6 +354,27 @@ class Registry:
             events = [self._event("UPDATED", rep, self._clock())]
         return events
 
+    def undrain(self, replica_id: str) -> list[Event]:
+        rep = self.by_replica_id(replica_id)
+        if rep is None or rep.state is S.DEAD:
+            return []
+        was_draining, rep.draining = rep.draining, False
+        events = self._apply(rep, T.UNDRAIN)
+        if not events and was_draining:
+            events = [self._event("UPDATED", rep, self._clock())]
+        return events
+
+    def last_serving(self, replica_ids: set[str]) -> dict[int, list[str]]:
+        """Stages that would have no READY, awake replica left without `replica_ids`:
+        {stage_id: those of its serving replicas that are in replica_ids}."""
+        out: dict[int, list[str]] = {}
+        for sid in self.stage_ids():
+            serving = [r.replica_id for r in self._by_lease.values() if r.role is Role.STAGE
+                       and r.stage_id == sid and r.state is S.READY and not r.load.is_sleeping]
+            if serving and all(rid in replica_ids for rid in serving):
+                out[sid] = serving
+        return out
+
     def deregister(self, lease_id: str) -> tuple[bool, list[Event]]:
         rep = self._by_lease.pop(lease_id, None)
         if rep is None:
@@ -345,9 +385,16 @@ class Registry:
     def sweep(self) -> list[Event]:
         """Expire leases, forget old DEAD entries, flush throttled load updates."""
         now = self._clock()
+        if (self._stall_after_s is not None and self._last_sweep is not None
+                and now - self._last_sweep > self._stall_after_s):
+            logger.warning("the master itself did not run for %.1f s (stopped or starved): every lease "
+                           "gets a fresh %.1f s before anyone is declared dead", now - self._last_sweep,
+                           self.lease_ttl_s)
+            self._grace_from = now
+        self._last_sweep = now
         events: list[Event] = []
         for rep in list(self._by_lease.values()):
-            if rep.state in LIVE_STATES and now - rep.last_seen > self.lease_ttl_s:
+            if rep.state in LIVE_STATES and now - max(rep.last_seen, self._grace_from) > self.lease_ttl_s:
                 logger.warning("replica %s (pid %d on %s): no heartbeat for %.1f s, lease expired",
                                rep.replica_id, rep.pid, rep.host, now - rep.last_seen)
                 rep.dead_at = now

@@ -33,6 +33,23 @@ WATCH_BACKLOG = 10_000
 MAX_COMMAND_TIMEOUT_S = 600.0
 
 
+def _would_stop(kind: int, stopped: dict[int, list[str]], reg: Registry) -> str:
+    verb = {pb.DRAIN: "drain", pb.SLEEP: "sleep"}[kind]
+    undo = {pb.DRAIN: "omni undrain", pb.SLEEP: "omni wakeup"}[kind]
+    parts = []
+    for sid, rids in sorted(stopped.items()):
+        name = reg.stage_config(sid).get("name")
+        parts.append(f"stage {sid}" + (f" ({name})" if name else "") + f": {', '.join(rids)} "
+                     + ("is its last" if len(rids) == 1 else "are its last") + " READY, awake replica"
+                     + ("" if len(rids) == 1 else "s"))
+    return (f"{verb} would stop {'; '.join(parts)}; its requests would fail until `{undo}`. "
+            "Repeat with --force to do it anyway")
+
+
+def sweep_tick(lease_ttl_s: float) -> float:
+    return max(0.05, min(0.25, lease_ttl_s / 10))
+
+
 class _Conn:
     """One keep-alive stream: commands to send down, acks awaited."""
 
@@ -69,6 +86,22 @@ class MasterServicer(pb_grpc.MasterServicer):
         self._conns: dict[str, _Conn] = {}
         self._watchers: set[_Watcher] = set()
         self._seq = 0
+        self._streams: set[asyncio.Task] = set()   # KeepAlive/WatchTopology handlers, ended at close
+        self._closing = False
+
+    async def close(self, timeout: float = 1.0) -> None:
+        """End the open streams as handlers that return (OK to the peer): a stream the grpc
+        server cancels at stop prints a traceback per stream."""
+        self._closing = True
+        for task in self._streams:
+            task.cancel()
+        if self._streams:
+            await asyncio.wait(list(self._streams), timeout=timeout)
+
+    def _stream_started(self) -> asyncio.Task:
+        task = asyncio.current_task()
+        self._streams.add(task)
+        return task
 
     # -- topology events --------------------------------------------------------------------
     def publish(self, events: list[Event]) -> None:
@@ -112,6 +145,7 @@ class MasterServicer(pb_grpc.MasterServicer):
     async def KeepAlive(self, request_iterator, context):
         conn: _Conn | None = None
         writer: asyncio.Task | None = None
+        me = self._stream_started()
         try:
             async for hb in request_iterator:
                 if conn is None:
@@ -128,7 +162,11 @@ class MasterServicer(pb_grpc.MasterServicer):
                 elif hb.lease_id != conn.lease_id:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lease_id changed within a keep-alive stream")
                 await self._heartbeat(conn, hb, context)
+        except asyncio.CancelledError:
+            if not self._closing:
+                raise
         finally:
+            self._streams.discard(me)
             if writer is not None:
                 writer.cancel()
             if conn is not None and self._conns.get(conn.lease_id) is conn:
@@ -183,6 +221,7 @@ class MasterServicer(pb_grpc.MasterServicer):
         watcher = _Watcher()
         snapshot = pb.TopologyEvent(kind=pb.TopologyEvent.SNAPSHOT, replicas=self._infos(), seq=self._seq)
         self._watchers.add(watcher)  # same loop step as the snapshot: no event is lost or doubled
+        me = self._stream_started()
         try:
             yield snapshot
             while True:
@@ -193,7 +232,11 @@ class MasterServicer(pb_grpc.MasterServicer):
                     await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                         f"watcher fell {WATCH_BACKLOG} events behind; watch again")
                 yield watcher.items.popleft()
+        except asyncio.CancelledError:
+            if not self._closing:
+                raise
         finally:
+            self._streams.discard(me)
             self._watchers.discard(watcher)
 
     async def SendCommand(self, request: pb.SendCommandRequest, context):
@@ -207,6 +250,10 @@ class MasterServicer(pb_grpc.MasterServicer):
         targets, problem = self._targets(request)
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        if request.kind in (pb.DRAIN, pb.SLEEP) and request.keep_serving:
+            stopped = self.reg.last_serving({r.replica_id for r in targets})
+            if stopped:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, _would_stop(request.kind, stopped, self.reg))
         timeout = min(request.timeout_s or 10.0, MAX_COMMAND_TIMEOUT_S)
         command_id = uuid.uuid4().hex
         cmd = pb.Command(command_id=command_id, kind=request.kind, args_json=request.args_json)
@@ -235,6 +282,8 @@ class MasterServicer(pb_grpc.MasterServicer):
                     conn.pending.pop(command_id, None)
             if ok and request.kind == pb.DRAIN:
                 self.publish(self.reg.drain(rep.replica_id))
+            elif ok and request.kind == pb.UNDRAIN:
+                self.publish(self.reg.undrain(rep.replica_id))
             results.append(pb.CommandResult(replica_id=rep.replica_id, stage_id=rep.stage_id, ok=ok,
                                             message=message, outcome=outcome))
         logger.info("command %s %s: %d/%d ok", pb.CommandKind.Name(request.kind), command_id[:8],
@@ -255,7 +304,8 @@ class MasterServicer(pb_grpc.MasterServicer):
         unknown = sorted(wanted - known)
         if unknown:
             return [], f"stage(s) {', '.join(map(str, unknown))} not in the pipeline (stages: {sorted(known)})"
-        ok_states = {ReplicaState.READY} if request.kind == pb.DRAIN else {ReplicaState.READY, ReplicaState.DRAINING}
+        ok_states = {pb.DRAIN: {ReplicaState.READY}, pb.UNDRAIN: {ReplicaState.DRAINING}}.get(
+            request.kind, {ReplicaState.READY, ReplicaState.DRAINING})
         return [r for r in self.reg.replicas()
                 if r.role is Role.STAGE and r.stage_id in wanted and r.state in ok_states], None
 
@@ -285,6 +335,17 @@ class MasterServicer(pb_grpc.MasterServicer):
         return pb.KvDeleteResponse(deleted=await self._kv(context, self.kv.delete, request.namespace, request.key))
 
 
+def _finish_tasks(loop: asyncio.AbstractEventLoop) -> None:
+    """Cancel what is left (the RPC tasks of streams still open at stop) and let it unwind, as
+    asyncio.run does; a task destroyed pending makes grpc and asyncio print tracebacks."""
+    tasks = [t for t in asyncio.all_tasks(loop) if not t.done()]
+    for t in tasks:
+        t.cancel()
+    if tasks:
+        loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+    loop.run_until_complete(loop.shutdown_asyncgens())
+
+
 class MasterServer:
     """An embeddable master. `start()` binds (port 0: any free port) and returns the bound port."""
 
@@ -292,7 +353,8 @@ class MasterServer:
                  port: int = 0, token: str | None = None, tls: TlsFiles | None = None, lease_ttl_s: float = 5.0,
                  state_dir: str | None = None, clock: Callable[[], float] = time.monotonic):
         try:
-            self.registry = Registry(config, config_hash, lease_ttl_s=lease_ttl_s, clock=clock)
+            self.registry = Registry(config, config_hash, lease_ttl_s=lease_ttl_s, clock=clock,
+                                     stall_after_s=max(4 * sweep_tick(lease_ttl_s), lease_ttl_s / 2))
         except BadRegistration as e:
             raise ConfigError(f"master pipeline config: {e}") from None
         self._kv = KvStore(state_dir)
@@ -351,6 +413,7 @@ class MasterServer:
                 logger.exception("omni master loop failed")
         finally:
             self._started.set()
+            _finish_tasks(loop)
             loop.close()
 
     async def _serve(self) -> None:
@@ -379,10 +442,11 @@ class MasterServer:
             await self._stop_event.wait()
         finally:
             sweeper.cancel()
+            await servicer.close()
             await server.stop(self._grace)
 
     async def _sweep(self, servicer: MasterServicer) -> None:
-        tick = max(0.05, min(0.25, self.registry.lease_ttl_s / 10))
+        tick = sweep_tick(self.registry.lease_ttl_s)
         while True:
             await asyncio.sleep(tick)
             try:

@@ -11,6 +11,7 @@ import logging
 import os
 import socket
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -32,7 +33,10 @@ class StageOptions:
 
 
 def progress(msg: str) -> None:
-    print(f"omni: {msg}", file=sys.stderr, flush=True)
+    try:
+        print(f"omni: {msg}", file=sys.stderr, flush=True)
+    except OSError:
+        pass   # stderr is a pipe to a launcher that is gone: the stop goes on without words
 
 
 def default_advertise_host(master_address: str) -> str:
@@ -75,7 +79,50 @@ def select_devices(devices: str) -> None:
 
 def run_stage(config: DeployConfig, stage_id: int, opts: StageOptions,
               engine_flags: dict | None = None) -> int:
-    """`config` is the hashed pipeline; `engine_flags` tune this replica's engine only."""
+    """`config` is the hashed pipeline; `engine_flags` tune this replica's engine only.
+    Every process the stage started (vLLM's EngineCore and Worker) is gone when it returns."""
+    from omni import proctree
+
+    # Grandchildren orphaned by a dying child (vLLM's Worker) come back to us, not PID 1.
+    proctree.become_subreaper()
+    try:
+        return _run_stage(config, stage_id, opts, engine_flags)
+    finally:
+        left = proctree.kill_descendants(grace_s=2.0, exclude=_own_helpers())
+        if left:
+            progress(f"stage {stage_id}: killed processes the engine left behind: {proctree.describe(left)}")
+
+
+def _own_helpers() -> tuple[int, ...]:
+    """multiprocessing's resource tracker cleans up after us once we exit: spare it."""
+    from multiprocessing import resource_tracker
+
+    pid = getattr(resource_tracker._resource_tracker, "_pid", None)
+    return (pid,) if pid else ()
+
+
+def _stop_while_loading(stop: StopRequest, label: str) -> tuple[threading.Event, threading.Lock]:
+    """A stop during the engine load ends the process at once: nothing is registered or served
+    yet, and a load (vLLM: tens of seconds) does not look at the stop flag. The caller sets the
+    event, under the lock, once the engine is loaded."""
+    from omni import proctree
+
+    loaded, lock = threading.Event(), threading.Lock()
+
+    def watch() -> None:
+        while not loaded.is_set():
+            if stop.wait(0.2):
+                with lock:
+                    if loaded.is_set():
+                        return
+                    progress(f"{label}: stopped while loading the engine")
+                    proctree.kill_descendants(exclude=_own_helpers())
+                    os._exit(0)
+    threading.Thread(target=watch, name="omni-stop-while-loading", daemon=True).start()
+    return loaded, lock
+
+
+def _run_stage(config: DeployConfig, stage_id: int, opts: StageOptions, engine_flags: dict | None) -> int:
     from omni.config import apply_engine_flags
 
     stage = apply_engine_flags(config, stage_id, engine_flags or {}).stage(stage_id)
@@ -94,6 +141,7 @@ def run_stage(config: DeployConfig, stage_id: int, opts: StageOptions,
     select_devices(stage.devices)
     progress(f"{label}: loading engine {stage.engine} ...")
     t0 = time.monotonic()
+    loaded, load_lock = _stop_while_loading(stop, label)
     try:
         engine = build_engine(config, stage)
     except OmniError as e:
@@ -103,6 +151,9 @@ def run_stage(config: DeployConfig, stage_id: int, opts: StageOptions,
         logger.debug("engine load failed", exc_info=True)
         progress(f"{label}: engine {stage.engine} failed to load: {type(e).__name__}: {e}")
         return 1
+    finally:
+        with load_lock:
+            loaded.set()
     progress(f"{label}: engine loaded in {time.monotonic() - t0:.1f} s")
 
     default_transport = "shm"

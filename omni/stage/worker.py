@@ -259,8 +259,12 @@ class StageWorker:
 
     def _add(self, ident: bytes, msg: m.AddRequest) -> None:
         rid = msg.request_id
-        if self.draining or self._stopping.is_set():
-            self._send(ident, self._error(rid, f"{self.stage.label} is draining", "unavailable"))
+        if self.draining or self._stopping.is_set() or self.engine.is_sleeping():
+            # The frontend's answer is 503: the stage is there, just not taking requests (how to undo it).
+            how = ("asleep; `omni wakeup --stage {s}` or POST /v1/omni/wakeup wakes it" if self.engine.is_sleeping()
+                   else "draining; `omni undrain --replica {r}` takes it back" if self.draining else "stopping")
+            self._send(ident, self._error(rid, f"{self.stage.label} (replica {self.replica_id}) is "
+                                               + how.format(s=self.stage.stage_id, r=self.replica_id), "unavailable"))
             return
         try:
             tensors = {}
@@ -491,9 +495,9 @@ class StageWorker:
                 elif cmd.kind == "WAKE_UP":
                     self._call("wake_up", cmd.args)
                     cmd.message = "awake"
-                elif cmd.kind == "DRAIN":
-                    self.draining = True
-                    cmd.message = "draining"
+                elif cmd.kind in ("DRAIN", "UNDRAIN"):
+                    self.draining = cmd.kind == "DRAIN"
+                    cmd.message = "draining" if self.draining else "serving"
                 elif cmd.kind == "SHUTDOWN":
                     self._stopping.set()
                     cmd.message = "shutting down"

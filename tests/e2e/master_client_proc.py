@@ -18,7 +18,7 @@ def main() -> None:
     address, stage_id = sys.argv[1], int(sys.argv[2])
     hint = int(sys.argv[3]) if len(sys.argv) > 3 else -1
     config = json.loads(os.environ["OMNI_TEST_PIPELINE"])
-    state = {"sleeping": False, "requests": 0}
+    state = {"sleeping": False, "requests": 0, "draining": False}
 
     def say(**kw) -> None:
         print(json.dumps(kw), flush=True)
@@ -26,7 +26,7 @@ def main() -> None:
     def load() -> dict:
         state["requests"] += 1
         return {"queue_len": 1, "in_flight": 2, "requests_total": state["requests"],
-                "is_sleeping": state["sleeping"], "gpu_util": 0.5}
+                "is_sleeping": state["sleeping"], "draining": state["draining"], "gpu_util": 0.5}
 
     def on_command(cmd):
         say(command=cmd.kind, args=cmd.args)
@@ -34,6 +34,8 @@ def main() -> None:
             state["sleeping"] = True
         elif cmd.kind == "WAKE_UP":
             state["sleeping"] = False
+        elif cmd.kind in ("DRAIN", "UNDRAIN"):
+            state["draining"] = cmd.kind == "DRAIN"
         return True, f"{cmd.kind} done by pid {os.getpid()}"
 
     client = MasterClient(address, token=os.environ.get("OMNI_TOKEN"))

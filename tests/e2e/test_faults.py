@@ -758,6 +758,66 @@ def test_requests_on_a_stopped_replica_move_to_another_once_it_is_dead(headless)
     assert res["replays"].get(1, 0) >= 1, res["replays"]
 
 
+# ------------------------------------------------------------------ 3c. the master itself stopped
+
+async def pause_master(d: Headless, pause_s: float | None = None) -> dict:
+    """SIGSTOP the master for 3 TTLs and more, and one pooler with it; SIGCONT the master. Its own
+    silence is not the replicas' death: the healthy ones stay, the stopped pooler is DEAD about one
+    TTL after the master runs again; requests keep completing (those on the pooler move)."""
+    pause_s = pause_s or 3 * d.lease_ttl_s + 1.0
+    victim = d.stages[2]
+    watcher = Watcher(d.address)
+    stopped = []
+    try:
+        async with TestOrchestrator(d) as t:
+            rep = next(r for r in t.topology.replicas.values() if r.pid == victim.proc.pid)
+            outcomes: list[Outcome] = []
+            done = asyncio.Event()
+
+            async def load():
+                while not done.is_set():
+                    outcomes.append(await t.run(max_tokens=8, deadline_s=pause_s + 4 * d.lease_ttl_s + 30))
+            task = asyncio.create_task(load())
+            t0 = time.monotonic()
+            for pid in (d.master.proc.pid, victim.proc.pid):
+                os.kill(pid, signal.SIGSTOP)
+                stopped.append(pid)
+            await asyncio.sleep(pause_s)   # the fault lasts this long; requests run meanwhile
+            resumed = time.monotonic()
+            os.kill(d.master.proc.pid, signal.SIGCONT)
+            stopped.remove(d.master.proc.pid)
+            dead = await asyncio.to_thread(watcher.wait, lambda e: e[1] == rep.replica_id and e[3] == "DEAD",
+                                           d.lease_ttl_s + 5, "the stopped pooler DEAD", t0)
+            after = len(outcomes)
+            await asyncio.to_thread(wait_until, lambda: len(outcomes) >= after + 2 or task.done(), 60,
+                                    "two requests after the stopped pooler died")
+            done.set()
+            await task
+            os.kill(victim.proc.pid, signal.SIGCONT)
+            stopped.remove(victim.proc.pid)
+            back = await asyncio.to_thread(watcher.wait, lambda e: e[2] == 1 and e[3] == "READY" and e[1] != rep.replica_id
+                                           or (e[1] == rep.replica_id and e[3] == "READY"), 20,
+                                           "the pooler READY again", dead[0])
+            await t.healthy(20)
+    finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+        watcher.close()
+    false_deaths = [e for e in watcher.events if e[0] >= t0 and e[3] == "DEAD" and e[1] != rep.replica_id]
+    return {"outcomes": outcomes, "false_deaths": false_deaths, "dead_after_resume_s": dead[0] - resumed,
+            "rejoin_s": back[0] - dead[0], "pause_s": pause_s}
+
+
+def test_a_paused_master_kills_no_healthy_replica(headless):
+    res = asyncio.run(pause_master(headless))
+    ttl = headless.lease_ttl_s
+    assert res["false_deaths"] == [], res["false_deaths"]
+    assert [o.status for o in res["outcomes"]] == ["completed"] * len(res["outcomes"]), \
+        [o.error for o in res["outcomes"]]
+    # The one really stopped is DEAD one TTL after the master ran again (sweep tick and event delivery aside).
+    assert ttl - 0.3 <= res["dead_after_resume_s"] <= ttl + 1.5, res["dead_after_resume_s"]
+
+
 # ------------------------------------------------------------------ admin commands (last: a drain is for good)
 
 def omni_cli(*args: str, token: str | None = TOKEN) -> subprocess.CompletedProcess:

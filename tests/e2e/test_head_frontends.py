@@ -61,6 +61,9 @@ def test_head_with_two_frontends_and_headless_stages_restores_voices_after_resta
         # The head goes away and comes back on the same master port; the stages wait, keep their
         # engines and register again; the voice was persisted under --state-dir.
         assert first.interrupt(60) == 0, first.output()
+        # Issue 16: open keep-alive and watch streams end without a traceback when the head stops.
+        said = "\n".join(first.lines)
+        assert "Traceback" not in said and "Task was destroyed" not in said, first.output()
         second = head(port, state)
         procs.append(second)
         url = second.http(300)

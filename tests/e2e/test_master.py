@@ -202,8 +202,12 @@ def test_send_command_round_trip_with_acks(master, client, children):
     watch.state("s0r0", "READY", 10)
     watch.state("s1r0", "READY", 10)
 
+    # Each is the last READY replica of its stage: `omni sleep` (keep_serving) is refused without --force.
+    with pytest.raises(ConfigError, match=r"sleep would stop stage 0: s0r0 is its last READY, awake replica; "
+                                          r"stage 1: s1r0 .*--force"):
+        client.send_command("SLEEP", args={"level": 1}, timeout_s=5, keep_serving=True)
     t0 = time.monotonic()
-    results = client.send_command("SLEEP", args={"level": 1}, timeout_s=5)
+    results = client.send_command("SLEEP", args={"level": 1}, timeout_s=5)   # as told (--force)
     rtt = time.monotonic() - t0
     assert sorted((r.replica_id, r.ok, r.outcome) for r in results) == [
         ("s0r0", True, "acked"), ("s1r0", True, "acked")]
@@ -214,10 +218,22 @@ def test_send_command_round_trip_with_acks(master, client, children):
 
     only1 = client.send_command("WAKE_UP", stage_ids=[1], timeout_s=5)
     assert [(r.replica_id, r.ok) for r in only1] == [("s1r0", True)]
+    # s0r0 sleeps: it serves nothing already, so draining it stops nothing more.
     drained = client.send_command("DRAIN", replica_ids=["s0r0"], timeout_s=5)
     assert [(r.replica_id, r.ok) for r in drained] == [("s0r0", True)]
     watch.state("s0r0", "DRAINING", 5)
     assert client.send_command("DRAIN", stage_ids=[0], timeout_s=1) == []  # nothing READY left there
+    with pytest.raises(ConfigError, match="drain would stop stage 1: s1r0"):
+        client.send_command("DRAIN", stage_ids=[1], timeout_s=1, keep_serving=True)
+    undrained = client.send_command("UNDRAIN", stage_ids=[0], timeout_s=5)
+    assert [(r.replica_id, r.ok) for r in undrained] == [("s0r0", True)]
+    watch.state("s0r0", "READY", 5)
+    assert client.send_command("UNDRAIN", stage_ids=[0], timeout_s=1) == []   # nothing DRAINING there
+    # Heartbeats after the undrain say "not draining": it stays READY.
+    hb = watch.wait(lambda v: v["s0r0"].heartbeat_age_s < 0.1 and v["s0r0"].state == "READY", 5, "a heartbeat")
+    assert hb["s0r0"].state == "READY"
+    client.send_command("DRAIN", replica_ids=["s0r0"], timeout_s=5)
+    watch.state("s0r0", "DRAINING", 5)
 
     with pytest.raises(BadRequest, match=r"stage\(s\) 7 not in the pipeline"):
         client.send_command("SLEEP", stage_ids=[7])
@@ -435,3 +451,26 @@ def test_status_cli_watch_refreshes_on_events_until_ctrl_c(master, client):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(5)
+
+
+def test_drain_cli_refuses_the_last_replica_without_force_and_undrain_takes_it_back(master, client, children):
+    watch = Watch(client)
+    children(master.address, 0)
+    children(master.address, 1)
+    watch.state("s1r0", "READY", 10)
+    refused = _cli("drain", "--master", master.address, "--stage", "1")
+    assert refused.returncode == 2, refused.stderr
+    assert "drain would stop stage 1: s1r0 is its last READY, awake replica" in refused.stderr
+    assert "--force" in refused.stderr and "Traceback" not in refused.stderr
+    assert watch.view["s1r0"].state == "READY"
+    forced = _cli("drain", "--master", master.address, "--stage", "1", "--force")
+    assert forced.returncode == 0, forced.stderr
+    assert "--force: stage 1 will have no READY replica (s1r0)" in forced.stderr
+    watch.state("s1r0", "DRAINING", 5)
+    back = _cli("undrain", "--master", master.address, "--stage", "1", "--json")
+    assert back.returncode == 0, back.stderr
+    assert [(r["replica_id"], r["ok"]) for r in json.loads(back.stdout)["results"]] == [("s1r0", True)]
+    watch.state("s1r0", "READY", 5)
+    nothing = _cli("undrain", "--master", master.address, "--stage", "1")
+    assert nothing.returncode == 2 and "no live stage replica matched" in nothing.stderr
+    watch.close()

@@ -25,12 +25,18 @@ def omni(*args: str) -> subprocess.CompletedProcess:
     (["serve", "no/such-model"], "no bundled deploy config"),
     (["serve", "smollm2", "--deploy-config", "/nonexistent.yaml"], "file not found"),
     (["serve", "smollm2", "--control-api-key", "k", "--disable-control-routes"], "contradict"),
+    (["serve", "smollm2", "--port", "99999"], "--port must be a TCP port, 0-65535"),
+    (["serve", "smollm2", "--log-level", "debugx"], "--log-level must be one of DEBUG"),
+    (["serve", "smollm2", "--stage-id", "1", "--headless", "--omni-master-address", "127.0.0.1",
+      "--omni-master-port", "70000"], "--omni-master-port must be a TCP port"),
+    (["master", "--port", "99999"], "--port must be a TCP port"),
 ])
 def test_bad_flags_exit_2_naming_the_flag(args, message):
     r = omni(*args)
     assert r.returncode == 2, r.stderr
     assert message in r.stderr
     assert "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr   # one line
 
 
 def test_help_lists_the_flags():

@@ -89,8 +89,27 @@ def test_kv_corrupt_file_is_named(tmp_path):
     (tmp_path / "kv" / "voices.json").write_text("{not json")
     from omni.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="voices.json is corrupt"):
+    with pytest.raises(ConfigError, match="voices.json is damaged"):
         KvStore(tmp_path)
+
+
+@pytest.mark.parametrize("text", ['{"k": 5}', '[1, 2]', '"x"', '{"k": "not base64!"}', '{"k": null}'])
+def test_kv_wrong_shaped_file_is_refused_naming_it(tmp_path, text):
+    from omni.errors import ConfigError
+
+    (tmp_path / "kv").mkdir()
+    (tmp_path / "kv" / "jobs.json").write_text(text)
+    with pytest.raises(ConfigError, match=r"kv/jobs.json is damaged .*fix or remove it"):
+        KvStore(tmp_path)
+
+
+def test_kv_temp_file_of_an_interrupted_write_is_swept(tmp_path):
+    kv = KvStore(tmp_path)
+    kv.put("jobs", "j1", b"done")
+    torn = tmp_path / "kv" / ".jobs.json.abc123.tmp"   # what a kill between write and rename leaves
+    torn.write_text('{"j1": "dG9ybg')
+    again = KvStore(tmp_path)
+    assert again.get("jobs", "j1") == b"done" and not torn.exists()
 
 
 def test_heartbeat_from_load_maps_known_fields_and_extra():

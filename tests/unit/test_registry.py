@@ -283,3 +283,79 @@ def test_mismatch_message_edge_cases():
     assert "sent no pipeline_config_json" in configdiff.mismatch_message(CONFIG, None, 0, "a" * 64, "b" * 64)
     assert "compare equal" in configdiff.mismatch_message(CONFIG, CONFIG, None, "a", "b")
     assert configdiff.mismatch_message(CONFIG, {**CONFIG, "m": 1}, None, "a", "b").startswith("frontend config")
+
+
+def sweeping(clock, reg, seconds, tick=0.25):
+    """Run the sweeper as the server does: every `tick` seconds for `seconds`; the events it made."""
+    events = []
+    for _ in range(round(seconds / tick)):
+        clock.advance(tick)
+        events += reg.sweep()
+    return events
+
+
+def test_a_stalled_master_gives_every_lease_a_fresh_ttl(clock):
+    reg = Registry(CONFIG, HASH, lease_ttl_s=5.0, clock=clock, stall_after_s=2.5)
+    a, _ = reg.register(stage(pid=1))
+    b, _ = reg.register(stage(pid=2))
+    for r in (a, b):
+        reg.heartbeat(r.lease_id, Load())
+    assert sweeping(clock, reg, 1.0) == []
+    # The master stops for 4 TTLs (SIGSTOP): no sweep, no heartbeat processed meanwhile.
+    clock.advance(20.0)
+    assert reg.sweep() == []            # its own silence, not theirs
+    # a's heartbeats (queued while the master was stopped) arrive; b is really gone.
+    reg.heartbeat(a.lease_id, Load())
+    events = []
+    for _ in range(40):                  # 10 s of sweeps at 0.25 s, a heartbeating every second
+        clock.advance(0.25)
+        if clock.now % 1.0 == 0:
+            reg.heartbeat(a.lease_id, Load())
+        events += [(e.at, e.replica.replica_id, e.replica.state) for e in reg.sweep()]
+    resumed = 1000.0 + 1.0 + 20.0
+    assert [(rid, st) for _, rid, st in events] == [("s1r1", S.DEAD)]
+    # DEAD one TTL after the master ran again (to the sweep tick), not before.
+    assert 5.0 < events[0][0] - resumed <= 5.25
+    assert reg.live(a.lease_id).state is S.READY
+
+
+def test_sweeps_on_time_do_not_extend_leases(clock):
+    reg = Registry(CONFIG, HASH, lease_ttl_s=5.0, clock=clock, stall_after_s=2.5)
+    a, _ = reg.register(stage())
+    reg.heartbeat(a.lease_id, Load())
+    events = sweeping(clock, reg, 5.5)
+    assert kinds(events) == [("UPDATED", "s1r0", S.DEAD)]
+    # A stall shorter than stall_after_s changes nothing either: expiry stays at last_seen + TTL.
+    b, _ = reg.register(stage(pid=2))
+    reg.heartbeat(b.lease_id, Load())
+    clock.advance(2.0)
+    assert reg.sweep() == []
+    clock.advance(2.0)
+    assert reg.sweep() == []
+    clock.advance(1.25)
+
+
+
+def test_undrain_takes_a_draining_replica_back(reg):
+    a, _ = reg.register(stage())
+    reg.heartbeat(a.lease_id, Load())
+    reg.drain("s1r0")
+    assert kinds(reg.undrain("s1r0")) == [("UPDATED", "s1r0", S.READY)]
+    assert kinds(reg.heartbeat(a.lease_id, Load())) == []          # stays READY
+    assert reg.undrain("s1r0") == []                                  # nothing to take back
+    b, _ = reg.register(stage(pid=2))
+    reg.drain(b.replica_id)                                           # remembered while REGISTERING ...
+    reg.undrain(b.replica_id)                                         # ... and forgotten
+    assert kinds(reg.heartbeat(b.lease_id, Load())) == [("UPDATED", "s1r1", S.READY)]
+
+
+def test_last_serving_names_the_stages_a_command_would_stop(reg):
+    a, _ = reg.register(stage(stage_id=0, pid=1))
+    b, _ = reg.register(stage(stage_id=1, pid=2))
+    c, _ = reg.register(stage(stage_id=1, pid=3))
+    for r in (a, b, c):
+        reg.heartbeat(r.lease_id, Load())
+    assert reg.last_serving({"s1r0"}) == {}                           # s1r1 still serves stage 1
+    assert reg.last_serving({"s0r0", "s1r0"}) == {0: ["s0r0"]}
+    reg.heartbeat(c.lease_id, Load(is_sleeping=True))                 # asleep: serves nothing
+    assert reg.last_serving({"s1r0"}) == {1: ["s1r0"]}

@@ -191,4 +191,15 @@ def test_commands_sleep_wake_and_drain(worker):
     s.send(enc.encode(m.AddRequest(request_id="late", prompt_token_ids=[1])))
     err = recv(s)
     assert isinstance(err, m.RequestError) and "draining" in err.message
+    assert "omni undrain --replica s0r0" in err.message        # says how to undo it
+    assert w.command("UNDRAIN") == (True, "serving")
+    s.send(enc.encode(m.AddRequest(request_id="back", prompt_token_ids=[1])))
+    assert not isinstance(recv(s), m.RequestError)
+    # Asleep: a request gets an error that says so and how to wake it, not an engine failure.
+    assert w.command("SLEEP", {"level": 1}) == (True, "sleeping")
+    s.send(enc.encode(m.AddRequest(request_id="asleep", prompt_token_ids=[1])))
+    err = recv(s)
+    while not isinstance(err, m.RequestError):   # the tail of "back"
+        err = recv(s)
+    assert err.request_id == "asleep" and "is asleep" in err.message and "omni wakeup --stage 0" in err.message
     s.close()

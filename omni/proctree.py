@@ -1,0 +1,89 @@
+"""Process-tree ownership: nothing a process started outlives it.
+
+Three layers, because no single one covers every way an owner dies:
+- a child asks the kernel to kill it when its parent dies (PR_SET_PDEATHSIG), also on SIGKILL;
+- an owner makes itself the subreaper of its tree (PR_SET_CHILD_SUBREAPER), so grandchildren
+  orphaned by a dying child come back to it instead of PID 1, and sweeps its tree before it exits;
+- the launcher kills the whole process group of a stage once the stage is gone.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+
+import psutil
+
+logger = logging.getLogger(__name__)
+
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def _prctl(option: int, arg: int) -> bool:
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl(option, arg, 0, 0, 0) == 0
+    except OSError:   # not Linux/glibc: the other layers still hold
+        return False
+
+
+def die_with_parent(sig: int, parent_pid: int | None) -> None:
+    """Ask for `sig` when the parent dies; exit now if it already did (the race before prctl)."""
+    _prctl(PR_SET_PDEATHSIG, int(sig))
+    if parent_pid is not None and os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def become_subreaper() -> bool:
+    return _prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+
+def descendants(pid: int | None = None) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid or os.getpid()).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def describe(procs: list[psutil.Process]) -> str:
+    out = []
+    for p in procs:
+        try:
+            out.append(f"{p.name()} (pid {p.pid})")
+        except psutil.Error:
+            out.append(f"pid {p.pid}")
+    return ", ".join(out)
+
+
+def kill_descendants(grace_s: float = 0.0, exclude: tuple[int, ...] = ()) -> list[psutil.Process]:
+    """SIGTERM every descendant, SIGKILL what is left after `grace_s`; the ones that had to be
+    killed. Children that exit are reaped (we are their parent or their subreaper)."""
+    procs = [p for p in descendants() if p.pid not in exclude]
+    if not procs:
+        return []
+    first = signal.SIGTERM if grace_s > 0 else signal.SIGKILL
+    for p in procs:
+        try:
+            p.send_signal(first)
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=max(grace_s, 0.05))
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    if alive:
+        psutil.wait_procs(alive, timeout=5.0)
+    return procs if grace_s <= 0 else alive
+
+
+def kill_group(pgid: int) -> bool:
+    """SIGKILL what is left of a process group whose leader is gone; True if something was."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False

