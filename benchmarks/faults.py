@@ -182,7 +182,8 @@ def run_served(folder: Path) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="headless faults and the vLLM stage kills (the default; about 5 minutes here)")
+    ap.add_argument("--quick", action="store_true",
+                    help="headless faults and the vLLM stage kills (the default; about 5 minutes here)")
     ap.add_argument("--full", action="store_true", help="also the `omni serve` faults (two LM replicas)")
     ap.add_argument("--json", action="store_true", help="print one JSON document")
     args = ap.parse_args()

@@ -5,7 +5,6 @@ import subprocess
 import sys
 import threading
 
-from omni import proctree
 from omni.launcher import OWNER_FILE, sweep_stale_tmp
 
 
