@@ -28,6 +28,11 @@ class Reference:
         self.folder = folder
         self.tok = AutoTokenizer.from_pretrained(folder)
         self.model = Qwen2_5OmniForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+        # from_pretrained leaves tensors in the mmapped file, 8 bytes off a 64-byte boundary; CPU kernels
+        # round differently there (the DiT's mel moves ~2e-7). Own, aligned copies: the same values.
+        with torch.no_grad():
+            for t in list(self.model.parameters()) + list(self.model.buffers()):
+                t.data = t.data.clone()
         self.features = WhisperFeatureExtractor.from_pretrained(folder)
         self.im_end = self.tok.convert_tokens_to_ids("<|im_end|>")
         self._codes: list[torch.Tensor] = []

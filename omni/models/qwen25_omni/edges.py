@@ -5,7 +5,10 @@ for a single request. Unlike Qwen3-Omni, every row (text included) needs the thi
 final-normed last-layer hidden state `h` (the rows its lm_head reads) at that position:
 
   prefill  = [embed(id) + h for every prompt position (embed 0 at audio/image/video
-              placeholders), embed(speaker's text bos) + codec_pad, embed(g0) + h(g0) + codec_bos]
+              placeholders), embed(speaker's text bos), embed(g0) + h(g0)]
+             The talker's forward would add the codec pad / bos embeddings to the last two rows,
+             but only when it gets an attention_mask, and transformers 5.19's generate() passes
+             none: its reference omits them. `codec_rows=True` adds them (the original Qwen code).
   step j   = codec(previous code) + reply(j), j = 1, 2, ...
   reply(j) = embed(g_j) + h(g_j) while j < p, embed(tts_eos) at j == p, embed(tts_pad) after,
              p = the index of the thinker's first EOS (at least 1), or len(generated) - 1
@@ -43,7 +46,7 @@ class TalkerIds:
 
 
 def prefill_rows(talker, embed: torch.Tensor, ids: TalkerIds, prompt: list[int], first: int, speaker_bos: int,
-                 hidden: torch.Tensor) -> torch.Tensor:
+                 hidden: torch.Tensor, codec_rows: bool = False) -> torch.Tensor:
     """The talker's prefill input [len(prompt) + 2, H_talker] (after thinker_to_talker_proj).
     `hidden` holds the thinker's rows for the prompt and the first generated id (>= len(prompt) + 1)."""
     n = len(prompt)
@@ -56,8 +59,8 @@ def prefill_rows(talker, embed: torch.Tensor, ids: TalkerIds, prompt: list[int],
     x[:n][mm] = 0.0                       # placeholders carry only the thinker's row
     rows = hidden[:n + 1].to(embed.device, embed.dtype)
     x = torch.cat([rows[:n] + x[:n], x[n:n + 1], rows[n:n + 1] + x[n + 1:]])
-    codec = talker.get_input_embeddings()(torch.tensor([ids.codec_pad, ids.codec_bos], device=embed.device))
-    x[-2:] += codec
+    if codec_rows:
+        x[-2:] += talker.get_input_embeddings()(torch.tensor([ids.codec_pad, ids.codec_bos], device=embed.device))
     return talker.thinker_to_talker_proj(x)
 
 

@@ -18,6 +18,8 @@ Sampling: `request.sampling` / `extra` as the Qwen3 talker (temperature <= 0 gre
 top_p, seed -> per-request generator; max_tokens = transformers' talker_max_new_tokens);
 repetition penalty 1.05 over the codec prompt ids and the codes so far; codec bos suppressed;
 codec eos or pad ends the utterance. Output `tensors["codes"]` int64 [1, n] per chunk.
+`codec_rows`: add the codec pad / bos embeddings to the last two prefill rows as the original
+Qwen code does; off by default because transformers 5.19's generate() (the reference) skips them.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ class Qwen25TalkerEngine(Qwen3TalkerEngine):
     def __init__(self, model_dir: str | Path, *, dtype: str = "auto", device: str = "cpu",
                  first_chunk_frames: int = 25, chunk_frames: int = 50, repetition_penalty: float = 1.05,
                  text_eos_token_ids: list[int] | None = None, batch_decode: bool = True,
-                 threads: int | None = None):
+                 codec_rows: bool = False, threads: int | None = None):
         import collections
 
         if first_chunk_frames < 1 or chunk_frames < 1:
@@ -64,6 +66,7 @@ class Qwen25TalkerEngine(Qwen3TalkerEngine):
         self.chunk_frames = chunk_frames
         self.repetition_penalty = repetition_penalty
         self.batch_decode = batch_decode
+        self.codec_rows = codec_rows
         self.text_eos = set(text_eos_token_ids or [self.config.thinker_config.text_config.eos_token_id])
         self.stop_codes = {self.ids.codec_eos, self.ids.codec_pad}
         self._suppress = torch.zeros(self.talker.codebook_size, dtype=torch.bool, device=self.device)
@@ -227,7 +230,7 @@ class Qwen25TalkerEngine(Qwen3TalkerEngine):
         gen, _ = self._gen(r)
         try:
             x = edges.prefill_rows(self.talker, self.embed, self.ids, r.prompt, gen[0], r.speaker_bos,
-                                   torch.cat(r.rows)[:len(r.prompt) + 1])
+                                   torch.cat(r.rows)[:len(r.prompt) + 1], self.codec_rows)
         except ValueError as e:
             r.done, r.frames, r.error = "error", [], f"request {r.rid}: {e}"
             return None
