@@ -19,6 +19,7 @@ class Ref:
     hidden: torch.Tensor          # [len(prompt) + len(generated) - 1, H]: final-normed last layer per fed token
     codes: torch.Tensor           # [T] codec ids, EOS cut
     wav: torch.Tensor             # [n] float
+    last_layer: torch.Tensor      # the same rows as `hidden` before the thinker's final norm
 
 
 class Reference:
@@ -43,6 +44,11 @@ class Reference:
             self._thinker.append(think(*a, **kw))
             return self._thinker[-1]
         self.model.thinker.generate = capture_thinker
+        self._last: list[torch.Tensor] = []
+
+        def capture_last(module, args, out):
+            self._last.append((out[0] if isinstance(out, tuple) else out)[0].clone())
+        self.model.thinker.model.layers[-1].register_forward_hook(capture_last)
         t2w = self.model.token2wav
         forward = t2w.forward
 
@@ -81,6 +87,7 @@ class Reference:
         ids = torch.tensor([prompt])
         self._codes.clear()
         self._thinker.clear()
+        self._last.clear()
         torch.manual_seed(seed)
         seq, wav = self.model.generate(
             ids, speaker=speaker, thinker_do_sample=False, talker_do_sample=False,
@@ -91,23 +98,28 @@ class Reference:
         # as generate computed them (prefill, then one per decode step).
         hidden = torch.cat([step[-1][0] for step in self._thinker[-1].hidden_states]).clone()
         assert hidden.shape[0] == len(prompt) + len(generated) - 1
-        return Ref(prompt, generated, hidden, self._codes[-1][0], wav.reshape(-1))
+        last = torch.cat(self._last)
+        assert last.shape == hidden.shape
+        return Ref(prompt, generated, hidden, self._codes[-1][0], wav.reshape(-1), last)
 
 
 def talker_pieces(ref: Ref, rid: str, speaker: str, per_token: bool, max_tokens: int,
-                  **sampling) -> list[EngineRequest]:
+                  pre_norm: bool = False, **sampling) -> list[EngineRequest]:
     """The talker requests for one reference run: everything at once, or one generated id per piece
-    carrying the row that id's step of the thinker computed (the prompt's rows come with the first)."""
+    carrying the row that id's step of the thinker computed (the prompt's rows come with the first).
+    `pre_norm`: send the rows before the thinker's final norm (`thinker_last_layer`)."""
     params = SamplingParams(max_tokens=max_tokens, **sampling)
     gen, n = ref.generated, len(ref.prompt)
+    key = "thinker_last_layer" if pre_norm else "thinker_hidden"
+    rows = ref.last_layer if pre_norm else ref.hidden
     if not per_token:
         return [EngineRequest(request_id=rid, prompt_token_ids=ref.prompt, sampling=params,
-                              tensors={"thinker_hidden": ref.hidden},
+                              tensors={key: rows},
                               extra={"speaker": speaker, "token_ids": gen, "final": True})]
     first = EngineRequest(request_id=rid, prompt_token_ids=ref.prompt, sampling=params,
-                          tensors={"thinker_hidden": ref.hidden[:n]},
+                          tensors={key: rows[:n]},
                           extra={"speaker": speaker, "token_ids": gen[:1], "final": len(gen) == 1})
-    rest = [EngineRequest(request_id=rid, tensors={"thinker_hidden": ref.hidden[n + i - 1:n + i]},
+    rest = [EngineRequest(request_id=rid, tensors={key: rows[n + i - 1:n + i]},
                           extra={"token_ids": [t], "final": i == len(gen) - 1})
             for i, t in enumerate(gen) if i > 0]
     return [first] + rest

@@ -94,6 +94,14 @@ def test_codes_equal_reference(talker, france, per_token):
     assert not talker.has_open_streams()
 
 
+def test_pre_norm_rows_give_the_same_codes(talker, france):
+    """The thinker may send its last layer before the final norm; the talker applies the norm."""
+    rows = talker.norm(france.last_layer)
+    assert torch.equal(rows, france.hidden)
+    outs = drive(talker, {"p": talker_pieces(france, "p", "chelsie", True, TALKER_TOKENS, pre_norm=True)})["p"]
+    assert torch.equal(_codes(outs), france.codes)
+
+
 def test_talker_to_token2wav_waveform(talker, t2w, france):
     """The talker's chunks stream into token2wav, which decodes the utterance whole once it is final."""
     before = torch.random.get_rng_state()
@@ -161,6 +169,9 @@ def test_thinker_eos_ends_the_text(folder, ref, france):
 def test_bad_requests(talker, t2w, france):
     with pytest.raises(EngineError, match="unknown speaker 'aiden'; known speakers: chelsie, ethan"):
         talker.add_request(EngineRequest(request_id="q", prompt_token_ids=france.prompt, extra={"speaker": "aiden"}))
+    with pytest.raises(EngineError, match="not both"):
+        talker.add_request(EngineRequest(request_id="q", prompt_token_ids=france.prompt, tensors={
+            "thinker_hidden": france.hidden[:2], "thinker_last_layer": france.last_layer[:2]}))
     with pytest.raises(EngineError, match=r"thinker_hidden must be float \[n, 64\]"):
         talker.add_request(EngineRequest(request_id="q", prompt_token_ids=france.prompt,
                                          tensors={"thinker_hidden": torch.zeros(3, 8)}))
@@ -180,12 +191,13 @@ def test_bad_requests(talker, t2w, france):
 def test_stage_weights_only_their_prefix(folder, ref):
     from omni.models.qwen25_omni import weights
 
-    _, talker, embed = weights.load_talker(folder)
+    _, talker, embed, norm = weights.load_talker(folder)
     _, t2w = weights.load_token2wav(folder)
     for mine, theirs in ((talker, ref.model.talker), (t2w, ref.model.token2wav)):
         want, got = theirs.state_dict(), mine.state_dict()
         assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
     assert torch.equal(embed, ref.model.thinker.model.embed_tokens.weight)
+    assert torch.equal(norm.weight, ref.model.thinker.model.norm.weight)
     assert next(t2w.parameters()).dtype == torch.float32
 
 

@@ -11,7 +11,9 @@ marks the last piece.
                 last-layer rows (what its lm_head reads), appended in order: one per prompt
                 position, then one per generated id the thinker has fed (a generated id's row
                 comes with the next id). Text-only input needs them too: the talker reads
-                embed(id) + row at every position.
+                embed(id) + row at every position. Or `tensors["thinker_last_layer"]`: the
+                same rows before the final norm (the last layer's residual output), which
+                the talker normalises with the thinker's norm weights.
   later pieces  generated ids (delta) in `extra["token_ids"]` or `prompt_token_ids`, including
                 the thinker's EOS if it stopped on it; ids after that EOS are ignored.
 Sampling: `request.sampling` / `extra` as the Qwen3 talker (temperature <= 0 greedy; top_k,
@@ -58,7 +60,7 @@ class Qwen25TalkerEngine(Qwen3TalkerEngine):
                              f"got {first_chunk_frames} and {chunk_frames}")
         if threads:
             torch.set_num_threads(threads)
-        self.config, self.talker, self.embed = load_talker(model_dir, dtype=dtype, device=device)
+        self.config, self.talker, self.embed, self.norm = load_talker(model_dir, dtype=dtype, device=device)
         self.speakers = {k.lower(): int(v["bos_token"]) for k, v in load_speakers(model_dir).items()}
         self.ids = edges.TalkerIds.from_config(self.config)
         self.device = torch.device(device)
@@ -85,14 +87,21 @@ class Qwen25TalkerEngine(Qwen3TalkerEngine):
     # -- requests ------------------------------------------------------------
 
     def _hidden(self, req: EngineRequest) -> torch.Tensor | None:
-        t = (req.tensors or {}).get("thinker_hidden")
-        if t is None:
+        tensors = req.tensors or {}
+        keys = [k for k in ("thinker_hidden", "thinker_last_layer") if k in tensors]
+        if not keys:
             return None
-        t = torch.as_tensor(t)
+        if len(keys) > 1:
+            raise EngineError(f"request {req.request_id}: send thinker_hidden or thinker_last_layer, not both")
+        t = torch.as_tensor(tensors[keys[0]])
         if t.ndim != 2 or t.shape[1] != self.embed.shape[1] or not t.is_floating_point():
-            raise EngineError(f"request {req.request_id}: thinker_hidden must be float [n, {self.embed.shape[1]}], "
+            raise EngineError(f"request {req.request_id}: {keys[0]} must be float [n, {self.embed.shape[1]}], "
                               f"got {t.dtype} {list(t.shape)}")
-        return t.to(self.device, self.embed.dtype)
+        t = t.to(self.device, self.embed.dtype)
+        if keys[0] == "thinker_last_layer":
+            with torch.no_grad():
+                t = self.norm(t)
+        return t
 
     def _new(self, req: EngineRequest) -> _Req25:
         rid = req.request_id

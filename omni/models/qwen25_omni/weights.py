@@ -48,16 +48,26 @@ def load_speakers(folder: str | Path) -> dict[str, dict]:
     return dict(table)
 
 
+NORM_KEY = "thinker.model.norm.weight"
+
+
 def load_talker(folder: str | Path, *, dtype: str | torch.dtype | None = "auto", device: str = "cpu"):
-    """(config, talker module, thinker token embedding table [V, H]) for the talker stage."""
+    """(config, talker module, thinker token embedding table [V, H], thinker final norm) for the
+    talker stage. The norm turns the thinker's pre-norm last-layer rows into the rows it reads."""
     from transformers import Qwen2_5OmniTalkerForConditionalGeneration
+    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniRMSNorm
 
     config = load_config(folder)
     dt = _dtype(dtype, config)
     talker = _build(Qwen2_5OmniTalkerForConditionalGeneration, config.talker_config,
                     load_prefix(folder, "talker."), dt, f"{folder} talker")
-    embed = load_prefix(folder, "thinker.", names={EMBED_KEY})["model.embed_tokens.weight"].to(dt)
-    return config, talker.to(device), embed.to(device)
+    thinker = load_prefix(folder, "thinker.", names={EMBED_KEY, NORM_KEY})
+    text = config.thinker_config.text_config
+    norm = Qwen2_5OmniRMSNorm(text.hidden_size, eps=text.rms_norm_eps)
+    with torch.no_grad():
+        norm.weight.copy_(thinker["model.norm.weight"])
+    norm = norm.to(device, dt).eval().requires_grad_(False)
+    return config, talker.to(device), thinker["model.embed_tokens.weight"].to(device, dt), norm
 
 
 def load_token2wav(folder: str | Path, *, device: str = "cpu"):
