@@ -129,7 +129,7 @@ def bundled_configs() -> dict[str, Path]:
 
 
 # config.json `model_type` of a model folder -> the bundled pipeline that serves it.
-FOLDER_PIPELINES = {"qwen3_omni_moe": "qwen3-omni-moe.yaml"}
+FOLDER_PIPELINES = {"qwen3_omni_moe": "qwen3-omni-moe.yaml", "qwen2_5_omni": "qwen2.5-omni-7b.yaml"}
 
 
 def default_config_path(model: str) -> Path:

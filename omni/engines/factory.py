@@ -72,6 +72,18 @@ def _qwen3_code2wav(config: DeployConfig, stage: StageConfig) -> Engine:
     return Qwen3Code2WavEngine(resolve_model(stage.model or config.model), **torch_stage_args(stage))
 
 
+def _qwen25_talker(config: DeployConfig, stage: StageConfig) -> Engine:
+    from omni.models.qwen25_omni.talker import Qwen25TalkerEngine
+
+    return Qwen25TalkerEngine(stage.model or config.model, **stage.engine_args)
+
+
+def _qwen25_token2wav(config: DeployConfig, stage: StageConfig) -> Engine:
+    from omni.models.qwen25_omni.token2wav import Qwen25Token2WavEngine
+
+    return Qwen25Token2WavEngine(stage.model or config.model, **stage.engine_args)
+
+
 def _vllm(config: DeployConfig, stage: StageConfig) -> Engine:
     try:
         import vllm  # noqa: F401
@@ -93,6 +105,8 @@ ENGINES: dict[str, Callable[[DeployConfig, StageConfig], Engine]] = {
     "vllm": _vllm,
     "qwen3_talker": _qwen3_talker,
     "qwen3_code2wav": _qwen3_code2wav,
+    "qwen25_talker": _qwen25_talker,
+    "qwen25_token2wav": _qwen25_token2wav,
 }
 
 

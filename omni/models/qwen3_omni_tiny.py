@@ -73,7 +73,18 @@ def _corpus(seed: int) -> list[str]:
     return lines
 
 
-def build_tokenizer(out: Path, seed: int = 0) -> None:
+QWEN3_EXTRA_SPECIALS = {
+    "audio_token": "<|audio_pad|>", "image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
+    "audio_bos_token": "<|audio_start|>", "audio_eos_token": "<|audio_end|>",
+    "vision_bos_token": "<|vision_start|>", "vision_eos_token": "<|vision_end|>",
+}
+
+
+def build_tokenizer(out: Path, seed: int = 0, *, specials: tuple[str, ...] = SPECIALS,
+                    chat_template: str = CHAT_TEMPLATE, extra_special_tokens: dict[str, str] | None = None,
+                    vocab: int = VOCAB) -> None:
+    """Train the tiny byte-level BPE (specials first, then the role words as single tokens), padded to
+    `vocab` ids. The defaults are Qwen3-Omni's; Qwen2.5-Omni's builder passes its own specials."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -81,21 +92,17 @@ def build_tokenizer(out: Path, seed: int = 0) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB, special_tokens=list(SPECIALS) + list(ROLES),
+        vocab_size=vocab, special_tokens=list(specials) + list(ROLES),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
     tok.train_from_iterator(_corpus(seed), trainer=trainer)
     n = tok.get_vocab_size()
-    if n < VOCAB:   # every id the random model can sample must decode to something
-        tok.add_tokens([f"<|extra_{i}|>" for i in range(VOCAB - n)])
+    if n < vocab:   # every id the random model can sample must decode to something
+        tok.add_tokens([f"<|extra_{i}|>" for i in range(vocab - n)])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        additional_special_tokens=list(SPECIALS), chat_template=CHAT_TEMPLATE,
-        extra_special_tokens={
-            "audio_token": "<|audio_pad|>", "image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
-            "audio_bos_token": "<|audio_start|>", "audio_eos_token": "<|audio_end|>",
-            "vision_bos_token": "<|vision_start|>", "vision_eos_token": "<|vision_end|>",
-        },
+        additional_special_tokens=list(specials), chat_template=chat_template,
+        extra_special_tokens=dict(QWEN3_EXTRA_SPECIALS if extra_special_tokens is None else extra_special_tokens),
     )
     fast.save_pretrained(out)
 

@@ -90,3 +90,22 @@ def test_stage_devices_become_cuda_visible_devices(monkeypatch):
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "4,6"
     with pytest.raises(OmniError, match="devices '7'"):
         select_devices("7")
+
+
+def test_qwen25_omni_folder_and_hub_ids(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMNI_PLATFORM", "cuda")
+    c = cfg.load(folder(tmp_path, "qwen2_5_omni"))
+    assert [(s.name, s.engine, s.devices) for s in c.stages] == [
+        ("thinker", "vllm", "0"), ("talker", "qwen25_talker", "1"), ("token2wav", "qwen25_token2wav", "1")]
+    assert c.model.endswith("any-name-at-all") and all(s.model is None for s in c.stages)
+    assert c.stages[0].engine_args["max_num_seqs"] == 1 and c.stages[0].engine_args["gpu_memory_utilization"] == 0.8
+    assert c.stages[1].default_sampling_params == {
+        "temperature": 0.9, "top_p": 0.8, "top_k": 40, "max_tokens": 2048, "repetition_penalty": 1.05}
+    assert c.final_stage("audio").stage_id == 2 and c.final_stage("text").stage_id == 0
+    seven = cfg.load("Qwen/Qwen2.5-Omni-7B")
+    three = cfg.load("Qwen/Qwen2.5-Omni-3B")
+    assert seven.model == "Qwen/Qwen2.5-Omni-7B" and three.model == "Qwen/Qwen2.5-Omni-3B"
+    assert [s.engine for s in three.stages] == [s.engine for s in seven.stages]   # base_config: the 7B's
+    monkeypatch.setenv("OMNI_PLATFORM", "cpu")
+    cpu = cfg.load("Qwen/Qwen2.5-Omni-3B")
+    assert cpu.stages[1].engine_args == {"threads": 1} and cpu.stages[0].engine_args["max_num_seqs"] == 8

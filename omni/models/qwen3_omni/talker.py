@@ -121,6 +121,10 @@ class Qwen3TalkerEngine(Engine):
         self._sleeping = False
         self._batch: _Batch | None = None
 
+    def _cache_config(self):
+        """The config a talker KV cache is built from (the Qwen2.5 talker overrides it)."""
+        return self.talker.config.text_config
+
     # -- requests ------------------------------------------------------------
 
     def _new(self, req: EngineRequest) -> _Req:
@@ -291,7 +295,7 @@ class Qwen3TalkerEngine(Engine):
         except ValueError as e:
             r.done, r.frames, r.error = "error", [], f"request {r.rid}: {e}"
             return None
-        r.cache = DynamicCache(config=self.talker.config.text_config)
+        r.cache = DynamicCache(config=self._cache_config())
         self._stats["prefill_tokens"] += x.shape[0]
         return self.talker.model(inputs_embeds=x[None], past_key_values=r.cache,
                                  use_cache=True).last_hidden_state[0, -1]
@@ -327,7 +331,7 @@ class Qwen3TalkerEngine(Engine):
 
         lengths = [r.cache.get_seq_length() for r in reqs]
         width = max(lengths)
-        cache = DynamicCache(config=self.talker.config.text_config)
+        cache = DynamicCache(config=self._cache_config())
         for i in range(len(reqs[0].cache.layers)):
             pad = [(0, 0, width - n, 0) for n in lengths]
             cache.update(
@@ -348,7 +352,7 @@ class Qwen3TalkerEngine(Engine):
         for row, r in enumerate(b.reqs):
             if self._reqs.get(r.rid) is not r or r.done is not None:
                 continue
-            cache = DynamicCache(config=self.talker.config.text_config)
+            cache = DynamicCache(config=self._cache_config())
             start = b.width - b.lengths[row]
             for i, layer in enumerate(b.cache.layers):
                 cache.update(layer.keys[row:row + 1, :, start:], layer.values[row:row + 1, :, start:], i)
