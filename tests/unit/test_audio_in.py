@@ -1,0 +1,100 @@
+"""Audio input: WAV decoding (every common encoding), resampling, and the inline tensor on the wire."""
+
+import io
+import struct
+import wave
+
+import numpy as np
+import pytest
+import torch
+
+from omni import audio
+from omni.stage import messages as m
+
+
+def pcm_wav(samples: np.ndarray, rate: int, width: int, channels: int = 1) -> bytes:
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(channels)
+        w.setsampwidth(width)
+        w.setframerate(rate)
+        if width == 1:
+            data = (np.clip(samples, -1, 1) * 127 + 128).astype(np.uint8).tobytes()
+        elif width == 3:
+            v = (np.clip(samples, -1, 1) * (2 ** 23 - 1)).astype(np.int32)
+            data = b"".join(int(x).to_bytes(3, "little", signed=True) for x in v)
+        else:
+            data = (np.clip(samples, -1, 1) * (2 ** (8 * width - 1) - 1)).astype(f"<i{width}").tobytes()
+        w.writeframes(data)
+    return buf.getvalue()
+
+
+def float_wav(samples: np.ndarray, rate: int, extensible: bool = False) -> bytes:
+    data = samples.astype("<f4").tobytes()
+    if extensible:
+        fmt = struct.pack("<HHIIHHHHIH14s", 0xFFFE, 1, rate, rate * 4, 4, 32, 22, 32, 0, 3, b"\x00" * 14)
+    else:
+        fmt = struct.pack("<HHIIHH", 3, 1, rate, rate * 4, 4, 32)
+    body = b"WAVE" + b"fmt " + struct.pack("<I", len(fmt)) + fmt + b"LIST" + struct.pack("<I", 3) + b"abc\x00" \
+        + b"data" + struct.pack("<I", len(data)) + data
+    return b"RIFF" + struct.pack("<I", len(body)) + body
+
+
+SIG = (0.5 * np.sin(2 * np.pi * 440 * np.arange(800) / 16000)).astype(np.float32)
+
+
+@pytest.mark.parametrize("width, tol", [(1, 2e-2), (2, 1e-4), (3, 1e-6), (4, 1e-8)])
+def test_integer_pcm_of_every_width_decodes(width, tol):
+    got, rate = audio.read_wav(pcm_wav(SIG, 16000, width))
+    assert rate == 16000 and got.dtype == np.float32 and np.abs(got - SIG).max() < tol
+
+
+def test_float_wav_is_exact_and_odd_chunks_are_skipped():
+    for extensible in (False, True):
+        got, rate = audio.read_wav(float_wav(SIG, 22050, extensible))
+        assert rate == 22050 and np.array_equal(got, SIG)
+
+
+def test_stereo_is_averaged_to_mono():
+    left_right = np.stack([SIG, np.zeros_like(SIG)], axis=1).reshape(-1)
+    got, _ = audio.read_wav(pcm_wav(left_right, 16000, 2, channels=2))
+    assert np.abs(got - SIG / 2).max() < 1e-4
+
+
+@pytest.mark.parametrize("data, words", [
+    (b"not a wav at all", "no RIFF/WAVE header"),
+    (b"RIFF\x04\x00\x00\x00WAVE", "no data chunk"),
+    (b"RIFF\x10\x00\x00\x00WAVEdata\x00\x00\x00\x00", "before its fmt"),
+    (pcm_wav(SIG, 16000, 2).replace(b"\x01\x00\x01\x00", b"\x02\x00\x01\x00", 1), "format tag 2"),
+])
+def test_broken_files_name_the_problem(data, words):
+    with pytest.raises(ValueError, match=words):
+        audio.read_wav(data)
+
+
+def test_resampling_keeps_a_tone_below_the_new_nyquist():
+    rate_in = 44100
+    t = np.arange(rate_in // 2) / rate_in
+    x = (0.5 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)
+    y = audio.resample(x, rate_in, 16000)
+    assert y.size == 8000
+    want = 0.5 * np.sin(2 * np.pi * 440 * np.arange(8000) / 16000)
+    assert np.abs(y[200:-200] - want[200:-200]).max() < 1e-3      # away from the edges
+    assert audio.resample(x, 16000, 16000) is not None and np.array_equal(audio.resample(x, 1, 1), x)
+
+
+def test_resampling_removes_what_the_new_rate_cannot_hold():
+    t = np.arange(48000) / 48000
+    x = np.sin(2 * np.pi * 12000 * t).astype(np.float32)        # above 8 kHz, the Nyquist of 16 kHz
+    assert np.abs(audio.resample(x, 48000, 16000)[200:-200]).max() < 0.05
+
+
+def test_inline_tensor_round_trips_through_the_stage_codec():
+    t = m.InlineTensor("float32", (3,), np.array([1.5, -2.0, 0.25], "<f4").tobytes())
+    msg = m.AddRequest(request_id="r", inline={"audio_0": t})
+    back = m.stage_codec().decode(m.stage_codec().encode(msg))
+    assert torch.equal(m.inline_tensor(back.inline["audio_0"]), torch.tensor([1.5, -2.0, 0.25]))
+    with pytest.raises(ValueError, match="needs 12 bytes"):
+        m.inline_tensor(m.InlineTensor("float32", (3,), b"\x00" * 8))
+    with pytest.raises(ValueError, match="not a torch dtype"):
+        m.inline_tensor(m.InlineTensor("nonsense", (1,), b"\x00"))
