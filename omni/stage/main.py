@@ -21,6 +21,8 @@ from omni.signals import StopRequest
 
 logger = logging.getLogger(__name__)
 
+EXIT_WITHIN_S = 3.0   # after run_stage returns
+
 
 @dataclass(frozen=True)
 class StageOptions:
@@ -85,12 +87,19 @@ def run_stage(config: DeployConfig, stage_id: int, opts: StageOptions,
 
     # Grandchildren orphaned by a dying child (vLLM's Worker) come back to us, not PID 1.
     proctree.become_subreaper()
+    code = 1
     try:
-        return _run_stage(config, stage_id, opts, engine_flags)
+        code = _run_stage(config, stage_id, opts, engine_flags)
+        return code
     finally:
-        left = proctree.kill_descendants(grace_s=2.0, exclude=_own_helpers())
+        left = proctree.kill_descendants(grace_s=1.0, exclude=_own_helpers())
         if left:
             progress(f"stage {stage_id}: killed processes the engine left behind: {proctree.describe(left)}")
+        # Everything is released; what is left is the interpreter's exit, which joins the engine
+        # library's threads (one waiting on a gone EngineCore held a stage past the launcher's 10 s).
+        timer = threading.Timer(EXIT_WITHIN_S, os._exit, args=(code,))
+        timer.daemon = True
+        timer.start()
 
 
 def _own_helpers() -> tuple[int, ...]:
