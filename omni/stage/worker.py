@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import queue
 import threading
 import time
 from collections import deque
@@ -25,6 +24,7 @@ from omni.ratelog import RateLimitedLog
 from omni.signals import StopRequest
 from omni.engines.base import Engine, EngineError, EngineOutput, EngineRequest
 from omni.stage import messages as m
+from omni.stage.control import StageControl
 from omni.stage.curve import secure_server
 from omni.transport.base import ProducerFull, TensorProducer, TransportError
 
@@ -69,15 +69,6 @@ class _Held:
     frame: bytes = b""
 
 
-@dataclass
-class _Command:
-    kind: str
-    args: dict
-    done: threading.Event = field(default_factory=threading.Event)
-    ok: bool = True
-    message: str = ""
-
-
 class StageWorker:
     def __init__(
         self,
@@ -111,7 +102,7 @@ class StageWorker:
         self.stall_timeout_s = stall_timeout_s
         self._stop_request = stop_request    # set by a signal handler; polled by the loop
         self._frontends: set[bytes] = set()
-        self._commands: "queue.Queue[_Command]" = queue.Queue()
+        self.control = StageControl(self)
         self._stopping = threading.Event()
         self.draining = False
         self.fatal: str | None = None      # why the engine can serve no more (set by _step)
@@ -159,12 +150,7 @@ class StageWorker:
 
     def command(self, kind: str, args: dict | None = None, timeout: float = 60.0) -> tuple[bool, str]:
         """Run a master command on the loop thread and wait for its result."""
-        cmd = _Command(kind.upper(), args or {})
-        self._commands.put(cmd)
-        self._wake()
-        if not cmd.done.wait(timeout):
-            return False, f"{kind} did not finish within {timeout:.0f} s"
-        return cmd.ok, cmd.message
+        return self.control.submit(kind, args, timeout)
 
     def stop(self) -> None:
         self._stopping.set()
@@ -197,7 +183,7 @@ class StageWorker:
                     self._wake_rx.recv()
             if self._sock in events:
                 self._drain_socket()
-            self._run_commands()
+            self.control.run_pending()
             if self._stop_request is not None and self._stop_request.is_set():
                 self._stopping.set()
             if self._held:
@@ -458,54 +444,12 @@ class StageWorker:
                     self._free_owner(rid)
             return True
 
-    # ------------------------------------------------------------ utilities / commands
-
-    def _call(self, method: str, args: dict) -> Any:
-        if method == "sleep":
-            self.engine.sleep(int(args.get("level", 1)))
-            return {"is_sleeping": self.engine.is_sleeping()}
-        if method == "wake_up":
-            self.engine.wake_up()
-            return {"is_sleeping": self.engine.is_sleeping()}
-        if method == "is_sleeping":
-            return self.engine.is_sleeping()
-        if method == "stats":
-            return {**self.engine.stats(), **self.load()["extra"]}
-        if method == "ping":
-            return "pong"
-        raise EngineError(f"unknown utility method {method!r}")
-
     def _utility(self, ident: bytes, msg: m.Utility) -> None:
         try:
-            result = self._call(msg.method, msg.args)
+            result = self.control.call(msg.method, msg.args)
             self._send(ident, m.UtilityResult(msg.call_id, True, result))
         except Exception as e:
             self._send(ident, m.UtilityResult(msg.call_id, False, None, f"{type(e).__name__}: {e}"))
-
-    def _run_commands(self) -> None:
-        while True:
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                if cmd.kind == "SLEEP":
-                    self._call("sleep", cmd.args)
-                    cmd.message = "sleeping"
-                elif cmd.kind == "WAKE_UP":
-                    self._call("wake_up", cmd.args)
-                    cmd.message = "awake"
-                elif cmd.kind in ("DRAIN", "UNDRAIN"):
-                    self.draining = cmd.kind == "DRAIN"
-                    cmd.message = "draining" if self.draining else "serving"
-                elif cmd.kind == "SHUTDOWN":
-                    self._stopping.set()
-                    cmd.message = "shutting down"
-                else:
-                    raise EngineError(f"unknown command {cmd.kind}")
-            except Exception as e:
-                cmd.ok, cmd.message = False, f"{self.stage.label}: {e}"
-            cmd.done.set()
 
     def close(self) -> None:
         for producer in self._producers.values():

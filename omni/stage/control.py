@@ -1,0 +1,78 @@
+"""A stage's control surface: engine utility calls (from frontends) and master commands (SLEEP,
+WAKE_UP, DRAIN, UNDRAIN, SHUTDOWN), run on the worker's loop thread so the engine has one owner."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from omni.engines.base import EngineError
+
+
+@dataclass
+class Command:
+    kind: str
+    args: dict
+    done: threading.Event = field(default_factory=threading.Event)
+    ok: bool = True
+    message: str = ""
+
+
+class StageControl:
+    def __init__(self, worker: Any):
+        self.worker = worker
+        self._commands: queue.Queue[Command] = queue.Queue()
+
+    def submit(self, kind: str, args: dict | None, timeout: float) -> tuple[bool, str]:
+        """Queue a master command for the loop thread and wait for its result."""
+        cmd = Command(kind.upper(), args or {})
+        self._commands.put(cmd)
+        self.worker._wake()
+        if not cmd.done.wait(timeout):
+            return False, f"{kind} did not finish within {timeout:.0f} s"
+        return cmd.ok, cmd.message
+
+    def call(self, method: str, args: dict) -> Any:
+        engine = self.worker.engine
+        if method == "sleep":
+            engine.sleep(int(args.get("level", 1)))
+            return {"is_sleeping": engine.is_sleeping()}
+        if method == "wake_up":
+            engine.wake_up()
+            return {"is_sleeping": engine.is_sleeping()}
+        if method == "is_sleeping":
+            return engine.is_sleeping()
+        if method == "stats":
+            return {**engine.stats(), **self.worker.load()["extra"]}
+        if method == "ping":
+            return "pong"
+        raise EngineError(f"unknown utility method {method!r}")
+
+    def run_pending(self) -> None:
+        """Run queued commands (loop thread only)."""
+        w = self.worker
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                if cmd.kind == "SLEEP":
+                    self.call("sleep", cmd.args)
+                    cmd.message = "sleeping"
+                elif cmd.kind == "WAKE_UP":
+                    self.call("wake_up", cmd.args)
+                    cmd.message = "awake"
+                elif cmd.kind in ("DRAIN", "UNDRAIN"):
+                    w.draining = cmd.kind == "DRAIN"
+                    cmd.message = "draining" if w.draining else "serving"
+                elif cmd.kind == "SHUTDOWN":
+                    w._stopping.set()
+                    cmd.message = "shutting down"
+                else:
+                    raise EngineError(f"unknown command {cmd.kind}")
+            except Exception as e:
+                cmd.ok, cmd.message = False, f"{w.stage.label}: {e}"
+            cmd.done.set()
