@@ -101,6 +101,8 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
     tokenizer = None
     if tok_model is not None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        # Tokenize on our (niced) tokenizer thread, not on a rayon pool as big as the host.
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, resolve_model(tok_model))
 
     def detokenize(ids: list[int]) -> str:

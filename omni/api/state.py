@@ -7,7 +7,9 @@ import asyncio
 import base64
 import binascii
 import concurrent.futures
+import os
 import struct
+import threading
 import time
 from typing import Any
 
@@ -30,6 +32,13 @@ OFFLOAD_CHARS = 1024
 # The thinker's audio tower takes 16 kHz; longer audio is refused before decoding work piles up.
 AUDIO_IN_RATE = 16000
 MAX_AUDIO_SECONDS = 600
+
+
+def _background_priority() -> None:
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 5)   # this thread only (Linux)
+    except (OSError, AttributeError):
+        pass
 
 
 class FrontendState:
@@ -78,8 +87,10 @@ class FrontendState:
         # characters cannot fit, and is refused without tokenizing it (vLLM does the same).
         vocab = getattr(tokenizer, "get_vocab", None)
         self.max_chars_per_token = max(map(len, vocab()), default=0) if vocab is not None else 0
-        # One thread: HF tokenizers are not safe to use from several threads at once.
-        self.tok_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="omni-tokenize")
+        # One thread: HF tokenizers are not safe to use from several threads at once. It runs
+        # niced, so on a busy host the event loop (every other request, /health) gets the CPU first.
+        self.tok_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="omni-tokenize",
+                                                              initializer=_background_priority)
         self.created = int(time.time())
 
 

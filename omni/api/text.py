@@ -196,7 +196,9 @@ class TextRoutes:
             self.fe.check_prompt_chars(len(req.prompt), "prompt", "prompt")
             ids = list(await self.fe.offload(len(req.prompt) > OFFLOAD_CHARS, self.fe.encode, req.prompt,
                                            req.add_special_tokens))
-        return JSONResponse({"count": len(ids), "max_model_len": self.fe.max_model_len, "tokens": ids})
+        # msgspec: json.dumps of 150k ids holds the loop for ~0.1 s
+        return Response(msgspec.json.encode({"count": len(ids), "max_model_len": self.fe.max_model_len,
+                                             "tokens": ids}), media_type="application/json")
 
     async def detokenize(self, request: Request) -> Response:
         self.fe.need_text()
