@@ -15,6 +15,7 @@ from omni.api.limits import HttpLimits
 
 log = logging.getLogger(__name__)
 
+
 def bind_socket(host: str = "127.0.0.1", port: int = 0, *, backlog: int = HttpLimits.backlog) -> socket.socket:
     """A listening TCP socket. Never SO_REUSEPORT: a port in use is refused, and no other
     process can bind beside us and take a share of the connections. Several frontends
