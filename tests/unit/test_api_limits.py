@@ -168,3 +168,26 @@ async def test_voice_count_is_capped_naming_the_limit(tokenizer, monkeypatch):
         assert err["code"] == "voice_limit_reached"
         assert (await c.delete("/v1/audio/voices/a")).status_code == 200
         assert (await c.post("/v1/audio/voices", json={"name": "c"})).status_code == 201
+
+
+async def test_a_full_job_store_is_a_400_naming_the_limit(tokenizer, tmp_path):
+    import grpc
+
+    from omni.master.errors import from_rpc_error
+
+    class Full(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.RESOURCE_EXHAUSTED
+
+        def details(self):
+            return "kv namespace 'jobs' holds 10000 entries, the limit; delete some"
+
+    class FullKv(LocalKv):
+        async def kv_put(self, namespace, key, value):
+            raise from_rpc_error(Full(), "127.0.0.1:1")
+
+    jobs = Jobs(FullKv(), Results(tmp_path))
+    app = build_app(FakeOrchestrator(tokenizer), tokenizer, served_model_name="tiny", max_model_len=128, jobs=jobs)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        r = await c.post("/v1/omni/jobs", json={"endpoint": "/v1/chat/completions", "body": chat_body()})
+    assert_error(r, 400, None, "10000 entries, the limit")
