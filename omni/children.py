@@ -29,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--listen-fd", type=int)
     ap.add_argument("--served-model-name", default="")
     ap.add_argument("--jobs-dir")
+    ap.add_argument("--http-limits")   # JSON of omni.api.limits.HttpLimits
     ap.add_argument("--parent-pid", type=int)
     a = ap.parse_args(argv)
     if a.parent_pid:
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
                           host=a.host, port=a.port, listen_fd=a.listen_fd,
                           # Secrets come by environment, never argv (world-readable in ps).
                           api_key=envs.OMNI_API_KEY, served_model_name=a.served_model_name, log_level=a.log_level,
-                          jobs_dir=a.jobs_dir,
+                          jobs_dir=a.jobs_dir, http_limits=json.loads(a.http_limits) if a.http_limits else None,
                           # Like the token, the control key comes by environment, not argv.
                           control_api_key=envs.OMNI_CONTROL_API_KEY, control_routes=envs.OMNI_CONTROL_ROUTES)
 

@@ -132,6 +132,10 @@ def serve(
     engine_args: Optional[str] = typer.Option(None, "--engine-args", help='Per-stage engine args as JSON (also --engine-args.key value).'),
     state_dir: Optional[str] = typer.Option(None, "--state-dir", help="Where the master persists shared state (voices, jobs)."),
     log_level: str = typer.Option("WARNING", "--log-level", help="Python log level of omni's processes."),
+    max_request_bytes: int = typer.Option(16 << 20, "--max-request-bytes", help="Largest HTTP request body; larger ones get 413, refused from Content-Length before reading."),
+    timeout_keep_alive: float = typer.Option(5.0, "--timeout-keep-alive", help="Seconds an HTTP connection may sit idle, and may take to send a request's head (headers)."),
+    timeout_request_body: float = typer.Option(60.0, "--timeout-request-body", help="Seconds a request body may take to arrive once its head did; later: 408."),
+    backlog: int = typer.Option(2048, "--backlog", help="Listen backlog of the HTTP socket (connections the kernel queues before accept)."),
 ) -> None:
     """Serve MODEL's pipeline: everything on this host, the head (--stage-id 0), or one headless stage."""
     from omni import config as cfg
@@ -142,6 +146,10 @@ def serve(
         if value is not None and not 0 <= value <= 65535:
             raise ConfigError(f"{flag} must be a TCP port, 0-65535 (0: any free one), got {value}")
     log_level = _log_level(log_level)
+    from omni.api.limits import HttpLimits
+
+    http_limits = HttpLimits(max_request_bytes=max_request_bytes, timeout_keep_alive=timeout_keep_alive,
+                             timeout_request_body=timeout_request_body, backlog=backlog)
     cores = os.cpu_count() or 1
     if api_server_count > cores:
         print(f"omni: warning: --api-server-count {api_server_count} is more than the {cores} CPU cores here; "
@@ -200,14 +208,14 @@ def serve(
                           api_key=api_key, served_model_name=served_model_name,
                           control_api_key=control_api_key, control_routes=not disable_control_routes,
                           replica_address=omni_replica_address, num_replicas=num_replicas,
-                          engine_flags=flags, log_level=log_level, state_dir=state_dir)
+                          engine_flags=flags, log_level=log_level, state_dir=state_dir, http_limits=http_limits)
     else:
         plan = LaunchPlan(config, stages=[s.stage_id for s in config.stages],
                           master_host=omni_master_address or "127.0.0.1", master_port=omni_master_port or 0,
                           api_server_count=api_server_count, host=host, port=port, token=token,
                           api_key=api_key, served_model_name=served_model_name, log_level=log_level,
                           control_api_key=control_api_key, control_routes=not disable_control_routes,
-                          state_dir=state_dir)
+                          state_dir=state_dir, http_limits=http_limits)
     raise typer.Exit(Launcher(plan).run())
 
 

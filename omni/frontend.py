@@ -75,10 +75,12 @@ async def follow_topology(master, topology, stop: asyncio.Event) -> None:
 async def serve_frontend(config: DeployConfig, *, index: int, master_address: str, token: str,
                          host: str, port: int, api_key: str | None, served_model_name: str,
                          listen_fd: int | None = None, jobs_dir: str | None = None,
-                         control_api_key: str | None = None, control_routes: bool = True) -> None:
+                         control_api_key: str | None = None, control_routes: bool = True,
+                         limits=None) -> None:
     from transformers import AutoTokenizer
 
     from omni.api.app import build_app
+    from omni.api.limits import HttpLimits
     from omni.api.jobs import Jobs, Results
     from omni.api.serve import bind_socket, serve
     from omni.master.client import AsyncMasterClient, MasterClient
@@ -89,6 +91,7 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
     from omni.transport.factory import MultiConsumer
     from omni.voices import MasterVoiceStore
 
+    limits = limits or HttpLimits()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -98,6 +101,8 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
     tokenizer = None
     if tok_model is not None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        # Tokenize on our (niced) tokenizer thread, not on a rayon pool as big as the host.
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, resolve_model(tok_model))
 
     def detokenize(ids: list[int]) -> str:
@@ -131,7 +136,8 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
     except asyncio.TimeoutError:
         raise OmniError(f"no topology from the omni master at {master_address} within 60 s") from None
     # Accept from the launcher's listener (inherited fd) once the topology is known; alone: our own.
-    sock = socket.socket(fileno=listen_fd) if listen_fd is not None else bind_socket(host, port)
+    sock = socket.socket(fileno=listen_fd) if listen_fd is not None else \
+        bind_socket(host, port, backlog=limits.backlog)
 
     def live_frontends():
         # Job owners are named by (host, pid): a re-registration may change the replica id.
@@ -155,10 +161,11 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
         control_api_key=control_api_key,
         control_routes=control_routes,
         jobs=jobs,
+        limits=limits,
         **_sampling_defaults(config),
     )
     try:
-        await serve(app, sock=sock, shutdown_event=stop)
+        await serve(app, sock=sock, shutdown_event=stop, limits=limits)
     finally:
         stop.set()
         watcher.cancel()
@@ -176,7 +183,8 @@ def main_from_args(config_json: str, *, index: int, master_address: str, token: 
                    port: int, api_key: str | None, served_model_name: str, log_level: str = "INFO",
                    listen_fd: int | None = None,
                    jobs_dir: str | None = None, control_api_key: str | None = None,
-                   control_routes: bool = True) -> int:
+                   control_routes: bool = True, http_limits: dict | None = None) -> int:
+    from omni.api.limits import HttpLimits
     from omni.config import loads_json
 
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -185,7 +193,8 @@ def main_from_args(config_json: str, *, index: int, master_address: str, token: 
         asyncio.run(serve_frontend(config, index=index, master_address=master_address, token=token,
                                    host=host, port=port, api_key=api_key, listen_fd=listen_fd,
                                    served_model_name=served_model_name, jobs_dir=jobs_dir,
-                                   control_api_key=control_api_key, control_routes=control_routes))
+                                   control_api_key=control_api_key, control_routes=control_routes,
+                                   limits=HttpLimits.from_dict(http_limits)))
     except OSError as e:
         print(f"omni: frontend {index} cannot serve on {host}:{port}: {e}", file=sys.stderr, flush=True)
         return 1

@@ -23,6 +23,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from omni.api.limits import HttpLimits
 from omni.config import DeployConfig
 from omni.errors import OmniError
 from omni.signals import StopRequest
@@ -155,6 +156,7 @@ class LaunchPlan:
     engine_flags: dict = field(default_factory=dict)
     log_level: str = "WARNING"
     state_dir: str | None = None
+    http_limits: HttpLimits = field(default_factory=HttpLimits)   # the frontends' body cap, timeouts, backlog
 
 
 class Launcher:
@@ -214,7 +216,8 @@ class Launcher:
             for i in range(p.api_server_count):
                 args = ["--index", str(i), "--host", p.host, "--port", str(self.http_port),
                         "--served-model-name", p.served_model_name or p.config.model, "--jobs-dir", jobs_dir,
-                        "--listen-fd", str(self._listener.fileno())]
+                        "--listen-fd", str(self._listener.fileno()),
+                        "--http-limits", json.dumps(p.http_limits.to_dict())]
                 self.children.append(Child(f"api{i}", "frontend", self._child_argv("frontend", *args),
                                            index=i, env=fenv, pass_fds=(self._listener.fileno(),)))
 
@@ -222,10 +225,10 @@ class Launcher:
         """The one HTTP listening socket (port 0: the kernel's pick, read back), handed to
         every frontend by fd; they all accept from it. No SO_REUSEPORT: a port someone
         else holds (another omni included) is refused, and nobody can join ours."""
-        from omni.api.serve import HTTP_BACKLOG, bind_socket
+        from omni.api.serve import bind_socket
 
         try:
-            sock = bind_socket(self.plan.host, self.plan.port, backlog=HTTP_BACKLOG)
+            sock = bind_socket(self.plan.host, self.plan.port, backlog=self.plan.http_limits.backlog)
         except OSError as e:
             raise OmniError(f"--port {self.plan.port}: cannot listen on {self.plan.host}:{self.plan.port}: "
                             f"{e.strerror}") from None

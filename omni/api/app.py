@@ -18,6 +18,7 @@ from omni.api.admin import AdminRoutes
 from omni.api.control import ControlRoutes
 from omni.api.http import FrontendMiddleware, endpoint, http_error
 from omni.api.jobs import BODY_TYPES, Jobs
+from omni.api.limits import HttpLimits, LimitsMiddleware
 from omni.api.routes import ROUTES
 from omni.api.speech import SpeechRoutes
 from omni.api.state import FrontendState
@@ -31,8 +32,10 @@ def build_app(orchestrator: OrchestratorLike, tokenizer: Any, *, served_model_na
               max_tokens_limit: int | None = None, speech_entry_stage: int | None = None, voices=None,
               api_key: str | None = None, default_temperature: float = 1.0, jobs: Jobs | None = None,
               control_api_key: str | None = None, control_routes: bool = True, audio_out: bool | None = None,
-              speakers: tuple[str, ...] = (), default_voice: str | None = None) -> Starlette:
-    """`jobs`: the async job routes' state (master KV + shared result dir); in memory when None."""
+              speakers: tuple[str, ...] = (), default_voice: str | None = None,
+              limits: HttpLimits | None = None) -> Starlette:
+    """`jobs`: the async job routes' state (master KV + shared result dir); in memory when None.
+    `limits`: request body cap and body timeout (the defaults when None)."""
     fe = FrontendState(orchestrator, tokenizer, served_model_name=served_model_name, model_aliases=model_aliases,
                        frontend_index=frontend_index, max_model_len=max_model_len,
                        default_max_tokens=default_max_tokens, max_tokens_limit=max_tokens_limit,
@@ -50,7 +53,9 @@ def build_app(orchestrator: OrchestratorLike, tokenizer: Any, *, served_model_na
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error},
                     middleware=[Middleware(FrontendMiddleware, frontend_index=frontend_index, api_key=api_key,
                                            metrics=fe.metrics, control_api_key=control_api_key,
-                                           control_routes=control_routes)])
+                                           control_routes=control_routes),
+                               # inside: a refused body still gets X-Omni-Frontend and is counted
+                               Middleware(LimitsMiddleware, limits=limits or HttpLimits())])
     app.state.frontend = fe
     app.state.jobs = jobs
     return app

@@ -36,6 +36,9 @@ BODY_TYPES = {"/v1/audio/speech": P.SpeechRequest, "/v1/chat/completions": P.Cha
 PENDING = ("queued", "in_progress")
 HIDDEN = ("owner", "created_ns")
 JOB_ID_RE = re.compile(r"^job-[0-9a-f]{32}$")
+# A job record must fit the master's KV value cap (64 KiB): an error message is cut to this
+# (a 1.5 MB unknown model name echoed back left a job unable to store its end, "in progress").
+MAX_ERROR_CHARS = 4096
 WATCH_S = 0.5      # how often a frontend running jobs looks for ones deleted through another frontend
 FINISH_S = 30.0    # how long the final status write is retried while the master is unreachable
 
@@ -111,8 +114,15 @@ def _not_found(job_id: str) -> APIError:
                     code="job_not_found")
 
 
+def _cut(text, limit: int):
+    if not isinstance(text, str) or len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"
+
+
 def _error(message: str, type: str = "server_error", param: str | None = None, code: str | None = None) -> dict:
-    return {"message": message, "type": type, "param": param, "code": code}
+    return {"message": _cut(message, MAX_ERROR_CHARS), "type": _cut(type, 64), "param": _cut(param, 256),
+            "code": _cut(code, 64)}
 
 
 class Jobs:
@@ -268,7 +278,8 @@ class Jobs:
             await self.results.put(job_id, content)
             return {"status": "completed", "content_type": ctype, "bytes": len(content)}
         try:
-            error = json.loads(content)["error"]
+            e = json.loads(content)["error"]
+            error = _error(e["message"], e.get("type") or "server_error", e.get("param"), e.get("code"))
         except (ValueError, KeyError, TypeError):
             error = _error(f"{endpoint} answered HTTP {status}: {content[:200]!r}")
         return {"status": "failed", "error": error}
@@ -305,6 +316,7 @@ class Jobs:
 
     async def _finish(self, record: dict) -> None:
         deadline = time.monotonic() + FINISH_S
+        fallback = True
         while True:
             try:
                 # A job deleted (through any frontend) while it ran stays deleted.
@@ -313,12 +325,23 @@ class Jobs:
                     return
                 await self._save(record)
                 return
-            except Exception as e:
-                if not isinstance(e, Unavailable) or time.monotonic() > deadline:
+            except Unavailable as e:
+                if time.monotonic() > deadline:
                     log.warning("job %s finished as %s but its status could not be stored: %s",
                                 record["id"], record["status"], e)
                     return
                 await asyncio.sleep(1.0)   # retry pacing while the master is away, not synchronisation
+            except Exception as e:
+                if not fallback:
+                    log.warning("job %s finished as %s but its status could not be stored: %s",
+                                record["id"], record["status"], e)
+                    return
+                # The master refused the record: store a plain failure, so it never reads as running.
+                fallback = False
+                await self.results.delete(record["id"])
+                record = {**record, "status": "failed", "content_type": None, "bytes": None,
+                          "error": _error(f"the job ended ({record['status']}) but its record could not be "
+                                          f"stored: {e}")}
 
     async def _watch_deletions(self) -> None:
         """Cancel this frontend's jobs that were deleted through another frontend."""

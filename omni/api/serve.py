@@ -11,12 +11,12 @@ from typing import Callable
 from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config
 
+from omni.api.limits import HttpLimits
+
 log = logging.getLogger(__name__)
 
-HTTP_BACKLOG = 2048
 
-
-def bind_socket(host: str = "127.0.0.1", port: int = 0, *, backlog: int = HTTP_BACKLOG) -> socket.socket:
+def bind_socket(host: str = "127.0.0.1", port: int = 0, *, backlog: int = HttpLimits.backlog) -> socket.socket:
     """A listening TCP socket. Never SO_REUSEPORT: a port in use is refused, and no other
     process can bind beside us and take a share of the connections. Several frontends
     share one listener by inheriting its fd."""
@@ -36,15 +36,16 @@ def bind_socket(host: str = "127.0.0.1", port: int = 0, *, backlog: int = HTTP_B
 async def serve(app, *, host: str = "127.0.0.1", port: int = 0, sock: socket.socket | None = None,
                 shutdown_event: asyncio.Event,
                 on_ready: Callable[[str, int], None] | None = None, access_log: bool = False,
-                graceful_timeout: float = 5.0, keep_alive_timeout: float = 75.0) -> None:
+                graceful_timeout: float = 5.0, limits: HttpLimits | None = None) -> None:
     """Serve `app` until `shutdown_event` is set, then stop within `graceful_timeout`.
 
     `sock` (already bound, e.g. inherited from a parent) wins over host/port. `on_ready(host, port)`
     is called with the real bound address once the socket is ready (port 0 -> the kernel's pick).
     """
+    limits = limits or HttpLimits()
     owned = sock is None
     if sock is None:
-        sock = bind_socket(host, port)
+        sock = bind_socket(host, port, backlog=limits.backlog)
     bound_host, bound_port = sock.getsockname()[:2]
     config = Config()
     # Hypercorn takes ownership of the fd it is given and closes it: give it a duplicate.
@@ -52,9 +53,12 @@ async def serve(app, *, host: str = "127.0.0.1", port: int = 0, sock: socket.soc
     config.accesslog = logging.getLogger("omni.api.access") if access_log else None
     config.errorlog = logging.getLogger("omni.api.hypercorn")
     config.graceful_timeout = graceful_timeout
-    config.keep_alive_timeout = keep_alive_timeout
+    # Hypercorn's idle timer runs from accept (and from each response) until a request's head is
+    # complete: it is the header timeout as well as the keep-alive one. Not read_timeout: that
+    # would cut SSE streams whose client sends nothing. Bodies are timed by LimitsMiddleware.
+    config.keep_alive_timeout = limits.timeout_keep_alive
     config.include_server_header = False
-    config.backlog = HTTP_BACKLOG   # asyncio listen()s again on the socket it is given
+    config.backlog = limits.backlog   # asyncio listen()s again on the socket it is given
     log.info("HTTP frontend listening on %s:%d", bound_host, bound_port)
     if on_ready is not None:
         on_ready(bound_host, bound_port)

@@ -7,7 +7,9 @@ import asyncio
 import base64
 import binascii
 import concurrent.futures
+import os
 import struct
+import threading
 import time
 from typing import Any
 
@@ -30,6 +32,13 @@ OFFLOAD_CHARS = 1024
 # The thinker's audio tower takes 16 kHz; longer audio is refused before decoding work piles up.
 AUDIO_IN_RATE = 16000
 MAX_AUDIO_SECONDS = 600
+
+
+def _background_priority() -> None:
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 5)   # this thread only (Linux)
+    except (OSError, AttributeError):
+        pass
 
 
 class FrontendState:
@@ -65,12 +74,23 @@ class FrontendState:
         self.decode = decoder_for(tokenizer) if tokenizer is not None else (lambda ids: "")
         self.vocab_size = len(tokenizer) if tokenizer is not None else 0
         backend = getattr(tokenizer, "backend_tokenizer", None)
-        if backend is not None:
+        # The batch calls release the GIL while Rust works (`encode` holds it: a 10 MB prompt
+        # stalled the event loop for seconds from the worker thread); `_fast` skips offsets.
+        batch = getattr(backend, "encode_batch_fast", None) or getattr(backend, "encode_batch", None)
+        if batch is not None:
+            self.encode = lambda text, special: batch([text], add_special_tokens=special)[0].ids
+        elif backend is not None:
             self.encode = lambda text, special: backend.encode(text, add_special_tokens=special).ids
         else:
             self.encode = lambda text, special: tokenizer.encode(text, add_special_tokens=special)
-        # One thread: HF tokenizers are not safe to use from several threads at once.
-        self.tok_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="omni-tokenize")
+        # No token is longer than this, so a text of more than max_model_len * this many
+        # characters cannot fit, and is refused without tokenizing it (vLLM does the same).
+        vocab = getattr(tokenizer, "get_vocab", None)
+        self.max_chars_per_token = max(map(len, vocab()), default=0) if vocab is not None else 0
+        # One thread: HF tokenizers are not safe to use from several threads at once. It runs
+        # niced, so on a busy host the event loop (every other request, /health) gets the CPU first.
+        self.tok_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="omni-tokenize",
+                                                              initializer=_background_priority)
         self.created = int(time.time())
 
 
@@ -78,6 +98,14 @@ class FrontendState:
         if not heavy:
             return fn(*args)
         return await asyncio.wrap_future(self.tok_pool.submit(fn, *args))
+
+    def check_prompt_chars(self, chars: int, what: str, param: str) -> None:
+        """A prompt of `chars` characters that cannot fit the context whatever its tokens: 400 now."""
+        bound = self.max_model_len * self.max_chars_per_token
+        if self.max_chars_per_token and chars > bound:
+            raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                              f"the {what} contain {chars} characters (more than {bound}, the most that "
+                              f"{self.max_model_len} tokens can hold). Reduce the {what}.", param=param)
 
     def render_chat(self, messages: list[dict]) -> list[int]:
         try:
@@ -99,7 +127,8 @@ class FrontendState:
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.names:
-            raise APIError(404, f"The model `{name}` does not exist.", param="model",
+            shown = name if len(name) <= 256 else f"{name[:256]}... ({len(name)} characters)"
+            raise APIError(404, f"The model `{shown}` does not exist.", param="model",
                            code="model_not_found")
 
     def max_tokens(self, requested: int | None, n_prompt: int, param: str, what: str) -> int:

@@ -23,6 +23,10 @@ from omni.errors import BadRequest, NotFound
 if TYPE_CHECKING:
     from omni.api.state import FrontendState
 
+# Voices a deployment keeps besides the built-in ones (the master's KV holds as many: a
+# request past it gets a 400 naming this limit here, not the store's error).
+MAX_VOICES = 1000
+
 
 class VoiceStoreLike(Protocol):
     async def list(self) -> list[dict]: ...
@@ -80,8 +84,13 @@ class VoiceRoutes:
         if ctype.startswith("multipart/"):
             raise APIError(415, "send the voice as JSON {\"name\", \"base\", \"speed\"}; multipart is not supported")
         spec = P.decode_body(await request.body(), P.VoiceSpec)
-        builtin = [v["name"] for v in await self.fe.voices.list() if v.get("builtin")]
+        voices = await self.fe.voices.list()
+        builtin = [v["name"] for v in voices if v.get("builtin")]
         P.check_voice_spec(spec, builtin)
+        if len(voices) - len(builtin) >= MAX_VOICES:
+            raise APIError(400, f"this server already holds {MAX_VOICES} voices, the limit; delete one "
+                                "(DELETE /v1/audio/voices/{name}) before adding another",
+                           param="name", code="voice_limit_reached")
         entry = await self.fe.voices.add(spec.name, {"base": spec.base, "speed": spec.speed})
         return JSONResponse(entry, status_code=201)
 

@@ -31,5 +31,7 @@ def from_rpc_error(err: grpc.RpcError, address: str, streaming: bool = False) ->
         return BadRequest(details)
     if code is grpc.StatusCode.NOT_FOUND:
         return NotFound(details)
+    if code is grpc.StatusCode.RESOURCE_EXHAUSTED and not streaming:
+        return BadRequest(details)   # a KV namespace at its limit: the message names it (HTTP 400)
     name = code.name if code is not None else "UNKNOWN"
     return OmniError(f"omni master at {address}: {name}: {details}")

@@ -30,6 +30,7 @@ def omni(*args: str) -> subprocess.CompletedProcess:
     (["serve", "smollm2", "--stage-id", "1", "--headless", "--omni-master-address", "127.0.0.1",
       "--omni-master-port", "70000"], "--omni-master-port must be a TCP port"),
     (["master", "--port", "99999"], "--port must be a TCP port"),
+    (["serve", "smollm2", "--max-request-bytes", "10"], "--max-request-bytes must be at least 1024"),
 ])
 def test_bad_flags_exit_2_naming_the_flag(args, message):
     r = omni(*args)

@@ -1,0 +1,95 @@
+"""The HTTP frontend's bounds on what a client can make it hold: request body size (refused
+from Content-Length before a byte is read; a chunked body is cut off at the cap), the time a
+request body may take to arrive, the wait for a request's head (Hypercorn's keep-alive timer,
+which runs from accept and from each response until the next head is complete) and the
+listen backlog. Streaming responses are never timed: only receiving the request is."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import asdict, dataclass
+
+from omni.api.errors import APIError, error_response
+from omni.errors import ConfigError
+
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    max_request_bytes: int = 16 * MIB      # --max-request-bytes
+    timeout_keep_alive: float = 5.0        # --timeout-keep-alive: idle connection / wait for a request head
+    timeout_request_body: float = 60.0     # --timeout-request-body: head received -> whole body received
+    backlog: int = 2048                    # --backlog: listen() queue of the HTTP socket
+
+    def __post_init__(self):
+        for flag, value, low in (("--max-request-bytes", self.max_request_bytes, 1024),
+                                 ("--timeout-keep-alive", self.timeout_keep_alive, 0.1),
+                                 ("--timeout-request-body", self.timeout_request_body, 0.1),
+                                 ("--backlog", self.backlog, 1)):
+            if not value >= low:
+                raise ConfigError(f"{flag} must be at least {low}, got {value}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "HttpLimits":
+        return cls(**(d or {}))
+
+
+def too_large(size: int | str, limit: int) -> APIError:
+    return APIError(413, f"request body is {size} bytes; this server takes at most {limit} "
+                         f"(--max-request-bytes)", code="request_too_large")
+
+
+def body_timeout(seconds: float) -> APIError:
+    return APIError(408, f"the request body did not arrive within {seconds:g} s (--timeout-request-body)",
+                    code="request_timeout")
+
+
+class LimitsMiddleware:
+    """Refuse a declared body over the cap before reading it; count what arrives, and bound the
+    time until the body is complete. The errors are raised from `receive`, inside the route, so
+    they answer as OpenAI error bodies; Hypercorn then closes the connection (body unread)."""
+
+    def __init__(self, app, *, limits: HttpLimits):
+        self.app = app
+        self.limit = limits.max_request_bytes
+        self.timeout = limits.timeout_request_body
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        if declared is not None:
+            try:
+                size = int(declared)
+            except ValueError:
+                size = -1
+            if size > self.limit:
+                e = too_large(size, self.limit)
+                return await error_response(e.status, e.message, e.type, code=e.code)(scope, receive, send)
+        deadline = time.monotonic() + self.timeout
+        received = 0
+        complete = False
+
+        async def limited_receive():
+            nonlocal received, complete
+            if complete:   # after the body only a disconnect comes: streaming responses wait on it untimed
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                raise body_timeout(self.timeout) from None
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    raise too_large(f"more than {self.limit}", self.limit)
+                complete = not message.get("more_body", False)
+            else:
+                complete = True
+            return message
+
+        await self.app(scope, limited_receive, send)
