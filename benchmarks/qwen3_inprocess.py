@@ -29,6 +29,7 @@ class Rec:
     prompt: int
     ttft: float | None = None          # first thinker token
     sentence: float | None = None      # the thinker's first sentence ended (or the thinker ended)
+    talker_first: float | None = None  # first code chunk
     ttfa: float | None = None          # first audio sample
     done: float | None = None
     samples: int = 0
@@ -94,9 +95,13 @@ class InProcess:
                 s = time.perf_counter()
                 outs = self.talker.step()
                 self.busy["talker"] += time.perf_counter() - s
+                now = time.perf_counter()
                 for out in outs:
                     _check(out)
                     codes = out.tensors.get("codes")
+                    r = recs[out.request_id]
+                    if r.talker_first is None:
+                        r.talker_first = now - t0
                     self.code2wav.add_request(EngineRequest(
                         request_id=out.request_id, tensors={"codes": codes} if codes is not None else {},
                         extra={"final": out.finished}))

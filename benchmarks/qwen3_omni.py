@@ -108,6 +108,33 @@ def compare(rows: list[dict]) -> list[dict]:
     return out
 
 
+def scrape_stage_hist(text: str, name: str) -> dict[str, tuple[float, float]]:
+    """(sum, count) per stage of the histogram `omni_stage_<name>_seconds` in /metrics text,
+    summed over frontends."""
+    out: dict[str, list[float]] = {}
+    pat = re.compile(rf'^omni_stage_{name}_seconds_(sum|count)\{{[^}}]*stage="(\d+)"[^}}]*\}} (\S+)$')
+    for line in text.splitlines():
+        m = pat.match(line)
+        if m:
+            acc = out.setdefault(m.group(2), [0.0, 0.0])
+            acc[m.group(1) == "count"] += float(m.group(3))
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def hist_mean_ms(before: dict, after: dict) -> dict[str, float | None]:
+    """Mean in ms per stage name of the observations between two scrapes."""
+    out = {}
+    for stage, (s, n) in after.items():
+        s0, n0 = before.get(stage, (0.0, 0.0))
+        out[STAGES.get(stage, stage)] = round(1000 * (s - s0) / (n - n0), 1) if n > n0 else None
+    return out
+
+
+def mean_ms(recs: list[dict], key: str) -> float | None:
+    xs = [r[key] for r in recs if r.get(key) is not None]
+    return round(1000 * statistics.mean(xs), 1) if xs else None
+
+
 COLS = ["mode", "concurrency", "requests", "ttft_ms_p50", "sentence_ms_p50", "ttfa_ms_p50", "ttfa_ms_p90",
         "ttfa_after_sentence_ms_p50", "latency_ms_p50", "request_rtf_mean", "aggregate_rtf", "audio_seconds"]
 HEAD = ["mode", "conc", "reqs", "TTFT", "1st sent", "TTFA p50", "TTFA p90", "TTFA-sent", "lat p50", "req RTF",
@@ -128,6 +155,9 @@ def table(doc: dict) -> str:
         lines.append(f"concurrency {c['concurrency']}: omni TTFA overhead {c['ttfa_overhead_pct']:+.1f}%, "
                      f"RTF ratio omni/in-process {c['rtf_ratio']}; goal ({c['goal']}): "
                      f"{'met' if c['met'] else 'NOT met'}")
+    for level, sides in doc.get("first_output_ms_mean", {}).items():
+        lines.append(f"first output per stage, mean ms from the request ({level}): " + "; ".join(
+            f"{side} " + " ".join(f"{k} {v}" for k, v in d.items()) for side, d in sides.items()))
     lines.append("where the time goes (seconds inside engine steps / process CPU seconds, per level):")
     for label, per in doc.get("stage_load", {}).items():
         lines.append(f"  {label:14s} " + "; ".join(
@@ -181,10 +211,7 @@ async def omni_burst(url: str, indices: list[int], max_tokens: int) -> list[dict
                                            for i in indices]))
 
 
-def frontend_cpu(url: str) -> float:
-    import httpx
-
-    text = httpx.get(f"{url}/metrics", timeout=30).text
+def frontend_cpu(text: str) -> float:
     return sum(float(m.group(1)) for m in re.finditer(r"^omni_frontend_cpu_seconds_total\{[^}]*\} (\S+)", text, re.M))
 
 
@@ -242,6 +269,11 @@ class Omni:
     def burst(self, indices: list[int], max_tokens: int) -> list[dict]:
         return asyncio.run(omni_burst(self.url, indices, max_tokens))
 
+    def metrics(self) -> str:
+        import httpx
+
+        return httpx.get(f"{self.url}/metrics", timeout=30).text
+
     def stop(self) -> None:
         self.proc.interrupt(60)
 
@@ -254,7 +286,8 @@ def run(omni: Omni, ip, levels, max_tokens: int, doc: dict) -> list[dict]:
     for level, n in levels:
         recs: dict[str, list] = {"omni": [], "in-process": []}
         wall = {"omni": 0.0, "in-process": 0.0}
-        loads0, fe0, busy0, cpu0 = stage_loads(omni.master), frontend_cpu(omni.url), dict(ip.busy), 0.0
+        loads0, fe0, busy0, cpu0 = stage_loads(omni.master), frontend_cpu(omni.metrics()), dict(ip.busy), 0.0
+        hist0 = scrape_stage_hist(omni.metrics(), "first_output")
         for k, b in enumerate(range(0, n, level)):
             indices = list(range(b, min(b + level, n)))
             for side in (("omni", "in-process") if k % 2 == 0 else ("in-process", "omni")):
@@ -268,8 +301,15 @@ def run(omni: Omni, ip, levels, max_tokens: int, doc: dict) -> list[dict]:
                     cpu0 += time.process_time() - c0
                 wall[side] += time.perf_counter() - t0
         rows += [summarize(side, level, recs[side], wall[side]) for side in recs]
+        # omni's stage times count from the orchestrator's admission (after HTTP and tokenizing).
+        firsts = hist_mean_ms(hist0, scrape_stage_hist(omni.metrics(), "first_output"))
+        doc["first_output_ms_mean"][f"c{level}"] = {
+            "omni": {**firsts, "client_ttft": mean_ms(recs["omni"], "ttft"), "client_ttfa": mean_ms(recs["omni"], "ttfa")},
+            "in-process": {"thinker": mean_ms(recs["in-process"], "ttft"),
+                           "talker": mean_ms(recs["in-process"], "talker_first"),
+                           "code2wav": mean_ms(recs["in-process"], "ttfa")}}
         omni_load = load_delta(loads0, settled_loads(omni.master, loads0, n))
-        omni_load["frontend"] = {"cpu_s": round(frontend_cpu(omni.url) - fe0, 2)}
+        omni_load["frontend"] = {"cpu_s": round(frontend_cpu(omni.metrics()) - fe0, 2)}
         doc["stage_load"][f"omni c{level}"] = omni_load
         doc["stage_load"][f"in-process c{level}"] = {
             **{k: {"step_s": round(v - busy0[k], 2)} for k, v in ip.busy.items()},
@@ -293,7 +333,7 @@ def main() -> None:
     doc = {"model": NAME, "sample_rate": RATE, "thinker_tokens": a.thinker_tokens, "talker_tokens": a.talker_tokens,
            "load_average_start": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count(),
            "levels": [{"concurrency": c, "requests": n} for c, n in levels],
-           "stage_load": {}}
+           "stage_load": {}, "first_output_ms_mean": {}}
     from benchmarks.qwen3_inprocess import ENGINE_ENV
 
     for k, v in ENGINE_ENV.items():      # before torch is imported: one OpenMP thread from the start

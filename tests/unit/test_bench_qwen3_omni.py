@@ -72,3 +72,17 @@ def test_table_shows_the_figures_the_json_carries():
     assert "omni TTFA overhead +5.0%" in text and "goal (TTFA overhead < 10%): met" in text
     assert "talker cpu_s 1.5 step_s 2.0 steps 30" in text
     assert json.loads(json.dumps(doc))["comparison"][0]["ttfa_overhead_pct"] == 5.0
+
+
+def test_stage_first_output_means_come_from_the_orchestrators_metrics():
+    from omni.orchestrator.metrics import OrchestratorMetrics
+
+    m = OrchestratorMetrics()
+    m.stage_first_output(1, 0.25)
+    before = b.scrape_stage_hist(m.render("fe0") + m.render("fe1"), "first_output")
+    assert before == {"1": (0.5, 2.0)}                          # two frontends summed
+    m.stage_first_output(1, 0.35)
+    m.stage_first_output(2, 0.5)
+    m.stage_step(1, 9.0)                                         # another histogram: not counted
+    after = b.scrape_stage_hist(m.render("fe0") + m.render("fe1"), "first_output")
+    assert b.hist_mean_ms(before, after) == {"talker": 350.0, "code2wav": 500.0}
