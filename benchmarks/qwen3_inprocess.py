@@ -20,7 +20,8 @@ from pathlib import Path
 SYSTEM = {"role": "system", "content": "You are helpful."}
 # What omni's stages get from the benchmark's server environment (tests/e2e/test_qwen3_omni.py).
 ENGINE_ENV = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_CI_ENV": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-              "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+              "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+              "VLLM_LOGGING_STREAM": "ext://sys.stderr"}   # stdout is for the table or JSON
 
 
 @dataclass

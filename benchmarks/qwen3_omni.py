@@ -327,7 +327,7 @@ def main() -> None:
     ap.add_argument("--thinker-tokens", type=int, default=16, help="thinker max tokens per request")
     ap.add_argument("--talker-tokens", type=int, default=24, help="talker max tokens (frames + 1)")
     a = ap.parse_args()
-    levels = [(1, 8), (4, 16)] if a.full else [(1, 4), (4, 8)]
+    levels = [(1, 16), (4, 32)] if a.full else [(1, 6), (4, 12)]
     overrides = {"1": {"default_sampling_params": {"temperature": 0, "max_tokens": a.talker_tokens}}}
     t0 = time.perf_counter()
     doc = {"model": NAME, "sample_rate": RATE, "thinker_tokens": a.thinker_tokens, "talker_tokens": a.talker_tokens,
