@@ -91,3 +91,9 @@ platforms:
     config = cfg.load("x", str(path))
     assert config.stage(0).engine_args == {"max_model_len": 512, "gpu_memory_utilization": 0.8,
                                            "dtype": "float32", "max_num_seqs": 2}
+
+
+def test_the_bundled_cpu_vllm_stage_runs_in_float32(monkeypatch):
+    """bfloat16 greedy answers differ between CPU kinds (issue 15, item 7)."""
+    monkeypatch.setenv("OMNI_PLATFORM", "cpu")
+    assert cfg.load("smollm2-vllm").stage(0).engine_args["dtype"] == "float32"
