@@ -215,6 +215,20 @@ def serve(
     raise typer.Exit(Launcher(plan).run())
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        import omni
+
+        typer.echo(f"omni {omni.version()}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", "-V", callback=_print_version, is_eager=True,
+                                       help="Print omni's version and exit.")) -> None:
+    """omni: a Ray-free distributed stage runtime for multi-stage model serving."""
+
+
 def _register_master_commands() -> None:
     from omni.master import commands
 

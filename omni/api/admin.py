@@ -1,4 +1,4 @@
-"""Admin routes: /v1/models, /health, /metrics, /openapi.json."""
+"""Admin routes: /v1/models, /health (and /ping), /version, /metrics, /openapi.json."""
 
 from __future__ import annotations
 
@@ -40,6 +40,11 @@ class AdminRoutes:
             log.warning("orchestrator metrics failed: %s: %s", type(e).__name__, e)
             text += f"# orchestrator metrics unavailable: {type(e).__name__}\n"
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def version(self, request: Request) -> Response:
+        import omni
+
+        return JSONResponse({"version": omni.version()})
 
     async def openapi(self, request: Request) -> Response:
         return JSONResponse(openapi_spec(self.fe.model))

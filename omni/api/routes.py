@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+import omni
 from omni.api import openapi as o
 
 
@@ -39,6 +40,9 @@ ROUTES: tuple[RouteSpec, ...] = (
     RouteSpec("/v1/omni/jobs/{job_id}/content", "GET", "jobs", "content"),
     RouteSpec("/v1/models", "GET", "admin", "models"),
     RouteSpec("/health", "GET", "admin", "health"),
+    RouteSpec("/ping", "GET", "admin", "health"),     # vLLM's (SageMaker's) name for /health
+    RouteSpec("/ping", "POST", "admin", "health"),
+    RouteSpec("/version", "GET", "admin", "version"),
     RouteSpec("/metrics", "GET", "admin", "metrics"),
     RouteSpec("/openapi.json", "GET", "admin", "openapi"),
 )
@@ -63,4 +67,4 @@ def openapi_spec(model: str) -> dict:
     paths: dict[str, dict] = {}
     for r in ROUTES:
         paths.setdefault(r.path, {})[r.method.lower()] = o.operation(r.body, r.ok)
-    return {"openapi": "3.0.3", "info": {"title": f"omni frontend ({model})", "version": "0.1.0"}, "paths": paths}
+    return {"openapi": "3.0.3", "info": {"title": f"omni frontend ({model})", "version": omni.version()}, "paths": paths}

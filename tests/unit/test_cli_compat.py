@@ -97,3 +97,9 @@ def test_the_bundled_cpu_vllm_stage_runs_in_float32(monkeypatch):
     """bfloat16 greedy answers differ between CPU kinds (issue 15, item 7)."""
     monkeypatch.setenv("OMNI_PLATFORM", "cpu")
     assert cfg.load("smollm2-vllm").stage(0).engine_args["dtype"] == "float32"
+
+
+def test_omni_version():
+    r = subprocess.run([sys.executable, "-m", "omni.cli", "--version"], cwd=REPO, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0 and r.stdout.startswith("omni ") and r.stdout.split()[1][0].isdigit(), r
