@@ -114,6 +114,7 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
     frontend_id = f"{reg.replica_id}-{os.getpid()}"
     orch = Orchestrator(config, frontend_id=frontend_id, topology=topology, detokenize=detokenize,
                         consumer=MultiConsumer(token=token), token=token, host=advertise, master=amaster)
+    orch.metrics_label = str(index)
 
     def load() -> dict:
         return {"queue_len": 0, "in_flight": orch.in_flight,

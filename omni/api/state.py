@@ -40,7 +40,7 @@ class FrontendState:
         self.speech_stage = speech_entry_stage
         self.voices = voices if voices is not None or speech_entry_stage is None else InMemoryVoiceStore()
         self.default_temperature = default_temperature
-        self.metrics = FrontendMetrics(frontend_index)
+        self.metrics = FrontendMetrics(frontend_index, served_model_name)
         # tokenizer None: a pipeline without a text model (speech only); text routes answer 404.
         self.decode = decoder_for(tokenizer) if tokenizer is not None else (lambda ids: "")
         self.vocab_size = len(tokenizer) if tokenizer is not None else 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import io
 import signal
 import subprocess
@@ -94,6 +95,9 @@ def test_status_and_metrics_count_requests_per_frontend(server):
     m0 = until_frontend(url, "0", "GET", "/metrics").text
     m1 = until_frontend(url, "1", "GET", "/metrics").text
     assert "omni_frontend_cpu_seconds_total" in m0 and "omni_frontend_cpu_seconds_total" in m1
+    # One label scheme: the frontend's index in every family (not "fe0-PID" in some).
+    assert set(re.findall(r'frontend="([^"]*)"', m0)) == {"0"}
+    assert set(re.findall(r'frontend="([^"]*)"', m1)) == {"1"}
 
 
 def test_sleep_from_one_frontend_is_seen_by_the_other(server):

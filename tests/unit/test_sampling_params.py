@@ -116,3 +116,18 @@ async def test_version_and_ping(tokenizer):
     assert v.status_code == 200 and v.json() == {"version": omni.version()} and omni.version()[0].isdigit()
     assert ping.status_code == 200 and ping_post.status_code == 200
     assert sick.status_code == 503
+
+
+@pytest.mark.anyio
+async def test_metrics_have_vllm_token_counters_and_latencies(tokenizer):
+    _, client = make(tokenizer)
+    async with client:
+        r = await client.post("/v1/chat/completions", json=chat_body(max_tokens=8))
+        usage = r.json()["usage"]
+        text = (await client.get("/metrics")).text
+    lines = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    labels = '{model_name="tiny",frontend="0"}'
+    assert int(lines["vllm:prompt_tokens_total" + labels]) == usage["prompt_tokens"] > 0
+    assert int(lines["vllm:generation_tokens_total" + labels]) == usage["completion_tokens"] > 0
+    assert int(lines["vllm:time_to_first_token_seconds_count" + labels]) == 1
+    assert int(lines["vllm:e2e_request_latency_seconds_count" + labels]) == 1
