@@ -41,6 +41,8 @@ class FrontendState:
         self.voices = voices if voices is not None or speech_entry_stage is None else InMemoryVoiceStore()
         self.default_temperature = default_temperature
         self.metrics = FrontendMetrics(frontend_index, served_model_name)
+        # async () -> the other live frontends' published metrics texts (set by omni/frontend.py)
+        self.peer_metrics = None
         # tokenizer None: a pipeline without a text model (speech only); text routes answer 404.
         self.decode = decoder_for(tokenizer) if tokenizer is not None else (lambda ids: "")
         self.vocab_size = len(tokenizer) if tokenizer is not None else 0

@@ -131,3 +131,24 @@ async def test_metrics_have_vllm_token_counters_and_latencies(tokenizer):
     assert int(lines["vllm:generation_tokens_total" + labels]) == usage["completion_tokens"] > 0
     assert int(lines["vllm:time_to_first_token_seconds_count" + labels]) == 1
     assert int(lines["vllm:e2e_request_latency_seconds_count" + labels]) == 1
+
+
+def test_metrics_of_several_frontends_merge_by_family():
+    from omni.api.metrics import FrontendMetrics
+    from omni.api.metrics_merge import merge
+
+    texts = []
+    for i in range(2):
+        m = FrontendMetrics(i, "tiny")
+        m.started()
+        m.finished("/v1/chat/completions", 200, 0.5)
+        m.tokens(10 + i, 3)
+        texts.append(m.render())
+    merged = merge(texts)
+    assert merged.count("# TYPE vllm:prompt_tokens_total counter") == 1
+    assert 'vllm:prompt_tokens_total{model_name="tiny",frontend="0"} 10' in merged
+    assert 'vllm:prompt_tokens_total{model_name="tiny",frontend="1"} 11' in merged
+    lines = merged.splitlines()
+    at = lines.index("# TYPE vllm:e2e_request_latency_seconds histogram")
+    family = lines[at + 1:at + 1 + 2 * (len(m.e2e.buckets) + 3)]
+    assert all(x.startswith("vllm:e2e_request_latency_seconds_") for x in family)   # both frontends' samples
