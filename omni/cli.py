@@ -176,7 +176,7 @@ def serve(
     if stage_id is not None:
         config.stage(stage_id)   # names the valid range when out of it
     if dry_run:
-        print(json.dumps({"config": config.to_dict(), "engine_flags": flags}, indent=1))
+        print(json.dumps({"config": config.to_dict(), "engine_flags": flags, "num_replicas": num_replicas}, indent=1))
         raise typer.Exit(0)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     token = omni_token or ""

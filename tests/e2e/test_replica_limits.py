@@ -4,12 +4,16 @@ item 2): long prompts go only to the replica that can take them, none fails."""
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import subprocess
+import sys
+import threading
+import time
 
 import httpx
 import pytest
 
-from tests.e2e.harness import READY, OmniProcess
+from tests.e2e.harness import READY, REPO, OmniProcess, omni_env
 
 pytestmark = [pytest.mark.e2e]
 
@@ -65,3 +69,31 @@ def test_long_prompts_avoid_the_replica_with_the_smaller_max_model_len(tmp_path)
                     p.interrupt(60)
                 except subprocess.TimeoutExpired:
                     p.kill()
+
+
+def test_num_replicas_in_single_command_mode(tmp_path):
+    """`--num-replicas` (vllm-omni's --omni-dp-size-local) without --stage-id: every stage gets N."""
+    from omni.models.resolve import resolve_model
+
+    config = tmp_path / "lm.yaml"
+    config.write_text(DEPLOY)
+    p = OmniProcess("serve", resolve_model(MODEL), "--deploy-config", str(config), "--port", "0",
+                    "--omni-dp-size-local", "2")
+    try:
+        master = p.master_address(120)
+        p.http(300)
+        deadline = time.monotonic() + 180
+        while True:   # the second replica may still be loading when the first makes the pipeline ready
+            r = subprocess.run([sys.executable, "-m", "omni.cli", "status", "--master", master, "--json"],
+                               cwd=REPO, env=omni_env(), capture_output=True, text=True, timeout=60)
+            stages = [x for x in json.loads(r.stdout)["replicas"] if x["role"] == "STAGE"]
+            if [x["state"] for x in stages] == ["READY"] * 2 or time.monotonic() > deadline:
+                break
+            threading.Event().wait(1.0)   # polling a remote condition, bounded by the deadline
+        assert [x["state"] for x in stages] == ["READY"] * 2, stages
+    finally:
+        if p.proc.poll() is None:
+            try:
+                p.interrupt(60)
+            except subprocess.TimeoutExpired:
+                p.kill()

@@ -18,7 +18,8 @@ def dry_run(*args: str) -> tuple[dict, str]:
     assert r.returncode == 0, r.stderr
     assert "Traceback" not in r.stderr
     out = json.loads(r.stdout)
-    return {s["stage_id"]: s["engine_args"] for s in out["config"]["stages"]} | {"flags": out["engine_flags"]}, r.stderr
+    return ({s["stage_id"]: s["engine_args"] for s in out["config"]["stages"]}
+            | {"flags": out["engine_flags"], "num_replicas": out["num_replicas"]}, r.stderr)
 
 
 def test_vllm_serve_flags_are_accepted_and_spread_over_the_stages_that_take_them():
@@ -26,6 +27,7 @@ def test_vllm_serve_flags_are_accepted_and_spread_over_the_stages_that_take_them
                         "--max-num-seqs", "4", "--dtype", "float32")
     assert args[0]["max_model_len"] == 512 and args[0]["max_num_seqs"] == 4 and args[0]["dtype"] == "float32"
     assert args[1] == {} and args[2] == {}
+    assert dry_run("smollm2", "--omni-dp-size-local", "2")[0]["num_replicas"] == 2
     assert "not to stage 1 (talker), stage 2 (code2wav)" in err
 
 
