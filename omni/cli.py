@@ -105,8 +105,10 @@ def _log_level(value: str) -> str:
     return value.upper()
 
 
-@app.command(context_settings={"help_option_names": ["-h", "--help"]})
+@app.command(context_settings={"help_option_names": ["-h", "--help"], "allow_extra_args": True,
+                                "ignore_unknown_options": True})
 def serve(
+    ctx: typer.Context,
     model: str = typer.Argument(..., help="Model id (e.g. HuggingFaceTB/SmolLM2-135M-Instruct) or a local folder."),
     deploy_config: Optional[str] = typer.Option(None, "--deploy-config", help="Deploy YAML to use instead of the bundled one for MODEL."),
     stage_overrides: Optional[str] = typer.Option(None, "--stage-overrides", help='JSON patch per stage, e.g. \'{"0": {"max_model_len": 1024}}\' (also --stage-overrides.0.max_model_len 1024). Single-command mode.'),
@@ -129,6 +131,10 @@ def serve(
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Per-stage engine flag: bfloat16 | float32."),
     gpu_memory_utilization: Optional[float] = typer.Option(None, "--gpu-memory-utilization", help="Per-stage engine flag (vLLM stages)."),
     enforce_eager: Optional[bool] = typer.Option(None, "--enforce-eager", help="Per-stage engine flag (vLLM stages)."),
+    tensor_parallel_size: Optional[int] = typer.Option(None, "-tp", "--tensor-parallel-size", help="Engine flag (vLLM stages; 1 everywhere else)."),
+    trust_remote_code: Optional[bool] = typer.Option(None, "--trust-remote-code", help="Engine flag (vLLM stages; omni's own engines run no remote code)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the resolved deploy config (JSON) and the per-stage engine flags, then exit."),
+    omni: bool = typer.Option(False, "--omni", help="Accepted for vllm-omni compatibility; omni serve is always omni."),
     engine_args: Optional[str] = typer.Option(None, "--engine-args", help='Per-stage engine args as JSON (also --engine-args.key value).'),
     state_dir: Optional[str] = typer.Option(None, "--state-dir", help="Where the master persists shared state (voices, jobs)."),
     log_level: str = typer.Option("WARNING", "--log-level", help="Python log level of omni's processes."),
@@ -137,8 +143,12 @@ def serve(
     timeout_request_body: float = typer.Option(60.0, "--timeout-request-body", help="Seconds a request body may take to arrive once its head did; later: 408."),
     backlog: int = typer.Option(2048, "--backlog", help="Listen backlog of the HTTP socket (connections the kernel queues before accept)."),
 ) -> None:
-    """Serve MODEL's pipeline: everything on this host, the head (--stage-id 0), or one headless stage."""
+    """Serve MODEL's pipeline: everything on this host, the head (--stage-id 0), or one headless stage.
+
+    Any other vLLM engine flag (--max-num-batched-tokens 4096, --enable-prefix-caching ...) is passed
+    to the stages whose engine takes it."""
     from omni import config as cfg
+    from omni.engine_flags import merge_overrides, parse_extra_flags, spread_flags
 
     if api_server_count < 1:
         raise ConfigError(f"--api-server-count must be >= 1, got {api_server_count}")
@@ -173,15 +183,22 @@ def serve(
     if stage_id == 0 and headless:
         pass  # a headless stage 0 replica: allowed (extra thinker capacity)
     flags = {"max_model_len": max_model_len, "max_num_seqs": max_num_seqs, "dtype": dtype,
-             "gpu_memory_utilization": gpu_memory_utilization, "enforce_eager": enforce_eager}
+             "gpu_memory_utilization": gpu_memory_utilization, "enforce_eager": enforce_eager,
+             "tensor_parallel_size": tensor_parallel_size, "trust_remote_code": trust_remote_code}
+    flags.update(parse_extra_flags(list(ctx.args)))
     flags.update(_json_flag("--engine-args", engine_args) or {})
     flags = {k: v for k, v in flags.items() if v is not None}
+    user_overrides = _json_flag("--stage-overrides", stage_overrides)
+    config = cfg.load(model, deploy_config, user_overrides)
     if flags and stage_id is None:
-        raise ConfigError("per-stage engine flags (" + ", ".join("--" + k.replace("_", "-") for k in flags) +
-                          ") need --stage-id; in single-command mode use --stage-overrides")
-    config = cfg.load(model, deploy_config, _json_flag("--stage-overrides", stage_overrides))
+        # Single-command mode: each flag goes to every stage whose engine takes it (hashed).
+        config = cfg.load(model, deploy_config, merge_overrides(spread_flags(config, flags), user_overrides))
+        flags = {}
     if stage_id is not None:
         config.stage(stage_id)   # names the valid range when out of it
+    if dry_run:
+        print(json.dumps({"config": config.to_dict(), "engine_flags": flags, "num_replicas": num_replicas}, indent=1))
+        raise typer.Exit(0)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     token = omni_token or ""
 
@@ -215,8 +232,22 @@ def serve(
                           api_server_count=api_server_count, host=host, port=port, token=token,
                           api_key=api_key, served_model_name=served_model_name, log_level=log_level,
                           control_api_key=control_api_key, control_routes=not disable_control_routes,
-                          state_dir=state_dir, http_limits=http_limits)
+                          state_dir=state_dir, http_limits=http_limits, num_replicas=num_replicas)
     raise typer.Exit(Launcher(plan).run())
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        import omni
+
+        typer.echo(f"omni {omni.version()}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", "-V", callback=_print_version, is_eager=True,
+                                       help="Print omni's version and exit.")) -> None:
+    """omni: a Ray-free distributed stage runtime for multi-stage model serving."""
 
 
 def _register_master_commands() -> None:

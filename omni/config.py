@@ -60,6 +60,9 @@ class StageConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
         return [i for i in self.inputs if isinstance(i, int)]
 
 
+_STAGE_FIELDS = set(StageConfig.__struct_fields__)
+
+
 class PipelineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     name: str = "pipeline"
     request_timeout_s: float = 300.0
@@ -204,6 +207,23 @@ def apply_platform(data: dict[str, Any], platform: str, source: str) -> dict[str
     return merge_configs(data, section)
 
 
+def nest_flat_engine_args(data: dict[str, Any]) -> dict[str, Any]:
+    """vllm-omni's YAML puts engine args on the stage itself (flat); omni keeps them under
+    `engine_args`. Stage keys that are not stage fields move there (`engine_args` wins)."""
+    sections = [data] + [v for v in (data.get("platforms") or {}).values() if isinstance(v, dict)]
+    for section in sections:
+        for stage in section.get("stages") or []:
+            if not isinstance(stage, dict):
+                continue
+            flat = {k: stage.pop(k) for k in list(stage) if k not in _STAGE_FIELDS}
+            nested = stage.get("engine_args")
+            if flat and nested is not None and not isinstance(nested, dict):
+                stage.update(flat)   # leave it to validation to name the bad engine_args
+            elif flat:
+                stage["engine_args"] = {**flat, **(nested or {})}
+    return data
+
+
 def _read_yaml(path: Path) -> dict[str, Any]:
     try:
         with open(path) as f:
@@ -223,7 +243,7 @@ def _load_raw(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     path = path.resolve()
     if path in seen:
         raise ConfigError(f"{path}: base_config cycle: {' -> '.join(map(str, seen + (path,)))}")
-    data = _read_yaml(path)
+    data = nest_flat_engine_args(_read_yaml(path))
     base = data.get("base_config")
     if base:
         base_path = Path(base)
@@ -266,9 +286,6 @@ def _deep_merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
         else:
             out[k] = copy.deepcopy(v)
     return out
-
-
-_STAGE_FIELDS = set(StageConfig.__struct_fields__)
 
 
 def apply_stage_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:

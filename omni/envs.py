@@ -21,6 +21,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "OMNI_CONTROL_ROUTES": lambda: os.environ.get("OMNI_CONTROL_ROUTES", "on") != "off",
     # Where converted models and extracted voices are cached.
     "OMNI_CACHE_DIR": lambda: os.path.expanduser(os.environ.get("OMNI_CACHE_DIR") or "~/.cache/omni"),
+    # Where `omni serve` notes its master's address for `omni status` (default: $XDG_RUNTIME_DIR/omni
+    # or /tmp/omni-UID).
+    "OMNI_RUN_DIR": lambda: os.environ.get("OMNI_RUN_DIR") or None,
 }
 
 

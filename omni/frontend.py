@@ -72,6 +72,33 @@ async def follow_topology(master, topology, stop: asyncio.Event) -> None:
         backoff = min(2.0, backoff * 2)
 
 
+async def publish_metrics(app, amaster, topology, index: int, stop: asyncio.Event) -> None:
+    """Publish this frontend's metrics for the others' /metrics, and let its own /metrics read
+    the live others' (omni/api/metrics_merge.py)."""
+    from omni.api.admin import AdminRoutes
+    from omni.api.metrics_merge import NAMESPACE, PUBLISH_S
+
+    fe = app.state.frontend
+    admin = AdminRoutes(fe)
+
+    async def peers() -> list[str]:
+        live = {str(int(r.extra.get("frontend_index", -1))) for r in topology.replicas.values()
+                if r.role == "FRONTEND" and r.state != "DEAD"}
+        entries = await amaster.kv_list(NAMESPACE)
+        return [v.decode() for k, v in sorted(entries.items()) if k != str(index) and k in live]
+
+    fe.peer_metrics = peers
+    while not stop.is_set():
+        try:
+            await amaster.kv_put(NAMESPACE, str(index), admin.own_metrics().encode())
+        except Exception as e:   # the master is away: try again next round
+            logger.info("metrics publish failed: %s: %s", type(e).__name__, e)
+        try:
+            await asyncio.wait_for(stop.wait(), PUBLISH_S)
+        except asyncio.TimeoutError:
+            pass
+
+
 async def serve_frontend(config: DeployConfig, *, index: int, master_address: str, token: str,
                          host: str, port: int, api_key: str | None, served_model_name: str,
                          listen_fd: int | None = None, jobs_dir: str | None = None,
@@ -120,6 +147,7 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
     frontend_id = f"{reg.replica_id}-{os.getpid()}"
     orch = Orchestrator(config, frontend_id=frontend_id, topology=topology, detokenize=detokenize,
                         consumer=MultiConsumer(token=token), token=token, host=advertise, master=amaster)
+    orch.metrics_label = str(index)
 
     def load() -> dict:
         return {"queue_len": 0, "in_flight": orch.in_flight,
@@ -164,11 +192,13 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
         limits=limits,
         **_sampling_defaults(config),
     )
+    publisher = asyncio.create_task(publish_metrics(app, amaster, topology, index, stop))
     try:
         await serve(app, sock=sock, shutdown_event=stop, limits=limits)
     finally:
         stop.set()
         watcher.cancel()
+        publisher.cancel()
         await jobs.close()
         await orch.close()
         try:

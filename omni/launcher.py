@@ -172,6 +172,7 @@ class Launcher:
         with open(os.path.join(self._tmp.name, OWNER_FILE), "w") as f:
             f.write(str(os.getpid()))
         self.http_port: int | None = None
+        self._runfile = None
 
     # ------------------------------------------------------------ building
 
@@ -256,6 +257,11 @@ class Launcher:
             if self.plan.host_master:
                 self.start_master()
             self._plan_children()
+            if self.plan.host_master:   # so a bare `omni status` on this host finds it
+                from omni import runfile
+
+                http = f"{self.plan.host}:{self.http_port}" if self.http_port is not None else None
+                self._runfile = runfile.write(self.master_address, self.plan.config.model, http)
             for child in self.children:
                 if child.kind == "stage":
                     child.start()
@@ -384,4 +390,9 @@ class Launcher:
         if self.master is not None:
             self.master.stop(grace=1.0)
             self.master = None
+        if self._runfile is not None:
+            from omni import runfile
+
+            runfile.remove(self._runfile)
+            self._runfile = None
         self._tmp.cleanup()

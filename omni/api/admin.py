@@ -1,4 +1,4 @@
-"""Admin routes: /v1/models, /health, /metrics, /openapi.json."""
+"""Admin routes: /v1/models, /health (and /ping), /version, /metrics, /openapi.json."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import logging
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from omni.api.metrics_merge import merge
 from omni.api.routes import openapi_spec
 from omni.api.state import FrontendState
 
@@ -32,14 +33,29 @@ class AdminRoutes:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)
 
-    async def metrics(self, request: Request) -> Response:
+    def own_metrics(self) -> str:
         text = self.fe.metrics.render()
         try:
             text += self.fe.orch.metrics_text()
         except Exception as e:
             log.warning("orchestrator metrics failed: %s: %s", type(e).__name__, e)
             text += f"# orchestrator metrics unavailable: {type(e).__name__}\n"
-        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+        return text
+
+    async def metrics(self, request: Request) -> Response:
+        """The whole deployment: this frontend's metrics and the other live frontends' last published."""
+        texts = [self.own_metrics()]
+        if self.fe.peer_metrics is not None:
+            try:
+                texts += await self.fe.peer_metrics()
+            except Exception as e:   # the master is away: this frontend's own view still answers
+                log.info("peer metrics unavailable: %s: %s", type(e).__name__, e)
+        return Response(merge(texts), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def version(self, request: Request) -> Response:
+        import omni
+
+        return JSONResponse({"version": omni.version()})
 
     async def openapi(self, request: Request) -> Response:
         return JSONResponse(openapi_spec(self.fe.model))

@@ -84,6 +84,7 @@ class Generation:
             elif self.finish_reason is None:
                 self.finish_reason = "stop"
         finally:
+            self._metrics.tokens(self.prompt_tokens, self.completion_tokens)
             await self.close()
 
     def _handle(self, out: PipelineOutput):

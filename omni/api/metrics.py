@@ -8,12 +8,20 @@ from omni.metrics import LATENCY_BUCKETS, TTFO_BUCKETS, Histogram
 from omni.metrics import labels as _labels
 
 
+TEXT_ROUTES = ("/v1/chat/completions", "/v1/completions")
+
+
 class FrontendMetrics:
     """Request counts by route/status, in-flight requests, latency and time to first output."""
 
-    def __init__(self, frontend_index: int = 0):
+    def __init__(self, frontend_index: int = 0, model_name: str = ""):
         self._base = {"frontend": str(frontend_index)}
+        self._vllm = {"model_name": model_name, **self._base}   # vLLM's names and its label
         self._lock = threading.Lock()
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.ttft = Histogram(TTFO_BUCKETS)
+        self.e2e = Histogram(LATENCY_BUCKETS)
         self.requests: dict[tuple[str, int], int] = {}
         self.in_flight = 0
         self.latency: dict[str, Histogram] = {}
@@ -28,10 +36,19 @@ class FrontendMetrics:
             self.in_flight -= 1
             self.requests[(route, status)] = self.requests.get((route, status), 0) + 1
             self.latency.setdefault(route, Histogram(LATENCY_BUCKETS)).observe(seconds)
+            if route in TEXT_ROUTES:
+                self.e2e.observe(seconds)
 
     def first_output(self, route: str, seconds: float) -> None:
         with self._lock:
             self.ttfo.setdefault(route, Histogram(TTFO_BUCKETS)).observe(seconds)
+            if route in TEXT_ROUTES:
+                self.ttft.observe(seconds)
+
+    def tokens(self, prompt: int, generation: int) -> None:
+        with self._lock:
+            self.prompt_tokens += prompt
+            self.generation_tokens += generation
 
     def render(self) -> str:
         with self._lock:
@@ -52,4 +69,18 @@ class FrontendMetrics:
                 lines += [f"# HELP {name} {help_}", f"# TYPE {name} histogram"]
                 for route, h in sorted(hists.items()):
                     lines += h.lines(name, {**self._base, "route": route})
+            lines += [
+                "# HELP vllm:prompt_tokens_total Prefill tokens processed (chat and completions).",
+                "# TYPE vllm:prompt_tokens_total counter",
+                f"vllm:prompt_tokens_total{_labels(self._vllm)} {self.prompt_tokens}",
+                "# HELP vllm:generation_tokens_total Generated tokens (chat and completions).",
+                "# TYPE vllm:generation_tokens_total counter",
+                f"vllm:generation_tokens_total{_labels(self._vllm)} {self.generation_tokens}",
+                "# HELP vllm:time_to_first_token_seconds Time to the first token (chat and completions).",
+                "# TYPE vllm:time_to_first_token_seconds histogram",
+                *self.ttft.lines("vllm:time_to_first_token_seconds", self._vllm),
+                "# HELP vllm:e2e_request_latency_seconds End-to-end latency of chat and completions requests.",
+                "# TYPE vllm:e2e_request_latency_seconds histogram",
+                *self.e2e.lines("vllm:e2e_request_latency_seconds", self._vllm),
+            ]
             return "\n".join(lines) + "\n"

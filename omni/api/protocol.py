@@ -53,6 +53,19 @@ class _Sampling(msgspec.Struct, kw_only=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None   # extension (vLLM)
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int = 0                       # extension (vLLM)
+    # Declared so that they are refused by name (check_sampling), never silently ignored.
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = None
+    response_format: dict | None = None
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    best_of: int | None = None
+    suffix: str | None = None
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
@@ -122,10 +135,47 @@ def decode_body(body: bytes, type_: type) -> Any:
         raise bad_request(f"malformed JSON body: {e}") from None
 
 
+def _unsupported(req: _Sampling) -> str | None:
+    """The first parameter set to something omni does not do yet."""
+    if req.logprobs not in (None, False):
+        return "logprobs"
+    if req.top_logprobs:
+        return "top_logprobs"
+    if req.tools:
+        return "tools"
+    if req.tool_choice not in (None, "none"):
+        return "tool_choice"
+    if req.response_format is not None and req.response_format.get("type", "text") != "text":
+        return "response_format"
+    if req.best_of not in (None, 1):
+        return "best_of"
+    if req.suffix:
+        return "suffix"
+    if getattr(req, "echo", False):
+        return "echo"
+    return None
+
+
 def check_sampling(req: _Sampling) -> None:
     """Range checks shared by chat and completions (max_tokens is checked later, with the prompt)."""
     if req.n != 1:
         raise bad_request(f"n={req.n} is not supported; only n=1", param="n")
+    name = _unsupported(req)
+    if name is not None:
+        raise bad_request(f"{name} is not supported by this server yet", param=name)
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(req, name)
+        if v is not None and not -2.0 <= v <= 2.0:
+            raise bad_request(f"{name}={v} must be in [-2, 2]", param=name)
+    if req.repetition_penalty is not None and not 0.0 < req.repetition_penalty <= 2.0:
+        raise bad_request(f"repetition_penalty={req.repetition_penalty} must be in (0, 2]", param="repetition_penalty")
+    for k, v in (req.logit_bias or {}).items():
+        if not k.isdigit():
+            raise bad_request(f"logit_bias keys must be token ids, got {k!r}", param="logit_bias")
+        if not -100.0 <= v <= 100.0:
+            raise bad_request(f"logit_bias[{k}]={v} must be in [-100, 100]", param="logit_bias")
+    if req.min_tokens < 0:
+        raise bad_request(f"min_tokens={req.min_tokens} must be >= 0", param="min_tokens")
     if req.temperature is not None and not 0.0 <= req.temperature <= 2.0:
         raise bad_request(f"temperature={req.temperature} must be in [0, 2]", param="temperature")
     if req.top_p is not None and not 0.0 < req.top_p <= 1.0:

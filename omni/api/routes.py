@@ -6,7 +6,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+import omni
 from omni.api import openapi as o
+from omni.api import protocol as P
+from omni.api.jobs import JobRequest
 
 
 @dataclass(frozen=True)
@@ -15,30 +18,33 @@ class RouteSpec:
     method: str
     family: str                 # text | speech | voices | control | jobs | admin (see app.build_app)
     handler: str                # the method of that family's object
-    body: dict | None = None    # OpenAPI schema of the JSON body (POST)
+    body: type | None = None    # the msgspec type the JSON body decodes into (POST): the OpenAPI schema
     ok: str = "application/json"   # content type of a 200
     control: bool = False       # changes engine state for everyone: --control-api-key / --disable-control-routes
 
 
 ROUTES: tuple[RouteSpec, ...] = (
-    RouteSpec("/v1/chat/completions", "POST", "text", "chat", o.CHAT),
-    RouteSpec("/v1/completions", "POST", "text", "completions", o.COMPLETION),
-    RouteSpec("/tokenize", "POST", "text", "tokenize", o.TOKENIZE),
-    RouteSpec("/detokenize", "POST", "text", "detokenize", o.DETOKENIZE),
-    RouteSpec("/v1/audio/speech", "POST", "speech", "speech", o.SPEECH, ok="audio/wav"),
+    RouteSpec("/v1/chat/completions", "POST", "text", "chat", P.ChatCompletionRequest),
+    RouteSpec("/v1/completions", "POST", "text", "completions", P.CompletionRequest),
+    RouteSpec("/tokenize", "POST", "text", "tokenize", P.TokenizeRequest),
+    RouteSpec("/detokenize", "POST", "text", "detokenize", P.DetokenizeRequest),
+    RouteSpec("/v1/audio/speech", "POST", "speech", "speech", P.SpeechRequest, ok="audio/wav"),
     RouteSpec("/v1/audio/voices", "GET", "voices", "list"),
-    RouteSpec("/v1/audio/voices", "POST", "voices", "add", o.VOICE),
+    RouteSpec("/v1/audio/voices", "POST", "voices", "add", P.VoiceSpec),
     RouteSpec("/v1/audio/voices/{name}", "DELETE", "voices", "delete"),
-    RouteSpec("/v1/omni/sleep", "POST", "control", "sleep", o.SLEEP, control=True),
+    RouteSpec("/v1/omni/sleep", "POST", "control", "sleep", P.SleepRequest, control=True),
     RouteSpec("/v1/omni/wakeup", "POST", "control", "wake_up", control=True),
     RouteSpec("/v1/omni/is_sleeping", "GET", "control", "is_sleeping"),
-    RouteSpec("/v1/omni/jobs", "POST", "jobs", "create", o.JOB),
+    RouteSpec("/v1/omni/jobs", "POST", "jobs", "create", JobRequest),
     RouteSpec("/v1/omni/jobs", "GET", "jobs", "list"),
     RouteSpec("/v1/omni/jobs/{job_id}", "GET", "jobs", "retrieve"),
     RouteSpec("/v1/omni/jobs/{job_id}", "DELETE", "jobs", "delete"),
     RouteSpec("/v1/omni/jobs/{job_id}/content", "GET", "jobs", "content"),
     RouteSpec("/v1/models", "GET", "admin", "models"),
     RouteSpec("/health", "GET", "admin", "health"),
+    RouteSpec("/ping", "GET", "admin", "health"),     # vLLM's (SageMaker's) name for /health
+    RouteSpec("/ping", "POST", "admin", "health"),
+    RouteSpec("/version", "GET", "admin", "version"),
     RouteSpec("/metrics", "GET", "admin", "metrics"),
     RouteSpec("/openapi.json", "GET", "admin", "openapi"),
 )
@@ -60,7 +66,4 @@ def label(path: str) -> str:
 
 
 def openapi_spec(model: str) -> dict:
-    paths: dict[str, dict] = {}
-    for r in ROUTES:
-        paths.setdefault(r.path, {})[r.method.lower()] = o.operation(r.body, r.ok)
-    return {"openapi": "3.0.3", "info": {"title": f"omni frontend ({model})", "version": "0.1.0"}, "paths": paths}
+    return o.spec(ROUTES, f"omni frontend ({model})", omni.version())

@@ -26,6 +26,8 @@ class SpeechRoutes:
         self.fe.check_model(req.model)
         if not req.input.strip():
             raise bad_request("input must not be empty", param="input")
+        if "\x00" in req.input:
+            raise bad_request("input contains a NUL character (\\u0000)", param="input")
         if len(req.input) > 4096:
             raise bad_request(f"input is {len(req.input)} characters; the limit is 4096", param="input")
         if req.response_format not in ("wav", "pcm"):

@@ -69,7 +69,9 @@ class FrontendState:
             self.default_voice = default_voice or "joe"
         token = getattr(tokenizer, "audio_token", None) if tokenizer is not None else None
         self.audio_token_id = tokenizer.convert_tokens_to_ids(token) if token else None
-        self.metrics = FrontendMetrics(frontend_index)
+        self.metrics = FrontendMetrics(frontend_index, served_model_name)
+        # async () -> the other live frontends' published metrics texts (set by omni/frontend.py)
+        self.peer_metrics = None
         # tokenizer None: a pipeline without a text model (speech only); text routes answer 404.
         self.decode = decoder_for(tokenizer) if tokenizer is not None else (lambda ids: "")
         self.vocab_size = len(tokenizer) if tokenizer is not None else 0
@@ -153,12 +155,22 @@ class FrontendState:
 
     def sampling(self, req, max_tokens: int) -> SamplingParams:
         top_k = req.top_k or 0
+        bias = {int(k): float(v) for k, v in (req.logit_bias or {}).items()}
+        vocab = len(self.tokenizer) if self.tokenizer is not None else None
+        if vocab is not None and any(t >= vocab for t in bias):
+            raise bad_request(f"logit_bias: token id {max(bias)} is outside the vocabulary (size {vocab})",
+                              param="logit_bias")
+        if req.min_tokens > max_tokens:
+            raise bad_request(f"min_tokens={req.min_tokens} is more than max_tokens={max_tokens}", param="min_tokens")
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=self.default_temperature if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=0 if top_k < 0 else top_k,
-            seed=req.seed, stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos)
+            seed=req.seed, stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
+            presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=bias, min_tokens=req.min_tokens)
 
     async def voice(self, name: str | None, speed: float = 1.0) -> dict:
         """Resolve a voice (maybe a preset) to what the speech stage needs: a base voice and speed."""

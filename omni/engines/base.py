@@ -23,6 +23,17 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # OpenAI's / vLLM's: penalties over the tokens generated so far (repetition: prompt too),
+    # additive logit_bias, and no stop (EOS or stop ids) before min_tokens.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = {}
+    min_tokens: int = 0
+
+    def shapes_logits(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens)
 
 
 class EngineRequest(msgspec.Struct, kw_only=True):

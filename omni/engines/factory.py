@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Callable
+import importlib
+import inspect
+import sys
+from typing import Any, Callable
 
 from omni.config import DeployConfig, StageConfig
 from omni.engines.base import Engine
@@ -110,12 +113,89 @@ ENGINES: dict[str, Callable[[DeployConfig, StageConfig], Engine]] = {
 }
 
 
+# Engine name -> the class whose keyword arguments are its engine_args.
+ENGINE_CLASSES = {
+    "torch_lm": "omni.engines.torch_lm:TorchLMEngine",
+    "hidden_pooler": "omni.engines.pooler:HiddenPoolerEngine",
+    "piper_talker": "omni.engines.onnx_audio:TalkerEngine",
+    "piper_code2wav": "omni.engines.onnx_audio:Code2WavEngine",
+    "qwen3_talker": "omni.models.qwen3_omni.talker:Qwen3TalkerEngine",
+    "qwen3_code2wav": "omni.models.qwen3_omni.code2wav:Qwen3Code2WavEngine",
+}
+# vLLM serve flags every engine takes at these values: one process per replica, and omni's
+# own engines run only architectures they ship (no remote code), so trust_remote_code is moot.
+NEUTRAL_ARGS: dict[str, Any] = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1,
+                                "data_parallel_size": 1, "trust_remote_code": None}
+# Flags that only size a GPU engine: where no stage takes them they are named and ignored.
+DEVICE_ONLY_ARGS = ("gpu_memory_utilization", "enforce_eager", "kv_cache_memory_bytes",
+                    "cpu_offload_gb", "swap_space", "max_seq_len_to_capture", "block_size")
+
+
+def accepted_args(engine: str) -> frozenset[str] | None:
+    """engine_args keys ENGINE takes; None: any (an engine that takes **kwargs)."""
+    if engine == "vllm":
+        try:
+            from omni.engines.vllm_engine import OMNI_ARGS, engine_arg_names
+            return frozenset(engine_arg_names() | set(OMNI_ARGS))
+        except ImportError:
+            return None
+    target = ENGINE_CLASSES.get(engine)
+    if target is None:
+        return frozenset()
+    module, name = target.split(":")
+    params = inspect.signature(getattr(importlib.import_module(module), name).__init__).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return None
+    return frozenset(k for k, p in params.items() if p.kind is p.KEYWORD_ONLY)
+
+
+def takes(engine: str, key: str, value: Any, accepted: frozenset[str] | None = None) -> bool:
+    accepted = accepted_args(engine) if accepted is None else accepted
+    return key in accepted or (key in NEUTRAL_ARGS and NEUTRAL_ARGS[key] in (None, value))
+
+
+def engine_args_for(stage: StageConfig) -> dict[str, Any]:
+    """The stage's engine_args its engine takes. vLLM-style keys another engine would take
+    (a vllm-omni YAML sets gpu_memory_utilization on every stage) are named and dropped;
+    a key no engine knows stays, so the engine names it."""
+    accepted = accepted_args(stage.engine)
+    if accepted is None:
+        return dict(stage.engine_args)
+    kept, dropped = {}, []
+    for k, v in stage.engine_args.items():
+        if takes(stage.engine, k, v, accepted):
+            if k in accepted:
+                kept[k] = v
+        elif k in NEUTRAL_ARGS:
+            raise ConfigError(f"{stage.label}: engine {stage.engine} runs on one device per replica; "
+                              f"{k}={v!r} is not supported (use num_replicas for more)")
+        elif k in DEVICE_ONLY_ARGS or _known_elsewhere(k):
+            dropped.append(k)
+        else:
+            kept[k] = v
+    if dropped:
+        print(f"omni: {stage.label}: engine {stage.engine} does not take {', '.join(sorted(dropped))}; "
+              "ignored", file=sys.stderr, flush=True)
+    return kept
+
+
+def _known_elsewhere(key: str) -> bool:
+    for name in ("vllm", *ENGINE_CLASSES):
+        accepted = accepted_args(name)
+        if accepted and key in accepted:
+            return True
+    return False
+
+
 def build_engine(config: DeployConfig, stage: StageConfig) -> Engine:
+    import msgspec
+
     factory = ENGINES.get(stage.engine)
     if factory is None:
         raise ConfigError(
             f"{stage.label}: unknown engine {stage.engine!r} (known: {', '.join(sorted(ENGINES))})"
         )
+    stage = msgspec.structs.replace(stage, engine_args=engine_args_for(stage))
     try:
         return factory(config, stage)
     except TypeError as e:

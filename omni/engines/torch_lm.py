@@ -172,7 +172,8 @@ class TorchLMEngine(Engine):
         self._running[slot] = seq
         logits, hidden = self._lm.prefill(slot, seq.prompt)
         self._prompt_tokens += len(seq.prompt)
-        token = sample(logits.unsqueeze(0), [seq.params], [seq.generator])[0]
+        token = sample(logits.unsqueeze(0), [seq.params], [seq.generator], [(seq.prompt, seq.output)],
+                       self.eos_token_ids)[0]
         out = self._emit(seq, token, hidden)
         out.num_prompt_tokens = len(seq.prompt)
         return out
@@ -181,7 +182,8 @@ class TorchLMEngine(Engine):
         seqs = [self._running[s] for s in slots]
         logits, hidden = self._lm.decode(slots, [s.output[-1] for s in seqs],
                                          [s.length - 1 for s in seqs])
-        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs],
+                        [(s.prompt, s.output) for s in seqs], self.eos_token_ids)
         return [self._emit(seq, tok, hidden[i:i + 1]) for i, (seq, tok) in enumerate(zip(seqs, tokens))]
 
     def _emit(self, seq: _Seq, token: int, hidden: torch.Tensor) -> EngineOutput:

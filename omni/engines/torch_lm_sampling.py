@@ -7,14 +7,43 @@ import torch
 from omni.engines.base import SamplingParams
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
+           history: list[tuple[list[int], list[int]]] | None = None, eos_ids: frozenset[int] = frozenset()
            ) -> list[int]:
-    """logits [B, V] fp32 -> one token id per row."""
+    """logits [B, V] fp32 -> one token id per row. history: each row's (prompt, output so far),
+    which penalties and min_tokens need."""
+    if history is not None and any(p.shapes_logits() for p in params):
+        logits = logits.clone()
+        for row, p in enumerate(params):
+            if p.shapes_logits():
+                shape_logits(logits[row], p, *history[row], eos_ids)
     out = logits.argmax(dim=-1).tolist()          # greedy rows keep this
     for row, (p, gen) in enumerate(zip(params, generators)):
         if p.temperature > 0:
             out[row] = _sample_row(logits[row], p, gen)
     return out
+
+
+def shape_logits(row: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int],
+                 eos_ids: frozenset[int]) -> None:
+    """In place, in vLLM's order: min_tokens, logit_bias, then the penalties."""
+    vocab = row.shape[-1]
+    if len(output) < p.min_tokens:
+        banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
+        idx = [t for t in banned if 0 <= t < vocab]
+        if idx:
+            row[idx] = float("-inf")
+    for tok, bias in p.logit_bias.items():
+        if 0 <= tok < vocab:
+            row[tok] += bias
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt) | set(output)), dtype=torch.long)
+        seen = seen[seen < vocab]
+        vals = row[seen]
+        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if output and (p.presence_penalty or p.frequency_penalty):
+        counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=vocab)[:vocab].to(row.dtype)
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:

@@ -138,6 +138,11 @@ def to_vllm_sampling(p: SamplingParams):
         max_tokens=p.max_tokens,
         stop_token_ids=list(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty,
+        logit_bias=dict(p.logit_bias) or None,
+        min_tokens=p.min_tokens,
         output_kind=RequestOutputKind.DELTA,
         detokenize=False,
     )

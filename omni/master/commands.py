@@ -77,7 +77,9 @@ def _load_config(path: str) -> dict:
 
 
 def status(
-    master: str = typer.Option(f"127.0.0.1:{DEFAULT_PORT}", "--master", "-m", help=_MASTER_HELP),
+    master: str | None = typer.Option(
+        None, "--master", "-m",
+        help=_MASTER_HELP + f" Default: the `omni serve` running on this host, else 127.0.0.1:{DEFAULT_PORT}."),
     json_: bool = typer.Option(False, "--json", help="Print one JSON document instead of tables."),
     watch: bool = typer.Option(False, "--watch", help="Refresh on every topology change until Ctrl-C."),
     omni_token: str | None = typer.Option(None, "--omni-token", envvar="OMNI_TOKEN", help=_TOKEN_HELP),
@@ -89,6 +91,8 @@ def status(
     master cannot be reached."""
     from omni.master.client import MasterClient
 
+    if master is None:
+        master = _local_master()
     try:
         client = MasterClient(master, token=omni_token, tls=tls_from_options(tls_cert, tls_key, tls_ca),
                               timeout_s=5.0)
@@ -103,6 +107,20 @@ def status(
     for line in problems:
         typer.echo(f"omni status: {line}", err=True)
     raise typer.Exit(EXIT_NOT_READY if problems else EXIT_OK)
+
+
+def _local_master() -> str:
+    """The master of the `omni serve` started on this host (its run file); says which it picked."""
+    from omni import runfile
+
+    runs = runfile.live_runs()
+    if not runs:
+        return f"127.0.0.1:{DEFAULT_PORT}"
+    run = runs[0]
+    more = f" (the newest of {len(runs)} on this host; --master picks another)" if len(runs) > 1 else ""
+    typer.echo(f"omni status: found `omni serve {run.get('model')}` (pid {run['pid']}), master "
+               f"{run['master']}{more}", err=True)
+    return str(run["master"])
 
 
 def _watch(client, json_: bool, st: Status) -> Status:

@@ -57,6 +57,7 @@ class Orchestrator:
     ):
         self.config = config
         self.frontend_id = frontend_id
+        self.metrics_label: str | None = None
         self.topology = topology
         self.consumer = consumer
         self.token = token
@@ -255,7 +256,8 @@ class Orchestrator:
         return bool(capable) and all(r.is_sleeping for r in capable)
 
     def metrics_text(self) -> str:
-        return self.metrics.render(self.frontend_id)
+        # The same `frontend` label as the HTTP metrics (the index), not the channel id "fe0-PID".
+        return self.metrics.render(self.metrics_label or self.frontend_id)
 
     @property
     def in_flight(self) -> int:

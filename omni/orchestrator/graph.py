@@ -21,6 +21,7 @@ from omni.config import DeployConfig, StageConfig
 from omni.errors import BadRequest, OmniError, StageFailed, Unavailable
 from omni.master.types import ReplicaInfo
 from omni.orchestrator import events as ev
+from omni.orchestrator.limits import RecentFailures, fitting
 from omni.orchestrator.metrics import OrchestratorMetrics
 from omni.orchestrator.request_state import (ProcessorContext, RequestState, load_processor, needed_stages,
                                              ref_id)
@@ -50,6 +51,7 @@ class OrchestratorCore:
         self._processors = {s.stage_id: load_processor(s.processor) for s in config.stages}
         self.requests: dict[str, RequestState] = {}
         self.by_replica: dict[str, set[str]] = {}       # replica id -> request ids holding work there
+        self.failures = RecentFailures()
         self._out: list[ev.Action] = []
         self._handlers = {ev.StageOutput: self._on_output, ev.StageError: self._on_error,
                           ev.ReplicaGone: self._on_gone, ev.Cancel: self._on_cancel}
@@ -64,7 +66,7 @@ class OrchestratorCore:
             raise BadRequest(f"request id {req.request_id!r} is already in flight")
         state = RequestState(req, needed, self.clock())
         for st_id, st in state.stages.items():
-            st.replica = self.pick(st_id)
+            st.replica = self.pick(st_id, req)
         # Counted as load at once: concurrent requests spread over downstream replicas
         # too, not only over the entry stage's (whose input is sent right away).
         for st in state.stages.values():
@@ -97,15 +99,17 @@ class OrchestratorCore:
     def needed_stages(self, req: PipelineRequest) -> list[int]:
         return needed_stages(self.config, req)
 
-    def pick(self, stage_id: int) -> ReplicaInfo:
+    def pick(self, stage_id: int, req: PipelineRequest | None = None) -> ReplicaInfo:
         replicas = self.topology.stage_replicas(stage_id)
         if not replicas:
             raise Unavailable(f"{self.config.stage(stage_id).label} has no READY replica")
-        return min(replicas, key=self.load)
+        return min(fitting(self.config.stage(stage_id), replicas, req), key=self.load)
 
     def load(self, r: ReplicaInfo) -> tuple[int, str]:
-        """Least loaded first: the master's load report plus what this frontend sent since."""
-        return (r.queue_len + r.in_flight + len(self.by_replica.get(r.replica_id, ())), r.replica_id)
+        """Least loaded first: the master's load report plus what this frontend sent since,
+        plus the requests that replica failed lately."""
+        return (r.queue_len + r.in_flight + len(self.by_replica.get(r.replica_id, ()))
+                + self.failures.count(r.replica_id, self.clock()), r.replica_id)
 
     # ------------------------------------------------------------ events
 
@@ -132,6 +136,8 @@ class OrchestratorCore:
         self._guarded(state, lambda: self._output(state, e.stage_id, out))
 
     def _on_error(self, e: ev.StageError) -> None:
+        if e.error.kind != errors.CLIENT:   # the replica's fault, not the request's
+            self.failures.add(e.replica_id, self.clock())
         state = self.requests.get(e.error.request_id.split("/", 1)[0])
         st = state.stages.get(e.stage_id) if state is not None else None
         if st is not None and st.replica is not None and st.replica.replica_id == e.replica_id:
@@ -308,7 +314,7 @@ class OrchestratorCore:
                 raise StageFailed(s, replica.replica_id if replica else "?", "replica is gone", errors.UNAVAILABLE)
             if replica is not None:
                 self._unhold(replica.replica_id, state.rid)
-            replica = st.replica = self.pick(s)
+            replica = st.replica = self.pick(s, state.req)
         # Stage defaults (e.g. the talker's noise scales) under the request's own options.
         extra = {**stage.default_sampling_params, **inp.extra}
         extra.setdefault("final", final)

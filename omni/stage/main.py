@@ -137,6 +137,7 @@ def _run_stage(config: DeployConfig, stage_id: int, opts: StageOptions, engine_f
     stage = apply_engine_flags(config, stage_id, engine_flags or {}).stage(stage_id)
     from omni.engines.factory import build_engine
     from omni.master.client import MasterClient
+    from omni.orchestrator.limits import replica_limits
     from omni.stage.worker import StageWorker
     from omni.transport.factory import MultiConsumer, make_producer
 
@@ -196,7 +197,7 @@ def _run_stage(config: DeployConfig, stage_id: int, opts: StageOptions, engine_f
             host=advertise,
             pid=os.getpid(),
             capabilities={"can_sleep": "true" if engine.can_sleep() else "false",
-                          "engine": stage.engine},
+                          "engine": stage.engine, **replica_limits(engine)},
             wait_s=opts.register_wait_s,
         )
     except OmniError as e:

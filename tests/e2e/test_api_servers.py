@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import io
 import signal
 import subprocess
@@ -91,9 +92,19 @@ def test_status_and_metrics_count_requests_per_frontend(server):
             break
     assert len(frontends) == 2
     assert all(f["requests_total"] >= 1 for f in frontends), frontends
-    m0 = until_frontend(url, "0", "GET", "/metrics").text
-    m1 = until_frontend(url, "1", "GET", "/metrics").text
-    assert "omni_frontend_cpu_seconds_total" in m0 and "omni_frontend_cpu_seconds_total" in m1
+    deadline = time.monotonic() + 15
+    while True:   # frontends publish their metrics every 2 s: poll, bounded
+        m0 = until_frontend(url, "0", "GET", "/metrics").text
+        m1 = until_frontend(url, "1", "GET", "/metrics").text
+        views = [set(re.findall(r'frontend="([^"]*)"', m)) for m in (m0, m1)]
+        if views == [{"0", "1"}] * 2 or time.monotonic() > deadline:
+            break
+    # One view whichever frontend answers, one label scheme (the index, never "fe0-PID").
+    assert views == [{"0", "1"}] * 2, views
+    for m in (m0, m1):
+        assert m.count("# TYPE omni_frontend_cpu_seconds_total counter") == 1
+        assert 'omni_frontend_cpu_seconds_total{frontend="0"}' in m and 'omni_frontend_cpu_seconds_total{frontend="1"}' in m
+        assert 'vllm:generation_tokens_total{model_name=' in m
 
 
 def test_sleep_from_one_frontend_is_seen_by_the_other(server):

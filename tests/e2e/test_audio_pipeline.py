@@ -285,3 +285,10 @@ def test_chat_audio_with_unknown_voice_is_a_4xx(url):
     r = httpx.post(f"{url}/v1/chat/completions", timeout=60,
                    json=chat_body(audio={"voice": "nobody-by-this-name", "format": "wav"}))
     assert 400 <= r.status_code < 500 and "nobody-by-this-name" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("text", ["...", "?! - ;", "hi\u0000there"])
+def test_speech_of_nothing_speakable_is_a_client_error(url, text):
+    r = speech(url, text)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "input" or "speak" in r.json()["error"]["message"], r.text

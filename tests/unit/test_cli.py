@@ -21,7 +21,6 @@ def omni(*args: str) -> subprocess.CompletedProcess:
     (["serve", "smollm2", "--stage-overrides", "{bad"], "--stage-overrides: not valid JSON"),
     (["serve", "smollm2", "--stage-overrides.5.x", "1"], "unknown stage 5"),
     (["serve", "smollm2", "--api-server-count", "0"], "--api-server-count must be >= 1"),
-    (["serve", "smollm2", "--max-model-len", "64"], "need --stage-id"),
     (["serve", "no/such-model"], "no bundled deploy config"),
     (["serve", "smollm2", "--deploy-config", "/nonexistent.yaml"], "file not found"),
     (["serve", "smollm2", "--control-api-key", "k", "--disable-control-routes"], "contradict"),

@@ -69,8 +69,9 @@ stages:
 
 
 @pytest.mark.parametrize("yaml_text, match", [
-    ("model: m\nstages: [{stage_id: 0, engine: torch_lm, final_output: true, final_output_type: text, colour: red}]",
-     "unknown field `colour` - at `stages\\[0\\]`"),
+    # A flat stage key is an engine arg (vllm-omni's YAML shape): tests/unit/test_cli_compat.py.
+    ("model: m\nstages: [{stage_id: 0, engine: torch_lm, final_output: true, final_output_type: text, "
+     "engine_args: [1]}]", "Expected `object`, got `array` - at `stages\\[0\\].engine_args`"),
     ("model: m\nstages: [{stage_id: zero, engine: torch_lm}]", "Expected `int`, got `str` - at `stages\\[0\\].stage_id`"),
     ("model: m\nstages: [{stage_id: 0, engine: a, final_output: true, final_output_type: text}, {stage_id: 2, engine: b}]",
      "contiguous"),

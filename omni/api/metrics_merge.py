@@ -1,0 +1,44 @@
+"""One /metrics view of every frontend: each frontend publishes its own exposition text to the
+master's KV store (namespace `metrics`, key = its index) every PUBLISH_S; whichever frontend answers
+/metrics merges its fresh text with the live others' by metric family (each family's HELP/TYPE once,
+the samples of every frontend under it; their `frontend` label tells them apart)."""
+
+from __future__ import annotations
+
+import re
+
+NAMESPACE = "metrics"
+PUBLISH_S = 2.0
+_SUFFIXES = ("_bucket", "_sum", "_count")
+_HEADER = re.compile(r"^# (HELP|TYPE) (\S+)")
+
+
+def _family(sample: str, known: dict) -> str:
+    name = sample.split("{", 1)[0].split(" ", 1)[0]
+    if name in known:
+        return name
+    for suffix in _SUFFIXES:
+        if name.endswith(suffix) and name[: -len(suffix)] in known:
+            return name[: -len(suffix)]
+    return name
+
+
+def merge(texts: list[str]) -> str:
+    families: dict[str, tuple[list[str], list[str]]] = {}   # name -> (header lines, samples)
+    for text in texts:
+        for line in text.splitlines():
+            if not line.strip():
+                continue
+            m = _HEADER.match(line)
+            if m:
+                headers, _ = families.setdefault(m.group(2), ([], []))
+                if line not in headers:
+                    headers.append(line)
+            elif line.startswith("#"):
+                continue
+            else:
+                families.setdefault(_family(line, families), ([], []))[1].append(line)
+    out = []
+    for headers, samples in families.values():
+        out += headers + samples
+    return "\n".join(out) + "\n"

@@ -1,0 +1,61 @@
+"""Replicas of one stage may differ in what they take (a headless replica started with a smaller
+--max-model-len): each reports its limits to the master (capabilities), and a request goes only
+to a replica that can take it. Failures a replica answered recently count as load, so a replica
+that keeps failing stops being the least loaded one."""
+
+from __future__ import annotations
+
+import collections
+
+from omni.config import StageConfig
+from omni.errors import BadRequest
+from omni.master.types import ReplicaInfo
+from omni.orchestrator.types import PipelineRequest
+
+FAILURE_WINDOW_S = 30.0
+
+
+def replica_limits(engine) -> dict[str, str]:
+    """Capabilities a stage replica registers with: the limits its engine was built with."""
+    out = {}
+    limit = getattr(engine, "max_model_len", None)
+    if isinstance(limit, int):
+        out["max_model_len"] = str(limit)
+    return out
+
+
+def max_model_len(r: ReplicaInfo) -> int | None:
+    try:
+        return int(r.capabilities["max_model_len"])
+    except (KeyError, ValueError):
+        return None
+
+
+def fitting(stage: StageConfig, replicas: list[ReplicaInfo], req: PipelineRequest | None) -> list[ReplicaInfo]:
+    """The replicas whose limits take REQ at this stage; a 400 naming the limit when none does."""
+    if req is None or req.prompt_token_ids is None or req.entry_stage != stage.stage_id:
+        return replicas
+    n_prompt = len(req.prompt_token_ids)
+    need = n_prompt + req.sampling.max_tokens
+    ok = [r for r in replicas if (max_model_len(r) or need) >= need]
+    if ok:
+        return ok
+    largest = max(max_model_len(r) or 0 for r in replicas)
+    raise BadRequest(f"This request needs {need} tokens ({n_prompt} in the prompt, {req.sampling.max_tokens} "
+                     f"max_tokens), more than the max_model_len of every ready {stage.label} replica "
+                     f"(the largest is {largest}).")
+
+
+class RecentFailures:
+    def __init__(self, window_s: float = FAILURE_WINDOW_S):
+        self.window_s = window_s
+        self._at: dict[str, collections.deque] = {}
+
+    def add(self, replica_id: str, now: float) -> None:
+        self._at.setdefault(replica_id, collections.deque(maxlen=64)).append(now)
+
+    def count(self, replica_id: str, now: float) -> int:
+        q = self._at.get(replica_id)
+        while q and now - q[0] > self.window_s:
+            q.popleft()
+        return len(q) if q else 0

@@ -1,0 +1,34 @@
+"""openapi.json is generated from the types that decode the request bodies (issue 15, item 5)."""
+
+from __future__ import annotations
+
+import inspect
+
+import msgspec
+
+from omni.api.control import ControlRoutes
+from omni.api.jobs import Jobs
+from omni.api.routes import ROUTES, openapi_spec
+from omni.api.speech import SpeechRoutes
+from omni.api.text import TextRoutes
+from omni.api.voices import VoiceRoutes
+
+FAMILIES = {"text": TextRoutes, "speech": SpeechRoutes, "voices": VoiceRoutes, "control": ControlRoutes,
+            "jobs": Jobs}
+
+
+def test_each_body_schema_is_the_type_its_handler_decodes():
+    bodies = [r for r in ROUTES if r.body is not None]
+    assert {r.path for r in bodies} >= {"/v1/chat/completions", "/v1/completions", "/v1/audio/speech"}
+    for r in bodies:
+        source = inspect.getsource(getattr(FAMILIES[r.family], r.handler))
+        assert "decode_body(" in source and r.body.__name__ in source, (r.path, r.body)
+    spec = openapi_spec("m")
+    _, components = msgspec.json.schema_components([r.body for r in bodies],
+                                                   ref_template="#/components/schemas/{name}")
+    assert spec["components"]["schemas"] == components
+    chat = spec["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    assert {"presence_penalty", "logit_bias", "min_tokens", "logprobs", "messages"} <= set(chat)
+    assert spec["paths"]["/v1/audio/voices/{name}"]["delete"]
+    assert spec["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"] == \
+        {"$ref": "#/components/schemas/ChatCompletionRequest"}
