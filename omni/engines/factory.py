@@ -78,13 +78,17 @@ def _qwen3_code2wav(config: DeployConfig, stage: StageConfig) -> Engine:
 def _qwen25_talker(config: DeployConfig, stage: StageConfig) -> Engine:
     from omni.models.qwen25_omni.talker import Qwen25TalkerEngine
 
-    return Qwen25TalkerEngine(stage.model or config.model, **stage.engine_args)
+    from omni.models.resolve import resolve_model
+
+    return Qwen25TalkerEngine(resolve_model(stage.model or config.model), **torch_stage_args(stage))
 
 
 def _qwen25_token2wav(config: DeployConfig, stage: StageConfig) -> Engine:
     from omni.models.qwen25_omni.token2wav import Qwen25Token2WavEngine
 
-    return Qwen25Token2WavEngine(stage.model or config.model, **stage.engine_args)
+    from omni.models.resolve import resolve_model
+
+    return Qwen25Token2WavEngine(resolve_model(stage.model or config.model), **torch_stage_args(stage))
 
 
 def _vllm(config: DeployConfig, stage: StageConfig) -> Engine:
@@ -121,7 +125,12 @@ ENGINE_CLASSES = {
     "piper_code2wav": "omni.engines.onnx_audio:Code2WavEngine",
     "qwen3_talker": "omni.models.qwen3_omni.talker:Qwen3TalkerEngine",
     "qwen3_code2wav": "omni.models.qwen3_omni.code2wav:Qwen3Code2WavEngine",
+    "qwen25_talker": "omni.models.qwen25_omni.talker:Qwen25TalkerEngine",
+    "qwen25_token2wav": "omni.models.qwen25_omni.token2wav:Qwen25Token2WavEngine",
 }
+# The torch model engines' shared deploy keys, turned into constructor arguments by torch_stage_args.
+TORCH_STAGE_KEYS = frozenset({"num_threads", "gpu_memory_utilization"})
+TORCH_MODEL_ENGINES = ("qwen3_talker", "qwen3_code2wav", "qwen25_talker", "qwen25_token2wav")
 # vLLM serve flags every engine takes at these values: one process per replica, and omni's
 # own engines run only architectures they ship (no remote code), so trust_remote_code is moot.
 NEUTRAL_ARGS: dict[str, Any] = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1,
@@ -146,7 +155,8 @@ def accepted_args(engine: str) -> frozenset[str] | None:
     params = inspect.signature(getattr(importlib.import_module(module), name).__init__).parameters
     if any(p.kind is p.VAR_KEYWORD for p in params.values()):
         return None
-    return frozenset(k for k, p in params.items() if p.kind is p.KEYWORD_ONLY)
+    keys = frozenset(k for k, p in params.items() if p.kind is p.KEYWORD_ONLY)
+    return keys | TORCH_STAGE_KEYS if engine in TORCH_MODEL_ENGINES else keys
 
 
 def takes(engine: str, key: str, value: Any, accepted: frozenset[str] | None = None) -> bool:

@@ -109,3 +109,15 @@ def test_qwen25_omni_folder_and_hub_ids(tmp_path, monkeypatch):
     monkeypatch.setenv("OMNI_PLATFORM", "cpu")
     cpu = cfg.load("Qwen/Qwen2.5-Omni-3B")
     assert cpu.stages[1].engine_args == {"threads": 1} and cpu.stages[0].engine_args["max_num_seqs"] == 8
+
+
+def test_qwen3_torch_stages_keep_their_deploy_keys(tmp_path, monkeypatch):
+    """num_threads / gpu_memory_utilization / max_num_seqs reach the talker and code2wav (torch_stage_args
+    turns them into constructor arguments); nothing of the bundled YAML is dropped."""
+    from omni.engines.factory import engine_args_for
+
+    monkeypatch.setenv("OMNI_PLATFORM", "cpu")
+    c = cfg.load(folder(tmp_path, "qwen3_omni_moe"))
+    for s in c.stages[1:]:
+        assert engine_args_for(s) == dict(s.engine_args)
+        assert {"num_threads", "gpu_memory_utilization", "max_num_seqs"} <= set(s.engine_args)
