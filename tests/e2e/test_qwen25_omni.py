@@ -38,7 +38,9 @@ TALKER_TOKENS = 40
 SYSTEM = {"role": "system", "content": "You are helpful."}
 NAME = "qwen25-omni-tiny"
 # Greedy talker (the request's temperature drives the thinker); the request's seed drives token2wav.
-OVERRIDES = {"1": {"default_sampling_params": {"temperature": 0, "max_tokens": TALKER_TOKENS}}}
+# A float32 thinker: vLLM's dtype "auto" runs a float32 checkpoint in bfloat16, which flips near ties.
+OVERRIDES = {"0": {"dtype": "float32"},
+             "1": {"default_sampling_params": {"temperature": 0, "max_tokens": TALKER_TOKENS}}}
 
 
 def env() -> dict:
