@@ -90,8 +90,12 @@ def test_rows_of_every_fed_token_equal_transformers_last_layer(engine, reference
         rows = torch.cat(g["rows"])
         assert rows.dtype == torch.float32
         assert rows.shape == ref.last_layer.shape            # prompt + every generated id but the last
-        assert torch.allclose(rows, ref.last_layer, atol=1e-4, rtol=1e-4), \
-            f"{rid}: max |diff| {(rows - ref.last_layer).abs().max().item():.2e}"
+        diff = (rows - ref.last_layer).abs().max().item()
+        print(f"{rid}: {rows.shape[0]} rows, max |diff| against transformers {diff:.2e}")
+        # Text: 1.5e-8 measured. Audio: vLLM's audio tower differs from transformers' by ~1e-4 (its own
+        # attention, no flash_attn), which the rows inherit; the ids still match.
+        tol = 1e-6 if rid == "text" else 5e-4
+        assert torch.allclose(rows, ref.last_layer, atol=tol, rtol=0), f"{rid}: max |diff| {diff:.2e}"
         # A generated id's row never comes before that id.
         seen_ids, seen_rows = 0, 0
         for o in g["outs"]:
