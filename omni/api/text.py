@@ -63,6 +63,7 @@ class TextRoutes:
             if fmt not in ("wav", "pcm16"):
                 raise bad_request(f"audio.format `{fmt}` is not supported (wav, pcm16)", param="audio.format")
             extra = await self.fe.voice(req.audio.voice if req.audio else None)
+            extra["audio_out"] = True   # stages that feed a talker capture what it needs only then
         inputs = {}
         if audios:
             self.fe.need_audio_in()

@@ -18,6 +18,11 @@ processor needs to expand placeholders. Request contract (checked in vllm_mm.py)
   first output of a prompt with audio carries `tensors["mm_hidden"]` (float, [n_audio_positions,
   hidden]): transformers' `hidden_states[k]` at its `<|audio_pad|>` positions (vllm_hidden.py).
   Text-only prompts capture nothing.
+- With `engine_args.hidden_rows_layer` (k, or "last": the last layer's output before the final
+  norm), a request whose `extra["audio_out"]` is true gets, on each output, `tensors["hidden_rows"]`
+  (float [n, hidden]): layer k's rows of the tokens fed since, the prompt's with the first output,
+  then one per generated id that was fed (an id's row comes with a later output; the last id is
+  never fed). Qwen2.5-Omni's talker reads them (vllm_hidden.RowStream).
 
 Liveness: vLLM's monitor thread marks the client dead when the EngineCore
 process exits, but a blocked `get_output()` would then wait forever. So step()
@@ -28,13 +33,11 @@ stage worker fails the requests it held and the stage process exits non-zero).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import difflib
 import logging
 import os
 import queue
-import signal
 import time
 import uuid
 from concurrent.futures import Future, TimeoutError as FutureTimeout
@@ -45,6 +48,7 @@ import torch
 
 from omni.config import DeployConfig, StageConfig
 from omni.engines import vllm_mm
+from omni.engines.vllm_procs import describe_exit, engine_core_dies_with_us
 from omni.engines.base import Engine, EngineError, EngineOutput, EngineRequest, SamplingParams
 from omni.errors import ConfigError
 
@@ -54,7 +58,8 @@ logger = logging.getLogger(__name__)
 # mm_hidden_layer: capture hidden_states[k] at multi-modal prompt positions ("talker": the
 # model's talker_config.accept_hidden_layer), delivered as mm_hidden with the first output.
 # emit_prompt_ids: every request's first output carries its prompt ids (as extra.emit_prompt_ids does).
-OMNI_ARGS = ("num_threads", "mm_hidden_layer", "emit_prompt_ids")
+# hidden_rows_layer: every fed token's rows at layer k ("last": before the final norm) for audio_out requests.
+OMNI_ARGS = ("num_threads", "mm_hidden_layer", "emit_prompt_ids", "hidden_rows_layer")
 # Env defaults for the EngineCore (read by vLLM at import and in its children).
 # Loopback for vLLM's own sockets: the EngineCore always sits next to its stage.
 ENV_DEFAULTS = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
@@ -79,6 +84,8 @@ class _Live:
     started: bool = False
     emit_prompt_ids: bool = False
     hidden_name: str | None = None   # the mm_hidden file vLLM writes once the prefill is done
+    rows: Any = None                 # a vllm_hidden.RowStream for hidden_rows
+    n_tokens: int = 0                # prompt (as vLLM expanded it) + generated so far
 
 
 def engine_arg_names() -> set[str]:
@@ -168,11 +175,15 @@ class VllmEngine(Engine):
 
         from vllm.v1.engine.llm_engine import LLMEngine
 
+        from omni.engines.vllm_procs import register_models
+
+        register_models()   # before vLLM inspects the architecture
         t0 = time.monotonic()
         engine_args, vllm_config = _engine_config(stage.label, model_path, vllm_args, skip_tokenizer=True)
         self._mm_tokens: vllm_mm.MmTokens | None = None
         self._mm_limits: dict[str, int] = {}
         self._hidden = None   # a vllm_hidden.HiddenStatesReader while capture is on
+        self._rows_on = False
         if vllm_config.model_config.is_multimodal_model:
             # vLLM's multi-modal processors need the tokenizer (to expand placeholders);
             # outputs stay token ids (detokenize=False per request).
@@ -180,16 +191,19 @@ class VllmEngine(Engine):
             tokens = vllm_mm.MmTokens.from_hf_config(hf_config)
             vllm_mm.default_limits(vllm_args, tokens.modalities())
             self._hidden = vllm_mm.enable_hidden_capture(stage.label, omni_args.get("mm_hidden_layer"), hf_config,
-                                                         vllm_args)
+                                                         vllm_args, omni_args.get("hidden_rows_layer"))
+            self._rows_on = omni_args.get("hidden_rows_layer") is not None
             engine_args, vllm_config = _engine_config(stage.label, model_path, vllm_args, skip_tokenizer=False)
             self._mm_tokens = tokens
             self._mm_limits = dict(vllm_args["limit_mm_per_prompt"])
-        elif omni_args.get("mm_hidden_layer") is not None:
-            raise ConfigError(f"{stage.label}: engine_args.mm_hidden_layer needs a multi-modal model")
+        else:
+            for k in ("mm_hidden_layer", "hidden_rows_layer"):
+                if omni_args.get(k) is not None:
+                    raise ConfigError(f"{stage.label}: engine_args.{k} needs a multi-modal model")
         from vllm.v1.executor import Executor
 
         try:
-            with _engine_core_dies_with_us():
+            with engine_core_dies_with_us():
                 self._llm = LLMEngine(vllm_config=vllm_config, executor_class=Executor.get_class(vllm_config),
                                       log_stats=not engine_args.disable_log_stats, multiprocess_mode=True)
         except BaseException:
@@ -230,7 +244,7 @@ class VllmEngine(Engine):
                     p.join(2.0)
                 gone = [p for p in self.core_processes() if p.exitcode is not None]
             if gone or self._client.resources.engine_dead:
-                self._dead = "; ".join(_describe_exit(p) for p in gone) or "the EngineCore reported itself dead"
+                self._dead = "; ".join(describe_exit(p) for p in gone) or "the EngineCore reported itself dead"
         if self._dead is not None:
             raise EngineCoreDied(f"{self.label}: vLLM EngineCore died: {self._dead}")
 
@@ -268,10 +282,13 @@ class VllmEngine(Engine):
 
         try:
             params = to_vllm_sampling(p)
-            hidden_name = None
+            hidden_name, rows = None, None
             if n_audio and self._hidden is not None:   # only prompts with audio pay for it
                 hidden_name = self._hidden.new_name()
-                params.extra_args = vllm_mm.hidden_request_args(hidden_name)
+            if self._rows_on and request.extra.get("audio_out"):   # only requests that will speak
+                rows = self._hidden.new_stream()
+            if hidden_name is not None or rows is not None:
+                params.extra_args = vllm_mm.hidden_request_args(hidden_name, rows and rows.stem)
             self._llm.add_request(rid, vllm_prompt, params)
         except (ValueError, VLLMClientError) as e:   # vLLM's validation (prompt too long, bad top_p, ...)
             raise EngineError(f"request {rid!r}: {e}") from None
@@ -280,7 +297,7 @@ class VllmEngine(Engine):
             self._dead = self._dead or "the EngineCore reported itself dead"
             raise EngineError(f"{self.label}: vLLM EngineCore died: {self._dead}") from None
         self._live[rid] = _Live(len(prompt), emit_prompt_ids=bool(request.extra.get("emit_prompt_ids", self._emit_prompt_ids)),
-                                hidden_name=hidden_name)
+                                hidden_name=hidden_name, rows=rows)
         self._prompt_tokens += len(prompt)
 
     def abort(self, request_id: str) -> None:
@@ -289,6 +306,8 @@ class VllmEngine(Engine):
             return
         if live.hidden_name is not None and not live.started:
             self._hidden.discard(live.hidden_name)
+        if live.rows is not None:
+            live.rows.close()
         self._aborts += 1
         try:
             self._llm.abort_request([request_id])
@@ -335,10 +354,16 @@ class VllmEngine(Engine):
                 out.num_prompt_tokens = len(expanded) if expanded else live.num_prompt_tokens
                 if live.emit_prompt_ids and expanded is not None:
                     out.tensors = {"prompt_token_ids": torch.tensor(expanded, dtype=torch.int64)}
+                live.n_tokens = out.num_prompt_tokens
                 if live.hidden_name is not None:
                     self._attach_mm_hidden(out, live.hidden_name, r.finished)
+            live.n_tokens += len(ids)
+            if live.rows is not None and out.error is None:
+                self._attach_rows(out, live, r.finished)
             if r.finished:
                 self._live.pop(r.request_id, None)
+                if live.rows is not None:
+                    live.rows.close()
                 reason = str(c.finish_reason) if c is not None and c.finish_reason is not None else "stop"
                 out.finished = True
                 if out.error is not None:
@@ -360,6 +385,19 @@ class VllmEngine(Engine):
             self.abort(out.request_id)
         out.finished, out.finish_reason = True, "error"
         out.error = out.error or f"vLLM wrote no hidden states for request {out.request_id}"
+
+    def _attach_rows(self, out: EngineOutput, live: _Live, finished: bool) -> None:
+        """Every row final so far: all fed tokens' (the newest id is not fed yet)."""
+        rows = live.rows.take(live.n_tokens - 1)
+        if rows is not None:
+            out.tensors = {**out.tensors, "hidden_rows": rows}
+        if not finished:
+            return
+        live.rows.close()
+        if live.rows.delivered < live.n_tokens - 1:
+            out.finish_reason = "error"
+            out.error = (f"vLLM wrote {live.rows.delivered} of {live.n_tokens - 1} hidden rows for request "
+                         f"{out.request_id}")
 
     def _wait_for_outputs(self, timeout: float) -> bool:
         """True once the client's output queue holds something (we are its only reader)."""
@@ -452,57 +490,3 @@ def _engine_config(label: str, model_path: str, vllm_args: dict[str, Any], skip_
         return engine_args, engine_args.create_engine_config()
     except (ValueError, TypeError) as e:
         raise ConfigError(f"{label}: vLLM refused the engine args: {e}") from None
-
-
-@contextlib.contextmanager
-def _engine_core_dies_with_us():
-    """vLLM starts its EngineCore with EngineCoreProc.run_engine_core as the spawn target; while
-    this is active that target is ours, which first asks the kernel for SIGKILL when the stage
-    process dies (a SIGKILLed stage left its EngineCore and Worker running under PID 1)."""
-    from vllm.v1.engine.core import EngineCoreProc
-
-    original = EngineCoreProc.__dict__["run_engine_core"]
-    EngineCoreProc.run_engine_core = staticmethod(run_engine_core_guarded)
-    try:
-        yield
-    finally:
-        EngineCoreProc.run_engine_core = original
-
-
-def _die_with_parent() -> None:
-    import multiprocessing
-
-    from omni.proctree import die_with_parent
-
-    parent = multiprocessing.parent_process()
-    die_with_parent(signal.SIGKILL, parent.pid if parent is not None else None)
-
-
-def run_engine_core_guarded(*args, **kwargs):
-    """The EngineCore process's entry (a fresh interpreter: spawn). Its Workers get the same
-    guard (vLLM's own death pipe lets a Worker linger for seconds after its EngineCore)."""
-    from vllm.v1.engine.core import EngineCoreProc
-    from vllm.v1.executor.multiproc_executor import WorkerProc
-
-    _die_with_parent()
-    WorkerProc.worker_main = staticmethod(run_worker_guarded)   # this process starts them
-    return EngineCoreProc.run_engine_core(*args, **kwargs)
-
-
-def run_worker_guarded(*args, **kwargs):
-    from vllm.v1.executor.multiproc_executor import WorkerProc
-
-    _die_with_parent()
-    return WorkerProc.worker_main(*args, **kwargs)
-
-
-def _describe_exit(proc) -> str:
-    code = proc.exitcode
-    if code is not None and code < 0:
-        try:
-            how = f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            how = f"killed by signal {-code}"
-    else:
-        how = f"exited with code {code}"
-    return f"process {proc.name} (pid {proc.pid}) {how}"

@@ -110,10 +110,13 @@ def build_prompt(request: EngineRequest, prompt: list[int], tokens: MmTokens,
     return out, len(audios)
 
 
-def enable_hidden_capture(label: str, layer: Any, hf_config: Any, vllm_args: dict[str, Any]):
-    """Turn on hidden-state capture at `layer` (an int, or "talker": the talker's accept_hidden_layer);
-    returns the engine's HiddenStatesReader, or None when `layer` is None."""
-    if layer is None:
+def enable_hidden_capture(label: str, layer: Any, hf_config: Any, vllm_args: dict[str, Any],
+                          rows_layer: Any = None):
+    """Turn on hidden-state capture: `layer` at multi-modal prompt positions (an int, or "talker": the
+    talker's accept_hidden_layer), `rows_layer` for every fed token (an int in [0, n_layers], or
+    "last" = n_layers: the last layer's output before the final norm). Returns the engine's
+    HiddenStatesReader, or None when neither is set."""
+    if layer is None and rows_layer is None:
         return None
     from omni.errors import ConfigError
 
@@ -124,21 +127,34 @@ def enable_hidden_capture(label: str, layer: Any, hf_config: Any, vllm_args: dic
                               "talker_config.accept_hidden_layer")
     c = getattr(hf_config, "thinker_config", hf_config)
     n_layers = getattr(getattr(c, "text_config", c), "num_hidden_layers", None)
-    if isinstance(layer, bool) or not isinstance(layer, int) or not (n_layers is None or 0 <= layer < n_layers):
+    if layer is not None and (isinstance(layer, bool) or not isinstance(layer, int)
+                              or not (n_layers is None or 0 <= layer < n_layers)):
         raise ConfigError(f"{label}: engine_args.mm_hidden_layer must be 'talker' or a layer index in "
                           f"[0, {n_layers}), got {layer!r}")
+    if rows_layer == "last" and n_layers is not None:
+        rows_layer = n_layers
+    if rows_layer is not None and (isinstance(rows_layer, bool) or not isinstance(rows_layer, int)
+                                   or not (n_layers is None or 0 <= rows_layer <= n_layers)):
+        raise ConfigError(f"{label}: engine_args.hidden_rows_layer must be 'last' or a layer index in "
+                          f"[0, {n_layers}], got {rows_layer!r}")
+    flag = "mm_hidden_layer" if rows_layer is None else "hidden_rows_layer"
     taken = [k for k in ("speculative_config", "kv_transfer_config") if vllm_args.get(k) is not None]
     if taken:
-        raise ConfigError(f"{label}: engine_args.mm_hidden_layer uses vLLM's {' and '.join(taken)}; "
-                          "remove them or mm_hidden_layer")
+        raise ConfigError(f"{label}: engine_args.{flag} uses vLLM's {' and '.join(taken)}; "
+                          f"remove them or {flag}")
     from omni.engines import vllm_hidden
 
     reader = vllm_hidden.HiddenStatesReader()
-    vllm_args.update(vllm_hidden.engine_args(layer, str(reader.dir)))
+    vllm_args.update(vllm_hidden.engine_args(layer, rows_layer, str(reader.dir)))
     return reader
 
 
-def hidden_request_args(file_name: str) -> dict[str, Any]:
+def hidden_request_args(file_name: str | None, rows_stem: str | None = None) -> dict[str, Any]:
     from omni.engines import vllm_hidden
 
-    return {"kv_transfer_params": {vllm_hidden.PARAM: file_name}}
+    params = {}
+    if file_name is not None:
+        params[vllm_hidden.PARAM] = file_name
+    if rows_stem is not None:
+        params[vllm_hidden.ROWS_PARAM] = rows_stem
+    return {"kv_transfer_params": params}

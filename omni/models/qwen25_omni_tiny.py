@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from omni.models.qwen3_omni_tiny import VOCAB, build_tokenizer
+from omni.models.qwen3_omni_tiny import VOCAB, build_tokenizer, write_processor_files
 
 SPECIALS = (
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>",
@@ -134,7 +134,7 @@ def _speakers(config, seed: int) -> dict:
 def build(out: str | Path, seed: int = 0) -> Path:
     """Write the tiny model to `out` (created) and return it."""
     import torch
-    from transformers import AutoTokenizer, Qwen2_5OmniForConditionalGeneration, WhisperFeatureExtractor
+    from transformers import AutoTokenizer, Qwen2_5OmniForConditionalGeneration
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -147,7 +147,7 @@ def build(out: str | Path, seed: int = 0) -> Path:
     _init_weights(model, seed)
     model.save_pretrained(out, max_shard_size="20MB")
     torch.save(_speakers(config, seed), out / "spk_dict.pt")
-    WhisperFeatureExtractor(feature_size=128, sampling_rate=16000).save_pretrained(out)
+    write_processor_files(out, "Qwen2_5OmniProcessor", patch_size=14)
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": ids["<|im_end|>"]}))
     return out
 

@@ -182,19 +182,19 @@ def _init_weights(model, seed: int) -> None:
         raise RuntimeError(f"tiny Qwen3-Omni has non-finite parameters: {bad[:5]}")
 
 
-def write_processor_files(out: Path) -> None:
+def write_processor_files(out: Path, processor_class: str = "Qwen3OmniMoeProcessor", patch_size: int = 16) -> None:
     """What transformers' Qwen3OmniMoeProcessor loads (vLLM builds it even for text): the Whisper
     feature extractor and the Qwen2-VL image processor share preprocessor_config.json, the video
     processor has its own file. Written as JSON so building needs no torchvision."""
     from transformers import WhisperFeatureExtractor
 
     pre = WhisperFeatureExtractor(feature_size=128, sampling_rate=16000).to_dict()
-    pixels = {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "patch_size": 16,
+    pixels = {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "patch_size": patch_size,
               "temporal_patch_size": 2, "merge_size": 2, "do_convert_rgb": True, "do_normalize": True,
               "do_rescale": True, "do_resize": True, "resample": 3, "rescale_factor": 1 / 255}
-    pre.update(pixels, image_processor_type="Qwen2VLImageProcessor", processor_class="Qwen3OmniMoeProcessor",
+    pre.update(pixels, image_processor_type="Qwen2VLImageProcessor", processor_class=processor_class,
                size={"shortest_edge": 3136, "longest_edge": 1003520})
-    video = dict(pixels, video_processor_type="Qwen2VLVideoProcessor", processor_class="Qwen3OmniMoeProcessor",
+    video = dict(pixels, video_processor_type="Qwen2VLVideoProcessor", processor_class=processor_class,
                  size={"shortest_edge": 3136, "longest_edge": 1003520})
     for name, d in (("preprocessor_config.json", pre), ("video_preprocessor_config.json", video)):
         (out / name).write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")

@@ -37,7 +37,9 @@ TALKER_TOKENS = 30
 SYSTEM = {"role": "system", "content": "You are helpful."}
 # Greedy everywhere: the request's own temperature drives the thinker, the stage defaults the talker.
 NAME = "qwen3-omni-tiny"
-OVERRIDES = {"1": {"default_sampling_params": {"temperature": 0, "max_tokens": TALKER_TOKENS}}}
+# A float32 thinker: vLLM's dtype "auto" runs a float32 checkpoint in bfloat16, which flips near ties.
+OVERRIDES = {"0": {"dtype": "float32"},
+             "1": {"default_sampling_params": {"temperature": 0, "max_tokens": TALKER_TOKENS}}}
 
 
 def env() -> dict:
@@ -214,7 +216,8 @@ def test_head_and_headless_stages_equal_the_reference(tiny, reference, tmp_path)
     want_text, want_wav = reference("What is the capital of France?")
     # Stage mode takes no --stage-overrides: every process reads one deploy file with a greedy talker.
     deploy = tmp_path / "greedy.yaml"
-    deploy.write_text("base_config: qwen3-omni-moe.yaml\nstages:\n  - stage_id: 1\n    default_sampling_params: "
+    deploy.write_text("base_config: qwen3-omni-moe.yaml\nstages:\n  - stage_id: 0\n    engine_args: {dtype: float32}\n"
+                      "  - stage_id: 1\n    default_sampling_params: "
                       f"{{temperature: 0, max_tokens: {TALKER_TOKENS}}}\n")
     common = ("--deploy-config", str(deploy))
     head = OmniProcess("serve", str(tiny), *common, "--stage-id", "0", "--omni-master-address", "127.0.0.1",

@@ -22,6 +22,13 @@ class Ref:
     last_layer: torch.Tensor      # the same rows as `hidden` before the thinker's final norm
 
 
+def wave(seed: int = 0) -> np.ndarray:
+    """A seeded 1 s sine + noise at 16 kHz (the reference's audio input)."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(16000) / 16000
+    return (0.5 * np.sin(2 * np.pi * 220 * t) + 0.05 * rng.standard_normal(16000)).astype(np.float32)
+
+
 class Reference:
     def __init__(self, folder):
         from transformers import AutoTokenizer, Qwen2_5OmniForConditionalGeneration, WhisperFeatureExtractor
@@ -64,11 +71,8 @@ class Reference:
                                             return_dict=True)["input_ids"]
 
     def audio_inputs(self, seed: int = 0):
-        """Whisper features of a seeded 1 s sine + noise at 16 kHz and the audio tower's output length."""
-        rng = np.random.default_rng(seed)
-        t = np.arange(16000) / 16000
-        wave = (0.5 * np.sin(2 * np.pi * 220 * t) + 0.05 * rng.standard_normal(16000)).astype(np.float32)
-        f = self.features(wave, sampling_rate=16000, return_attention_mask=True, padding="longest",
+        """Whisper features of `wave(seed)` and the audio tower's output length."""
+        f = self.features(wave(seed), sampling_rate=16000, return_attention_mask=True, padding="longest",
                           return_tensors="pt")
         _, n = self.model.thinker.audio_tower._get_feat_extract_output_lengths(f["attention_mask"].sum(-1))
         return f["input_features"], f["attention_mask"], int(n.item())

@@ -159,7 +159,7 @@ async def test_chat_non_streaming(tokenizer):
                                                     add_generation_prompt=True, tokenize=False)
     assert req.prompt_token_ids == tokenizer.encode(expected_prompt, add_special_tokens=False)
     assert req.sampling.max_tokens == 50 and req.sampling.seed == 5 and req.sampling.top_k == 4
-    assert req.sampling.temperature == 0.0 and req.modalities == ("text",)
+    assert req.sampling.temperature == 0.0 and req.modalities == ("text",) and "audio_out" not in req.extra
     n_out = len(tokenizer.encode("hello world", add_special_tokens=False)) + 1
     assert d["usage"] == {"prompt_tokens": len(req.prompt_token_ids), "completion_tokens": n_out,
                           "total_tokens": len(req.prompt_token_ids) + n_out}
@@ -524,6 +524,7 @@ async def test_chat_with_audio(tokenizer):
     assert msg["content"] == "hello world" and msg["audio"]["transcript"] == "hello world"
     assert _wav_info(base64.b64decode(msg["audio"]["data"])) == (1, 22050, 16, 400)
     assert orch.requests[0].modalities == ("text", "audio") and orch.requests[0].extra["voice"] == "joe"
+    assert orch.requests[0].extra["audio_out"] is True     # a thinker feeding a talker captures its rows only then
     evs = sse_events((await c.post("/v1/chat/completions", json={**body, "stream": True})).text)
     audio = [e["choices"][0]["delta"]["audio"] for e in evs if e["choices"] and "audio" in e["choices"][0]["delta"]]
     assert [len(base64.b64decode(a["data"])) for a in audio[:-1]] == [200, 200]

@@ -131,6 +131,7 @@ def test_two_concurrent_requests(talker, t2w, france, sea):
                        "b": [_t2w_piece("b", sea.codes, "ethan", 1)]})
     assert torch.equal(_int16(wavs["a"][-1].tensors["audio"]), _int16(france.wav))
     assert torch.equal(_int16(wavs["b"][-1].tensors["audio"]), _int16(sea.wav))
+    assert {w[-1].sample_rate for w in wavs.values()} == {24000}      # the API writes it into the WAV
 
 
 def test_a_concurrent_request_does_not_change_anothers_audio(t2w, france, sea):
@@ -217,6 +218,12 @@ def test_processors():
     later = p.thinker_to_talker(Ctx(), state, Output(request_id="r", token_ids=[8], tensors={"thinker_hidden": rows}))
     assert later[0].extra == {"token_ids": [8]} and later[0].tensors == {"thinker_hidden": rows}
     assert p.thinker_to_talker(Ctx(), state, Output(request_id="r", token_ids=[], finished=True)) == []
+    # The vLLM thinker's rows (hidden_rows_layer: last) go on as the pre-norm rows the talker normalises.
+    vllm_state: dict = {}
+    got = p.thinker_to_talker(Ctx(), vllm_state, Output(request_id="r", token_ids=[7], tensors={"hidden_rows": rows}))
+    assert got[0].tensors == {"thinker_last_layer": rows}
+    got = p.thinker_to_talker(Ctx(), vllm_state, Output(request_id="r", token_ids=[], tensors={"hidden_rows": rows}))
+    assert got[0].tensors == {"thinker_last_layer": rows} and got[0].extra == {"token_ids": []}
     codes = TensorRef(transport="shm", endpoint="seg", key=1, dtype="int64", shape=(1, 25), nbytes=200)
     s2: dict = {}
     a = p.talker_to_token2wav(Ctx(), s2, Output(request_id="r", tensors={"codes": codes}))

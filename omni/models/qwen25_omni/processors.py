@@ -8,7 +8,9 @@ thinker -> talker (`thinker_to_talker`): one continuing talker request, every pi
     `extra["token_ids"]` = the generated ids.
   every piece: the output's `thinker_hidden` tensor (the thinker's final-normed last-layer rows
     for the positions that step computed: the prompt's with the first output, then one per
-    fed id) passed on; later pieces carry `extra["token_ids"]` = the new ids.
+    fed id) passed on, or `thinker_last_layer` (the same rows before the final norm); the vLLM
+    engine's `hidden_rows` (with `hidden_rows_layer: last`: those pre-norm rows) goes on as
+    `thinker_last_layer`. Later pieces carry `extra["token_ids"]` = the new ids.
 talker -> token2wav (`talker_to_token2wav`): each `codes` chunk as a streamed piece; the
   first names the voice (token2wav conditions on it; the seed comes with the request's sampling).
 """
@@ -23,7 +25,9 @@ DEFAULT_SPEAKER = "Chelsie"
 
 def thinker_to_talker(ctx: Context, state: dict, out: Output) -> list[StageInput]:
     ids = list(out.token_ids)
-    tensors = {k: out.tensors[k] for k in ("thinker_hidden",) if k in out.tensors}
+    tensors = {k: out.tensors[k] for k in ("thinker_hidden", "thinker_last_layer") if k in out.tensors}
+    if "hidden_rows" in out.tensors:
+        tensors["thinker_last_layer"] = out.tensors["hidden_rows"]
     if state.get("started"):
         return [StageInput(extra={"token_ids": ids}, tensors=tensors, stream=True)] if ids or tensors else []
     state["started"] = True

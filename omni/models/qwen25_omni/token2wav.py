@@ -181,7 +181,8 @@ class Qwen25Token2WavEngine(Engine):
             self._stats["token2wav_seconds"] += time.perf_counter() - t0
             self._stats["codes"] += codes.shape[1]
             self._stats["samples"] += audio.shape[0]
-        return [EngineOutput(request_id=s.rid, tensors={"audio": audio}, finished=True, finish_reason="stop")]
+        return [EngineOutput(request_id=s.rid, tensors={"audio": audio}, finished=True, finish_reason="stop",
+                             sample_rate=self.sample_rate)]
 
     # -- bookkeeping -------------------------------------------------------------
 

@@ -1,0 +1,80 @@
+"""The entry functions of vLLM's EngineCore and Worker processes when omni starts them.
+
+They ask the kernel for SIGKILL when their parent dies (a SIGKILLed stage left its EngineCore
+and Worker running under PID 1), and register omni's model classes with vLLM's registry in
+that process (a spawned interpreter starts with vLLM's own registry).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+
+# Architectures whose vLLM class omni replaces with a subclass (omni/engines/vllm_models.py).
+MODEL_OVERRIDES = {
+    # vLLM's Qwen2.5-Omni thinker without the EAGLE-3 interface cannot hand out hidden states.
+    "Qwen2_5OmniForConditionalGeneration": "omni.engines.vllm_models:Qwen25OmniThinker",
+}
+
+
+def register_models() -> None:
+    """Lazy (by name): nothing is imported until vLLM builds or inspects that architecture."""
+    from vllm import ModelRegistry
+
+    for arch, cls in MODEL_OVERRIDES.items():
+        ModelRegistry.register_model(arch, cls)
+
+
+@contextlib.contextmanager
+def engine_core_dies_with_us():
+    """vLLM starts its EngineCore with EngineCoreProc.run_engine_core as the spawn target; while
+    this is active that target is ours."""
+    from vllm.v1.engine.core import EngineCoreProc
+
+    original = EngineCoreProc.__dict__["run_engine_core"]
+    EngineCoreProc.run_engine_core = staticmethod(run_engine_core_guarded)
+    try:
+        yield
+    finally:
+        EngineCoreProc.run_engine_core = original
+
+
+def _die_with_parent() -> None:
+    import multiprocessing
+
+    from omni.proctree import die_with_parent
+
+    parent = multiprocessing.parent_process()
+    die_with_parent(signal.SIGKILL, parent.pid if parent is not None else None)
+
+
+def run_engine_core_guarded(*args, **kwargs):
+    """The EngineCore process's entry (a fresh interpreter: spawn). Its Workers get the same
+    guard (vLLM's own death pipe lets a Worker linger for seconds after its EngineCore)."""
+    from vllm.v1.engine.core import EngineCoreProc
+    from vllm.v1.executor.multiproc_executor import WorkerProc
+
+    _die_with_parent()
+    register_models()
+    WorkerProc.worker_main = staticmethod(run_worker_guarded)   # this process starts them
+    return EngineCoreProc.run_engine_core(*args, **kwargs)
+
+
+def run_worker_guarded(*args, **kwargs):
+    from vllm.v1.executor.multiproc_executor import WorkerProc
+
+    _die_with_parent()
+    register_models()
+    return WorkerProc.worker_main(*args, **kwargs)
+
+
+def describe_exit(proc) -> str:
+    code = proc.exitcode
+    if code is not None and code < 0:
+        try:
+            how = f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            how = f"killed by signal {-code}"
+    else:
+        how = f"exited with code {code}"
+    return f"process {proc.name} (pid {proc.pid}) {how}"
