@@ -137,6 +137,13 @@ def engine_cores(p: OmniProcess) -> list[psutil.Process]:
     return out
 
 
+def wire_status(c):
+    from omni._proto import master_pb2 as pb
+    from omni.master import wire
+
+    return wire.status_from_pb(c._unary(c._stub.GetStatus, pb.GetStatusRequest(), timeout=30, wait_for_ready=True))
+
+
 def stage0_stats(p: OmniProcess) -> dict:
     """The stage's `stats` utility over its own channel (core_has_work is asked of the EngineCore)."""
     import zmq
@@ -145,7 +152,9 @@ def stage0_stats(p: OmniProcess) -> dict:
     from omni.stage import messages as m
 
     with MasterClient(p.master_address(), timeout_s=10) as c:
-        rep = next(r for r in c.get_status().replicas if r.role == "STAGE" and r.stage_id == 0)
+        # wait_for_ready: a loaded machine can drop the first connection attempt (gRPC "tcp handshaker shutdown")
+        status = wire_status(c)
+        rep = next(r for r in status.replicas if r.role == "STAGE" and r.stage_id == 0)
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.IDENTITY, f"test-{uuid.uuid4().hex[:8]}".encode())
