@@ -27,7 +27,6 @@ Qwen code does; off by default because transformers 5.19's generate() (the refer
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
 
 import torch
@@ -36,7 +35,7 @@ from omni.engines.base import EngineError, EngineOutput, EngineRequest
 from omni.models.qwen25_omni import edges
 from omni.models.qwen25_omni.weights import load_speakers, load_talker
 from omni.models.qwen3_omni.codes import Pick, pick, repetition_penalty
-from omni.models.qwen3_omni.talker import Qwen3TalkerEngine, _opt, _Req
+from omni.models.qwen3_omni.talker import Qwen3TalkerEngine, _Req
 
 DEFAULT_SPEAKER = "chelsie"     # transformers' generate() default
 
@@ -119,24 +118,7 @@ class Qwen25TalkerEngine(Qwen3TalkerEngine):
         th = self.config.thinker_config
         if any(t in (th.image_token_index, th.video_token_index) for t in prompt):
             raise EngineError(f"request {rid}: image/video prompts need 3-D talker positions (not supported)")
-        s = req.sampling
-        try:
-            temperature = float(_opt(req, "temperature", s.temperature))
-            top_k, top_p = int(_opt(req, "top_k", s.top_k)), float(_opt(req, "top_p", s.top_p))
-            max_tokens = int(_opt(req, "max_tokens", s.max_tokens))
-            penalty = float(_opt(req, "repetition_penalty", self.repetition_penalty))
-            seed = _opt(req, "seed", s.seed)
-            seed = None if seed is None else int(seed)
-        except (TypeError, ValueError) as e:
-            raise EngineError(f"request {rid}: bad sampling option: {e}") from None
-        if not (math.isfinite(temperature) and top_k >= 0 and 0 < top_p <= 1 and max_tokens >= 1
-                and math.isfinite(penalty) and penalty > 0):
-            raise EngineError(f"request {rid}: sampling needs a finite temperature, top_k >= 0, "
-                              f"0 < top_p <= 1, max_tokens >= 1 and repetition_penalty > 0; got "
-                              f"{temperature}, {top_k}, {top_p}, {max_tokens}, {penalty}")
-        gen = None
-        if temperature > 0 and seed is not None:
-            gen = torch.Generator(device=self.device).manual_seed(seed)
+        temperature, top_k, top_p, max_tokens, penalty, gen = self._sampling(req, rid)
         r = _Req25(rid, prompt, 0, None, Pick(temperature, top_k, top_p, gen), Pick(), penalty, max_tokens)
         r.speaker_bos = self.speakers[name.lower()]
         # transformers' repetition penalty also sees the talker's prompt ids (mask x n, pad, bos)

@@ -161,6 +161,14 @@ class Qwen3TalkerEngine(Engine):
         if len(mm) != (0 if hidden is None else hidden.shape[0]):
             raise EngineError(f"request {rid}: the prompt has {len(mm)} audio placeholder(s) but "
                               f"mm_hidden has {0 if hidden is None else hidden.shape[0]} row(s)")
+        temperature, top_k, top_p, max_tokens, penalty, gen = self._sampling(req, rid)
+        code0 = Pick(temperature, top_k, top_p, gen)
+        residual = Pick() if code0.greedy else Pick(1.0, 50, 0.8, gen)   # transformers' choice
+        return _Req(rid, prompt, self.ids.speakers[name.lower()], hidden, code0, residual, penalty, max_tokens)
+
+    def _sampling(self, req: EngineRequest, rid: str) -> tuple[float, int, float, int, float, Any]:
+        """The talker's sampling options (stage defaults in `extra` over the request's own), checked;
+        a per-request generator when sampling with a seed."""
         s = req.sampling
         try:
             temperature = float(_opt(req, "temperature", s.temperature))
@@ -179,9 +187,7 @@ class Qwen3TalkerEngine(Engine):
         gen = None
         if temperature > 0 and seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(seed)
-        code0 = Pick(temperature, top_k, top_p, gen)
-        residual = Pick() if code0.greedy else Pick(1.0, 50, 0.8, gen)   # transformers' choice
-        return _Req(rid, prompt, self.ids.speakers[name.lower()], hidden, code0, residual, penalty, max_tokens)
+        return temperature, top_k, top_p, max_tokens, penalty, gen
 
     def _ids(self, rid: str, ids) -> list[int]:
         try:
