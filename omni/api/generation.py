@@ -3,6 +3,8 @@
 `Generation.start()` waits for the first pipeline output, so errors raised before any
 output (no replica, bad request in a stage) still become a proper HTTP status;
 `events()` then yields ("text", str) and ("audio", pcm_f32_bytes, sample_rate).
+With logprobs asked for, `take_logprobs()` hands out the entries of the tokens handled since
+its last call (tokens whose text is still held back ride with the next text).
 The orchestrator's iterator is always closed at the end, which aborts the request
 in every stage when the client went away or a stop string ended it early.
 """
@@ -37,6 +39,8 @@ class Generation:
         self._it: AsyncIterator[PipelineOutput] | None = None
         self._first: PipelineOutput | None = None
         self._done = False
+        self.want_logprobs = request.sampling.logprobs is not None
+        self._logprobs: list = []          # omni.api.logprobs.Entry, not yet taken
 
     async def start(self) -> None:
         self._it = aiter(self._orch.generate(self.request))
@@ -90,6 +94,8 @@ class Generation:
     def _handle(self, out: PipelineOutput):
         if out.modality == "text" and out.token_ids:
             self.completion_tokens += len(out.token_ids)
+            if self.want_logprobs and out.logprobs is not None:
+                self._logprobs.extend((t, lp, top) for t, (lp, top) in zip(out.token_ids, out.logprobs.rows()))
             text = self._stop.feed(self._detok.push(out.token_ids))
             if text:
                 self.text += text
@@ -99,6 +105,10 @@ class Generation:
             yield ("audio", out.audio_pcm, out.sample_rate)
         if out.finished:
             self.finish_reason = out.finish_reason or "stop"
+
+    def take_logprobs(self) -> list:
+        out, self._logprobs = self._logprobs, []
+        return out
 
     def usage(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,

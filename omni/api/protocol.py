@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 
 from omni.api.errors import bad_request
+from omni.engines.logprobs import MAX_LOGPROBS
 
 
 class InputAudio(msgspec.Struct):
@@ -59,8 +60,6 @@ class _Sampling(msgspec.Struct, kw_only=True):
     logit_bias: dict[str, float] | None = None
     min_tokens: int = 0                       # extension (vLLM)
     # Declared so that they are refused by name (check_sampling), never silently ignored.
-    logprobs: bool | int | None = None
-    top_logprobs: int | None = None
     response_format: dict | None = None
     tools: list | None = None
     tool_choice: str | dict | None = None
@@ -73,11 +72,14 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     max_completion_tokens: int | None = None
     modalities: list[str] | None = None
     audio: AudioOptions | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None           # 0..20, needs logprobs: true
 
 
 class CompletionRequest(_Sampling, kw_only=True):
     prompt: str | list[int]
     echo: bool = False
+    logprobs: int | None = None               # 0..20 (vLLM's max_logprobs): top-k per token
 
 
 class SpeechRequest(msgspec.Struct, kw_only=True):
@@ -137,10 +139,6 @@ def decode_body(body: bytes, type_: type) -> Any:
 
 def _unsupported(req: _Sampling) -> str | None:
     """The first parameter set to something omni does not do yet."""
-    if req.logprobs not in (None, False):
-        return "logprobs"
-    if req.top_logprobs:
-        return "top_logprobs"
     if req.tools:
         return "tools"
     if req.tool_choice not in (None, "none"):
@@ -191,6 +189,23 @@ def check_sampling(req: _Sampling) -> None:
         raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings are allowed", param="stop")
     if req.stop_token_ids is not None and any(t < 0 for t in req.stop_token_ids):
         raise bad_request("stop_token_ids must be non-negative", param="stop_token_ids")
+    logprobs_k(req)
+
+
+def logprobs_k(req: _Sampling) -> int | None:
+    """The request's logprobs as the engines take them: None (off) or top-k >= 0. Checked as vLLM's
+    server checks them: chat `top_logprobs` needs `logprobs: true`; at most vLLM's max_logprobs."""
+    if isinstance(req, ChatCompletionRequest):
+        name, k = "top_logprobs", req.top_logprobs
+        if k is not None and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
+        if req.logprobs and k is None:
+            k = 0
+    else:
+        name, k = "logprobs", getattr(req, "logprobs", None)
+    if k is not None and not 0 <= k <= MAX_LOGPROBS:
+        raise bad_request(f"{name}={k} must be in [0, {MAX_LOGPROBS}]", param=name)
+    return k
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:

@@ -16,6 +16,7 @@ from typing import Any
 from starlette.requests import Request
 
 from omni import audio
+from omni.api import protocol as P
 from omni.api.detok import decoder_for
 from omni.api.errors import APIError, bad_request
 from omni.api.metrics import FrontendMetrics
@@ -170,7 +171,7 @@ class FrontendState:
             seed=req.seed, stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-            logit_bias=bias, min_tokens=req.min_tokens)
+            logit_bias=bias, min_tokens=req.min_tokens, logprobs=P.logprobs_k(req))
 
     async def voice(self, name: str | None, speed: float = 1.0) -> dict:
         """Resolve a voice (maybe a preset) to what the speech stage needs: a base voice and speed."""

@@ -18,6 +18,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from omni.api import logprobs as LP
 from omni.api import protocol as P
 from omni.api import sse
 from omni.api.errors import bad_request, error_body, to_api_error
@@ -107,14 +108,15 @@ class TextRoutes:
         obj = "chat.completion.chunk"
         had_audio = False
 
-        def choice(delta, finish=None):
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        def choice(delta, finish=None, logprobs=None):
+            return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
         try:
             yield self._chunk(gen, obj, choice({"role": "assistant", "content": ""}), None, include_usage)
             async for ev in gen.events():
                 if ev[0] == "text":
-                    yield self._chunk(gen, obj, choice({"content": ev[1]}), None, include_usage)
+                    lp = self._chat_logprobs(gen, last=False)
+                    yield self._chunk(gen, obj, choice({"content": ev[1]}, None, lp), None, include_usage)
                 else:
                     had_audio = True
                     data = base64.b64encode(pcm16(ev[1])).decode()
@@ -124,7 +126,8 @@ class TextRoutes:
             if had_audio:
                 final["audio"] = {"id": audio_id, "transcript": gen.text,
                                   "expires_at": int(time.time()) + AUDIO_TTL_S}
-            yield self._chunk(gen, obj, choice(final, gen.finish_reason), None, include_usage)
+            lp = self._chat_logprobs(gen, last=True)
+            yield self._chunk(gen, obj, choice(final, gen.finish_reason, lp), None, include_usage)
             if include_usage:
                 yield self._chunk(gen, obj, None, gen.usage(), True)
         except Exception as e:  # after the headers went out, an error is an event in the stream
@@ -146,10 +149,20 @@ class TextRoutes:
                                 "transcript": gen.text}
         body = {"id": gen.request.request_id, "object": "chat.completion", "created": int(time.time()),
                 "model": self.fe.model,
-                "choices": [{"index": 0, "message": message, "logprobs": None,
+                "choices": [{"index": 0, "message": message, "logprobs": self._chat_logprobs(gen, last=False),
                              "finish_reason": gen.finish_reason}],
                 "usage": gen.usage()}
         return Response(msgspec.json.encode(body), media_type="application/json")
+
+    def _chat_logprobs(self, gen: Generation, last: bool) -> dict | None:
+        """The logprobs of the tokens since the last call; on the finishing chunk only if any are left."""
+        entries = gen.take_logprobs() if gen.want_logprobs else []
+        return LP.chat(self.fe.tokenizer, entries) if gen.want_logprobs and (entries or not last) else None
+
+    def _completion_logprobs(self, gen: Generation, offset: int, last: bool) -> dict | None:
+        entries = gen.take_logprobs() if gen.want_logprobs else []
+        return (LP.completion(self.fe.tokenizer, entries, offset)
+                if gen.want_logprobs and (entries or not last) else None)
 
     async def completions(self, request: Request) -> Response:
         self.fe.need_text()
@@ -210,14 +223,17 @@ class TextRoutes:
         return JSONResponse({"prompt": text})
 
     async def _completion_stream(self, gen: Generation, include_usage: bool):
-        def choice(text, finish=None):
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        def choice(text, finish=None, logprobs=None):
+            return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
         try:
             async for ev in gen.events():
                 if ev[0] == "text":
-                    yield self._chunk(gen, "text_completion", choice(ev[1]), None, include_usage)
-            yield self._chunk(gen, "text_completion", choice("", gen.finish_reason), None, include_usage)
+                    # gen.text already holds this chunk: offsets count from the text sent before it
+                    lp = self._completion_logprobs(gen, len(gen.text) - len(ev[1]), last=False)
+                    yield self._chunk(gen, "text_completion", choice(ev[1], None, lp), None, include_usage)
+            lp = self._completion_logprobs(gen, len(gen.text), last=True)
+            yield self._chunk(gen, "text_completion", choice("", gen.finish_reason, lp), None, include_usage)
             if include_usage:
                 yield self._chunk(gen, "text_completion", None, gen.usage(), True)
         except Exception as e:
@@ -231,7 +247,8 @@ class TextRoutes:
             pass
         body = {"id": gen.request.request_id, "object": "text_completion", "created": int(time.time()),
                 "model": self.fe.model,
-                "choices": [{"index": 0, "text": gen.text, "logprobs": None, "finish_reason": gen.finish_reason}],
+                "choices": [{"index": 0, "text": gen.text, "logprobs": self._completion_logprobs(gen, 0, last=False),
+                             "finish_reason": gen.finish_reason}],
                 "usage": gen.usage()}
         return Response(msgspec.json.encode(body), media_type="application/json")
 

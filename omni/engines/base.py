@@ -14,6 +14,8 @@ from typing import Any
 import msgspec
 import torch
 
+from omni.engines.logprobs import Logprobs
+
 
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     max_tokens: int = 64
@@ -30,6 +32,8 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = {}
     min_tokens: int = 0
+    # None: no logprobs; k >= 0: the sampled token's logprob and the top k (omni.engines.logprobs).
+    logprobs: int | None = None
 
     def shapes_logits(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
@@ -59,6 +63,7 @@ class EngineOutput(msgspec.Struct, kw_only=True):
     # Number of prompt tokens (set on the first output of a request).
     num_prompt_tokens: int | None = None
     sample_rate: int = 0               # Hz of an "audio" tensor (audio outputs only)
+    logprobs: Logprobs | None = None   # one row per token id, when the request asked for them
 
 
 class EngineError(Exception):

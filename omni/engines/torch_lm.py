@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from omni.engines.base import Engine, EngineError, EngineOutput, EngineRequest, SamplingParams
+from omni.engines.logprobs import MAX_LOGPROBS, from_logits
 from omni.engines.torch_lm_model import DTYPES, BatchedLM
 from omni.engines.torch_lm_sampling import sample
 from omni.errors import ConfigError
@@ -106,6 +107,8 @@ class TorchLMEngine(Engine):
             raise EngineError(f"request {rid!r}: top_p must be in (0, 1], got {p.top_p}")
         if p.top_k < 0:
             raise EngineError(f"request {rid!r}: top_k must be >= 0, got {p.top_k}")
+        if p.logprobs is not None and not 0 <= p.logprobs <= MAX_LOGPROBS:
+            raise EngineError(f"request {rid!r}: logprobs must be in [0, {MAX_LOGPROBS}], got {p.logprobs}")
         seed = p.seed if p.seed is not None else int(torch.randint(2**62, (1,), generator=self._rng))
         self._waiting.append(_Seq(rid, prompt, p, torch.Generator().manual_seed(seed)))
         self._ids.add(rid)
@@ -174,7 +177,10 @@ class TorchLMEngine(Engine):
         self._prompt_tokens += len(seq.prompt)
         token = sample(logits.unsqueeze(0), [seq.params], [seq.generator], [(seq.prompt, seq.output)],
                        self.eos_token_ids)[0]
+        # sample() left `logits` raw (it shapes a copy): vLLM's default raw logprobs.
+        lp = from_logits(logits.unsqueeze(0), [token], [seq.params.logprobs])[0]
         out = self._emit(seq, token, hidden)
+        out.logprobs = lp
         out.num_prompt_tokens = len(seq.prompt)
         return out
 
@@ -184,7 +190,11 @@ class TorchLMEngine(Engine):
                                          [s.length - 1 for s in seqs])
         tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs],
                         [(s.prompt, s.output) for s in seqs], self.eos_token_ids)
-        return [self._emit(seq, tok, hidden[i:i + 1]) for i, (seq, tok) in enumerate(zip(seqs, tokens))]
+        lps = from_logits(logits, tokens, [s.params.logprobs for s in seqs])
+        outs = [self._emit(seq, tok, hidden[i:i + 1]) for i, (seq, tok) in enumerate(zip(seqs, tokens))]
+        for out, lp in zip(outs, lps):
+            out.logprobs = lp
+        return outs
 
     def _emit(self, seq: _Seq, token: int, hidden: torch.Tensor) -> EngineOutput:
         seq.output.append(token)

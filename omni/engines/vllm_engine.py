@@ -50,6 +50,7 @@ from omni.config import DeployConfig, StageConfig
 from omni.engines import vllm_mm
 from omni.engines.vllm_procs import describe_exit, engine_core_dies_with_us
 from omni.engines.base import Engine, EngineError, EngineOutput, EngineRequest, SamplingParams
+from omni.engines.logprobs import from_vllm
 from omni.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -86,6 +87,7 @@ class _Live:
     hidden_name: str | None = None   # the mm_hidden file vLLM writes once the prefill is done
     rows: Any = None                 # a vllm_hidden.RowStream for hidden_rows
     n_tokens: int = 0                # prompt (as vLLM expanded it) + generated so far
+    logprobs: int | None = None      # the request's top-k, when it asked for logprobs
 
 
 def engine_arg_names() -> set[str]:
@@ -150,6 +152,7 @@ def to_vllm_sampling(p: SamplingParams):
         repetition_penalty=p.repetition_penalty,
         logit_bias=dict(p.logit_bias) or None,
         min_tokens=p.min_tokens,
+        logprobs=p.logprobs,       # vLLM's default logprobs_mode: raw, as the torch engine's
         output_kind=RequestOutputKind.DELTA,
         detokenize=False,
     )
@@ -297,7 +300,7 @@ class VllmEngine(Engine):
             self._dead = self._dead or "the EngineCore reported itself dead"
             raise EngineError(f"{self.label}: vLLM EngineCore died: {self._dead}") from None
         self._live[rid] = _Live(len(prompt), emit_prompt_ids=bool(request.extra.get("emit_prompt_ids", self._emit_prompt_ids)),
-                                hidden_name=hidden_name, rows=rows)
+                                hidden_name=hidden_name, rows=rows, logprobs=p.logprobs)
         self._prompt_tokens += len(prompt)
 
     def abort(self, request_id: str) -> None:
@@ -347,6 +350,8 @@ class VllmEngine(Engine):
             ids = list(c.token_ids) if c is not None else []
             self._gen_tokens += len(ids)
             out = EngineOutput(request_id=r.request_id, token_ids=ids)
+            if ids and live.logprobs is not None and c.logprobs:
+                out.logprobs = from_vllm(ids, c.logprobs, live.logprobs)
             if not live.started:
                 live.started = True
                 # vLLM's prompt: audio placeholders expanded to the audio tower's output length.

@@ -271,6 +271,7 @@ class OrchestratorCore:
             if not out.token_ids:
                 return
             po.token_ids = list(out.token_ids)
+            po.logprobs = out.logprobs
         else:
             ref = next(iter(out.tensors.values()), None)
             if ref is None:

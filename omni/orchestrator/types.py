@@ -7,6 +7,7 @@ from typing import AsyncIterator, Protocol
 import msgspec
 
 from omni.engines.base import SamplingParams
+from omni.engines.logprobs import Logprobs
 from omni.stage.messages import InlineTensor
 
 
@@ -38,6 +39,7 @@ class PipelineOutput(msgspec.Struct, kw_only=True):
     finish_reason: str | None = None
     num_prompt_tokens: int | None = None
     embedding: list[float] | None = None   # modality "embedding"
+    logprobs: Logprobs | None = None   # modality "text": one row per token id, when asked for
 
 
 class OrchestratorLike(Protocol):

@@ -11,6 +11,7 @@ from typing import Any, Union
 import msgspec
 
 from omni.engines.base import SamplingParams
+from omni.engines.logprobs import Logprobs
 from omni.transport.base import TensorRef
 
 
@@ -80,6 +81,7 @@ class Output(msgspec.Struct, frozen=True, tag="out", kw_only=True):
     step_s: float = 0.0
     sent_at: float = 0.0                 # wall clock when the stage sent it (output queue delay)
     sample_rate: int = 0                 # Hz of the audio tensor in `tensors` (audio outputs only)
+    logprobs: Logprobs | None = None     # per token id of `token_ids`, when the request asked for them
 
 
 class RequestError(msgspec.Struct, frozen=True, tag="err"):

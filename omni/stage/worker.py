@@ -347,7 +347,7 @@ class StageWorker:
             num_prompt_tokens=out.num_prompt_tokens,
             queue_s=queue_s,
             step_s=step_s,
-            sent_at=time.time(), sample_rate=out.sample_rate,
+            sent_at=time.time(), sample_rate=out.sample_rate, logprobs=out.logprobs,
         )
         if out.finished:
             del self._reqs[out.request_id]

@@ -60,8 +60,8 @@ def test_vllm_sampling_params_get_them():
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("extra, param", [
-    ({"logprobs": True}, "logprobs"),
-    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),             # without logprobs: true
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
@@ -80,7 +80,7 @@ async def test_unsupported_or_bad_chat_parameters_are_a_400_naming_them(tokenize
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("extra, param", [
-    ({"echo": True}, "echo"), ({"best_of": 2}, "best_of"), ({"suffix": "end"}, "suffix"), ({"logprobs": 1}, "logprobs"),
+    ({"echo": True}, "echo"), ({"best_of": 2}, "best_of"), ({"suffix": "end"}, "suffix"), ({"logprobs": 21}, "logprobs"),
 ])
 async def test_unsupported_completion_parameters_are_a_400_naming_them(tokenizer, extra, param):
     _, client = make(tokenizer)
