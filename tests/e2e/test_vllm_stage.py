@@ -39,6 +39,7 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 MAX_TOKENS = 24
 # float32: in bfloat16 the greedy answer is a near tie that differs between CPU kinds (AMX or not).
 # Penalties and min_tokens through the API must give what vLLM's own SamplingParams give.
+LOGPROBS_K = 5
 SHAPED = {"repetition_penalty": 1.3, "presence_penalty": 0.5, "frequency_penalty": 0.4, "min_tokens": MAX_TOKENS}
 STAGE0 = {"engine": "vllm", "dtype": "float32", "max_num_seqs": 4, "kv_cache_memory_bytes": 256 * 2**20}
 
@@ -56,6 +57,14 @@ def main():
     shaped = SamplingParams(temperature=0.0, max_tokens=n, detokenize=False, **json.loads(sys.argv[4]))
     out = llm.generate([{"prompt_token_ids": ids}], shaped, use_tqdm=False)
     print("SHAPED " + json.dumps(list(out[0].outputs[0].token_ids)), flush=True)
+    k = int(sys.argv[5])
+    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0.0, max_tokens=n, detokenize=False,
+                       logprobs=k), use_tqdm=False)[0].outputs[0]
+    rows = []   # (sampled id, its logprob, the top k as (id, logprob) by rank)
+    for t, d in zip(out.token_ids, out.logprobs):
+        top = sorted((v.rank, i, v.logprob) for i, v in d.items() if v.rank <= k)
+        rows.append([t, d[t].logprob, [[i, v] for _, i, v in top]])
+    print("LOGPROBS " + json.dumps(rows), flush=True)
 if __name__ == "__main__":
     main()
 """
@@ -87,8 +96,8 @@ def started(prompt_ids):
     from omni.models.resolve import resolve_model
 
     ref = subprocess.Popen([sys.executable, "-c", REFERENCE, resolve_model(MODEL), json.dumps(prompt_ids),
-                            str(MAX_TOKENS), json.dumps(SHAPED)], cwd=REPO, env=vllm_env(), stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            str(MAX_TOKENS), json.dumps(SHAPED), str(LOGPROBS_K)], cwd=REPO, env=vllm_env(),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     # The server gets no vLLM env: the engine sets its own defaults.
     p = OmniProcess("serve", MODEL, "--stage-overrides", json.dumps({"0": STAGE0}), "--port", "0")
     try:
@@ -108,11 +117,13 @@ def server(started):
 
 @pytest.fixture(scope="module")
 def reference(started) -> dict:
-    """{"REFERENCE": greedy ids, "SHAPED": ids with SHAPED's parameters}, from vLLM offline."""
+    """{"REFERENCE": greedy ids, "SHAPED": ids with SHAPED's parameters, "LOGPROBS": greedy
+    [id, logprob, top LOGPROBS_K [id, logprob]] rows}, from vLLM offline."""
     _, ref = started
     out, _ = ref.communicate(timeout=400)
     assert ref.returncode == 0, out[-3000:]
-    return {k: json.loads(x.removeprefix(k + " ")) for x in out.splitlines() for k in ("REFERENCE", "SHAPED")
+    return {k: json.loads(x.removeprefix(k + " ")) for x in out.splitlines()
+            for k in ("REFERENCE", "SHAPED", "LOGPROBS")
             if x.startswith(k + " ")}
 
 
@@ -240,6 +251,40 @@ def test_streaming_joins_to_the_offline_text(server, reference_ids, tokenizer):
                 for choice in json.loads(line[6:])["choices"]:
                     deltas.append(choice["delta"].get("content") or "")
     assert "".join(deltas) == tokenizer.decode(reference_ids, skip_special_tokens=True)
+
+
+def test_logprobs_equal_vllm_offline_generate(server, reference, tokenizer, prompt_ids):
+    """Chat and completions, whole and streamed, with the openai client: each token's text alone,
+    its logprob and the top k equal vLLM's own SamplingParams(logprobs=k) in float32."""
+    import openai
+
+    _, url = server
+    rows = reference["LOGPROBS"]
+    assert [t for t, _, _ in rows] == reference["REFERENCE"]
+
+    def alone(t):
+        return tokenizer.decode([t], skip_special_tokens=False)
+
+    def check(got):   # [(token, logprob, [(token, logprob)])]
+        assert [g[0] for g in got] == [alone(t) for t, _, _ in rows]
+        for (_, lp, top), (_, rlp, rtop) in zip(got, rows):
+            assert lp == pytest.approx(rlp, abs=1e-4)
+            assert [s for s, _ in top] == [alone(i) for i, _ in rtop]
+            assert [v for _, v in top] == pytest.approx([v for _, v in rtop], abs=1e-4)
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=120)
+    kw = dict(model=MODEL, max_tokens=MAX_TOKENS, temperature=0)
+    r = client.chat.completions.create(messages=QUESTION, logprobs=True, top_logprobs=LOGPROBS_K, **kw)
+    check([(c.token, c.logprob, [(x.token, x.logprob) for x in c.top_logprobs]) for c in r.choices[0].logprobs.content])
+    stream = client.chat.completions.create(messages=QUESTION, logprobs=True, top_logprobs=LOGPROBS_K, stream=True, **kw)
+    check([(c.token, c.logprob, [(x.token, x.logprob) for x in c.top_logprobs])
+           for ch in stream if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content])
+    # Completions on the same ids: greedy, so each map is the top k (the sampled token among them).
+    for stream in (False, True):
+        res = client.completions.create(prompt=prompt_ids, logprobs=LOGPROBS_K, stream=stream, **kw)
+        parts = [ch.choices[0].logprobs for ch in res if ch.choices[0].logprobs] if stream else [res.choices[0].logprobs]
+        check([(t, v, sorted(top.items(), key=lambda kv: -kv[1]))
+               for p in parts for t, v, top in zip(p.tokens, p.token_logprobs, p.top_logprobs)])
 
 
 def test_bad_token_ids_fail_the_request_not_the_engine(server):
