@@ -197,10 +197,11 @@ def logprobs_k(req: _Sampling) -> int | None:
     server checks them: chat `top_logprobs` needs `logprobs: true`; at most vLLM's max_logprobs."""
     if isinstance(req, ChatCompletionRequest):
         name, k = "top_logprobs", req.top_logprobs
-        if k is not None and not req.logprobs:
-            raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
-        if req.logprobs and k is None:
-            k = 0
+        if not req.logprobs:
+            if k:   # vLLM lets top_logprobs 0 through without logprobs
+                raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
+            return None
+        k = 0 if k is None else k
     else:
         name, k = "logprobs", getattr(req, "logprobs", None)
     if k is not None and not 0 <= k <= MAX_LOGPROBS:

@@ -136,7 +136,7 @@ def anyio_backend():
 @pytest.mark.anyio
 @pytest.mark.parametrize("route, extra, param", [
     ("chat", {"top_logprobs": 2}, "top_logprobs"),
-    ("chat", {"logprobs": False, "top_logprobs": 0}, "top_logprobs"),
+    ("chat", {"logprobs": False, "top_logprobs": 1}, "top_logprobs"),
     ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("chat", {"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
     ("chat", {"logprobs": 3}, "logprobs"),                    # chat's is a boolean
@@ -162,9 +162,11 @@ async def test_chat_logprobs_whole_and_streamed(tokenizer):
         s = await c.post("/v1/chat/completions", json=chat_body(logprobs=True, top_logprobs=3, stream=True))
         plain = await c.post("/v1/chat/completions", json=chat_body(logprobs=True))
         off = await c.post("/v1/chat/completions", json=chat_body())
+        zero = await c.post("/v1/chat/completions", json=chat_body(top_logprobs=0))   # as vLLM: no logprobs
     assert r.status_code == 200, r.text
     assert orch.requests[0].sampling.logprobs == 3 and orch.requests[2].sampling.logprobs == 0
-    assert orch.requests[3].sampling.logprobs is None
+    assert orch.requests[3].sampling.logprobs is None and orch.requests[4].sampling.logprobs is None
+    assert zero.status_code == 200 and zero.json()["choices"][0]["logprobs"] is None
     ids = tokenizer.encode("hello world", add_special_tokens=False) + [tokenizer.eos_token_id]
     content = r.json()["choices"][0]["logprobs"]["content"]
     assert [e["token"] for e in content] == [alone(tokenizer, t) for t in ids]
