@@ -52,9 +52,11 @@ class _Segment:
         self.fd = os.memfd_create(f"omni-shm-{tag}-{index}", os.MFD_CLOEXEC)
         os.ftruncate(self.fd, size)
         self.mm = mmap.mmap(self.fd, size)
+        self.bytes = torch.frombuffer(self.mm, dtype=torch.uint8)   # made once: slicing is cheaper
         self.alloc = SlotAllocator(size)
 
     def close(self) -> None:
+        del self.bytes
         try:
             self.mm.close()
         except BufferError:
@@ -81,6 +83,7 @@ class ShmProducer(TensorProducer):
         self._next_key = 1
         self._slots: dict[int, tuple[int, int, str]] = {}   # key -> (segment, offset, owner)
         self._by_owner: dict[str, set[int]] = {}
+        self._staged: dict[int, tuple[int, tuple[int, ...], torch.dtype]] = {}   # key -> (data_ptr, shape, dtype)
         self._closed = False
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.bind("\0" + self.name)
@@ -113,8 +116,51 @@ class ShmProducer(TensorProducer):
         if not isinstance(tensor, torch.Tensor):
             raise TransportError(f"put() needs a torch.Tensor, got {type(tensor).__name__}")
         dtype = dtype_name(tensor.dtype)
+        staged = self._take_staged(tensor) if self._staged else None
+        if staged is not None:
+            return staged
         src = tensor.detach().contiguous()
         nbytes = src.numel() * src.element_size()
+        seg, off, key = self._reserve(nbytes, owner)
+        try:
+            if nbytes:
+                seg.bytes[off + HEADER:off + HEADER + nbytes].copy_(flat_bytes(src))
+            # header last: a consumer never sees a valid header over half-written bytes
+            _SLOT.pack_into(seg.mm, off, _MAGIC, key, nbytes)
+        except Exception:
+            self.free([key])
+            raise
+        return TensorRef(transport="shm", endpoint=f"{self.name}/{seg.index}", key=key, dtype=dtype,
+                         shape=tuple(src.shape), nbytes=nbytes, offset=off, owner=owner)
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype, owner: str = "") -> torch.Tensor:
+        """A tensor that lives in the arena: write the output into it (e.g. `out=`), then
+        `put()` it and the hand-off copies nothing. Until put, it counts as in use; `free_owner`
+        or `close` releases one that is never put."""
+        dtype_name(dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
+        seg, off, key = self._reserve(nbytes, owner)
+        out = seg.bytes[off + HEADER:off + HEADER + nbytes].view(dtype).view(shape)
+        with self._lock:
+            self._staged[key] = (out.data_ptr(), tuple(shape), dtype)
+        return out
+
+    def _take_staged(self, tensor: torch.Tensor) -> TensorRef | None:
+        """The ref of a tensor from `empty()`, published without a copy; None for any other."""
+        ptr, shape = tensor.data_ptr(), tuple(tensor.shape)
+        with self._lock:
+            for key, (sptr, sshape, sdtype) in self._staged.items():
+                if sptr == ptr and sshape == shape and sdtype == tensor.dtype and tensor.is_contiguous():
+                    del self._staged[key]
+                    index, off, owner = self._slots[key]
+                    nbytes = tensor.numel() * tensor.element_size()
+                    _SLOT.pack_into(self._segments[index].mm, off, _MAGIC, key, nbytes)
+                    return TensorRef(transport="shm", endpoint=f"{self.name}/{index}", key=key,
+                                     dtype=dtype_name(tensor.dtype), shape=shape, nbytes=nbytes, offset=off,
+                                     owner=owner)
+        return None
+
+    def _reserve(self, nbytes: int, owner: str) -> tuple[_Segment, int, int]:
         need = HEADER + nbytes
         if round_up(need) > self.arena_bytes:
             raise TransportError(
@@ -129,18 +175,7 @@ class ShmProducer(TensorProducer):
             self._next_key += 1
             self._slots[key] = (seg.index, off, owner)
             self._by_owner.setdefault(owner, set()).add(key)
-        try:
-            if nbytes:
-                dst = torch.frombuffer(seg.mm, dtype=torch.uint8, count=nbytes, offset=off + HEADER)
-                dst.copy_(flat_bytes(src))
-                del dst
-            # header last: a consumer never sees a valid header over half-written bytes
-            _SLOT.pack_into(seg.mm, off, _MAGIC, key, nbytes)
-        except Exception:
-            self.free([key])
-            raise
-        return TensorRef(transport="shm", endpoint=f"{self.name}/{seg.index}", key=key, dtype=dtype,
-                         shape=tuple(src.shape), nbytes=nbytes, offset=off, owner=owner)
+        return seg, off, key
 
     def _alloc(self, need: int) -> tuple[_Segment, int]:
         for seg in self._segments:
@@ -166,6 +201,7 @@ class ShmProducer(TensorProducer):
                 if slot is None:
                     continue  # double ack or unknown key: freeing is idempotent
                 index, off, owner = slot
+                self._staged.pop(key, None)
                 seg = self._segments[index]
                 if not self._closed:
                     _SLOT.pack_into(seg.mm, off, 0, 0, 0)
@@ -199,6 +235,7 @@ class ShmProducer(TensorProducer):
                 seg.close()
             self._slots.clear()
             self._by_owner.clear()
+            self._staged.clear()
 
 
 class ShmConsumer(TensorConsumer):
@@ -208,11 +245,11 @@ class ShmConsumer(TensorConsumer):
         self._timeout = connect_timeout
         self._token = token
         self._lock = threading.Lock()
-        self._maps: dict[str, mmap.mmap] = {}
+        self._maps: dict[str, tuple[mmap.mmap, torch.Tensor]] = {}   # endpoint -> (mapping, its bytes)
 
     def get(self, ref: TensorRef) -> torch.Tensor:
         dtype = check_ref(ref, ("shm",))
-        mm = self._segment(ref.endpoint)
+        mm, seg_bytes = self._segment(ref.endpoint)
         off = ref.offset
         if off < 0 or off % ALIGN or off + HEADER + ref.nbytes > len(mm):
             raise TransportError(
@@ -228,16 +265,15 @@ class ShmConsumer(TensorConsumer):
             )
         if ref.nbytes == 0:
             return torch.empty(ref.shape, dtype=dtype)
-        flat = torch.frombuffer(mm, dtype=dtype, count=math.prod(ref.shape), offset=off + HEADER)
-        return flat.view(ref.shape)
+        return seg_bytes[off + HEADER:off + HEADER + ref.nbytes].view(dtype).view(ref.shape)
 
-    def _segment(self, endpoint: str) -> mmap.mmap:
+    def _segment(self, endpoint: str) -> tuple[mmap.mmap, torch.Tensor]:
         with self._lock:
-            mm = self._maps.get(endpoint)
-            if mm is None:
+            entry = self._maps.get(endpoint)
+            if entry is None:
                 mm = self._fetch(endpoint)
-                self._maps[endpoint] = mm
-            return mm
+                entry = self._maps[endpoint] = (mm, torch.frombuffer(mm, dtype=torch.uint8))
+            return entry
 
     def _fetch(self, endpoint: str) -> mmap.mmap:
         name, sep, index = endpoint.rpartition("/")
@@ -271,7 +307,9 @@ class ShmConsumer(TensorConsumer):
     def close(self) -> None:
         with self._lock:
             maps, self._maps = self._maps, {}
-        for mm in maps.values():
+        mms = [mm for mm, _ in maps.values()]
+        maps.clear()   # drops our byte views, so the mappings can close
+        for mm in mms:
             try:
                 mm.close()
             except BufferError:
