@@ -49,7 +49,8 @@ from omni.transport.local import LocalListener, connect_local  # noqa: E402
 RUNS = [("shm/zmq", "shm", "zmq", "copy"), ("shm", "shm", "local", "copy"),
         ("shm staged", "shm", "local", "staged"), ("shm stream", "shm", "local", "stream"),
         ("tcp", "tcp", "local", "copy"), ("gloo", "gloo", "local", "copy")]
-QUICK = {4 << 10: 300, 64 << 10: 200, 1 << 20: 60, 16 << 20: 12, 64 << 20: 6}
+QUICK_SKIP = {"gloo"}   # seconds per run and no goal: --full only
+QUICK = {4 << 10: 200, 64 << 10: 100, 1 << 20: 40, 16 << 20: 10, 64 << 20: 5}
 FULL = {4 << 10: 2000, 16 << 10: 2000, 64 << 10: 1000, 256 << 10: 500, 1 << 20: 200,
         4 << 20: 80, 16 << 20: 40, 64 << 20: 15}
 WARMUP = 3
@@ -266,8 +267,8 @@ def goals(rows: list[dict], carriers: list[dict], iperf_gbps: float, sizes: list
 
 
 def print_report(rows: list[dict], sizes: list[int], carriers: list[dict], floors: dict[str, list[float]],
-                 iperf_gbps: float, goal_rows: list[dict], load: list[float]) -> None:
-    labels = ["memcpy", *[r[0] for r in RUNS]]
+                 iperf_gbps: float, goal_rows: list[dict], load: list[float], run_labels: list[str]) -> None:
+    labels = ["memcpy", *run_labels]
     by = {(r["transport"], r["bytes"]): r for r in rows}
     print("\n\n".join(__doc__.split("\n\n")[1:4]) + "\n")
     print(f"load average before/after: {load[0]:.2f} / {load[1]:.2f} (2 shared cores: figures are noisy)\n")
@@ -306,20 +307,24 @@ def main() -> None:
     load = [os.getloadavg()[0]]
     rows = bench_memcpy(sizes)
     floors: dict[str, list[float]] = {}
-    for label, kind, carrier, run_mode in RUNS:
+    runs = RUNS if args.full else [r for r in RUNS if r[0] not in QUICK_SKIP]
+    for label, kind, carrier, run_mode in runs:
         print(f"running {label} ...", file=sys.stderr, flush=True)
         rows += bench_transport(label, kind, carrier, run_mode, sizes, floors)
     print("running carriers and iperf ...", file=sys.stderr, flush=True)
     carriers = cand.carrier_rows(2000 if args.full else 300)
     iperf_gbps = cand.iperf_loopback((1 << 30) if args.full else (128 << 20))
+    touch = cand.first_touch(64 << 20)
     load.append(os.getloadavg()[0])
     goal_rows = goals(rows, carriers, iperf_gbps, list(sizes))
     if args.json:
         print(json.dumps({"load": load, "rows": rows, "carriers": carriers, "iperf_gbps": round(iperf_gbps, 3),
                           "floors_p50_us": {c: round(pct(f, 0.5) * 1e6, 1) for c, f in floors.items()},
-                          "goals": goal_rows}))
+                          "first_touch": touch, "goals": goal_rows}))
     else:
-        print_report(rows, list(sizes), carriers, floors, iperf_gbps, goal_rows, load)
+        print_report(rows, list(sizes), carriers, floors, iperf_gbps, goal_rows, load, [r[0] for r in runs])
+        print(f"\nfirst touch: put of {human(touch['bytes'])} into a fresh arena {touch['cold_us']:.0f} us, into the "
+              f"same (faulted-in) slot again {touch['warm_us']:.0f} us: {touch['cold_over_warm']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -56,6 +56,9 @@ def _zmq_echo(addr: str, token: str, router: bool) -> None:
             break
         sock.send_multipart(frames)
     sock.close(0)
+    from omni.stage import curve
+    for auth, _keys in curve._authenticators.values():   # its thread must go before the context
+        auth.stop()
     ctx.term()
 
 
@@ -218,3 +221,26 @@ def iperf_loopback(total: int, repeats: int = 3) -> float:
         srv.close()
         best = max(best, got / dt / 1e9)
     return best
+
+
+# -- first touch of fresh shared memory ------------------------------------------------------
+def first_touch(nbytes: int) -> dict:
+    """put() into a fresh arena (every page faults in) vs the same slot again (pages present)."""
+    import torch
+
+    from omni.transport.factory import make_producer
+
+    producer = make_producer("shm", arena_bytes=nbytes + (1 << 20))
+    try:
+        x = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+        times = []
+        for _ in range(4):
+            t0 = time.perf_counter()
+            ref = producer.put(x)
+            times.append(time.perf_counter() - t0)
+            producer.free([ref.key])
+    finally:
+        producer.close()
+    warm = sorted(times[1:])[1]
+    return {"bytes": nbytes, "cold_us": round(times[0] * 1e6, 1), "warm_us": round(warm * 1e6, 1),
+            "cold_over_warm": round(times[0] / warm, 2)}
