@@ -315,16 +315,20 @@ def main() -> None:
     carriers = cand.carrier_rows(2000 if args.full else 300)
     iperf_gbps = cand.iperf_loopback((1 << 30) if args.full else (128 << 20))
     touch = cand.first_touch(64 << 20)
+    cpu = cand.shm_cpu_costs(list(sizes))
     load.append(os.getloadavg()[0])
     goal_rows = goals(rows, carriers, iperf_gbps, list(sizes))
     if args.json:
         print(json.dumps({"load": load, "rows": rows, "carriers": carriers, "iperf_gbps": round(iperf_gbps, 3),
                           "floors_p50_us": {c: round(pct(f, 0.5) * 1e6, 1) for c, f in floors.items()},
-                          "first_touch": touch, "goals": goal_rows}))
+                          "first_touch": touch, "shm_cpu": cpu, "goals": goal_rows}))
     else:
         print_report(rows, list(sizes), carriers, floors, iperf_gbps, goal_rows, load, [r[0] for r in runs])
         print(f"\nfirst touch: put of {human(touch['bytes'])} into a fresh arena {touch['cold_us']:.0f} us, into the "
               f"same (faulted-in) slot again {touch['warm_us']:.0f} us: {touch['cold_over_warm']:.2f}x")
+        print("\nshm CPU per hand-off (thread CPU time, one process; the part of the round trip load does not "
+              "inflate):\n  " + ", ".join(f"{human(c['bytes'])} put+encode+free {c['put_cpu_us']:.1f} us, "
+                                         f"decode+get {c['get_cpu_us']:.1f} us" for c in cpu))
 
 
 if __name__ == "__main__":
