@@ -259,10 +259,10 @@ def goals(rows: list[dict], carriers: list[dict], iperf_gbps: float, sizes: list
                             f"(worst of {', '.join(human(n) for n in big)})",
                     "value": round(min(ratios), 3), "target": GOAL_BW_RATIO, "met": min(ratios) >= GOAL_BW_RATIO,
                     "ratios": {human(n): round(r, 3) for n, r in zip(big, ratios)}})
-    tcp_best = max(by[("tcp", n)]["gbps"] for n in big)
-    out.append({"goal": f"omni tcp >= {GOAL_BW_RATIO}x one iperf-style loopback stream ({iperf_gbps:.2f} GB/s), "
-                        "best size from 1 MiB", "value": round(tcp_best / iperf_gbps, 3),
-                "target": GOAL_BW_RATIO, "met": tcp_best / iperf_gbps >= GOAL_BW_RATIO})
+    tcp = {human(n): round(by[("tcp", n)]["gbps"] / iperf_gbps, 3) for n in big}
+    out.append({"goal": f"omni tcp >= {GOAL_BW_RATIO}x one iperf-style loopback stream ({iperf_gbps:.2f} GB/s) "
+                        "at every size from 1 MiB", "value": min(tcp.values()), "target": GOAL_BW_RATIO,
+                "met": min(tcp.values()) >= GOAL_BW_RATIO, "ratios": tcp})
     return out
 
 
@@ -328,7 +328,8 @@ def main() -> None:
               f"same (faulted-in) slot again {touch['warm_us']:.0f} us: {touch['cold_over_warm']:.2f}x")
         print("\nshm CPU per hand-off (thread CPU time, one process; the part of the round trip load does not "
               "inflate):\n  " + ", ".join(f"{human(c['bytes'])} put+encode+free {c['put_cpu_us']:.1f} us, "
-                                         f"decode+get {c['get_cpu_us']:.1f} us" for c in cpu))
+                                         f"staged {c['staged_put_cpu_us']:.1f} us, decode+get {c['get_cpu_us']:.1f} us"
+                                         for c in cpu))
 
 
 if __name__ == "__main__":

@@ -248,8 +248,9 @@ def first_touch(nbytes: int) -> dict:
 
 # -- CPU cost of put/get, in one process (thread CPU time: holds up under load) ---------------
 def shm_cpu_costs(sizes: list[int], budget_s: float = 0.2) -> list[dict]:
-    """Per hand-off CPU microseconds of the producer's put + ref encode + free and of the
-    consumer's ref decode + get; best of 3 batches. What the round trip adds to the carrier."""
+    """Per hand-off CPU microseconds of the producer's put + ref encode + free (also with a
+    staged tensor: empty() + put) and of the consumer's ref decode + get; best of 3 batches.
+    What a hand-off adds to the carrier's round trip."""
     import msgspec
     import torch
 
@@ -268,7 +269,7 @@ def shm_cpu_costs(sizes: list[int], budget_s: float = 0.2) -> list[dict]:
             t0 = time.thread_time()
             producer.free([producer.put(x).key])
             reps = max(3, min(2000, int(budget_s / 3 / max(time.thread_time() - t0, 1e-6))))
-            put_s = get_s = float("inf")
+            put_s = get_s = staged_s = float("inf")
             for _ in range(3):
                 t0 = time.thread_time()
                 for _ in range(reps):
@@ -276,6 +277,12 @@ def shm_cpu_costs(sizes: list[int], budget_s: float = 0.2) -> list[dict]:
                     wire = enc.encode(r)
                     producer.free([r.key])
                 put_s = min(put_s, (time.thread_time() - t0) / reps)
+                t0 = time.thread_time()
+                for _ in range(reps):
+                    r = producer.put(producer.empty((n,), torch.uint8, owner="b"), owner="b")
+                    wire = enc.encode(r)
+                    producer.free([r.key])
+                staged_s = min(staged_s, (time.thread_time() - t0) / reps)
                 r = producer.put(x)
                 wire = enc.encode(r)
                 t0 = time.thread_time()
@@ -283,7 +290,8 @@ def shm_cpu_costs(sizes: list[int], budget_s: float = 0.2) -> list[dict]:
                     consumer.get(dec.decode(wire))
                 get_s = min(get_s, (time.thread_time() - t0) / reps)
                 producer.free([r.key])
-            rows.append({"bytes": n, "put_cpu_us": round(put_s * 1e6, 1), "get_cpu_us": round(get_s * 1e6, 1)})
+            rows.append({"bytes": n, "put_cpu_us": round(put_s * 1e6, 1), "staged_put_cpu_us": round(staged_s * 1e6, 1),
+                         "get_cpu_us": round(get_s * 1e6, 1)})
     finally:
         consumer.close()
         producer.close()
