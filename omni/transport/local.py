@@ -45,15 +45,20 @@ class LocalChannel:
         """Readable when a message (or the peer's close) is waiting: for poll or asyncio add_reader."""
         return self._sock.fileno()
 
-    def send(self, data: bytes) -> None:
+    def send(self, data: bytes, wait: bool = True) -> bool:
+        """Queue one message. With wait=False a full socket buffer (a peer that does not read)
+        returns False instead of blocking, so a loop can hold the message and retry."""
         if not data:
             raise TransportError("local channel: empty messages are reserved for end of stream")
         if len(data) > MAX_MESSAGE_BYTES:
             raise TransportError(f"local channel: message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
         try:
-            self._sock.send(data)
+            self._sock.send(data, 0 if wait else socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return False
         except OSError as e:
             raise TransportError(f"local channel: send failed: {e}") from e
+        return True
 
     def recv(self, timeout: float | None = None) -> bytes:
         """The next message; TimeoutError past `timeout`, ConnectionError once the peer closed."""

@@ -71,6 +71,15 @@ def test_bad_messages_and_timeouts_raise():
             server.recv(timeout=0.01)
         client.send(b"x" * MAX_MESSAGE_BYTES)
         assert len(server.recv(timeout=DEADLINE)) == MAX_MESSAGE_BYTES
+        sent = 0
+        while client.send(b"y" * 4096, wait=False):   # nobody reads: the buffer fills, no blocking
+            sent += 1
+            assert sent < 100_000
+        assert sent > 0
+        for _ in range(sent):                         # everything queued arrives, in one piece each
+            assert server.recv(timeout=DEADLINE) == b"y" * 4096
+        assert client.send(b"z", wait=False)
+        assert server.recv(timeout=DEADLINE) == b"z"
         client.close()
         server.close()
     finally:
