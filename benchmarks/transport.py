@@ -1,18 +1,22 @@
-"""Tensor transports side by side: memcpy, shm, tcp and gloo, 4 KiB .. 64 MiB.
+"""Tensor transports side by side: memcpy, shm, tcp and gloo, 4 KiB .. 64 MiB, with the goals.
 
-Producer and consumer are two processes linked by a ZMQ PAIR ipc socket that carries
-msgpack-encoded requests and TensorRefs, as refs travel in omni. One timed iteration,
-measured in the consumer:
+Producer and consumer are two processes; a ref carrier links them: a ZMQ PAIR ipc socket
+(msgpack), as refs travelled before, or omni's LocalChannel (unix SEQPACKET, same user +
+token hello; omni/transport/local.py). One timed iteration, measured in the consumer:
 
-    consumer --request(size, ack of the previous key)--> producer
-    producer: put(tensor)   shm: copy into the arena | tcp/gloo: keep a reference
+    consumer --request(size, acks of the previous keys)--> producer
+    producer: put(tensor)   shm: copy into the arena (staged: the tensor already lives in the
+                            arena, from producer.empty(), so put copies nothing) | tcp/gloo: keep it
     producer --TensorRef--> consumer
     consumer: get(ref)      shm: header check + zero-copy view (bytes not touched)
                             tcp: recv_into a fresh tensor | gloo: process-group recv
 
 so shm's number is "producer copy into shared memory + ref round trip + map", the
-whole cost of handing a tensor over on one host. memcpy is one thread's torch
-`copy_` into a preallocated buffer of the same size, in one process. GB/s = bytes / p50.
+whole cost of handing a tensor over on one host. "stream" asks for several tensors at
+once: the producer copies the next while the consumer takes the last (steady-state
+bandwidth). memcpy is one thread's torch `copy_` into a preallocated buffer of the same
+size, in the consumer, measured right after each size's run ("x memcpy" is that ratio,
+so a load change mid-run moves both). GB/s = bytes / p50.
 
     .venv/bin/python benchmarks/transport.py           # --quick (default, < 2 min)
     .venv/bin/python benchmarks/transport.py --full
@@ -36,22 +40,37 @@ import msgspec  # noqa: E402
 import torch  # noqa: E402
 import zmq  # noqa: E402
 
+from benchmarks import transport_candidates as cand  # noqa: E402
 from omni.transport.base import TensorRef  # noqa: E402
 from omni.transport.factory import make_consumer, make_producer  # noqa: E402
+from omni.transport.local import LocalListener, connect_local  # noqa: E402
 
-KINDS = ("shm", "tcp", "gloo")
-QUICK = {4 << 10: 300, 64 << 10: 200, 1 << 20: 60, 16 << 20: 12, 64 << 20: 6}
+# (label, transport, carrier, mode)
+RUNS = [("shm/zmq", "shm", "zmq", "copy"), ("shm", "shm", "local", "copy"),
+        ("shm staged", "shm", "local", "staged"), ("shm stream", "shm", "local", "stream"),
+        ("tcp", "tcp", "local", "copy"), ("gloo", "gloo", "local", "copy")]
+QUICK_SKIP = {"gloo"}   # seconds per run and no goal: --full only
+QUICK = {4 << 10: 200, 64 << 10: 100, 1 << 20: 40, 16 << 20: 10, 64 << 20: 5}
 FULL = {4 << 10: 2000, 16 << 10: 2000, 64 << 10: 1000, 256 << 10: 500, 1 << 20: 200,
         4 << 20: 80, 16 << 20: 40, 64 << 20: 15}
 WARMUP = 3
+ARENA = 160 << 20
+GOAL_ROUNDTRIP_US = 50.0
+GOAL_BW_RATIO = 0.8
 
 
 ECHO, STOP = -2, -1
 
 
 class Req(msgspec.Struct, frozen=True, array_like=True):
-    nbytes: int          # STOP, ECHO (answer the last ref again, no put), or a payload size
-    ack: int = 0         # key of the previous tensor, freed before the next put
+    nbytes: int                      # STOP, ECHO (answer with a dummy ref, no put), or a payload size
+    acks: tuple[int, ...] = ()       # keys of earlier tensors, freed before the next put
+    count: int = 1                   # tensors to put, each ref sent as soon as it is put
+    staged: bool = False             # the payload lives in the arena already (producer.empty)
+
+
+def stream_count(nbytes: int) -> int:
+    return max(2, min(8, (ARENA // 2) // nbytes))
 
 
 def pct(values: list[float], q: float) -> float:
@@ -59,99 +78,164 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
-def row(transport: str, nbytes: int, samples_s: list[float]) -> dict:
+def row(transport: str, nbytes: int, samples_s: list[float], per: int = 1) -> dict:
     p50 = pct(samples_s, 0.5)
-    return {"transport": transport, "bytes": nbytes, "p50_us": round(p50 * 1e6, 1),
-            "p99_us": round(pct(samples_s, 0.99) * 1e6, 1), "gbps": round(nbytes / p50 / 1e9, 3)}
+    return {"transport": transport, "bytes": nbytes, "p50_us": round(p50 / per * 1e6, 1),
+            "p99_us": round(pct(samples_s, 0.99) / per * 1e6, 1), "gbps": round(nbytes * per / p50 / 1e9, 3)}
+
+
+def memcpy_samples(nbytes: int, iters: int) -> list[float]:
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    samples = []
+    for i in range(iters + WARMUP):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if i >= WARMUP:
+            samples.append(time.perf_counter() - t0)
+    return samples
 
 
 def bench_memcpy(sizes: dict[int, int]) -> list[dict]:
-    rows = []
-    for nbytes, iters in sizes.items():
-        src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
-        dst = torch.empty_like(src)
-        samples = []
-        for i in range(iters + WARMUP):
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            if i >= WARMUP:
-                samples.append(time.perf_counter() - t0)
-        rows.append(row("memcpy", nbytes, samples))
-    return rows
+    return [row("memcpy", nbytes, memcpy_samples(nbytes, iters)) for nbytes, iters in sizes.items()]
 
 
-def producer_main(kind: str, addr: str, sizes: list[int]) -> None:
+class Carrier:
+    """send/recv of bytes over ZMQ PAIR or LocalChannel; `peer` connects from the producer."""
+
+    def __init__(self, kind: str):
+        self.kind, self.token = kind, secrets.token_hex(16)
+        if kind == "zmq":
+            self.addr = f"ipc://@omni-bench-{os.getpid()}-{secrets.token_hex(4)}"
+            self._ctx = zmq.Context()
+            self._sock = self._ctx.socket(zmq.PAIR)
+            self._sock.setsockopt(zmq.RCVTIMEO, 60_000)
+            self._sock.bind(self.addr)
+        else:
+            self._listener = LocalListener(token=self.token)
+            self.addr = self._listener.name
+            self._ch = None
+
+    def send(self, data: bytes) -> None:
+        if self.kind == "zmq":
+            self._sock.send(data)
+        else:
+            if self._ch is None:
+                self._ch = self._listener.accept(timeout=60)
+            self._ch.send(data)
+
+    def recv(self) -> bytes:
+        return self._sock.recv() if self.kind == "zmq" else self._ch.recv(timeout=60)
+
+    def close(self) -> None:
+        if self.kind == "zmq":
+            self._sock.close(linger=0)
+            self._ctx.term()
+        else:
+            if self._ch is not None:
+                self._ch.close()
+            self._listener.close()
+
+    @staticmethod
+    def peer(kind: str, addr: str, token: str):
+        if kind == "local":
+            ch = connect_local(addr, token)
+            return ch.send, ch.recv, ch.close
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.PAIR)
+        sock.connect(addr)
+
+        def close() -> None:
+            sock.close(linger=0)
+            ctx.term()
+        return sock.send, sock.recv, close
+
+
+def producer_main(kind: str, carrier: str, addr: str, token: str, sizes: list[int]) -> None:
     torch.set_num_threads(1)
-    producer = make_producer(kind, arena_bytes=160 << 20) if kind == "shm" else make_producer(kind)
+    producer = make_producer(kind, arena_bytes=ARENA) if kind == "shm" else make_producer(kind)
     payloads = {n: torch.randint(0, 256, (n,), dtype=torch.uint8) for n in sizes}
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.PAIR)
-    sock.connect(addr)
+    send, recv, close = Carrier.peer(carrier, addr, token)
     dec = msgspec.msgpack.Decoder(Req)
     enc = msgspec.msgpack.Encoder()
     echo = enc.encode(TensorRef(transport=kind, endpoint="-", key=0, dtype="uint8", shape=(0,), nbytes=0))
     try:
         while True:
-            req = dec.decode(sock.recv())
-            if req.ack:
-                producer.free([req.ack])
+            req = dec.decode(recv())
+            if req.acks:
+                producer.free(list(req.acks))
             if req.nbytes == STOP:
                 break
             if req.nbytes == ECHO:
-                sock.send(echo)
+                send(echo)
                 continue
-            sock.send(enc.encode(producer.put(payloads[req.nbytes], owner="bench")))
+            for _ in range(req.count):
+                if req.staged:   # as if the stage had written its output into producer.empty()
+                    ref = producer.put(producer.empty((req.nbytes,), torch.uint8, owner="bench"), owner="bench")
+                else:
+                    ref = producer.put(payloads[req.nbytes], owner="bench")
+                send(enc.encode(ref))
     finally:
-        sock.close(linger=0)
-        ctx.term()
+        close()
         producer.close()
 
 
-def bench_transport(kind: str, sizes: dict[int, int], floor: list[float]) -> list[dict]:
-    addr = f"ipc://@omni-bench-{os.getpid()}-{kind}-{secrets.token_hex(4)}"
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.PAIR)
-    sock.bind(addr)
-    sock.setsockopt(zmq.RCVTIMEO, 60_000)
-    proc = mp.get_context("spawn").Process(target=producer_main, args=(kind, addr, list(sizes)), daemon=True)
+def bench_transport(label: str, kind: str, carrier: str, mode: str, sizes: dict[int, int],
+                    floors: dict[str, list[float]]) -> list[dict]:
+    chan = Carrier(carrier)
+    proc = mp.get_context("spawn").Process(target=producer_main, args=(kind, carrier, chan.addr, chan.token,
+                                                                       list(sizes)), daemon=True)
     proc.start()
     consumer = make_consumer(kind)
     enc = msgspec.msgpack.Encoder()
     dec = msgspec.msgpack.Decoder(TensorRef)
-    rows, ack = [], 0
+    rows: list[dict] = []
+    acks: tuple[int, ...] = ()
     try:
+        floor = []
         for i in range(200 + WARMUP):  # the notification floor: the ref round trip alone
             t0 = time.perf_counter()
-            sock.send(enc.encode(Req(ECHO)))
-            dec.decode(sock.recv())
+            chan.send(enc.encode(Req(ECHO)))
+            dec.decode(chan.recv())
             if i >= WARMUP:
                 floor.append(time.perf_counter() - t0)
+        floors.setdefault(carrier, floor)
         for nbytes, iters in sizes.items():
+            count = stream_count(nbytes) if mode == "stream" else 1
+            if mode == "stream" and nbytes < 1 << 20:
+                continue
             samples = []
-            for i in range(iters + WARMUP):
+            for i in range(max(3, iters // count) + WARMUP):
                 t0 = time.perf_counter()
-                sock.send(enc.encode(Req(nbytes, ack)))
-                try:
-                    ref = dec.decode(sock.recv())
-                except zmq.Again:
-                    raise SystemExit(f"{kind} producer did not answer within 60 s (alive: {proc.is_alive()})") from None
-                tensor = consumer.get(ref)
+                chan.send(enc.encode(Req(nbytes, acks, count, mode == "staged")))
+                keys = []
+                for _ in range(count):
+                    try:
+                        ref = dec.decode(chan.recv())
+                    except (zmq.Again, TimeoutError):
+                        raise SystemExit(f"{label} producer did not answer within 60 s "
+                                         f"(alive: {proc.is_alive()})") from None
+                    tensor = consumer.get(ref)
+                    assert tensor.numel() == nbytes
+                    del tensor
+                    keys.append(ref.key)
                 dt = time.perf_counter() - t0
-                assert tensor.numel() == nbytes
-                del tensor
-                ack = ref.key
+                acks = tuple(keys)
                 if i >= WARMUP:
                     samples.append(dt)
-            rows.append(row(kind, nbytes, samples))
-        sock.send(enc.encode(Req(STOP, ack)))
+            r = row(label, nbytes, samples, count)
+            # the same size's memcpy, measured now: the ratio holds up when load changes mid-run
+            r["memcpy_gbps"] = row("memcpy", nbytes, memcpy_samples(nbytes, max(3, iters // 2)))["gbps"]
+            r["vs_memcpy"] = round(r["gbps"] / r["memcpy_gbps"], 3)
+            rows.append(r)
+        chan.send(enc.encode(Req(STOP, acks)))
         proc.join(timeout=30)
     finally:
         consumer.close()
         if proc.is_alive():
             proc.kill()
             proc.join()
-        sock.close(linger=0)
-        ctx.term()
+        chan.close()
     return rows
 
 
@@ -159,25 +243,56 @@ def human(nbytes: int) -> str:
     return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
 
 
-def print_table(rows: list[dict], sizes: list[int], floor: list[float]) -> None:
-    kinds = ["memcpy", *KINDS]
+def goals(rows: list[dict], carriers: list[dict], iperf_gbps: float, sizes: list[int]) -> list[dict]:
     by = {(r["transport"], r["bytes"]): r for r in rows}
-    head = f"{'size':>8} | " + " | ".join(f"{k + ' p50/p99 us, GB/s':^32}" for k in kinds)
-    print("\n\n".join(__doc__.split("\n\n")[1:3]) + "\n")
-    print(head)
-    print("-" * len(head))
-    for n in sizes:
-        cells = []
-        for k in kinds:
-            r = by[(k, n)]
-            cells.append(f"{r['p50_us']:>10.1f} {r['p99_us']:>10.1f} {r['gbps']:>8.2f}  ")
-        print(f"{human(n):>8} | " + " | ".join(cells))
-    print(f"\nref round trip over the ZMQ PAIR alone (no put/get): p50 {pct(floor, 0.5) * 1e6:.1f} us, "
-          f"p99 {pct(floor, 0.99) * 1e6:.1f} us")
-    for n in sizes:
-        if n >= 1 << 20:
-            ratio = by[("shm", n)]["gbps"] / by[("memcpy", n)]["gbps"]
-            print(f"shm / memcpy bandwidth at {human(n)}: {ratio:.2f}x")
+    small = min(sizes)
+    out = [{"goal": f"shm hand-off of {human(small)} over LocalChannel, p50 round trip < {GOAL_ROUNDTRIP_US:.0f} us",
+            "value": by[("shm", small)]["p50_us"], "target": GOAL_ROUNDTRIP_US,
+            "met": by[("shm", small)]["p50_us"] < GOAL_ROUNDTRIP_US}]
+    for c in carriers:
+        out.append({"goal": f"small-message round trip < {GOAL_ROUNDTRIP_US:.0f} us: {c['carrier']}",
+                    "value": c["p50_us"], "target": GOAL_ROUNDTRIP_US, "met": c["p50_us"] < GOAL_ROUNDTRIP_US})
+    big = [n for n in sizes if n >= 1 << 20]
+    for label in ("shm/zmq", "shm", "shm staged", "shm stream"):
+        ratios = [by[(label, n)]["vs_memcpy"] for n in big]
+        out.append({"goal": f"{label}: bandwidth >= {GOAL_BW_RATIO}x memcpy at every size from 1 MiB "
+                            f"(worst of {', '.join(human(n) for n in big)})",
+                    "value": round(min(ratios), 3), "target": GOAL_BW_RATIO, "met": min(ratios) >= GOAL_BW_RATIO,
+                    "ratios": {human(n): round(r, 3) for n, r in zip(big, ratios)}})
+    tcp = {human(n): round(by[("tcp", n)]["gbps"] / iperf_gbps, 3) for n in big}
+    out.append({"goal": f"omni tcp >= {GOAL_BW_RATIO}x one iperf-style loopback stream ({iperf_gbps:.2f} GB/s) "
+                        "at every size from 1 MiB", "value": min(tcp.values()), "target": GOAL_BW_RATIO,
+                "met": min(tcp.values()) >= GOAL_BW_RATIO, "ratios": tcp})
+    return out
+
+
+def print_report(rows: list[dict], sizes: list[int], carriers: list[dict], floors: dict[str, list[float]],
+                 iperf_gbps: float, goal_rows: list[dict], load: list[float], run_labels: list[str]) -> None:
+    labels = ["memcpy", *run_labels]
+    by = {(r["transport"], r["bytes"]): r for r in rows}
+    print("\n\n".join(__doc__.split("\n\n")[1:4]) + "\n")
+    print(f"load average before/after: {load[0]:.2f} / {load[1]:.2f} (2 shared cores: figures are noisy)\n")
+    for title, field, fmt in (("p50 us per tensor", "p50_us", "{:>11.1f}"), ("GB/s (bytes / p50)", "gbps", "{:>11.2f}"),
+                              ("x memcpy (same time)", "vs_memcpy", "{:>11.2f}")):
+        head = f"{title:<20}| " + " ".join(f"{k:>11}" for k in labels)
+        print(head)
+        print("-" * len(head))
+        for n in sizes:
+            cells = [fmt.format(by[(k, n)][field]) if field in by.get((k, n), {}) else f"{'-':>11}" for k in labels]
+            print(f"{human(n):>20}| " + " ".join(cells))
+        print()
+    print("ref round trip alone (no put/get): " + ", ".join(
+        f"{c} p50 {pct(f, 0.5) * 1e6:.1f} us p99 {pct(f, 0.99) * 1e6:.1f} us" for c, f in floors.items()))
+    print("\nsmall-message (128 B) round trip between two processes:")
+    for c in carriers:
+        print(f"  {c['carrier']:<55} p50 {c['p50_us']:>7.1f} us   p99 {c['p99_us']:>8.1f} us")
+    print(f"\niperf-style single TCP stream over 127.0.0.1: {iperf_gbps:.2f} GB/s; omni tcp: " + ", ".join(
+        f"{human(n)} {by[('tcp', n)]['gbps']:.2f} GB/s ({by[('tcp', n)]['gbps'] / iperf_gbps:.2f}x)"
+        for n in sizes if n >= 1 << 20))
+    print("\ngoals:")
+    for g in goal_rows:
+        extra = f"  {g['ratios']}" if "ratios" in g else ""
+        print(f"  [{'met' if g['met'] else 'MISSED':>6}] {g['goal']}: {g['value']}{extra}")
 
 
 def main() -> None:
@@ -189,15 +304,32 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     sizes = FULL if args.full else QUICK
+    load = [os.getloadavg()[0]]
     rows = bench_memcpy(sizes)
-    floor: list[float] = []
-    for kind in KINDS:
-        print(f"running {kind} ...", file=sys.stderr, flush=True)
-        rows += bench_transport(kind, sizes, floor)
+    floors: dict[str, list[float]] = {}
+    runs = RUNS if args.full else [r for r in RUNS if r[0] not in QUICK_SKIP]
+    for label, kind, carrier, run_mode in runs:
+        print(f"running {label} ...", file=sys.stderr, flush=True)
+        rows += bench_transport(label, kind, carrier, run_mode, sizes, floors)
+    print("running carriers and iperf ...", file=sys.stderr, flush=True)
+    carriers = cand.carrier_rows(2000 if args.full else 300)
+    iperf_gbps = cand.iperf_loopback((1 << 30) if args.full else (128 << 20))
+    touch = cand.first_touch(64 << 20)
+    cpu = cand.shm_cpu_costs(list(sizes))
+    load.append(os.getloadavg()[0])
+    goal_rows = goals(rows, carriers, iperf_gbps, list(sizes))
     if args.json:
-        print(json.dumps({"rows": rows}))
+        print(json.dumps({"load": load, "rows": rows, "carriers": carriers, "iperf_gbps": round(iperf_gbps, 3),
+                          "floors_p50_us": {c: round(pct(f, 0.5) * 1e6, 1) for c, f in floors.items()},
+                          "first_touch": touch, "shm_cpu": cpu, "goals": goal_rows}))
     else:
-        print_table(rows, list(sizes), floor)
+        print_report(rows, list(sizes), carriers, floors, iperf_gbps, goal_rows, load, [r[0] for r in runs])
+        print(f"\nfirst touch: put of {human(touch['bytes'])} into a fresh arena {touch['cold_us']:.0f} us, into the "
+              f"same (faulted-in) slot again {touch['warm_us']:.0f} us: {touch['cold_over_warm']:.2f}x")
+        print("\nshm CPU per hand-off (thread CPU time, one process; the part of the round trip load does not "
+              "inflate):\n  " + ", ".join(f"{human(c['bytes'])} put+encode+free {c['put_cpu_us']:.1f} us, "
+                                         f"staged {c['staged_put_cpu_us']:.1f} us, decode+get {c['get_cpu_us']:.1f} us"
+                                         for c in cpu))
 
 
 if __name__ == "__main__":

@@ -49,10 +49,15 @@ class _Segment:
     def __init__(self, index: int, size: int, tag: str):
         self.index = index
         self.size = size
+        self.endpoint = f"{tag}/{index}"
         self.fd = os.memfd_create(f"omni-shm-{tag}-{index}", os.MFD_CLOEXEC)
         os.ftruncate(self.fd, size)
         self.mm = mmap.mmap(self.fd, size)
         self.alloc = SlotAllocator(size)
+
+    def view(self, offset: int, count: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        # frombuffer per call measured cheaper than slicing one whole-segment tensor (+ a dtype view)
+        return torch.frombuffer(self.mm, dtype=dtype, count=count, offset=offset)
 
     def close(self) -> None:
         try:
@@ -81,6 +86,7 @@ class ShmProducer(TensorProducer):
         self._next_key = 1
         self._slots: dict[int, tuple[int, int, str]] = {}   # key -> (segment, offset, owner)
         self._by_owner: dict[str, set[int]] = {}
+        self._staged: dict[int, tuple[int, tuple[int, ...], torch.dtype]] = {}   # key -> (data_ptr, shape, dtype)
         self._closed = False
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.bind("\0" + self.name)
@@ -113,8 +119,55 @@ class ShmProducer(TensorProducer):
         if not isinstance(tensor, torch.Tensor):
             raise TransportError(f"put() needs a torch.Tensor, got {type(tensor).__name__}")
         dtype = dtype_name(tensor.dtype)
-        src = tensor.detach().contiguous()
+        staged = self._take_staged(tensor) if self._staged else None
+        if staged is not None:
+            return staged
+        src = tensor.detach()
+        if not src.is_contiguous():
+            src = src.contiguous()
         nbytes = src.numel() * src.element_size()
+        seg, off, key = self._reserve(nbytes, owner)
+        try:
+            if nbytes:
+                seg.view(off + HEADER, nbytes).copy_(flat_bytes(src))
+            # header last: a consumer never sees a valid header over half-written bytes
+            _SLOT.pack_into(seg.mm, off, _MAGIC, key, nbytes)
+        except Exception:
+            self.free([key])
+            raise
+        return TensorRef(transport="shm", endpoint=seg.endpoint, key=key, dtype=dtype,
+                         shape=tuple(src.shape), nbytes=nbytes, offset=off, owner=owner)
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype, owner: str = "") -> torch.Tensor:
+        """A tensor that lives in the arena: write the output into it (e.g. `out=`), then
+        `put()` it and the hand-off copies nothing. Until put, it counts as in use; `free_owner`
+        or `close` releases one that is never put."""
+        dtype_name(dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype)   # put() of it sends just the header
+        seg, off, key = self._reserve(nbytes, owner)
+        out = seg.view(off + HEADER, math.prod(shape), dtype).view(shape)
+        with self._lock:
+            self._staged[key] = (out.data_ptr(), tuple(shape), dtype)
+        return out
+
+    def _take_staged(self, tensor: torch.Tensor) -> TensorRef | None:
+        """The ref of a tensor from `empty()`, published without a copy; None for any other."""
+        ptr, shape = tensor.data_ptr(), tuple(tensor.shape)
+        with self._lock:
+            for key, (sptr, sshape, sdtype) in self._staged.items():
+                if sptr == ptr and sshape == shape and sdtype == tensor.dtype and tensor.is_contiguous():
+                    del self._staged[key]
+                    index, off, owner = self._slots[key]
+                    nbytes = tensor.numel() * tensor.element_size()
+                    _SLOT.pack_into(self._segments[index].mm, off, _MAGIC, key, nbytes)
+                    return TensorRef(transport="shm", endpoint=self._segments[index].endpoint, key=key,
+                                     dtype=dtype_name(tensor.dtype), shape=shape, nbytes=nbytes, offset=off,
+                                     owner=owner)
+        return None
+
+    def _reserve(self, nbytes: int, owner: str) -> tuple[_Segment, int, int]:
         need = HEADER + nbytes
         if round_up(need) > self.arena_bytes:
             raise TransportError(
@@ -129,18 +182,7 @@ class ShmProducer(TensorProducer):
             self._next_key += 1
             self._slots[key] = (seg.index, off, owner)
             self._by_owner.setdefault(owner, set()).add(key)
-        try:
-            if nbytes:
-                dst = torch.frombuffer(seg.mm, dtype=torch.uint8, count=nbytes, offset=off + HEADER)
-                dst.copy_(flat_bytes(src))
-                del dst
-            # header last: a consumer never sees a valid header over half-written bytes
-            _SLOT.pack_into(seg.mm, off, _MAGIC, key, nbytes)
-        except Exception:
-            self.free([key])
-            raise
-        return TensorRef(transport="shm", endpoint=f"{self.name}/{seg.index}", key=key, dtype=dtype,
-                         shape=tuple(src.shape), nbytes=nbytes, offset=off, owner=owner)
+        return seg, off, key
 
     def _alloc(self, need: int) -> tuple[_Segment, int]:
         for seg in self._segments:
@@ -166,6 +208,7 @@ class ShmProducer(TensorProducer):
                 if slot is None:
                     continue  # double ack or unknown key: freeing is idempotent
                 index, off, owner = slot
+                self._staged.pop(key, None)
                 seg = self._segments[index]
                 if not self._closed:
                     _SLOT.pack_into(seg.mm, off, 0, 0, 0)
@@ -199,6 +242,7 @@ class ShmProducer(TensorProducer):
                 seg.close()
             self._slots.clear()
             self._by_owner.clear()
+            self._staged.clear()
 
 
 class ShmConsumer(TensorConsumer):
@@ -235,8 +279,7 @@ class ShmConsumer(TensorConsumer):
         with self._lock:
             mm = self._maps.get(endpoint)
             if mm is None:
-                mm = self._fetch(endpoint)
-                self._maps[endpoint] = mm
+                mm = self._maps[endpoint] = self._fetch(endpoint)
             return mm
 
     def _fetch(self, endpoint: str) -> mmap.mmap:

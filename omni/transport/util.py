@@ -18,9 +18,12 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 
 
+_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in _DTYPES.items()}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
-    name = str(dtype).removeprefix("torch.")
-    if name not in _DTYPES:
+    name = _NAMES.get(dtype)   # a dict lookup: this runs on every put
+    if name is None:
         raise TransportError(f"dtype {dtype} is not supported by omni transports")
     return name
 
