@@ -174,8 +174,9 @@ def table(doc: dict) -> str:
     rows = doc["rows"]
     cells = [HEAD] + [["-" if r.get(c) is None else str(r[c]) for c in COLS] for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(COLS))]
-    tokens = ", ".join(f"{m['name']} thinker {m['thinker_tokens']} / talker {m['talker_tokens']} tokens, "
-                       f"load average {m['load_average_start']} at its start" for m in doc["models"])
+    tokens = "; ".join(f"{m['name']} thinker {m['thinker_tokens']} / talker {m['talker_tokens']} tokens, "
+                       f"load average {m['load_average_start']} at its start, up in {m.get('startup_seconds')} s"
+                       for m in doc["models"])
     lines = [f"streamed chat with audio, omni vs the same engines in one process (bursts of <conc> requests, "
              f"p50 in ms), greedy; {tokens}; {doc['cpus']} CPUs (shared machine: noisy); {doc['seconds']} s"]
     lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]
