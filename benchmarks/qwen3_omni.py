@@ -24,7 +24,7 @@ concurrency 4 omni ahead (lower TTFA p50 and lower aggregate RTF).
 
     .venv/bin/python benchmarks/qwen3_omni.py                  # --quick, Qwen3-Omni, under 2 minutes
     .venv/bin/python benchmarks/qwen3_omni.py --model qwen25   # Qwen2.5-Omni (--quick under 2 minutes)
-    .venv/bin/python benchmarks/qwen3_omni.py --model both     # both, one table (~4 minutes)
+    .venv/bin/python benchmarks/qwen3_omni.py --model both     # both, one after the other, one table
     .venv/bin/python benchmarks/qwen3_omni.py --full       # more requests
     .venv/bin/python benchmarks/qwen3_omni.py --json       # one JSON document
     .venv/bin/python benchmarks/qwen3_omni.py --model DIR  # an existing tiny folder (by its model_type)
@@ -421,7 +421,8 @@ def main() -> None:
                     help="qwen3 (the default), qwen25, both, or a tiny Qwen3-Omni / Qwen2.5-Omni folder "
                          "(default: build the tiny model in a temp dir)")
     mode = ap.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true", help="the default: a short run (< 2 min per model)")
+    mode.add_argument("--quick", action="store_true",
+                      help="the default: a short run (< 2 min per model on a quiet machine; start-up dominates)")
     mode.add_argument("--full", action="store_true", help="more requests per setting")
     ap.add_argument("--json", action="store_true", help="print one JSON document")
     ap.add_argument("--thinker-tokens", type=int, default=16, help="thinker max tokens per request")
@@ -441,7 +442,8 @@ def main() -> None:
     rows = []
     for model, folder in models:
         rows += bench_model(model, folder, levels, a.thinker_tokens, a.talker_tokens, doc)
-    doc["rows"] = sorted(rows, key=lambda r: (r["model"], r["concurrency"], r["mode"]))
+    order = [m.key for m, _ in models]
+    doc["rows"] = sorted(rows, key=lambda r: (order.index(r["model"]), r["concurrency"], r["mode"]))
     doc["comparison"] = compare(rows)
     doc["seconds"] = round(time.perf_counter() - t0, 1)
     if a.json:
