@@ -1,8 +1,9 @@
-"""Qwen3-Omni's three engines in one process, as a user of the modules would run them.
+"""Qwen3-Omni's or Qwen2.5-Omni's three engines in one process, as a user of the modules would run them.
 
-The same engine classes omni's stages run (VllmEngine for the thinker, built from the same
-resolved deploy config; Qwen3TalkerEngine; Qwen3Code2WavEngine), stepped in one loop:
-thinker tokens go to the talker as they come, talker code chunks to code2wav as they
+The same engine classes omni's stages run, built from the same resolved deploy config
+(VllmEngine for the thinker; Qwen3TalkerEngine and Qwen3Code2WavEngine, or Qwen25TalkerEngine
+and Qwen25Token2WavEngine), stepped in one loop: thinker tokens (Qwen2.5: with their
+last-layer rows) go to the talker as they come, talker code chunks to the vocoder as they
 come. The only differences to `omni serve` are the process split and the transport
 (and the HTTP/SSE layer). vLLM keeps its EngineCore in its own process here too, as
 vLLM's offline `LLM` does.
@@ -29,6 +30,7 @@ class Rec:
     """One request's times in seconds from its submission (None: did not happen)."""
     prompt: int
     ttft: float | None = None          # first thinker token
+    text_done: float | None = None     # the thinker's last output
     sentence: float | None = None      # the thinker's first sentence ended (or the thinker ended)
     talker_first: float | None = None  # first code chunk
     ttfa: float | None = None          # first audio sample
@@ -39,7 +41,7 @@ class Rec:
 
 
 class InProcess:
-    def __init__(self, folder: Path, overrides: dict, voice: str):
+    def __init__(self, folder: Path, overrides: dict, voice: str, seed: int | None = None):
         for k, v in ENGINE_ENV.items():
             os.environ.setdefault(k, v)
         import torch
@@ -53,6 +55,7 @@ class InProcess:
         self.cfg = omni_config.load(str(folder), stage_overrides=overrides)
         self.tok = AutoTokenizer.from_pretrained(folder)
         self.voice = voice
+        self.seed = seed       # the request's seed (Qwen2.5's token2wav draws its noise from it)
         self._vllm = vllm_engine
         self._wait_s = vllm_engine.STEP_WAIT_S
         t0 = time.perf_counter()
@@ -60,7 +63,10 @@ class InProcess:
         self.load_seconds = time.perf_counter() - t0
         # The orchestrator puts a stage's defaults under the request's extra: the same here.
         self.talker_defaults = dict(self.cfg.stage(1).default_sampling_params)
-        self.busy = {"thinker": 0.0, "talker": 0.0, "code2wav": 0.0}
+        self.names = tuple(self.cfg.stage(i).name for i in (0, 1, 2))    # thinker, talker, code2wav|token2wav
+        # Qwen2.5's token2wav takes the voice on its first piece (Qwen3's code2wav has no voice).
+        self.vocoder_voice = self.cfg.stage(2).engine == "qwen25_token2wav"
+        self.busy = {n: 0.0 for n in self.names}
 
     def prompt_ids(self, text: str) -> list[int]:
         """As omni's frontend: render the chat template, then encode without special tokens."""
@@ -73,15 +79,17 @@ class InProcess:
         """Submit every prompt at once, step the three engines until every audio stream ends."""
         from omni.engines.base import EngineRequest, SamplingParams
 
-        sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, top_p=1.0, top_k=0)
+        sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, top_p=1.0, top_k=0, seed=self.seed)
         t0 = time.perf_counter()
         recs: dict[str, Rec] = {}
         for i, (idx, text) in enumerate(prompts):
             rid = f"{tag}-{i}"
             recs[rid] = Rec(idx)
+            # audio_out: as omni's chat sets it when audio is asked for (Qwen2.5's thinker then sends rows).
             self.thinker.add_request(EngineRequest(request_id=rid, prompt_token_ids=self.prompt_ids(text),
-                                                   sampling=sampling))
+                                                   sampling=sampling, extra={"audio_out": True}))
         started: set[str] = set()
+        voiced: set[str] = set()
         open_ = set(recs)
         while open_:
             # The thinker's step waits a little for vLLM's outputs: only when nothing else can step.
@@ -95,7 +103,7 @@ class InProcess:
             if self.talker.has_unfinished():
                 s = time.perf_counter()
                 outs = self.talker.step()
-                self.busy["talker"] += time.perf_counter() - s
+                self.busy[self.names[1]] += time.perf_counter() - s
                 now = time.perf_counter()
                 for out in outs:
                     _check(out)
@@ -103,14 +111,18 @@ class InProcess:
                     r = recs[out.request_id]
                     if r.talker_first is None:
                         r.talker_first = now - t0
+                    extra = {"final": out.finished}
+                    if self.vocoder_voice and out.request_id not in voiced:
+                        voiced.add(out.request_id)
+                        extra["speaker"] = self.voice
                     self.code2wav.add_request(EngineRequest(
                         request_id=out.request_id, tensors={"codes": codes} if codes is not None else {},
-                        extra={"final": out.finished}))
+                        sampling=sampling, extra=extra))
             if self.code2wav.has_unfinished():
                 s = time.perf_counter()
                 outs = self.code2wav.step()
                 now = time.perf_counter()
-                self.busy["code2wav"] += now - s
+                self.busy[self.names[2]] += now - s
                 for out in outs:
                     _check(out)
                     r = recs[out.request_id]
@@ -136,7 +148,7 @@ class InProcess:
                 break
             outs += more
         now = time.perf_counter()
-        self.busy["thinker"] += now - s
+        self.busy[self.names[0]] += now - s
         for out in outs:
             _check(out)
             rid = out.request_id
@@ -147,14 +159,18 @@ class InProcess:
             r.text = self.tok.decode(r.ids, skip_special_tokens=True)
             if r.sentence is None and (sentence_done(r.text) or out.finished):
                 r.sentence = now - t0
+            if out.finished:
+                r.text_done = now - t0
             extra = {**self.talker_defaults, "token_ids": list(out.token_ids), "final": out.finished}
+            # Qwen2.5: the thinker's last-layer rows, as the stage processor passes them on.
+            rows = {"thinker_last_layer": out.tensors["hidden_rows"]} if "hidden_rows" in out.tensors else {}
             if rid in started:
-                self.talker.add_request(EngineRequest(request_id=rid, sampling=sampling, extra=extra))
+                self.talker.add_request(EngineRequest(request_id=rid, sampling=sampling, extra=extra, tensors=rows))
                 continue
             started.add(rid)
             prompt = out.tensors["prompt_token_ids"].tolist()    # emit_prompt_ids, as the deploy sets
             self.talker.add_request(EngineRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
-                                                  extra={**extra, "speaker": self.voice}))
+                                                  extra={**extra, "speaker": self.voice}, tensors=rows))
 
     def shutdown(self) -> None:
         self.thinker.shutdown()
