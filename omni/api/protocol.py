@@ -160,7 +160,8 @@ def decode_body(body: bytes, type_: type) -> Any:
     if not body.strip():
         raise bad_request("request body is empty; expected a JSON object")
     try:
-        return msgspec.json.decode(body, type=type_)
+        # Lax like vLLM's pydantic models: JSON Schema's integer 1.0 is an int, "2" a number.
+        return msgspec.json.decode(body, type=type_, strict=False)
     except msgspec.ValidationError as e:
         msg = str(e)
         m = _PATH_RE.search(msg)

@@ -3,7 +3,9 @@
 Writes go to a temp file, are fsynced and renamed over the old one, so a crash leaves either
 the old or the new namespace file, never a torn one.
 
-Namespaces of live data (metrics) stay in memory only. Every namespace is bounded (value size, entries, bytes; `LIMITS`), some expire entries a
+Namespaces of live data (metrics) stay in memory only.
+
+Every namespace is bounded (value size, entries, bytes; `LIMITS`), some expire entries a
 while after their last write (jobs), and lists come in pages, so no client can make the
 master or a reader of the list allocate without bound, and one oversize record cannot make
 the list fail for everyone.
