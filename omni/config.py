@@ -76,6 +76,10 @@ class PipelineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     # The model's own speakers (chat `audio.voice`, any case); empty: the voice store's voices.
     voices: tuple[str, ...] = ()
     default_voice: str | None = None
+    # The most max_tokens (max_completion_tokens) one request may ask for; None: the context.
+    max_tokens_limit: int | None = None
+    # The longest /v1/audio/speech input, in characters (at most 4096).
+    max_speech_chars: int = 4096
 
 
 class DeployConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

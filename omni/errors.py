@@ -6,10 +6,11 @@ from __future__ import annotations
 # The kinds of failure, as the stage channel (RequestError.kind) and the API edge name them.
 CLIENT = "client"            # the request itself is wrong; sending it again will not help
 NOT_FOUND = "not_found"      # it names something that does not exist
+CONFLICT = "conflict"        # well formed, but the state of what it names refuses it (a duplicate)
 UNAVAILABLE = "unavailable"  # recoverable: no READY replica, master unreachable, draining, sleeping
 TIMEOUT = "timeout"          # a deadline passed
 INTERNAL = "internal"        # a bug or a broken component
-KINDS = (CLIENT, NOT_FOUND, UNAVAILABLE, TIMEOUT, INTERNAL)
+KINDS = (CLIENT, NOT_FOUND, CONFLICT, UNAVAILABLE, TIMEOUT, INTERNAL)
 
 
 class OmniError(Exception):
@@ -30,6 +31,10 @@ class BadRequest(OmniError):
 
 class NotFound(OmniError):
     kind = NOT_FOUND
+
+
+class Conflict(OmniError):
+    kind = CONFLICT
 
 
 class Unavailable(OmniError):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from omni.errors import BadRequest, NotFound
+from omni.errors import BadRequest, Conflict, NotFound
 
 NAMESPACE = "voices"
 BUILTIN: dict[str, dict[str, Any]] = {"joe": {"name": "joe", "base": "joe", "speed": 1.0, "builtin": True}}
@@ -31,18 +31,18 @@ class MasterVoiceStore:
 
     async def add(self, name: str, spec: dict[str, Any]) -> dict[str, Any]:
         if name in BUILTIN:
-            raise BadRequest(f"voice {name!r} is built in and cannot be replaced")
+            raise Conflict(f"voice {name!r} is built in and cannot be replaced")
         base = spec.get("base", "joe")
         if base not in BUILTIN:
             raise BadRequest(f"voice base {base!r} is not a built-in voice ({', '.join(BUILTIN)})")
         if await self._master.kv_get(NAMESPACE, name) is not None:
-            raise BadRequest(f"voice `{name}` already exists; delete it first")
+            raise Conflict(f"voice `{name}` already exists; delete it first")
         record = {"name": name, "base": base, "speed": float(spec.get("speed", 1.0)), "builtin": False}
         await self._master.kv_put(NAMESPACE, name, json.dumps(record).encode())
         return record
 
     async def delete(self, name: str) -> None:
         if name in BUILTIN:
-            raise BadRequest(f"voice {name!r} is built in and cannot be deleted")
+            raise Conflict(f"voice {name!r} is built in and cannot be deleted")
         if not await self._master.kv_delete(NAMESPACE, name):
             raise NotFound(f"voice {name!r} does not exist")

@@ -8,6 +8,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from omni.api.metrics_merge import merge
+from omni.api.openapi import Facts
 from omni.api.routes import openapi_spec
 from omni.api.state import FrontendState
 
@@ -58,5 +59,16 @@ class AdminRoutes:
         return JSONResponse({"version": omni.version()})
 
     async def openapi(self, request: Request) -> Response:
-        return JSONResponse(openapi_spec(self.fe.model))
+        fe = self.fe
+        if fe.speakers:
+            builtin = fe.speakers
+        elif fe.voices is not None:
+            builtin = tuple(v["name"] for v in await fe.voices.list() if v.get("builtin"))
+        else:
+            builtin = ()
+        facts = Facts(models=tuple(fe.names), vocab_size=fe.vocab_size,
+                      max_tokens=fe.max_tokens_limit or max(1, fe.max_model_len - 1),
+                      max_speech_chars=fe.max_speech_chars, audio_in=fe.audio_token_id is not None,
+                      audio_out=fe.audio_out, builtin_voices=builtin, job_endpoints=fe.job_endpoints)
+        return JSONResponse(openapi_spec(fe.model, facts))
 

@@ -16,7 +16,7 @@ from starlette.routing import Route
 
 from omni.api.admin import AdminRoutes
 from omni.api.control import ControlRoutes
-from omni.api.http import FrontendMiddleware, endpoint, http_error
+from omni.api.http import FrontendMiddleware, by_method, endpoint, http_error
 from omni.api.jobs import BODY_TYPES, Jobs
 from omni.api.limits import HttpLimits, LimitsMiddleware
 from omni.api.routes import ROUTES
@@ -33,14 +33,15 @@ def build_app(orchestrator: OrchestratorLike, tokenizer: Any, *, served_model_na
               api_key: str | None = None, default_temperature: float = 1.0, jobs: Jobs | None = None,
               control_api_key: str | None = None, control_routes: bool = True, audio_out: bool | None = None,
               speakers: tuple[str, ...] = (), default_voice: str | None = None,
-              limits: HttpLimits | None = None) -> Starlette:
+              limits: HttpLimits | None = None, max_speech_chars: int = 4096) -> Starlette:
     """`jobs`: the async job routes' state (master KV + shared result dir); in memory when None.
     `limits`: request body cap and body timeout (the defaults when None)."""
     fe = FrontendState(orchestrator, tokenizer, served_model_name=served_model_name, model_aliases=model_aliases,
                        frontend_index=frontend_index, max_model_len=max_model_len,
                        default_max_tokens=default_max_tokens, max_tokens_limit=max_tokens_limit,
                        speech_entry_stage=speech_entry_stage, voices=voices, default_temperature=default_temperature,
-                       audio_out=audio_out, speakers=speakers, default_voice=default_voice)
+                       audio_out=audio_out, speakers=speakers, default_voice=default_voice,
+                       max_speech_chars=max_speech_chars)
     jobs = jobs if jobs is not None else Jobs(frontend_index=frontend_index)
     families = {"text": TextRoutes(fe), "speech": SpeechRoutes(fe), "voices": VoiceRoutes(fe),
                 "control": ControlRoutes(fe), "jobs": jobs, "admin": AdminRoutes(fe)}
@@ -49,7 +50,11 @@ def build_app(orchestrator: OrchestratorLike, tokenizer: Any, *, served_model_na
     served = {"text": tokenizer is not None, "speech": speech_entry_stage is not None}
     jobs.bind({r.path: handlers[(r.path, r.method)] for r in ROUTES
                if r.path in BODY_TYPES and r.method == "POST" and served.get(r.family, True)})
-    routes = [Route(r.path, handlers[(r.path, r.method)], methods=[r.method]) for r in ROUTES]
+    by_path: dict[str, dict] = {}
+    for r in ROUTES:
+        by_path.setdefault(r.path, {})[r.method] = handlers[(r.path, r.method)]
+    fe.job_endpoints = tuple(jobs.handlers)
+    routes = [Route(path, by_method(methods)) for path, methods in by_path.items()]
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error},
                     middleware=[Middleware(FrontendMiddleware, frontend_index=frontend_index, api_key=api_key,
                                            metrics=fe.metrics, control_api_key=control_api_key,

@@ -30,20 +30,33 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
+class ErrorDetail(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(msgspec.Struct):
+    """Every 4xx/5xx body (OpenAI's shape); openapi.json's error schema is generated from it."""
+    error: ErrorDetail
+
+
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+    return msgspec.to_builtins(ErrorResponse(ErrorDetail(message, type, param, code)))
 
 
 def error_response(status: int, message: str, type: str, param: str | None = None,
                    code: str | None = None, headers: dict | None = None) -> Response:
-    return Response(msgspec.json.encode(error_body(message, type, param, code)), status_code=status,
-                    media_type="application/json", headers=headers)
+    body = ErrorResponse(ErrorDetail(message, type, param, code))
+    return Response(msgspec.json.encode(body), status_code=status, media_type="application/json", headers=headers)
 
 
 # The one place an omni error kind becomes an HTTP status and an OpenAI error type.
 HTTP_BY_KIND = {
     errors.CLIENT: (400, "invalid_request_error"),
     errors.NOT_FOUND: (404, "not_found_error"),
+    errors.CONFLICT: (409, "conflict_error"),
     errors.UNAVAILABLE: (503, "service_unavailable"),
     errors.TIMEOUT: (504, "timeout"),
     errors.INTERNAL: (500, "internal_error"),

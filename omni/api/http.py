@@ -125,7 +125,28 @@ async def until_disconnect(request: Request, work: Callable[[], Awaitable[Respon
         raise error[0]
     return result[0] if result else Response(status_code=499)
 
+class by_method:  # noqa: N801 (used like a function)
+    """One ASGI endpoint per path: a method the route table lacks is a 405 whose Allow header names
+    every method of the path (one Starlette route per method would name only its own, plus HEAD)."""
+
+    def __init__(self, handlers: dict[str, Callable[[Request], Awaitable[Response]]]):
+        self.handlers = handlers
+        self.methods = tuple(handlers)
+        self.allow = ", ".join(handlers)
+
+    async def __call__(self, scope, receive, send):
+        request = Request(scope, receive, send)
+        handler = self.handlers.get(request.method)
+        if handler is None:
+            response = error_response(405, f"{request.method} {request.url.path}: method not allowed; allowed: "
+                                           f"{self.allow}", "invalid_request_error", headers={"Allow": self.allow})
+        else:
+            response = await handler(request)
+        await response(scope, receive, send)
+
+
 async def http_error(request: Request, exc: HTTPException) -> Response:
     type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return error_response(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", type_)
+    return error_response(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", type_,
+                          headers=exc.headers)
 

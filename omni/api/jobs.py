@@ -41,6 +41,9 @@ JOB_ID_RE = re.compile(r"^job-[0-9a-f]{32}$")
 MAX_ERROR_CHARS = 4096
 WATCH_S = 0.5      # how often a frontend running jobs looks for ones deleted through another frontend
 FINISH_S = 30.0    # how long the final status write is retried while the master is unreachable
+# Jobs one frontend runs at once; the others wait "queued". Unbounded, a burst of jobs filled the
+# stages' queues and a synchronous request behind them waited over a minute (Schemathesis run).
+MAX_RUNNING = 2
 
 Handler = Callable[[Request], Awaitable[Response]]
 # -> {(host, pid)} of the registered frontends, or None while that is unknown (no topology yet)
@@ -139,6 +142,7 @@ class Jobs:
         self._tasks: dict[str, asyncio.Task] = {}
         self._mine: set[str] = set()   # accepted here and not finished: ours even before the task exists
         self._watcher: asyncio.Task | None = None
+        self._slots = asyncio.Semaphore(MAX_RUNNING)
 
     def bind(self, handlers: dict[str, Handler]) -> None:
         """The endpoints jobs may run (only those this pipeline serves), path -> route handler."""
@@ -259,8 +263,9 @@ class Jobs:
         job_id = record["id"]
         try:
             try:
-                await self._save({**record, "status": "in_progress"})
-                final = await self._execute(record["endpoint"], job_id, body)
+                async with self._slots:
+                    await self._save({**record, "status": "in_progress"})
+                    final = await self._execute(record["endpoint"], job_id, body)
             except asyncio.CancelledError:
                 await self.results.delete(job_id)
                 raise

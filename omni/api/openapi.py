@@ -1,30 +1,173 @@
 """The OpenAPI description, generated from the msgspec types that decode the request bodies
-(omni/api/protocol.py), so what it says a route takes is what the route accepts; the paths come
-from the route table (omni/api/routes.py)."""
+(omni/api/protocol.py) and the error body (omni/api/errors.py), so what it says a route takes is
+what the route accepts; the paths, parameters and statuses come from the route table
+(omni/api/routes.py). `Facts` are what only the running deployment knows (its model names, the
+vocabulary, its limits, its built-in voices): they narrow the generated schemas to the values
+this server accepts."""
 
 from __future__ import annotations
 
+import copy
+import re
+from dataclasses import dataclass
+
 import msgspec
 
+from omni.api import protocol as P
+from omni.api.errors import ErrorResponse
+
 REF = "#/components/schemas/{name}"
+ERROR = {"$ref": REF.format(name="ErrorResponse")}
+REASONS = {400: "Bad request: the message names the parameter", 401: "Missing or wrong API key",
+           403: "Control routes are disabled on this server", 404: "Not found (the message says what)",
+           408: "The request body did not arrive in time", 409: "Conflicts with the state of what it names",
+           413: "Request body too large", 415: "Unsupported content type",
+           500: "Internal error (a stage failed)", 503: "No READY replica, asleep, or the master is unreachable",
+           504: "The request timed out in the pipeline"}
+GUARDED = ("/v1", "/tokenize", "/detokenize")   # --api-key (omni/api/http.py)
 
 
-def spec(routes, title: str, version: str) -> dict:
-    types = list(dict.fromkeys(r.body for r in routes if r.body is not None))
+@dataclass(frozen=True)
+class Facts:
+    models: tuple[str, ...] = ()          # the names `model` may take
+    vocab_size: int = 0                   # token ids are below it
+    max_tokens: int | None = None         # the most max_tokens one request may ask for
+    max_speech_chars: int | None = None
+    audio_in: bool = False                # chat takes input_audio parts
+    audio_out: bool = False               # chat takes modalities ["audio"]
+    builtin_voices: tuple[str, ...] = ()
+    job_endpoints: tuple[str, ...] = ()
+
+
+def spec(routes, title: str, version: str, facts: Facts | None = None) -> dict:
+    types = list(dict.fromkeys(r.body for r in routes if r.body is not None)) + [ErrorResponse]
     refs, components = msgspec.json.schema_components(types, ref_template=REF)
     ref_of = dict(zip(types, refs))
+    for name, extra in P.SCHEMA_EXTRA.items():
+        if name in components:
+            components[name].update(extra)
+    if facts is not None:
+        narrow(components, facts)
     paths: dict[str, dict] = {}
     for r in routes:
-        paths.setdefault(r.path, {})[r.method.lower()] = operation(ref_of.get(r.body), r.ok)
+        paths.setdefault(r.path, {})[r.method.lower()] = operation(r, ref_of.get(r.body))
     # 3.1: its schemas are JSON Schema 2020-12, what msgspec writes (null unions as anyOf).
     return {"openapi": "3.1.0", "info": {"title": title, "version": version}, "paths": paths,
             "components": {"schemas": components}}
 
 
-def operation(body: dict | None, ok: str = "application/json") -> dict:
-    op: dict = {"responses": {"200": {"description": "OK", "content": {ok: {}}},
-                              "400": {"description": "Bad request (OpenAI error body)"},
-                              "503": {"description": "No READY replica, or the engines are asleep"}}}
+def statuses(r) -> list[int]:
+    codes = {413, 500, *r.errors}
+    if r.body is not None:
+        codes |= {400, 408}
+    if r.path.startswith(GUARDED) or r.control:
+        codes.add(401)
+    if r.control:
+        codes.add(403)
+    return sorted(codes)
+
+
+def operation(r, body: dict | None) -> dict:
+    responses = {str(r.ok_status): {"description": "OK", "content": {t: {} for t in r.ok}}}
+    for code in statuses(r):
+        responses[str(code)] = {"description": REASONS[code], "content": {"application/json": {"schema": ERROR}}}
+    op: dict = {"responses": responses}
+    params = [{"name": name, "in": "path", "required": True, "schema": _path_schema(name)}
+              for name in re.findall(r"\{(\w+)\}", r.path)]
+    params += [{"name": name, "in": "query", "required": False, "schema": schema} for name, schema in r.query]
+    if params:
+        op["parameters"] = params
     if body is not None:
-        op["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
+        op["requestBody"] = {"required": r.body_required, "content": {"application/json": {"schema": body}}}
     return op
+
+
+def _path_schema(name: str) -> dict:
+    from omni.api.jobs import JOB_ID_RE
+
+    patterns = {"job_id": JOB_ID_RE.pattern, "name": P.VOICE_NAME}
+    return {"type": "string", "pattern": patterns[name]}
+
+
+def below(n: int) -> str:
+    """A regex of the decimal numbers 0 .. n-1 (no leading zeros): logit_bias keys are token ids."""
+    if n <= 0:
+        return "^(?!)$"
+    top = str(n - 1)
+    alts = ["[0-9]"] if len(top) > 1 else [f"[0-{top}]"]
+    alts += [f"[1-9][0-9]{{{k - 1}}}" for k in range(2, len(top))]
+    if len(top) > 1:   # numbers of len(top) digits up to top, digit by digit
+        for i, d in enumerate(top):
+            head, rest = top[:i], len(top) - i - 1
+            low = "1" if i == 0 else "0"
+            if i == len(top) - 1:
+                alts.append(f"{head}[{low}-{d}]")
+            elif int(d) > int(low):
+                alts.append(f"{head}[{low}-{int(d) - 1}][0-9]{{{rest}}}")
+    return "^(" + "|".join(alts) + ")$"
+
+
+def narrow(components: dict, f: Facts) -> None:
+    """Deployment facts into the generated schemas, in place."""
+    def prop(type_name: str, field: str) -> dict | None:
+        return components.get(type_name, {}).get("properties", {}).get(field)
+
+    def first(schema: dict) -> dict:   # the non-null alternative of an optional field
+        return next((s for s in schema.get("anyOf", [schema]) if s.get("type") != "null"), schema)
+
+    requests = ("ChatCompletionRequest", "CompletionRequest", "SpeechRequest", "TokenizeRequest",
+                "DetokenizeRequest")
+    for name in requests:
+        s = prop(name, "model")
+        if s is not None and f.models:
+            first(s).update(enum=sorted(f.models))
+    for name in ("ChatCompletionRequest", "CompletionRequest"):
+        for field in ("max_tokens", "max_completion_tokens"):
+            s = prop(name, field)
+            if s is not None and f.max_tokens is not None:
+                first(s)["maximum"] = f.max_tokens
+        s = prop(name, "logit_bias")
+        if s is not None and f.vocab_size:
+            first(s)["propertyNames"] = {"pattern": below(f.vocab_size)}
+    if f.vocab_size:
+        for s in (prop("DetokenizeRequest", "tokens"), _token_list(prop("CompletionRequest", "prompt"))):
+            if s is not None:
+                s["items"]["maximum"] = f.vocab_size - 1
+    s = prop("SpeechRequest", "input")
+    if s is not None and f.max_speech_chars is not None:
+        s["maxLength"] = min(s.get("maxLength", f.max_speech_chars), f.max_speech_chars)
+    s = prop("VoiceSpec", "base")
+    if s is not None and f.builtin_voices:
+        s["enum"] = sorted(f.builtin_voices)
+    s = prop("ChatCompletionRequest", "modalities")
+    if s is not None and not f.audio_out:
+        first(s)["items"] = {"enum": ["text"]}
+    s = prop("ChatMessage", "content")
+    if s is not None and not f.audio_in:
+        for alt in s.get("anyOf", []):
+            items = alt.get("items", {})
+            if "discriminator" in items:   # text parts only
+                alt["items"] = {"$ref": items["discriminator"]["mapping"]["text"]}
+    if "JobRequest" in components:
+        components["JobRequest"] = _job_request(f, components)
+
+
+def _token_list(prompt: dict | None) -> dict | None:
+    if prompt is None:
+        return None
+    return next((s for s in prompt.get("anyOf", []) if s.get("type") == "array"), None)
+
+
+def _job_request(f: Facts, components: dict) -> dict:
+    """One alternative per endpoint a job may run here: its body is that endpoint's request, not streamed."""
+    from omni.api.jobs import BODY_TYPES
+
+    alts = []
+    for endpoint in f.job_endpoints:
+        name = BODY_TYPES[endpoint].__name__
+        body = copy.deepcopy(components[name])
+        if "stream" in body.get("properties", {}):
+            body["properties"]["stream"] = {"const": False, "default": False}
+        alts.append({"type": "object", "required": ["endpoint", "body"],
+                     "properties": {"endpoint": {"const": endpoint}, "body": body}})
+    return {"title": "JobRequest", "oneOf": alts} if alts else components["JobRequest"]

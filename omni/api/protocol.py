@@ -1,13 +1,16 @@
 """Request bodies of the OpenAI-compatible routes, decoded with msgspec, and their checks.
 
-Unknown fields are ignored (OpenAI clients send extras); wrong types and missing
-required fields become a 400 naming the parameter. Responses are plain dicts.
+Unknown fields are ignored (OpenAI clients send extras); wrong types, missing required fields
+and values out of range become a 400 naming the parameter. The constraints sit on the types
+(msgspec `Meta`), so openapi.json (omni/api/openapi.py), generated from these types, states what
+decoding enforces. A few refusals stay checks in code for their clearer messages; their schema is
+stated with `extra_json_schema` next to the field (`_refused`). Responses are plain dicts.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -20,15 +23,20 @@ class InputAudio(msgspec.Struct):
     format: str = "wav"
 
 
-class ContentPart(msgspec.Struct):
-    type: str
-    text: str | None = None
-    input_audio: InputAudio | None = None
+class TextPart(msgspec.Struct, tag_field="type", tag="text"):
+    text: str
+
+
+class AudioPart(msgspec.Struct, tag_field="type", tag="input_audio"):
+    input_audio: InputAudio
+
+
+ROLES = ("system", "user", "assistant", "developer", "tool")
 
 
 class ChatMessage(msgspec.Struct):
-    role: str
-    content: str | list[ContentPart] | None = None
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[TextPart | AudioPart] | None = None
     name: str | None = None
 
 
@@ -38,84 +46,115 @@ class StreamOptions(msgspec.Struct):
 
 class AudioOptions(msgspec.Struct):
     voice: str | None = None
-    format: str = "wav"
+    format: Literal["wav", "pcm16"] = "wav"
+
+
+def _refused(allowed: list) -> msgspec.Meta:
+    """A parameter omni refuses by name unless it is one of `allowed` (check_sampling says so)."""
+    return msgspec.Meta(extra_json_schema={"enum": allowed})
+
+
+Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
+MaxTokens = Annotated[int, msgspec.Meta(ge=1)]
+TokenId = Annotated[int, msgspec.Meta(ge=0)]
+StopString = Annotated[str, msgspec.Meta(min_length=1)]
+MAX_STOP_STRINGS = 16
 
 
 class _Sampling(msgspec.Struct, kw_only=True):
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None              # extension
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None  # extension
+    max_tokens: MaxTokens | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, msgspec.Meta(ge=-1)] | None = None             # extension; -1 and 0: off
+    # msgspec bounds only int64: the top is checked in check_sampling
+    seed: Annotated[int, msgspec.Meta(ge=-(2**63), extra_json_schema={"maximum": 2**64 - 1})] | None = None
+    stop: StopString | Annotated[list[StopString], msgspec.Meta(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: list[TokenId] | None = None  # extension
     ignore_eos: bool = False               # extension
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None   # extension (vLLM)
-    logit_bias: dict[str, float] | None = None
-    min_tokens: int = 0                       # extension (vLLM)
+    n: Annotated[int, msgspec.Meta(ge=1, le=1)] = 1
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=2.0)] | None = None   # extension (vLLM)
+    logit_bias: dict[Annotated[str, msgspec.Meta(pattern=r"^[0-9]+$")],
+                     Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]] | None = None
+    # extension (vLLM); more than the request's max_tokens: max_tokens ends it first
+    min_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
     # Declared so that they are refused by name (check_sampling), never silently ignored.
-    response_format: dict | None = None
-    tools: list | None = None
-    tool_choice: str | dict | None = None
-    best_of: int | None = None
-    suffix: str | None = None
+    response_format: Annotated[dict | None, _refused([{"type": "text"}, {}, None])] = None
+    tools: Annotated[list | None, _refused([[], None])] = None
+    tool_choice: Annotated[str | dict | None, _refused(["none", None])] = None
+    best_of: Annotated[int | None, _refused([1, None])] = None
+    suffix: Annotated[str | None, _refused(["", None])] = None
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
-    modalities: list[str] | None = None
+    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
+    max_completion_tokens: MaxTokens | None = None
+    modalities: list[Literal["text", "audio"]] | None = None
     audio: AudioOptions | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None           # 0..20, needs logprobs: true
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None   # needs logprobs: true
 
 
 class CompletionRequest(_Sampling, kw_only=True):
-    prompt: str | list[int]
-    echo: bool = False
-    logprobs: int | None = None               # 0..20 (vLLM's max_logprobs): top-k per token
+    prompt: Annotated[str, msgspec.Meta(min_length=1)] | Annotated[list[TokenId], msgspec.Meta(min_length=1)]
+    echo: Annotated[bool, _refused([False])] = False
+    # top-k per token, 0..20 (vLLM's max_logprobs)
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+
+
+MAX_SPEECH_CHARS = 4096
+Speed = Annotated[float, msgspec.Meta(ge=0.25, le=4.0)]
 
 
 class SpeechRequest(msgspec.Struct, kw_only=True):
-    input: str
+    # Something to say (not only whitespace) and no NUL: checked in speech.py for the message.
+    input: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_SPEECH_CHARS,
+                                       extra_json_schema={"pattern": r"^[^\x00]*[^\s\x00][^\x00]*$"})]
     model: str | None = None
     voice: str = "joe"
-    response_format: str = "wav"
-    speed: float = 1.0
+    response_format: Literal["wav", "pcm"] = "wav"
+    speed: Speed = 1.0
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
     """vLLM's /tokenize: `prompt` (raw text) or `messages` (through the chat template)."""
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)] | None = None
     add_special_tokens: bool = True       # with `prompt`; the chat template decides for `messages`
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
-    tokens: list[int]
+    tokens: list[TokenId]
     model: str | None = None
 
 
 class SleepRequest(msgspec.Struct, kw_only=True):
-    level: int = 1
+    level: Annotated[int, msgspec.Meta(ge=1, le=2)] = 1
+
+
+VOICE_NAME = r"^[A-Za-z0-9_-]{1,64}$"
 
 
 class VoiceSpec(msgspec.Struct, kw_only=True):
-    name: str
+    name: Annotated[str, msgspec.Meta(pattern=VOICE_NAME)]
     base: str = "joe"
-    speed: float = 1.0
+    speed: Speed = 1.0
 
 
-_PATH_RE = re.compile(r"\$\.?([A-Za-z_][A-Za-z0-9_]*(?:\[\d+\])?(?:\.[A-Za-z_][A-Za-z0-9_]*)*)")
-MAX_STOP_STRINGS = 16
-VOICE_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+# What a type cannot say about itself, merged into its schema (openapi.py): /tokenize takes
+# exactly one of `prompt` and `messages`.
+SCHEMA_EXTRA = {"TokenizeRequest": {"oneOf": [
+    {"required": ["prompt"], "properties": {"prompt": {"type": "string"}, "messages": {"type": "null"}}},
+    {"required": ["messages"], "properties": {"messages": {"type": "array"}, "prompt": {"type": "null"}}}]}}
+
+
+_PATH_RE = re.compile(r"\$\.?([A-Za-z_][A-Za-z0-9_]*(?:\[\d+\]|\.[A-Za-z_][A-Za-z0-9_]*)*)")
+VOICE_NAME_RE = re.compile(VOICE_NAME)
 
 
 def decode_body(body: bytes, type_: type) -> Any:
@@ -124,7 +163,8 @@ def decode_body(body: bytes, type_: type) -> Any:
     if not body.strip():
         raise bad_request("request body is empty; expected a JSON object")
     try:
-        return msgspec.json.decode(body, type=type_)
+        # Lax like vLLM's pydantic models: JSON Schema's integer 1.0 is an int, "2" a number.
+        return msgspec.json.decode(body, type=type_, strict=False)
     except msgspec.ValidationError as e:
         msg = str(e)
         m = _PATH_RE.search(msg)
@@ -219,13 +259,10 @@ def chat_messages(req: ChatCompletionRequest, audios: list | None = None) -> lis
     """The messages as plain dicts for the chat template (text parts joined). `input_audio` parts
     become `{"type": "audio"}` parts in place (the template draws the placeholder) and their
     payloads are appended to `audios` as (param path, InputAudio); without `audios` they are refused."""
-    if not req.messages:
+    if not req.messages:   # decoding refuses an empty list; a TokenizeRequest may carry one
         raise bad_request("messages must not be empty", param="messages")
     out = []
     for i, m in enumerate(req.messages):
-        if m.role not in ("system", "user", "assistant", "developer", "tool"):
-            raise bad_request(f"messages[{i}].role `{m.role}` is not one of system, user, assistant, "
-                              "developer, tool", param=f"messages[{i}].role")
         if m.content is None:
             text = ""
         elif isinstance(m.content, str):
@@ -234,19 +271,14 @@ def chat_messages(req: ChatCompletionRequest, audios: list | None = None) -> lis
             parts, has_audio = [], False
             for j, p in enumerate(m.content):
                 where = f"messages[{i}].content[{j}]"
-                if p.type == "input_audio" and audios is not None:
-                    if p.input_audio is None:
-                        raise bad_request(f"{where} has no input_audio", param=f"{where}.input_audio")
+                if isinstance(p, AudioPart):
+                    if audios is None:
+                        raise bad_request(f"{where}.type `input_audio` is not supported; only text parts",
+                                          param=f"{where}.type")
                     audios.append((f"{where}.input_audio", p.input_audio))
                     parts.append({"type": "audio"})
                     has_audio = True
                     continue
-                if p.type != "text":
-                    supported = "text and input_audio parts" if audios is not None else "only text parts"
-                    raise bad_request(f"{where}.type `{p.type}` is not supported; {supported}",
-                                      param=f"{where}.type")
-                if p.text is None:
-                    raise bad_request(f"{where} has no text", param=f"{where}.text")
                 parts.append({"type": "text", "text": p.text})
             text = parts if has_audio else "\n".join(q["text"] for q in parts)
         d = {"role": "system" if m.role == "developer" else m.role, "content": text}

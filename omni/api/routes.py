@@ -19,33 +19,46 @@ class RouteSpec:
     family: str                 # text | speech | voices | control | jobs | admin (see app.build_app)
     handler: str                # the method of that family's object
     body: type | None = None    # the msgspec type the JSON body decodes into (POST): the OpenAPI schema
-    ok: str = "application/json"   # content type of a 200
+    ok: tuple[str, ...] = ("application/json",)   # content types of a success
     control: bool = False       # changes engine state for everyone: --control-api-key / --disable-control-routes
+    errors: tuple[int, ...] = ()   # statuses besides the ones every route of its kind answers (openapi.py)
+    ok_status: int = 200
+    body_required: bool = True
+    query: tuple[tuple[str, dict], ...] = ()      # (name, JSON schema) of optional query parameters
 
 
+GENERATION = (404, 500, 503, 504)     # unknown model or voice; a stage failed; no replica or asleep; timeout
+JOB = (404, 503)                       # no such job; the master is unreachable
 ROUTES: tuple[RouteSpec, ...] = (
-    RouteSpec("/v1/chat/completions", "POST", "text", "chat", P.ChatCompletionRequest),
-    RouteSpec("/v1/completions", "POST", "text", "completions", P.CompletionRequest),
-    RouteSpec("/tokenize", "POST", "text", "tokenize", P.TokenizeRequest),
-    RouteSpec("/detokenize", "POST", "text", "detokenize", P.DetokenizeRequest),
-    RouteSpec("/v1/audio/speech", "POST", "speech", "speech", P.SpeechRequest, ok="audio/wav"),
-    RouteSpec("/v1/audio/voices", "GET", "voices", "list"),
-    RouteSpec("/v1/audio/voices", "POST", "voices", "add", P.VoiceSpec),
-    RouteSpec("/v1/audio/voices/{name}", "DELETE", "voices", "delete"),
-    RouteSpec("/v1/omni/sleep", "POST", "control", "sleep", P.SleepRequest, control=True),
-    RouteSpec("/v1/omni/wakeup", "POST", "control", "wake_up", control=True),
-    RouteSpec("/v1/omni/is_sleeping", "GET", "control", "is_sleeping"),
-    RouteSpec("/v1/omni/jobs", "POST", "jobs", "create", JobRequest),
-    RouteSpec("/v1/omni/jobs", "GET", "jobs", "list"),
-    RouteSpec("/v1/omni/jobs/{job_id}", "GET", "jobs", "retrieve"),
-    RouteSpec("/v1/omni/jobs/{job_id}", "DELETE", "jobs", "delete"),
-    RouteSpec("/v1/omni/jobs/{job_id}/content", "GET", "jobs", "content"),
+    RouteSpec("/v1/chat/completions", "POST", "text", "chat", P.ChatCompletionRequest,
+              ok=("application/json", "text/event-stream"), errors=GENERATION),
+    RouteSpec("/v1/completions", "POST", "text", "completions", P.CompletionRequest,
+              ok=("application/json", "text/event-stream"), errors=GENERATION),
+    RouteSpec("/tokenize", "POST", "text", "tokenize", P.TokenizeRequest, errors=(404,)),
+    RouteSpec("/detokenize", "POST", "text", "detokenize", P.DetokenizeRequest, errors=(404,)),
+    RouteSpec("/v1/audio/speech", "POST", "speech", "speech", P.SpeechRequest, ok=("audio/wav", "audio/pcm"),
+              errors=GENERATION),
+    RouteSpec("/v1/audio/voices", "GET", "voices", "list", errors=(404, 503)),
+    RouteSpec("/v1/audio/voices", "POST", "voices", "add", P.VoiceSpec, ok_status=201, errors=(404, 409, 415, 503)),
+    RouteSpec("/v1/audio/voices/{name}", "DELETE", "voices", "delete", errors=(400, 404, 409, 503)),
+    RouteSpec("/v1/omni/sleep", "POST", "control", "sleep", P.SleepRequest, control=True, body_required=False,
+              errors=(503,)),
+    RouteSpec("/v1/omni/wakeup", "POST", "control", "wake_up", control=True, errors=(503,)),
+    RouteSpec("/v1/omni/is_sleeping", "GET", "control", "is_sleeping", errors=(503,)),
+    RouteSpec("/v1/omni/jobs", "POST", "jobs", "create", JobRequest, errors=JOB),
+    RouteSpec("/v1/omni/jobs", "GET", "jobs", "list", errors=(400, 503),
+              query=(("limit", {"type": "integer", "minimum": 1, "maximum": 100, "default": 20}),)),
+    RouteSpec("/v1/omni/jobs/{job_id}", "GET", "jobs", "retrieve", errors=JOB),
+    RouteSpec("/v1/omni/jobs/{job_id}", "DELETE", "jobs", "delete", errors=JOB),
+    # The result's type is the job's endpoint's: JSON (chat, completions) or a WAV (speech).
+    RouteSpec("/v1/omni/jobs/{job_id}/content", "GET", "jobs", "content", ok=("application/json", "audio/wav"),
+              errors=(*JOB, 409)),
     RouteSpec("/v1/models", "GET", "admin", "models"),
-    RouteSpec("/health", "GET", "admin", "health"),
-    RouteSpec("/ping", "GET", "admin", "health"),     # vLLM's (SageMaker's) name for /health
-    RouteSpec("/ping", "POST", "admin", "health"),
+    RouteSpec("/health", "GET", "admin", "health", errors=(503,)),
+    RouteSpec("/ping", "GET", "admin", "health", errors=(503,)),     # vLLM's (SageMaker's) name for /health
+    RouteSpec("/ping", "POST", "admin", "health", errors=(503,), body_required=False),
     RouteSpec("/version", "GET", "admin", "version"),
-    RouteSpec("/metrics", "GET", "admin", "metrics"),
+    RouteSpec("/metrics", "GET", "admin", "metrics", ok=("text/plain",)),
     RouteSpec("/openapi.json", "GET", "admin", "openapi"),
 )
 
@@ -65,5 +78,5 @@ def label(path: str) -> str:
     return "other"
 
 
-def openapi_spec(model: str) -> dict:
-    return o.spec(ROUTES, f"omni frontend ({model})", omni.version())
+def openapi_spec(model: str, facts: o.Facts | None = None) -> dict:
+    return o.spec(ROUTES, f"omni frontend ({model})", omni.version(), facts)

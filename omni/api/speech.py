@@ -28,8 +28,9 @@ class SpeechRoutes:
             raise bad_request("input must not be empty", param="input")
         if "\x00" in req.input:
             raise bad_request("input contains a NUL character (\\u0000)", param="input")
-        if len(req.input) > 4096:
-            raise bad_request(f"input is {len(req.input)} characters; the limit is 4096", param="input")
+        if len(req.input) > self.fe.max_speech_chars:
+            raise bad_request(f"input is {len(req.input)} characters; the limit is {self.fe.max_speech_chars}",
+                              param="input")
         if req.response_format not in ("wav", "pcm"):
             raise bad_request(f"response_format `{req.response_format}` is not supported (wav, pcm)",
                               param="response_format")

@@ -35,6 +35,11 @@ AUDIO_IN_RATE = 16000
 MAX_AUDIO_SECONDS = 600
 
 
+def _no_voice(message: str, param: str) -> APIError:
+    # 404 like an unknown model: the request is well formed, the voice it names is not there.
+    return APIError(404, message, type="not_found_error", param=param, code="voice_not_found")
+
+
 def _background_priority() -> None:
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 5)   # this thread only (Linux)
@@ -47,7 +52,7 @@ class FrontendState:
                  model_aliases, frontend_index: int, max_model_len: int, default_max_tokens: int,
                  max_tokens_limit: int | None, speech_entry_stage: int | None, voices,
                  default_temperature: float, audio_out: bool | None = None, speakers: tuple[str, ...] = (),
-                 default_voice: str | None = None):
+                 default_voice: str | None = None, max_speech_chars: int = 4096):
         self.orch = orchestrator
         self.tokenizer = tokenizer
         self.model = served_model_name
@@ -57,6 +62,8 @@ class FrontendState:
         self.default_max_tokens = default_max_tokens
         self.max_tokens_limit = max_tokens_limit
         self.speech_stage = speech_entry_stage
+        self.max_speech_chars = max_speech_chars
+        self.job_endpoints: tuple[str, ...] = ()   # the endpoints a job may run here (set by build_app)
         self.voices = voices if voices is not None or speech_entry_stage is None else InMemoryVoiceStore()
         self.default_temperature = default_temperature
         # Audio out through chat: a pipeline with an audio stage (a speech entry implies one).
@@ -161,8 +168,6 @@ class FrontendState:
         if vocab is not None and any(t >= vocab for t in bias):
             raise bad_request(f"logit_bias: token id {max(bias)} is outside the vocabulary (size {vocab})",
                               param="logit_bias")
-        if req.min_tokens > max_tokens:
-            raise bad_request(f"min_tokens={req.min_tokens} is more than max_tokens={max_tokens}", param="min_tokens")
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=self.default_temperature if req.temperature is None else req.temperature,
@@ -171,19 +176,20 @@ class FrontendState:
             seed=req.seed, stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-            logit_bias=bias, min_tokens=req.min_tokens, logprobs=P.logprobs_k(req))
+            logit_bias=bias, min_tokens=min(req.min_tokens, max_tokens),   # max_tokens ends it first
+            logprobs=P.logprobs_k(req))
 
     async def voice(self, name: str | None, speed: float = 1.0) -> dict:
         """Resolve a voice (maybe a preset) to what the speech stage needs: a base voice and speed."""
         if self.speakers:
             key = (name or self.default_voice).lower()
             if key not in self.speakers:
-                raise bad_request(f"voice `{name}` does not exist; available: {', '.join(self.speakers)}",
-                                  param="audio.voice")
+                raise _no_voice(f"voice `{name}` does not exist; available: {', '.join(self.speakers)}",
+                                "audio.voice")
             return {"voice": key}
         name = name or self.default_voice
         if self.voices is None:
-            raise bad_request(f"voice `{name}` does not exist; this pipeline has no voices", param="voice")
+            raise _no_voice(f"voice `{name}` does not exist; this pipeline has no voices", "voice")
         get = getattr(self.voices, "get", None)
         v = None
         if get is not None:  # the master-backed store looks one name up without listing all
@@ -195,8 +201,7 @@ class FrontendState:
             v = next((x for x in await self.voices.list() if x["name"] == name), None)
         if v is None:
             known = [x["name"] for x in await self.voices.list()]
-            raise bad_request(f"voice `{name}` does not exist; available: {', '.join(known) or 'none'}",
-                              param="voice")
+            raise _no_voice(f"voice `{name}` does not exist; available: {', '.join(known) or 'none'}", "voice")
         return {"voice": v["base"], "speed": speed * float(v.get("speed", 1.0)), "voice_name": name}
 
     # ---- audio input (chat `input_audio` parts)

@@ -6,7 +6,7 @@ every frontend sees the same voices):
     get(name) -> one entry (optional; used when present, else list() is searched)
     add(name, spec: {"base", "speed"}) -> the stored entry
     delete(name) -> None
-raising omni.errors.BadRequest (built-in or duplicate) or NotFound (unknown name).
+raising omni.errors.Conflict (built-in or duplicate), BadRequest or NotFound (unknown name).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse, Response
 
 from omni.api import protocol as P
 from omni.api.errors import APIError
-from omni.errors import BadRequest, NotFound
+from omni.errors import Conflict, NotFound
 
 if TYPE_CHECKING:
     from omni.api.state import FrontendState
@@ -52,7 +52,7 @@ class InMemoryVoiceStore:
 
     async def add(self, name: str, spec: dict) -> dict:
         if name in self._voices:
-            raise BadRequest(f"voice `{name}` already exists; delete it first")
+            raise Conflict(f"voice `{name}` already exists; delete it first")
         entry = {"name": name, "base": spec["base"], "speed": float(spec.get("speed", 1.0)),
                  "builtin": False}
         self._voices[name] = entry
@@ -63,7 +63,7 @@ class InMemoryVoiceStore:
         if v is None:
             raise NotFound(f"voice `{name}` does not exist")
         if v["builtin"]:
-            raise BadRequest(f"voice `{name}` is built in and cannot be deleted")
+            raise Conflict(f"voice `{name}` is built in and cannot be deleted")
         del self._voices[name]
 
 

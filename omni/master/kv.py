@@ -3,6 +3,8 @@
 Writes go to a temp file, are fsynced and renamed over the old one, so a crash leaves either
 the old or the new namespace file, never a torn one.
 
+Namespaces of live data (metrics) stay in memory only.
+
 Every namespace is bounded (value size, entries, bytes; `LIMITS`), some expire entries a
 while after their last write (jobs), and lists come in pages, so no client can make the
 master or a reader of the list allocate without bound, and one oversize record cannot make
@@ -38,9 +40,12 @@ class Limits:
     max_entries: int = 10_000
     max_bytes: int = 64 << 20
     ttl_s: float | None = None          # entries go this long after their last write
+    persist: bool = True                # written to state_dir (when the master has one)
 
 
-LIMITS = {"jobs": Limits(ttl_s=7 * 86400.0), "voices": Limits(max_entries=1000)}
+# metrics: each frontend's last published exposition (omni/api/metrics_merge.py), live data that
+# would be stale after a restart, so it is never written to disk.
+LIMITS = {"jobs": Limits(ttl_s=7 * 86400.0), "voices": Limits(max_entries=1000), "metrics": Limits(persist=False)}
 DEFAULT_LIMITS = Limits()
 MAX_VALUE_BYTES = max(lim.max_value_bytes for lim in (DEFAULT_LIMITS, *LIMITS.values()))
 
@@ -70,6 +75,10 @@ class KvStore:
             logger.info("removing %s, left by an interrupted write", tmp)
             tmp.unlink(missing_ok=True)
         for path in sorted(self._dir.glob("*.json")):
+            if not self.limits(path.stem).persist:   # written by an older omni
+                logger.info("removing %s: namespace %s is not persisted", path, path.stem)
+                path.unlink(missing_ok=True)
+                continue
             try:
                 raw = json.loads(path.read_text())
                 now = self._clock()
@@ -161,7 +170,7 @@ class KvStore:
             self._persist(namespace)
 
     def _persist(self, namespace: str) -> None:
-        if self._dir is None:
+        if self._dir is None or not self.limits(namespace).persist:
             return
         target = self._dir / f"{namespace}.json"
         items = self._data.get(namespace, {})

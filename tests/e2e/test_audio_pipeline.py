@@ -269,7 +269,7 @@ def test_voice_presets_list_use_delete(url, speech_wavs):
 
 
 @pytest.mark.parametrize("body, status, needle", [
-    ({"input": "Hello.", "voice": "nobody-by-this-name"}, 400, "nobody-by-this-name"),
+    ({"input": "Hello.", "voice": "nobody-by-this-name"}, 404, "nobody-by-this-name"),
     ({"input": ""}, 400, "input"),
     ({"input": "   "}, 400, "input"),
     ({"input": "Hello.", "response_format": "mp3"}, 400, "mp3"),

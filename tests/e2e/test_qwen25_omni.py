@@ -189,9 +189,9 @@ def test_audio_input_reaches_the_thinker_and_the_talker(server, reference):
     assert_same_audio(base64.b64decode(m.audio.data), want_wav)
 
 
-def test_a_voice_the_model_lacks_is_400_naming_it(server):
+def test_a_voice_the_model_lacks_is_404_naming_it(server):
     r = httpx.post(server + "/v1/chat/completions", timeout=60, json={
         "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "modalities": ["text", "audio"],
         "audio": {"voice": "aiden", "format": "wav"}})
-    assert r.status_code == 400, r.text
+    assert r.status_code == 404, r.text
     assert r.json()["error"]["param"] == "audio.voice" and "chelsie" in r.json()["error"]["message"]

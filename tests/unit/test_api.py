@@ -227,19 +227,19 @@ async def test_multibyte_stream_has_no_replacement_chars(tokenizer):
 # ---- errors
 
 @pytest.mark.parametrize("body,param,contains", [
-    ({"messages": []}, "messages", "empty"),
+    ({"messages": []}, "messages", "length >= 1"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", None),
     ({}, "messages", "missing"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", "wizard"),
-    ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n", "n=2"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n", "<= 1"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens", None),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": "ten"}, "max_tokens", None),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 1000}, "max_tokens", "128"),
     ({"messages": [{"role": "user", "content": "x"}], "temperature": 9}, "temperature", None),
     ({"messages": [{"role": "user", "content": "x"}], "top_p": 0}, "top_p", None),
-    ({"messages": [{"role": "user", "content": "x"}], "modalities": ["video"]}, "modalities", "video"),
+    ({"messages": [{"role": "user", "content": "x"}], "modalities": ["video"]}, "modalities[0]", "video"),
     ({"messages": [{"role": "user", "content": "x"}], "modalities": ["text", "audio"]}, "modalities", "audio"),
-    ({"messages": [{"role": "user", "content": "x"}], "stop": [""]}, "stop", None),
+    ({"messages": [{"role": "user", "content": "x"}], "stop": [""]}, "stop[0]", None),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0].type", None),
 ])
 async def test_chat_bad_input_is_400(tokenizer, body, param, contains):
@@ -434,8 +434,10 @@ async def test_tokenize_and_detokenize_like_vllm(tokenizer):
     back = (await c.post("/detokenize", json={"tokens": doc["tokens"]}, headers=auth)).json()
     assert back == {"prompt": tokenizer.decode(doc["tokens"])}
     assert_error(await c.post("/tokenize", json={}, headers=auth), 400, "prompt", "exactly one")
-    assert_error(await c.post("/tokenize", json={"prompt": "a", "messages": []}, headers=auth), 400, "prompt")
-    assert_error(await c.post("/detokenize", json={"tokens": [-1]}, headers=auth), 400, "tokens", "vocabulary")
+    assert_error(await c.post("/tokenize", json={"prompt": "a", "messages": []}, headers=auth), 400, "messages")
+    assert_error(await c.post("/tokenize", json={"prompt": "a", "messages": [{"role": "user"}]}, headers=auth), 400, "prompt")
+    assert_error(await c.post("/detokenize", json={"tokens": [-1]}, headers=auth), 400, "tokens[0]", ">= 0")
+    assert_error(await c.post("/detokenize", json={"tokens": [10**6]}, headers=auth), 400, "tokens", "vocabulary")
     assert_error(await c.post("/detokenize", json={"tokens": "x"}, headers=auth), 400, "tokens")
     assert_error(await c.post("/tokenize", json={"model": "other", "prompt": "a"}, headers=auth), 404, "model")
 
@@ -466,7 +468,7 @@ async def test_speech(tokenizer):
     assert_error(await c.post("/v1/audio/speech", json={"input": "hi", "speed": 9}), 400, "speed")
     assert_error(await c.post("/v1/audio/speech", json={"input": "hi", "response_format": "mp3"}), 400,
                  "response_format")
-    assert_error(await c.post("/v1/audio/speech", json={"input": "hi", "voice": "nobody"}), 400, "voice")
+    assert_error(await c.post("/v1/audio/speech", json={"input": "hi", "voice": "nobody"}), 404, "voice")
     assert_error(await c.post("/v1/audio/speech", json={"voice": "joe"}), 400, "input")
 
 
@@ -494,7 +496,7 @@ async def test_voice_store_without_get(tokenizer):
     orch, c = make(tokenizer, speech_entry_stage=1, voices=ListOnlyVoices())
     orch.audio_chunks = 1
     assert (await c.post("/v1/audio/speech", json={"input": "hi"})).status_code == 200
-    assert_error(await c.post("/v1/audio/speech", json={"input": "hi", "voice": "zed"}), 400, "voice", "joe")
+    assert_error(await c.post("/v1/audio/speech", json={"input": "hi", "voice": "zed"}), 404, "voice", "joe")
 
 
 async def test_voices(tokenizer):
@@ -503,13 +505,13 @@ async def test_voices(tokenizer):
     assert names == ["joe", "amy"]
     r = await c.post("/v1/audio/voices", json={"name": "slow-joe", "base": "joe", "speed": 0.5})
     assert r.status_code == 201 and r.json()["base"] == "joe"
-    assert_error(await c.post("/v1/audio/voices", json={"name": "slow-joe"}), 400, None, "exists")
+    assert_error(await c.post("/v1/audio/voices", json={"name": "slow-joe"}), 409, None, "exists")
     assert_error(await c.post("/v1/audio/voices", json={"name": "x", "base": "zed"}), 400, "base")
     assert_error(await c.post("/v1/audio/voices", json={"name": "bad name!"}), 400, "name")
     orch.audio_chunks = 1
     await c.post("/v1/audio/speech", json={"input": "hi", "voice": "slow-joe", "speed": 2.0})
     assert orch.requests[-1].extra == {"voice": "joe", "speed": 1.0, "voice_name": "slow-joe"}
-    assert_error(await c.delete("/v1/audio/voices/joe"), 400, None, "built in")
+    assert_error(await c.delete("/v1/audio/voices/joe"), 409, None, "built in")
     assert_error(await c.delete("/v1/audio/voices/nope"), 404)
     assert (await c.delete("/v1/audio/voices/slow-joe")).status_code == 200
     assert [v["name"] for v in (await c.get("/v1/audio/voices")).json()["data"]] == ["joe", "amy"]

@@ -177,6 +177,28 @@ async def test_delete_on_the_owner_cancels_at_once(tokenizer, tmp_path):
     assert orch.closed == [orch.requests[0].request_id] and jobs._tasks == {}
 
 
+async def test_a_frontend_runs_at_most_max_running_jobs_at_once(tokenizer, tmp_path):
+    """A burst of jobs waits "queued" instead of filling the stages ahead of interactive requests."""
+    from omni.api.jobs import MAX_RUNNING
+
+    orch, jobs, c = frontend(tokenizer, LocalKv(), tmp_path)
+    orch.hang_after = 0
+    ids = [(await c.post("/v1/omni/jobs", json={"endpoint": "/v1/completions", "body": {"model": "tiny", "prompt": "hi"}}
+                         )).json()["id"] for _ in range(MAX_RUNNING + 1)]
+
+    async def started(n):
+        while len(orch.requests) < n:
+            await asyncio.sleep(0)   # yield to the job tasks; bounded by wait_for
+    await asyncio.wait_for(started(MAX_RUNNING), 5)
+    for _ in range(50):
+        await asyncio.sleep(0)
+    assert len(orch.requests) == MAX_RUNNING
+    statuses = [(await c.get(f"/v1/omni/jobs/{i}")).json()["status"] for i in ids]
+    assert statuses == ["in_progress"] * MAX_RUNNING + ["queued"]
+    await c.delete(f"/v1/omni/jobs/{ids[0]}")    # frees a slot: the queued job starts
+    await asyncio.wait_for(started(MAX_RUNNING + 1), 5)
+    await jobs.close()
+
 class DownKv(LocalKv):
     async def kv_put(self, *a):
         raise Unavailable("cannot reach the omni master at 127.0.0.1:1: connection refused")

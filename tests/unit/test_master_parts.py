@@ -25,6 +25,21 @@ def test_kv_persists_atomically_and_reloads(tmp_path):
     assert KvStore(tmp_path).get("jobs", "j1") is None
 
 
+def test_kv_metrics_are_never_persisted(tmp_path):
+    """Frontends' published metrics are live data: with --state-dir they came back after a
+    restart as another deployment's stale figures."""
+    from omni.api.metrics_merge import NAMESPACE
+
+    kv = KvStore(tmp_path)
+    kv.put(NAMESPACE, "0", b"omni_api_requests_total 5\n")
+    kv.put("voices", "alice", b"{}")
+    assert kv.get(NAMESPACE, "0") == b"omni_api_requests_total 5\n"   # served while the master lives
+    assert sorted(p.name for p in (tmp_path / "kv").iterdir()) == ["voices.json"]
+    (tmp_path / "kv" / f"{NAMESPACE}.json").write_text(json.dumps({"1": {"v": "eA==", "t": 0}}))  # an older omni's
+    again = KvStore(tmp_path)
+    assert again.list(NAMESPACE) == ({}, "") and again.get("voices", "alice") == b"{}"
+    assert not (tmp_path / "kv" / f"{NAMESPACE}.json").exists()
+
 def test_kv_refuses_bad_names_and_sizes(tmp_path):
     kv = KvStore()
     for ns in ("", "../x", ".hidden", "a/b", "x" * 200):

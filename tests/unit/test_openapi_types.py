@@ -6,6 +6,8 @@ import inspect
 
 import msgspec
 
+from omni.api.errors import ErrorResponse
+from omni.api.protocol import SCHEMA_EXTRA
 from omni.api.control import ControlRoutes
 from omni.api.jobs import Jobs
 from omni.api.routes import ROUTES, openapi_spec
@@ -24,8 +26,10 @@ def test_each_body_schema_is_the_type_its_handler_decodes():
         source = inspect.getsource(getattr(FAMILIES[r.family], r.handler))
         assert "decode_body(" in source and r.body.__name__ in source, (r.path, r.body)
     spec = openapi_spec("m")
-    _, components = msgspec.json.schema_components([r.body for r in bodies],
+    _, components = msgspec.json.schema_components([r.body for r in bodies] + [ErrorResponse],
                                                    ref_template="#/components/schemas/{name}")
+    for name, extra in SCHEMA_EXTRA.items():
+        components[name].update(extra)
     assert spec["components"]["schemas"] == components
     chat = spec["components"]["schemas"]["ChatCompletionRequest"]["properties"]
     assert {"presence_penalty", "logit_bias", "min_tokens", "logprobs", "messages"} <= set(chat)

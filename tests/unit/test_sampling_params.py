@@ -69,7 +69,7 @@ def test_vllm_sampling_params_get_them():
     ({"repetition_penalty": 0.0}, "repetition_penalty"),
     ({"logit_bias": {"x": 1}}, "logit_bias"),
     ({"logit_bias": {"99999999": 1}}, "logit_bias"),
-    ({"min_tokens": 50, "max_tokens": 4}, "min_tokens"),
+    ({"min_tokens": -1}, "min_tokens"),
 ])
 async def test_unsupported_or_bad_chat_parameters_are_a_400_naming_them(tokenizer, extra, param):
     _, client = make(tokenizer)
@@ -100,6 +100,16 @@ async def test_supported_parameters_reach_the_engine(tokenizer):
     s = orch.requests[-1].sampling
     assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.min_tokens) == (0.5, 0.25, 1.1, 2)
     assert s.logit_bias == {7: 3.0}
+
+
+@pytest.mark.anyio
+async def test_min_tokens_above_max_tokens_is_capped_by_it(tokenizer):
+    """A cross-field rule no schema states (issue 15, item 5): max_tokens ends the completion first."""
+    orch, client = make(tokenizer)
+    async with client:
+        r = await client.post("/v1/chat/completions", json=chat_body(min_tokens=50, max_tokens=4))
+    assert r.status_code == 200, r.text
+    assert (orch.requests[-1].sampling.min_tokens, orch.requests[-1].sampling.max_tokens) == (4, 4)
 
 
 @pytest.mark.anyio
