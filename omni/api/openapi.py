@@ -139,6 +139,10 @@ def narrow(components: dict, f: Facts) -> None:
     s = prop("VoiceSpec", "base")
     if s is not None and f.builtin_voices:
         s["enum"] = sorted(f.builtin_voices)
+    chat = components.get("ChatCompletionRequest")
+    if chat is not None:   # top_logprobs > 0 needs logprobs: true (logprobs_k), as in OpenAI's API
+        chat["if"] = {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer", "minimum": 1}}}
+        chat["then"] = {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}
     s = prop("ChatCompletionRequest", "modalities")
     if s is not None and not f.audio_out:
         first(s)["items"] = {"enum": ["text"]}
