@@ -11,8 +11,8 @@ the pipeline recovers. The LM -> pooler pipeline with the real SmolLM2 weights.
 
 Wall time of the default (--quick) on the shared 2-core box: 101 s at load average 8, 146 s at 14
 (the headless deployment's start-up 22-28 s, the replacement pooler of sigkill_stage 26-40 s);
---vllm adds about 2.5 minutes (232 s in all at load 7: three vLLM start-ups), --full a few more. Rows a run leaves out stay in the table
-and the JSON, with `skipped` saying why.
+--vllm adds about 2.5 minutes (232 s in all at load 7: three vLLM start-ups), --full a few more.
+Rows a run leaves out stay in the table and the JSON, with `skipped` saying why.
 
 Columns: detect_s, fault -> the master publishing the new state (SUSPECT/DEAD/removed; for
 restart_master: until every stage is READY on the new master); failed / hung / completed, requests
