@@ -2,10 +2,17 @@
 the pipeline recovers. The LM -> pooler pipeline with the real SmolLM2 weights.
 
     .venv/bin/python benchmarks/faults.py            # --quick: standalone master + headless stages
-    .venv/bin/python benchmarks/faults.py --full     # also `omni serve` (2 LM replicas): SIGKILL, frontend kill
+    .venv/bin/python benchmarks/faults.py --vllm     # also SIGKILL a vLLM stage (three vLLM start-ups)
+    .venv/bin/python benchmarks/faults.py --full     # --vllm, plus `omni serve` (2 LM replicas): SIGKILL,
+                                                     # frontend kill
     .venv/bin/python benchmarks/faults.py --json     # {"faults": [{"fault", "detect_s", "failed", "hung",
-                                                     #              "completed", "recover_s", "false_deaths",
-                                                     #              "orphans"}, ...]}
+                                                     #   "completed", "recover_s", "false_deaths", "orphans",
+                                                     #   "took_s", "skipped"}, ...], "loadavg": [1, 5, 15 min]}
+
+Wall time of the default (--quick) on the shared 2-core box: 101 s at load average 8, 146 s at 14
+(the headless deployment's start-up 22-28 s, the replacement pooler of sigkill_stage 26-40 s);
+--vllm adds about 2.5 minutes (232 s in all at load 7: three vLLM start-ups), --full a few more.
+Rows a run leaves out stay in the table and the JSON, with `skipped` saying why.
 
 Columns: detect_s, fault -> the master publishing the new state (SUSPECT/DEAD/removed; for
 restart_master: until every stage is READY on the new master); failed / hung / completed, requests
@@ -16,8 +23,10 @@ false_deaths: replicas the master declared DEAD that were not the fault's victim
 the master SIGSTOPped for 3 TTLs and more with one pooler, SIGCONT the master only; detect_s: master
 resumed -> the stopped pooler DEAD; recover_s: DEAD -> READY again after its SIGCONT). orphans:
 processes of a SIGKILLed vLLM stage (EngineCore, Worker, resource tracker) still alive 10 s later
-(vllm_kill_startup: while its engine loads; vllm_kill_steady: once it serves; detect_s: SIGKILL -> the
-last of them gone); those rows need vLLM. "-": not measured by that fault.
+(vllm_kill_bootstrap: while its EngineCore is still in interpreter bootstrap, before omni's entry;
+vllm_kill_startup: while its engine loads; vllm_kill_steady: once it serves; detect_s: SIGKILL -> the
+last of them gone); those rows need vLLM and `--vllm` or `--full`. took_s: the scenario's own wall
+time. skipped: why a row was not run (its figures are then "-" / null). "-": not measured by that fault.
 The scenarios themselves live in tests/e2e/test_faults.py, test_lifecycle.py and harness.py and are reused here.
 """
 
@@ -41,12 +50,21 @@ from tests.e2e import test_lifecycle as tl         # noqa: E402
 from tests.e2e.harness import READY, OmniProcess   # noqa: E402
 
 
+COLUMNS = ["fault", "detect_s", "failed", "hung", "completed", "recover_s", "false_deaths", "orphans", "took_s",
+           "skipped"]
+
+
 def row(fault: str, detect_s, outcomes, recover_s, false_deaths=None, orphans=None) -> dict:
     c = tf.count(outcomes)
     return {"fault": fault, "detect_s": None if detect_s is None else round(detect_s, 3),
             "failed": c["failed"], "hung": c["hung"], "completed": c["completed"],
             "recover_s": None if recover_s is None else round(recover_s, 3),
-            "false_deaths": false_deaths, "orphans": orphans}
+            "false_deaths": false_deaths, "orphans": orphans, "took_s": None, "skipped": None}
+
+
+def skipped(fault: str, why: str) -> dict:
+    """A row that was not run: it stays in the table and the JSON, every figure null."""
+    return {**dict.fromkeys(COLUMNS), "fault": fault, "skipped": why}
 
 
 # ------------------------------------------------------------------ headless deployment
@@ -65,7 +83,7 @@ async def sigkill_pooler(d: tf.Headless, n: int = 4) -> dict:
             rep = next(r for r in t.topology.replicas.values() if r.pid == victim.proc.pid)
             tasks = [asyncio.create_task(t.run(max_tokens=24)) for _ in range(n)]
             deadline = time.monotonic() + 60
-            while not t.orch._by_replica.get(rep.replica_id):   # until the victim holds a request
+            while not t.orch.core.by_replica.get(rep.replica_id):   # until the victim holds a request
                 if time.monotonic() > deadline or all(x.done() for x in tasks):
                     break
                 await asyncio.sleep(0.01)
@@ -112,11 +130,19 @@ async def restart_master(d: tf.Headless) -> dict:
     return row("restart_master", res["reregistered_s"], [res["first"], *res["results"]], res["recover_s"])
 
 
+def timed(fn, *args) -> dict:
+    t0 = time.monotonic()
+    r = fn(*args)
+    return {**r, "took_s": round(time.monotonic() - t0, 1)}
+
+
 def run_headless(folder: Path) -> list[dict]:
+    t0 = time.monotonic()
     d = tf.start_headless(folder)
+    print(f"headless deployment up in {time.monotonic() - t0:.1f} s", file=sys.stderr)
     try:
-        return [asyncio.run(sigstop(d)), asyncio.run(replay_stopped(d)), asyncio.run(master_pause(d)),
-                asyncio.run(sigkill_pooler(d)), asyncio.run(restart_master(d))]
+        return [timed(asyncio.run, f(d)) for f in (sigstop, replay_stopped, master_pause, sigkill_pooler,
+                                                   restart_master)]
     finally:
         d.stop()
 
@@ -153,17 +179,24 @@ def kill_frontend(d: tf.Served) -> dict:
     return row("kill_frontend", ev[0] - t0, outcomes, recover_s)
 
 
+WHEN = {"vllm_kill_bootstrap": "bootstrap", "vllm_kill_startup": "startup", "vllm_kill_steady": "steady"}
+VLLM_KILLS = tuple(WHEN)
+SERVED = ("sigkill_stage_http", "kill_frontend")
+
+
 def run_vllm_kills() -> list[dict]:
-    """SIGKILL a headless vLLM stage at start-up and at steady state; count what outlives it."""
+    """SIGKILL a headless vLLM stage in its EngineCore's bootstrap, at start-up and at steady
+    state; count what outlives it."""
     if not tl.HAVE_VLLM:
-        print("vLLM is not installed: no vllm_kill rows", file=sys.stderr)
-        return []
+        return [skipped(f, "no vllm") for f in VLLM_KILLS]
     master, address = tl.start_master()
     try:
         rows = []
-        for when in ("startup", "steady"):
+        for fault, when in WHEN.items():
+            t0 = time.monotonic()
             res = tl.sigkill_vllm_stage(address, when)
-            rows.append(row(f"vllm_kill_{when}", res["clean_s"], [], None, orphans=len(res["orphans"])))
+            r = row(fault, res["clean_s"], [], None, orphans=len(res["orphans"]))
+            rows.append({**r, "took_s": round(time.monotonic() - t0, 1)})
         return rows
     finally:
         master.kill()
@@ -172,34 +205,42 @@ def run_vllm_kills() -> list[dict]:
 def run_served(folder: Path) -> list[dict]:
     d = tf.start_served(folder)
     try:
+        t0 = time.monotonic()
         res = tf.sigkill_under_load(d)
-        rows = [row("sigkill_stage_http", res["detect_s"], res["outcomes"] + res["after"], res["recover_s"])]
-        rows.append(kill_frontend(d))
-        return rows
+        r = row("sigkill_stage_http", res["detect_s"], res["outcomes"] + res["after"], res["recover_s"])
+        return [{**r, "took_s": round(time.monotonic() - t0, 1)}, timed(kill_frontend, d)]
     finally:
         d.stop()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true",
-                    help="headless faults and the vLLM stage kills (the default; about 5 minutes here)")
-    ap.add_argument("--full", action="store_true", help="also the `omni serve` faults (two LM replicas)")
+    ap.add_argument("--quick", action="store_true", help="the headless faults only (the default)")
+    ap.add_argument("--vllm", action="store_true", help="also the vLLM stage kills (three vLLM start-ups)")
+    ap.add_argument("--full", action="store_true",
+                    help="everything: the headless faults, the vLLM stage kills, the `omni serve` faults")
     ap.add_argument("--json", action="store_true", help="print one JSON document")
     args = ap.parse_args()
     os.environ.setdefault("OMNI_TEST", "1")
     with tempfile.TemporaryDirectory(prefix="omni-faults-") as tmp:
         rows = run_headless(Path(tmp))
-        rows += run_vllm_kills()
+        if args.vllm or args.full:
+            rows += run_vllm_kills()
+        else:
+            rows += [skipped(f, "needs --vllm") for f in VLLM_KILLS]
         if args.full:
             rows += run_served(Path(tmp))
+        else:
+            rows += [skipped(f, "needs --full") for f in SERVED]
+    load = [round(x, 2) for x in os.getloadavg()]
     if args.json:
-        print(json.dumps({"faults": rows}))
+        print(json.dumps({"faults": rows, "loadavg": load}))
         return
-    cols = ["fault", "detect_s", "failed", "hung", "completed", "recover_s", "false_deaths", "orphans"]
-    print(" ".join(f"{c:>18}" for c in cols))
+    print(f"load average: {load}")
+    widths = [20] + [13] * (len(COLUMNS) - 1)
+    print(" ".join(f"{c:>{w}}" for c, w in zip(COLUMNS, widths)))
     for r in rows:
-        print(" ".join(f"{'-' if r[c] is None else r[c]:>18}" for c in cols))
+        print(" ".join(f"{'-' if r[c] is None else r[c]:>{w}}" for c, w in zip(COLUMNS, widths)))
     if any(r["hung"] or r["false_deaths"] or r["orphans"] for r in rows):
         sys.exit(1)
 

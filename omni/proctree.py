@@ -9,24 +9,18 @@ Three layers, because no single one covers every way an owner dies:
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
 
 import psutil
 
+from omni.deathsig import PR_SET_PDEATHSIG
+from omni.deathsig import prctl as _prctl
+
 logger = logging.getLogger(__name__)
 
-PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
-
-
-def _prctl(option: int, arg: int) -> bool:
-    try:
-        return ctypes.CDLL("libc.so.6", use_errno=True).prctl(option, arg, 0, 0, 0) == 0
-    except OSError:   # not Linux/glibc: the other layers still hold
-        return False
 
 
 def die_with_parent(sig: int, parent_pid: int | None) -> None:

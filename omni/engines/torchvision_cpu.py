@@ -12,7 +12,8 @@ torchvision, declares those two ops' schemas (no kernels: nothing on CPU calls t
 `_C.so` loads, and then steps aside. `make` installs a .pth file that calls it at every
 interpreter start in the venv (cheap: it imports nothing until torchvision is imported), so
 it reaches every process, vLLM's spawned EngineCore included, before its first import of
-transformers. `python -m omni.engines.torchvision_cpu` writes that .pth file.
+transformers. `python -m omni.engines.torchvision_cpu` writes that .pth file. The same hook
+first gives vLLM's spawned EngineCore and Worker their death signal (omni/deathsig.py).
 """
 
 from __future__ import annotations
@@ -72,6 +73,10 @@ def prepare() -> None:
 
 
 def install() -> None:
+    """What the .pth file runs at every interpreter start in the venv."""
+    from omni.deathsig import at_interpreter_start
+
+    at_interpreter_start()
     if "torchvision" in sys.modules or _Finder in sys.meta_path:
         return
     sys.meta_path.insert(0, _Finder)

@@ -2,13 +2,18 @@
 
 They ask the kernel for SIGKILL when their parent dies (a SIGKILLed stage left its EngineCore
 and Worker running under PID 1), and register omni's model classes with vLLM's registry in
-that process (a spawned interpreter starts with vLLM's own registry).
+that process (a spawned interpreter starts with vLLM's own registry). Where the venv has omni's
+interpreter-start hook, the EngineCore and Worker ask for it already when their interpreter
+starts, before these entries run (omni/deathsig.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+
+from omni.deathsig import PARENT_ENV, children_die_with_us
 
 # Architectures whose vLLM class omni replaces with a subclass (omni/engines/vllm_models.py).
 MODEL_OVERRIDES = {
@@ -34,7 +39,8 @@ def engine_core_dies_with_us():
     original = EngineCoreProc.__dict__["run_engine_core"]
     EngineCoreProc.run_engine_core = staticmethod(run_engine_core_guarded)
     try:
-        yield
+        with children_die_with_us():   # vLLM starts the EngineCore from this (the main) thread
+            yield
     finally:
         EngineCoreProc.run_engine_core = original
 
@@ -44,6 +50,7 @@ def _die_with_parent() -> None:
 
     from omni.proctree import die_with_parent
 
+    os.environ.pop(PARENT_ENV, None)   # a forked child inherits it; only its own spawns get it again
     parent = multiprocessing.parent_process()
     die_with_parent(signal.SIGKILL, parent.pid if parent is not None else None)
 
@@ -57,6 +64,12 @@ def run_engine_core_guarded(*args, **kwargs):
     _die_with_parent()
     register_models()
     WorkerProc.worker_main = staticmethod(run_worker_guarded)   # this process starts them
+    make_worker = WorkerProc.make_worker_process
+
+    def make_worker_dying_with_us(*a, **kw):
+        with children_die_with_us():   # vLLM's executor starts Workers from the main thread
+            return make_worker(*a, **kw)
+    WorkerProc.make_worker_process = staticmethod(make_worker_dying_with_us)
     return EngineCoreProc.run_engine_core(*args, **kwargs)
 
 

@@ -54,7 +54,7 @@ def names(procs: list[psutil.Process]) -> list[str]:
     return out
 
 
-def wait_until(fn, timeout: float, what: str):
+def wait_until(fn, timeout: float, what: str, every_s: float = 0.1):
     deadline = time.monotonic() + timeout
     while True:
         value = fn()
@@ -62,7 +62,7 @@ def wait_until(fn, timeout: float, what: str):
             return value
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not within {timeout} s")
-        threading.Event().wait(0.1)   # polling process state, bounded by the deadline
+        threading.Event().wait(every_s)   # polling process state, bounded by the deadline
 
 
 def engine_core(sid: int) -> psutil.Process | None:
@@ -73,6 +73,33 @@ def engine_core(sid: int) -> psutil.Process | None:
         except psutil.Error:
             pass
     return None
+
+
+def spawned_child(pid: int) -> psutil.Process | None:
+    """A multiprocessing spawn child of `pid` still in its interpreter's bootstrap: its command
+    line is still spawn's (the EngineCore's entry renames it VLLM::EngineCore)."""
+    try:
+        for c in psutil.Process(pid).children():
+            if "--multiprocessing-fork" in c.cmdline():
+                return c
+    except psutil.Error:
+        pass
+    return None
+
+
+def children(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children()
+    except psutil.Error:
+        return []
+
+
+def has_start_hook() -> bool:
+    import site
+
+    from omni.engines.torchvision_cpu import PTH_NAME
+
+    return any(os.path.exists(os.path.join(d, PTH_NAME)) for d in site.getsitepackages())
 
 
 def vllm_worker(sid: int) -> psutil.Process | None:
@@ -108,16 +135,35 @@ def headless_vllm_stage(master) -> OmniProcess:
 
 
 def sigkill_vllm_stage(master, when: str, wait_s: float = 10.0) -> dict:
-    """SIGKILL a headless vLLM stage while it loads ("startup": its EngineCore is up, it is not
-    registered yet) or once it serves ("steady"). {"before": its processes, "orphans": those of
-    its session alive `wait_s` later, "clean_s": seconds until none was}. Reused by benchmarks/faults.py."""
+    """SIGKILL a headless vLLM stage while it loads ("bootstrap": its EngineCore is a spawned
+    interpreter still in its bootstrap, before omni's entry runs; "worker_bootstrap": its
+    EngineCore runs, its Worker is in that bootstrap; "startup": its EngineCore and
+    Worker run, it is not registered yet) or once it serves ("steady"). {"before": its processes,
+    "orphans": those of its session alive `wait_s` later, "clean_s": seconds until none was,
+    "in_bootstrap": that child still was just before the kill}. Reused by benchmarks/faults.py."""
     p = headless_vllm_stage(master)
     sid = p.proc.pid
+    in_bootstrap = None
     try:
-        if when == "startup":
-            # Killed while the model loads: once the EngineCore and its Worker run omni's entry (their
-            # names set). A kill inside a child's interpreter bootstrap, before that entry sets its
-            # death signal, can still leave it behind (a known window: see docs/architecture.md).
+        if when in ("bootstrap", "worker_bootstrap"):
+            # What closes this window is the death signal the .pth hook asks for at interpreter start.
+            def spawned():
+                if when == "bootstrap":
+                    return spawned_child(sid)
+                for c in children(sid):
+                    try:
+                        if c.cmdline()[:1] == ["VLLM::EngineCore"]:
+                            return spawned_child(c.pid)
+                    except psutil.Error:
+                        pass
+                return None
+            child = wait_until(lambda: spawned() or p.proc.poll() is not None, 240, f"a spawned child ({when})",
+                               every_s=0.01)
+            assert p.proc.poll() is None, p.output()
+            before = names([psutil.Process(sid), *children(sid), child])   # not the whole session: that is slow
+            in_bootstrap = "--multiprocessing-fork" in child.cmdline()
+        elif when == "startup":
+            # Killed while the model loads: once the EngineCore and its Worker run omni's entry (their names set).
             wait_until(lambda: (engine_core(sid) and vllm_worker(sid)) or p.proc.poll() is not None, 240,
                        "an EngineCore and its Worker")
             assert p.proc.poll() is None, p.output()
@@ -125,7 +171,8 @@ def sigkill_vllm_stage(master, when: str, wait_s: float = 10.0) -> dict:
         else:
             p.wait_for(READY, 300)
             assert engine_core(sid) is not None
-        before = names(session(sid))
+        if when != "bootstrap":
+            before = names(session(sid))
         os.kill(p.proc.pid, signal.SIGKILL)
         p.proc.wait(10)
         t0 = time.monotonic()
@@ -133,7 +180,8 @@ def sigkill_vllm_stage(master, when: str, wait_s: float = 10.0) -> dict:
         while session(sid) and time.monotonic() < deadline:
             threading.Event().wait(0.1)   # polling process state, bounded by the deadline
         orphans = names(session(sid))
-        return {"before": before, "orphans": orphans, "clean_s": None if orphans else time.monotonic() - t0}
+        return {"before": before, "orphans": orphans, "clean_s": None if orphans else time.monotonic() - t0,
+                "in_bootstrap": in_bootstrap}
     finally:
         p.kill()
         for q in session(sid):   # whatever it leaves, it does not leave it to the next test
@@ -147,6 +195,19 @@ def test_sigkill_of_a_vllm_stage_leaves_no_process_behind(master, when):
     res = sigkill_vllm_stage(master, when)
     assert len(res["before"]) >= 2, res["before"]          # the stage and at least its EngineCore
     assert res["orphans"] == [], f"alive 10 s after the stage was SIGKILLed: {res['orphans']}"
+
+
+@pytest.mark.vllm
+@needs_vllm
+@pytest.mark.skipif(not has_start_hook(), reason="the venv has no omni .pth hook (`make` writes it)")
+@pytest.mark.parametrize("when", ["bootstrap", "worker_bootstrap"])
+def test_sigkill_of_a_vllm_stage_while_a_child_bootstraps_leaves_no_process_behind(master, when):
+    """The stage dies right after its EngineCore (or the EngineCore's Worker) was spawned, before
+    omni's entry runs there: without the .pth hook's death signal that child would finish its
+    imports first (20 s here under load 8, a 5 s deadline catches it)."""
+    res = sigkill_vllm_stage(master, when, wait_s=5.0)
+    assert res["in_bootstrap"], f"the child left its bootstrap before the kill: {res['before']}"
+    assert res["orphans"] == [], f"alive 5 s after the stage was SIGKILLed: {res['orphans']}"
 
 
 def launcher_tmp(pid: int) -> list[str]:
