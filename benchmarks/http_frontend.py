@@ -1,0 +1,219 @@
+"""HTTP frontend per process: omni's frontend against vLLM's OpenAI server, same client, one run.
+
+Starts, on loopback, vLLM's server (`python -m vllm.entrypoints.openai.api_server`, access log
+off like omni's) on the SmolLM2 folder and `omni serve smollm2-vllm` (one frontend; its thinker
+is a vLLM EngineCore with the same engine args), plus bare ASGI apps that answer every request
+with a fixed 15-byte JSON body: on Hypercorn (asyncio loop, uvloop) and on uvicorn
+(httptools + uvloop, vLLM's stack). The bare rows are each server's ceiling: no handler work
+can beat them. Then, in rounds that alternate the servers (so load from other processes
+falls on all of them alike), `wrk -t1 -c32` on GET /health and GET /v1/models, and streamed
+chat (SSE, `ignore_eos`, fixed length) through wrk with a Lua script that counts the content
+chunks. Prints requests/s (medians over rounds), omni/vLLM ratios and the load average.
+
+    .venv/bin/python benchmarks/http_frontend.py            # --quick (default)
+    .venv/bin/python benchmarks/http_frontend.py --full
+    .venv/bin/python benchmarks/http_frontend.py --json     # one JSON document on stdout
+Needs `wrk` (Debian: apt-get install wrk).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.vllm_compare import MODEL, OMNI_MODEL, Server, wait_ready  # noqa: E402
+
+# deploy/smollm2-135m-instruct-vllm.yaml's stage 0 on this CPU machine (float32, eager).
+VLLM_ARGS = ["--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "8", "--enforce-eager",
+             "--kv-cache-memory-bytes", str(512 * 2**20), "--disable-log-stats", "--disable-uvicorn-access-log"]
+BARE = ("hypercorn-asyncio", "hypercorn-uvloop", "uvicorn-uvloop")
+
+SSE_LUA = """
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+wrk.body = [[BODY]]
+local threads = {}
+function setup(thread) table.insert(threads, thread) end
+chunks = 0
+bad = 0
+function response(status, headers, body)
+  if status ~= 200 then bad = bad + 1 end
+  local _, n = string.gsub(body, '"content":"[^"]', "")
+  chunks = chunks + n
+end
+function done(summary, latency, requests)
+  local c, b = 0, 0
+  for _, t in ipairs(threads) do c = c + t:get("chunks"); b = b + t:get("bad") end
+  io.write(string.format("CHUNKS %d BAD %d\\n", c, b))
+end
+"""
+
+
+def bare_server(kind: str) -> None:
+    """A bare ASGI app on an ephemeral port; prints `serving bare on http://127.0.0.1:PORT`."""
+    import asyncio
+    import socket
+
+    body = b'{"status":"ok"}'
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"15")]
+
+    async def app(scope, receive, send):
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(1024)
+    print(f"serving bare on http://127.0.0.1:{sock.getsockname()[1]}", flush=True)
+    if kind == "uvicorn-uvloop":
+        import uvicorn
+
+        config = uvicorn.Config(app, loop="uvloop", http="httptools", access_log=False, log_level="warning")
+        asyncio.run(uvicorn.Server(config).serve(sockets=[sock]))
+        return
+    from hypercorn.asyncio import serve
+    from hypercorn.config import Config
+
+    config = Config()
+    config.bind = [f"fd://{sock.fileno()}"]
+    config.accesslog = None
+    if kind == "hypercorn-uvloop":
+        import uvloop
+
+        uvloop.run(serve(app, config))
+    else:
+        asyncio.run(serve(app, config))
+
+
+def wrk(url: str, seconds: float, connections: int, script: str | None = None) -> dict:
+    argv = ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--timeout", "120s"]
+    if script:
+        argv += ["-s", script]
+    out = subprocess.run([*argv, url], capture_output=True, text=True, timeout=seconds + 180).stdout
+    m = re.search(r"Requests/sec:\s+([\d.]+)", out)
+    n = re.search(r"(\d+) requests in ([\d.]+)(m?s)", out)
+    errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    socket_errors = re.search(r"Socket errors: (.*)", out)
+    row = {"requests_s": float(m.group(1)) if m else 0.0, "errors": int(errors.group(1)) if errors else 0,
+           "socket_errors": socket_errors.group(1) if socket_errors else None,
+           "loadavg_1m": round(os.getloadavg()[0], 2)}
+    c = re.search(r"CHUNKS (\d+) BAD (\d+)", out)
+    if c and n:
+        wall = float(n.group(2)) / (1000 if n.group(3) == "ms" else 1)
+        row["chunks_s"] = int(c.group(1)) / wall
+        row["errors"] += int(c.group(2))
+    return row
+
+
+def sse_script(model: str, max_tokens: int, directory: str) -> str:
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Write about the sea."}],
+                       "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True})
+    path = os.path.join(directory, f"sse-{model.replace('/', '_')}.lua")
+    with open(path, "w") as f:
+        f.write(SSE_LUA.replace("BODY", body))
+    return path
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="short rounds (the default)")
+    ap.add_argument("--full", action="store_true", help="more and longer rounds")
+    ap.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+    ap.add_argument("--no-bare", action="store_true", help="skip the bare ASGI ceiling rows")
+    ap.add_argument("--no-sse", action="store_true", help="skip streamed chat")
+    ap.add_argument("--bare-server", choices=BARE, help=argparse.SUPPRESS)
+    ap.add_argument("--startup-timeout", type=float, default=600)
+    a = ap.parse_args()
+    if a.bare_server:
+        bare_server(a.bare_server)
+        return 0
+    if shutil.which("wrk") is None:
+        raise SystemExit("http_frontend: needs wrk (Debian: apt-get install wrk)")
+    rounds, seconds, sse_s, sse_tokens, sse_conns = (5, 5, 15, 64, 8) if a.full else (3, 3, 8, 32, 8)
+
+    from omni.models.resolve import resolve_model
+
+    servers: dict[str, Server] = {}
+    tmp = tempfile.mkdtemp(prefix="http-frontend-")
+    try:
+        # One start-up at a time: two at once overload a 2-core machine.
+        servers["vllm"] = Server("vllm", [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                                          "--model", resolve_model(MODEL), "--served-model-name", MODEL,
+                                          "--host", "127.0.0.1", "--port", "0", *VLLM_ARGS])
+        wait_ready([servers["vllm"]], a.startup_timeout)
+        servers["omni"] = Server("omni", [sys.executable, "-m", "omni.cli", "serve", OMNI_MODEL, "--port", "0"])
+        wait_ready([servers["omni"]], a.startup_timeout)
+        for kind in () if a.no_bare else BARE:
+            # named "omni" while starting: wait_ready reads the port it prints
+            s = servers[kind] = Server("omni", [sys.executable, __file__, "--bare-server", kind])
+            wait_ready([s], 60)
+            s.name = f"bare {kind}"
+        runs: dict[str, dict[str, list[dict]]] = {}
+        for r in range(rounds):
+            for path in ("/health", "/v1/models"):
+                for name, s in servers.items():
+                    if name in BARE and path != "/health":
+                        continue
+                    if r == 0:
+                        wrk(f"{s.url}{path}", 1, 32)   # warm-up
+                    runs.setdefault(path, {}).setdefault(s.name, []).append(wrk(f"{s.url}{path}", seconds, 32))
+            if not a.no_sse:
+                for name in ("vllm", "omni"):
+                    model = MODEL if name == "vllm" else OMNI_MODEL
+                    script = sse_script(model, sse_tokens, tmp)
+                    if r == 0:
+                        wrk(f"{servers[name].url}/v1/chat/completions", 2, sse_conns, script)
+                    runs.setdefault("sse", {}).setdefault(name, []).append(
+                        wrk(f"{servers[name].url}/v1/chat/completions", sse_s, sse_conns, script))
+    finally:
+        for s in servers.values():
+            s.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    def med(rows: list[dict], key: str) -> float:
+        return statistics.median(x.get(key, 0.0) for x in rows)
+
+    summary = {}
+    for what, by_server in runs.items():
+        key = "chunks_s" if what == "sse" else "requests_s"
+        summary[what] = {name: {"median": med(rows, key), "runs": [x.get(key) for x in rows],
+                                "errors": sum(x["errors"] for x in rows),
+                                "loadavg_1m": [x["loadavg_1m"] for x in rows]}
+                         for name, rows in by_server.items()}
+        v = summary[what].get("vllm", {}).get("median")
+        for d in summary[what].values():
+            d["vs_vllm"] = round(d["median"] / v, 3) if v else None
+    doc = {"client": "wrk -t1 -c32 (SSE: -c%d, %d tokens, ignore_eos)" % (sse_conns, sse_tokens),
+           "rounds": rounds, "seconds": seconds, "sse_seconds": sse_s, "summary": summary}
+    if a.json:
+        print(json.dumps(doc, indent=1))
+        return 0
+    print(f"{doc['client']}, {rounds} rounds x {seconds} s (SSE {sse_s} s), servers alternating; medians")
+    print(f"{'what':<12}{'server':<24}{'req/s':>10}{'vs vLLM':>9}{'errors':>8}  load 1m per round")
+    for what, by_server in summary.items():
+        unit = "chunks/s" if what == "sse" else ""
+        for name, d in by_server.items():
+            ratio = f"{d['vs_vllm']:.2f}x" if d["vs_vllm"] is not None else "-"
+            print(f"{what:<12}{name:<24}{d['median']:>10.0f}{ratio:>9}{d['errors']:>8}  "
+                  f"{' '.join(f'{x:.1f}' for x in d['loadavg_1m'])} {unit}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
