@@ -8,7 +8,11 @@ with a fixed 15-byte JSON body: on Hypercorn (asyncio loop, uvloop) and on uvico
 can beat them. Then, in rounds that alternate the servers (so load from other processes
 falls on all of them alike), `wrk -t1 -c32` on GET /health and GET /v1/models, and streamed
 chat (SSE, `ignore_eos`, fixed length) through wrk with a Lua script that counts the content
-chunks. Prints requests/s (medians over rounds), omni/vLLM ratios and the load average.
+chunks. Prints requests/s (medians over rounds), omni/vLLM ratios and the load average, and
+the HTTP process's CPU time per request (per chunk for SSE): on a machine shared with other
+work, requests/s follow the CPU share a process gets, while CPU per request stays put, so
+`capacity` (1 / CPU per request) is the figure to compare when the load average is high.
+The HTTP process is vLLM's API server (it detokenizes too) and omni's frontend process.
 
     .venv/bin/python benchmarks/http_frontend.py            # --quick (default)
     .venv/bin/python benchmarks/http_frontend.py --full
@@ -78,6 +82,7 @@ def bare_server(kind: str) -> None:
         await send({"type": "http.response.body", "body": body})
 
     sock = socket.socket()
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)   # accepted sockets inherit it
     sock.bind(("127.0.0.1", 0))
     sock.listen(1024)
     print(f"serving bare on http://127.0.0.1:{sock.getsockname()[1]}", flush=True)
@@ -101,11 +106,31 @@ def bare_server(kind: str) -> None:
         asyncio.run(serve(app, config))
 
 
-def wrk(url: str, seconds: float, connections: int, script: str | None = None) -> dict:
+def http_process(s: Server):
+    """The process that answers HTTP: vLLM's top process; omni's frontend child."""
+    import psutil
+
+    top = psutil.Process(s.proc.pid)
+    if s.name != "omni":
+        return top
+    for c in top.children(recursive=True):
+        if "frontend" in c.cmdline():
+            return c
+    raise SystemExit("http_frontend: no omni frontend process found")
+
+
+def cpu_s(p) -> float:
+    t = p.cpu_times()
+    return t.user + t.system
+
+
+def wrk(url: str, seconds: float, connections: int, script: str | None = None, proc=None) -> dict:
+    cpu0 = cpu_s(proc) if proc is not None else 0.0
     argv = ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--timeout", "120s"]
     if script:
         argv += ["-s", script]
     out = subprocess.run([*argv, url], capture_output=True, text=True, timeout=seconds + 180).stdout
+    cpu = cpu_s(proc) - cpu0 if proc is not None else None
     m = re.search(r"Requests/sec:\s+([\d.]+)", out)
     n = re.search(r"(\d+) requests in ([\d.]+)(m?s)", out)
     errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
@@ -113,11 +138,15 @@ def wrk(url: str, seconds: float, connections: int, script: str | None = None) -
     row = {"requests_s": float(m.group(1)) if m else 0.0, "errors": int(errors.group(1)) if errors else 0,
            "socket_errors": socket_errors.group(1) if socket_errors else None,
            "loadavg_1m": round(os.getloadavg()[0], 2)}
+    count = int(n.group(1)) if n else 0
     c = re.search(r"CHUNKS (\d+) BAD (\d+)", out)
     if c and n:
         wall = float(n.group(2)) / (1000 if n.group(3) == "ms" else 1)
         row["chunks_s"] = int(c.group(1)) / wall
         row["errors"] += int(c.group(2))
+        count = int(c.group(1))
+    if cpu is not None and count:
+        row["cpu_us_per"] = 1e6 * cpu / count
     return row
 
 
@@ -145,7 +174,7 @@ def main() -> int:
         return 0
     if shutil.which("wrk") is None:
         raise SystemExit("http_frontend: needs wrk (Debian: apt-get install wrk)")
-    rounds, seconds, sse_s, sse_tokens, sse_conns = (5, 5, 15, 64, 8) if a.full else (3, 3, 8, 32, 8)
+    rounds, seconds, sse_s, sse_tokens, sse_conns = (8, 4, 15, 64, 8) if a.full else (5, 2, 6, 32, 8)
 
     from omni.models.resolve import resolve_model
 
@@ -164,6 +193,7 @@ def main() -> int:
             s = servers[kind] = Server("omni", [sys.executable, __file__, "--bare-server", kind])
             wait_ready([s], 60)
             s.name = f"bare {kind}"
+        procs = {name: http_process(s) for name, s in servers.items()}
         runs: dict[str, dict[str, list[dict]]] = {}
         for r in range(rounds):
             for path in ("/health", "/v1/models"):
@@ -172,7 +202,8 @@ def main() -> int:
                         continue
                     if r == 0:
                         wrk(f"{s.url}{path}", 1, 32)   # warm-up
-                    runs.setdefault(path, {}).setdefault(s.name, []).append(wrk(f"{s.url}{path}", seconds, 32))
+                    runs.setdefault(path, {}).setdefault(s.name, []).append(
+                        wrk(f"{s.url}{path}", seconds, 32, proc=procs[name]))
             if not a.no_sse:
                 for name in ("vllm", "omni"):
                     model = MODEL if name == "vllm" else OMNI_MODEL
@@ -180,7 +211,7 @@ def main() -> int:
                     if r == 0:
                         wrk(f"{servers[name].url}/v1/chat/completions", 2, sse_conns, script)
                     runs.setdefault("sse", {}).setdefault(name, []).append(
-                        wrk(f"{servers[name].url}/v1/chat/completions", sse_s, sse_conns, script))
+                        wrk(f"{servers[name].url}/v1/chat/completions", sse_s, sse_conns, script, procs[name]))
     finally:
         for s in servers.values():
             s.stop()
@@ -193,24 +224,29 @@ def main() -> int:
     for what, by_server in runs.items():
         key = "chunks_s" if what == "sse" else "requests_s"
         summary[what] = {name: {"median": med(rows, key), "runs": [x.get(key) for x in rows],
+                                "cpu_us_per": med(rows, "cpu_us_per"),
                                 "errors": sum(x["errors"] for x in rows),
                                 "loadavg_1m": [x["loadavg_1m"] for x in rows]}
                          for name, rows in by_server.items()}
         v = summary[what].get("vllm", {}).get("median")
+        vc = summary[what].get("vllm", {}).get("cpu_us_per")
         for d in summary[what].values():
             d["vs_vllm"] = round(d["median"] / v, 3) if v else None
+            d["capacity_vs_vllm"] = round(vc / d["cpu_us_per"], 3) if vc and d["cpu_us_per"] else None
     doc = {"client": "wrk -t1 -c32 (SSE: -c%d, %d tokens, ignore_eos)" % (sse_conns, sse_tokens),
            "rounds": rounds, "seconds": seconds, "sse_seconds": sse_s, "summary": summary}
     if a.json:
         print(json.dumps(doc, indent=1))
         return 0
     print(f"{doc['client']}, {rounds} rounds x {seconds} s (SSE {sse_s} s), servers alternating; medians")
-    print(f"{'what':<12}{'server':<24}{'req/s':>10}{'vs vLLM':>9}{'errors':>8}  load 1m per round")
+    print(f"{'what':<12}{'server':<24}{'req/s':>10}{'vs vLLM':>9}{'CPU us/req':>11}{'capacity vs vLLM':>17}"
+          f"{'errors':>8}  load 1m per round")
     for what, by_server in summary.items():
         unit = "chunks/s" if what == "sse" else ""
         for name, d in by_server.items():
             ratio = f"{d['vs_vllm']:.2f}x" if d["vs_vllm"] is not None else "-"
-            print(f"{what:<12}{name:<24}{d['median']:>10.0f}{ratio:>9}{d['errors']:>8}  "
+            cap = f"{d['capacity_vs_vllm']:.2f}x" if d["capacity_vs_vllm"] is not None else "-"
+            print(f"{what:<12}{name:<24}{d['median']:>10.0f}{ratio:>9}{d['cpu_us_per']:>11.0f}{cap:>17}{d['errors']:>8}  "
                   f"{' '.join(f'{x:.1f}' for x in d['loadavg_1m'])} {unit}")
     return 0
 
