@@ -119,6 +119,11 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
     from omni.voices import MasterVoiceStore
 
     limits = limits or HttpLimits()
+    # The frontend's tensor work is small copies (audio chunks, embeddings): one thread, so no
+    # pool of spinning workers competes with the stages for the cores.
+    import torch
+
+    torch.set_num_threads(1)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
