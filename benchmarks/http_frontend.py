@@ -7,8 +7,8 @@ with a fixed 15-byte JSON body: on Hypercorn (asyncio loop, uvloop) and on uvico
 (httptools + uvloop, vLLM's stack). The bare rows are each server's ceiling: no handler work
 can beat them. Then, in rounds that alternate the servers (so load from other processes
 falls on all of them alike), `wrk -t1 -c32` on GET /health and GET /v1/models, and streamed
-chat (SSE, `ignore_eos`, fixed length) through wrk with a Lua script that counts the content
-chunks. Prints requests/s (medians over rounds), omni/vLLM ratios and the load average, and
+chat (SSE, `ignore_eos`, fixed length) from an httpx client that counts content chunks as they
+arrive (the same client for both). Prints requests/s (medians over rounds), omni/vLLM ratios and the load average, and
 the HTTP process's CPU time per request (per chunk for SSE): on a machine shared with other
 work, requests/s follow the CPU share a process gets, while CPU per request stays put, so
 `capacity` (1 / CPU per request) is the figure to compare when the load average is high.
@@ -30,7 +30,7 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,27 +42,6 @@ from benchmarks.vllm_compare import MODEL, OMNI_MODEL, Server, wait_ready  # noq
 VLLM_ARGS = ["--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "8", "--enforce-eager",
              "--kv-cache-memory-bytes", str(512 * 2**20), "--disable-log-stats", "--disable-uvicorn-access-log"]
 BARE = ("hypercorn-asyncio", "hypercorn-uvloop", "uvicorn-uvloop")
-
-SSE_LUA = """
-wrk.method = "POST"
-wrk.headers["Content-Type"] = "application/json"
-wrk.body = [[BODY]]
-local threads = {}
-function setup(thread) table.insert(threads, thread) end
-chunks = 0
-bad = 0
-function response(status, headers, body)
-  if status ~= 200 then bad = bad + 1 end
-  local _, n = string.gsub(body, '"content":"[^"]', "")
-  chunks = chunks + n
-end
-function done(summary, latency, requests)
-  local c, b = 0, 0
-  for _, t in ipairs(threads) do c = c + t:get("chunks"); b = b + t:get("bad") end
-  io.write(string.format("CHUNKS %d BAD %d\\n", c, b))
-end
-"""
-
 
 def bare_server(kind: str) -> None:
     """A bare ASGI app on an ephemeral port; prints `serving bare on http://127.0.0.1:PORT`."""
@@ -124,39 +103,60 @@ def cpu_s(p) -> float:
     return t.user + t.system
 
 
-def wrk(url: str, seconds: float, connections: int, script: str | None = None, proc=None) -> dict:
+def wrk(url: str, seconds: float, connections: int, proc=None) -> dict:
     cpu0 = cpu_s(proc) if proc is not None else 0.0
     argv = ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--timeout", "120s"]
-    if script:
-        argv += ["-s", script]
     out = subprocess.run([*argv, url], capture_output=True, text=True, timeout=seconds + 180).stdout
     cpu = cpu_s(proc) - cpu0 if proc is not None else None
     m = re.search(r"Requests/sec:\s+([\d.]+)", out)
-    n = re.search(r"(\d+) requests in ([\d.]+)(m?s)", out)
+    n = re.search(r"(\d+) requests in", out)
     errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
     socket_errors = re.search(r"Socket errors: (.*)", out)
     row = {"requests_s": float(m.group(1)) if m else 0.0, "errors": int(errors.group(1)) if errors else 0,
            "socket_errors": socket_errors.group(1) if socket_errors else None,
            "loadavg_1m": round(os.getloadavg()[0], 2)}
     count = int(n.group(1)) if n else 0
-    c = re.search(r"CHUNKS (\d+) BAD (\d+)", out)
-    if c and n:
-        wall = float(n.group(2)) / (1000 if n.group(3) == "ms" else 1)
-        row["chunks_s"] = int(c.group(1)) / wall
-        row["errors"] += int(c.group(2))
-        count = int(c.group(1))
     if cpu is not None and count:
         row["cpu_us_per"] = 1e6 * cpu / count
     return row
 
 
-def sse_script(model: str, max_tokens: int, directory: str) -> str:
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Write about the sea."}],
-                       "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True})
-    path = os.path.join(directory, f"sse-{model.replace('/', '_')}.lua")
-    with open(path, "w") as f:
-        f.write(SSE_LUA.replace("BODY", body))
-    return path
+def sse(url: str, model: str, seconds: float, connections: int, max_tokens: int, proc=None) -> dict:
+    """Streamed chat on `connections` loops for `seconds`: content chunks counted as they
+    arrive (a stream cut off by the end of the window counts what it got)."""
+    import asyncio
+
+    import httpx
+
+    body = {"model": model, "messages": [{"role": "user", "content": "Write about the sea."}],
+            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    counts = {"chunks": 0, "errors": 0}
+
+    async def loop(client: httpx.AsyncClient, stop_at: float) -> None:
+        while time.monotonic() < stop_at:
+            async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+                if r.status_code != 200:
+                    counts["errors"] += 1
+                    await r.aread()
+                    continue
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {") and '"content":"' in line and '"content":""' not in line:
+                        counts["chunks"] += 1
+                    if time.monotonic() >= stop_at:
+                        return
+
+    async def run() -> float:
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=connections)) as client:
+            t0 = time.monotonic()
+            await asyncio.gather(*(loop(client, t0 + seconds) for _ in range(connections)))
+            return time.monotonic() - t0
+
+    cpu0 = cpu_s(proc) if proc is not None else 0.0
+    wall = asyncio.run(run())
+    row = {"chunks_s": counts["chunks"] / wall, "errors": counts["errors"], "loadavg_1m": round(os.getloadavg()[0], 2)}
+    if proc is not None and counts["chunks"]:
+        row["cpu_us_per"] = 1e6 * (cpu_s(proc) - cpu0) / counts["chunks"]
+    return row
 
 
 def main() -> int:
@@ -179,7 +179,6 @@ def main() -> int:
     from omni.models.resolve import resolve_model
 
     servers: dict[str, Server] = {}
-    tmp = tempfile.mkdtemp(prefix="http-frontend-")
     try:
         # One start-up at a time: two at once overload a 2-core machine.
         servers["vllm"] = Server("vllm", [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -207,15 +206,13 @@ def main() -> int:
             if not a.no_sse:
                 for name in ("vllm", "omni"):
                     model = MODEL if name == "vllm" else OMNI_MODEL
-                    script = sse_script(model, sse_tokens, tmp)
                     if r == 0:
-                        wrk(f"{servers[name].url}/v1/chat/completions", 2, sse_conns, script)
+                        sse(servers[name].url, model, 2, sse_conns, sse_tokens)   # warm-up
                     runs.setdefault("sse", {}).setdefault(name, []).append(
-                        wrk(f"{servers[name].url}/v1/chat/completions", sse_s, sse_conns, script, procs[name]))
+                        sse(servers[name].url, model, sse_s, sse_conns, sse_tokens, procs[name]))
     finally:
         for s in servers.values():
             s.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
 
     def med(rows: list[dict], key: str) -> float:
         return statistics.median(x.get(key, 0.0) for x in rows)
@@ -233,7 +230,7 @@ def main() -> int:
         for d in summary[what].values():
             d["vs_vllm"] = round(d["median"] / v, 3) if v else None
             d["capacity_vs_vllm"] = round(vc / d["cpu_us_per"], 3) if vc and d["cpu_us_per"] else None
-    doc = {"client": "wrk -t1 -c32 (SSE: -c%d, %d tokens, ignore_eos)" % (sse_conns, sse_tokens),
+    doc = {"client": "wrk -t1 -c32; SSE: httpx, %d streams of %d tokens (ignore_eos)" % (sse_conns, sse_tokens),
            "rounds": rounds, "seconds": seconds, "sse_seconds": sse_s, "summary": summary}
     if a.json:
         print(json.dumps(doc, indent=1))
