@@ -11,7 +11,9 @@ Requests arrive in bursts of the concurrency level on both sides. TTFA for
 speech is the client's time to the first body byte (`response_format: pcm` streams
 as code2wav makes it); `srv TTFA` is the orchestrator's time to the first code2wav
 chunk (mean, from /metrics). Chat rows have no in-process twin:
-they include the thinker.
+they include the thinker; `1st sent` is when the client's text first held a whole
+sentence (what the talker starts from) and `TTFA-sent` the time from there to first
+audio: the audio stages' and the pipeline's own share.
 
     .venv/bin/python benchmarks/audio.py              # --quick, under 2 minutes
     .venv/bin/python benchmarks/audio.py --full       # more requests
@@ -103,8 +105,11 @@ async def one_speech(client: httpx.AsyncClient, url: str, text: str) -> dict:
 
 
 async def one_chat(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> dict:
+    from omni.processors import _SENTENCE_END
+
     t0 = time.perf_counter()
-    first = None
+    first = sentence = None
+    text = ""
     n = 0
     body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "modalities": ["text", "audio"], "audio": {"voice": "joe"}}
@@ -118,12 +123,18 @@ async def one_chat(client: httpx.AsyncClient, url: str, prompt: str, max_tokens:
             if "error" in chunk:
                 raise RuntimeError(f"chat: {chunk['error']}")
             for c in chunk["choices"]:
+                text += c["delta"].get("content") or ""
+                # The talker starts on a sentence once its end is seen (omni.processors.thinker_to_talker).
+                if sentence is None and _SENTENCE_END.search(text):
+                    sentence = time.perf_counter() - t0
                 data = (c["delta"].get("audio") or {}).get("data")
                 if data:
                     if first is None:
                         first = time.perf_counter() - t0
                     n += len(base64.b64decode(data)) // 2
-    return {"first": first, "done": time.perf_counter() - t0, "samples": n}
+    done = time.perf_counter() - t0
+    # No sentence end in the text: the talker got it all when the thinker finished.
+    return {"first": first, "done": done, "samples": n, "sentence": sentence}
 
 
 async def served(url: str, route: str, level: int, n_requests: int, max_tokens: int) -> dict:
@@ -143,6 +154,9 @@ async def served(url: str, route: str, level: int, n_requests: int, max_tokens: 
     audio_s = sum(r["samples"] for r in recs) / RATE
     ttfa = [1000 * r["first"] for r in recs if r["first"] is not None]
     srv_n = after[1] - before[1]
+    sentence = [1000 * r["sentence"] for r in recs if r.get("sentence") is not None]
+    share = [1000 * (r["first"] - r["sentence"]) for r in recs
+             if r.get("sentence") is not None and r["first"] is not None]
     return {
         "mode": "omni", "route": route, "concurrency": level, "requests": n_requests,
         "ttfa_ms_p50": round(statistics.median(ttfa), 1) if ttfa else None,
@@ -150,6 +164,10 @@ async def served(url: str, route: str, level: int, n_requests: int, max_tokens: 
         # The orchestrator's first final output: audio for speech, the first text token for chat.
         "server_ttfa_ms_mean": round(1000 * (after[0] - before[0]) / srv_n, 1)
         if srv_n and route == "speech" else None,
+        # Chat: when the thinker's text held its first sentence (the talker's first input), and
+        # first audio minus that: the audio stages' and the pipeline's own share of TTFA.
+        "first_sentence_ms_p50": round(statistics.median(sentence), 1) if sentence else None,
+        "audio_after_sentence_ms_p50": round(statistics.median(share), 1) if share else None,
         "latency_ms_p50": round(1000 * statistics.median(r["done"] for r in recs), 1),
         "request_rtf_mean": round(statistics.mean(r["done"] / (r["samples"] / RATE) for r in recs
                                                   if r["samples"]), 4),
@@ -170,9 +188,10 @@ def start_server():
 
 
 COLS = ["mode", "route", "concurrency", "requests", "ttfa_ms_p50", "ttfa_ms_p90", "server_ttfa_ms_mean",
+        "first_sentence_ms_p50", "audio_after_sentence_ms_p50",
         "latency_ms_p50", "request_rtf_mean", "aggregate_rtf", "audio_seconds"]
-HEAD = ["mode", "route", "conc", "reqs", "TTFA p50", "TTFA p90", "srv TTFA", "lat p50", "req RTF",
-        "agg RTF", "audio s"]
+HEAD = ["mode", "route", "conc", "reqs", "TTFA p50", "TTFA p90", "srv TTFA", "1st sent", "TTFA-sent",
+        "lat p50", "req RTF", "agg RTF", "audio s"]
 
 
 def table(rows: list[dict]) -> str:

@@ -24,6 +24,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Where `omni serve` notes its master's address for `omni status` (default: $XDG_RUNTIME_DIR/omni
     # or /tmp/omni-UID).
     "OMNI_RUN_DIR": lambda: os.environ.get("OMNI_RUN_DIR") or None,
+    # The frontends' event loop: "uvloop" (the default, when installed) or "asyncio".
+    "OMNI_EVENT_LOOP": lambda: os.environ.get("OMNI_EVENT_LOOP", "uvloop"),
 }
 
 

@@ -119,6 +119,11 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
     from omni.voices import MasterVoiceStore
 
     limits = limits or HttpLimits()
+    # The frontend's tensor work is small copies (audio chunks, embeddings): one thread, so no
+    # pool of spinning workers competes with the stages for the cores.
+    import torch
+
+    torch.set_num_threads(1)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -210,6 +215,21 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
         await amaster.close()
 
 
+def run_loop(main) -> None:
+    """Run a frontend's coroutine on uvloop when it is there (OMNI_EVENT_LOOP=asyncio opts out):
+    Hypercorn's per-request work is mostly event-loop calls (tasks, timers, socket writes)."""
+    from omni import envs
+
+    if envs.OMNI_EVENT_LOOP == "uvloop":
+        try:
+            import uvloop
+        except ImportError:
+            pass
+        else:
+            return uvloop.run(main)
+    return asyncio.run(main)
+
+
 def main_from_args(config_json: str, *, index: int, master_address: str, token: str, host: str,
                    port: int, api_key: str | None, served_model_name: str, log_level: str = "INFO",
                    listen_fd: int | None = None,
@@ -221,7 +241,7 @@ def main_from_args(config_json: str, *, index: int, master_address: str, token: 
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = loads_json(config_json)
     try:
-        asyncio.run(serve_frontend(config, index=index, master_address=master_address, token=token,
+        run_loop(serve_frontend(config, index=index, master_address=master_address, token=token,
                                    host=host, port=port, api_key=api_key, listen_fd=listen_fd,
                                    served_model_name=served_model_name, jobs_dir=jobs_dir,
                                    control_api_key=control_api_key, control_routes=control_routes,

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -15,24 +17,43 @@ from omni.api.state import FrontendState
 log = logging.getLogger(__name__)
 
 
+_HEALTHY = b'{"status":"ok"}'
+
+
 class AdminRoutes:
     def __init__(self, fe: FrontendState):
         self.fe = fe
+        # The model list never changes while the frontend runs: encoded once.
+        data = [{"id": n, "object": "model", "created": fe.created, "owned_by": "omni", "root": fe.model,
+                 "parent": None, "max_model_len": fe.max_model_len}
+                for n in [fe.model, *sorted(fe.names - {fe.model})]]
+        self._models = msgspec.json.encode({"object": "list", "data": data})
 
-    async def models(self, request: Request) -> Response:
-        data = [{"id": n, "object": "model", "created": self.fe.created, "owned_by": "omni", "root": self.fe.model,
-                 "parent": None, "max_model_len": self.fe.max_model_len}
-                for n in [self.fe.model, *sorted(self.fe.names - {self.fe.model})]]
-        return JSONResponse({"object": "list", "data": data})
+    def fast(self) -> dict[tuple[str, str], Callable[[], tuple[int, bytes]]]:
+        """(method, path) -> (status, JSON body) for the bodiless probes that FrontendMiddleware
+        answers without Starlette's routing (load balancers poll them: see http.FrontendMiddleware)."""
+        import omni
 
-    async def health(self, request: Request) -> Response:
+        version = msgspec.json.encode({"version": omni.version()})
+        return {("GET", "/health"): self._health, ("GET", "/ping"): self._health,
+                ("POST", "/ping"): self._health, ("GET", "/v1/models"): lambda: (200, self._models),
+                ("GET", "/version"): lambda: (200, version)}
+
+    def _health(self) -> tuple[int, bytes]:
         try:
             ok, reason = self.fe.orch.health()
         except Exception as e:
             ok, reason = False, f"health check failed: {type(e).__name__}: {e}"
         if ok:
-            return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)
+            return 200, _HEALTHY
+        return 503, msgspec.json.encode({"status": "unhealthy", "reason": reason})
+
+    async def models(self, request: Request) -> Response:
+        return Response(self._models, media_type="application/json")
+
+    async def health(self, request: Request) -> Response:
+        status, body = self._health()
+        return Response(body, status_code=status, media_type="application/json")
 
     def own_metrics(self) -> str:
         text = self.fe.metrics.render()

@@ -43,8 +43,9 @@ def build_app(orchestrator: OrchestratorLike, tokenizer: Any, *, served_model_na
                        audio_out=audio_out, speakers=speakers, default_voice=default_voice,
                        max_speech_chars=max_speech_chars)
     jobs = jobs if jobs is not None else Jobs(frontend_index=frontend_index)
+    admin = AdminRoutes(fe)
     families = {"text": TextRoutes(fe), "speech": SpeechRoutes(fe), "voices": VoiceRoutes(fe),
-                "control": ControlRoutes(fe), "jobs": jobs, "admin": AdminRoutes(fe)}
+                "control": ControlRoutes(fe), "jobs": jobs, "admin": admin}
     handlers = {(r.path, r.method): endpoint(getattr(families[r.family], r.handler)) for r in ROUTES}
     # Jobs run what this pipeline serves: text routes need a tokenizer, speech a speech stage.
     served = {"text": tokenizer is not None, "speech": speech_entry_stage is not None}
@@ -58,7 +59,7 @@ def build_app(orchestrator: OrchestratorLike, tokenizer: Any, *, served_model_na
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error},
                     middleware=[Middleware(FrontendMiddleware, frontend_index=frontend_index, api_key=api_key,
                                            metrics=fe.metrics, control_api_key=control_api_key,
-                                           control_routes=control_routes),
+                                           control_routes=control_routes, fast=admin.fast()),
                                # inside: a refused body still gets X-Omni-Frontend and is counted
                                Middleware(LimitsMiddleware, limits=limits or HttpLimits())])
     app.state.frontend = fe

@@ -22,11 +22,17 @@ log = logging.getLogger(__name__)
 
 
 class FrontendMiddleware:
-    """X-Omni-Frontend on every response, bearer auth on /v1 (and on control routes), request metrics."""
+    """X-Omni-Frontend on every response, bearer auth on /v1 (and on control routes), request metrics.
+
+    `fast`: (method, path) -> () -> (status, JSON body), answered here for requests without a
+    body, past auth, without Starlette's routing and the limits layer (nothing is read): health
+    probes and model lists come often, and each layer costs a few percent of a request's time."""
 
     def __init__(self, app, *, frontend_index: int, api_key: str | None, metrics: FrontendMetrics,
-                 control_api_key: str | None = None, control_routes: bool = True):
+                 control_api_key: str | None = None, control_routes: bool = True,
+                 fast: dict[tuple[str, str], Callable[[], tuple[int, bytes]]] | None = None):
         self.app = app
+        self.fast = fast or {}
         self.header = (b"x-omni-frontend", str(frontend_index).encode())
         self.key = f"Bearer {api_key}".encode() if api_key else None
         self.control_key = f"Bearer {control_api_key}".encode() if control_api_key else None
@@ -37,6 +43,9 @@ class FrontendMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         t0 = time.monotonic()
+        fast = self.fast.get((scope["method"], scope["path"]))
+        if fast is not None and not _has_body(scope) and self._refusal(scope) is None:
+            return await self._answer(scope["path"], fast, send, t0)
         scope["omni.t0"] = t0
         route = routes.label(scope["path"])
         status = 500
@@ -56,6 +65,18 @@ class FrontendMiddleware:
             await self.app(scope, receive, send_wrapper)
         finally:
             self.metrics.finished(route, status, time.monotonic() - t0)
+
+    async def _answer(self, path: str, fast, send, t0: float) -> None:
+        status = 500
+        self.metrics.started()
+        try:
+            status, body = fast()
+            await send({"type": "http.response.start", "status": status,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(body)).encode()), self.header]})
+            await send({"type": "http.response.body", "body": body})
+        finally:
+            self.metrics.finished(path, status, time.monotonic() - t0)
 
     def _refusal(self, scope) -> Response | None:
         path = scope["path"]
@@ -82,6 +103,13 @@ class FrontendMiddleware:
             if k == b"authorization":
                 return hmac.compare_digest(v, key)
         return False
+
+
+def _has_body(scope) -> bool:
+    for k, v in scope["headers"]:
+        if (k == b"content-length" and v != b"0") or k == b"transfer-encoding":
+            return True
+    return False
 
 
 class ClosingStream(StreamingResponse):

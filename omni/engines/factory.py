@@ -25,10 +25,20 @@ def _pooler(config: DeployConfig, stage: StageConfig) -> Engine:
     return HiddenPoolerEngine(**stage.engine_args)
 
 
+def _onnx_stage_threads(stage: StageConfig) -> None:
+    """The piper stages' own tensor work (shared-memory copies, conversions) is torch on the
+    stage's `threads` too: torch's default pool is as wide as the host, and its idle workers
+    spin after each parallel copy, taking CPU from the next stage's first chunk."""
+    import torch
+
+    torch.set_num_threads(int(stage.engine_args.get("threads", 1)))
+
+
 def _talker(config: DeployConfig, stage: StageConfig) -> Engine:
     from omni.engines.onnx_audio import TalkerEngine
     from omni.models.piper_voice import prepare_voice
 
+    _onnx_stage_threads(stage)
     return TalkerEngine(prepare_voice(stage.model or "joe").dir, **stage.engine_args)
 
 
@@ -36,6 +46,7 @@ def _code2wav(config: DeployConfig, stage: StageConfig) -> Engine:
     from omni.engines.onnx_audio import Code2WavEngine
     from omni.models.piper_voice import prepare_voice
 
+    _onnx_stage_threads(stage)
     return Code2WavEngine(prepare_voice(stage.model or "joe").dir, **stage.engine_args)
 
 

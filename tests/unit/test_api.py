@@ -358,6 +358,28 @@ async def test_health(tokenizer):
     assert r.status_code == 503 and r.json()["reason"] == "stage 1 has no READY replica"
 
 
+async def test_probe_fast_path_answers_like_the_routes(tokenizer):
+    """/health, /ping, /v1/models and /version are answered before Starlette's routing unless the
+    request has a body: both ways give the same answer, the frontend header, and are counted."""
+    orch, c = make(tokenizer, frontend_index=2, model_aliases=["b"], api_key="k")
+    auth = {"Authorization": "Bearer k"}
+    for path in ("/health", "/ping", "/v1/models", "/version"):
+        fast = await c.get(path, headers=auth)
+        routed = await c.request("GET", path, headers=auth, content=b"x")   # a body: the routed handler
+        assert fast.status_code == routed.status_code == 200, (path, fast.text, routed.text)
+        assert fast.json() == routed.json() and fast.headers["x-omni-frontend"] == "2"
+        assert fast.headers["content-type"] == "application/json"
+    assert [m["id"] for m in (await c.get("/v1/models", headers=auth)).json()["data"]] == ["tiny", "b"]
+    assert_error(await c.get("/v1/models"), 401)   # the key still guards the fast path
+    orch.ok, orch.reason = False, "no READY replica for talker"
+    r = await c.post("/ping")
+    assert r.status_code == 503 and r.json() == {"status": "unhealthy", "reason": "no READY replica for talker"}
+    text = (await c.get("/metrics")).text
+    assert 'omni_api_requests_total{frontend="2",route="/health",status="200"} 2' in text
+    assert 'omni_api_requests_total{frontend="2",route="/ping",status="503"} 1' in text
+    assert 'omni_api_requests_total{frontend="2",route="/v1/models",status="401"} 1' in text
+
+
 async def test_metrics(tokenizer):
     _, c = make(tokenizer, frontend_index=1)
     await c.post("/v1/chat/completions", json=chat_body())

@@ -269,3 +269,20 @@ def test_wav_bytes_round_trip():
         pcm16_bytes(np.zeros((2, 3), dtype=np.float32))
     with pytest.raises(ValueError, match="sample_rate"):
         wav_header(0)
+
+
+def test_piper_stages_run_torch_on_their_own_threads():
+    """A stage's shared-memory copies are torch ops: on a pool as wide as the host, its idle
+    workers spin after each copy and take CPU from the next stage (speech's first chunk)."""
+    from omni.config import StageConfig
+    from omni.engines.factory import _onnx_stage_threads
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        _onnx_stage_threads(StageConfig(stage_id=2, engine="piper_code2wav"))
+        assert torch.get_num_threads() == 1
+        _onnx_stage_threads(StageConfig(stage_id=2, engine="piper_code2wav", engine_args={"threads": 2}))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
