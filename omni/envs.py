@@ -24,6 +24,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Where `omni serve` notes its master's address for `omni status` (default: $XDG_RUNTIME_DIR/omni
     # or /tmp/omni-UID).
     "OMNI_RUN_DIR": lambda: os.environ.get("OMNI_RUN_DIR") or None,
+    # A directory: stages and frontends write per-token timestamps and GC pauses there
+    # (omni/latency_trace.py); unset, nothing is traced.
+    "OMNI_LATENCY_TRACE": lambda: os.environ.get("OMNI_LATENCY_TRACE") or None,
 }
 
 

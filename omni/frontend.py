@@ -15,6 +15,7 @@ import socket
 import sys
 import time
 
+from omni import latency_trace
 from omni.config import DeployConfig
 from omni.errors import OmniError
 
@@ -193,6 +194,7 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
         **_sampling_defaults(config),
     )
     publisher = asyncio.create_task(publish_metrics(app, amaster, topology, index, stop))
+    latency_trace.enable(f"frontend{index}")
     try:
         await serve(app, sock=sock, shutdown_event=stop, limits=limits)
     finally:

@@ -2,7 +2,8 @@
 
 `Generation.start()` waits for the first pipeline output, so errors raised before any
 output (no replica, bad request in a stage) still become a proper HTTP status;
-`events()` then yields ("text", str) and ("audio", pcm_f32_bytes, sample_rate).
+`events()` then yields ("text", str) and ("audio", pcm_f32_bytes, sample_rate): one text
+event per output that carries tokens, "" while its text is held back (as vLLM streams).
 The orchestrator's iterator is always closed at the end, which aborts the request
 in every stage when the client went away or a stop string ended it early.
 """
@@ -14,6 +15,7 @@ from typing import AsyncIterator, Callable
 
 import anyio
 
+from omni import latency_trace
 from omni.api.detok import IncrementalDetokenizer, StopMatcher
 from omni.api.metrics import FrontendMetrics
 from omni.orchestrator.types import OrchestratorLike, PipelineOutput, PipelineRequest
@@ -91,8 +93,13 @@ class Generation:
         if out.modality == "text" and out.token_ids:
             self.completion_tokens += len(out.token_ids)
             text = self._stop.feed(self._detok.push(out.token_ids))
-            if text:
-                self.text += text
+            if latency_trace.on():
+                latency_trace.mark("text" if text else "no_text", self.request.request_id, len(out.token_ids))
+            self.text += text
+            if text or not self._stop.stopped:
+                # One event per output, "" while text is held back (half a character, a
+                # possible stop string), as vLLM streams: a skipped chunk would read as
+                # one doubled inter-token gap to a client.
                 yield ("text", text)
         elif out.modality == "audio" and out.audio_pcm and not self._stop.stopped:
             self.sample_rate = out.sample_rate or self.sample_rate

@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import zmq
 
+from omni import latency_trace
 from omni.config import StageConfig
 from omni.ratelog import RateLimitedLog
 from omni.signals import StopRequest
@@ -300,6 +301,8 @@ class StageWorker:
         dt = time.monotonic() - t0
         self.stats.steps += 1
         self.stats.step_s_total += dt
+        if outputs and latency_trace.on():
+            latency_trace.mark("step", "", len(outputs))
         for out in outputs:
             self._emit(out, dt)
 
@@ -352,6 +355,8 @@ class StageWorker:
         if out.finished:
             del self._reqs[out.request_id]
         self._send(req.frontend, msg)
+        if latency_trace.on():
+            latency_trace.mark("sent", out.request_id, len(out.token_ids))
         return True
 
     def _free_refs(self, transport: str, refs: dict) -> None:
