@@ -18,6 +18,7 @@ import time
 from omni import latency_trace
 from omni.config import DeployConfig
 from omni.errors import OmniError
+from omni.heap import freeze_after_startup
 
 logger = logging.getLogger(__name__)
 
@@ -195,6 +196,7 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
     )
     publisher = asyncio.create_task(publish_metrics(app, amaster, topology, index, stop))
     latency_trace.enable(f"frontend{index}")
+    freeze_after_startup()
     try:
         await serve(app, sock=sock, shutdown_event=stop, limits=limits)
     finally:

@@ -36,9 +36,13 @@ def on() -> bool:
     return _file is not None
 
 
-def mark(point: str, rid: str = "", n: int = 0) -> None:
+def mark(point: str, rid: str = "", n: int = 0, at: float | None = None) -> None:
+    """`at`: an earlier time.monotonic() (another process's, e.g. vLLM's EngineCore's) to note too."""
     if _file is not None:
-        _file.write(json.dumps({"t": time.monotonic(), "p": point, "r": rid, "n": n}) + "\n")
+        e = {"t": time.monotonic(), "p": point, "r": rid, "n": n}
+        if at is not None:
+            e["at"] = at
+        _file.write(json.dumps(e) + "\n")
 
 
 def _on_gc(phase: str, info: dict) -> None:
