@@ -199,7 +199,7 @@ def print_table(doc: dict) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="24 prompts, one round (the default)")
+    ap.add_argument("--quick", action="store_true", help="16 prompts, one round (the default)")
     ap.add_argument("--full", action="store_true", help="96 prompts, two rounds")
     ap.add_argument("--num-prompts", type=int, help="prompts per run (overrides --quick/--full)")
     ap.add_argument("--rounds", type=int, help="vLLM-then-omni rounds (overrides --quick/--full)")
@@ -210,11 +210,13 @@ def main() -> int:
     ap.add_argument("--backend", choices=["openai-chat", "openai"], default="openai-chat",
                     help="openai-chat: /v1/chat/completions (default); openai: /v1/completions")
     ap.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+    ap.add_argument("--trace", metavar="DIR", help="omni writes per-token timestamps there "
+                    "(OMNI_LATENCY_TRACE); the report (benchmarks/latency_trace_report.py) joins the output")
     ap.add_argument("--keep-logs", action="store_true", help="keep both servers' logs (paths on stderr)")
     ap.add_argument("--startup-timeout", type=float, default=600)
     ap.add_argument("--bench-timeout", type=float, default=1800)
     a = ap.parse_args()
-    a.num_prompts = a.num_prompts or (96 if a.full else 24)
+    a.num_prompts = a.num_prompts or (96 if a.full else 16)
     a.rounds = a.rounds or (2 if a.full else 1)
     for flag in ("num_prompts", "rounds", "concurrency", "input_len", "output_len"):
         if getattr(a, flag) < 1:
@@ -237,7 +239,8 @@ def main() -> int:
             # One start-up at a time (two at once overload a 2-core machine); each run has
             # the other server idle.
             vllm_srv.wait_ready(a.startup_timeout)
-            omni_srv = Server("omni", [sys.executable, "-m", "omni.cli", "serve", OMNI_MODEL, "--port", "0"])
+            omni_srv = Server("omni", [sys.executable, "-m", "omni.cli", "serve", OMNI_MODEL, "--port", "0"],
+                              {"OMNI_LATENCY_TRACE": os.path.abspath(a.trace)} if a.trace else None)
             omni_srv.wait_ready(a.startup_timeout)
             for i in range(a.rounds):
                 rnd = {}
@@ -259,10 +262,16 @@ def main() -> int:
            "num_prompts": a.num_prompts, "concurrency": a.concurrency, "seed": a.seed,
            "startup_s": {"vllm": vllm_srv.ready_s, "omni": omni_srv.ready_s},
            "rounds": rounds, "goals": goals(rounds[-1]["ratio"])}
+    if a.trace:
+        from benchmarks.latency_trace_report import report
+
+        doc["omni_latency_trace"] = report(a.trace)
     if a.json:
         print(json.dumps(doc, indent=2))
     else:
         print_table(doc)
+        if a.trace:
+            print(f"omni latency trace: benchmarks/latency_trace_report.py {a.trace}")
     return 0
 
 
