@@ -50,14 +50,16 @@ def load(where: str) -> dict[str, list[dict]]:
 def report(where: str) -> dict:
     ev = load(where)
     per = collections.defaultdict(lambda: collections.defaultdict(list))   # rid -> point -> times
-    for point in ("sent", "recv", "text", "no_text"):
+    for point in ("core", "sent", "recv", "text", "no_text"):
         for e in ev[point]:
-            if point != "sent" or e["role"] == "stage0":   # the entry stage's outputs reach the client
-                per[e["r"]]["out" if point in ("text", "no_text") else point].append(e["t"])
-    hops = {"stage sent -> frontend recv": [], "frontend recv -> text": []}
+            if point not in ("sent", "core") or e["role"] == "stage0":   # the entry stage's reach the client
+                per[e["r"]]["out" if point in ("text", "no_text") else point].append(e.get("at", e["t"]))
+    hops = {"stage sent -> frontend recv": [], "frontend recv -> text": [], "EngineCore made -> text": []}
     gaps = {"stage sends": [], "frontend texts": []}
     for times in per.values():
         sent, recv, out = sorted(times["sent"]), sorted(times["recv"]), sorted(times["out"])
+        # All that omni adds to a token after vLLM's EngineCore made it (vLLM stage only).
+        hops["EngineCore made -> text"] += [1000 * (b - a) for a, b in zip(sorted(times["core"]), out)]
         hops["stage sent -> frontend recv"] += [1000 * (b - a) for a, b in zip(sent, recv)]
         hops["frontend recv -> text"] += [1000 * (b - a) for a, b in zip(recv, out)]
         # From the second token on: inter-token gaps (the first is the prefill).
@@ -65,7 +67,7 @@ def report(where: str) -> dict:
         gaps["frontend texts"] += [1000 * (b - a) for a, b in zip(out[1:], out[2:])]
     # vLLM stage: from the EngineCore making a step's outputs to the stage holding them as
     # RequestOutputs (ZMQ, vLLM's output thread, the stage loop's wake-up, output processing).
-    hops["EngineCore -> stage step done"] = [1000 * (e["t"] - e["at"]) for e in ev["core"] if "at" in e]
+    hops["EngineCore -> stage step done"] = [1000 * (e["t"] - e["at"]) for e in ev["core"]]
     gc = collections.defaultdict(list)
     for e in ev["gc"]:
         gc[f"{e['role']} gen{e['gen']}"].append(e["ms"])

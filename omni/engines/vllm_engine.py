@@ -345,7 +345,8 @@ class VllmEngine(Engine):
             raise
         self._steps += 1
         if made_at is not None:
-            latency_trace.mark("core", "", len(results), at=made_at)
+            for r in results:
+                latency_trace.mark("core", r.request_id, 1, at=made_at)
         outputs = []
         for r in results:
             live = self._live.get(r.request_id)

@@ -35,7 +35,8 @@ def test_trace_report_joins_hops_per_request(tmp_path):
 
     # Two tokens of one request; the second's text was held back.
     w("stage0-1.jsonl", [{"t": 1.000, "p": "sent", "r": "a", "n": 1}, {"t": 1.050, "p": "sent", "r": "a", "n": 1},
-                         {"t": 1.051, "p": "core", "r": "", "n": 1, "at": 1.049},
+                         {"t": 0.999, "p": "core", "r": "a", "n": 1, "at": 0.998},
+                         {"t": 1.049, "p": "core", "r": "a", "n": 1, "at": 1.047},
                          {"t": 2.0, "p": "gc", "gen": 2, "ms": 5.0}])
     w("frontend0-2.jsonl", [{"t": 1.001, "p": "recv", "r": "a", "n": 1}, {"t": 1.002, "p": "text", "r": "a", "n": 1},
                             {"t": 1.052, "p": "recv", "r": "a", "n": 1}, {"t": 1.054, "p": "no_text", "r": "a", "n": 1}])
@@ -44,5 +45,6 @@ def test_trace_report_joins_hops_per_request(tmp_path):
     hop = d["hops_ms"]["stage sent -> frontend recv"]
     assert hop["n"] == 2 and abs(hop["max"] - 2.0) < 1e-6
     assert abs(d["hops_ms"]["frontend recv -> text"]["max"] - 2.0) < 1e-6
-    assert abs(d["hops_ms"]["EngineCore -> stage step done"]["p50"] - 2.0) < 1e-6
+    assert abs(d["hops_ms"]["EngineCore -> stage step done"]["max"] - 2.0) < 1e-6
+    assert abs(d["hops_ms"]["EngineCore made -> text"]["max"] - 7.0) < 1e-6   # 1.054 - 1.047
     assert d["gc_pauses_ms"]["stage0 gen2"]["max"] == 5.0
