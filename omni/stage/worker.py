@@ -326,8 +326,6 @@ class StageWorker:
         dt = time.monotonic() - t0
         self.stats.steps += 1
         self.stats.step_s_total += dt
-        if outputs and latency_trace.on():
-            latency_trace.mark("step", "", len(outputs))
         for out in outputs:
             self._emit(out, dt)
 
