@@ -27,6 +27,8 @@ def test_ratios_and_goals():
     assert all(b.goals(r).values())
     r = b.ratios(result(80.0, 100.0, 200.0, 60.0), result(78.0, 106.0, 220.0, 70.0))
     assert not any(b.goals(r).values())
+    rounds = [{"ratio": {"x": 1.0}}, {"ratio": {"x": 3.0}}, {"ratio": {"x": 1.2}}]
+    assert b.median_ratio(rounds) == {"x": 1.2}
 
 
 def test_trace_report_joins_hops_per_request(tmp_path):
