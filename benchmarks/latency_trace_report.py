@@ -50,14 +50,19 @@ def load(where: str) -> dict[str, list[dict]]:
 def report(where: str) -> dict:
     ev = load(where)
     per = collections.defaultdict(lambda: collections.defaultdict(list))   # rid -> point -> times
-    for point in ("core", "sent", "recv", "text", "no_text"):
+    for point in ("arrived", "added", "core", "sent", "recv", "text", "no_text"):
         for e in ev[point]:
             if point not in ("sent", "core") or e["role"] == "stage0":   # the entry stage's reach the client
                 per[e["r"]]["out" if point in ("text", "no_text") else point].append(e.get("at", e["t"]))
-    hops = {"stage sent -> frontend recv": [], "frontend recv -> text": [], "EngineCore made -> text": []}
+    hops = {"request in -> entry stage added": [], "request in -> first text": [],
+            "stage sent -> frontend recv": [], "frontend recv -> text": [], "EngineCore made -> text": []}
     gaps = {"stage sends": [], "frontend texts": []}
     for times in per.values():
         sent, recv, out = sorted(times["sent"]), sorted(times["recv"]), sorted(times["out"])
+        if times["arrived"] and times["added"]:   # TTFT's part before the engine: HTTP, template, hop
+            hops["request in -> entry stage added"].append(1000 * (min(times["added"]) - times["arrived"][0]))
+        if times["arrived"] and out:
+            hops["request in -> first text"].append(1000 * (out[0] - times["arrived"][0]))
         # All that omni adds to a token after vLLM's EngineCore made it (vLLM stage only).
         hops["EngineCore made -> text"] += [1000 * (b - a) for a, b in zip(sorted(times["core"]), out)]
         hops["stage sent -> frontend recv"] += [1000 * (b - a) for a, b in zip(sent, recv)]

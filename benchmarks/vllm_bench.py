@@ -202,7 +202,7 @@ def print_table(doc: dict) -> None:
               + f"   (TTFT p50 {q['median_ttft_delta_ms']:+.1f} ms)")
     q = doc["median_ratio"]
     if len(doc["rounds"]) > 1:
-        print(f"{'median':<6}{'ratio':<7}" + "".join(f"{q[k]:>10.3f}x" for k, _ in FIGURES)
+        print(f"{'median ratio':<13}" + "".join(f"{q[k]:>10.3f}x" for k, _ in FIGURES)
               + f"   (TTFT p50 {q['median_ttft_delta_ms']:+.1f} ms)")
     print("goal 2 (median ratios): " + ", ".join(f"{k}: {'met' if v else 'NOT met'}"
                                               for k, v in doc["goals"].items()))

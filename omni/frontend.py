@@ -195,8 +195,8 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
         **_sampling_defaults(config),
     )
     publisher = asyncio.create_task(publish_metrics(app, amaster, topology, index, stop))
-    latency_trace.enable(f"frontend{index}")
     freeze_after_startup()
+    latency_trace.enable(f"frontend{index}")
     try:
         await serve(app, sock=sock, shutdown_event=stop, limits=limits)
     finally:

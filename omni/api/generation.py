@@ -41,6 +41,8 @@ class Generation:
         self._done = False
 
     async def start(self) -> None:
+        if latency_trace.on():
+            latency_trace.mark("arrived", self.request.request_id, at=self._t0)
         self._it = aiter(self._orch.generate(self.request))
         try:
             self._first = await anext(self._it)

@@ -218,8 +218,8 @@ def _run_stage(config: DeployConfig, stage_id: int, opts: StageOptions, engine_f
     client.start_keepalive(worker.load, on_command, interval_s=min(1.0, reg.lease_ttl_s / 4),
                            on_registration=on_registration)
     progress(f"{label}: registered as replica {reg.replica_id}, serving on {worker.endpoint}; ready")
-    latency_trace.enable(f"stage{stage.stage_id}")
     freeze_after_startup()
+    latency_trace.enable(f"stage{stage.stage_id}")
     try:
         worker.run(grace_s=opts.grace_s)
     finally:

@@ -297,6 +297,8 @@ class StageWorker:
                 extra=msg.extra,
             )
             self.engine.add_request(req)
+            if latency_trace.on():
+                latency_trace.mark("added", rid)
         except (EngineError, TransportError, ValueError, TypeError) as e:
             self.stats.errors_total += 1
             kind = "internal" if isinstance(e, TransportError) else "client"   # the engine refused it

@@ -36,11 +36,13 @@ def test_trace_report_joins_hops_per_request(tmp_path):
         (tmp_path / name).write_text("".join(json.dumps(e) + "\n" for e in events))
 
     # Two tokens of one request; the second's text was held back.
-    w("stage0-1.jsonl", [{"t": 1.000, "p": "sent", "r": "a", "n": 1}, {"t": 1.050, "p": "sent", "r": "a", "n": 1},
+    w("stage0-1.jsonl", [{"t": 0.95, "p": "added", "r": "a", "n": 0},
+                         {"t": 1.000, "p": "sent", "r": "a", "n": 1}, {"t": 1.050, "p": "sent", "r": "a", "n": 1},
                          {"t": 0.999, "p": "core", "r": "a", "n": 1, "at": 0.998},
                          {"t": 1.049, "p": "core", "r": "a", "n": 1, "at": 1.047},
                          {"t": 2.0, "p": "gc", "gen": 2, "ms": 5.0}])
-    w("frontend0-2.jsonl", [{"t": 1.001, "p": "recv", "r": "a", "n": 1}, {"t": 1.002, "p": "text", "r": "a", "n": 1},
+    w("frontend0-2.jsonl", [{"t": 0.95, "p": "arrived", "r": "a", "n": 0, "at": 0.94},
+                            {"t": 1.001, "p": "recv", "r": "a", "n": 1}, {"t": 1.002, "p": "text", "r": "a", "n": 1},
                             {"t": 1.052, "p": "recv", "r": "a", "n": 1}, {"t": 1.054, "p": "no_text", "r": "a", "n": 1}])
     d = tr.report(str(tmp_path))
     assert d["requests"] == 1 and d["outputs"] == 2 and d["held_back_outputs"] == 1
@@ -50,3 +52,5 @@ def test_trace_report_joins_hops_per_request(tmp_path):
     assert abs(d["hops_ms"]["EngineCore -> stage step done"]["max"] - 2.0) < 1e-6
     assert abs(d["hops_ms"]["EngineCore made -> text"]["max"] - 7.0) < 1e-6   # 1.054 - 1.047
     assert d["gc_pauses_ms"]["stage0 gen2"]["max"] == 5.0
+    assert abs(d["hops_ms"]["request in -> entry stage added"]["max"] - 10.0) < 1e-6
+    assert abs(d["hops_ms"]["request in -> first text"]["max"] - 62.0) < 1e-6   # 1.002 - 0.94
