@@ -26,6 +26,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "OMNI_RUN_DIR": lambda: os.environ.get("OMNI_RUN_DIR") or None,
     # The frontends' event loop: "uvloop" (the default, when installed) or "asyncio".
     "OMNI_EVENT_LOOP": lambda: os.environ.get("OMNI_EVENT_LOOP", "uvloop"),
+    # A directory: stages and frontends write per-token timestamps and GC pauses there
+    # (omni/latency_trace.py); unset, nothing is traced.
+    "OMNI_LATENCY_TRACE": lambda: os.environ.get("OMNI_LATENCY_TRACE") or None,
 }
 
 

@@ -15,8 +15,10 @@ import socket
 import sys
 import time
 
+from omni import latency_trace
 from omni.config import DeployConfig
 from omni.errors import OmniError
+from omni.heap import freeze_after_startup
 
 logger = logging.getLogger(__name__)
 
@@ -199,6 +201,8 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
         **_sampling_defaults(config),
     )
     publisher = asyncio.create_task(publish_metrics(app, amaster, topology, index, stop))
+    freeze_after_startup()
+    latency_trace.enable(f"frontend{index}")
     try:
         await serve(app, sock=sock, shutdown_event=stop, limits=limits)
     finally:

@@ -2,9 +2,10 @@
 
 `Generation.start()` waits for the first pipeline output, so errors raised before any
 output (no replica, bad request in a stage) still become a proper HTTP status;
-`events()` then yields ("text", str) and ("audio", pcm_f32_bytes, sample_rate).
+`events()` then yields ("text", str) and ("audio", pcm_f32_bytes, sample_rate): one text
+event per output that carries tokens, "" while its text is held back (as vLLM streams).
 With logprobs asked for, `take_logprobs()` hands out the entries of the tokens handled since
-its last call (tokens whose text is still held back ride with the next text).
+its last call.
 The orchestrator's iterator is always closed at the end, which aborts the request
 in every stage when the client went away or a stop string ended it early.
 """
@@ -16,6 +17,7 @@ from typing import AsyncIterator, Callable
 
 import anyio
 
+from omni import latency_trace
 from omni.api.detok import IncrementalDetokenizer, StopMatcher
 from omni.api.metrics import FrontendMetrics
 from omni.orchestrator.types import OrchestratorLike, PipelineOutput, PipelineRequest
@@ -43,6 +45,8 @@ class Generation:
         self._logprobs: list = []          # omni.api.logprobs.Entry, not yet taken
 
     async def start(self) -> None:
+        if latency_trace.on():
+            latency_trace.mark("arrived", self.request.request_id, at=self._t0)
         self._it = aiter(self._orch.generate(self.request))
         try:
             self._first = await anext(self._it)
@@ -97,8 +101,13 @@ class Generation:
             if self.want_logprobs and out.logprobs is not None:
                 self._logprobs.extend((t, lp, top) for t, (lp, top) in zip(out.token_ids, out.logprobs.rows()))
             text = self._stop.feed(self._detok.push(out.token_ids))
-            if text:
-                self.text += text
+            if latency_trace.on():
+                latency_trace.mark("text" if text else "no_text", self.request.request_id, len(out.token_ids))
+            self.text += text
+            if text or not self._stop.stopped:
+                # One event per output, "" while text is held back (half a character, a
+                # possible stop string), as vLLM streams: a skipped chunk would read as
+                # one doubled inter-token gap to a client.
                 yield ("text", text)
         elif out.modality == "audio" and out.audio_pcm and not self._stop.stopped:
             self.sample_rate = out.sample_rate or self.sample_rate

@@ -89,6 +89,14 @@ class Engine(abc.ABC):
     def has_unfinished(self) -> bool:
         """True while any request is queued or running."""
 
+    def ready_fd(self) -> int | None:
+        """A file descriptor that turns readable when step() has outputs to hand out (an
+        engine whose work runs elsewhere, e.g. vLLM's EngineCore). The worker then sleeps
+        on it with its sockets instead of calling step() in a loop; it still calls step()
+        every STEP_IDLE_S while work is in flight, so step() can report a dead engine.
+        None: the worker calls step() whenever the engine has unfinished work."""
+        return None
+
     def num_waiting(self) -> int:
         return 0
 

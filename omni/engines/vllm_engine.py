@@ -37,7 +37,6 @@ import dataclasses
 import difflib
 import logging
 import os
-import queue
 import time
 import uuid
 from concurrent.futures import Future, TimeoutError as FutureTimeout
@@ -46,8 +45,10 @@ from typing import Any
 
 import torch
 
+from omni import latency_trace
 from omni.config import DeployConfig, StageConfig
 from omni.engines import vllm_mm
+from omni.engines.vllm_outputs import OutputWaiter
 from omni.engines.vllm_procs import describe_exit, engine_core_dies_with_us
 from omni.engines.base import Engine, EngineError, EngineOutput, EngineRequest, SamplingParams
 from omni.engines.logprobs import from_vllm
@@ -214,6 +215,7 @@ class VllmEngine(Engine):
                 self._hidden.close()
             raise
         self._client = self._llm.engine_core
+        self._waiter = OutputWaiter(self._client.outputs_queue)
         self.load_seconds = time.monotonic() - t0
         mc = vllm_config.model_config
         self.model_path = model_path
@@ -328,12 +330,16 @@ class VllmEngine(Engine):
         return sum(1 for s in list(self._live.values()) if s.started)
 
     # ---- the step ----------------------------------------------------------------
+    def ready_fd(self) -> int | None:
+        return self._waiter.fd
+
     def step(self) -> list[EngineOutput]:
         self._check_alive()
-        if not self._wait_for_outputs(STEP_WAIT_S):
+        if not self._waiter.wait(STEP_WAIT_S):
             return []
         from vllm.v1.engine.exceptions import EngineDeadError
 
+        made_at = self._waiter.head_timestamp() if latency_trace.on() else None
         try:
             results = self._llm.step()
         except EngineDeadError as e:
@@ -341,6 +347,9 @@ class VllmEngine(Engine):
             self._check_alive()
             raise
         self._steps += 1
+        if made_at is not None:
+            for r in results:
+                latency_trace.mark("core", r.request_id, 1, at=made_at)
         outputs = []
         for r in results:
             live = self._live.get(r.request_id)
@@ -378,6 +387,7 @@ class VllmEngine(Engine):
                 else:
                     out.finish_reason = reason if reason in ("stop", "length", "abort") else "stop"
             outputs.append(out)
+        self._waiter.rearm()
         return outputs
 
     def _attach_mm_hidden(self, out: EngineOutput, name: str, finished: bool) -> None:
@@ -403,14 +413,6 @@ class VllmEngine(Engine):
             out.finish_reason = "error"
             out.error = (f"vLLM wrote {live.rows.delivered} of {live.n_tokens - 1} hidden rows for request "
                          f"{out.request_id}")
-
-    def _wait_for_outputs(self, timeout: float) -> bool:
-        """True once the client's output queue holds something (we are its only reader)."""
-        q: queue.Queue = self._client.outputs_queue
-        with q.not_empty:
-            if not q.queue:
-                q.not_empty.wait(timeout)
-            return bool(q.queue)
 
     # ---- utilities -----------------------------------------------------------------
     def call_core(self, method: str, *args: Any, timeout: float = UTILITY_TIMEOUT_S) -> Any:
@@ -482,6 +484,7 @@ class VllmEngine(Engine):
             logger.exception("%s: vLLM client shutdown", self.label)
         if self._hidden is not None:
             self._hidden.close()
+        self._waiter.close()
 
 
 def _engine_config(label: str, model_path: str, vllm_args: dict[str, Any], skip_tokenizer: bool):

@@ -13,6 +13,7 @@ from typing import Any, Callable
 import zmq
 import zmq.asyncio
 
+from omni import latency_trace
 from omni.errors import Unavailable
 from omni.stage import messages as m
 from omni.stage.curve import secure_client
@@ -104,6 +105,8 @@ class StageChannel:
                 if not self.welcomed.done():
                     self.welcomed.set_result(msg)
             else:
+                if latency_trace.on() and isinstance(msg, m.Output):
+                    latency_trace.mark("recv", msg.request_id, len(msg.token_ids))
                 self._on_message(self, msg)
 
     def close(self) -> None:

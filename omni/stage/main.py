@@ -132,6 +132,8 @@ def _stop_while_loading(stop: StopRequest, label: str) -> tuple[threading.Event,
 
 
 def _run_stage(config: DeployConfig, stage_id: int, opts: StageOptions, engine_flags: dict | None) -> int:
+    from omni import latency_trace
+    from omni.heap import freeze_after_startup
     from omni.config import apply_engine_flags
 
     stage = apply_engine_flags(config, stage_id, engine_flags or {}).stage(stage_id)
@@ -216,6 +218,8 @@ def _run_stage(config: DeployConfig, stage_id: int, opts: StageOptions, engine_f
     client.start_keepalive(worker.load, on_command, interval_s=min(1.0, reg.lease_ttl_s / 4),
                            on_registration=on_registration)
     progress(f"{label}: registered as replica {reg.replica_id}, serving on {worker.endpoint}; ready")
+    freeze_after_startup()
+    latency_trace.enable(f"stage{stage.stage_id}")
     try:
         worker.run(grace_s=opts.grace_s)
     finally:

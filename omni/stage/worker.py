@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import zmq
 
+from omni import latency_trace
 from omni.config import StageConfig
 from omni.ratelog import RateLimitedLog
 from omni.signals import StopRequest
@@ -29,6 +30,10 @@ from omni.stage.curve import secure_server
 from omni.transport.base import ProducerFull, TensorProducer, TransportError
 
 logger = logging.getLogger(__name__)
+
+# With an engine that has a ready_fd: how often it is stepped while work is in flight
+# and it says nothing (its step() checks that it is alive).
+STEP_IDLE_S = 0.1
 
 
 @dataclass
@@ -169,6 +174,12 @@ class StageWorker:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._wake_rx, zmq.POLLIN)
+        # An engine that says when it has output is stepped then (and every STEP_IDLE_S,
+        # so a dead engine is noticed), not in a loop that polls it.
+        ready_fd = self.engine.ready_fd()
+        watching = False   # the fd is in the poller (not while output is held: it stays readable)
+        busy_timeout = 0 if ready_fd is None else int(STEP_IDLE_S * 1000)
+        last_step = time.monotonic()
         if self._stop_request is not None:
             poller.register(self._stop_request.fileno(), zmq.POLLIN)
         stop_deadline: float | None = None
@@ -176,7 +187,13 @@ class StageWorker:
             busy = self.engine.has_unfinished() and not self.engine.is_sleeping()
             # Held output is retried every few ms (a full frontend queue gives no event);
             # a FreeTensors from a consumer wakes the poll at once.
-            timeout = 5 if self._held else (0 if busy else 1000)
+            timeout = 5 if self._held else (busy_timeout if busy else 1000)
+            if ready_fd is not None and watching == bool(self._held):
+                watching = not self._held
+                if watching:
+                    poller.register(ready_fd, zmq.POLLIN)
+                else:
+                    poller.unregister(ready_fd)
             events = dict(poller.poll(timeout))
             if self._wake_rx in events:
                 while self._wake_rx.poll(0):
@@ -194,8 +211,17 @@ class StageWorker:
                     logger.info("%s: stopping, %d request(s) in flight", self.stage.label, len(self._reqs))
                 if (not self._reqs and not self._held) or time.monotonic() > stop_deadline:
                     break
-            if not self._held and self.engine.has_unfinished() and not self.engine.is_sleeping():
+            if self._held:
+                continue
+            if ready_fd is not None and ready_fd in events:
+                # Also with nothing in flight: output of an aborted request must be read
+                # (the fd would stay readable).
+                last_step = time.monotonic()
                 self._step()
+            elif self.engine.has_unfinished() and not self.engine.is_sleeping():
+                if ready_fd is None or time.monotonic() - last_step >= STEP_IDLE_S:
+                    last_step = time.monotonic()
+                    self._step()
         for rid in list(self._reqs):
             self._fail(rid, f"{self.stage.label} is shutting down", "unavailable")
         self.close()
@@ -271,6 +297,8 @@ class StageWorker:
                 extra=msg.extra,
             )
             self.engine.add_request(req)
+            if latency_trace.on():
+                latency_trace.mark("added", rid)
         except (EngineError, TransportError, ValueError, TypeError) as e:
             self.stats.errors_total += 1
             kind = "internal" if isinstance(e, TransportError) else "client"   # the engine refused it
@@ -352,6 +380,8 @@ class StageWorker:
         if out.finished:
             del self._reqs[out.request_id]
         self._send(req.frontend, msg)
+        if latency_trace.on():
+            latency_trace.mark("sent", out.request_id, len(out.token_ids))
         return True
 
     def _free_refs(self, transport: str, refs: dict) -> None:

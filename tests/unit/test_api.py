@@ -222,6 +222,14 @@ async def test_multibyte_stream_has_no_replacement_chars(tokenizer):
     deltas = [e["choices"][0]["delta"].get("content", "") for e in sse_events(r.text) if e["choices"]]
     assert "".join(deltas) == reply
     assert not any("\ufffd" in d for d in deltas)
+    # One chunk per token (the fake sends one per output; the last is EOS), held-back ones
+    # empty, as vLLM streams: a skipped chunk reads as a doubled inter-token gap.
+    tokens = [e for e in sse_events(r.text) if e["choices"] and "content" in e["choices"][0]["delta"]
+              and "role" not in e["choices"][0]["delta"]]
+    assert len(tokens) == len(ids) + 1 and any(e["choices"][0]["delta"]["content"] == "" for e in tokens)
+    r = await c.post("/v1/completions", json={"prompt": "x", "stream": True})
+    chunks = [e for e in sse_events(r.text) if e["choices"] and not e["choices"][0]["finish_reason"]]
+    assert len(chunks) == len(ids) + 1 and "".join(e["choices"][0]["text"] for e in chunks) == reply
 
 
 # ---- errors

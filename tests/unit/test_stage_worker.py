@@ -203,3 +203,72 @@ def test_commands_sleep_wake_and_drain(worker):
         err = recv(s)
     assert err.request_id == "asleep" and "is asleep" in err.message and "omni wakeup --stage 0" in err.message
     s.close()
+
+
+class ReadyFdEngine(CountEngine):
+    """Outputs come from elsewhere (like vLLM's EngineCore): the test queues them and the
+    engine's eventfd says so; step() hands out what is queued."""
+
+    def __init__(self):
+        super().__init__()
+        import os
+
+        self.fd = os.eventfd(0, os.EFD_NONBLOCK)
+        self.queued: list[EngineOutput] = []
+        self.steps = 0
+        self.lock = threading.Lock()
+
+    def ready_fd(self):
+        return self.fd
+
+    def push(self, out: EngineOutput) -> None:
+        import os
+
+        with self.lock:
+            self.queued.append(out)
+        os.eventfd_write(self.fd, 1)
+
+    def step(self) -> list[EngineOutput]:
+        import os
+
+        self.steps += 1
+        try:
+            os.eventfd_read(self.fd)
+        except BlockingIOError:
+            pass
+        with self.lock:
+            outs, self.queued = self.queued, []
+        for o in outs:
+            if o.finished:
+                self.reqs.pop(o.request_id, None)
+        return outs
+
+
+def test_engine_with_ready_fd_is_stepped_when_it_has_output_not_in_a_loop():
+    engine = ReadyFdEngine()
+    w = StageWorker(StageConfig(stage_id=0, engine="ready", name="ready"), engine, token="secret", replica_id="s0r0")
+    t = threading.Thread(target=w.run, kwargs={"grace_s": 1.0}, daemon=True)
+    t.start()
+    try:
+        s = dealer(w.endpoint)
+        assert hello(s).ok
+        s.send(enc.encode(m.AddRequest(request_id="r1", prompt_token_ids=[10], sampling=SamplingParams(max_tokens=2))))
+        deadline = threading.Event()
+        deadline.wait(0.5)   # a measurement window, not a synchronisation: the request waits for output
+        assert "r1" in engine.reqs
+        # Stepped only to check liveness (every STEP_IDLE_S), not polled: a loop would step thousands of times.
+        assert 1 <= engine.steps <= 10, engine.steps
+        engine.push(EngineOutput(request_id="r1", token_ids=[11]))
+        assert recv(s).token_ids == [11]
+        engine.push(EngineOutput(request_id="r1", token_ids=[12], finished=True, finish_reason="length"))
+        last = recv(s)
+        assert last.token_ids == [12] and last.finished
+        # Output for a request nobody holds (aborted meanwhile) is read, not left to spin the loop.
+        before = engine.steps
+        engine.push(EngineOutput(request_id="gone", token_ids=[1]))
+        deadline.wait(0.3)
+        assert not engine.queued and engine.steps - before <= 2
+    finally:
+        w.stop()
+        t.join(10)
+    assert not t.is_alive()
