@@ -61,7 +61,7 @@ def _is_spawn_child() -> bool:
     return b"--multiprocessing-fork" in args and any(a.startswith(SPAWN_PROGRAM) for a in args)
 
 
-def _exists(pid: int) -> bool:
+def pid_exists(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -83,7 +83,7 @@ def at_interpreter_start() -> None:
         prctl(PR_SET_PDEATHSIG, SIGKILL)
         # The parent may have died before the prctl: then no signal comes. A parent that differs
         # (a wrapper between us) is no reason to exit; only one that no longer exists is.
-        if os.getppid() != expected and not _exists(expected):
+        if os.getppid() != expected and not pid_exists(expected):
             os._exit(1)
     except Exception:   # noqa: BLE001 - a start-up hook must not break the interpreter
         pass

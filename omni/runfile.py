@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from omni import envs
+from omni.deathsig import pid_exists
 
 
 def run_dir() -> Path:
@@ -36,16 +37,6 @@ def remove(path: Path | None) -> None:
         path.unlink(missing_ok=True)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def live_runs() -> list[dict]:
     """Deployments started on this host that still run, newest first."""
     runs = []
@@ -55,7 +46,7 @@ def live_runs() -> list[dict]:
             pid = int(entry["pid"])
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if _alive(pid):
+        if pid_exists(pid):
             runs.append(entry)
         else:
             path.unlink(missing_ok=True)

@@ -21,16 +21,11 @@ import socket
 import struct
 
 from omni.transport.base import TransportError
-from omni.transport.server import SocketServer, client_hello, token_hello
+from omni.transport.server import SocketServer, client_hello, peer_uid, token_hello
 
 MAGIC = b"OML1"
 _STATUS = struct.Struct("<B")   # hello reply: 0 ok, 1 refused
 MAX_MESSAGE_BYTES = 64 << 10    # refs and acks only; tensors travel apart
-
-
-def peer_uid(sock: socket.socket) -> int:
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return struct.unpack("3i", creds)[1]
 
 
 class LocalChannel:

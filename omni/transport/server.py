@@ -21,6 +21,7 @@ import logging
 import secrets
 import selectors
 import socket
+import struct
 import threading
 import time
 from collections import OrderedDict
@@ -59,6 +60,12 @@ def client_hello(sock: socket.socket, magic: bytes, token: str | None) -> None:
     from omni.transport.util import recv_exact
 
     sock.sendall(_answer(magic, token, recv_exact(sock, NONCE_BYTES)))
+
+
+def peer_uid(sock: socket.socket) -> int:
+    """The user id of the process at the other end of a unix socket (the kernel's word)."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[1]
 
 
 class _Pending:

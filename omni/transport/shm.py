@@ -25,7 +25,7 @@ import torch
 
 from omni.transport.alloc import ALIGN, SlotAllocator, round_up
 from omni.transport.base import ProducerFull, TensorConsumer, TensorProducer, TensorRef, TransportError
-from omni.transport.server import SocketServer, client_hello, token_hello
+from omni.transport.server import SocketServer, client_hello, peer_uid, token_hello
 from omni.transport.util import check_ref, dtype_name, flat_bytes, recv_exact
 
 logger = logging.getLogger(__name__)
@@ -38,11 +38,6 @@ _REP = struct.Struct("<BQ")    # status (0 ok, 1 no such segment), segment size
 DEFAULT_ARENA_BYTES = 256 << 20
 MAGIC = b"OMS1"
 _STATUS = struct.Struct("<B")  # hello reply: 0 ok, 1 refused
-
-
-def _peer_uid(conn: socket.socket) -> int:
-    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return struct.unpack("3i", creds)[1]
 
 
 class _Segment:
@@ -94,7 +89,7 @@ class ShmProducer(TensorProducer):
         token_ok = token_hello(MAGIC, (token or "").encode())
 
         def hello(conn: socket.socket, buf: bytes, nonce: bytes) -> bool | None:
-            return token_ok(conn, buf, nonce) if _peer_uid(conn) == os.getuid() else False
+            return token_ok(conn, buf, nonce) if peer_uid(conn) == os.getuid() else False
 
         self._server = SocketServer(sock, self._serve_fds, "omni-shm", hello=hello, refusal=_STATUS.pack(1))
 
