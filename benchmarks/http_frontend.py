@@ -36,7 +36,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.vllm_compare import MODEL, OMNI_MODEL, Server, wait_ready  # noqa: E402
+from benchmarks.vllm_bench import OMNI_MODEL, Server  # noqa: E402
+
+MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def wait_ready(servers: list[Server], timeout: float) -> None:
+    for s in servers:
+        s.wait_ready(timeout)
+
 
 # deploy/smollm2-135m-instruct-vllm.yaml's stage 0 on this CPU machine (float32, eager).
 VLLM_ARGS = ["--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "8", "--enforce-eager",
