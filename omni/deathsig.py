@@ -62,13 +62,20 @@ def _is_spawn_child() -> bool:
 
 
 def pid_exists(pid: int) -> bool:
+    """`pid` names a process that still runs. A zombie does not: its parent has not reaped it
+    yet, which under a PID 1 or subreaper that never reaps (some containers) is forever."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]   # the name may hold spaces and ")"
+    except (OSError, IndexError):
+        return True
+    return state not in (b"Z", b"X")
 
 
 def at_interpreter_start() -> None:
@@ -82,7 +89,8 @@ def at_interpreter_start() -> None:
             return
         prctl(PR_SET_PDEATHSIG, SIGKILL)
         # The parent may have died before the prctl: then no signal comes. A parent that differs
-        # (a wrapper between us) is no reason to exit; only one that no longer exists is.
+        # (a wrapper between us) is no reason to exit; only one that no longer runs is (gone, or
+        # a zombie nobody reaps: CI's container kept one and this check missed it).
         if os.getppid() != expected and not pid_exists(expected):
             os._exit(1)
     except Exception:   # noqa: BLE001 - a start-up hook must not break the interpreter

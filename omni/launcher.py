@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from omni.api.limits import HttpLimits
 from omni.config import DeployConfig
+from omni.deathsig import pid_exists
 from omni.errors import OmniError
 from omni.signals import StopRequest
 
@@ -63,13 +64,8 @@ def sweep_stale_tmp(root: str | None = None) -> list[str]:
                 pid = int(f.read().strip())
         except (OSError, ValueError):
             continue
-        try:
-            os.kill(pid, 0)
-            continue                          # its launcher still runs
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue                          # someone else's live process
+        if pid_exists(pid):
+            continue                          # its launcher still runs (or someone else's process)
         shutil.rmtree(d, ignore_errors=True)
         swept.append(d)
         logger.info("removed %s, left by launcher pid %d that is gone", d, pid)

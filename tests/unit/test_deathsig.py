@@ -62,6 +62,32 @@ def test_a_spawn_child_whose_parent_is_gone_exits_before_running_anything():
     assert r.returncode == 1 and r.stdout == "", (r.returncode, r.stdout, r.stderr)
 
 
+def test_pid_exists_says_a_zombie_no_longer_runs():
+    from omni.deathsig import pid_exists
+
+    z = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        os.waitid(os.P_PID, z.pid, os.WEXITED | os.WNOWAIT)   # until it has exited; reaps nothing
+        assert psutil.Process(z.pid).status() == psutil.STATUS_ZOMBIE
+        assert not pid_exists(z.pid)
+        assert pid_exists(os.getpid())
+    finally:
+        z.wait(10)
+    assert not pid_exists(z.pid)
+
+
+@needs_hook
+def test_a_spawn_child_whose_parent_is_an_unreaped_zombie_exits_before_running_anything():
+    # CI's container left a dead EngineCore a zombie: the Worker it had spawned lived on.
+    z = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        os.waitid(os.P_PID, z.pid, os.WEXITED | os.WNOWAIT)   # exited, not reaped
+        r = run(SPAWN_LIKE, z.pid)
+        assert r.returncode == 1 and r.stdout == "", (r.returncode, r.stdout, r.stderr)
+    finally:
+        z.wait(10)
+
+
 @needs_hook
 def test_a_wrapper_between_a_child_and_a_live_parent_is_no_reason_to_exit():
     # `sh -c 'A; B'` stays the child's parent (it cannot exec A): the parent differs, the expected one lives.
