@@ -3,7 +3,10 @@
 `Generation.start()` waits for the first pipeline output, so errors raised before any
 output (no replica, bad request in a stage) still become a proper HTTP status;
 `events()` then yields ("text", str) and ("audio", pcm_f32_bytes, sample_rate): one text
-event per output that carries tokens, "" while its text is held back (as vLLM streams).
+event per output that carries tokens, "" while its text is held back (as vLLM streams), and
+last ("end", str) once, with `finish_reason` set: the text of the output that finished the
+request (or hit a stop string) and whatever was held back, so a stream can put the finish
+reason on the chunk that carries the last token, as vLLM's server does.
 With logprobs asked for, `take_logprobs()` hands out the entries of the tokens handled since
 its last call.
 The orchestrator's iterator is always closed at the end, which aborts the request
@@ -73,9 +76,13 @@ class Generation:
     async def events(self) -> AsyncIterator[tuple]:
         try:
             out = self._first
+            last = ""
             while out is not None:
                 for ev in self._handle(out):
-                    yield ev
+                    if ev[0] == "text" and (self._stop.stopped or out.finished):
+                        last = ev[1]      # rides on the "end" event
+                    else:
+                        yield ev
                 if self._stop.stopped or out.finished:
                     break
                 try:
@@ -84,13 +91,10 @@ class Generation:
                     out = None
             tail = self._stop.feed(self._detok.flush())
             tail += self._stop.flush()
-            if tail:
-                self.text += tail
-                yield ("text", tail)
-            if self._stop.stopped:
+            self.text += tail
+            if self._stop.stopped or self.finish_reason is None:
                 self.finish_reason = "stop"
-            elif self.finish_reason is None:
-                self.finish_reason = "stop"
+            yield ("end", last + tail)
         finally:
             self._metrics.tokens(self.prompt_tokens, self.completion_tokens)
             await self.close()

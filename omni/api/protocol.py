@@ -41,7 +41,8 @@ class ChatMessage(msgspec.Struct):
 
 
 class StreamOptions(msgspec.Struct):
-    include_usage: bool = False
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False   # extension (vLLM): usage on every chunk, with include_usage
 
 
 class AudioOptions(msgspec.Struct):

