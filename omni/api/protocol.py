@@ -195,8 +195,9 @@ def _unsupported(req: _Sampling) -> str | None:
     return None
 
 
-def check_sampling(req: _Sampling) -> None:
-    """Range checks shared by chat and completions (max_tokens is checked later, with the prompt)."""
+def check_sampling(req: _Sampling) -> int | None:
+    """Range checks shared by chat and completions (max_tokens is checked later, with the prompt);
+    returns the request's logprobs k (logprobs_k), for FrontendState.sampling."""
     if req.n != 1:
         raise bad_request(f"n={req.n} is not supported; only n=1", param="n")
     name = _unsupported(req)
@@ -230,7 +231,7 @@ def check_sampling(req: _Sampling) -> None:
         raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings are allowed", param="stop")
     if req.stop_token_ids is not None and any(t < 0 for t in req.stop_token_ids):
         raise bad_request("stop_token_ids must be non-negative", param="stop_token_ids")
-    logprobs_k(req)
+    return logprobs_k(req)
 
 
 def logprobs_k(req: _Sampling) -> int | None:

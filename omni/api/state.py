@@ -16,7 +16,6 @@ from typing import Any
 from starlette.requests import Request
 
 from omni import audio
-from omni.api import protocol as P
 from omni.api.detok import decoder_for
 from omni.api.errors import APIError, bad_request
 from omni.api.metrics import FrontendMetrics
@@ -161,7 +160,8 @@ class FrontendState:
                               f"{requested} in the completion). Reduce the {what} or {param}.", param=param)
         return requested
 
-    def sampling(self, req, max_tokens: int) -> SamplingParams:
+    def sampling(self, req, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """`logprobs`: what P.check_sampling returned for this request."""
         top_k = req.top_k or 0
         bias = {int(k): float(v) for k, v in (req.logit_bias or {}).items()}
         vocab = len(self.tokenizer) if self.tokenizer is not None else None
@@ -177,7 +177,7 @@ class FrontendState:
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             logit_bias=bias, min_tokens=min(req.min_tokens, max_tokens),   # max_tokens ends it first
-            logprobs=P.logprobs_k(req))
+            logprobs=logprobs)
 
     async def voice(self, name: str | None, speed: float = 1.0) -> dict:
         """Resolve a voice (maybe a preset) to what the speech stage needs: a base voice and speed."""

@@ -61,7 +61,7 @@ class TextRoutes:
         self.fe.need_text()
         req = P.decode_body(await request.body(), P.ChatCompletionRequest)
         self.fe.check_model(req.model)
-        P.check_sampling(req)
+        logprobs = P.check_sampling(req)
         audios: list = []
         messages = P.chat_messages(req, audios)
         modalities = tuple(req.modalities or ("text",))
@@ -93,7 +93,7 @@ class TextRoutes:
         else:
             mt = self.fe.max_tokens(req.max_tokens, len(prompt_ids), "max_tokens", "messages")
         preq = PipelineRequest(request_id=f"chatcmpl-{uuid.uuid4().hex}", prompt_token_ids=prompt_ids,
-                               sampling=self.fe.sampling(req, mt), modalities=modalities, extra=extra,
+                               sampling=self.fe.sampling(req, mt, logprobs), modalities=modalities, extra=extra,
                                inputs=inputs)
         gen = Generation(self.fe.orch, preq, decode=self.fe.decode, prompt_ids=prompt_ids,
                          stops=P.stop_list(req.stop), metrics=self.fe.metrics, route="/v1/chat/completions",
@@ -181,7 +181,7 @@ class TextRoutes:
         self.fe.need_text()
         req = P.decode_body(await request.body(), P.CompletionRequest)
         self.fe.check_model(req.model)
-        P.check_sampling(req)
+        logprobs = P.check_sampling(req)
         if isinstance(req.prompt, str):
             if not req.prompt:
                 raise bad_request("prompt must not be empty", param="prompt")
@@ -195,7 +195,7 @@ class TextRoutes:
         if not isinstance(req.prompt, str):
             self.fe.check_token_ids(prompt_ids, "prompt token id", "prompt")
         preq = PipelineRequest(request_id=f"cmpl-{uuid.uuid4().hex}", prompt_token_ids=prompt_ids,
-                               sampling=self.fe.sampling(req, mt))
+                               sampling=self.fe.sampling(req, mt, logprobs))
         gen = Generation(self.fe.orch, preq, decode=self.fe.decode, prompt_ids=prompt_ids,
                          stops=P.stop_list(req.stop), metrics=self.fe.metrics, route="/v1/completions",
                          t0=self.fe.t0(request))
