@@ -4,6 +4,7 @@ whole process group in the finalizer."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -90,6 +91,62 @@ class OmniProcess:
             pass
         self.proc.wait(10)
 
+    def stop(self, timeout: float = 60.0) -> list[int]:
+        """Stop as a user would (Ctrl-C), then wait until the launcher and every process it had
+        started are gone: its children run in their own process groups and, once reparented,
+        finish their own graceful stop. Past `timeout`, whatever still runs is SIGKILLed.
+        Returns the pids of that tree (for checks on what they left, e.g. in /dev/shm)."""
+        import psutil
+
+        tree = [q for q in map(_process, descendants(self.proc.pid)) if q is not None]
+        pids = [self.proc.pid, *(p.pid for p in tree)]
+        deadline = time.monotonic() + timeout
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGINT)
+                self.proc.wait(timeout)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
+        left = wait_gone(tree, max(0.0, deadline - time.monotonic()))
+        if left or self.proc.poll() is None:
+            for p in left:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.kill()
+            self.kill()
+            left = wait_gone(left, 10)
+            assert not left, f"still running 10 s after SIGKILL: {[p.pid for p in left]}"
+        return pids
+
+
+def _process(pid: int):
+    import psutil
+
+    try:
+        return psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return None
+
+
+def _runs(p) -> bool:
+    """Still running: a zombie is not (a parent that died leaves one unreaped in some containers),
+    and a reused pid is not the same process (psutil compares start times)."""
+    import psutil
+
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def wait_gone(procs: list, timeout: float) -> list:
+    """The processes of `procs` still running after `timeout` s (polled: they are not our children)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = [p for p in procs if _runs(p)]
+        if not left or time.monotonic() >= deadline:
+            return left
+        threading.Event().wait(0.1)   # polling other processes, bounded by the deadline
+
 
 def descendants(pid: int) -> list[int]:
     import psutil
@@ -100,5 +157,9 @@ def descendants(pid: int) -> list[int]:
         return []
 
 
-def omni_shm_entries() -> list[str]:
-    return sorted(p for p in os.listdir("/dev/shm") if "omni" in p)
+def omni_shm_entries(pids: list[int] | None = None) -> list[str]:
+    """omni's /dev/shm entries; with `pids`, only those these processes made (`omni-shm-PID-...`)."""
+    names = sorted(p for p in os.listdir("/dev/shm") if "omni" in p)
+    if pids is None:
+        return names
+    return [n for n in names if n.startswith(tuple(f"omni-shm-{pid}-" for pid in pids))]
