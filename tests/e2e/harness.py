@@ -138,6 +138,18 @@ def _runs(p) -> bool:
         return False
 
 
+def wait_until(fn, timeout: float, what: str, every_s: float = 0.2):
+    """fn()'s first true value, polled every `every_s` s; fails naming `what` past the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = fn()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout} s")
+        threading.Event().wait(every_s)   # polling another process's state, bounded by the deadline
+
+
 def wait_gone(procs: list, timeout: float) -> list:
     """The processes of `procs` still running after `timeout` s (polled: they are not our children)."""
     deadline = time.monotonic() + timeout

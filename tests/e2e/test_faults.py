@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.harness import READY, OmniProcess, omni_shm_entries
+from tests.e2e.harness import READY, OmniProcess, omni_shm_entries, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -123,17 +123,6 @@ def ready_pids(address: str, token: str | None = None) -> list[int]:
         return sorted(r.pid for r in status(address, token).replicas if r.role == "STAGE" and r.state == "READY")
     except OmniError:
         return []
-
-
-def wait_until(fn, timeout: float, what: str, interval: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = fn()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not within {timeout} s")
-        threading.Event().wait(interval)   # polling a remote condition, bounded by the deadline
 
 
 # ------------------------------------------------------------------ HTTP load

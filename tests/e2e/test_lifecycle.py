@@ -9,6 +9,7 @@ ancestor survives" is "no live process is left in its session".
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -18,7 +19,7 @@ import time
 import psutil
 import pytest
 
-from tests.e2e.harness import READY, OmniProcess
+from tests.e2e.harness import READY, OmniProcess, wait_until
 
 try:
     import vllm  # noqa: F401
@@ -54,25 +55,38 @@ def names(procs: list[psutil.Process]) -> list[str]:
     return out
 
 
-def wait_until(fn, timeout: float, what: str, every_s: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = fn()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout} s")
-        threading.Event().wait(every_s)   # polling process state, bounded by the deadline
+def session_left(sid: int, timeout: float) -> list[str]:
+    """What of session `sid` still runs once it emptied or `timeout` s passed (names)."""
+    with contextlib.suppress(AssertionError):
+        wait_until(lambda: not session(sid), timeout, f"session {sid} empty", every_s=0.1)
+    return names(session(sid))
 
 
-def engine_core(sid: int) -> psutil.Process | None:
+@contextlib.contextmanager
+def own_session(p: OmniProcess):
+    """p's session id; at the end nothing of that session is left to the next test."""
+    try:
+        yield p.proc.pid
+    finally:
+        p.kill()
+        for q in session(p.proc.pid):
+            with contextlib.suppress(psutil.Error):
+                q.kill()
+
+
+def by_name(sid: int, prefix: str) -> psutil.Process | None:
+    """A process of session `sid` whose argv[0] starts with `prefix` (vLLM's renamed processes)."""
     for p in session(sid):
         try:
-            if p.cmdline()[:1] and p.cmdline()[0].startswith("VLLM::EngineCore"):
+            if p.cmdline()[:1] and p.cmdline()[0].startswith(prefix):
                 return p
         except psutil.Error:
             pass
     return None
+
+
+def engine_core(sid: int) -> psutil.Process | None:
+    return by_name(sid, "VLLM::EngineCore")
 
 
 def spawned_child(pid: int) -> psutil.Process | None:
@@ -103,13 +117,7 @@ def has_start_hook() -> bool:
 
 
 def vllm_worker(sid: int) -> psutil.Process | None:
-    for p in session(sid):
-        try:
-            if p.cmdline()[:1] and p.cmdline()[0].startswith("VLLM::Worker"):
-                return p
-        except psutil.Error:
-            pass
-    return None
+    return by_name(sid, "VLLM::Worker")
 
 
 def start_master() -> tuple[OmniProcess, tuple[str, str]]:
@@ -142,9 +150,8 @@ def sigkill_vllm_stage(master, when: str, wait_s: float = 10.0) -> dict:
     "orphans": those of its session alive `wait_s` later, "clean_s": seconds until none was,
     "in_bootstrap": that child still was just before the kill}. Reused by benchmarks/faults.py."""
     p = headless_vllm_stage(master)
-    sid = p.proc.pid
     in_bootstrap = None
-    try:
+    with own_session(p) as sid:
         if when in ("bootstrap", "worker_bootstrap"):
             # What closes this window is the death signal the .pth hook asks for at interpreter start.
             def spawned():
@@ -176,16 +183,9 @@ def sigkill_vllm_stage(master, when: str, wait_s: float = 10.0) -> dict:
         os.kill(p.proc.pid, signal.SIGKILL)
         p.proc.wait(10)
         t0 = time.monotonic()
-        deadline = t0 + wait_s
-        while session(sid) and time.monotonic() < deadline:
-            threading.Event().wait(0.1)   # polling process state, bounded by the deadline
-        orphans = names(session(sid))
+        orphans = session_left(sid, wait_s)
         return {"before": before, "orphans": orphans, "clean_s": None if orphans else time.monotonic() - t0,
                 "in_bootstrap": in_bootstrap}
-    finally:
-        p.kill()
-        for q in session(sid):   # whatever it leaves, it does not leave it to the next test
-            q.kill()
 
 
 @pytest.mark.vllm
@@ -234,8 +234,7 @@ def test_a_launcher_stopped_while_a_vllm_stage_loads_leaves_nothing(how):
     """`omni serve` stopped while its vLLM stage loads: Ctrl-C stops it at once (no 'did not stop
     within 10 s; killing it'), SIGKILL takes its children with it; nothing of either is left."""
     p = OmniProcess("serve", "smollm2-vllm", "--port", "0")
-    sid = p.proc.pid
-    try:
+    with own_session(p) as sid:
         wait_until(lambda: engine_core(sid) or p.proc.poll() is not None, 240, "an EngineCore")
         assert p.proc.poll() is None, p.output()
         tmp = launcher_tmp(sid)
@@ -252,19 +251,12 @@ def test_a_launcher_stopped_while_a_vllm_stage_loads_leaves_nothing(how):
         else:
             os.kill(sid, signal.SIGKILL)
             p.proc.wait(10)
-        deadline = time.monotonic() + 10
-        while session(sid) and time.monotonic() < deadline:
-            threading.Event().wait(0.1)   # polling process state, bounded by the deadline
-        assert names(session(sid)) == []
+        assert session_left(sid, 10) == []
         if how == "sigkill":
             from omni.launcher import sweep_stale_tmp
 
             assert os.path.exists(tmp[0])              # a SIGKILLed launcher cannot clean up ...
             assert tmp[0] in sweep_stale_tmp()         # ... the next one sweeps it
-    finally:
-        p.kill()
-        for q in session(sid):
-            q.kill()
 
 
 STOP_MASTER = r"""
@@ -355,8 +347,7 @@ def test_ctrl_c_of_a_serving_vllm_deployment_is_quiet_and_complete():
     vLLM while it stops, and leaves no process of it behind. (On a loaded 2-core machine the vLLM
     stage may overrun the launcher's 10 s grace and be killed; its group goes with it.)"""
     p = OmniProcess("serve", "smollm2-vllm", "--port", "0")
-    sid = p.proc.pid
-    try:
+    with own_session(p) as sid:
         p.http(400)
         assert engine_core(sid) is not None
         t0 = time.monotonic()
@@ -364,15 +355,8 @@ def test_ctrl_c_of_a_serving_vllm_deployment_is_quiet_and_complete():
         stop_s = time.monotonic() - t0
         stopping = p.lines[next(i for i, line in enumerate(p.lines) if "shutting down" in line):]
         assert not [line for line in stopping if "Traceback" in line], "\n".join(stopping)
-        deadline = time.monotonic() + 10
-        while session(sid) and time.monotonic() < deadline:
-            threading.Event().wait(0.1)   # polling process state, bounded by the deadline
-        assert names(session(sid)) == []
+        assert session_left(sid, 10) == []
         assert stop_s < 30, stop_s
-    finally:
-        p.kill()
-        for q in session(sid):
-            q.kill()
 
 
 @pytest.mark.slow
@@ -381,17 +365,9 @@ def test_a_sigkilled_launcher_takes_its_stages_and_frontends_with_it():
     running (its children stop on PR_SET_PDEATHSIG, even with their stderr gone). They stop
     gracefully (SIGTERM), which on a loaded 2-core machine took more than 10 s: 30 s here."""
     p = OmniProcess("serve", "HuggingFaceTB/SmolLM2-135M-Instruct", "--port", "0", "--api-server-count", "2")
-    sid = p.proc.pid
-    try:
+    with own_session(p) as sid:
         p.http(300)
         assert len(session(sid)) >= 6, names(session(sid))   # launcher, 3 stages, 2 frontends
         os.kill(sid, signal.SIGKILL)
         p.proc.wait(10)
-        deadline = time.monotonic() + 30
-        while session(sid) and time.monotonic() < deadline:
-            threading.Event().wait(0.1)   # polling process state, bounded by the deadline
-        assert names(session(sid)) == []
-    finally:
-        p.kill()
-        for q in session(sid):
-            q.kill()
+        assert session_left(sid, 30) == []

@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
 
@@ -20,7 +19,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.e2e.harness import REPO, OmniProcess, omni_env
+from tests.e2e.harness import REPO, OmniProcess, omni_env, wait_until
 
 try:
     import vllm  # noqa: F401
@@ -182,17 +181,6 @@ def stage0_stats(p: OmniProcess) -> dict:
                 return msg.result
     finally:
         sock.close(0)
-
-
-def wait_until(fn, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = fn()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout} s")
-        threading.Event().wait(0.2)   # polling a remote condition, bounded by the deadline
 
 
 def open_long_stream(url: str):

@@ -1,6 +1,7 @@
-"""logprobs / top_logprobs (issue 15, item 3): request checks, the torch engine's raw logprobs
+"""logprobs / top_logprobs (issue 15, item 3): the torch engine's raw logprobs
 against HF transformers in float32, vLLM's logprob dicts, the stage wire, and both response
-shapes, streamed and not, through the HTTP frontend on a fake orchestrator."""
+shapes, streamed and not, through the HTTP frontend on a fake orchestrator. Their request checks
+(400s) are with the other parameters' in test_sampling_params.py."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from omni.api import build_app
 from omni.engines.logprobs import Logprobs, from_vllm
 from omni.stage import messages as m
-from tests.unit.test_api import FakeOrchestrator, assert_error, chat_body, sse_events, tokenizer  # noqa: F401
+from tests.unit.test_api import FakeOrchestrator, chat_body, sse_events, tokenizer  # noqa: F401
 from tests.unit.test_torch_lm import PROMPTS, engine, req, run, tiny, tokens  # noqa: F401 (fixtures)
 
 
@@ -131,27 +132,6 @@ def alone(tok, t):
 @pytest.fixture
 def anyio_backend():
     return "asyncio"
-
-
-@pytest.mark.anyio
-@pytest.mark.parametrize("route, extra, param", [
-    ("chat", {"top_logprobs": 2}, "top_logprobs"),
-    ("chat", {"logprobs": False, "top_logprobs": 1}, "top_logprobs"),
-    ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ("chat", {"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
-    ("chat", {"logprobs": 3}, "logprobs"),                    # chat's is a boolean
-    ("cmpl", {"logprobs": 21}, "logprobs"),
-    ("cmpl", {"logprobs": -1}, "logprobs"),
-    ("cmpl", {"logprobs": True}, "logprobs"),                 # completions' is a count
-])
-async def test_bad_logprobs_parameters_are_a_400_naming_them(tokenizer, route, extra, param):
-    _, c = make(tokenizer)
-    async with c:
-        if route == "chat":
-            r = await c.post("/v1/chat/completions", json=chat_body(**extra))
-        else:
-            r = await c.post("/v1/completions", json={"model": "tiny", "prompt": "hi", **extra})
-    assert_error(r, 400, param=param)
 
 
 @pytest.mark.anyio

@@ -1,6 +1,7 @@
 """Sampling parameters users rely on (issue 15, item 3): penalties, logit_bias and min_tokens in the
 torch engine (checked against HF transformers where it has them, else by hand), their mapping onto
-vLLM's SamplingParams, and a 400 naming each parameter omni does not do yet."""
+vLLM's SamplingParams, and a 400 naming each parameter omni does not do yet or gets out of range
+(logprobs' among them)."""
 
 from __future__ import annotations
 
@@ -59,33 +60,34 @@ def test_vllm_sampling_params_get_them():
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("extra, param", [
-    ({"top_logprobs": 2}, "top_logprobs"),             # without logprobs: true
-    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"presence_penalty": 3.0}, "presence_penalty"),
-    ({"repetition_penalty": 0.0}, "repetition_penalty"),
-    ({"logit_bias": {"x": 1}}, "logit_bias"),
-    ({"logit_bias": {"99999999": 1}}, "logit_bias"),
-    ({"min_tokens": -1}, "min_tokens"),
+@pytest.mark.parametrize("route, extra, param", [
+    ("chat", {"top_logprobs": 2}, "top_logprobs"),             # without logprobs: true
+    ("chat", {"logprobs": False, "top_logprobs": 1}, "top_logprobs"),
+    ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("chat", {"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    ("chat", {"logprobs": 3}, "logprobs"),                    # chat's is a boolean
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("chat", {"tool_choice": "required"}, "tool_choice"),
+    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {"presence_penalty": 3.0}, "presence_penalty"),
+    ("chat", {"repetition_penalty": 0.0}, "repetition_penalty"),
+    ("chat", {"logit_bias": {"x": 1}}, "logit_bias"),
+    ("chat", {"logit_bias": {"99999999": 1}}, "logit_bias"),
+    ("chat", {"min_tokens": -1}, "min_tokens"),
+    ("cmpl", {"echo": True}, "echo"),
+    ("cmpl", {"best_of": 2}, "best_of"),
+    ("cmpl", {"suffix": "end"}, "suffix"),
+    ("cmpl", {"logprobs": 21}, "logprobs"),
+    ("cmpl", {"logprobs": -1}, "logprobs"),
+    ("cmpl", {"logprobs": True}, "logprobs"),                 # completions' is a count
 ])
-async def test_unsupported_or_bad_chat_parameters_are_a_400_naming_them(tokenizer, extra, param):
+async def test_unsupported_or_bad_parameters_are_a_400_naming_them(tokenizer, route, extra, param):
     _, client = make(tokenizer)
     async with client:
-        r = await client.post("/v1/chat/completions", json=chat_body(**extra))
-    assert_error(r, 400, param=param)
-
-
-@pytest.mark.anyio
-@pytest.mark.parametrize("extra, param", [
-    ({"echo": True}, "echo"), ({"best_of": 2}, "best_of"), ({"suffix": "end"}, "suffix"), ({"logprobs": 21}, "logprobs"),
-])
-async def test_unsupported_completion_parameters_are_a_400_naming_them(tokenizer, extra, param):
-    _, client = make(tokenizer)
-    async with client:
-        r = await client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", **extra})
+        if route == "chat":
+            r = await client.post("/v1/chat/completions", json=chat_body(**extra))
+        else:
+            r = await client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", **extra})
     assert_error(r, 400, param=param)
 
 
