@@ -111,10 +111,11 @@ class FramedLink:
             out.popleft()
         return True
 
-    def read(self) -> tuple[list[bytes | memoryview], bool]:
-        """The messages waiting now, and whether the peer closed the channel (after them)."""
+    def read(self, limit: int = 256) -> tuple[list[bytes | memoryview], bool]:
+        """The messages waiting now (at most `limit`: a peer that keeps sending cannot hold the
+        caller's loop; the rest keeps the fd readable), and whether the peer closed the channel."""
         msgs: list[bytes | memoryview] = []
-        while True:
+        while len(msgs) < limit:
             try:
                 pkt = self.ch.recv_nowait()
             except ConnectionError:
@@ -134,6 +135,7 @@ class FramedLink:
             if head == LAST:
                 msgs.append(b"".join(self._parts))
                 self._parts, self._size = [], 0
+        return msgs, False
 
     def close(self) -> None:
         self.ch.close()
