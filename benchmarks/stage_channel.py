@@ -9,7 +9,7 @@ load from other processes falls on both alike:
     ping:    call("ping") -> Utility -> the worker's control -> UtilityResult (about 60 bytes each way)
     request: post(AddRequest, 1 token) -> engine step -> Output back (about 120 / 200 bytes)
 
-    .venv/bin/python benchmarks/stage_channel.py          # --quick (default, about 30 s)
+    .venv/bin/python benchmarks/stage_channel.py          # --quick (default, about 10 s)
     .venv/bin/python benchmarks/stage_channel.py --full
     .venv/bin/python benchmarks/stage_channel.py --json   # one JSON document on stdout
 """
@@ -34,7 +34,7 @@ from omni.engines.base import SamplingParams  # noqa: E402
 from omni.stage import messages as m  # noqa: E402
 
 GOAL_US = 50.0
-QUICK = (6, 500)      # blocks per carrier, round trips per block
+QUICK = (10, 1000)    # blocks per carrier, round trips per block
 FULL = (10, 2000)
 
 CHILD = """

@@ -33,8 +33,10 @@ logger = logging.getLogger(__name__)
 LAST, MORE = b"\x00", b"\x01"
 PIECE = MAX_PACKET - 1
 SCHEME = "local://"
+_IN, _OUT, _ERR = int(zmq.POLLIN), int(zmq.POLLOUT), int(zmq.POLLERR)   # plain ints: enum ops cost us
 # Packets a stage queues for one frontend before it holds output (as ZMQ's send high-water mark).
 STAGE_QUEUE_PACKETS = 1000
+CLOSED = "it closed its channel"    # a frontend that stopped or restarted: not a warning
 
 
 def local_enabled() -> bool:
@@ -196,16 +198,16 @@ class LocalPeers:
                 continue
             link = self._links[ident]
             try:
-                if ev & zmq.POLLOUT:
+                if ev & _OUT:
                     link.flush()
-                if not ev & (zmq.POLLIN | zmq.POLLERR):
+                if not ev & (_IN | _ERR):
                     continue
                 msgs, eof = link.read()
                 for payload in msgs:
                     receive(ident, payload)
                 if not eof:
                     continue
-                why = "it closed its channel"
+                why = CLOSED
             except TransportError as e:
                 why = str(e)
             if ident in self._links:

@@ -26,7 +26,7 @@ from omni.signals import StopRequest
 from omni.engines.base import Engine, EngineError, EngineOutput, EngineRequest
 from omni.stage import messages as m
 from omni.stage.control import StageControl
-from omni.stage.local_link import LocalPeers
+from omni.stage.local_link import CLOSED, LocalPeers
 from omni.stage.worker_state import HeldOutput, InFlight, WorkerStats
 from omni.stage.curve import secure_server
 from omni.transport.base import ProducerFull, TensorProducer, TransportError
@@ -461,7 +461,8 @@ class StageWorker:
 
     def _frontend_gone(self, ident: bytes, why: str) -> None:
         """Its requests and held frames die with it."""
-        logger.warning("%s: frontend %r is gone: %s", self.stage.label, ident, why)
+        logger.log(logging.INFO if why == CLOSED else logging.WARNING, "%s: frontend %r is gone: %s",
+                   self.stage.label, ident, why)
         if self._local is not None:
             self._local.drop(ident)
         self._frontends.discard(ident)
