@@ -256,3 +256,33 @@ def test_a_replica_that_dies_is_noticed_by_its_channel_and_the_request_replayed(
     finally:
         child.kill()
         child.wait(DEADLINE)
+
+
+def test_a_frontend_that_does_not_read_gets_its_output_held_and_the_loop_serves_others(served):
+    """Output for a frontend that stops reading fills its socket and then the link's queue; the
+    worker holds the rest (stops stepping) instead of blocking, answers another frontend meanwhile,
+    and delivers everything in order once the slow one reads."""
+    from omni.stage import messages as m
+
+    w = served(CountEngine())
+    enc, dec = m.Codec(m.FromStage), m.frontend_codec()
+    slow, other = connect_stage(w.local_endpoint, "secret"), connect_stage(w.local_endpoint, "secret")
+    for link in (slow, other):
+        assert link.send(enc.encode(m.Hello("fe", "secret")))
+        assert isinstance(dec.decode(pump(link, link, 1)[0]), m.Welcome)
+    n = 3000
+    assert slow.send(enc.encode(m.AddRequest(request_id="r1", prompt_token_ids=[0],
+                                             sampling=SamplingParams(max_tokens=n))))
+    deadline = time.monotonic() + DEADLINE
+    calls = 0
+    while w.load()["extra"]["held_outputs"] == 0:      # each ping is a full round trip through the loop
+        assert time.monotonic() < deadline, "the worker never held output for the slow frontend"
+        calls += 1
+        other.send(enc.encode(m.Utility(calls, "ping", {})))
+        assert dec.decode(pump(other, other, 1)[0]).result == "pong"
+    assert w.stats.stalls >= 1
+    tokens = []
+    while len(tokens) < n:
+        msgs = pump(slow, slow, 1)
+        tokens.extend(t for raw in msgs for t in dec.decode(raw).token_ids)
+    assert tokens == list(range(1, n + 1))
