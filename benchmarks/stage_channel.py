@@ -4,7 +4,8 @@ A child process runs a real StageWorker (its loop, codecs, token check) around a
 emits one token per request per step; this process holds the frontend's end, the very classes the
 orchestrator uses (StageChannel, LocalStageChannel) on an asyncio loop (uvloop when installed, as
 the frontends run). Two round trips, each timed one at a time, carriers alternating in blocks so
-load from other processes falls on both alike:
+load from other processes falls on both alike. CPU per round trip (process CPU time of each end,
+all its threads: libzmq's I/O threads count) is the part that load does not inflate:
 
     ping:    call("ping") -> Utility -> the worker's control -> UtilityResult (about 60 bytes each way)
     request: post(AddRequest, 1 token) -> engine step -> Output back (about 120 / 200 bytes)
@@ -39,6 +40,7 @@ FULL = (10, 2000)
 
 CHILD = """
 import sys
+import time
 from omni.config import StageConfig
 from omni.engines.base import Engine, EngineOutput
 from omni.stage.worker import StageWorker
@@ -57,6 +59,8 @@ class OneToken(Engine):
         return outs
     def has_unfinished(self):
         return bool(self.reqs)
+    def stats(self):
+        return {"cpu_s": time.process_time()}
 
 w = StageWorker(StageConfig(stage_id=0, engine="one"), OneToken(), token=sys.argv[1], replica_id="bench",
                 local_channel=True)
@@ -113,7 +117,11 @@ async def measure(blocks: int, per_block: int, endpoint: str, local: str, token:
         await asyncio.wait_for(fut, 30)
         return time.perf_counter() - t0
 
+    async def stage_cpu() -> float:
+        return (await chans["local"].call("stats"))["cpu_s"]
+
     samples = {(k, c): [] for k in ("ping", "request") for c in chans}
+    cpu = {key: [0.0, 0.0] for key in samples}     # frontend, stage CPU seconds
     for kind, fn in (("ping", ping), ("request", request)):
         for ch in chans.values():        # warm-up
             for _ in range(100):
@@ -121,11 +129,16 @@ async def measure(blocks: int, per_block: int, endpoint: str, local: str, token:
         for b in range(blocks):
             order = list(chans) if b % 2 == 0 else list(chans)[::-1]
             for c in order:
+                stage0, fe0 = await stage_cpu(), time.process_time()
                 samples[kind, c].extend([await fn(chans[c]) for _ in range(per_block)])
+                fe1 = time.process_time()
+                stage1 = await stage_cpu()
+                cpu[kind, c][0] += fe1 - fe0
+                cpu[kind, c][1] += stage1 - stage0
     for ch in chans.values():
         ch.close()
     ctx.term()
-    return samples
+    return samples, cpu
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -151,7 +164,7 @@ def main() -> None:
             raise SystemExit("the stage worker did not start within 60 s")
         endpoint, local = child.stdout.readline().split()
         loop = new_loop()
-        samples = loop.run_until_complete(measure(blocks, per_block, endpoint, local, token))
+        samples, cpu = loop.run_until_complete(measure(blocks, per_block, endpoint, local, token))
         loop_name = type(loop).__module__.split(".")[0]
         loop.close()
     finally:
@@ -161,7 +174,9 @@ def main() -> None:
     rows = []
     for (kind, carrier), xs in samples.items():
         rows.append({"round_trip": kind, "carrier": carrier, "n": len(xs), "p50_us": round(pct(xs, 0.5), 1),
-                     "p99_us": round(pct(xs, 0.99), 1), "mean_us": round(sum(xs) / len(xs) * 1e6, 1)})
+                     "p99_us": round(pct(xs, 0.99), 1), "mean_us": round(sum(xs) / len(xs) * 1e6, 1),
+                     "frontend_cpu_us": round(cpu[kind, carrier][0] / len(xs) * 1e6, 1),
+                     "stage_cpu_us": round(cpu[kind, carrier][1] / len(xs) * 1e6, 1)})
     ratios = {}
     for kind in ("ping", "request"):
         z, lo = (next(r for r in rows if r["round_trip"] == kind and r["carrier"] == c) for c in ("zmq", "local"))
@@ -175,10 +190,11 @@ def main() -> None:
         return
     print(f"stage channel round trips ({doc['mode']}, {loop_name} loop), load average "
           f"{load[0]:.2f} -> {load[1]:.2f}, {doc['seconds']} s")
-    print(f"{'round trip':<10} {'carrier':<8} {'n':>6} {'p50 us':>9} {'p99 us':>9} {'mean us':>9}")
+    print(f"{'round trip':<10} {'carrier':<8} {'n':>6} {'p50 us':>9} {'p99 us':>9} {'mean us':>9} "
+          f"{'CPU us: frontend':>17} {'stage':>7}")
     for r in rows:
         print(f"{r['round_trip']:<10} {r['carrier']:<8} {r['n']:>6} {r['p50_us']:>9} {r['p99_us']:>9} "
-              f"{r['mean_us']:>9}")
+              f"{r['mean_us']:>9} {r['frontend_cpu_us']:>17} {r['stage_cpu_us']:>7}")
     for kind, r in ratios.items():
         print(f"{kind}: ZMQ p50 / local p50 = {r['zmq_over_local_p50']}x; local p50 < {GOAL_US:g} us: "
               f"{'yes' if r['local_p50_under_goal'] else 'no'}")
