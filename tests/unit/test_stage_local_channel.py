@@ -26,6 +26,7 @@ from omni.orchestrator.core import Orchestrator
 from omni.orchestrator.local_channel import LocalStageChannel
 from omni.orchestrator.topology import Topology
 from omni.orchestrator.types import PipelineRequest
+from omni.stage import messages as m
 from omni.stage.local_link import FramedLink, connect_stage, local_enabled, local_endpoint, same_host_name
 from omni.stage.worker import StageWorker
 from omni.transport.base import TransportError
@@ -121,9 +122,10 @@ def test_frontend_channel_calls_time_out_close_fails_calls_and_eof_is_reported()
                                on_message=lambda c, msg: None, on_lost=lambda c, why: lost.set_result(why))
         with pytest.raises(asyncio.TimeoutError):
             await ch.call("ping", timeout=0.2)      # the stage end never answers
+        assert stage_end.recv(timeout=DEADLINE)[1:] == ch._enc.encode(m.Utility(1, "ping", {}))
         pending = asyncio.ensure_future(ch.call("ping", timeout=DEADLINE))
-        await asyncio.sleep(0)          # the call is posted and waits
-        assert stage_end.recv(timeout=DEADLINE)       # what the frontend sent arrived
+        got = await asyncio.to_thread(stage_end.recv, DEADLINE)     # the second call was posted
+        assert got[1:] == ch._enc.encode(m.Utility(2, "ping", {}))
         stage_end.close()                             # the stage process went away
         assert await asyncio.wait_for(lost, DEADLINE) == "the replica closed its channel"
         with pytest.raises(Unavailable, match="went away"):
@@ -262,8 +264,6 @@ def test_a_frontend_that_does_not_read_gets_its_output_held_and_the_loop_serves_
     """Output for a frontend that stops reading fills its socket and then the link's queue; the
     worker holds the rest (stops stepping) instead of blocking, answers another frontend meanwhile,
     and delivers everything in order once the slow one reads."""
-    from omni.stage import messages as m
-
     w = served(CountEngine())
     enc, dec = m.Codec(m.FromStage), m.frontend_codec()
     slow, other = connect_stage(w.local_endpoint, "secret"), connect_stage(w.local_endpoint, "secret")
