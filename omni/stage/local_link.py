@@ -2,7 +2,7 @@
 
 A frontend and a stage replica of one user on one host talk over an abstract unix SEQPACKET
 socket instead of ZMQ+CURVE: one syscall per message each way and no libzmq I/O threads
-(benchmarks/transport.py --stage measures both). The listener admits only this user and the
+(benchmarks/stage_channel.py measures both). The listener admits only this user and the
 token hello, so it is as strict as CURVE; ZMQ stays for other hosts.
 
 A packet holds at most 64 KiB, a stage message up to curve.MAX_MESSAGE_BYTES, 64 MiB (the
