@@ -14,12 +14,13 @@ import logging
 import time
 from typing import Any, AsyncIterator, Callable
 
+import msgspec
 import numpy as np
 import zmq.asyncio
 
 from omni.config import DeployConfig
 from omni.errors import OmniError, RequestTimeout, StageFailed, Unavailable
-from omni.master.types import ReplicaInfo
+from omni.master.types import ReplicaInfo, TopologyEvent
 from omni.metrics import labels
 from omni.orchestrator import events as ev
 from omni.orchestrator.channel import BaseChannel, StageChannel
@@ -90,12 +91,16 @@ class Orchestrator:
 
     def _on_channel_lost(self, ch: BaseChannel, why: str) -> None:
         """A same-host replica's end closed (it died or stopped): its requests move or fail now,
-        as they would when the master's lease expires."""
+        as they would when the master's lease expires, and it is SUSPECT in this frontend's view
+        until the master says otherwise, so no new request is sent there meanwhile."""
         if self._channels.get(ch.replica_id) is ch:
             del self._channels[ch.replica_id]
         r = self.topology.replicas.get(ch.replica_id)
-        if r is not None:
-            self._apply(self.core.handle(ev.ReplicaGone(r, "gone (its channel closed)")))
+        if r is None:
+            return
+        self._apply(self.core.handle(ev.ReplicaGone(r, "gone (its channel closed)")))
+        if r.state not in GONE:
+            self.topology.apply(TopologyEvent("UPDATED", [msgspec.structs.replace(r, state="SUSPECT")], -1))
 
     def _on_stage_message(self, ch: BaseChannel, msg: Any) -> None:
         if isinstance(msg, m.Output):

@@ -248,7 +248,11 @@ def test_a_replica_that_dies_is_noticed_by_its_channel_and_the_request_replayed(
             topo.replicas["s0r1"] = info(other, "s0r1")    # the other replica, without an event
             child.send_signal(signal.SIGKILL)
             try:
-                return await asyncio.wait_for(task, DEADLINE), orch.metrics.replays
+                outs = await asyncio.wait_for(task, DEADLINE)
+                # This frontend sees it SUSPECT until the master speaks: the next request goes elsewhere.
+                assert topo.replicas["s0r0"].state == "SUSPECT"
+                assert await asyncio.wait_for(generate(orch, "r2", [20], 1), DEADLINE) == [[21]]
+                return outs, orch.metrics.replays
             finally:
                 await orch.close()
 
