@@ -285,7 +285,7 @@ class StageWorker:
         if rid not in self._reqs:
             self.stats.requests_total += 1
             self._reqs[rid] = InFlight(ident, time.monotonic(), msg.out_transport or self.default_transport,
-                                  msg.out_tensors)
+                                       msg.out_tensors)
 
     def _step(self) -> None:
         t0 = time.monotonic()
@@ -314,7 +314,7 @@ class StageWorker:
         if self._held or not self._publish(out, step_s):
             req = self._reqs.get(out.request_id)
             self._hold(HeldOutput(out.request_id, time.monotonic(), req.frontend if req else b"",
-                             out=out, step_s=step_s))
+                                  out=out, step_s=step_s))
 
     def _publish(self, out: EngineOutput, step_s: float) -> bool:
         """Send one output; False when its tensors do not fit yet (nothing was kept)."""
@@ -460,12 +460,13 @@ class StageWorker:
         return True
 
     def _frontend_gone(self, ident: bytes, why: str) -> None:
-        """Its requests and held frames die with it."""
+        """Its requests and held frames die with it. (A ZMQ identity stays admitted: its DEALER
+        reconnects on its own, without a new Hello; a local ident is never used again.)"""
         logger.log(logging.INFO if why == CLOSED else logging.WARNING, "%s: frontend %r is gone: %s",
                    self.stage.label, ident, why)
-        if self._local is not None:
+        if self._local is not None and self._local.link(ident) is not None:
             self._local.drop(ident)
-        self._frontends.discard(ident)
+            self._frontends.discard(ident)
         self._held = deque(h for h in self._held if h.ident != ident)
         for rid, req in list(self._reqs.items()):
             if req.frontend == ident:
