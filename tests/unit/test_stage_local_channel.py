@@ -290,3 +290,23 @@ def test_a_frontend_that_does_not_read_gets_its_output_held_and_the_loop_serves_
         msgs = pump(slow, slow, 1)
         tokens.extend(t for raw in msgs for t in dec.decode(raw).token_ids)
     assert tokens == list(range(1, n + 1))
+
+
+def test_a_frontend_that_closes_its_channel_has_its_requests_aborted(served):
+    from tests.unit.test_orchestrator_replay import StallEngine
+
+    engine = StallEngine(0)
+    w = served(engine)
+    enc, dec = m.Codec(m.FromStage), m.frontend_codec()
+    leaving, other = connect_stage(w.local_endpoint, "secret"), connect_stage(w.local_endpoint, "secret")
+    for link in (leaving, other):
+        assert link.send(enc.encode(m.Hello("fe", "secret")))
+        assert isinstance(dec.decode(pump(link, link, 1)[0]), m.Welcome)
+    leaving.send(enc.encode(m.AddRequest(request_id="r1", prompt_token_ids=[0], sampling=SamplingParams(max_tokens=5))))
+    assert engine.added.wait(DEADLINE)
+    assert w.load()["in_flight"] == 1
+    leaving.close()               # the frontend process went away
+    for i in (1, 2):              # two round trips: the loop went past the close
+        other.send(enc.encode(m.Utility(i, "ping", {})))
+        assert dec.decode(pump(other, other, 1)[0]).result == "pong"
+    assert engine.aborted == ["r1"] and w.load()["in_flight"] == 0
