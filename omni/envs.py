@@ -29,6 +29,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # A directory: stages and frontends write per-token timestamps and GC pauses there
     # (omni/latency_trace.py); unset, nothing is traced.
     "OMNI_LATENCY_TRACE": lambda: os.environ.get("OMNI_LATENCY_TRACE") or None,
+    # The stage channel between a frontend and a stage replica on one host: "local" (the default: a
+    # unix SEQPACKET LocalChannel where both ends can reach it, ZMQ+CURVE otherwise) or "zmq" (always
+    # ZMQ; for benchmarks and debugging). Either end set to "zmq" keeps that pair on ZMQ.
+    "OMNI_STAGE_CHANNEL": lambda: os.environ.get("OMNI_STAGE_CHANNEL", "local").strip().lower() or "local",
 }
 
 

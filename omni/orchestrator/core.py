@@ -14,19 +14,23 @@ import logging
 import time
 from typing import Any, AsyncIterator, Callable
 
+import msgspec
 import numpy as np
 import zmq.asyncio
 
 from omni.config import DeployConfig
 from omni.errors import OmniError, RequestTimeout, StageFailed, Unavailable
-from omni.master.types import ReplicaInfo
+from omni.master.types import ReplicaInfo, TopologyEvent
+from omni.metrics import labels
 from omni.orchestrator import events as ev
-from omni.orchestrator.channel import StageChannel
+from omni.orchestrator.channel import BaseChannel, StageChannel
+from omni.orchestrator.local_channel import LocalStageChannel
 from omni.orchestrator.graph import OrchestratorCore, load_processor
 from omni.orchestrator.metrics import OrchestratorMetrics
 from omni.orchestrator.topology import GONE, Topology
 from omni.orchestrator.types import PipelineOutput, PipelineRequest
 from omni.stage import messages as m
+from omni.stage.local_link import connect_stage, local_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +71,8 @@ class Orchestrator:
         self.core = OrchestratorCore(config, topology=topology, detokenize=detokenize, host=host,
                                      choose_transport=choose_transport, metrics=self.metrics)
         self._ctx = zmq.asyncio.Context()
-        self._channels: dict[str, StageChannel] = {}
+        self._channels: dict[str, BaseChannel] = {}
+        self._local = local_enabled()     # OMNI_STAGE_CHANNEL: same-host replicas over LocalChannel
         self._sinks: dict[str, _Sink] = {}
         self._apply_handlers = {ev.Send: self._do_send, ev.Free: self._do_free, ev.AbortStage: self._do_abort,
                                 ev.Emit: self._do_emit, ev.Fail: self._do_fail, ev.Finished: self._do_finished}
@@ -84,7 +89,20 @@ class Orchestrator:
         why = "gone" if kind == "REMOVED" else r.state.lower()
         self._apply(self.core.handle(ev.ReplicaGone(r, why)))
 
-    def _on_stage_message(self, ch: StageChannel, msg: Any) -> None:
+    def _on_channel_lost(self, ch: BaseChannel, why: str) -> None:
+        """A same-host replica's end closed (it died or stopped): its requests move or fail now,
+        as they would when the master's lease expires, and it is SUSPECT in this frontend's view
+        until the master says otherwise, so no new request is sent there meanwhile."""
+        if self._channels.get(ch.replica_id) is ch:
+            del self._channels[ch.replica_id]
+        r = self.topology.replicas.get(ch.replica_id)
+        if r is None:
+            return
+        self._apply(self.core.handle(ev.ReplicaGone(r, "gone (its channel closed)")))
+        if r.state not in GONE:
+            self.topology.apply(TopologyEvent("UPDATED", [msgspec.structs.replace(r, state="SUSPECT")], -1))
+
+    def _on_stage_message(self, ch: BaseChannel, msg: Any) -> None:
         if isinstance(msg, m.Output):
             event = ev.StageOutput(ch.replica_id, ch.stage_id, msg)
         elif isinstance(msg, m.RequestError):
@@ -110,18 +128,23 @@ class Orchestrator:
         for c in failed:    # the core ignores requests that already ended
             self._apply(self.core.handle(c))
 
-    def _channel(self, r: ReplicaInfo) -> StageChannel:
+    def _channel(self, r: ReplicaInfo) -> BaseChannel:
         ch = self._channels.get(r.replica_id)
         endpoint = r.endpoints.get("channel")
-        if ch is not None and ch.endpoint == endpoint and not ch.closed:
+        local = r.endpoints.get("local", "") if self._local else ""
+        if ch is not None and ch.endpoint in (endpoint, local) and not ch.closed:
             return ch
         if ch is not None:
             ch.close()
-        if not endpoint:
+        kw = dict(frontend_id=self.frontend_id, replica_id=r.replica_id, stage_id=r.stage_id, token=self.token,
+                  on_message=self._on_stage_message, host=self.host)
+        link = connect_stage(local, self.token) if local else None   # None: another host, or refused
+        if link is not None:
+            ch = LocalStageChannel(link, endpoint=local, on_lost=self._on_channel_lost, **kw)
+        elif endpoint:
+            ch = StageChannel(self._ctx, endpoint=endpoint, **kw)
+        else:
             raise Unavailable(f"stage {r.stage_id} replica {r.replica_id} has no channel endpoint")
-        ch = StageChannel(self._ctx, frontend_id=self.frontend_id, replica_id=r.replica_id,
-                          stage_id=r.stage_id, endpoint=endpoint, token=self.token,
-                          on_message=self._on_stage_message, host=self.host)
         self._channels[r.replica_id] = ch
         ch.start()
         return ch
@@ -132,7 +155,7 @@ class Orchestrator:
         except Unavailable as e:
             raise StageFailed(a.replica.stage_id, a.replica.replica_id, str(e), e.kind) from None
 
-    def _live_channel(self, replica_id: str) -> StageChannel | None:
+    def _live_channel(self, replica_id: str) -> BaseChannel | None:
         ch = self._channels.get(replica_id)
         return ch if ch is not None and not ch.closed else None   # gone: its arena went with it
 
@@ -257,7 +280,14 @@ class Orchestrator:
 
     def metrics_text(self) -> str:
         # The same `frontend` label as the HTTP metrics (the index), not the channel id "fe0-PID".
-        return self.metrics.render(self.metrics_label or self.frontend_id)
+        label = self.metrics_label or self.frontend_id
+        kinds = {"local": 0, "zmq": 0}
+        for ch in self._channels.values():
+            kinds[ch.kind] += not ch.closed
+        return self.metrics.render(label) + "".join(
+            ["# HELP omni_stage_channels Open channels to stage replicas, by carrier (local: same host).\n",
+             "# TYPE omni_stage_channels gauge\n"]
+            + [f"omni_stage_channels{labels({'frontend': label, 'kind': k})} {n}\n" for k, n in kinds.items()])
 
     @property
     def in_flight(self) -> int:

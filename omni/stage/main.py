@@ -140,6 +140,7 @@ def _run_stage(config: DeployConfig, stage_id: int, opts: StageOptions, engine_f
     from omni.engines.factory import build_engine
     from omni.master.client import MasterClient
     from omni.orchestrator.limits import replica_limits
+    from omni.stage.local_link import local_enabled
     from omni.stage.worker import StageWorker
     from omni.transport.factory import MultiConsumer, make_producer
 
@@ -147,6 +148,11 @@ def _run_stage(config: DeployConfig, stage_id: int, opts: StageOptions, engine_f
     stop = StopRequest().install()
 
     label = stage.label
+    try:
+        local_channel = local_enabled()
+    except OmniError as e:
+        progress(f"{label}: {e}")
+        return 1
     advertise = opts.replica_address or default_advertise_host(opts.master_address)
     # Listeners bind the advertised address only (loopback on one host), never a wildcard.
     bind_host = advertise
@@ -183,6 +189,7 @@ def _run_stage(config: DeployConfig, stage_id: int, opts: StageOptions, engine_f
         consumer=MultiConsumer(token=opts.token),
         stall_timeout_s=config.pipeline.stall_timeout_s,
         stop_request=stop,
+        local_channel=local_channel,
     )
     if stop.is_set():
         worker.close()
@@ -194,7 +201,8 @@ def _run_stage(config: DeployConfig, stage_id: int, opts: StageOptions, engine_f
             "STAGE", stage.stage_id,
             config_hash=config.config_hash(),
             pipeline_config=config.to_dict(),
-            endpoints={"channel": worker.endpoint},
+            endpoints={"channel": worker.endpoint,
+                       **({"local": worker.local_endpoint} if worker.local_endpoint else {})},
             replica_hint=opts.replica_hint,
             host=advertise,
             pid=os.getpid(),
@@ -217,7 +225,8 @@ def _run_stage(config: DeployConfig, stage_id: int, opts: StageOptions, engine_f
 
     client.start_keepalive(worker.load, on_command, interval_s=min(1.0, reg.lease_ttl_s / 4),
                            on_registration=on_registration)
-    progress(f"{label}: registered as replica {reg.replica_id}, serving on {worker.endpoint}; ready")
+    progress(f"{label}: registered as replica {reg.replica_id}, serving on {worker.endpoint}"
+             + (f" and {worker.local_endpoint}" if worker.local_endpoint else "") + "; ready")
     freeze_after_startup()
     latency_trace.enable(f"stage{stage.stage_id}")
     try:

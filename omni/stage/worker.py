@@ -1,6 +1,7 @@
 """StageWorker: one stage replica's loop around an Engine.
 
-The worker owns a ZMQ ROUTER socket (one DEALER per frontend connects to it),
+The worker owns a ZMQ ROUTER socket (one DEALER per frontend connects to it) and,
+with `local_channel`, a LocalListener for frontends on its host (omni/stage/local_link.py),
 the engine, the tensor producers for its outputs and a consumer for its inputs.
 The loop: drain incoming messages without blocking while the engine has work,
 step the engine, send each output back to the frontend that sent the request.
@@ -14,7 +15,6 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import zmq
@@ -26,6 +26,8 @@ from omni.signals import StopRequest
 from omni.engines.base import Engine, EngineError, EngineOutput, EngineRequest
 from omni.stage import messages as m
 from omni.stage.control import StageControl
+from omni.stage.local_link import CLOSED, LocalPeers
+from omni.stage.worker_state import HeldOutput, InFlight, WorkerStats
 from omni.stage.curve import secure_server
 from omni.transport.base import ProducerFull, TensorProducer, TransportError
 
@@ -34,44 +36,6 @@ logger = logging.getLogger(__name__)
 # With an engine that has a ready_fd: how often it is stepped while work is in flight
 # and it says nothing (its step() checks that it is alive).
 STEP_IDLE_S = 0.1
-
-
-@dataclass
-class _Req:
-    frontend: bytes
-    added_at: float
-    out_transport: str
-    out_tensors: bool = True
-    started: bool = False
-
-
-@dataclass
-class WorkerStats:
-    requests_total: int = 0
-    errors_total: int = 0
-    steps: int = 0
-    step_s_total: float = 0.0
-    tensor_bytes_out: int = 0
-    tensor_bytes_in: int = 0
-    by_transport: dict[str, float] = field(default_factory=dict)   # "tensor_bytes_out.tcp" -> bytes
-    stalls: int = 0                 # times output had to wait for consumers (backpressure)
-    stall_s_total: float = 0.0
-
-    def count(self, key: str, n: int) -> None:
-        self.by_transport[key] = self.by_transport.get(key, 0.0) + n
-
-
-@dataclass
-class _Held:
-    """Output that could not go out yet: its tensors did not fit the producer (`out`
-    set) or the frontend's queue was full (`frame` set, tensors already published).
-    `ident`: the frontend it goes to."""
-    rid: str
-    since: float
-    ident: bytes
-    out: EngineOutput | None = None
-    step_s: float = 0.0
-    frame: bytes = b""
 
 
 class StageWorker:
@@ -89,6 +53,7 @@ class StageWorker:
         replica_id: str = "",
         stall_timeout_s: float = 60.0,
         stop_request: StopRequest | None = None,
+        local_channel: bool = False,
     ):
         self.stage = stage
         self.engine = engine
@@ -98,10 +63,10 @@ class StageWorker:
         self._make_producer = make_producer
         self._producers: dict[str, TensorProducer] = {}
         self._consumer = consumer
-        self._reqs: dict[str, _Req] = {}
+        self._reqs: dict[str, InFlight] = {}
         # Backpressure: while anything is held, the engine is not stepped, so memory
         # stays bounded by the producers' limits plus one step's output.
-        self._held: deque[_Held] = deque()
+        self._held: deque[HeldOutput] = deque()
         self._stall_started: float | None = None
         self._flushing = False
         self.stall_timeout_s = stall_timeout_s
@@ -129,6 +94,9 @@ class StageWorker:
         self._wake_tx = self._ctx.socket(zmq.PAIR)
         self._wake_tx.connect(self._wake_addr)
         self._wake_lock = threading.Lock()
+        # Same-host frontends connect here; `local_endpoint` goes beside `endpoint` in the registration.
+        self._local = LocalPeers(token, self._wake) if local_channel else None
+        self.local_endpoint = self._local.endpoint if self._local is not None else ""
 
     # ------------------------------------------------------------ threads
 
@@ -174,6 +142,8 @@ class StageWorker:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._wake_rx, zmq.POLLIN)
+        if self._local is not None:
+            self._local.attach(poller)
         # An engine that says when it has output is stepped then (and every STEP_IDLE_S,
         # so a dead engine is noticed), not in a loop that polls it.
         ready_fd = self.engine.ready_fd()
@@ -188,6 +158,8 @@ class StageWorker:
             # Held output is retried every few ms (a full frontend queue gives no event);
             # a FreeTensors from a consumer wakes the poll at once.
             timeout = 5 if self._held else (busy_timeout if busy else 1000)
+            if self._local is not None:
+                self._local.watch_writable()
             if ready_fd is not None and watching == bool(self._held):
                 watching = not self._held
                 if watching:
@@ -198,8 +170,12 @@ class StageWorker:
             if self._wake_rx in events:
                 while self._wake_rx.poll(0):
                     self._wake_rx.recv()
+                if self._local is not None:
+                    self._local.accept()
             if self._sock in events:
                 self._drain_socket()
+            if self._local is not None and len(events) > (self._sock in events) + (self._wake_rx in events):
+                self._local.service(events, self._receive, self._frontend_gone)
             self.control.run_pending()
             if self._stop_request is not None and self._stop_request.is_set():
                 self._stopping.set()
@@ -235,13 +211,15 @@ class StageWorker:
             if len(frames) != 2:
                 self._bad_frames.warning("%s: dropped a message with %d frames", self.stage.label, len(frames))
                 continue
-            ident, payload = frames[0].bytes, frames[1].buffer
-            try:
-                msg = self._codec.decode(payload)
-            except Exception as e:  # msgspec.DecodeError / ValidationError
-                self._bad_frames.warning("%s: undecodable message from %r: %s", self.stage.label, ident[:64], e)
-                continue
-            self._handle(ident, msg)
+            self._receive(frames[0].bytes, frames[1].buffer)
+
+    def _receive(self, ident: bytes, payload) -> None:
+        try:
+            msg = self._codec.decode(payload)
+        except Exception as e:  # msgspec.DecodeError / ValidationError
+            self._bad_frames.warning("%s: undecodable message from %r: %s", self.stage.label, ident[:64], e)
+            return
+        self._handle(ident, msg)
 
     def _handle(self, ident: bytes, msg: Any) -> None:
         if isinstance(msg, m.Hello):
@@ -306,8 +284,8 @@ class StageWorker:
             return
         if rid not in self._reqs:
             self.stats.requests_total += 1
-            self._reqs[rid] = _Req(ident, time.monotonic(), msg.out_transport or self.default_transport,
-                                  msg.out_tensors)
+            self._reqs[rid] = InFlight(ident, time.monotonic(), msg.out_transport or self.default_transport,
+                                       msg.out_tensors)
 
     def _step(self) -> None:
         t0 = time.monotonic()
@@ -335,8 +313,8 @@ class StageWorker:
         # Nothing overtakes held output, so while anything is held this output waits too.
         if self._held or not self._publish(out, step_s):
             req = self._reqs.get(out.request_id)
-            self._hold(_Held(out.request_id, time.monotonic(), req.frontend if req else b"",
-                             out=out, step_s=step_s))
+            self._hold(HeldOutput(out.request_id, time.monotonic(), req.frontend if req else b"",
+                                  out=out, step_s=step_s))
 
     def _publish(self, out: EngineOutput, step_s: float) -> bool:
         """Send one output; False when its tensors do not fit yet (nothing was kept)."""
@@ -388,7 +366,7 @@ class StageWorker:
         if refs:
             self._producers[transport].free([r.key for r in refs.values()])
 
-    def _hold(self, held: _Held) -> None:
+    def _hold(self, held: HeldOutput) -> None:
         if not self._held:
             self._stall_started = time.monotonic()
             self.stats.stalls += 1
@@ -450,7 +428,7 @@ class StageWorker:
         frame = self._out.encode(msg)
         rid = getattr(msg, "request_id", "")   # request messages keep their order; replies need not
         if (rid and self._held and not self._flushing) or not self._send_frame(ident, frame):
-            held = _Held(rid, time.monotonic(), ident, frame=frame)
+            held = HeldOutput(rid, time.monotonic(), ident, frame=frame)
             if self._flushing:
                 self._held.appendleft(held)   # the head's own message: keeps the order
             else:
@@ -458,21 +436,43 @@ class StageWorker:
 
     def _send_frame(self, ident: bytes, frame: bytes) -> bool:
         """False when the frontend's queue is full (it reads slowly): the caller holds the frame."""
+        link = self._local.link(ident) if self._local is not None else None
+        if link is not None:
+            try:
+                if not link.send(frame):
+                    return False
+            except TransportError as e:
+                self._frontend_gone(ident, str(e))
+                return True
+            except ValueError as e:   # over the size cap: ZMQ would drop the whole connection
+                self._bad_frames.warning("%s: dropped a message to %r: %s", self.stage.label, ident, e)
+                return True
+            self.stats.count("channel_msgs_out.local", 1)
+            return True
         try:
             self._sock.send_multipart([ident, frame], zmq.NOBLOCK)
-            return True
         except zmq.Again:
             return False
-        except zmq.ZMQError as e:
-            # Frontend gone (EHOSTUNREACH): its requests and held frames die with it.
-            logger.warning("%s: cannot reach frontend %r: %s", self.stage.label, ident, e)
-            self._held = deque(h for h in self._held if h.ident != ident)
-            for rid, req in list(self._reqs.items()):
-                if req.frontend == ident:
-                    self._reqs.pop(rid)
-                    self.engine.abort(rid)
-                    self._free_owner(rid)
+        except zmq.ZMQError as e:   # EHOSTUNREACH
+            self._frontend_gone(ident, str(e))
             return True
+        self.stats.count("channel_msgs_out.zmq", 1)
+        return True
+
+    def _frontend_gone(self, ident: bytes, why: str) -> None:
+        """Its requests and held frames die with it. (A ZMQ identity stays admitted: its DEALER
+        reconnects on its own, without a new Hello; a local ident is never used again.)"""
+        logger.log(logging.INFO if why == CLOSED else logging.WARNING, "%s: frontend %r is gone: %s",
+                   self.stage.label, ident, why)
+        if self._local is not None and self._local.link(ident) is not None:
+            self._local.drop(ident)
+            self._frontends.discard(ident)
+        self._held = deque(h for h in self._held if h.ident != ident)
+        for rid, req in list(self._reqs.items()):
+            if req.frontend == ident:
+                self._reqs.pop(rid)
+                self.engine.abort(rid)
+                self._free_owner(rid)
 
     def _utility(self, ident: bytes, msg: m.Utility) -> None:
         try:
@@ -491,6 +491,8 @@ class StageWorker:
         if self._consumer is not None:
             self._consumer.close()
         self.engine.shutdown()
+        if self._local is not None:
+            self._local.close()
         self._sock.close(0)
         self._wake_rx.close(0)
         self._wake_tx.close(0)

@@ -19,6 +19,7 @@ import secrets
 import select
 import socket
 import struct
+from typing import Callable
 
 from omni.transport.base import TransportError
 from omni.transport.server import SocketServer, client_hello, peer_uid, token_hello
@@ -67,6 +68,18 @@ class LocalChannel:
             raise ConnectionError("local channel: the peer closed it")
         return data
 
+    def recv_nowait(self) -> bytes | None:
+        """The next message if one is waiting, else None; ConnectionError once the peer closed."""
+        try:
+            data = self._sock.recv(MAX_MESSAGE_BYTES + 1, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return None
+        except OSError as e:
+            raise ConnectionError(f"local channel: receive failed: {e}") from e
+        if not data:
+            raise ConnectionError("local channel: the peer closed it")
+        return data
+
     def close(self) -> None:
         if not self.closed:
             self.closed = True
@@ -74,10 +87,13 @@ class LocalChannel:
 
 
 class LocalListener:
-    """Accepts channels at an abstract name (`self.name`); `accept()` returns the next one."""
+    """Accepts channels at an abstract name (`self.name`); `accept()` returns the next one.
+    `on_accept()` (from the listener's thread) says one is waiting, e.g. to wake a poll loop."""
 
-    def __init__(self, token: str | None = None, name: str | None = None):
+    def __init__(self, token: str | None = None, name: str | None = None,
+                 on_accept: Callable[[], None] | None = None):
         self.name = name or f"omni-local-{os.getpid()}-{secrets.token_hex(6)}"
+        self._on_accept = on_accept
         self._accepted: queue.Queue[LocalChannel] = queue.Queue()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
@@ -97,12 +113,20 @@ class LocalListener:
         # The server closes `conn` when this returns: the channel keeps a duplicate.
         conn.sendall(_STATUS.pack(0))
         self._accepted.put(LocalChannel(conn.dup()))
+        if self._on_accept is not None:
+            self._on_accept()
 
     def accept(self, timeout: float | None = None) -> LocalChannel:
         try:
             return self._accepted.get(timeout=timeout)
         except queue.Empty:
             raise TimeoutError(f"local channel {self.name}: no peer within {timeout} s") from None
+
+    def accept_nowait(self) -> LocalChannel | None:
+        try:
+            return self._accepted.get_nowait()
+        except queue.Empty:
+            return None
 
     def close(self) -> None:
         self._server.close()

@@ -256,6 +256,10 @@ def test_tensors_cross_hosts_over_tcp_and_stay_in_shared_memory_within_one(deplo
     assert by_transport.get("tcp", 0) > 0, by_transport
     assert by_transport.get("shm", 0) > 0, by_transport
     assert set(by_transport) <= {"tcp", "shm"}, by_transport
+    # Stage channels: the thinker shares the frontend's network namespace (local); the other two
+    # have the same host name but another namespace, so the local connect fails and ZMQ serves them.
+    channels = {k: float(n) for k, n in re.findall(r'omni_stage_channels\{[^}]*kind="(\w+)"\} (\S+)', metrics.text)}
+    assert channels == {"local": 1, "zmq": 2}, channels
 
     # The stages count the same, by direction and transport, in their load reports.
     def counters() -> dict[int, dict[str, float]]:

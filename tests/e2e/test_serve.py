@@ -11,7 +11,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.e2e.harness import OmniProcess, omni_shm_entries, wait_gone
+from tests.e2e.harness import OmniProcess, omni_env, omni_shm_entries, wait_gone
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -106,6 +106,19 @@ def test_a_completed_request_counts_as_ok(server):
     assert pipeline_outcomes(url) == {**before, "ok": before["ok"] + 1}
 
 
+def stage_channels(url: str) -> dict[str, float]:
+    """The frontend's open stage channels by carrier (omni_stage_channels)."""
+    lines = [x for x in httpx.get(f"{url}/metrics").text.splitlines() if x.startswith("omni_stage_channels{")]
+    return {k: sum(float(x.rsplit(" ", 1)[1]) for x in lines if f'kind="{k}"' in x) for k in ("local", "zmq")}
+
+
+def test_stages_on_this_host_are_reached_over_the_local_channel(server):
+    _, url = server
+    r = httpx.post(f"{url}/v1/audio/speech", timeout=120, json={"model": MODEL, "input": "Hi."})
+    assert r.status_code == 200, r.text          # every stage has seen a request
+    assert stage_channels(url) == {"local": 3, "zmq": 0}
+
+
 @pytest.mark.parametrize("body, status", [
     ({"model": "nope", "messages": QUESTION}, 404),
     ({"model": MODEL, "messages": QUESTION, "max_tokens": 0}, 400),
@@ -175,14 +188,18 @@ def test_stage_based_launch_head_plus_two_headless():
         master = head.master_address()
         port = master.rsplit(":", 1)[1]
         for k in ("1", "2"):
+            # OMNI_STAGE_CHANNEL=zmq on these two: they publish no local endpoint, so this
+            # deployment runs both carriers at once.
             others.append(OmniProcess("serve", MODEL, "--stage-id", k, "--headless",
-                                      "--omni-master-address", "127.0.0.1", "--omni-master-port", port))
+                                      "--omni-master-address", "127.0.0.1", "--omni-master-port", port,
+                                      env=omni_env(OMNI_STAGE_CHANNEL="zmq")))
         url = head.http(300)
         r = chat(url, max_tokens=8)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"]
         r = httpx.post(f"{url}/v1/audio/speech", timeout=120, json={"model": MODEL, "input": "Hi there."})
         assert r.status_code == 200, r.text
+        assert stage_channels(url) == {"local": 1, "zmq": 2}
         assert head.interrupt(60) == 0
         for o in others:
             # Headless stages outlive a head restart by design; Ctrl-C them too.

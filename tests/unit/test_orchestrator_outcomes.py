@@ -33,6 +33,8 @@ def anyio_backend():
 
 
 class FakeChannel:
+    kind = "zmq"
+
     def __init__(self, r):
         self.replica_id, self.stage_id, self.closed = r.replica_id, r.stage_id, False
         self.posted: list = []

@@ -1,0 +1,45 @@
+"""The stage worker's records: a request in flight, output held back, the counters it reports."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from omni.engines.base import EngineOutput
+
+
+@dataclass
+class InFlight:
+    frontend: bytes
+    added_at: float
+    out_transport: str
+    out_tensors: bool = True
+    started: bool = False
+
+
+@dataclass
+class WorkerStats:
+    requests_total: int = 0
+    errors_total: int = 0
+    steps: int = 0
+    step_s_total: float = 0.0
+    tensor_bytes_out: int = 0
+    tensor_bytes_in: int = 0
+    by_transport: dict[str, float] = field(default_factory=dict)   # "tensor_bytes_out.tcp" -> bytes
+    stalls: int = 0                 # times output had to wait for consumers (backpressure)
+    stall_s_total: float = 0.0
+
+    def count(self, key: str, n: int) -> None:
+        self.by_transport[key] = self.by_transport.get(key, 0.0) + n
+
+
+@dataclass
+class HeldOutput:
+    """Output that could not go out yet: its tensors did not fit the producer (`out`
+    set) or the frontend's queue was full (`frame` set, tensors already published).
+    `ident`: the frontend it goes to."""
+    rid: str
+    since: float
+    ident: bytes
+    out: EngineOutput | None = None
+    step_s: float = 0.0
+    frame: bytes = b""
