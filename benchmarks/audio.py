@@ -7,17 +7,26 @@ benchmarks/audio_reference.py (talker + code2wav stepped in one thread, same
 texts, same chunking as the deployed code2wav), so the difference is omni's
 overhead: processes, channels, shared-memory tensors, HTTP.
 
-Requests arrive in bursts of the concurrency level on both sides. TTFA for
-speech is the client's time to the first body byte (`response_format: pcm` streams
-as code2wav makes it); `srv TTFA` is the orchestrator's time to the first code2wav
-chunk (mean, from /metrics). Chat rows have no in-process twin:
-they include the thinker; `1st sent` is when the client's text first held a whole
-sentence (what the talker starts from) and `TTFA-sent` the time from there to first
-audio: the audio stages' and the pipeline's own share.
+Both sides run side by side: bursts of the concurrency level (the same texts), served
+and in-process in turn, each side first every other burst, so a change in the shared
+machine's load hits both; warm-ups are not reported. Per level: TTFA p50 with p10/p90,
+omni's p50 minus in-process p50, and the paired differences (same text, back to back).
+Goal 4 (issue 18): speech TTFA at concurrency 1 within +10 ms of in-process, judged on the
+paired differences' p50 (TTFA depends on the text's first sentence, so a p50 over a mix of
+texts jumps between texts).
+TTFA for speech is the client's time to the first body byte (`response_format: pcm`
+streams as code2wav makes it; one kept-alive connection); `srv TTFA` is the
+orchestrator's time to the first code2wav chunk (mean, from /metrics). Chat rows have
+no in-process twin: they include the thinker; `1st sent` is when the client's text
+first held a whole sentence (what the talker starts from) and `TTFA-sent` the time
+from there to first audio: the audio stages' and the pipeline's own share.
+`--trace DIR` has the server write OMNI_LATENCY_TRACE timestamps and prints each
+hop of the first audio (benchmarks/latency_trace_report.py: speech_report).
 
     .venv/bin/python benchmarks/audio.py              # --quick, under 2 minutes
     .venv/bin/python benchmarks/audio.py --full       # more requests
     .venv/bin/python benchmarks/audio.py --json       # one JSON document
+    .venv/bin/python benchmarks/audio.py --trace /tmp/t   # and where the first audio's time goes
     .venv/bin/python benchmarks/audio.py --url http://127.0.0.1:8091
 """
 
@@ -27,6 +36,7 @@ import argparse
 import asyncio
 import base64
 import json
+import os
 import re
 import statistics
 import sys
@@ -62,19 +72,27 @@ def code2wav_args() -> types.SimpleNamespace:
                                  context_frames=int(ea.get("context_frames", 16)), threads=int(ea.get("threads", 1)))
 
 
-def reference_rows(levels: list[tuple[int, int]]) -> list[dict]:
-    import torch
+class Reference:
+    """The in-process twin: the same talker and code2wav engines, stepped in this process."""
 
-    from omni.engines.onnx_audio import Code2WavEngine, TalkerEngine
-    from omni.models.piper_voice import prepare_voice
+    def __init__(self):
+        import torch
 
-    torch.set_num_threads(1)
-    args = code2wav_args()
-    voice = prepare_voice("joe")
-    talker = TalkerEngine(voice, threads=args.threads)
-    ref.run_burst(talker, Code2WavEngine(voice, threads=args.threads), ["Warm up."], "warm")
-    return [{"mode": "in-process", "route": "speech", **ref.concurrency(talker, voice, args, c, n)}
-            for c, n in levels]
+        from omni.engines.onnx_audio import Code2WavEngine, TalkerEngine
+        from omni.models.piper_voice import prepare_voice
+
+        torch.set_num_threads(1)
+        args = code2wav_args()
+        voice = prepare_voice("joe")
+        self.talker = TalkerEngine(voice, threads=args.threads)
+        self.c2w = Code2WavEngine(voice, chunk_frames=args.chunk_frames, context_frames=args.context_frames,
+                                  first_chunk_frames=args.first_chunk_frames, threads=args.threads)
+        self.n = 0
+        self.burst(["Warm up."])
+
+    def burst(self, texts: list[str]) -> list[dict]:
+        self.n += 1
+        return ref.run_burst(self.talker, self.c2w, texts, f"b{self.n}")
 
 
 def scrape_first_output(text: str) -> tuple[float, float]:
@@ -137,61 +155,129 @@ async def one_chat(client: httpx.AsyncClient, url: str, prompt: str, max_tokens:
     return {"first": first, "done": done, "samples": n, "sentence": sentence}
 
 
-async def served(url: str, route: str, level: int, n_requests: int, max_tokens: int) -> dict:
-    async with httpx.AsyncClient(timeout=600) as client:
-        before = scrape_first_output((await client.get(f"{url}/metrics")).text)
-        recs, wall = [], 0.0
-        for b in range(0, n_requests, level):
-            idx = range(b, min(b + level, n_requests))
-            t0 = time.perf_counter()
-            if route == "speech":
-                burst = [one_speech(client, url, ref.TEXTS[i % len(ref.TEXTS)]) for i in idx]
-            else:
-                burst = [one_chat(client, url, CHAT_PROMPTS[i % len(CHAT_PROMPTS)], max_tokens) for i in idx]
-            recs += await asyncio.gather(*burst)
-            wall += time.perf_counter() - t0
-        after = scrape_first_output((await client.get(f"{url}/metrics")).text)
+def spread(ms: list[float]) -> dict:
+    """p50 and the spread of a list of milliseconds."""
+    return {"p50": round(statistics.median(ms), 1), "p10": round(ref._pct(ms, 0.1), 1),
+            "p90": round(ref._pct(ms, 0.9), 1), "min": round(min(ms), 1), "max": round(max(ms), 1)}
+
+
+def speech_row(mode: str, level: int, recs: list[dict], wall: float, load: list[float],
+               server_ttfa_ms: float | None = None) -> dict:
     audio_s = sum(r["samples"] for r in recs) / RATE
     ttfa = [1000 * r["first"] for r in recs if r["first"] is not None]
-    srv_n = after[1] - before[1]
+    s = spread(ttfa)
+    return {
+        "mode": mode, "route": "speech", "concurrency": level, "requests": len(recs),
+        "ttfa_ms_p50": s["p50"], "ttfa_ms_p10": s["p10"], "ttfa_ms_p90": s["p90"],
+        # omni: the orchestrator's mean time to the first code2wav chunk (from /metrics).
+        "server_ttfa_ms_mean": server_ttfa_ms,
+        "latency_ms_p50": round(1000 * statistics.median(r["done"] for r in recs), 1),
+        "request_rtf_mean": round(statistics.mean(r["done"] / (r["samples"] / RATE) for r in recs
+                                                  if r["samples"]), 4),
+        "aggregate_rtf": round(wall / audio_s, 4) if audio_s else None,
+        "audio_seconds": round(audio_s, 2), "load_1m": round(load[0], 2),
+    }
+
+
+def chat_row(level: int, recs: list[dict], wall: float, load: list[float]) -> dict:
+    audio_s = sum(r["samples"] for r in recs) / RATE
+    ttfa = [1000 * r["first"] for r in recs if r["first"] is not None]
     sentence = [1000 * r["sentence"] for r in recs if r.get("sentence") is not None]
     share = [1000 * (r["first"] - r["sentence"]) for r in recs
              if r.get("sentence") is not None and r["first"] is not None]
     return {
-        "mode": "omni", "route": route, "concurrency": level, "requests": n_requests,
+        "mode": "omni", "route": "chat", "concurrency": level, "requests": len(recs),
         "ttfa_ms_p50": round(statistics.median(ttfa), 1) if ttfa else None,
+        "ttfa_ms_p10": round(ref._pct(ttfa, 0.1), 1) if ttfa else None,
         "ttfa_ms_p90": round(ref._pct(ttfa, 0.9), 1) if ttfa else None,
-        # The orchestrator's first final output: audio for speech, the first text token for chat.
-        "server_ttfa_ms_mean": round(1000 * (after[0] - before[0]) / srv_n, 1)
-        if srv_n and route == "speech" else None,
-        # Chat: when the thinker's text held its first sentence (the talker's first input), and
+        # When the thinker's text held its first sentence (the talker's first input), and
         # first audio minus that: the audio stages' and the pipeline's own share of TTFA.
         "first_sentence_ms_p50": round(statistics.median(sentence), 1) if sentence else None,
         "audio_after_sentence_ms_p50": round(statistics.median(share), 1) if share else None,
         "latency_ms_p50": round(1000 * statistics.median(r["done"] for r in recs), 1),
         "request_rtf_mean": round(statistics.mean(r["done"] / (r["samples"] / RATE) for r in recs
-                                                  if r["samples"]), 4),
+                                                  if r["samples"]), 4) if any(r["samples"] for r in recs) else None,
         "aggregate_rtf": round(wall / audio_s, 4) if audio_s else None,
-        "audio_seconds": round(audio_s, 2),
+        "audio_seconds": round(audio_s, 2), "load_1m": round(load[0], 2),
     }
 
 
-def start_server():
-    from tests.e2e.harness import OmniProcess
+async def speech_side_by_side(client: httpx.AsyncClient, url: str, reference: Reference, level: int,
+                              n_requests: int) -> tuple[list[dict], dict]:
+    """Bursts of `level` requests, served and in-process in turn (each side first every other
+    burst), so a change in the machine's load hits both; the same texts on both sides."""
+    before = scrape_first_output((await client.get(f"{url}/metrics")).text)
+    recs: dict[str, list[dict]] = {"omni": [], "in-process": []}
+    wall = {"omni": 0.0, "in-process": 0.0}
+    load = os.getloadavg()
+    for k, b in enumerate(range(0, n_requests, level)):
+        texts = [ref.TEXTS[i % len(ref.TEXTS)] for i in range(b, min(b + level, n_requests))]
+        for side in ("omni", "in-process") if k % 2 == 0 else ("in-process", "omni"):
+            t0 = time.perf_counter()
+            if side == "omni":
+                recs[side] += await asyncio.gather(*[one_speech(client, url, t) for t in texts])
+            else:
+                recs[side] += reference.burst(texts)
+            wall[side] += time.perf_counter() - t0
+    after = scrape_first_output((await client.get(f"{url}/metrics")).text)
+    srv_n = after[1] - before[1]
+    server_ttfa = round(1000 * (after[0] - before[0]) / srv_n, 1) if srv_n else None
+    rows = [speech_row("in-process", level, recs["in-process"], wall["in-process"], load),
+            speech_row("omni", level, recs["omni"], wall["omni"], load, server_ttfa)]
+    # Pairs: the same text in the same burst position, run back to back.
+    deltas = [1000 * (o["first"] - i["first"]) for o, i in zip(recs["omni"], recs["in-process"])]
+    d = spread(deltas)
+    cmp = {"concurrency": level, "requests": n_requests,
+           "ttfa_p50_delta_ms": round(rows[1]["ttfa_ms_p50"] - rows[0]["ttfa_ms_p50"], 1),
+           "paired_delta_ms": d, "loadavg_start": [round(x, 2) for x in load],
+           "loadavg_end": [round(x, 2) for x in os.getloadavg()]}
+    if level == 1:
+        # Judged on the paired differences: TTFA differs by text (its first sentence's length),
+        # so a p50 over a mix of texts jumps between texts; a pair's difference does not.
+        cmp["goal"] = "speech first audio at concurrency 1 within +10 ms of in-process (paired p50)"
+        cmp["met"] = d["p50"] <= 10.0
+    return rows, cmp
 
-    p = OmniProcess("serve", MODEL, "--port", "0")
-    try:
-        return p, p.http(600)
-    except BaseException:
-        p.kill()
-        raise
+
+async def chat(client: httpx.AsyncClient, url: str, level: int, n_requests: int, max_tokens: int) -> dict:
+    recs, wall = [], 0.0
+    load = os.getloadavg()
+    for b in range(0, n_requests, level):
+        idx = range(b, min(b + level, n_requests))
+        t0 = time.perf_counter()
+        recs += await asyncio.gather(*[one_chat(client, url, CHAT_PROMPTS[i % len(CHAT_PROMPTS)], max_tokens)
+                                       for i in idx])
+        wall += time.perf_counter() - t0
+    return chat_row(level, recs, wall, load)
 
 
-COLS = ["mode", "route", "concurrency", "requests", "ttfa_ms_p50", "ttfa_ms_p90", "server_ttfa_ms_mean",
-        "first_sentence_ms_p50", "audio_after_sentence_ms_p50",
-        "latency_ms_p50", "request_rtf_mean", "aggregate_rtf", "audio_seconds"]
-HEAD = ["mode", "route", "conc", "reqs", "TTFA p50", "TTFA p90", "srv TTFA", "1st sent", "TTFA-sent",
-        "lat p50", "req RTF", "agg RTF", "audio s"]
+async def measure(url: str, reference: Reference, speech_levels, chat_levels, max_tokens: int) -> dict:
+    # One client, kept alive: a request's time is the server's, not a TCP handshake's.
+    async with httpx.AsyncClient(timeout=600) as client:
+        await one_speech(client, url, "Warm up.")                     # not reported
+        rows, comparison = [], []
+        for c, n in speech_levels:
+            r, cmp = await speech_side_by_side(client, url, reference, c, n)
+            rows += r
+            comparison.append(cmp)
+        for c, n in chat_levels:
+            rows.append(await chat(client, url, c, n, max_tokens))
+    return {"rows": rows, "comparison": comparison}
+
+
+def start_server(trace: str | None):
+    """`omni serve` in the background; the caller waits for it with `.http(timeout)`."""
+    from tests.e2e.harness import OmniProcess, omni_env
+
+    env = omni_env(OMNI_LATENCY_TRACE=os.path.abspath(trace)) if trace else None
+    return OmniProcess("serve", MODEL, "--port", "0", env=env)
+
+
+COLS = ["mode", "route", "concurrency", "requests", "ttfa_ms_p50", "ttfa_ms_p10", "ttfa_ms_p90",
+        "server_ttfa_ms_mean", "first_sentence_ms_p50", "audio_after_sentence_ms_p50",
+        "latency_ms_p50", "request_rtf_mean", "aggregate_rtf", "audio_seconds", "load_1m"]
+HEAD = ["mode", "route", "conc", "reqs", "TTFA p50", "p10", "p90", "srv TTFA", "1st sent", "TTFA-sent",
+        "lat p50", "req RTF", "agg RTF", "audio s", "load"]
 
 
 def table(rows: list[dict]) -> str:
@@ -209,35 +295,64 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="print one JSON document")
     ap.add_argument("--no-chat", action="store_true", help="skip streaming chat with audio")
     ap.add_argument("--max-tokens", type=int, default=32, help="thinker tokens per chat request")
+    ap.add_argument("--requests", type=int, help="speech requests per side at concurrency 1 "
+                    "(default 32; --full 64)")
+    ap.add_argument("--trace", metavar="DIR", help="the started server writes per-request timestamps there "
+                    "(OMNI_LATENCY_TRACE); the speech hops (benchmarks/latency_trace_report.py) join the output")
     a = ap.parse_args()
-    speech_levels = [(1, 12), (4, 24)] if a.full else [(1, 4), (4, 4)]
-    chat_levels = [(1, 4), (4, 8)] if a.full else [(1, 1), (4, 4)]
+    if a.requests is not None and a.requests < 1:
+        ap.error("--requests must be >= 1")
+    if a.trace and a.url:
+        ap.error("--trace needs the server this benchmark starts (not --url)")
+    n1 = a.requests or (64 if a.full else 32)
+    speech_levels = [(1, n1), (4, 24)] if a.full else [(1, n1), (4, 8)]
+    chat_levels = [(1, 4), (4, 8)] if a.full else [(1, 2), (4, 4)]
 
     t0 = time.perf_counter()
-    rows = reference_rows(speech_levels)      # first, so the server does not share the cores with it
-    proc, url = (None, a.url) if a.url else start_server()
+    load_start = [round(x, 2) for x in os.getloadavg()]
+    proc = None if a.url else start_server(a.trace)       # starts while the in-process engines load
     try:
-        asyncio.run(served(url, "speech", 1, 1, a.max_tokens))     # warm-up, not reported
-        for c, n in speech_levels:
-            rows.append(asyncio.run(served(url, "speech", c, n, a.max_tokens)))
-        if not a.no_chat:
-            for c, n in chat_levels:
-                rows.append(asyncio.run(served(url, "chat", c, n, a.max_tokens)))
+        reference = Reference()
+        url = a.url or proc.http(600)
+        startup_s = round(time.perf_counter() - t0, 1)
+        doc = asyncio.run(measure(url, reference, speech_levels, chat_levels if not a.no_chat else [],
+                                  a.max_tokens))
     finally:
         if proc is not None:
             proc.interrupt(60)
     args = code2wav_args()
-    doc = {"model": MODEL, "sample_rate": RATE, "seconds": round(time.perf_counter() - t0, 1),
+    doc = {"model": MODEL, "sample_rate": RATE, "startup_seconds": startup_s,
            "code2wav": {"chunk_frames": args.chunk_frames, "first_chunk_frames": args.first_chunk_frames,
                         "context_frames": args.context_frames},
-           "rows": rows}
+           "loadavg_start": load_start, **doc}
+    if a.trace:
+        from benchmarks.latency_trace_report import speech_report
+
+        doc["speech_hops_ms"] = speech_report(a.trace)
+    doc["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    doc["seconds"] = round(time.perf_counter() - t0, 1)
     if a.json:
         print(json.dumps(doc, indent=1))
         return
-    print(f"{MODEL}: speech through omni vs the engines in one process (bursts of <conc> requests); "
-          f"code2wav chunk {args.chunk_frames}, first {args.first_chunk_frames}, context {args.context_frames} "
-          f"frames; {doc['seconds']} s")
-    print(table(rows))
+    print(f"{MODEL}: speech through omni vs the engines in one process, side by side (bursts of <conc> "
+          f"requests, each side first in turn); code2wav chunk {args.chunk_frames}, first "
+          f"{args.first_chunk_frames}, context {args.context_frames} frames; load average "
+          f"{doc['loadavg_start']} at the start")
+    print(table(doc["rows"]))
+    for c in doc["comparison"]:
+        d = c["paired_delta_ms"]
+        line = (f"speech concurrency {c['concurrency']}: omni - in-process TTFA p50 {c['ttfa_p50_delta_ms']:+.1f} ms; "
+                f"paired (same text, back to back) p50 {d['p50']:+.1f} ms, p10..p90 {d['p10']:+.1f}..{d['p90']:+.1f}")
+        if "goal" in c:
+            line += f"; goal 4 ({c['goal']}): {'met' if c['met'] else 'NOT met'}"
+        print(line + f"; load {c['loadavg_start'][0]}..{c['loadavg_end'][0]}")
+    if a.trace:
+        print("speech hops (ms, from the trace):")
+        for name, s in doc["speech_hops_ms"].items():
+            if s["n"]:
+                print(f"  {name:<44}{s['n']:>5}" + "".join(f"{k} {s[k]:>7.1f}  " for k in ("p50", "p90", "max")))
+    print(f"start-up {doc['startup_seconds']} s; total wall time {doc['seconds']} s; load average "
+          f"{doc['loadavg_end']} at the end")
 
 
 if __name__ == "__main__":
