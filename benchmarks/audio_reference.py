@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -150,7 +151,7 @@ def main() -> None:
     args.repeat = 3 if args.full else 1
     torch.set_num_threads(1)
 
-    t0 = time.perf_counter()
+    t_start = t0 = time.perf_counter()
     voice = prepare_voice(args.voice)
     prepare_s = time.perf_counter() - t0
     t0 = time.perf_counter()
@@ -174,6 +175,8 @@ def main() -> None:
         "scheduling": "one thread; bursts of <concurrency> requests; talker and code2wav stepped alternately",
         "components": comp,
         "concurrency": conc,
+        "seconds": round(time.perf_counter() - t_start, 1),
+        "loadavg_end": [round(x, 2) for x in os.getloadavg()],
     }
     if args.json:
         json.dump(doc, sys.stdout, indent=1)
@@ -192,6 +195,7 @@ def main() -> None:
     print("  ".join(f"{c:>16s}" for c in cols))
     for row in conc:
         print("  ".join(f"{row[c]:>16}" for c in cols))
+    print(f"\ntotal wall time {doc['seconds']} s, load average {doc['loadavg_end']} at the end")
 
 
 if __name__ == "__main__":

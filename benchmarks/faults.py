@@ -221,6 +221,7 @@ def main() -> None:
                     help="everything: the headless faults, the vLLM stage kills, the `omni serve` faults")
     ap.add_argument("--json", action="store_true", help="print one JSON document")
     args = ap.parse_args()
+    t0 = time.monotonic()
     os.environ.setdefault("OMNI_TEST", "1")
     with tempfile.TemporaryDirectory(prefix="omni-faults-") as tmp:
         rows = run_headless(Path(tmp))
@@ -233,14 +234,16 @@ def main() -> None:
         else:
             rows += [skipped(f, "needs --full") for f in SERVED]
     load = [round(x, 2) for x in os.getloadavg()]
+    seconds = round(time.monotonic() - t0, 1)
     if args.json:
-        print(json.dumps({"faults": rows, "loadavg": load}))
+        print(json.dumps({"faults": rows, "loadavg": load, "seconds": seconds}))
         return
     print(f"load average: {load}")
     widths = [20] + [13] * (len(COLUMNS) - 1)
     print(" ".join(f"{c:>{w}}" for c, w in zip(COLUMNS, widths)))
     for r in rows:
         print(" ".join(f"{'-' if r[c] is None else r[c]:>{w}}" for c, w in zip(COLUMNS, widths)))
+    print(f"total wall time {seconds} s")
     if any(r["hung"] or r["false_deaths"] or r["orphans"] for r in rows):
         sys.exit(1)
 
