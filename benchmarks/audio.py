@@ -210,6 +210,7 @@ async def speech_side_by_side(client: httpx.AsyncClient, url: str, reference: Re
     recs: dict[str, list[dict]] = {"omni": [], "in-process": []}
     wall = {"omni": 0.0, "in-process": 0.0}
     load = os.getloadavg()
+    window = [time.monotonic()]       # the trace's clock: which traced requests are this level's
     for k, b in enumerate(range(0, n_requests, level)):
         texts = [ref.TEXTS[i % len(ref.TEXTS)] for i in range(b, min(b + level, n_requests))]
         for side in ("omni", "in-process") if k % 2 == 0 else ("in-process", "omni"):
@@ -219,6 +220,7 @@ async def speech_side_by_side(client: httpx.AsyncClient, url: str, reference: Re
             else:
                 recs[side] += reference.burst(texts)
             wall[side] += time.perf_counter() - t0
+    window.append(time.monotonic())
     after = scrape_first_output((await client.get(f"{url}/metrics")).text)
     srv_n = after[1] - before[1]
     server_ttfa = round(1000 * (after[0] - before[0]) / srv_n, 1) if srv_n else None
@@ -229,7 +231,13 @@ async def speech_side_by_side(client: httpx.AsyncClient, url: str, reference: Re
     d = spread(deltas)
     cmp = {"concurrency": level, "requests": n_requests,
            "ttfa_p50_delta_ms": round(rows[1]["ttfa_ms_p50"] - rows[0]["ttfa_ms_p50"], 1),
-           "paired_delta_ms": d, "loadavg_start": [round(x, 2) for x in load],
+           "paired_delta_ms": d, "window": window,
+           # In-process: the talker's first sentence, then code2wav's first chunk after it.
+           "in_process_talker_first_ms_p50": round(statistics.median(
+               1000 * r["talker_first"] for r in recs["in-process"]), 1),
+           "in_process_code2wav_first_ms_p50": round(statistics.median(
+               1000 * (r["first"] - r["talker_first"]) for r in recs["in-process"]), 1),
+           "loadavg_start": [round(x, 2) for x in load],
            "loadavg_end": [round(x, 2) for x in os.getloadavg()]}
     if level == 1:
         # Judged on the paired differences: TTFA differs by text (its first sentence's length),
@@ -328,7 +336,8 @@ def main() -> None:
     if a.trace:
         from benchmarks.latency_trace_report import speech_report
 
-        doc["speech_hops_ms"] = speech_report(a.trace)
+        # Concurrency 1 only: each hop of a lone request.
+        doc["speech_hops_ms"] = speech_report(a.trace, *doc["comparison"][0]["window"])
     doc["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     doc["seconds"] = round(time.perf_counter() - t0, 1)
     if a.json:
@@ -347,10 +356,13 @@ def main() -> None:
             line += f"; goal 4 ({c['goal']}): {'met' if c['met'] else 'NOT met'}"
         print(line + f"; load {c['loadavg_start'][0]}..{c['loadavg_end'][0]}")
     if a.trace:
-        print("speech hops (ms, from the trace):")
+        c = doc["comparison"][0]
+        print(f"speech hops at concurrency 1 (ms, from the trace; in-process p50: talker's first sentence "
+              f"{c['in_process_talker_first_ms_p50']}, then code2wav's first chunk "
+              f"{c['in_process_code2wav_first_ms_p50']}):")
         for name, s in doc["speech_hops_ms"].items():
             if s["n"]:
-                print(f"  {name:<44}{s['n']:>5}" + "".join(f"{k} {s[k]:>7.1f}  " for k in ("p50", "p90", "max")))
+                print(f"  {name:<40} n {s['n']:>3}  " + "  ".join(f"{k} {s[k]:>6.1f}" for k in ("p50", "p90", "max")))
     print(f"start-up {doc['startup_seconds']} s; total wall time {doc['seconds']} s; load average "
           f"{doc['loadavg_end']} at the end")
 

@@ -94,9 +94,12 @@ def run_burst(talker: TalkerEngine, c2w: Code2WavEngine, texts: list[str], tag: 
     for i, text in enumerate(texts):
         rid = f"{tag}-{i}"
         talker.add_request(EngineRequest(request_id=rid, text=text, extra=DETERMINISTIC))
-        recs[rid] = {"first": None, "done": None, "samples": 0}
+        recs[rid] = {"first": None, "done": None, "samples": 0, "talker_first": None}
     while talker.has_unfinished() or c2w.has_unfinished():
         for out in talker.step():
+            r = recs[out.request_id]
+            if r["talker_first"] is None:
+                r["talker_first"] = time.perf_counter() - start
             c2w.add_request(code2wav_request(out))
         for out in c2w.step():
             now = time.perf_counter()

@@ -183,7 +183,7 @@ def main() -> int:
         return 0
     if shutil.which("wrk") is None:
         raise SystemExit("http_frontend: needs wrk (Debian: apt-get install wrk)")
-    rounds, seconds, sse_s, sse_tokens, sse_conns = (8, 4, 15, 64, 8) if a.full else (5, 2, 6, 32, 8)
+    rounds, seconds, sse_s, sse_tokens, sse_conns = (8, 4, 15, 64, 8) if a.full else (3, 2, 4, 32, 8)
 
     from omni.models.resolve import resolve_model
 

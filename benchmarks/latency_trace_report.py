@@ -89,9 +89,10 @@ SPEECH_HOPS = ("request in -> talker added", "talker added -> sent (its step)", 
                "code2wav added -> sent (its step)", "code2wav sent -> frontend audio", "request in -> frontend audio")
 
 
-def speech_report(where: str) -> dict:
+def speech_report(where: str, since: float = float("-inf"), until: float = float("inf")) -> dict:
     """/v1/audio/speech requests' first audio, hop by hop: the entry (talker) stage's first
-    output, the code2wav stage's first output, the frontend handing the audio to the stream."""
+    output, the code2wav stage's first output, the frontend handing the audio to the stream.
+    Only requests that arrived between `since` and `until` (time.monotonic())."""
     ev = load(where)
     first: dict[str, dict[str, float]] = collections.defaultdict(dict)
     for point in ("arrived", "added", "sent", "audio"):
@@ -104,7 +105,7 @@ def speech_report(where: str) -> dict:
     hops: dict[str, list[float]] = {k: [] for k in SPEECH_HOPS}
     for t in first.values():
         stages = sorted({k.split(".")[0] for k in t if "." in k})
-        if len(stages) != 2 or "arrived" not in t or "audio" not in t:
+        if len(stages) != 2 or "arrived" not in t or "audio" not in t or not since <= t["arrived"] <= until:
             continue
         talk, c2w = stages
         chain = [t["arrived"], t.get(f"{talk}.added"), t.get(f"{talk}.sent"), t.get(f"{c2w}.added"),
