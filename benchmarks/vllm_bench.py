@@ -267,7 +267,7 @@ def print_table(doc: dict) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="16 prompts, one round (the default)")
+    ap.add_argument("--quick", action="store_true", help="12 prompts, one round (the default)")
     ap.add_argument("--full", action="store_true", help="96 prompts, two rounds")
     ap.add_argument("--num-prompts", type=int, help="prompts per run (overrides --quick/--full)")
     ap.add_argument("--rounds", type=int, help="vLLM-then-omni rounds (overrides --quick/--full)")
@@ -285,7 +285,7 @@ def main() -> int:
     ap.add_argument("--bench-timeout", type=float, default=1800)
     a = ap.parse_args()
     t0 = time.monotonic()
-    a.num_prompts = a.num_prompts or (96 if a.full else 16)
+    a.num_prompts = a.num_prompts or (96 if a.full else 12)
     a.rounds = a.rounds or (2 if a.full else 1)
     for flag in ("num_prompts", "rounds", "concurrency", "input_len", "output_len"):
         if getattr(a, flag) < 1:
