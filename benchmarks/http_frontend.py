@@ -14,8 +14,9 @@ work, requests/s follow the CPU share a process gets, while CPU per request stay
 `capacity` (1 / CPU per request) is the figure to compare when the load average is high.
 The HTTP process is vLLM's API server (it detokenizes too) and omni's frontend process.
 
-    .venv/bin/python benchmarks/http_frontend.py            # --quick (default)
-    .venv/bin/python benchmarks/http_frontend.py --full
+    .venv/bin/python benchmarks/http_frontend.py            # --quick (default): 3 rounds, no bare
+                                                            # hypercorn-asyncio, under 2 minutes
+    .venv/bin/python benchmarks/http_frontend.py --full     # 8 longer rounds, every bare app
     .venv/bin/python benchmarks/http_frontend.py --json     # one JSON document on stdout
 Needs `wrk` (Debian: apt-get install wrk).
 """
@@ -183,7 +184,9 @@ def main() -> int:
         return 0
     if shutil.which("wrk") is None:
         raise SystemExit("http_frontend: needs wrk (Debian: apt-get install wrk)")
-    rounds, seconds, sse_s, sse_tokens, sse_conns = (8, 4, 15, 64, 8) if a.full else (3, 2, 4, 32, 8)
+    rounds, seconds, sse_s, sse_tokens, sse_conns = (8, 4, 15, 64, 8) if a.full else (3, 2, 3, 32, 8)
+    # --quick leaves out Hypercorn's asyncio loop (omni's frontend runs on uvloop when it is there).
+    bare = () if a.no_bare else BARE if a.full else BARE[1:]
 
     from omni.models.resolve import resolve_model
 
@@ -195,12 +198,12 @@ def main() -> int:
                                           "--model", resolve_model(MODEL), "--served-model-name", MODEL,
                                           "--host", "127.0.0.1", "--port", "0", *VLLM_ARGS])
         servers["omni"] = Server("omni", [sys.executable, "-m", "omni.cli", "serve", OMNI_MODEL, "--port", "0"])
-        for kind in () if a.no_bare else BARE:
+        for kind in bare:
             # named "omni" while starting: wait_ready reads the port it prints
             servers[kind] = Server("omni", [sys.executable, __file__, "--bare-server", kind])
         wait_ready(list(servers.values()), a.startup_timeout)
         startup_s = round(time.monotonic() - t0, 1)
-        for kind in () if a.no_bare else BARE:
+        for kind in bare:
             servers[kind].name = f"bare {kind}"
         procs = {name: http_process(s) for name, s in servers.items()}
         runs: dict[str, dict[str, list[dict]]] = {}
@@ -217,7 +220,7 @@ def main() -> int:
                 for name in ("vllm", "omni"):
                     model = MODEL if name == "vllm" else OMNI_MODEL
                     if r == 0:
-                        sse(servers[name].url, model, 2, sse_conns, sse_tokens)   # warm-up
+                        sse(servers[name].url, model, 1, sse_conns, sse_tokens)   # warm-up
                     runs.setdefault("sse", {}).setdefault(name, []).append(
                         sse(servers[name].url, model, sse_s, sse_conns, sse_tokens, procs[name]))
     finally:
