@@ -27,6 +27,7 @@ hop of the first audio (benchmarks/latency_trace_report.py: speech_report).
     .venv/bin/python benchmarks/audio.py --full       # more requests
     .venv/bin/python benchmarks/audio.py --json       # one JSON document
     .venv/bin/python benchmarks/audio.py --trace /tmp/t   # and where the first audio's time goes
+    .venv/bin/python benchmarks/audio.py --first-chunk-frames 16   # and a 16-frame first chunk beside
     .venv/bin/python benchmarks/audio.py --url http://127.0.0.1:8091
 """
 
@@ -60,29 +61,31 @@ CHAT_PROMPTS = [
 ]
 
 
-def code2wav_args() -> types.SimpleNamespace:
-    """The deployed code2wav's chunking, so the in-process reference decodes alike."""
+def code2wav_args(first_chunk_frames: int | None = None) -> types.SimpleNamespace:
+    """The deployed code2wav's chunking (or with another first chunk), so the in-process
+    reference decodes alike; `stage_id` is the code2wav stage's."""
     from omni import config
 
     cfg = config.load(MODEL)
     stage = next(s for s in cfg.stages if s.engine == "piper_code2wav")
     ea = stage.engine_args
     chunk = int(ea.get("chunk_frames", 64))
-    return types.SimpleNamespace(chunk_frames=chunk, first_chunk_frames=ea.get("first_chunk_frames") or chunk,
-                                 context_frames=int(ea.get("context_frames", 16)), threads=int(ea.get("threads", 1)))
+    return types.SimpleNamespace(chunk_frames=chunk,
+                                 first_chunk_frames=first_chunk_frames or ea.get("first_chunk_frames") or chunk,
+                                 context_frames=int(ea.get("context_frames", 16)), threads=int(ea.get("threads", 1)),
+                                 stage_id=stage.stage_id)
 
 
 class Reference:
     """The in-process twin: the same talker and code2wav engines, stepped in this process."""
 
-    def __init__(self):
+    def __init__(self, args: types.SimpleNamespace):
         import torch
 
         from omni.engines.onnx_audio import Code2WavEngine, TalkerEngine
         from omni.models.piper_voice import prepare_voice
 
         torch.set_num_threads(1)
-        args = code2wav_args()
         voice = prepare_voice("joe")
         self.talker = TalkerEngine(voice, threads=args.threads)
         self.c2w = Code2WavEngine(voice, chunk_frames=args.chunk_frames, context_frames=args.context_frames,
@@ -202,49 +205,72 @@ def chat_row(level: int, recs: list[dict], wall: float, load: list[float]) -> di
     }
 
 
-async def speech_side_by_side(client: httpx.AsyncClient, url: str, reference: Reference, level: int,
-                              n_requests: int) -> tuple[list[dict], dict]:
-    """Bursts of `level` requests, served and in-process in turn (each side first every other
-    burst), so a change in the machine's load hits both; the same texts on both sides."""
-    before = scrape_first_output((await client.get(f"{url}/metrics")).text)
-    recs: dict[str, list[dict]] = {"omni": [], "in-process": []}
-    wall = {"omni": 0.0, "in-process": 0.0}
+class Variant:
+    """One code2wav chunking, served (`url`) and in process (`reference`)."""
+
+    def __init__(self, label: str, args: types.SimpleNamespace, url: str, reference: Reference):
+        self.label, self.args, self.url, self.reference = label, args, url, reference
+
+    def sides(self, client: httpx.AsyncClient):
+        async def served(texts):
+            return list(await asyncio.gather(*[one_speech(client, self.url, t) for t in texts]))
+
+        async def local(texts):
+            return self.reference.burst(texts)
+        return [(f"omni{self.label}", served), (f"in-process{self.label}", local)]
+
+
+def compare(level: int, n_requests: int, a: dict, b: dict, ra: list[dict], rb: list[dict]) -> dict:
+    """Side a minus side b: TTFA p50s, and the paired differences (same text, same burst)."""
+    deltas = [1000 * (x["first"] - y["first"]) for x, y in zip(ra, rb)]
+    return {"concurrency": level, "requests": n_requests, "a": a["mode"], "b": b["mode"],
+            "ttfa_p50_delta_ms": round(a["ttfa_ms_p50"] - b["ttfa_ms_p50"], 1), "paired_delta_ms": spread(deltas)}
+
+
+async def speech_side_by_side(client: httpx.AsyncClient, variants: list[Variant], level: int,
+                              n_requests: int) -> tuple[list[dict], list[dict]]:
+    """Bursts of `level` requests, every side in turn (the order rotating burst by burst), so a
+    change in the machine's load hits all of them; the same texts on every side."""
+    sides = [s for v in variants for s in v.sides(client)]
+    before = {v.url: scrape_first_output((await client.get(f"{v.url}/metrics")).text) for v in variants}
+    recs: dict[str, list[dict]] = {name: [] for name, _ in sides}
+    wall = dict.fromkeys(recs, 0.0)
     load = os.getloadavg()
     window = [time.monotonic()]       # the trace's clock: which traced requests are this level's
     for k, b in enumerate(range(0, n_requests, level)):
         texts = [ref.TEXTS[i % len(ref.TEXTS)] for i in range(b, min(b + level, n_requests))]
-        for side in ("omni", "in-process") if k % 2 == 0 else ("in-process", "omni"):
+        for name, run in sides[k % len(sides):] + sides[:k % len(sides)]:
             t0 = time.perf_counter()
-            if side == "omni":
-                recs[side] += await asyncio.gather(*[one_speech(client, url, t) for t in texts])
-            else:
-                recs[side] += reference.burst(texts)
-            wall[side] += time.perf_counter() - t0
+            recs[name] += await run(texts)
+            wall[name] += time.perf_counter() - t0
     window.append(time.monotonic())
-    after = scrape_first_output((await client.get(f"{url}/metrics")).text)
-    srv_n = after[1] - before[1]
-    server_ttfa = round(1000 * (after[0] - before[0]) / srv_n, 1) if srv_n else None
-    rows = [speech_row("in-process", level, recs["in-process"], wall["in-process"], load),
-            speech_row("omni", level, recs["omni"], wall["omni"], load, server_ttfa)]
-    # Pairs: the same text in the same burst position, run back to back.
-    deltas = [1000 * (o["first"] - i["first"]) for o, i in zip(recs["omni"], recs["in-process"])]
-    d = spread(deltas)
-    cmp = {"concurrency": level, "requests": n_requests,
-           "ttfa_p50_delta_ms": round(rows[1]["ttfa_ms_p50"] - rows[0]["ttfa_ms_p50"], 1),
-           "paired_delta_ms": d, "window": window,
-           # In-process: the talker's first sentence, then code2wav's first chunk after it.
-           "in_process_talker_first_ms_p50": round(statistics.median(
-               1000 * r["talker_first"] for r in recs["in-process"]), 1),
-           "in_process_code2wav_first_ms_p50": round(statistics.median(
-               1000 * (r["first"] - r["talker_first"]) for r in recs["in-process"]), 1),
-           "loadavg_start": [round(x, 2) for x in load],
-           "loadavg_end": [round(x, 2) for x in os.getloadavg()]}
-    if level == 1:
-        # Judged on the paired differences: TTFA differs by text (its first sentence's length),
-        # so a p50 over a mix of texts jumps between texts; a pair's difference does not.
-        cmp["goal"] = "speech first audio at concurrency 1 within +10 ms of in-process (paired p50)"
-        cmp["met"] = d["p50"] <= 10.0
-    return rows, cmp
+    rows, cmps = {}, []
+    for v in variants:
+        after = scrape_first_output((await client.get(f"{v.url}/metrics")).text)
+        srv_n = after[1] - before[v.url][1]
+        server_ttfa = round(1000 * (after[0] - before[v.url][0]) / srv_n, 1) if srv_n else None
+        (o, _), (i, _) = v.sides(client)
+        rows[i] = speech_row(i, level, recs[i], wall[i], load)
+        rows[o] = speech_row(o, level, recs[o], wall[o], load, server_ttfa)
+        c = compare(level, n_requests, rows[o], rows[i], recs[o], recs[i])
+        # In-process: the talker's first sentence, then code2wav's first chunk after it.
+        c["in_process_talker_first_ms_p50"] = round(statistics.median(1000 * r["talker_first"] for r in recs[i]), 1)
+        c["in_process_code2wav_first_ms_p50"] = round(statistics.median(
+            1000 * (r["first"] - r["talker_first"]) for r in recs[i]), 1)
+        if level == 1:
+            # Judged on the paired differences: TTFA differs by text (its first sentence's length),
+            # so a p50 over a mix of texts jumps between texts; a pair's difference does not.
+            c["goal"] = "speech first audio at concurrency 1 within +10 ms of in-process (paired p50)"
+            c["met"] = c["paired_delta_ms"]["p50"] <= 10.0
+        cmps.append(c)
+    for v in variants[1:]:      # a variant against the deployed chunking, served and in process
+        for side in ("omni", "in-process"):
+            x, y = f"{side}{v.label}", f"{side}{variants[0].label}"
+            cmps.append(compare(level, n_requests, rows[x], rows[y], recs[x], recs[y]))
+    for c in cmps:
+        c.update(window=window, loadavg_start=[round(x, 2) for x in load],
+                 loadavg_end=[round(x, 2) for x in os.getloadavg()])
+    return list(rows.values()), cmps
 
 
 async def chat(client: httpx.AsyncClient, url: str, level: int, n_requests: int, max_tokens: int) -> dict:
@@ -259,26 +285,28 @@ async def chat(client: httpx.AsyncClient, url: str, level: int, n_requests: int,
     return chat_row(level, recs, wall, load)
 
 
-async def measure(url: str, reference: Reference, speech_levels, chat_levels, max_tokens: int) -> dict:
+async def measure(variants: list[Variant], speech_levels, chat_levels, max_tokens: int) -> dict:
     # One client, kept alive: a request's time is the server's, not a TCP handshake's.
     async with httpx.AsyncClient(timeout=600) as client:
-        await one_speech(client, url, "Warm up.")                     # not reported
+        for v in variants:
+            await one_speech(client, v.url, "Warm up.")                     # not reported
         rows, comparison = [], []
         for c, n in speech_levels:
-            r, cmp = await speech_side_by_side(client, url, reference, c, n)
+            r, cmp = await speech_side_by_side(client, variants, c, n)
             rows += r
-            comparison.append(cmp)
+            comparison += cmp
         for c, n in chat_levels:
-            rows.append(await chat(client, url, c, n, max_tokens))
+            rows.append(await chat(client, variants[0].url, c, n, max_tokens))
     return {"rows": rows, "comparison": comparison}
 
 
-def start_server(trace: str | None):
+def start_server(trace: str | None, overrides: dict | None = None):
     """`omni serve` in the background; the caller waits for it with `.http(timeout)`."""
     from tests.e2e.harness import OmniProcess, omni_env
 
     env = omni_env(OMNI_LATENCY_TRACE=os.path.abspath(trace)) if trace else None
-    return OmniProcess("serve", MODEL, "--port", "0", env=env)
+    extra = ("--stage-overrides", json.dumps(overrides)) if overrides else ()
+    return OmniProcess("serve", MODEL, "--port", "0", *extra, env=env)
 
 
 COLS = ["mode", "route", "concurrency", "requests", "ttfa_ms_p50", "ttfa_ms_p10", "ttfa_ms_p90",
@@ -305,6 +333,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32, help="thinker tokens per chat request")
     ap.add_argument("--requests", type=int, help="speech requests per side at concurrency 1 "
                     "(default 32; --full 64)")
+    ap.add_argument("--first-chunk-frames", type=int, metavar="N",
+                    help="also measure code2wav with an N-frame first chunk, side by side in the same run "
+                         "(a second server with that stage override, a second in-process code2wav)")
     ap.add_argument("--trace", metavar="DIR", help="the started server writes per-request timestamps there "
                     "(OMNI_LATENCY_TRACE); the speech hops (benchmarks/latency_trace_report.py) join the output")
     a = ap.parse_args()
@@ -312,26 +343,37 @@ def main() -> None:
         ap.error("--requests must be >= 1")
     if a.trace and a.url:
         ap.error("--trace needs the server this benchmark starts (not --url)")
+    if a.first_chunk_frames is not None and (a.first_chunk_frames < 1 or a.url):
+        ap.error("--first-chunk-frames must be >= 1 and needs the servers this benchmark starts (not --url)")
     n1 = a.requests or (64 if a.full else 32)
     speech_levels = [(1, n1), (4, 24)] if a.full else [(1, n1), (4, 8)]
     chat_levels = [(1, 4), (4, 8)] if a.full else [(1, 2), (4, 4)]
 
     t0 = time.perf_counter()
     load_start = [round(x, 2) for x in os.getloadavg()]
-    proc = None if a.url else start_server(a.trace)       # starts while the in-process engines load
+    args = [code2wav_args()]
+    if a.first_chunk_frames:
+        args.append(code2wav_args(a.first_chunk_frames))
+    procs = []
     try:
-        reference = Reference()
-        url = a.url or proc.http(600)
+        # The servers start while the in-process engines load (start-up is not measured).
+        if not a.url:
+            procs.append(start_server(a.trace))
+        for x in args[1:]:
+            procs.append(start_server(None, {str(x.stage_id): {"first_chunk_frames": x.first_chunk_frames}}))
+        references = [Reference(x) for x in args]
+        urls = [a.url] if a.url else [p.http(600) for p in procs]
+        variants = [Variant("" if k == 0 else f" first{x.first_chunk_frames}", x, u, r)
+                    for k, (x, u, r) in enumerate(zip(args, urls, references))]
         startup_s = round(time.perf_counter() - t0, 1)
-        doc = asyncio.run(measure(url, reference, speech_levels, chat_levels if not a.no_chat else [],
-                                  a.max_tokens))
+        doc = asyncio.run(measure(variants, speech_levels, chat_levels if not a.no_chat else [], a.max_tokens))
     finally:
-        if proc is not None:
-            proc.interrupt(60)
-    args = code2wav_args()
+        for p in procs:
+            p.interrupt(60)
     doc = {"model": MODEL, "sample_rate": RATE, "startup_seconds": startup_s,
-           "code2wav": {"chunk_frames": args.chunk_frames, "first_chunk_frames": args.first_chunk_frames,
-                        "context_frames": args.context_frames},
+           "code2wav": [{"label": v.label.strip() or "deployed", "chunk_frames": v.args.chunk_frames,
+                         "first_chunk_frames": v.args.first_chunk_frames, "context_frames": v.args.context_frames}
+                        for v in variants],
            "loadavg_start": load_start, **doc}
     if a.trace:
         from benchmarks.latency_trace_report import speech_report
@@ -343,15 +385,16 @@ def main() -> None:
     if a.json:
         print(json.dumps(doc, indent=1))
         return
+    chunking = "; ".join(f"{c['label']}: chunk {c['chunk_frames']}, first {c['first_chunk_frames']}, context "
+                         f"{c['context_frames']}" for c in doc["code2wav"])
     print(f"{MODEL}: speech through omni vs the engines in one process, side by side (bursts of <conc> "
-          f"requests, each side first in turn); code2wav chunk {args.chunk_frames}, first "
-          f"{args.first_chunk_frames}, context {args.context_frames} frames; load average "
+          f"requests, every side in turn); code2wav frames ({chunking}); load average "
           f"{doc['loadavg_start']} at the start")
     print(table(doc["rows"]))
     for c in doc["comparison"]:
         d = c["paired_delta_ms"]
-        line = (f"speech concurrency {c['concurrency']}: omni - in-process TTFA p50 {c['ttfa_p50_delta_ms']:+.1f} ms; "
-                f"paired (same text, back to back) p50 {d['p50']:+.1f} ms, p10..p90 {d['p10']:+.1f}..{d['p90']:+.1f}")
+        line = (f"speech concurrency {c['concurrency']}: {c['a']} - {c['b']} TTFA p50 {c['ttfa_p50_delta_ms']:+.1f} ms; "
+                f"paired (same text, same burst) p50 {d['p50']:+.1f} ms, p10..p90 {d['p10']:+.1f}..{d['p90']:+.1f}")
         if "goal" in c:
             line += f"; goal 4 ({c['goal']}): {'met' if c['met'] else 'NOT met'}"
         print(line + f"; load {c['loadavg_start'][0]}..{c['loadavg_end'][0]}")
