@@ -9,8 +9,9 @@ the pipeline recovers. The LM -> pooler pipeline with the real SmolLM2 weights.
                                                      #   "completed", "recover_s", "false_deaths", "orphans",
                                                      #   "took_s", "skipped"}, ...], "loadavg": [1, 5, 15 min]}
 
-Wall time of the default (--quick) on the shared 2-core box: 101 s at load average 8, 146 s at 14
-(the headless deployment's start-up 22-28 s, the replacement pooler of sigkill_stage 26-40 s);
+Wall time of the default (--quick) on the shared 2-core box: 43 s at load average 2-3, 101 s at 8,
+146 s at 14 (the headless deployment's start-up 6-28 s, the replacement pooler of sigkill_stage
+9-40 s); printed at the end, and in the JSON (`seconds`);
 --vllm adds about 2.5 minutes (232 s in all at load 7: three vLLM start-ups), --full a few more.
 Rows a run leaves out stay in the table and the JSON, with `skipped` saying why.
 

