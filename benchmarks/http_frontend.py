@@ -14,7 +14,7 @@ work, requests/s follow the CPU share a process gets, while CPU per request stay
 `capacity` (1 / CPU per request) is the figure to compare when the load average is high.
 The HTTP process is vLLM's API server (it detokenizes too) and omni's frontend process.
 
-    .venv/bin/python benchmarks/http_frontend.py            # --quick (default): 3 rounds, no bare
+    .venv/bin/python benchmarks/http_frontend.py            # --quick (default): 3 rounds (1 s wrk, 3 s SSE), no bare
                                                             # hypercorn-asyncio, under 2 minutes
     .venv/bin/python benchmarks/http_frontend.py --full     # 8 longer rounds, every bare app
     .venv/bin/python benchmarks/http_frontend.py --json     # one JSON document on stdout
@@ -184,7 +184,7 @@ def main() -> int:
         return 0
     if shutil.which("wrk") is None:
         raise SystemExit("http_frontend: needs wrk (Debian: apt-get install wrk)")
-    rounds, seconds, sse_s, sse_tokens, sse_conns = (8, 4, 15, 64, 8) if a.full else (3, 2, 3, 32, 8)
+    rounds, seconds, sse_s, sse_tokens, sse_conns = (8, 4, 15, 64, 8) if a.full else (3, 1, 3, 32, 8)
     # --quick leaves out Hypercorn's asyncio loop (omni's frontend runs on uvloop when it is there).
     bare = () if a.no_bare else BARE if a.full else BARE[1:]
 
