@@ -1,8 +1,8 @@
 """HTTP frontend per process: omni's frontend against vLLM's OpenAI server, same client, one run.
 
 Starts, on loopback, vLLM's server (`python -m vllm.entrypoints.openai.api_server`, access log
-off like omni's) on the SmolLM2 folder and `omni serve smollm2-vllm` (one frontend; its thinker
-is a vLLM EngineCore with the same engine args), plus bare ASGI apps that answer every request
+off like omni's) on the SmolLM2 folder and `omni serve smollm2-vllm` with its thinker stage alone
+(one frontend; the thinker is a vLLM EngineCore with the same engine args), plus bare ASGI apps that answer every request
 with a fixed 15-byte JSON body: on Hypercorn (asyncio loop, uvloop) and on uvicorn
 (httptools + uvloop, vLLM's stack). The bare rows are each server's ceiling: no handler work
 can beat them. Then, in rounds that alternate the servers (so load from other processes
@@ -31,13 +31,14 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.vllm_bench import OMNI_MODEL, Server  # noqa: E402
+from benchmarks.vllm_bench import OMNI_MODEL, Server, omni_argv  # noqa: E402
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
@@ -191,13 +192,15 @@ def main() -> int:
     from omni.models.resolve import resolve_model
 
     servers: dict[str, Server] = {}
+    tmp = tempfile.mkdtemp(prefix="http-frontend-")
     try:
         # Every server starts at once: start-up is not measured, and each round has the
         # others idle. (One after the other took ~40 s more on a 2-core box.)
         servers["vllm"] = Server("vllm", [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                                           "--model", resolve_model(MODEL), "--served-model-name", MODEL,
                                           "--host", "127.0.0.1", "--port", "0", *VLLM_ARGS])
-        servers["omni"] = Server("omni", [sys.executable, "-m", "omni.cli", "serve", OMNI_MODEL, "--port", "0"])
+        # omni: the smollm2-vllm pipeline's thinker stage alone (no request here reaches the audio stages).
+        servers["omni"] = Server("omni", omni_argv(tmp))
         for kind in bare:
             # named "omni" while starting: wait_ready reads the port it prints
             servers[kind] = Server("omni", [sys.executable, __file__, "--bare-server", kind])
@@ -226,6 +229,7 @@ def main() -> int:
     finally:
         for s in servers.values():
             s.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
 
     def med(rows: list[dict], key: str) -> float:
         return statistics.median(x.get(key, 0.0) for x in rows)

