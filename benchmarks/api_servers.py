@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
 import statistics
 import sys
@@ -172,6 +173,7 @@ def main() -> None:
     ap.add_argument("--tok-words", type=int, default=4000, help="/tokenize message length in words")
     ap.add_argument("--tok-concurrency", type=int, default=8)
     a = ap.parse_args()
+    t0 = time.perf_counter()
     a.tok_requests = 1000 if a.full else 300
     a.requests = 48 if a.full else 8
     a.repeats = 3 if a.full else 2
@@ -182,8 +184,10 @@ def main() -> None:
     for r in rows:
         r["throughput_ratio_vs_1"] = r["warm_requests_s_median"] / base
         r["tokenize"]["throughput_ratio_vs_1"] = r["tokenize"]["warm_requests_s_median"] / tok_base
+    seconds = round(time.perf_counter() - t0, 1)
+    load = [round(x, 2) for x in os.getloadavg()]
     if a.json:
-        print(json.dumps({"rows": rows}))
+        print(json.dumps({"rows": rows, "seconds": seconds, "loadavg_end": load}))
         return
     print(f"chat, {a.words}-word prompts, 2 output tokens, concurrency {a.concurrency}, "
           f"{a.requests} requests x {a.repeats} warm runs (cold run kept apart)")
@@ -210,6 +214,7 @@ def main() -> None:
             iq = f"{d['input_queue_ms']:.2f}ms" if d["input_queue_ms"] is not None else "-"
             oq = f"{d['output_queue_ms']:.2f}ms" if d["output_queue_ms"] is not None else "-"
             print(f"{r['api_server_count']:>9} {fe:>12} {d['cpu_s']:>7.2f} {d['requests']:>8.0f} {iq:>9} {oq:>9}")
+    print(f"\ntotal wall time {seconds} s, load average {load} at the end")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -93,9 +94,12 @@ def run_burst(talker: TalkerEngine, c2w: Code2WavEngine, texts: list[str], tag: 
     for i, text in enumerate(texts):
         rid = f"{tag}-{i}"
         talker.add_request(EngineRequest(request_id=rid, text=text, extra=DETERMINISTIC))
-        recs[rid] = {"first": None, "done": None, "samples": 0}
+        recs[rid] = {"first": None, "done": None, "samples": 0, "talker_first": None}
     while talker.has_unfinished() or c2w.has_unfinished():
         for out in talker.step():
+            r = recs[out.request_id]
+            if r["talker_first"] is None:
+                r["talker_first"] = time.perf_counter() - start
             c2w.add_request(code2wav_request(out))
         for out in c2w.step():
             now = time.perf_counter()
@@ -150,7 +154,7 @@ def main() -> None:
     args.repeat = 3 if args.full else 1
     torch.set_num_threads(1)
 
-    t0 = time.perf_counter()
+    t_start = t0 = time.perf_counter()
     voice = prepare_voice(args.voice)
     prepare_s = time.perf_counter() - t0
     t0 = time.perf_counter()
@@ -174,6 +178,8 @@ def main() -> None:
         "scheduling": "one thread; bursts of <concurrency> requests; talker and code2wav stepped alternately",
         "components": comp,
         "concurrency": conc,
+        "seconds": round(time.perf_counter() - t_start, 1),
+        "loadavg_end": [round(x, 2) for x in os.getloadavg()],
     }
     if args.json:
         json.dump(doc, sys.stdout, indent=1)
@@ -192,6 +198,7 @@ def main() -> None:
     print("  ".join(f"{c:>16s}" for c in cols))
     for row in conc:
         print("  ".join(f"{row[c]:>16}" for c in cols))
+    print(f"\ntotal wall time {doc['seconds']} s, load average {doc['loadavg_end']} at the end")
 
 
 if __name__ == "__main__":

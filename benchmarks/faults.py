@@ -9,8 +9,9 @@ the pipeline recovers. The LM -> pooler pipeline with the real SmolLM2 weights.
                                                      #   "completed", "recover_s", "false_deaths", "orphans",
                                                      #   "took_s", "skipped"}, ...], "loadavg": [1, 5, 15 min]}
 
-Wall time of the default (--quick) on the shared 2-core box: 101 s at load average 8, 146 s at 14
-(the headless deployment's start-up 22-28 s, the replacement pooler of sigkill_stage 26-40 s);
+Wall time of the default (--quick) on the shared 2-core box: 43 s at load average 2-3, 101 s at 8,
+146 s at 14 (the headless deployment's start-up 6-28 s, the replacement pooler of sigkill_stage
+9-40 s); printed at the end, and in the JSON (`seconds`);
 --vllm adds about 2.5 minutes (232 s in all at load 7: three vLLM start-ups), --full a few more.
 Rows a run leaves out stay in the table and the JSON, with `skipped` saying why.
 
@@ -221,6 +222,7 @@ def main() -> None:
                     help="everything: the headless faults, the vLLM stage kills, the `omni serve` faults")
     ap.add_argument("--json", action="store_true", help="print one JSON document")
     args = ap.parse_args()
+    t0 = time.monotonic()
     os.environ.setdefault("OMNI_TEST", "1")
     with tempfile.TemporaryDirectory(prefix="omni-faults-") as tmp:
         rows = run_headless(Path(tmp))
@@ -233,14 +235,16 @@ def main() -> None:
         else:
             rows += [skipped(f, "needs --full") for f in SERVED]
     load = [round(x, 2) for x in os.getloadavg()]
+    seconds = round(time.monotonic() - t0, 1)
     if args.json:
-        print(json.dumps({"faults": rows, "loadavg": load}))
+        print(json.dumps({"faults": rows, "loadavg": load, "seconds": seconds}))
         return
     print(f"load average: {load}")
     widths = [20] + [13] * (len(COLUMNS) - 1)
     print(" ".join(f"{c:>{w}}" for c, w in zip(COLUMNS, widths)))
     for r in rows:
         print(" ".join(f"{'-' if r[c] is None else r[c]:>{w}}" for c, w in zip(COLUMNS, widths)))
+    print(f"total wall time {seconds} s")
     if any(r["hung"] or r["false_deaths"] or r["orphans"] for r in rows):
         sys.exit(1)
 

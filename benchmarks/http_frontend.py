@@ -1,8 +1,8 @@
 """HTTP frontend per process: omni's frontend against vLLM's OpenAI server, same client, one run.
 
 Starts, on loopback, vLLM's server (`python -m vllm.entrypoints.openai.api_server`, access log
-off like omni's) on the SmolLM2 folder and `omni serve smollm2-vllm` (one frontend; its thinker
-is a vLLM EngineCore with the same engine args), plus bare ASGI apps that answer every request
+off like omni's) on the SmolLM2 folder and `omni serve smollm2-vllm` with its thinker stage alone
+(one frontend; the thinker is a vLLM EngineCore with the same engine args), plus bare ASGI apps that answer every request
 with a fixed 15-byte JSON body: on Hypercorn (asyncio loop, uvloop) and on uvicorn
 (httptools + uvloop, vLLM's stack). The bare rows are each server's ceiling: no handler work
 can beat them. Then, in rounds that alternate the servers (so load from other processes
@@ -14,8 +14,9 @@ work, requests/s follow the CPU share a process gets, while CPU per request stay
 `capacity` (1 / CPU per request) is the figure to compare when the load average is high.
 The HTTP process is vLLM's API server (it detokenizes too) and omni's frontend process.
 
-    .venv/bin/python benchmarks/http_frontend.py            # --quick (default)
-    .venv/bin/python benchmarks/http_frontend.py --full
+    .venv/bin/python benchmarks/http_frontend.py            # --quick (default): 3 rounds (1 s wrk, 3 s SSE), no bare
+                                                            # hypercorn-asyncio, under 2 minutes
+    .venv/bin/python benchmarks/http_frontend.py --full     # 8 longer rounds, every bare app
     .venv/bin/python benchmarks/http_frontend.py --json     # one JSON document on stdout
 Needs `wrk` (Debian: apt-get install wrk).
 """
@@ -30,13 +31,14 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.vllm_bench import OMNI_MODEL, Server  # noqa: E402
+from benchmarks.vllm_bench import OMNI_MODEL, Server, omni_argv  # noqa: E402
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
@@ -177,29 +179,35 @@ def main() -> int:
     ap.add_argument("--bare-server", choices=BARE, help=argparse.SUPPRESS)
     ap.add_argument("--startup-timeout", type=float, default=600)
     a = ap.parse_args()
+    t0 = time.monotonic()
     if a.bare_server:
         bare_server(a.bare_server)
         return 0
     if shutil.which("wrk") is None:
         raise SystemExit("http_frontend: needs wrk (Debian: apt-get install wrk)")
-    rounds, seconds, sse_s, sse_tokens, sse_conns = (8, 4, 15, 64, 8) if a.full else (5, 2, 6, 32, 8)
+    rounds, seconds, sse_s, sse_tokens, sse_conns = (8, 4, 15, 64, 8) if a.full else (3, 1, 3, 32, 8)
+    # --quick leaves out Hypercorn's asyncio loop (omni's frontend runs on uvloop when it is there).
+    bare = () if a.no_bare else BARE if a.full else BARE[1:]
 
     from omni.models.resolve import resolve_model
 
     servers: dict[str, Server] = {}
+    tmp = tempfile.mkdtemp(prefix="http-frontend-")
     try:
-        # One start-up at a time: two at once overload a 2-core machine.
+        # Every server starts at once: start-up is not measured, and each round has the
+        # others idle. (One after the other took ~40 s more on a 2-core box.)
         servers["vllm"] = Server("vllm", [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                                           "--model", resolve_model(MODEL), "--served-model-name", MODEL,
                                           "--host", "127.0.0.1", "--port", "0", *VLLM_ARGS])
-        wait_ready([servers["vllm"]], a.startup_timeout)
-        servers["omni"] = Server("omni", [sys.executable, "-m", "omni.cli", "serve", OMNI_MODEL, "--port", "0"])
-        wait_ready([servers["omni"]], a.startup_timeout)
-        for kind in () if a.no_bare else BARE:
+        # omni: the smollm2-vllm pipeline's thinker stage alone (no request here reaches the audio stages).
+        servers["omni"] = Server("omni", omni_argv(tmp))
+        for kind in bare:
             # named "omni" while starting: wait_ready reads the port it prints
-            s = servers[kind] = Server("omni", [sys.executable, __file__, "--bare-server", kind])
-            wait_ready([s], 60)
-            s.name = f"bare {kind}"
+            servers[kind] = Server("omni", [sys.executable, __file__, "--bare-server", kind])
+        wait_ready(list(servers.values()), a.startup_timeout)
+        startup_s = round(time.monotonic() - t0, 1)
+        for kind in bare:
+            servers[kind].name = f"bare {kind}"
         procs = {name: http_process(s) for name, s in servers.items()}
         runs: dict[str, dict[str, list[dict]]] = {}
         for r in range(rounds):
@@ -215,12 +223,13 @@ def main() -> int:
                 for name in ("vllm", "omni"):
                     model = MODEL if name == "vllm" else OMNI_MODEL
                     if r == 0:
-                        sse(servers[name].url, model, 2, sse_conns, sse_tokens)   # warm-up
+                        sse(servers[name].url, model, 1, sse_conns, sse_tokens)   # warm-up
                     runs.setdefault("sse", {}).setdefault(name, []).append(
                         sse(servers[name].url, model, sse_s, sse_conns, sse_tokens, procs[name]))
     finally:
         for s in servers.values():
             s.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
 
     def med(rows: list[dict], key: str) -> float:
         return statistics.median(x.get(key, 0.0) for x in rows)
@@ -239,7 +248,9 @@ def main() -> int:
             d["vs_vllm"] = round(d["median"] / v, 3) if v else None
             d["capacity_vs_vllm"] = round(vc / d["cpu_us_per"], 3) if vc and d["cpu_us_per"] else None
     doc = {"client": "wrk -t1 -c32; SSE: httpx, %d streams of %d tokens (ignore_eos)" % (sse_conns, sse_tokens),
-           "rounds": rounds, "seconds": seconds, "sse_seconds": sse_s, "summary": summary}
+           "rounds": rounds, "seconds": seconds, "sse_seconds": sse_s, "summary": summary,
+           "startup_s": startup_s, "total_seconds": round(time.monotonic() - t0, 1),
+           "loadavg_end": [round(x, 2) for x in os.getloadavg()]}
     if a.json:
         print(json.dumps(doc, indent=1))
         return 0
@@ -253,6 +264,7 @@ def main() -> int:
             cap = f"{d['capacity_vs_vllm']:.2f}x" if d["capacity_vs_vllm"] is not None else "-"
             print(f"{what:<12}{name:<24}{d['median']:>10.0f}{ratio:>9}{d['cpu_us_per']:>11.0f}{cap:>17}{d['errors']:>8}  "
                   f"{' '.join(f'{x:.1f}' for x in d['loadavg_1m'])} {unit}")
+    print(f"start-up (every server at once) {doc['startup_s']} s; total wall time {doc['total_seconds']} s")
     return 0
 
 

@@ -8,7 +8,9 @@ DIR/<role>-<pid>.jsonl, omni/latency_trace.py), load it (benchmarks/vllm_bench.p
 
 Per hop (stage sent -> frontend received -> text handed to the HTTP stream) and per
 gap between consecutive tokens of a request: p50/p90/p99/max in ms; outputs whose text
-was held back (half a character, a possible stop string); GC pauses over 1 ms.
+was held back (half a character, a possible stop string); GC pauses over 1 ms; for
+/v1/audio/speech requests, each hop to the first audio (`speech_report`, used by
+benchmarks/audio.py --trace).
 """
 
 from __future__ import annotations
@@ -83,6 +85,39 @@ def report(where: str) -> dict:
             "gc_pauses_ms": {k: summary(v) for k, v in sorted(gc.items())}}
 
 
+SPEECH_HOPS = ("request in -> talker added", "talker added -> sent (its step)", "talker sent -> code2wav added",
+               "code2wav added -> sent (its step)", "code2wav sent -> frontend audio", "request in -> frontend audio")
+
+
+def speech_report(where: str, since: float = float("-inf"), until: float = float("inf")) -> dict:
+    """/v1/audio/speech requests' first audio, hop by hop: the entry (talker) stage's first
+    output, the code2wav stage's first output, the frontend handing the audio to the stream.
+    Only requests that arrived between `since` and `until` (time.monotonic())."""
+    ev = load(where)
+    first: dict[str, dict[str, float]] = collections.defaultdict(dict)
+    for point in ("arrived", "added", "sent", "audio"):
+        for e in ev[point]:
+            if not e["r"].startswith("speech-"):
+                continue
+            key = point if e["role"].startswith("frontend") else f"{e['role']}.{point}"
+            t, rid = e.get("at", e["t"]), e["r"].split("/")[0]     # a stage's sub-request: rid/sub
+            first[rid][key] = min(t, first[rid].get(key, t))
+    hops: dict[str, list[float]] = {k: [] for k in SPEECH_HOPS}
+    for t in first.values():
+        stages = sorted({k.split(".")[0] for k in t if "." in k})
+        if len(stages) != 2 or "arrived" not in t or "audio" not in t or not since <= t["arrived"] <= until:
+            continue
+        talk, c2w = stages
+        chain = [t["arrived"], t.get(f"{talk}.added"), t.get(f"{talk}.sent"), t.get(f"{c2w}.added"),
+                 t.get(f"{c2w}.sent"), t["audio"]]
+        if None in chain:
+            continue
+        for name, a, b in zip(SPEECH_HOPS, chain, chain[1:]):
+            hops[name].append(1000 * (b - a))
+        hops[SPEECH_HOPS[-1]].append(1000 * (t["audio"] - t["arrived"]))
+    return {k: summary(v) for k, v in hops.items()}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("dir")
@@ -104,6 +139,11 @@ def main() -> int:
                 print(f"{label:<34}{s['n']:>7}" + "".join(f"{s[k]:>9.1f}" for k in ("p50", "p90", "p99", "max")))
     if not doc["gc_pauses_ms"]:
         print("no GC pause over 1 ms")
+    speech = speech_report(a.dir)
+    if speech[SPEECH_HOPS[-1]]["n"]:
+        print("speech, first audio:")
+        for name, s in speech.items():
+            print(f"  {name:<32}{s['n']:>7}" + "".join(f"{s[k]:>9.1f}" for k in ("p50", "p90", "p99", "max")))
     return 0
 
 

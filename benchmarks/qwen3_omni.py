@@ -192,6 +192,8 @@ def table(doc: dict) -> str:
     for label, per in doc.get("stage_load", {}).items():
         lines.append(f"  {label:21s} " + "; ".join(
             f"{k} " + " ".join(f"{m} {v}" for m, v in d.items()) for k, d in per.items()))
+    if "seconds" in doc:
+        lines.append(f"total wall time {doc['seconds']} s")
     return "\n".join(lines)
 
 

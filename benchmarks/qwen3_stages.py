@@ -5,12 +5,14 @@ per frame per request); code2wav: RTF (seconds spent / seconds of audio), stream
 the talker's chunks (4, then 25 frames). Greedy, float32, one thread. Without a folder it
 builds the tiny model (random weights: the numbers measure the machinery, not quality).
 
-    .venv/bin/python benchmarks/qwen3_stages.py [MODEL_DIR] [--frames 60]
+    .venv/bin/python benchmarks/qwen3_stages.py [MODEL_DIR] [--frames 60] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 import tempfile
 import time
@@ -72,8 +74,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", nargs="?", help="Qwen3-Omni folder (default: build the tiny one)")
     ap.add_argument("--frames", type=int, default=60, help="talker frames per request")
+    ap.add_argument("--json", action="store_true", help="print one JSON document")
     args = ap.parse_args()
+    if args.frames < 2:
+        ap.error("--frames must be >= 2")
+    t0 = time.perf_counter()
     torch.set_num_threads(1)
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(args.model) if args.model else None
         if folder is None:
@@ -83,8 +90,17 @@ def main() -> None:
         for n in (1, 4):
             step_ms, frame_ms, codes = _talker(folder, n, args.frames)
             rtf = _code2wav(folder, n, codes)
-            print(f"concurrency {n}: talker {step_ms:.1f} ms/step, {frame_ms:.1f} ms/frame "
-                  f"(80 ms of audio per frame); code2wav RTF {rtf:.3f}")
+            rows.append({"concurrency": n, "talker_ms_per_step": round(step_ms, 2),
+                         "talker_ms_per_frame": round(frame_ms, 2), "code2wav_rtf": round(rtf, 4)})
+    doc = {"model": args.model or "tiny (built)", "frames": args.frames, "rows": rows,
+           "seconds": round(time.perf_counter() - t0, 1), "loadavg_end": [round(x, 2) for x in os.getloadavg()]}
+    if args.json:
+        print(json.dumps(doc, indent=1))
+        return
+    for r in rows:
+        print(f"concurrency {r['concurrency']}: talker {r['talker_ms_per_step']:.1f} ms/step, "
+              f"{r['talker_ms_per_frame']:.1f} ms/frame (80 ms of audio per frame); code2wav RTF {r['code2wav_rtf']:.3f}")
+    print(f"total wall time {doc['seconds']} s, load average {doc['loadavg_end']} at the end")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
 import sys
 import time
@@ -118,6 +119,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--max-tokens", type=int, default=32)
     a = ap.parse_args()
+    t0 = time.perf_counter()
     levels = [(1, 4), (4, 8)] if not a.full else [(1, 8), (2, 16), (4, 32), (8, 48)]
     proc = None
     url = a.url
@@ -129,8 +131,10 @@ def main() -> None:
     finally:
         if proc is not None:
             proc.interrupt(60)
+    seconds = round(time.perf_counter() - t0, 1)
+    load = [round(x, 2) for x in os.getloadavg()]
     if a.json:
-        print(json.dumps({"rows": rows}))
+        print(json.dumps({"rows": rows, "seconds": seconds, "loadavg_end": load}))
         return
     print(f"omni serve {MODEL}: streaming chat, {a.max_tokens} tokens per request")
     print(f"{'conc':>4} {'reqs':>4} {'tok/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'e2e p50':>9} {'e2e p99':>9} "
@@ -140,6 +144,7 @@ def main() -> None:
         print(f"{r['concurrency']:>4} {r['requests']:>4} {r['throughput_tok_s']:>7.1f} {r['ttft_p50_ms']:>7.1f}ms "
               f"{r['ttft_p99_ms']:>7.1f}ms {r['e2e_p50_ms']:>7.0f}ms {r['e2e_p99_ms']:>7.0f}ms "
               f"{r['engine_step_ms']:>9.2f}ms {('%.2fms' % ov) if ov is not None else '-':>11}")
+    print(f"total wall time {seconds} s, load average {load} at the end")
 
 
 if __name__ == "__main__":

@@ -302,6 +302,7 @@ def main() -> None:
     mode.add_argument("--full", action="store_true", help="more sizes and iterations")
     ap.add_argument("--json", action="store_true", help="print one JSON document and nothing else")
     args = ap.parse_args()
+    t0 = time.perf_counter()
     torch.set_num_threads(1)
     sizes = FULL if args.full else QUICK
     load = [os.getloadavg()[0]]
@@ -321,7 +322,8 @@ def main() -> None:
     if args.json:
         print(json.dumps({"load": load, "rows": rows, "carriers": carriers, "iperf_gbps": round(iperf_gbps, 3),
                           "floors_p50_us": {c: round(pct(f, 0.5) * 1e6, 1) for c, f in floors.items()},
-                          "first_touch": touch, "shm_cpu": cpu, "goals": goal_rows}))
+                          "first_touch": touch, "shm_cpu": cpu, "goals": goal_rows,
+                          "seconds": round(time.perf_counter() - t0, 1)}))
     else:
         print_report(rows, list(sizes), carriers, floors, iperf_gbps, goal_rows, load, [r[0] for r in runs])
         print(f"\nfirst touch: put of {human(touch['bytes'])} into a fresh arena {touch['cold_us']:.0f} us, into the "
@@ -330,6 +332,7 @@ def main() -> None:
               "inflate):\n  " + ", ".join(f"{human(c['bytes'])} put+encode+free {c['put_cpu_us']:.1f} us, "
                                          f"staged {c['staged_put_cpu_us']:.1f} us, decode+get {c['get_cpu_us']:.1f} us"
                                          for c in cpu))
+        print(f"\ntotal wall time {time.perf_counter() - t0:.1f} s, load average {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

