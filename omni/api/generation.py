@@ -4,7 +4,7 @@
 output (no replica, bad request in a stage) still become a proper HTTP status;
 `events()` then yields ("text", str) and ("audio", pcm_f32_bytes, sample_rate): one text
 event per output that carries tokens, "" while its text is held back (as vLLM streams), and
-last ("end", str) once, with `finish_reason` set: the text of the output that finished the
+last ("end", str) once, with `finish_reason` and `stop_reason` set: the text of the output that finished the
 request (or hit a stop string) and whatever was held back, so a stream can put the finish
 reason on the chunk that carries the last token, as vLLM's server does.
 With logprobs asked for, `take_logprobs()` hands out the entries of the tokens handled since
@@ -35,6 +35,7 @@ class Generation:
         self.prompt_tokens = len(prompt_ids)
         self.completion_tokens = 0
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None   # vLLM's: the stop string or stop token id that ended it
         self.text = ""
         self.sample_rate = 0
         self._orch = orchestrator
@@ -94,6 +95,8 @@ class Generation:
             self.text += tail
             if self._stop.stopped or self.finish_reason is None:
                 self.finish_reason = "stop"
+            if self._stop.stopped:
+                self.stop_reason = self._stop.matched
             yield ("end", last + tail)
         finally:
             self._metrics.tokens(self.prompt_tokens, self.completion_tokens)
@@ -117,7 +120,7 @@ class Generation:
             self.sample_rate = out.sample_rate or self.sample_rate
             yield ("audio", out.audio_pcm, out.sample_rate)
         if out.finished:
-            self.finish_reason = out.finish_reason or "stop"
+            self.finish_reason, self.stop_reason = out.finish_reason or "stop", out.stop_reason
 
     def take_logprobs(self) -> list:
         out, self._logprobs = self._logprobs, []

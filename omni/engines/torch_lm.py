@@ -206,6 +206,8 @@ class TorchLMEngine(Engine):
         if reason is not None:
             out.finished = True
             out.finish_reason = reason
+            if reason == "stop" and (seq.params.ignore_eos or token not in self.eos_token_ids):
+                out.stop_reason = token   # a stop_token_ids entry; EOS leaves it None, as in vLLM
             del self._running[seq.slot]
             self._ids.discard(seq.request_id)
         return out
