@@ -29,8 +29,9 @@ from omni.orchestrator.types import OrchestratorLike, PipelineOutput, PipelineRe
 class Generation:
     def __init__(self, orchestrator: OrchestratorLike, request: PipelineRequest, *,
                  decode: Callable[[list[int]], str], prompt_ids: list[int], stops: list[str],
-                 metrics: FrontendMetrics, route: str, t0: float):
+                 metrics: FrontendMetrics, route: str, t0: float, eos_token_id: int | None = None):
         self.request = request
+        self._eos = None if request.sampling.ignore_eos else eos_token_id
         self.created = int(time.time())  # one value for every chunk of the stream
         self.prompt_tokens = len(prompt_ids)
         self.completion_tokens = 0
@@ -120,7 +121,9 @@ class Generation:
             self.sample_rate = out.sample_rate or self.sample_rate
             yield ("audio", out.audio_pcm, out.sample_rate)
         if out.finished:
-            self.finish_reason, self.stop_reason = out.finish_reason or "stop", out.stop_reason
+            # vLLM's server checks the tokenizer's EOS before stop_token_ids: that one stops with null
+            self.finish_reason = out.finish_reason or "stop"
+            self.stop_reason = None if out.stop_reason == self._eos else out.stop_reason
 
     def take_logprobs(self) -> list:
         out, self._logprobs = self._logprobs, []

@@ -98,7 +98,7 @@ class TextRoutes:
                                inputs=inputs)
         gen = Generation(self.fe.orch, preq, decode=self.fe.decode, prompt_ids=prompt_ids,
                          stops=P.stop_list(req.stop), metrics=self.fe.metrics, route="/v1/chat/completions",
-                         t0=self.fe.t0(request))
+                         t0=self.fe.t0(request), eos_token_id=self.fe.tokenizer.eos_token_id)
         if req.stream:
             return await until_disconnect(
                 request, lambda: self._open_stream(gen, self._chat_stream, usage_mode(req.stream_options)))
@@ -201,7 +201,7 @@ class TextRoutes:
                                sampling=self.fe.sampling(req, mt, logprobs))
         gen = Generation(self.fe.orch, preq, decode=self.fe.decode, prompt_ids=prompt_ids,
                          stops=P.stop_list(req.stop), metrics=self.fe.metrics, route="/v1/completions",
-                         t0=self.fe.t0(request))
+                         t0=self.fe.t0(request), eos_token_id=self.fe.tokenizer.eos_token_id)
         if req.stream:
             return await until_disconnect(
                 request, lambda: self._open_stream(gen, self._completion_stream, usage_mode(req.stream_options)))

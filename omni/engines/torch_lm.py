@@ -206,8 +206,8 @@ class TorchLMEngine(Engine):
         if reason is not None:
             out.finished = True
             out.finish_reason = reason
-            if reason == "stop" and (seq.params.ignore_eos or token not in self.eos_token_ids):
-                out.stop_reason = token   # a stop_token_ids entry; EOS leaves it None, as in vLLM
+            if reason == "stop":
+                out.stop_reason = token   # a stop_token_ids entry or an EOS id (the frontend nulls the tokenizer's EOS)
             del self._running[seq.slot]
             self._ids.discard(seq.request_id)
         return out

@@ -249,6 +249,11 @@ async def test_stop_reason_as_vllm_sends_it(tokenizer):
     assert await finishes({"stop": ["zzz", "quick", "the"]}) == ["the"] * 4   # the stop string found first
     orch.stop_reason = 7                                                  # a stop_token_ids entry
     assert await finishes({}) == [7] * 4
+    # An engine reports the EOS id it stopped on; vLLM's server checks the tokenizer's EOS first
+    # and sends null, unless ignore_eos made it an ordinary stop token.
+    orch.stop_reason = tokenizer.eos_token_id
+    assert await finishes({}) == [None] * 4
+    assert await finishes({"ignore_eos": True}) == [tokenizer.eos_token_id] * 4
 
 
 async def test_stream_without_usage_has_no_usage_field(tokenizer):
