@@ -29,6 +29,16 @@ def _new_buffer(nbytes: int) -> np.ndarray:
     return np.frombuffer(m, dtype=np.uint8)
 
 
+def _refs_when_idle() -> int:
+    # What getrefcount reports, in _idle's own expression, for a buffer only a list holds (3 on
+    # CPython 3.11: the list, `b`, the argument); measured, since interpreters may borrow references.
+    bufs = [np.empty(1, dtype=np.uint8)]
+    return [sys.getrefcount(b) for b in bufs][0]
+
+
+_IDLE_REFS = _refs_when_idle()
+
+
 class RecvPool:
     def __init__(self, max_bytes: int = DEFAULT_POOL_BYTES):
         self.max_bytes = max_bytes
@@ -57,8 +67,7 @@ class RecvPool:
             return torch.from_numpy(buf)[:nbytes].view(dtype).reshape(shape)
 
     def _idle(self) -> list[np.ndarray]:
-        # references to an idle buffer: the pool's list, `b`, getrefcount's argument
-        return [b for b in self._bufs if sys.getrefcount(b) <= 3]
+        return [b for b in self._bufs if sys.getrefcount(b) <= _IDLE_REFS]
 
     def _grow(self, size: int, idle: list[np.ndarray]) -> np.ndarray | None:
         for buf in sorted(idle, key=lambda b: -b.nbytes):   # drop idle buffers, largest first
