@@ -108,7 +108,10 @@ class Generation:
             self.completion_tokens += len(out.token_ids)
             if self.want_logprobs and out.logprobs is not None:
                 self._logprobs.extend((t, lp, top) for t, (lp, top) in zip(out.token_ids, out.logprobs.rows()))
-            text = self._stop.feed(self._detok.push(out.token_ids))
+            ids = out.token_ids
+            if out.finished and isinstance(out.stop_reason, int) and ids[-1] == out.stop_reason:
+                ids = ids[:-1]   # as vLLM: the token a stop finish stopped on adds no text
+            text = self._stop.feed(self._detok.push(ids))
             if latency_trace.on():
                 latency_trace.mark("text" if text else "no_text", self.request.request_id, len(out.token_ids))
             self.text += text

@@ -54,7 +54,7 @@ class FakeOrchestrator:
         self.audio_chunks = 0                      # audio outputs after the text
         self.ok, self.reason = True, ""
         self.sleeping = False
-        self.stop_reason: int | None = None        # on the finishing output (a stop token id)
+        self.end_token: int | None = None          # ends the reply instead of EOS (a stop_token_ids entry)
         self.requests: list[PipelineRequest] = []
         self.closed: list[str] = []
         self.closed_event = asyncio.Event()
@@ -66,7 +66,8 @@ class FakeOrchestrator:
         try:
             if self.fail is not None:
                 raise self.fail
-            ids = self.tok.encode(self.reply, add_special_tokens=False) + [self.tok.eos_token_id]
+            end = self.tok.eos_token_id if self.end_token is None else self.end_token
+            ids = self.tok.encode(self.reply, add_special_tokens=False) + [end]
             if request.entry_stage != 0:
                 ids = []
             n = request.sampling.max_tokens
@@ -80,7 +81,8 @@ class FakeOrchestrator:
                 last = i == total - 1
                 yield PipelineOutput(request_id=request.request_id, stage_id=0, modality="text", token_ids=[t],
                                      finished=last, finish_reason=reason if last else None,
-                                     stop_reason=self.stop_reason if last else None)
+                                     # as the torch engine: the token a "stop" finish stopped on
+                                     stop_reason=t if last and reason == "stop" else None)
             for j in range(self.audio_chunks):
                 pcm = (np.full(100, 0.5 if j % 2 == 0 else -0.5, dtype="<f4")).tobytes()
                 last = j == self.audio_chunks - 1
@@ -247,13 +249,18 @@ async def test_stop_reason_as_vllm_sends_it(tokenizer):
     assert await finishes({}) == [None] * 4                               # EOS
     assert await finishes({"max_tokens": 2}) == [None] * 4                # length
     assert await finishes({"stop": ["zzz", "quick", "the"]}) == ["the"] * 4   # the stop string found first
-    orch.stop_reason = 7                                                  # a stop_token_ids entry
-    assert await finishes({}) == [7] * 4
-    # An engine reports the EOS id it stopped on; vLLM's server checks the tokenizer's EOS first
+    # The engine reports the EOS id it stopped on; vLLM's server checks the tokenizer's EOS first
     # and sends null, unless ignore_eos made it an ordinary stop token.
-    orch.stop_reason = tokenizer.eos_token_id
-    assert await finishes({}) == [None] * 4
     assert await finishes({"ignore_eos": True}) == [tokenizer.eos_token_id] * 4
+    # A stop_token_ids entry: its id, and (as vLLM) its text is left out of the output.
+    (dot,) = tokenizer.encode(".", add_special_tokens=False)
+    orch.end_token, orch.reply = dot, "hello world"
+    assert await finishes({}) == [dot] * 4
+    r = await c.post(chat_path, json=chat_body())
+    assert r.json()["choices"][0]["message"]["content"] == "hello world"
+    chunks = [e["choices"][0] for e in sse_events((await c.post(cmpl_path, json={"prompt": "x", "stream": True})).text)]
+    assert "".join(ch["text"] for ch in chunks) == "hello world" and chunks[-1]["text"] == ""
+    assert r.json()["usage"]["completion_tokens"] == len(tokenizer.encode("hello world", add_special_tokens=False)) + 1
 
 
 async def test_stream_without_usage_has_no_usage_field(tokenizer):
