@@ -1,7 +1,7 @@
 """How the tcp consumer's receive buffer bounds a 64 MiB transfer, side by side with iperf-style.
 
 One producer process holds a 64 MiB tensor (omni TcpProducer); this process fetches it again
-and again over one connection, rotating through the receive variants each round, so a load
+and again over one connection (the RCVBUF variants over their own), rotating through the receive variants each round, so a load
 change hits them all alike:
 
   get, pooled       TcpConsumer.get(): a reused buffer from its pool (omni/transport/recvpool.py)
@@ -9,7 +9,8 @@ change hits them all alike:
   fresh + POPULATE  fresh torch.empty, madvise(MADV_POPULATE_WRITE) on it, then recv_into
   fresh MAP_POPULATE  a fresh mmap(MAP_POPULATE) buffer, then recv_into
   reused, chunk N   recv_into one preallocated buffer, at most N bytes per call
-  reused, RCVBUF 8M the same on a connection with SO_RCVBUF = 8 MiB (turns off autotuning)
+  reused, RCVBUF N  the same on a connection with SO_RCVBUF = N (turns off autotuning; the
+                    kernel caps it at net.core.rmem_max and doubles it)
 
 iperf-style: one TCP stream over 127.0.0.1 into a reused 16 MiB buffer
 (benchmarks/transport_candidates.py), the goal's yardstick: the median of 3 runs before
