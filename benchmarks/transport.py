@@ -9,7 +9,7 @@ token hello; omni/transport/local.py). One timed iteration, measured in the cons
                             arena, from producer.empty(), so put copies nothing) | tcp/gloo: keep it
     producer --TensorRef--> consumer
     consumer: get(ref)      shm: header check + zero-copy view (bytes not touched)
-                            tcp: recv_into a fresh tensor | gloo: process-group recv
+                            tcp: recv_into a pooled buffer (1 MiB+) | gloo: process-group recv
 
 so shm's number is "producer copy into shared memory + ref round trip + map", the
 whole cost of handing a tensor over on one host. "stream" asks for several tensors at

@@ -179,21 +179,22 @@ def carrier_rows(rounds: int) -> list[dict]:
 CHUNK = 16 << 20
 
 
-def _tcp_sink_sender(port: int, total: int) -> None:
-    buf = bytearray(CHUNK)
+def _tcp_sink_sender(port: int, total: int, chunk: int = CHUNK) -> None:
+    buf = bytearray(chunk)
     with socket.create_connection(("127.0.0.1", port)) as s:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         view = memoryview(buf)
         sent = 0
         while sent < total:
-            n = min(CHUNK, total - sent)
+            n = min(chunk, total - sent)
             s.sendall(view[:n])
             sent += n
         s.recv(1)   # wait for the receiver's ack, so the close does not race the timing
 
 
-def iperf_loopback(total: int, repeats: int = 3) -> float:
-    """Best-of-`repeats` GB/s of one TCP stream over 127.0.0.1 (child sends, we receive)."""
+def iperf_loopback(total: int, repeats: int = 3, chunk: int = CHUNK) -> float:
+    """Best-of-`repeats` GB/s of one TCP stream over 127.0.0.1 (child sends, we receive), both
+    ends reusing one `chunk`-byte buffer."""
     best = 0.0
     for _ in range(repeats):
         srv = socket.create_server(("127.0.0.1", 0))
@@ -201,16 +202,16 @@ def iperf_loopback(total: int, repeats: int = 3) -> float:
         pid = os.fork()
         if pid == 0:
             try:
-                _tcp_sink_sender(port, total)
+                _tcp_sink_sender(port, total, chunk)
             finally:
                 os._exit(0)
         conn, _ = srv.accept()
-        buf = bytearray(CHUNK)
+        buf = bytearray(chunk)
         view = memoryview(buf)
         got = 0
         t0 = time.perf_counter()
         while got < total:
-            k = conn.recv_into(view, min(CHUNK, total - got))
+            k = conn.recv_into(view, min(chunk, total - got))
             if k == 0:
                 break
             got += k

@@ -73,6 +73,7 @@ class StopMatcher:
         self._hold = max((len(s) for s in self._stops), default=1) - 1
         self._pending = ""
         self.stopped = False
+        self.matched: str | None = None   # the stop string found (vLLM's stop_reason)
 
     def feed(self, delta: str) -> str:
         """Return the text safe to emit now; sets `stopped` when a stop string appeared."""
@@ -81,9 +82,11 @@ class StopMatcher:
         if self.stopped:
             return ""
         self._pending += delta
-        cut = min((i for i in (self._pending.find(s) for s in self._stops) if i >= 0), default=-1)
+        found = [(i, s) for s in self._stops if (i := self._pending.find(s)) >= 0]
+        cut = min(found, key=lambda f: f[0])[0] if found else -1   # the earliest; the first listed on a tie
         if cut >= 0:
             self.stopped = True
+            self.matched = next(s for i, s in found if i == cut)
             out, self._pending = self._pending[:cut], ""
             return out
         if len(self._pending) <= self._hold:

@@ -4,7 +4,7 @@
 output (no replica, bad request in a stage) still become a proper HTTP status;
 `events()` then yields ("text", str) and ("audio", pcm_f32_bytes, sample_rate): one text
 event per output that carries tokens, "" while its text is held back (as vLLM streams), and
-last ("end", str) once, with `finish_reason` set: the text of the output that finished the
+last ("end", str) once, with `finish_reason` and `stop_reason` set: the text of the output that finished the
 request (or hit a stop string) and whatever was held back, so a stream can put the finish
 reason on the chunk that carries the last token, as vLLM's server does.
 With logprobs asked for, `take_logprobs()` hands out the entries of the tokens handled since
@@ -29,12 +29,14 @@ from omni.orchestrator.types import OrchestratorLike, PipelineOutput, PipelineRe
 class Generation:
     def __init__(self, orchestrator: OrchestratorLike, request: PipelineRequest, *,
                  decode: Callable[[list[int]], str], prompt_ids: list[int], stops: list[str],
-                 metrics: FrontendMetrics, route: str, t0: float):
+                 metrics: FrontendMetrics, route: str, t0: float, eos_token_id: int | None = None):
         self.request = request
+        self._eos = None if request.sampling.ignore_eos else eos_token_id
         self.created = int(time.time())  # one value for every chunk of the stream
         self.prompt_tokens = len(prompt_ids)
         self.completion_tokens = 0
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None   # vLLM's: the stop string or stop token id that ended it
         self.text = ""
         self.sample_rate = 0
         self._orch = orchestrator
@@ -94,6 +96,8 @@ class Generation:
             self.text += tail
             if self._stop.stopped or self.finish_reason is None:
                 self.finish_reason = "stop"
+            if self._stop.stopped:
+                self.stop_reason = self._stop.matched
             yield ("end", last + tail)
         finally:
             self._metrics.tokens(self.prompt_tokens, self.completion_tokens)
@@ -104,7 +108,10 @@ class Generation:
             self.completion_tokens += len(out.token_ids)
             if self.want_logprobs and out.logprobs is not None:
                 self._logprobs.extend((t, lp, top) for t, (lp, top) in zip(out.token_ids, out.logprobs.rows()))
-            text = self._stop.feed(self._detok.push(out.token_ids))
+            ids = out.token_ids
+            if out.finished and isinstance(out.stop_reason, int) and ids[-1] == out.stop_reason:
+                ids = ids[:-1]   # as vLLM: the token a stop finish stopped on adds no text
+            text = self._stop.feed(self._detok.push(ids))
             if latency_trace.on():
                 latency_trace.mark("text" if text else "no_text", self.request.request_id, len(out.token_ids))
             self.text += text
@@ -119,7 +126,9 @@ class Generation:
             self.sample_rate = out.sample_rate or self.sample_rate
             yield ("audio", out.audio_pcm, out.sample_rate)
         if out.finished:
+            # vLLM's server checks the tokenizer's EOS before stop_token_ids: that one stops with null
             self.finish_reason = out.finish_reason or "stop"
+            self.stop_reason = None if out.stop_reason == self._eos else out.stop_reason
 
     def take_logprobs(self) -> list:
         out, self._logprobs = self._logprobs, []

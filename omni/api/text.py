@@ -7,7 +7,8 @@ Streaming audio in chat (our choice, documented in docs): text deltas go to
 and the finishing chunk carries `delta.audio = {"id", "transcript", "expires_at"}`.
 
 As vLLM's server streams: `finish_reason` rides on the chunk with the last token (an empty
-delta when that token has no text, e.g. EOS), that chunk carries its tokens' logprobs, and
+delta when that token has no text, e.g. EOS) with `stop_reason` (the stop string or stop token
+id that ended it, else null; completions chunks carry it null before), that chunk carries its tokens' logprobs, and
 `stream_options.include_usage` adds one `choices: []` chunk with the usage after it
 (`continuous_usage_stats` also puts the usage so far on every chunk).
 Non-streaming chat puts the whole WAV in `message.audio.data` (base64).
@@ -97,7 +98,7 @@ class TextRoutes:
                                inputs=inputs)
         gen = Generation(self.fe.orch, preq, decode=self.fe.decode, prompt_ids=prompt_ids,
                          stops=P.stop_list(req.stop), metrics=self.fe.metrics, route="/v1/chat/completions",
-                         t0=self.fe.t0(request))
+                         t0=self.fe.t0(request), eos_token_id=self.fe.tokenizer.eos_token_id)
         if req.stream:
             return await until_disconnect(
                 request, lambda: self._open_stream(gen, self._chat_stream, usage_mode(req.stream_options)))
@@ -123,6 +124,8 @@ class TextRoutes:
 
         def chunk(delta, finish=None, logprobs=None):
             choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            if finish is not None:
+                choice["stop_reason"] = gen.stop_reason   # only on the finishing chunk, as vLLM sends it
             return self._chunk(gen, obj, choice, gen.usage() if running else None)
 
         try:
@@ -163,7 +166,7 @@ class TextRoutes:
         body = {"id": gen.request.request_id, "object": "chat.completion", "created": int(time.time()),
                 "model": self.fe.model,
                 "choices": [{"index": 0, "message": message, "logprobs": self._chat_logprobs(gen, last=False),
-                             "finish_reason": gen.finish_reason}],
+                             "finish_reason": gen.finish_reason, "stop_reason": gen.stop_reason}],
                 "usage": gen.usage()}
         return Response(msgspec.json.encode(body), media_type="application/json")
 
@@ -198,7 +201,7 @@ class TextRoutes:
                                sampling=self.fe.sampling(req, mt, logprobs))
         gen = Generation(self.fe.orch, preq, decode=self.fe.decode, prompt_ids=prompt_ids,
                          stops=P.stop_list(req.stop), metrics=self.fe.metrics, route="/v1/completions",
-                         t0=self.fe.t0(request))
+                         t0=self.fe.t0(request), eos_token_id=self.fe.tokenizer.eos_token_id)
         if req.stream:
             return await until_disconnect(
                 request, lambda: self._open_stream(gen, self._completion_stream, usage_mode(req.stream_options)))
@@ -239,7 +242,9 @@ class TextRoutes:
         offset = 0     # text_offset of the next token: by the tokens reported, as vLLM counts
 
         def chunk(text, finish, logprobs):
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            # vLLM's completions stream carries stop_reason on every chunk (null until the end)
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish,
+                      "stop_reason": gen.stop_reason if finish is not None else None}
             return self._chunk(gen, "text_completion", choice, gen.usage() if running else None)
 
         try:
@@ -265,7 +270,7 @@ class TextRoutes:
         body = {"id": gen.request.request_id, "object": "text_completion", "created": int(time.time()),
                 "model": self.fe.model,
                 "choices": [{"index": 0, "text": gen.text, "logprobs": self._completion_logprobs(gen, 0, last=False),
-                             "finish_reason": gen.finish_reason}],
+                             "finish_reason": gen.finish_reason, "stop_reason": gen.stop_reason}],
                 "usage": gen.usage()}
         return Response(msgspec.json.encode(body), media_type="application/json")
 

@@ -64,6 +64,9 @@ class EngineOutput(msgspec.Struct, kw_only=True):
     num_prompt_tokens: int | None = None
     sample_rate: int = 0               # Hz of an "audio" tensor (audio outputs only)
     logprobs: Logprobs | None = None   # one row per token id, when the request asked for them
+    # vLLM's stop_reason: the token id a "stop" finish stopped on (a stop_token_ids entry or an EOS id;
+    # the frontend nulls the tokenizer's EOS as vLLM's server does), None for length
+    stop_reason: int | str | None = None
 
 
 class EngineError(Exception):

@@ -206,6 +206,8 @@ class TorchLMEngine(Engine):
         if reason is not None:
             out.finished = True
             out.finish_reason = reason
+            if reason == "stop":
+                out.stop_reason = token   # a stop_token_ids entry or an EOS id (the frontend nulls the tokenizer's EOS)
             del self._running[seq.slot]
             self._ids.discard(seq.request_id)
         return out

@@ -380,12 +380,11 @@ class VllmEngine(Engine):
                     live.rows.close()
                 reason = str(c.finish_reason) if c is not None and c.finish_reason is not None else "stop"
                 out.finished = True
-                if out.error is not None:
-                    pass
-                elif reason == "error":
+                if out.error is None and reason == "error":
                     out.finish_reason, out.error = "error", f"vLLM failed request {r.request_id}"
-                else:
+                elif out.error is None:
                     out.finish_reason = reason if reason in ("stop", "length", "abort") else "stop"
+                    out.stop_reason = getattr(c, "stop_reason", None)   # the stop token id, as vLLM's server sends
             outputs.append(out)
         self._waiter.rearm()
         return outputs

@@ -259,7 +259,7 @@ class OrchestratorCore:
             st.sent.pop(out.request_id, None)
             self._release_inputs(state, s, out.request_id)
             if out.finish_reason and stage.final_output_type == "text":
-                state.finish_reason = out.finish_reason
+                state.finish_reason, state.stop_reason = out.finish_reason, out.stop_reason
             self._check_done(state, s)
 
     def _emit_final(self, state: RequestState, stage: StageConfig, out: m.Output) -> None:
@@ -377,10 +377,11 @@ class OrchestratorCore:
                         None)
             if last is not None:
                 last.output.finished, last.output.finish_reason = True, reason
+                last.output.stop_reason = state.stop_reason
             else:
                 self._out.append(ev.Emit(state.rid, PipelineOutput(
                     request_id=state.rid, stage_id=s, modality="text", finished=True,
-                    finish_reason=reason, num_prompt_tokens=state.num_prompt_tokens)))
+                    finish_reason=reason, num_prompt_tokens=state.num_prompt_tokens, stop_reason=state.stop_reason)))
             self._end(state, "ok")
 
     def _fail(self, state: RequestState, error: OmniError) -> None:

@@ -55,6 +55,7 @@ class RequestState:
         self.started_at = now
         self.first_output_at: float | None = None
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
         self.num_prompt_tokens: int | None = None
         # Which replica produced each tensor this request saw, so its consumers' frees go back there.
         self.origin: dict[tuple[str, str, int], str] = {}

@@ -40,6 +40,7 @@ class PipelineOutput(msgspec.Struct, kw_only=True):
     num_prompt_tokens: int | None = None
     embedding: list[float] | None = None   # modality "embedding"
     logprobs: Logprobs | None = None   # modality "text": one row per token id, when asked for
+    stop_reason: int | str | None = None   # on the finishing output: the stop token id that ended it
 
 
 class OrchestratorLike(Protocol):

@@ -82,6 +82,7 @@ class Output(msgspec.Struct, frozen=True, tag="out", kw_only=True):
     sent_at: float = 0.0                 # wall clock when the stage sent it (output queue delay)
     sample_rate: int = 0                 # Hz of the audio tensor in `tensors` (audio outputs only)
     logprobs: Logprobs | None = None     # per token id of `token_ids`, when the request asked for them
+    stop_reason: int | str | None = None  # the stop token id that finished it (vLLM's stop_reason)
 
 
 class RequestError(msgspec.Struct, frozen=True, tag="err"):

@@ -353,7 +353,7 @@ class StageWorker:
             num_prompt_tokens=out.num_prompt_tokens,
             queue_s=queue_s,
             step_s=step_s,
-            sent_at=time.time(), sample_rate=out.sample_rate, logprobs=out.logprobs,
+            sent_at=time.time(), sample_rate=out.sample_rate, logprobs=out.logprobs, stop_reason=out.stop_reason,
         )
         if out.finished:
             del self._reqs[out.request_id]

@@ -8,8 +8,9 @@ Wire format (all little endian, no pickle):
   request  client -> server  u64 key | u64 expected nbytes
   reply    server -> client  u8 status (0 ok, 1 unknown key, 2 size mismatch) | u64 nbytes | raw bytes
 The consumer keeps a pool of open connections per endpoint and receives straight into
-the buffer of a preallocated tensor (`recv_into`); the producer sends from the
-tensor's memory (`sendall(memoryview)`).
+the buffer of a preallocated tensor (`recv_into`), from 1 MiB on a reused buffer whose
+pages are present (recvpool.py); the producer sends from the tensor's memory
+(`sendall(memoryview)`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import threading
 import torch
 
 from omni.transport.base import ProducerFull, TensorConsumer, TensorProducer, TensorRef, TransportError
+from omni.transport.recvpool import DEFAULT_POOL_BYTES, RecvPool
 from omni.transport.server import SocketServer, client_hello, token_hello
 from omni.transport.util import (
     as_memoryview, check_ref, dtype_name, prepare, recv_exact, recv_into_exact, split_endpoint,
@@ -228,13 +230,14 @@ def request(sock: socket.socket, ref: TensorRef) -> int:
 
 class TcpConsumer(TensorConsumer):
     def __init__(self, token: str | None = None, timeout: float = 30.0,
-                 max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES):
+                 max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES, pool_bytes: int = DEFAULT_POOL_BYTES):
         self._token = token
         self._timeout = timeout
         self._max = max_tensor_bytes
         self._lock = threading.Lock()
         self._idle: dict[str, list[socket.socket]] = {}
         self._closed = False
+        self._pool = RecvPool(pool_bytes)
 
     def _take(self, endpoint: str) -> socket.socket:
         with self._lock:
@@ -260,7 +263,7 @@ class TcpConsumer(TensorConsumer):
         sock = self._take(ref.endpoint)
         try:
             request(sock, ref)
-            out = torch.empty(ref.shape, dtype=dtype)
+            out = self._pool.empty(ref.shape, dtype, ref.nbytes)
             if ref.nbytes:
                 recv_into_exact(sock, as_memoryview(out))
         except TransportError:
@@ -279,6 +282,7 @@ class TcpConsumer(TensorConsumer):
         with self._lock:
             self._closed = True
             pools, self._idle = self._idle, {}
+        self._pool.clear()
         for pool in pools.values():
             for sock in pool:
                 sock.close()

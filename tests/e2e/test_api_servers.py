@@ -15,7 +15,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.e2e.harness import REPO, OmniProcess, omni_env
+from tests.e2e.harness import REPO, OmniProcess, omni_env, omni_shm_entries
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -30,11 +30,8 @@ def server():
         url = p.http(300)
         yield p, url, p.master_address()
     finally:
-        if p.proc.poll() is None:
-            try:
-                p.interrupt(60)   # a clean stop removes the launcher's temp dir (config, job results)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        # Ctrl-C, then the whole tree gone (a clean stop removes the launcher's temp dir and the stages' shm)
+        assert omni_shm_entries(p.stop(60)) == []
 
 
 def fresh(url: str, method: str, path: str, **kw) -> httpx.Response:

@@ -15,7 +15,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.e2e.harness import OmniProcess
+from tests.e2e.harness import OmniProcess, omni_shm_entries
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -37,11 +37,7 @@ def url():
     try:
         yield p.http(300)
     finally:
-        if p.proc.poll() is None:
-            try:
-                p.interrupt(60)
-            except Exception:
-                p.kill()
+        assert omni_shm_entries(p.stop(60)) == []   # Ctrl-C, the whole tree gone, its shm with it
 
 
 def speech(url: str, text: str, **body) -> httpx.Response:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import re
 import signal
-import subprocess
 
 import psutil
 import pytest
@@ -27,11 +26,7 @@ def head(port: str, state_dir: str) -> OmniProcess:
 
 def stop(procs) -> None:
     for p in procs:
-        if p.proc.poll() is None:
-            try:
-                p.interrupt(60)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        p.stop(60)   # Ctrl-C, then the whole tree gone (SIGKILL past the deadline)
 
 
 def speech(url: str, index: str, voice: str) -> bytes:

@@ -5,11 +5,10 @@ with the official `openai` client, against log_softmax of HF transformers' logit
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 
-from tests.e2e.harness import OmniProcess
+from tests.e2e.harness import OmniProcess, omni_shm_entries
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -25,11 +24,8 @@ def server():
     try:
         yield p.http(300)
     finally:
-        if p.proc.poll() is None:
-            try:
-                p.interrupt(60)   # a clean stop: the stages go with the launcher, and its temp dir
-            except subprocess.TimeoutExpired:
-                p.kill()
+        # Ctrl-C, then the whole tree gone: the stages go with the launcher, and its temp dir and shm
+        assert omni_shm_entries(p.stop(60)) == []
 
 
 @pytest.fixture(scope="module")

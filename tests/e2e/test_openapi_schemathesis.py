@@ -14,7 +14,7 @@ import sys
 import httpx
 import pytest
 
-from tests.e2e.harness import OmniProcess
+from tests.e2e.harness import OmniProcess, omni_shm_entries
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -36,11 +36,8 @@ def server(tmp_path_factory):
     try:
         yield p.http(300)
     finally:
-        if p.proc.poll() is None:
-            try:
-                p.interrupt(60)   # Ctrl-C: the server stops its stage processes
-            except subprocess.TimeoutExpired:
-                p.kill()
+        # Ctrl-C: the server stops its stage processes; the whole tree gone, its shm with it
+        assert omni_shm_entries(p.stop(60)) == []
 
 
 def schemathesis(url: str, cwd, *args: str, max_examples: int) -> subprocess.CompletedProcess:

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.harness import READY, REPO, OmniProcess, omni_env
+from tests.e2e.harness import READY, REPO, OmniProcess, omni_env, omni_shm_entries
 
 pytestmark = [pytest.mark.e2e]
 
@@ -63,12 +63,8 @@ def test_long_prompts_avoid_the_replica_with_the_smaller_max_model_len(tmp_path)
                            json={"model": "lm", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
         assert short.status_code == 200, short.text
     finally:
-        for p in procs:   # SIGINT: each launcher stops its own children
-            if p.proc.poll() is None:
-                try:
-                    p.interrupt(60)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+        pids = [pid for p in procs for pid in p.stop(60)]   # Ctrl-C: each launcher stops its own children
+        assert omni_shm_entries(pids) == []
 
 
 def test_num_replicas_in_single_command_mode(tmp_path):
@@ -92,8 +88,4 @@ def test_num_replicas_in_single_command_mode(tmp_path):
             threading.Event().wait(1.0)   # polling a remote condition, bounded by the deadline
         assert [x["state"] for x in stages] == ["READY"] * 2, stages
     finally:
-        if p.proc.poll() is None:
-            try:
-                p.interrupt(60)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        assert omni_shm_entries(p.stop(60)) == []

@@ -1,9 +1,10 @@
 """omni's streamed chat and completions chunk for chunk against vLLM's own OpenAI server, both
 on SmolLM2 with the `smollm2-vllm` stage's engine args (float32, greedy), started one after
 the other through benchmarks/vllm_bench.py's Server: the same deltas, finish_reason on the
-chunk with the last token (length, EOS, stop string), logprobs per chunk, the usage chunk
-and continuous usage stats. Fields only vLLM sends (stop_reason, token_ids,
-system_fingerprint, prompt_token_ids) are not compared."""
+chunk with the last token (length, EOS, stop string, stop token id) with its stop_reason
+(present on the same chunks, same value), logprobs per chunk, the usage chunk and continuous
+usage stats; and the non-streamed answers' text, finish_reason and stop_reason. Fields only
+vLLM sends (token_ids, system_fingerprint, prompt_token_ids) are not compared."""
 
 from __future__ import annotations
 
@@ -36,6 +37,9 @@ REQUESTS = {
     "completion length, logprobs, usage": (CMPL, {"prompt": PROMPT, "max_tokens": 5, "logprobs": 2,
                                                   "stream_options": {"include_usage": True}}),
     "completion stop string": (CMPL, {"prompt": PROMPT, "max_tokens": 12, "stop": [" 20"]}),
+    # STOP_TOKEN: the id of "." (filled in by the fixture), so vLLM's engine reports it as stop_reason
+    "chat stop token id": (CHAT, {"messages": QUESTION, "max_tokens": 40, "stop_token_ids": "STOP_TOKEN"}),
+    "completion stop token id": (CMPL, {"prompt": PROMPT, "max_tokens": 12, "stop_token_ids": "STOP_TOKEN"}),
 }
 
 
@@ -48,11 +52,26 @@ def stream(url: str, model: str, path: str, body: dict) -> list:
     return [json.loads(d) for d in data[:-1]]
 
 
-def answers(server_cls, name: str, argv: list[str], model: str, extra_env: dict | None = None) -> dict:
+def full(url: str, model: str, path: str, body: dict) -> dict:
+    body = {"model": model, "temperature": 0, **{k: v for k, v in body.items() if k != "stream_options"}}
+    r = httpx.post(url + path, json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    ch = r.json()["choices"][0]
+    return {"text": ch["message"]["content"] if "message" in ch else ch["text"],
+            "finish_reason": ch["finish_reason"], "stop_reason": ch.get("stop_reason", "absent")}
+
+
+def answers(server_cls, name: str, argv: list[str], model: str, stop_token: int,
+            extra_env: dict | None = None) -> dict:
     s = server_cls(name, argv, extra_env)
     try:
         s.wait_ready(400)
-        return {k: stream(s.url, model, path, body) for k, (path, body) in REQUESTS.items()}
+        out = {}
+        for k, (path, body) in REQUESTS.items():
+            if body.get("stop_token_ids") == "STOP_TOKEN":
+                body = {**body, "stop_token_ids": [stop_token]}
+            out[k] = (stream(s.url, model, path, body), full(s.url, model, path, body))
+        return out
     finally:
         s.stop()
 
@@ -63,13 +82,17 @@ def both() -> tuple[dict, dict]:
     from omni import config
     from omni.models.resolve import resolve_model
 
+    from transformers import AutoTokenizer
+
     stage = config.load(OMNI_MODEL).stage(0)
     path = resolve_model(stage.model)
+    dot = AutoTokenizer.from_pretrained(path).convert_tokens_to_ids(".")
     # One server at a time: two start-ups at once overload a 2-core machine.
     ref = answers(Server, "vllm", [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path,
                                    "--served-model-name", OMNI_MODEL, "--host", "127.0.0.1", "--port", "0",
-                                   *vllm_flags(dict(stage.engine_args))], OMNI_MODEL, {"OMP_NUM_THREADS": "1"})
-    got = answers(Server, "omni", [sys.executable, "-m", "omni.cli", "serve", OMNI_MODEL, "--port", "0"], OMNI_MODEL)
+                                   *vllm_flags(dict(stage.engine_args))], OMNI_MODEL, dot, {"OMP_NUM_THREADS": "1"})
+    got = answers(Server, "omni", [sys.executable, "-m", "omni.cli", "serve", OMNI_MODEL, "--port", "0"], OMNI_MODEL,
+                  dot)
     return ref, got
 
 
@@ -77,7 +100,7 @@ def shape(chunk: dict) -> dict:
     """What both servers send: the chunk less vLLM's extra fields, logprobs as values."""
     out = {"object": chunk["object"], "model": chunk["model"], "choices": []}
     for ch in chunk["choices"]:
-        c = {k: ch[k] for k in ("index", "delta", "text", "finish_reason") if k in ch}
+        c = {k: ch[k] for k in ("index", "delta", "text", "finish_reason", "stop_reason") if k in ch}
         lp = ch["logprobs"]
         if lp is not None and "content" in lp:
             lp = [(x["token"], round(x["logprob"], 3), [(t["token"], round(t["logprob"], 3))
@@ -93,9 +116,18 @@ def shape(chunk: dict) -> dict:
     return out
 
 
+EXPECTED_STOP_REASON = {"chat stop string": "Paris", "completion stop string": " 20",
+                        "chat stop token id": int, "completion stop token id": int}
+
+
 @pytest.mark.parametrize("case", list(REQUESTS))
 def test_stream_chunks_equal_vllm_servers(both, case):
     ref, got = both
-    assert [shape(c) for c in got[case]] == [shape(c) for c in ref[case]]
-    finishing = [c for c in ref[case] if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert [shape(c) for c in got[case][0]] == [shape(c) for c in ref[case][0]]
+    finishing = [c for c in ref[case][0] if c["choices"] and c["choices"][0]["finish_reason"]]
     assert len(finishing) == 1   # the comparison covers a finish (on the last token's chunk)
+    assert got[case][1] == ref[case][1]   # not streamed: the same text, finish_reason and stop_reason
+    # the cases cover each kind of stop_reason (not all null on both sides)
+    want = EXPECTED_STOP_REASON.get(case)
+    stop_reason = finishing[0]["choices"][0]["stop_reason"]
+    assert (isinstance(stop_reason, int) if want is int else stop_reason == want), stop_reason

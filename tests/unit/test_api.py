@@ -54,6 +54,7 @@ class FakeOrchestrator:
         self.audio_chunks = 0                      # audio outputs after the text
         self.ok, self.reason = True, ""
         self.sleeping = False
+        self.end_token: int | None = None          # ends the reply instead of EOS (a stop_token_ids entry)
         self.requests: list[PipelineRequest] = []
         self.closed: list[str] = []
         self.closed_event = asyncio.Event()
@@ -65,7 +66,8 @@ class FakeOrchestrator:
         try:
             if self.fail is not None:
                 raise self.fail
-            ids = self.tok.encode(self.reply, add_special_tokens=False) + [self.tok.eos_token_id]
+            end = self.tok.eos_token_id if self.end_token is None else self.end_token
+            ids = self.tok.encode(self.reply, add_special_tokens=False) + [end]
             if request.entry_stage != 0:
                 ids = []
             n = request.sampling.max_tokens
@@ -78,7 +80,9 @@ class FakeOrchestrator:
                     await asyncio.Event().wait()
                 last = i == total - 1
                 yield PipelineOutput(request_id=request.request_id, stage_id=0, modality="text", token_ids=[t],
-                                     finished=last, finish_reason=reason if last else None)
+                                     finished=last, finish_reason=reason if last else None,
+                                     # as the torch engine: the token a "stop" finish stopped on
+                                     stop_reason=t if last and reason == "stop" else None)
             for j in range(self.audio_chunks):
                 pcm = (np.full(100, 0.5 if j % 2 == 0 else -0.5, dtype="<f4")).tobytes()
                 last = j == self.audio_chunks - 1
@@ -223,6 +227,40 @@ async def test_stream_finish_rides_on_the_last_token_chunk_as_vllm(tokenizer):
         assert [ch["finish_reason"] for ch in chunks] == [None] * (len(chunks) - 1) + ["stop"]
         assert "".join(text(ch) for ch in chunks) == "hello world, the quick brown "
         assert text(chunks[-1]) == "wn "    # len("fox") - 1 characters held back, then the rest to the stop
+
+
+async def test_stop_reason_as_vllm_sends_it(tokenizer):
+    """vLLM's stop_reason: the stop string or stop token id that ended the request, null for EOS and
+    length; streamed chat has it on the finishing chunk only, streamed completions on every chunk."""
+    orch, c = make(tokenizer, reply="hello world, the quick brown fox")
+    chat_path, cmpl_path = "/v1/chat/completions", "/v1/completions"
+
+    async def finishes(body_extra: dict) -> list:
+        out = []
+        for path, body in ((chat_path, chat_body(**body_extra)), (cmpl_path, {"prompt": "x", **body_extra})):
+            out.append(((await c.post(path, json=body)).json()["choices"][0]).get("stop_reason", "absent"))
+            chunks = [e["choices"][0] for e in sse_events((await c.post(path, json={**body, "stream": True})).text)]
+            assert [ch["finish_reason"] is not None for ch in chunks] == [False] * (len(chunks) - 1) + [True]
+            before = [ch.get("stop_reason", "absent") for ch in chunks[:-1]]
+            assert set(before) == ({"absent"} if path == chat_path else {None}), before
+            out.append(chunks[-1].get("stop_reason", "absent"))
+        return out
+
+    assert await finishes({}) == [None] * 4                               # EOS
+    assert await finishes({"max_tokens": 2}) == [None] * 4                # length
+    assert await finishes({"stop": ["zzz", "quick", "the"]}) == ["the"] * 4   # the stop string found first
+    # The engine reports the EOS id it stopped on; vLLM's server checks the tokenizer's EOS first
+    # and sends null, unless ignore_eos made it an ordinary stop token.
+    assert await finishes({"ignore_eos": True}) == [tokenizer.eos_token_id] * 4
+    # A stop_token_ids entry: its id, and (as vLLM) its text is left out of the output.
+    (dot,) = tokenizer.encode(".", add_special_tokens=False)
+    orch.end_token, orch.reply = dot, "hello world"
+    assert await finishes({}) == [dot] * 4
+    r = await c.post(chat_path, json=chat_body())
+    assert r.json()["choices"][0]["message"]["content"] == "hello world"
+    chunks = [e["choices"][0] for e in sse_events((await c.post(cmpl_path, json={"prompt": "x", "stream": True})).text)]
+    assert "".join(ch["text"] for ch in chunks) == "hello world" and chunks[-1]["text"] == ""
+    assert r.json()["usage"]["completion_tokens"] == len(tokenizer.encode("hello world", add_special_tokens=False)) + 1
 
 
 async def test_stream_without_usage_has_no_usage_field(tokenizer):
@@ -751,6 +789,10 @@ def test_detok_flush_emits_incomplete_tail(tokenizer):
 def test_stop_matcher_across_deltas():
     m = StopMatcher(["STOP", "##"])
     out = "".join(m.feed(x) for x in ["ab", "cS", "T", "O", "Pxyz"])
-    assert out == "abc" and m.stopped
+    assert out == "abc" and m.stopped and m.matched == "STOP"
+    m = StopMatcher(["BC", "AB", "B"])     # the earliest match wins; on a tie, the first listed
+    assert m.feed("xABC") == "x" and m.matched == "AB"
+    m = StopMatcher(["B", "BC"])
+    assert m.feed("xBC") == "x" and m.matched == "B"
     m = StopMatcher(["STOP"])
     assert m.feed("abcST") == "ab" and m.flush() == "cST" and not m.stopped

@@ -133,12 +133,14 @@ def test_text_only_request_needs_no_talker_or_code2wav():
     req = chat(modalities=("text",))
     assert core.needed_stages(req) == [0]
     core.submit(req)
-    acts = core.handle(output("s0r0", 0, "r1", token_ids=ids("Done. Really."), finished=True, finish_reason="stop"))
+    acts = core.handle(output("s0r0", 0, "r1", token_ids=ids("Done. Really."), finished=True, finish_reason="stop",
+                              stop_reason=46))
     assert not of(acts, ev.Send) and not of(acts, ev.AbortStage)
-    # One output: the last tokens carry the finish (a stream's last token chunk has finish_reason).
+    # One output: the last tokens carry the finish (a stream's last token chunk has finish_reason),
+    # and the stop token id that ended it (vLLM's stop_reason).
     emits = of(acts, ev.Emit)
-    assert [(e.output.token_ids, e.output.finished, e.output.finish_reason) for e in emits] == \
-        [(ids("Done. Really."), True, "stop")]
+    assert [(e.output.token_ids, e.output.finished, e.output.finish_reason, e.output.stop_reason) for e in emits] == \
+        [(ids("Done. Really."), True, "stop", 46)]
     assert of(acts, ev.Finished)[0].outcome == "ok"
     with pytest.raises(Unavailable, match="talker"):
         core.submit(chat("r2"))                           # audio needs the talker: 503, nothing sent

@@ -82,7 +82,7 @@ async def test_a_completed_request_is_ok_and_nothing_is_aborted():
     orch._on_stage_message(ch, m.Output(request_id="r1", token_ids=[2], finished=True, finish_reason="length"))
     await asyncio.wait_for(start, 5)
     texts = [e[1] async for e in gen.events()]       # closes the iterator on the final item
-    assert "".join(texts) == "ab" and gen.finish_reason == "length"
+    assert "".join(texts) == "ab" and gen.finish_reason == "length" and gen.stop_reason is None
     assert aborts(ch) == []
     assert orch.metrics.outcomes == {"ok": 1, "aborted": 0, "failed": 0}
     assert 'omni_pipeline_requests_total{frontend="fe",outcome="ok"} 1' in orch.metrics_text()

@@ -260,9 +260,9 @@ def test_engine_with_ready_fd_is_stepped_when_it_has_output_not_in_a_loop():
         assert 1 <= engine.steps <= 10, engine.steps
         engine.push(EngineOutput(request_id="r1", token_ids=[11]))
         assert recv(s).token_ids == [11]
-        engine.push(EngineOutput(request_id="r1", token_ids=[12], finished=True, finish_reason="length"))
+        engine.push(EngineOutput(request_id="r1", token_ids=[12], finished=True, finish_reason="stop", stop_reason=12))
         last = recv(s)
-        assert last.token_ids == [12] and last.finished
+        assert last.token_ids == [12] and last.finished and last.stop_reason == 12
         # Output for a request nobody holds (aborted meanwhile) is read, not left to spin the loop.
         before = engine.steps
         engine.push(EngineOutput(request_id="gone", token_ids=[1]))

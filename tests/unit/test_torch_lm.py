@@ -93,6 +93,9 @@ def test_greedy_matches_hf_with_requests_joining_at_different_steps(engine, tiny
         assert [o.finished for o in outs[rid]] == [False] * (len(outs[rid]) - 1) + [True]
         expect_reason = "stop" if expected[-1] == EOS and len(expected) < n else "length"
         assert outs[rid][-1].finish_reason == expect_reason
+        # the token a "stop" finish stopped on (EOS here; the frontend nulls the tokenizer's EOS), else null
+        assert [o.stop_reason for o in outs[rid]] == [None] * (len(outs[rid]) - 1) + \
+            [EOS if expect_reason == "stop" else None]
 
 
 def test_hidden_states_match_hf(engine, tiny):
@@ -167,8 +170,22 @@ def test_stop_token_ids_and_max_tokens(engine, tiny):
                                req("mt", PROMPTS["d"], max_tokens=1)]})
     assert tokens(outs["st"]) == ref[:first + 1]
     assert outs["st"][-1].finish_reason == "stop"
+    assert outs["st"][-1].stop_reason == stop and all(o.stop_reason is None for o in outs["st"][:-1])
     assert tokens(outs["mt"]) == ref[:1] and outs["mt"][0].finished
-    assert outs["mt"][0].finish_reason == "length"
+    assert outs["mt"][0].finish_reason == "length" and outs["mt"][0].stop_reason is None
+
+
+def test_stop_reason_is_the_token_a_stop_finish_stopped_on(engine, tiny):
+    # a stop_token_ids entry, or an EOS id of the model: the engine reports which; whether it shows
+    # as null (the tokenizer's EOS, as vLLM's server) is the frontend's call (tests/unit/test_api.py)
+    first = hf_greedy(tiny[1], PROMPTS["d"], 1)[0]
+    saved = engine.eos_token_ids
+    engine.eos_token_ids = type(saved)([*saved, first])   # the first greedy token counts as an EOS
+    try:
+        outs, _ = run(engine, {0: [req("eos", PROMPTS["d"], max_tokens=5)]})
+    finally:
+        engine.eos_token_ids = saved
+    assert (tokens(outs["eos"]), outs["eos"][-1].finish_reason, outs["eos"][-1].stop_reason) == ([first], "stop", first)
 
 
 def test_context_full_finishes_with_length(tiny):
