@@ -13,12 +13,15 @@ Nothing is named in the filesystem; the abstract name goes with the listener.
 
 from __future__ import annotations
 
+import array
+import fcntl
 import os
 import queue
 import secrets
 import select
 import socket
 import struct
+import termios
 from typing import Callable
 
 from omni.transport.base import TransportError
@@ -35,6 +38,8 @@ class LocalChannel:
     def __init__(self, sock: socket.socket):
         self._sock = sock
         self._sock.setblocking(True)
+        self._fd = sock.fileno()
+        self._inq = array.array("i", [0])
         self.closed = False
 
     def fileno(self) -> int:
@@ -79,6 +84,12 @@ class LocalChannel:
         if not data:
             raise ConnectionError("local channel: the peer closed it")
         return data
+
+    def waiting(self) -> bool:
+        """Whether a message waits (not: whether the peer closed). One ioctl, a third of the
+        failed `recv_nowait` (its exception's message is built from strerror) that would tell."""
+        fcntl.ioctl(self._fd, termios.FIONREAD, self._inq, True)   # a packet socket: the next one's size
+        return self._inq[0] > 0
 
     def close(self) -> None:
         if not self.closed:
