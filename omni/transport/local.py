@@ -25,7 +25,7 @@ import termios
 from typing import Callable
 
 from omni.transport.base import TransportError
-from omni.transport.server import SocketServer, client_hello, peer_uid, token_hello
+from omni.transport.server import client_hello, peer_uid, same_user_server
 
 MAGIC = b"OML1"
 _STATUS = struct.Struct("<B")   # hello reply: 0 ok, 1 refused
@@ -106,19 +106,11 @@ class LocalListener:
         self.name = name or f"omni-local-{os.getpid()}-{secrets.token_hex(6)}"
         self._on_accept = on_accept
         self._accepted: queue.Queue[LocalChannel] = queue.Queue()
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            sock.bind("\0" + self.name)
+            self._server = same_user_server(self.name, socket.SOCK_SEQPACKET, self._serve, "omni-local",
+                                            magic=MAGIC, token=token, refusal=_STATUS.pack(1))
         except OSError as e:
-            sock.close()
             raise TransportError(f"local channel {self.name}: cannot listen: {e}") from e
-        sock.listen(64)
-        token_ok = token_hello(MAGIC, (token or "").encode())
-
-        def hello(conn: socket.socket, buf: bytes, nonce: bytes) -> bool | None:
-            return token_ok(conn, buf, nonce) if peer_uid(conn) == os.getuid() else False
-
-        self._server = SocketServer(sock, self._serve, "omni-local", hello=hello, refusal=_STATUS.pack(1))
 
     def _serve(self, conn: socket.socket) -> None:
         # The server closes `conn` when this returns: the channel keeps a duplicate.
