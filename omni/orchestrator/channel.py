@@ -79,6 +79,13 @@ class BaseChannel:
             raise RuntimeError(res.error)
         return res.result
 
+    def adopt(self, other: "BaseChannel", frames: list[bytes]) -> None:
+        """Take over a channel to the same replica that never got going (a failed local connect):
+        its pending calls and Welcome, then send its frames (its Hello first) in order."""
+        self._calls, self._ids, self.welcomed = other._calls, other._ids, other.welcomed
+        for frame in frames:
+            self._transmit(frame)
+
     def _dispatch(self, payload) -> None:
         try:
             msg = self._codec.decode(payload)

@@ -26,7 +26,7 @@ from omni.stage.loop_poll import GONE, IN, OUT, LoopPoller
 from omni.stage.curve import MAX_MESSAGE_BYTES
 from omni.transport.base import TransportError
 from omni.transport.local import MAX_MESSAGE_BYTES as MAX_PACKET
-from omni.transport.local import LocalChannel, LocalListener, connect_local
+from omni.transport.local import LocalChannel, LocalListener, connect_local, connect_local_async
 
 logger = logging.getLogger(__name__)
 
@@ -149,13 +149,25 @@ class FramedLink:
 
 def connect_stage(endpoint: str, token: str, timeout: float = 1.0) -> FramedLink | None:
     """A link to the stage at `endpoint` when it is on this host and admits us, else None.
-    Blocking (the frontend's loop): a connect and one hello round trip with the stage's accept
-    thread, well under a millisecond; `timeout` bounds it for a stage that does not answer."""
+    Blocking: a connect and one hello round trip with the stage's accept thread; `timeout`
+    bounds it for a stage that does not answer. (Frontends use connect_stage_async.)"""
     name = same_host_name(endpoint)
     if name is None:
         return None
     try:
         return FramedLink(connect_local(name, token or None, timeout=timeout))
+    except (TransportError, OSError) as e:
+        logger.info("stage channel %s: no local connection (%s); using ZMQ", endpoint, e)
+        return None
+
+
+async def connect_stage_async(endpoint: str, token: str, timeout: float = 1.0) -> FramedLink | None:
+    """connect_stage on the event loop, without blocking it (the frontend's connect)."""
+    name = same_host_name(endpoint)
+    if name is None:
+        return None
+    try:
+        return FramedLink(await connect_local_async(name, token or None, timeout=timeout))
     except (TransportError, OSError) as e:
         logger.info("stage channel %s: no local connection (%s); using ZMQ", endpoint, e)
         return None

@@ -14,6 +14,7 @@ Nothing is named in the filesystem; the abstract name goes with the listener.
 from __future__ import annotations
 
 import array
+import asyncio
 import fcntl
 import os
 import queue
@@ -25,7 +26,7 @@ import termios
 from typing import Callable
 
 from omni.transport.base import TransportError
-from omni.transport.server import client_hello, peer_uid, same_user_server
+from omni.transport.server import NONCE_BYTES, client_hello, hello_answer, peer_uid, same_user_server
 
 MAGIC = b"OML1"
 _STATUS = struct.Struct("<B")   # hello reply: 0 ok, 1 refused
@@ -147,6 +148,39 @@ def connect_local(name: str, token: str | None = None, timeout: float = 10.0) ->
             raise TransportError(f"local channel {name} is held by another user")
         client_hello(sock, MAGIC, token)
         status = sock.recv(_STATUS.size)
+    except OSError as e:
+        sock.close()
+        raise TransportError(f"local channel {name} unreachable: {e}") from e
+    except BaseException:
+        sock.close()
+        raise
+    if status != _STATUS.pack(0):
+        sock.close()
+        raise TransportError(f"local channel {name} refused the connection (bad token, or another user)")
+    return LocalChannel(sock)
+
+
+async def connect_local_async(name: str, token: str | None = None, timeout: float = 1.0) -> LocalChannel:
+    """connect_local without blocking the event loop: the connect is non-blocking (a unix
+    connect completes at once, or fails when the listener's queue is full) and the hello's two
+    reads wait on the loop, so a listener that is alive but does not answer (a stopped process)
+    costs the loop nothing; TransportError past `timeout`."""
+    loop = asyncio.get_running_loop()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.setblocking(False)
+    try:
+        async with asyncio.timeout(timeout):
+            sock.connect("\0" + name)
+            if peer_uid(sock) != os.getuid():
+                raise TransportError(f"local channel {name} is held by another user")
+            nonce = await loop.sock_recv(sock, NONCE_BYTES)     # a packet socket: the whole nonce or nothing
+            if len(nonce) != NONCE_BYTES:
+                raise TransportError(f"local channel {name} closed the connection during its hello")
+            sock.send(hello_answer(MAGIC, token, nonce))        # 36 bytes into an empty buffer
+            status = await loop.sock_recv(sock, _STATUS.size)
+    except TimeoutError:
+        sock.close()
+        raise TransportError(f"local channel {name}: no hello within {timeout:g} s") from None
     except OSError as e:
         sock.close()
         raise TransportError(f"local channel {name} unreachable: {e}") from e

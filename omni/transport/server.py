@@ -41,7 +41,7 @@ HELLO_TIMEOUT_S = 5.0
 Hello = Callable[[socket.socket, bytes, bytes], "bool | None"]
 
 
-def _answer(magic: bytes, token: str | bytes | None, nonce: bytes) -> bytes:
+def hello_answer(magic: bytes, token: str | bytes | None, nonce: bytes) -> bytes:
     key = token.encode() if isinstance(token, str) else (token or b"")
     return magic + hmac.new(key, magic + nonce, hashlib.sha256).digest()
 
@@ -52,7 +52,7 @@ def token_hello(magic: bytes, token: bytes) -> Hello:
     def check(conn: socket.socket, buf: bytes, nonce: bytes) -> bool | None:
         if len(buf) < HELLO_BYTES:
             return None if buf == magic[:len(buf)] else False
-        return len(buf) == HELLO_BYTES and hmac.compare_digest(buf, _answer(magic, token, nonce))
+        return len(buf) == HELLO_BYTES and hmac.compare_digest(buf, hello_answer(magic, token, nonce))
     return check
 
 
@@ -60,7 +60,7 @@ def client_hello(sock: socket.socket, magic: bytes, token: str | None) -> None:
     """The client's half: read the nonce, answer it (the caller then reads the status)."""
     from omni.transport.util import recv_exact
 
-    sock.sendall(_answer(magic, token, recv_exact(sock, NONCE_BYTES)))
+    sock.sendall(hello_answer(magic, token, recv_exact(sock, NONCE_BYTES)))
 
 
 def peer_uid(sock: socket.socket) -> int:
