@@ -324,8 +324,8 @@ class StageWorker:
             self.engine.abort(out.request_id)
             self._fail(out.request_id, f"could not publish output tensors: {e}")
             return True
-        self.stats.tensor_bytes_out += sum(r.nbytes for r in refs.values())
         for r in refs.values():
+            self.stats.tensor_bytes_out += r.nbytes
             self.stats.count(f"tensor_bytes_out.{r.transport}", r.nbytes)
         queue_s = None
         if not req.started:
