@@ -71,7 +71,11 @@ class LocalStageChannel(BaseChannel):
             for frame in frames:
                 self._transmit(frame)
             return
-        other = fallback()
+        try:
+            other = fallback()
+        except Exception as e:
+            self._lost(f"no local connection, and ZMQ failed: {type(e).__name__}: {e}")
+            return
         if other is None:
             self._lost("no local connection and no ZMQ endpoint")
             return

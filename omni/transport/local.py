@@ -89,7 +89,10 @@ class LocalChannel:
     def waiting(self) -> bool:
         """Whether a message waits (not: whether the peer closed). One ioctl, a third of the
         failed `recv_nowait` (its exception's message is built from strerror) that would tell."""
-        fcntl.ioctl(self._fd, termios.FIONREAD, self._inq, True)   # a packet socket: the next one's size
+        try:
+            fcntl.ioctl(self._fd, termios.FIONREAD, self._inq, True)   # a packet socket: the next one's size
+        except OSError:
+            return True     # the next recv_nowait reports it
         return self._inq[0] > 0
 
     def close(self) -> None:
