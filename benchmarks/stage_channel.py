@@ -13,6 +13,10 @@ all its threads: libzmq's I/O threads count) is the part that load does not infl
     .venv/bin/python benchmarks/stage_channel.py          # --quick (default, about 10 s)
     .venv/bin/python benchmarks/stage_channel.py --full
     .venv/bin/python benchmarks/stage_channel.py --json   # one JSON document on stdout
+    .venv/bin/python benchmarks/stage_channel.py --compare ../main   # before/after: that checkout's omni
+        # and this one's, in turns (3 runs each, alternating), one table
+
+`--tree DIR` runs omni from another checkout (both ends); `--compare` uses it.
 """
 
 from __future__ import annotations
@@ -28,7 +32,19 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+
+def _tree() -> Path:
+    """--tree DIR, read before omni is imported: whose omni both ends run."""
+    argv = sys.argv[1:]
+    for i, a in enumerate(argv):
+        if a.startswith("--tree="):
+            return Path(a.split("=", 1)[1]).resolve()
+        if a == "--tree" and i + 1 < len(argv):
+            return Path(argv[i + 1]).resolve()
+    return Path(__file__).resolve().parents[1]
+
+
+REPO = _tree()
 sys.path.insert(0, str(REPO))
 
 from omni.engines.base import SamplingParams  # noqa: E402
@@ -37,6 +53,7 @@ from omni.stage import messages as m  # noqa: E402
 GOAL_US = 50.0
 QUICK = (10, 1000)    # blocks per carrier, round trips per block
 FULL = (10, 2000)
+RUN_DEADLINE_S = 600
 
 CHILD = """
 import sys
@@ -114,7 +131,7 @@ async def measure(blocks: int, per_block: int, endpoint: str, local: str, token:
         fut = waiting[rid] = loop.create_future()
         t0 = time.perf_counter()
         ch.post(m.AddRequest(request_id=rid, prompt_token_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=1)))
-        await asyncio.wait_for(fut, 30)
+        await fut       # no wait_for here (its cost is the harness's, not omni's): the whole run has a deadline
         return time.perf_counter() - t0
 
     async def stage_cpu() -> float:
@@ -152,7 +169,12 @@ def main() -> None:
     mode.add_argument("--quick", action="store_true", help="fewer round trips (default)")
     mode.add_argument("--full", action="store_true", help="more round trips")
     ap.add_argument("--json", action="store_true", help="print one JSON document and nothing else")
+    ap.add_argument("--tree", help="run omni from this checkout (default: the one holding this script)")
+    ap.add_argument("--compare", metavar="DIR", help="before/after: DIR's omni, then this checkout's, in turns")
     args = ap.parse_args()
+    if args.compare:
+        compare(Path(args.compare).resolve(), args)
+        return
     blocks, per_block = FULL if args.full else QUICK
     token = secrets.token_hex(16)
     env = dict(os.environ, PYTHONPATH=str(REPO))
@@ -164,7 +186,8 @@ def main() -> None:
             raise SystemExit("the stage worker did not start within 60 s")
         endpoint, local = child.stdout.readline().split()
         loop = new_loop()
-        samples, cpu = loop.run_until_complete(measure(blocks, per_block, endpoint, local, token))
+        samples, cpu = loop.run_until_complete(asyncio.wait_for(
+            measure(blocks, per_block, endpoint, local, token), RUN_DEADLINE_S))
         loop_name = type(loop).__module__.split(".")[0]
         loop.close()
     finally:
@@ -198,6 +221,34 @@ def main() -> None:
     for kind, r in ratios.items():
         print(f"{kind}: ZMQ p50 / local p50 = {r['zmq_over_local_p50']}x; local p50 < {GOAL_US:g} us: "
               f"{'yes' if r['local_p50_under_goal'] else 'no'}")
+
+
+COMPARE_RUNS = 3
+
+
+def compare(before: Path, args: argparse.Namespace) -> None:
+    """Run this script on `before`'s omni and on this checkout's in turns; the local carrier's rows."""
+    here = Path(__file__).resolve().parents[1]
+    runs = []
+    for i in range(COMPARE_RUNS * 2):
+        tree = (before, here)[i % 2]
+        cmd = [sys.executable, __file__, "--json", "--tree", str(tree)] + (["--full"] if args.full else [])
+        doc = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600).stdout)
+        runs.append({"tree": "before" if tree == before else "after", "loadavg_1m": doc["loadavg_1m"],
+                     "rows": [r for r in doc["rows"] if r["carrier"] == "local"]})
+    doc = {"benchmark": "stage_channel", "compare": {"before": str(before), "after": str(here)},
+           "goal_us": GOAL_US, "runs": runs}
+    if args.json:
+        print(json.dumps(doc, indent=1))
+        return
+    print(f"stage channel on LocalChannel, before ({before}) / after ({here}), runs alternating")
+    print(f"{'run':<7} {'load 1m':<11} {'round trip':<10} {'p50 us':>8} {'p99 us':>9} {'CPU us: frontend':>17} "
+          f"{'stage':>7}")
+    for run in runs:
+        load = "-".join(f"{x:.1f}" for x in run["loadavg_1m"])
+        for r in run["rows"]:
+            print(f"{run['tree']:<7} {load:<11} {r['round_trip']:<10} {r['p50_us']:>8} {r['p99_us']:>9} "
+                  f"{r['frontend_cpu_us']:>17} {r['stage_cpu_us']:>7}")
 
 
 if __name__ == "__main__":

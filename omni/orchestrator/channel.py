@@ -23,6 +23,11 @@ from omni.stage.curve import secure_client
 logger = logging.getLogger(__name__)
 
 
+def _expire(fut: asyncio.Future, method: str, timeout: float) -> None:
+    if not fut.done():
+        fut.set_exception(TimeoutError(f"utility call {method!r}: no answer within {timeout:g} s"))
+
+
 class BaseChannel:
     """What both carriers share: Hello/Welcome, utility calls, dispatch of what arrives."""
 
@@ -59,16 +64,27 @@ class BaseChannel:
 
     async def call(self, method: str, args: dict | None = None, timeout: float = 30.0) -> Any:
         call_id = next(self._ids)
-        fut = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
         self._calls[call_id] = fut
+        # A timer on the future itself: asyncio.wait_for wraps it in a second future and a callback.
+        timer = loop.call_later(timeout, _expire, fut, method, timeout)
         try:
-            await self.send(m.Utility(call_id, method, args or {}))
-            res: m.UtilityResult = await asyncio.wait_for(fut, timeout)
+            self.post(m.Utility(call_id, method, args or {}))
+            res: m.UtilityResult = await fut
         finally:
+            timer.cancel()
             self._calls.pop(call_id, None)
         if not res.ok:
             raise RuntimeError(res.error)
         return res.result
+
+    def adopt(self, other: "BaseChannel", frames: list[bytes]) -> None:
+        """Take over a channel to the same replica that never got going (a failed local connect):
+        its pending calls and Welcome, then send its frames (its Hello first) in order."""
+        self._calls, self._ids, self.welcomed = other._calls, other._ids, other.welcomed
+        for frame in frames:
+            self._transmit(frame)
 
     def _dispatch(self, payload) -> None:
         try:

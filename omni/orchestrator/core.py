@@ -30,7 +30,7 @@ from omni.orchestrator.metrics import OrchestratorMetrics
 from omni.orchestrator.topology import GONE, Topology
 from omni.orchestrator.types import PipelineOutput, PipelineRequest
 from omni.stage import messages as m
-from omni.stage.local_link import connect_stage, local_enabled
+from omni.stage.local_link import local_enabled, same_host_name
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +102,12 @@ class Orchestrator:
         if r.state not in GONE:
             self.topology.apply(TopologyEvent("UPDATED", [msgspec.structs.replace(r, state="SUSPECT")], -1))
 
+    def _on_local_fallback(self, ch: BaseChannel, other: BaseChannel) -> None:
+        if self._channels.get(ch.replica_id) is ch:
+            self._channels[ch.replica_id] = other
+        else:       # replaced or gone meanwhile
+            other.close()
+
     def _on_stage_message(self, ch: BaseChannel, msg: Any) -> None:
         if isinstance(msg, m.Output):
             event = ev.StageOutput(ch.replica_id, ch.stage_id, msg)
@@ -138,9 +144,12 @@ class Orchestrator:
             ch.close()
         kw = dict(frontend_id=self.frontend_id, replica_id=r.replica_id, stage_id=r.stage_id, token=self.token,
                   on_message=self._on_stage_message, host=self.host)
-        link = connect_stage(local, self.token) if local else None   # None: another host, or refused
-        if link is not None:
-            ch = LocalStageChannel(link, endpoint=local, on_lost=self._on_channel_lost, **kw)
+        if local and same_host_name(local) is not None:
+            # Connects on the loop; ZMQ takes over (`_on_local_fallback`) if the stage does not answer.
+            zmq_kw = dict(kw, endpoint=endpoint)
+            ch = LocalStageChannel.connect(
+                lambda: StageChannel(self._ctx, **zmq_kw) if endpoint else None,
+                self._on_local_fallback, endpoint=local, on_lost=self._on_channel_lost, **kw)
         elif endpoint:
             ch = StageChannel(self._ctx, endpoint=endpoint, **kw)
         else:

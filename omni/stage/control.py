@@ -3,8 +3,8 @@ WAKE_UP, DRAIN, UNDRAIN, SHUTDOWN), run on the worker's loop thread so the engin
 
 from __future__ import annotations
 
-import queue
 import threading
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,12 +23,13 @@ class Command:
 class StageControl:
     def __init__(self, worker: Any):
         self.worker = worker
-        self._commands: queue.Queue[Command] = queue.Queue()
+        # deque: append and popleft are atomic, and the loop's check for nothing queued is one test
+        self._commands: deque[Command] = deque()
 
     def submit(self, kind: str, args: dict | None, timeout: float) -> tuple[bool, str]:
         """Queue a master command for the loop thread and wait for its result."""
         cmd = Command(kind.upper(), args or {})
-        self._commands.put(cmd)
+        self._commands.append(cmd)
         self.worker._wake()
         if not cmd.done.wait(timeout):
             return False, f"{kind} did not finish within {timeout:.0f} s"
@@ -50,14 +51,15 @@ class StageControl:
             return "pong"
         raise EngineError(f"unknown utility method {method!r}")
 
+    @property
+    def pending(self) -> bool:
+        return bool(self._commands)
+
     def run_pending(self) -> None:
         """Run queued commands (loop thread only)."""
         w = self.worker
-        while True:
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                return
+        while self._commands:
+            cmd = self._commands.popleft()
             try:
                 if cmd.kind == "SLEEP":
                     self.call("sleep", cmd.args)

@@ -20,21 +20,19 @@ import socket
 from collections import deque
 from typing import Any, Callable
 
-import zmq
-
 from omni import envs
 from omni.errors import OmniError
+from omni.stage.loop_poll import GONE, IN, OUT, LoopPoller
 from omni.stage.curve import MAX_MESSAGE_BYTES
 from omni.transport.base import TransportError
 from omni.transport.local import MAX_MESSAGE_BYTES as MAX_PACKET
-from omni.transport.local import LocalChannel, LocalListener, connect_local
+from omni.transport.local import LocalChannel, LocalListener, connect_local, connect_local_async
 
 logger = logging.getLogger(__name__)
 
 LAST, MORE = b"\x00", b"\x01"
 PIECE = MAX_PACKET - 1
 SCHEME = "local://"
-_IN, _OUT, _ERR = int(zmq.POLLIN), int(zmq.POLLOUT), int(zmq.POLLERR)   # plain ints: enum ops cost us
 # Packets a stage queues for one frontend before it holds output (as ZMQ's send high-water mark).
 STAGE_QUEUE_PACKETS = 1000
 CLOSED = "it closed its channel"    # a frontend that stopped or restarted: not a warning
@@ -118,9 +116,10 @@ class FramedLink:
         """The messages waiting now (at most `limit`: a peer that keeps sending cannot hold the
         caller's loop; the rest keeps the fd readable), and whether the peer closed the channel."""
         msgs: list[bytes | memoryview] = []
+        ch = self.ch
         while len(msgs) < limit:
             try:
-                pkt = self.ch.recv_nowait()
+                pkt = ch.recv_nowait()
             except ConnectionError:
                 return msgs, True
             if pkt is None:
@@ -128,6 +127,8 @@ class FramedLink:
             head = pkt[:1]
             if head == LAST and not self._parts:
                 msgs.append(memoryview(pkt)[1:])
+                if not ch.waiting():    # a close shows as readable again: the next read sees it
+                    return msgs, False
                 continue
             if head not in (LAST, MORE):
                 raise TransportError(f"stage channel: bad packet header {head!r}")
@@ -138,6 +139,8 @@ class FramedLink:
             if head == LAST:
                 msgs.append(b"".join(self._parts))
                 self._parts, self._size = [], 0
+            if not ch.waiting():
+                return msgs, False
         return msgs, False
 
     def close(self) -> None:
@@ -146,13 +149,25 @@ class FramedLink:
 
 def connect_stage(endpoint: str, token: str, timeout: float = 1.0) -> FramedLink | None:
     """A link to the stage at `endpoint` when it is on this host and admits us, else None.
-    Blocking (the frontend's loop): a connect and one hello round trip with the stage's accept
-    thread, well under a millisecond; `timeout` bounds it for a stage that does not answer."""
+    Blocking: a connect and one hello round trip with the stage's accept thread; `timeout`
+    bounds it for a stage that does not answer. (Frontends use connect_stage_async.)"""
     name = same_host_name(endpoint)
     if name is None:
         return None
     try:
         return FramedLink(connect_local(name, token or None, timeout=timeout))
+    except (TransportError, OSError) as e:
+        logger.info("stage channel %s: no local connection (%s); using ZMQ", endpoint, e)
+        return None
+
+
+async def connect_stage_async(endpoint: str, token: str, timeout: float = 1.0) -> FramedLink | None:
+    """connect_stage on the event loop, without blocking it (the frontend's connect)."""
+    name = same_host_name(endpoint)
+    if name is None:
+        return None
+    try:
+        return FramedLink(await connect_local_async(name, token or None, timeout=timeout))
     except (TransportError, OSError) as e:
         logger.info("stage channel %s: no local connection (%s); using ZMQ", endpoint, e)
         return None
@@ -169,13 +184,14 @@ class LocalPeers:
         self._links: dict[bytes, FramedLink] = {}
         self._by_fd: dict[int, bytes] = {}
         self._writing: set[int] = set()     # fds the poller watches for writable
+        self._queued: set[int] = set()      # fds whose link queued packets since the last watch_writable
         self._ids = itertools.count(1)
-        self._poller: zmq.Poller | None = None
+        self._poller: LoopPoller | None = None
 
-    def attach(self, poller: zmq.Poller) -> None:
+    def attach(self, poller: LoopPoller) -> None:
         self._poller = poller
         for fd in self._by_fd:
-            poller.register(fd, zmq.POLLIN)
+            poller.register(fd, IN)
 
     def accept(self) -> None:
         """Take the connections accepted since the last call (the listener woke the loop)."""
@@ -184,10 +200,17 @@ class LocalPeers:
             self._links[ident] = FramedLink(ch, max_queued=STAGE_QUEUE_PACKETS)
             self._by_fd[ch.fileno()] = ident
             if self._poller is not None:
-                self._poller.register(ch.fileno(), zmq.POLLIN)
+                self._poller.register(ch.fileno(), IN)
 
     def link(self, ident: bytes) -> FramedLink | None:
         return self._links.get(ident) if self._links else None
+
+    def send(self, link: FramedLink, frame: bytes) -> bool:
+        """`link.send`, noting a link that now queues packets for `watch_writable`."""
+        ok = link.send(frame)
+        if link.pending:
+            self._queued.add(link.fileno())
+        return ok
 
     def service(self, events: dict, receive: Callable[[bytes, Any], None],
                 gone: Callable[[bytes, str], None]) -> None:
@@ -199,9 +222,9 @@ class LocalPeers:
                 continue
             link = self._links[ident]
             try:
-                if ev & _OUT:
+                if ev & OUT:
                     link.flush()
-                if not ev & (_IN | _ERR):
+                if not ev & (IN | GONE):
                     continue
                 msgs, eof = link.read()
                 for payload in msgs:
@@ -215,14 +238,18 @@ class LocalPeers:
                 gone(ident, why)
 
     def watch_writable(self) -> None:
-        """Watch for writable exactly the links whose packets wait."""
-        want = {fd for fd, ident in self._by_fd.items() if self._links[ident].pending} if self._links else set()
+        """Watch for writable exactly the links whose packets wait. Only links that queued
+        since the last call or are watched can change, so the usual call tests two empty sets."""
+        if not self._queued and not self._writing:
+            return
+        check, self._queued = self._queued | self._writing, set()
+        want = {fd for fd in check if fd in self._by_fd and self._links[self._by_fd[fd]].pending}
         if want == self._writing or self._poller is None:
             return
         for fd in want - self._writing:
-            self._poller.modify(fd, zmq.POLLIN | zmq.POLLOUT)
+            self._poller.modify(fd, IN | OUT)
         for fd in self._writing - want:
-            self._poller.modify(fd, zmq.POLLIN)
+            self._poller.modify(fd, IN)
         self._writing = want
 
     def drop(self, ident: bytes) -> None:
@@ -233,6 +260,7 @@ class LocalPeers:
         fd = link.fileno()
         self._by_fd.pop(fd, None)
         self._writing.discard(fd)
+        self._queued.discard(fd)
         if self._poller is not None:
             self._poller.unregister(fd)
         link.close()

@@ -27,6 +27,7 @@ from omni.engines.base import Engine, EngineError, EngineOutput, EngineRequest
 from omni.stage import messages as m
 from omni.stage.control import StageControl
 from omni.stage.local_link import CLOSED, LocalPeers
+from omni.stage.loop_poll import LoopPoller
 from omni.stage.worker_state import HeldOutput, InFlight, WorkerStats
 from omni.stage.curve import secure_server
 from omni.transport.base import ProducerFull, TensorProducer, TransportError
@@ -87,13 +88,8 @@ class StageWorker:
         self._bad_frames = RateLimitedLog(logger)
         port = self._sock.bind_to_random_port(f"tcp://{host}")
         self.endpoint = f"tcp://{advertise_host or host}:{port}"
-        # A command from another thread wakes the loop through this pair.
-        self._wake_addr = f"inproc://omni-stage-wake-{id(self)}"
-        self._wake_rx = self._ctx.socket(zmq.PAIR)
-        self._wake_rx.bind(self._wake_addr)
-        self._wake_tx = self._ctx.socket(zmq.PAIR)
-        self._wake_tx.connect(self._wake_addr)
-        self._wake_lock = threading.Lock()
+        # The loop waits here; a command from another thread wakes it (`_wake`).
+        self._poll = LoopPoller(self._sock)
         # Same-host frontends connect here; `local_endpoint` goes beside `endpoint` in the registration.
         self._local = LocalPeers(token, self._wake) if local_channel else None
         self.local_endpoint = self._local.endpoint if self._local is not None else ""
@@ -130,18 +126,12 @@ class StageWorker:
         self._wake()
 
     def _wake(self) -> None:
-        with self._wake_lock:
-            try:
-                self._wake_tx.send(b"", zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
+        self._poll.wake()
 
     # ------------------------------------------------------------ loop
 
     def run(self, grace_s: float = 5.0) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._wake_rx, zmq.POLLIN)
+        poller = self._poll
         if self._local is not None:
             self._local.attach(poller)
         # An engine that says when it has output is stepped then (and every STEP_IDLE_S,
@@ -151,7 +141,7 @@ class StageWorker:
         busy_timeout = 0 if ready_fd is None else int(STEP_IDLE_S * 1000)
         last_step = time.monotonic()
         if self._stop_request is not None:
-            poller.register(self._stop_request.fileno(), zmq.POLLIN)
+            poller.register(self._stop_request.fileno())
         stop_deadline: float | None = None
         while True:
             busy = self.engine.has_unfinished() and not self.engine.is_sleeping()
@@ -163,20 +153,18 @@ class StageWorker:
             if ready_fd is not None and watching == bool(self._held):
                 watching = not self._held
                 if watching:
-                    poller.register(ready_fd, zmq.POLLIN)
+                    poller.register(ready_fd)
                 else:
                     poller.unregister(ready_fd)
-            events = dict(poller.poll(timeout))
-            if self._wake_rx in events:
-                while self._wake_rx.poll(0):
-                    self._wake_rx.recv()
-                if self._local is not None:
-                    self._local.accept()
-            if self._sock in events:
+            router_ready, woke, events = poller.poll(timeout)
+            if woke and self._local is not None:
+                self._local.accept()
+            if router_ready:
                 self._drain_socket()
-            if self._local is not None and len(events) > (self._sock in events) + (self._wake_rx in events):
+            if self._local is not None and events:
                 self._local.service(events, self._receive, self._frontend_gone)
-            self.control.run_pending()
+            if self.control.pending:
+                self.control.run_pending()
             if self._stop_request is not None and self._stop_request.is_set():
                 self._stopping.set()
             if self._held:
@@ -336,8 +324,8 @@ class StageWorker:
             self.engine.abort(out.request_id)
             self._fail(out.request_id, f"could not publish output tensors: {e}")
             return True
-        self.stats.tensor_bytes_out += sum(r.nbytes for r in refs.values())
         for r in refs.values():
+            self.stats.tensor_bytes_out += r.nbytes
             self.stats.count(f"tensor_bytes_out.{r.transport}", r.nbytes)
         queue_s = None
         if not req.started:
@@ -439,7 +427,7 @@ class StageWorker:
         link = self._local.link(ident) if self._local is not None else None
         if link is not None:
             try:
-                if not link.send(frame):
+                if not self._local.send(link, frame):
                     return False
             except TransportError as e:
                 self._frontend_gone(ident, str(e))
@@ -449,6 +437,7 @@ class StageWorker:
                 return True
             self.stats.count("channel_msgs_out.local", 1)
             return True
+        self._poll.touched = True   # a send may take in the ROUTER's notice of a new message
         try:
             self._sock.send_multipart([ident, frame], zmq.NOBLOCK)
         except zmq.Again:
@@ -494,5 +483,4 @@ class StageWorker:
         if self._local is not None:
             self._local.close()
         self._sock.close(0)
-        self._wake_rx.close(0)
-        self._wake_tx.close(0)
+        self._poll.close()

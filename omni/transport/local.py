@@ -13,16 +13,20 @@ Nothing is named in the filesystem; the abstract name goes with the listener.
 
 from __future__ import annotations
 
+import array
+import asyncio
+import fcntl
 import os
 import queue
 import secrets
 import select
 import socket
 import struct
+import termios
 from typing import Callable
 
 from omni.transport.base import TransportError
-from omni.transport.server import SocketServer, client_hello, peer_uid, token_hello
+from omni.transport.server import NONCE_BYTES, client_hello, hello_answer, peer_uid, same_user_server
 
 MAGIC = b"OML1"
 _STATUS = struct.Struct("<B")   # hello reply: 0 ok, 1 refused
@@ -35,6 +39,8 @@ class LocalChannel:
     def __init__(self, sock: socket.socket):
         self._sock = sock
         self._sock.setblocking(True)
+        self._fd = sock.fileno()
+        self._inq = array.array("i", [0])
         self.closed = False
 
     def fileno(self) -> int:
@@ -80,6 +86,15 @@ class LocalChannel:
             raise ConnectionError("local channel: the peer closed it")
         return data
 
+    def waiting(self) -> bool:
+        """Whether a message waits (not: whether the peer closed). One ioctl, a third of the
+        failed `recv_nowait` (its exception's message is built from strerror) that would tell."""
+        try:
+            fcntl.ioctl(self._fd, termios.FIONREAD, self._inq, True)   # a packet socket: the next one's size
+        except OSError:
+            return True     # the next recv_nowait reports it
+        return self._inq[0] > 0
+
     def close(self) -> None:
         if not self.closed:
             self.closed = True
@@ -95,19 +110,11 @@ class LocalListener:
         self.name = name or f"omni-local-{os.getpid()}-{secrets.token_hex(6)}"
         self._on_accept = on_accept
         self._accepted: queue.Queue[LocalChannel] = queue.Queue()
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            sock.bind("\0" + self.name)
+            self._server = same_user_server(self.name, socket.SOCK_SEQPACKET, self._serve, "omni-local",
+                                            magic=MAGIC, token=token, refusal=_STATUS.pack(1))
         except OSError as e:
-            sock.close()
             raise TransportError(f"local channel {self.name}: cannot listen: {e}") from e
-        sock.listen(64)
-        token_ok = token_hello(MAGIC, (token or "").encode())
-
-        def hello(conn: socket.socket, buf: bytes, nonce: bytes) -> bool | None:
-            return token_ok(conn, buf, nonce) if peer_uid(conn) == os.getuid() else False
-
-        self._server = SocketServer(sock, self._serve, "omni-local", hello=hello, refusal=_STATUS.pack(1))
 
     def _serve(self, conn: socket.socket) -> None:
         # The server closes `conn` when this returns: the channel keeps a duplicate.
@@ -144,6 +151,39 @@ def connect_local(name: str, token: str | None = None, timeout: float = 10.0) ->
             raise TransportError(f"local channel {name} is held by another user")
         client_hello(sock, MAGIC, token)
         status = sock.recv(_STATUS.size)
+    except OSError as e:
+        sock.close()
+        raise TransportError(f"local channel {name} unreachable: {e}") from e
+    except BaseException:
+        sock.close()
+        raise
+    if status != _STATUS.pack(0):
+        sock.close()
+        raise TransportError(f"local channel {name} refused the connection (bad token, or another user)")
+    return LocalChannel(sock)
+
+
+async def connect_local_async(name: str, token: str | None = None, timeout: float = 1.0) -> LocalChannel:
+    """connect_local without blocking the event loop: the connect is non-blocking (a unix
+    connect completes at once, or fails when the listener's queue is full) and the hello's two
+    reads wait on the loop, so a listener that is alive but does not answer (a stopped process)
+    costs the loop nothing; TransportError past `timeout`."""
+    loop = asyncio.get_running_loop()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.setblocking(False)
+    try:
+        async with asyncio.timeout(timeout):
+            sock.connect("\0" + name)
+            if peer_uid(sock) != os.getuid():
+                raise TransportError(f"local channel {name} is held by another user")
+            nonce = await loop.sock_recv(sock, NONCE_BYTES)     # a packet socket: the whole nonce or nothing
+            if len(nonce) != NONCE_BYTES:
+                raise TransportError(f"local channel {name} closed the connection during its hello")
+            sock.send(hello_answer(MAGIC, token, nonce))        # 36 bytes into an empty buffer
+            status = await loop.sock_recv(sock, _STATUS.size)
+    except TimeoutError:
+        sock.close()
+        raise TransportError(f"local channel {name}: no hello within {timeout:g} s") from None
     except OSError as e:
         sock.close()
         raise TransportError(f"local channel {name} unreachable: {e}") from e

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import os
 import secrets
 import selectors
 import socket
@@ -40,7 +41,7 @@ HELLO_TIMEOUT_S = 5.0
 Hello = Callable[[socket.socket, bytes, bytes], "bool | None"]
 
 
-def _answer(magic: bytes, token: str | bytes | None, nonce: bytes) -> bytes:
+def hello_answer(magic: bytes, token: str | bytes | None, nonce: bytes) -> bytes:
     key = token.encode() if isinstance(token, str) else (token or b"")
     return magic + hmac.new(key, magic + nonce, hashlib.sha256).digest()
 
@@ -51,7 +52,7 @@ def token_hello(magic: bytes, token: bytes) -> Hello:
     def check(conn: socket.socket, buf: bytes, nonce: bytes) -> bool | None:
         if len(buf) < HELLO_BYTES:
             return None if buf == magic[:len(buf)] else False
-        return len(buf) == HELLO_BYTES and hmac.compare_digest(buf, _answer(magic, token, nonce))
+        return len(buf) == HELLO_BYTES and hmac.compare_digest(buf, hello_answer(magic, token, nonce))
     return check
 
 
@@ -59,13 +60,33 @@ def client_hello(sock: socket.socket, magic: bytes, token: str | None) -> None:
     """The client's half: read the nonce, answer it (the caller then reads the status)."""
     from omni.transport.util import recv_exact
 
-    sock.sendall(_answer(magic, token, recv_exact(sock, NONCE_BYTES)))
+    sock.sendall(hello_answer(magic, token, recv_exact(sock, NONCE_BYTES)))
 
 
 def peer_uid(sock: socket.socket) -> int:
     """The user id of the process at the other end of a unix socket (the kernel's word)."""
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     return struct.unpack("3i", creds)[1]
+
+
+def same_user_server(name: str, kind: int, handler: Callable[[socket.socket], None], server_name: str, *,
+                     magic: bytes, token: str | None, refusal: bytes) -> SocketServer:
+    """A SocketServer at the abstract unix name `name` (`kind`: SOCK_STREAM or SOCK_SEQPACKET)
+    that admits a peer only if it runs as this user (SO_PEERCRED) and passes the token hello
+    for `magic`; a refused one gets `refusal`. OSError if the name cannot be bound."""
+    sock = socket.socket(socket.AF_UNIX, kind)
+    try:
+        sock.bind("\0" + name)
+        sock.listen(64)
+    except OSError:
+        sock.close()
+        raise
+    token_ok = token_hello(magic, (token or "").encode())
+
+    def hello(conn: socket.socket, buf: bytes, nonce: bytes) -> bool | None:
+        return token_ok(conn, buf, nonce) if peer_uid(conn) == os.getuid() else False
+
+    return SocketServer(sock, handler, server_name, hello=hello, refusal=refusal)
 
 
 class _Pending:

@@ -25,7 +25,7 @@ import torch
 
 from omni.transport.alloc import ALIGN, SlotAllocator, round_up
 from omni.transport.base import ProducerFull, TensorConsumer, TensorProducer, TensorRef, TransportError
-from omni.transport.server import SocketServer, client_hello, peer_uid, token_hello
+from omni.transport.server import client_hello, same_user_server
 from omni.transport.util import check_ref, dtype_name, flat_bytes, recv_exact
 
 logger = logging.getLogger(__name__)
@@ -83,15 +83,8 @@ class ShmProducer(TensorProducer):
         self._by_owner: dict[str, set[int]] = {}
         self._staged: dict[int, tuple[int, tuple[int, ...], torch.dtype]] = {}   # key -> (data_ptr, shape, dtype)
         self._closed = False
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.bind("\0" + self.name)
-        sock.listen(64)
-        token_ok = token_hello(MAGIC, (token or "").encode())
-
-        def hello(conn: socket.socket, buf: bytes, nonce: bytes) -> bool | None:
-            return token_ok(conn, buf, nonce) if peer_uid(conn) == os.getuid() else False
-
-        self._server = SocketServer(sock, self._serve_fds, "omni-shm", hello=hello, refusal=_STATUS.pack(1))
+        self._server = same_user_server(self.name, socket.SOCK_STREAM, self._serve_fds, "omni-shm",
+                                        magic=MAGIC, token=token, refusal=_STATUS.pack(1))
 
     # -- fd server -----------------------------------------------------------------------
     def _serve_fds(self, conn: socket.socket) -> None:

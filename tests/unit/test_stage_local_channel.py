@@ -310,3 +310,54 @@ def test_a_frontend_that_closes_its_channel_has_its_requests_aborted(served):
         other.send(enc.encode(m.Utility(i, "ping", {})))
         assert dec.decode(pump(other, other, 1)[0]).result == "pong"
     assert engine.aborted == ["r1"] and w.load()["in_flight"] == 0
+
+
+LISTENER_CHILD = """
+import sys
+from omni.transport.local import LocalListener
+listener = LocalListener(token="secret")
+print(listener.name, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_stopped_stage_does_not_hold_the_frontends_loop_and_zmq_serves_it(served):
+    """The local connect (connect + hello) of a stage that is alive but stopped (SIGSTOP: its
+    listener takes the connection, nobody answers) runs on the loop: a timer due meanwhile fires on
+    time, and once the connect's deadline passes ZMQ carries what was posted, Hello first."""
+    child = subprocess.Popen([sys.executable, "-c", LISTENER_CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True, env=dict(os.environ, PYTHONPATH=str(REPO)), cwd=REPO)
+    try:
+        assert select.select([child.stdout], [], [], DEADLINE)[0], "the listener child never printed its name"
+        name = child.stdout.readline().strip()
+        child.send_signal(signal.SIGSTOP)
+        w = served(CountEngine())
+
+        async def go():
+            stopped = msgspec.structs.replace(info(w, "s0r0"), endpoints={"channel": w.endpoint,
+                                                                          "local": local_endpoint(name)})
+            topo = Topology()
+            topo.apply(TopologyEvent("SNAPSHOT", [stopped], 1))
+            orch = Orchestrator(CONFIG, frontend_id="fe-test", topology=topo, detokenize=lambda ids: "",
+                                token="secret")
+            loop = asyncio.get_running_loop()
+            try:
+                t0 = time.monotonic()
+                probe = loop.create_future()
+                loop.call_later(0.05, lambda: probe.set_result(time.monotonic()))
+                task = asyncio.create_task(generate(orch, "r1", [10]))
+                fired = await asyncio.wait_for(probe, DEADLINE)
+                assert not task.done()
+                outs = await asyncio.wait_for(task, DEADLINE)
+                ch = orch._channels["s0r0"]
+                assert (await ch.welcomed).ok and await ch.call("ping") == "pong"
+                return fired - t0, outs, ch.kind
+            finally:
+                await orch.close()
+
+        late, outs, kind = asyncio.run(go())
+        assert late < 0.5, f"a 50 ms timer fired after {late:.2f} s: the connect held the loop"
+        assert outs == [[11], [12], [13]] and kind == "zmq"
+    finally:
+        child.kill()
+        child.wait(DEADLINE)
