@@ -258,6 +258,12 @@ def test_tensors_cross_hosts_over_tcp_and_stay_in_shared_memory_within_one(deplo
     assert set(by_transport) <= {"tcp", "shm"}, by_transport
     # Stage channels: the thinker shares the frontend's network namespace (local); the other two
     # have the same host name but another namespace, so the local connect fails and ZMQ serves them.
+    # A channel opens on first use: speech never reaches the thinker, so one chat does (this test
+    # must not depend on another having run first).
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    r = a.call(httpx.post, f"{url}/v1/chat/completions", json=chat, timeout=120)
+    assert r.status_code == 200, r.text
+    metrics = a.call(httpx.get, f"{url}/metrics", timeout=30)
     channels = {k: float(n) for k, n in re.findall(r'omni_stage_channels\{[^}]*kind="(\w+)"\} (\S+)', metrics.text)}
     assert channels == {"local": 1, "zmq": 2}, channels
 
