@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import contextlib
 import fcntl
 import os
 import queue
@@ -141,26 +142,41 @@ class LocalListener:
             self._accepted.get_nowait().close()
 
 
-def connect_local(name: str, token: str | None = None, timeout: float = 10.0) -> LocalChannel:
-    """Connect to a LocalListener of this user; TransportError if refused or unreachable."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+@contextlib.contextmanager
+def _hello_guard(sock: socket.socket, name: str):
+    """Close `sock` on any failure of the connect or hello; socket errors name the channel."""
     try:
-        sock.settimeout(timeout)
-        sock.connect("\0" + name)
-        if peer_uid(sock) != os.getuid():
-            raise TransportError(f"local channel {name} is held by another user")
-        client_hello(sock, MAGIC, token)
-        status = sock.recv(_STATUS.size)
+        yield
     except OSError as e:
         sock.close()
         raise TransportError(f"local channel {name} unreachable: {e}") from e
     except BaseException:
         sock.close()
         raise
+
+
+def _admitted(sock: socket.socket, name: str, status: bytes) -> LocalChannel:
     if status != _STATUS.pack(0):
         sock.close()
         raise TransportError(f"local channel {name} refused the connection (bad token, or another user)")
     return LocalChannel(sock)
+
+
+def _check_listener_user(sock: socket.socket, name: str) -> None:
+    if peer_uid(sock) != os.getuid():
+        raise TransportError(f"local channel {name} is held by another user")
+
+
+def connect_local(name: str, token: str | None = None, timeout: float = 10.0) -> LocalChannel:
+    """Connect to a LocalListener of this user; TransportError if refused or unreachable."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with _hello_guard(sock, name):
+        sock.settimeout(timeout)
+        sock.connect("\0" + name)
+        _check_listener_user(sock, name)
+        client_hello(sock, MAGIC, token)
+        status = sock.recv(_STATUS.size)
+    return _admitted(sock, name, status)
 
 
 async def connect_local_async(name: str, token: str | None = None, timeout: float = 1.0) -> LocalChannel:
@@ -171,26 +187,16 @@ async def connect_local_async(name: str, token: str | None = None, timeout: floa
     loop = asyncio.get_running_loop()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     sock.setblocking(False)
-    try:
-        async with asyncio.timeout(timeout):
-            sock.connect("\0" + name)
-            if peer_uid(sock) != os.getuid():
-                raise TransportError(f"local channel {name} is held by another user")
-            nonce = await loop.sock_recv(sock, NONCE_BYTES)     # a packet socket: the whole nonce or nothing
-            if len(nonce) != NONCE_BYTES:
-                raise TransportError(f"local channel {name} closed the connection during its hello")
-            sock.send(hello_answer(MAGIC, token, nonce))        # 36 bytes into an empty buffer
-            status = await loop.sock_recv(sock, _STATUS.size)
-    except TimeoutError:
-        sock.close()
-        raise TransportError(f"local channel {name}: no hello within {timeout:g} s") from None
-    except OSError as e:
-        sock.close()
-        raise TransportError(f"local channel {name} unreachable: {e}") from e
-    except BaseException:
-        sock.close()
-        raise
-    if status != _STATUS.pack(0):
-        sock.close()
-        raise TransportError(f"local channel {name} refused the connection (bad token, or another user)")
-    return LocalChannel(sock)
+    with _hello_guard(sock, name):
+        try:
+            async with asyncio.timeout(timeout):
+                sock.connect("\0" + name)
+                _check_listener_user(sock, name)
+                nonce = await loop.sock_recv(sock, NONCE_BYTES)     # a packet socket: the whole nonce or nothing
+                if len(nonce) != NONCE_BYTES:
+                    raise TransportError(f"local channel {name} closed the connection during its hello")
+                sock.send(hello_answer(MAGIC, token, nonce))        # 36 bytes into an empty buffer
+                status = await loop.sock_recv(sock, _STATUS.size)
+        except TimeoutError:   # an OSError too: answered here, before the guard's wording
+            raise TransportError(f"local channel {name}: no hello within {timeout:g} s") from None
+    return _admitted(sock, name, status)
