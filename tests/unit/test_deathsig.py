@@ -11,8 +11,6 @@ import signal
 import site
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import psutil
@@ -20,6 +18,7 @@ import pytest
 
 from omni.deathsig import PARENT_ENV
 from omni.engines.torchvision_cpu import PTH_NAME
+from tests.e2e.harness import wait_gone
 
 ROOT = Path(__file__).resolve().parents[2]
 needs_hook = pytest.mark.skipif(not any((Path(d) / PTH_NAME).exists() for d in site.getsitepackages()),
@@ -133,19 +132,6 @@ sys.stdin.read()   # until the test kills us
 """
 
 
-def gone(pid: int, timeout: float) -> bool:
-    """`pid` no longer runs within `timeout` s. A zombie counts as gone: the dead parent's child
-    goes to a subreaper or PID 1, which in CI's container never reaps it."""
-    from omni.deathsig import pid_exists
-
-    deadline = time.monotonic() + timeout
-    while pid_exists(pid):
-        if time.monotonic() > deadline:
-            return False
-        threading.Event().wait(0.05)   # polling another process's state, bounded by the deadline
-    return True
-
-
 def readline(proc: subprocess.Popen, timeout: float) -> str:
     with selectors.DefaultSelector() as sel:
         sel.register(proc.stdout, selectors.EVENT_READ)
@@ -166,8 +152,8 @@ def test_a_child_in_bootstrap_dies_with_its_sigkilled_parent_and_the_tracker_sti
         assert "--multiprocessing-fork" in child.cmdline()
         parent.kill()
         parent.wait(10)
-        assert gone(child.pid, 10), "the child outlived its SIGKILLed parent"
-        assert gone(tracker.pid, 30)   # its pipe closed with the child: it unlinks what the parent left, then exits
+        assert not wait_gone([child], 10), "the child outlived its SIGKILLed parent"
+        assert not wait_gone([tracker], 30)   # its pipe closed with the child: it unlinks what the parent left, then exits
         assert not Path("/dev/shm", info["shm"]).exists()
     finally:
         parent.kill()
