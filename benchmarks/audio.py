@@ -7,9 +7,12 @@ benchmarks/audio_reference.py (talker + code2wav stepped in one thread, same
 texts, same chunking as the deployed code2wav), so the difference is omni's
 overhead: processes, channels, shared-memory tensors, HTTP.
 
-Both sides run side by side: bursts of the concurrency level (the same texts), served
-and in-process in turn, each side first every other burst, so a change in the shared
-machine's load hits both; warm-ups are not reported. Per level: TTFA p50 with p10/p90,
+All sides run side by side: bursts of the concurrency level (the same texts), served
+and in-process in turn, each side first in turn, so a change in the shared machine's load
+hits all; warm-ups are not reported. Served speech is measured twice: `omni` with a
+minimal HTTP/1.1 client (benchmarks/raw_http.py: what the server costs a client) and
+`omni httpx` with httpx, the client of the `openai` package (~1.3 ms of its own per
+request here, the `omni httpx - omni` row). Per level: TTFA p50 with p10/p90,
 omni's p50 minus in-process p50, and the paired differences (same text, back to back).
 Goal 4 (issue 18): speech TTFA at concurrency 1 within +10 ms of in-process, judged on the
 paired differences' p50 (TTFA depends on the text's first sentence, so a p50 over a mix of
@@ -50,6 +53,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import audio_reference as ref  # noqa: E402
+from benchmarks.raw_http import RawClient  # noqa: E402
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 RATE = 22050
@@ -123,6 +127,12 @@ async def one_speech(client: httpx.AsyncClient, url: str, text: str) -> dict:
                 first = time.perf_counter() - t0
             n += len(chunk)
     return {"first": first, "done": time.perf_counter() - t0, "samples": n // 2}
+
+
+async def one_speech_raw(client: RawClient, text: str) -> dict:
+    body = {"model": MODEL, "input": text, "voice": "joe", "response_format": "pcm"}
+    r = await client.post_stream("/v1/audio/speech", body)
+    return {"first": r["first"], "done": r["done"], "samples": r["bytes"] // 2}
 
 
 async def one_chat(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> dict:
@@ -210,14 +220,24 @@ class Variant:
 
     def __init__(self, label: str, args: types.SimpleNamespace, url: str, reference: Reference):
         self.label, self.args, self.url, self.reference = label, args, url, reference
+        self.raw: RawClient | None = None
+
+    def names(self) -> tuple[str, str, str]:
+        """Served with the minimal client (judged), served with httpx, in process."""
+        return f"omni{self.label}", f"omni httpx{self.label}", f"in-process{self.label}"
 
     def sides(self, client: httpx.AsyncClient):
+        self.raw = self.raw or RawClient(self.url)
+
         async def served(texts):
+            return list(await asyncio.gather(*[one_speech_raw(self.raw, t) for t in texts]))
+
+        async def served_httpx(texts):
             return list(await asyncio.gather(*[one_speech(client, self.url, t) for t in texts]))
 
         async def local(texts):
             return self.reference.burst(texts)
-        return [(f"omni{self.label}", served), (f"in-process{self.label}", local)]
+        return list(zip(self.names(), (served, served_httpx, local)))
 
 
 def compare(level: int, n_requests: int, a: dict, b: dict, ra: list[dict], rb: list[dict]) -> dict:
@@ -249,9 +269,10 @@ async def speech_side_by_side(client: httpx.AsyncClient, variants: list[Variant]
         after = scrape_first_output((await client.get(f"{v.url}/metrics")).text)
         srv_n = after[1] - before[v.url][1]
         server_ttfa = round(1000 * (after[0] - before[v.url][0]) / srv_n, 1) if srv_n else None
-        (o, _), (i, _) = v.sides(client)
+        o, h, i = v.names()
         rows[i] = speech_row(i, level, recs[i], wall[i], load)
         rows[o] = speech_row(o, level, recs[o], wall[o], load, server_ttfa)
+        rows[h] = speech_row(h, level, recs[h], wall[h], load)
         c = compare(level, n_requests, rows[o], rows[i], recs[o], recs[i])
         # In-process: the talker's first sentence, then code2wav's first chunk after it.
         c["in_process_talker_first_ms_p50"] = round(statistics.median(1000 * r["talker_first"] for r in recs[i]), 1)
@@ -263,6 +284,9 @@ async def speech_side_by_side(client: httpx.AsyncClient, variants: list[Variant]
             c["goal"] = "speech first audio at concurrency 1 within +10 ms of in-process (paired p50)"
             c["met"] = c["paired_delta_ms"]["p50"] <= 10.0
         cmps.append(c)
+        # The same requests with httpx: its own per-request time is in the difference to `omni`.
+        cmps.append(compare(level, n_requests, rows[h], rows[i], recs[h], recs[i]))
+        cmps.append(compare(level, n_requests, rows[h], rows[o], recs[h], recs[o]))
     for v in variants[1:]:      # a variant against the deployed chunking, served and in process
         for side in ("omni", "in-process"):
             x, y = f"{side}{v.label}", f"{side}{variants[0].label}"
@@ -289,7 +313,9 @@ async def measure(variants: list[Variant], speech_levels, chat_levels, max_token
     # One client, kept alive: a request's time is the server's, not a TCP handshake's.
     async with httpx.AsyncClient(timeout=600) as client:
         for v in variants:
+            v.sides(client)
             await one_speech(client, v.url, "Warm up.")                     # not reported
+            await one_speech_raw(v.raw, "Warm up.")
         rows, comparison = [], []
         for c, n in speech_levels:
             r, cmp = await speech_side_by_side(client, variants, c, n)
@@ -297,6 +323,8 @@ async def measure(variants: list[Variant], speech_levels, chat_levels, max_token
             comparison += cmp
         for c, n in chat_levels:
             rows.append(await chat(client, variants[0].url, c, n, max_tokens))
+        for v in variants:
+            await v.raw.close()
     return {"rows": rows, "comparison": comparison}
 
 

@@ -3,6 +3,7 @@ route guard, request metrics), error bodies for every failure, and cancel-on-dis
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hmac
 import logging
@@ -112,15 +113,52 @@ def _has_body(scope) -> bool:
     return False
 
 
+class DisconnectWatch:
+    """Cancels the current task when the client disconnects, until `close()`.
+
+    One plain asyncio task: an anyio task group (and Starlette's own, which it runs for a
+    stream under ASGI spec < 2.4, Hypercorn's 2.1) cost ~0.1-0.2 ms more per request here,
+    on the way to a stream's first bytes."""
+
+    def __init__(self, receive):
+        self.task = asyncio.current_task()
+        self.gone = False
+        self._closed = False
+        self._watcher = asyncio.ensure_future(self._watch(receive))
+
+    async def _watch(self, receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if not self._closed:
+            self.gone = True
+            self.task.cancel()
+
+    def ours(self) -> bool:
+        """After a CancelledError: True when it was this watch's alone (the client left)."""
+        return self.gone and self.task.uncancel() == 0
+
+    def close(self) -> None:
+        self._closed = True
+        self._watcher.cancel()
+
+
 class ClosingStream(StreamingResponse):
-    """Starlette cancels a stream on disconnect without closing its iterator; close it here."""
+    """Streams until the body ends or the client leaves, then closes the body iterator
+    (Starlette cancels a stream on disconnect without closing it)."""
 
     async def __call__(self, scope, receive, send):
+        watch = DisconnectWatch(receive)
         try:
-            await super().__call__(scope, receive, send)
+            await self.stream_response(send)
+        except asyncio.CancelledError:
+            if not watch.ours():
+                raise
         finally:
+            watch.close()
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()
+        if self.background is not None:
+            await self.background()
 
 
 def endpoint(fn: Callable[..., Awaitable[Response]]):
@@ -134,24 +172,18 @@ def endpoint(fn: Callable[..., Awaitable[Response]]):
 
 
 async def until_disconnect(request: Request, work: Callable[[], Awaitable[Response]]) -> Response:
-    """Run `work`, cancelling it if the client disconnects first (non-streaming routes)."""
-    result: list[Response] = []
-    error: list[Exception] = []
-    async with anyio.create_task_group() as tg:
-        async def watch():
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-            log.debug("client disconnected from %s; cancelling", request.url.path)
-            tg.cancel_scope.cancel()
-        tg.start_soon(watch)
-        try:
-            result.append(await work())
-        except Exception as e:  # re-raised outside the group, so it is not wrapped in an ExceptionGroup
-            error.append(e)
-        tg.cancel_scope.cancel()
-    if error:
-        raise error[0]
-    return result[0] if result else Response(status_code=499)
+    """Run `work`, cancelling it if the client disconnects first (then a 499 nobody reads)."""
+    watch = DisconnectWatch(request.receive)
+    try:
+        return await work()
+    except asyncio.CancelledError:
+        if watch.ours():
+            log.debug("client disconnected from %s; cancelled", request.url.path)
+            return Response(status_code=499)
+        raise
+    finally:
+        watch.close()
+
 
 class by_method:  # noqa: N801 (used like a function)
     """One ASGI endpoint per path: a method the route table lacks is a 405 whose Allow header names
