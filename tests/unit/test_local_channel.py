@@ -129,6 +129,40 @@ def test_another_user_is_refused_even_with_the_token():
         listener.close()
 
 
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to run a listener as another user")
+def test_shm_consumer_refuses_a_producer_name_held_by_another_user():
+    from omni.transport.base import TensorRef
+
+    name = f"omni-shm-{os.getpid()}-squat"
+    ready_r, ready_w = os.pipe()
+    done_r, done_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:   # child: as nobody, take the name a producer would use; never answer
+        code = 1
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                sock.bind("\0" + name)
+                sock.listen(1)
+                os.write(ready_w, b"1")
+                os.read(done_r, 1)
+                code = 0
+        finally:
+            os._exit(code)
+    consumer = make_consumer("shm", token="sesame")
+    try:
+        assert os.read(ready_r, 1) == b"1"
+        ref = TensorRef(transport="shm", key=1, endpoint=f"{name}/0", offset=0, nbytes=4, dtype="float32", shape=(1,))
+        with pytest.raises(TransportError, match="another user"):
+            consumer.get(ref)
+    finally:
+        consumer.close()
+        os.write(done_w, b"1")
+        _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
 def test_shm_empty_then_put_copies_nothing():
     producer = make_producer("shm", arena_bytes=1 << 20)
     consumer = make_consumer("shm")
