@@ -51,6 +51,10 @@ class StageConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     final_output_type: str | None = None
     # Outgoing edges: downstream stage id (as a string) -> connector.
     connectors: dict[str, ConnectorConfig] = {}
+    # > 0: after a request's first output this stage holds the request's next work (at most this
+    # many ms) until the pipeline's first final output of it is out: on a few shared cores a
+    # talker's next sentence would split the CPU with code2wav's first chunk. 0: off.
+    first_output_hold_ms: float = 0.0
 
     @property
     def label(self) -> str:
@@ -380,6 +384,11 @@ def validate(config: DeployConfig, source: str = "deploy config") -> None:
                 f"{where}.final_output_type must be one of {list(OUTPUT_TYPES)}, "
                 f"got {s.final_output_type!r}"
             )
+        if not 0 <= s.first_output_hold_ms <= 10_000:
+            raise ConfigError(f"{where}.first_output_hold_ms must be in [0, 10000], got {s.first_output_hold_ms}")
+        if s.first_output_hold_ms and (s.final_output or not config.downstream(s.stage_id)):
+            raise ConfigError(f"{where}.first_output_hold_ms: only a stage whose output feeds a later stage "
+                              "(and is not itself a final output) can wait for the pipeline's first output")
         for edge, conn in s.connectors.items():
             if not edge.isdigit() or int(edge) not in ids:
                 raise ConfigError(f"{where}.connectors: {edge!r} is not a stage id")

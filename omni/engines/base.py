@@ -100,6 +100,21 @@ class Engine(abc.ABC):
         None: the worker calls step() whenever the engine has unfinished work."""
         return None
 
+    def can_hold(self) -> bool:
+        """True when hold()/release() work (a stage's `first_output_hold_ms` needs it)."""
+        return False
+
+    def hold(self, request_id: str, until: float) -> None:
+        """Step no more of this request before `until` (time.monotonic()) unless released: its
+        next work would share the CPU with a later stage making the request's first output."""
+
+    def release(self, request_id: str) -> None:
+        """End a hold early; unknown or unheld ids are ignored."""
+
+    def held_until(self) -> float | None:
+        """The earliest end of a hold (the worker wakes then), None with nothing held."""
+        return None
+
     def num_waiting(self) -> int:
         return 0
 

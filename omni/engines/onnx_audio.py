@@ -83,6 +83,7 @@ class TalkerEngine(Engine):
         self._session = make_session(self.paths.talker, threads)
         self._queue: collections.deque[_TalkJob] = collections.deque()
         self._jobs: dict[str, _TalkJob] = {}
+        self._held: dict[str, tuple[float, _TalkJob]] = {}   # request id -> (hold deadline, job)
         self._stats = collections.Counter()
 
     def add_request(self, request: EngineRequest) -> None:
@@ -115,10 +116,36 @@ class TalkerEngine(Engine):
 
     def abort(self, request_id: str) -> None:
         job = self._jobs.pop(request_id, None)
-        if job is not None:
+        if job is not None and self._held.pop(request_id, None) is None:
             self._queue.remove(job)
 
+    # A held request's next sentence waits (until a deadline or release()) while code2wav
+    # makes its first audio: on a few shared cores the two would split the CPU.
+    def can_hold(self) -> bool:
+        return True
+
+    def hold(self, request_id: str, until: float) -> None:
+        job = self._jobs.get(request_id)
+        if job is not None and request_id not in self._held:
+            self._queue.remove(job)
+            self._held[request_id] = (until, job)
+
+    def release(self, request_id: str) -> None:
+        held = self._held.pop(request_id, None)
+        if held is not None:
+            self._queue.append(held[1])
+
+    def held_until(self) -> float | None:
+        return min(until for until, _ in self._held.values()) if self._held else None
+
+    def _release_due(self) -> None:
+        now = time.monotonic()
+        for rid in [rid for rid, (until, _) in self._held.items() if until <= now]:
+            self.release(rid)
+
     def step(self) -> list[EngineOutput]:
+        if self._held:
+            self._release_due()
         if not self._queue:
             return []
         job = self._queue.popleft()
@@ -151,13 +178,14 @@ class TalkerEngine(Engine):
             num_prompt_tokens=sum(len(s) for s in job.sentences) if first else None)]
 
     def has_unfinished(self) -> bool:
-        return bool(self._queue)
+        """True while step() has work now (a held request waits for `held_until()`)."""
+        return bool(self._queue) or (bool(self._held) and self.held_until() <= time.monotonic())
 
     def num_waiting(self) -> int:
         return sum(1 for j in self._queue if j.next == 0)
 
     def num_running(self) -> int:
-        return sum(1 for j in self._queue if j.next > 0)
+        return sum(1 for j in self._queue if j.next > 0) + len(self._held)
 
     def stats(self) -> dict[str, float]:
         return dict(self._stats)

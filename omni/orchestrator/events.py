@@ -58,7 +58,7 @@ class Send:
     """Send `message` to `replica` (open a channel to it first if there is none)."""
     request_id: str
     replica: ReplicaInfo
-    message: m.AddRequest
+    message: m.AddRequest | m.Release
 
 
 @dataclass(frozen=True)

@@ -214,6 +214,8 @@ class OrchestratorCore:
         if st.first_output_at is None:
             st.first_output_at = now
             self.metrics.stage_first_output(s, now - state.started_at)
+            if self.config.stage(s).final_output:
+                self._release_holds(state, s)
         self.metrics.stage_step(s, out.step_s)
         if out.num_prompt_tokens is not None and state.num_prompt_tokens is None:
             state.num_prompt_tokens = out.num_prompt_tokens
@@ -320,10 +322,13 @@ class OrchestratorCore:
         extra = {**stage.default_sampling_params, **inp.extra}
         extra.setdefault("final", final)
         out_transport, out_tensors = self._out_route(state, stage)
+        # Held after its first output while the final output it feeds has not started.
+        hold_ms = stage.first_output_hold_ms if stage.first_output_hold_ms and not any(
+            state.stages[t].first_output_at for t in self._finals_below(s) if t in state.stages) else 0.0
         msg = m.AddRequest(request_id=erid, prompt_token_ids=inp.token_ids, text=inp.text,
                            sampling=state.req.sampling, tensors=dict(inp.tensors), extra=extra,
                            out_transport=out_transport, out_tensors=out_tensors, sent_at=time.time(),
-                           inline=dict(inp.inline))
+                           inline=dict(inp.inline), hold_ms=hold_ms)
         st.started = True
         st.open.add(erid)
         st.sent.setdefault(erid, []).append((inp, final))
@@ -332,6 +337,24 @@ class OrchestratorCore:
                 (state.origin.get(ref_id(r), ""), r) for r in inp.tensors.values())
         self.by_replica.setdefault(replica.replica_id, set()).add(state.rid)
         self._out.append(ev.Send(state.rid, replica, msg))
+
+    def _finals_below(self, s: int) -> list[int]:
+        """The final-output stages that stage s feeds, directly or not."""
+        below, todo = set(), list(self.config.downstream(s))
+        while todo:
+            t = todo.pop()
+            if t not in below:
+                below.add(t)
+                todo += self.config.downstream(t)
+        return [t for t in below if self.config.stage(t).final_output]
+
+    def _release_holds(self, state: RequestState, final: int) -> None:
+        """Stage `final` made its first output of the request: the stages feeding it that hold
+        the request's next work (first_output_hold_ms) may go on."""
+        for s, st in state.stages.items():
+            if (self.config.stage(s).first_output_hold_ms and st.open and st.replica is not None
+                    and final in self._finals_below(s)):
+                self._out.append(ev.Send(state.rid, st.replica, m.Release(sorted(st.open))))
 
     def _out_route(self, state: RequestState, stage: StageConfig) -> tuple[str, bool]:
         """Where this stage's output tensors go for this request, and if anyone reads them."""

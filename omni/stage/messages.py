@@ -46,9 +46,17 @@ class AddRequest(msgspec.Struct, frozen=True, tag="add", kw_only=True):
     out_tensors: bool = True
     # Client inputs carried inline (name -> tensor), e.g. "audio_0"; the engine sees them in `tensors`.
     inline: dict[str, InlineTensor] = {}
+    # > 0: after its first output the engine holds this request that long at most, or until a
+    # Release (the stage's `first_output_hold_ms`: the pipeline's first audio is on its way).
+    hold_ms: float = 0.0
 
 
 class Abort(msgspec.Struct, frozen=True, tag="abort"):
+    request_ids: list[str]
+
+
+class Release(msgspec.Struct, frozen=True, tag="release"):
+    """The pipeline's first final output of these requests is out: step them again."""
     request_ids: list[str]
 
 
@@ -63,7 +71,7 @@ class Utility(msgspec.Struct, frozen=True, tag="utility"):
     args: dict[str, Any] = {}
 
 
-ToStage = Union[Hello, AddRequest, Abort, FreeTensors, Utility]
+ToStage = Union[Hello, AddRequest, Abort, FreeTensors, Utility, Release]
 
 
 # ------------------------------------------------------------- stage -> frontend

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -28,7 +29,7 @@ from omni.stage import messages as m
 from omni.stage.control import StageControl
 from omni.stage.local_link import CLOSED, LocalPeers
 from omni.stage.loop_poll import LoopPoller
-from omni.stage.worker_state import HeldOutput, InFlight, WorkerStats
+from omni.stage.worker_state import HeldOutput, InFlight, WorkerStats, load_report
 from omni.stage.curve import secure_server
 from omni.transport.base import ProducerFull, TensorProducer, TransportError
 
@@ -56,6 +57,8 @@ class StageWorker:
         stop_request: StopRequest | None = None,
         local_channel: bool = False,
     ):
+        if stage.first_output_hold_ms and not engine.can_hold():
+            raise ValueError(f"{stage.label}: first_output_hold_ms is set, but its engine cannot hold a request")
         self.stage = stage
         self.engine = engine
         self.token = token
@@ -98,24 +101,7 @@ class StageWorker:
 
     def load(self) -> dict:
         """Keep-alive payload (read from the keep-alive thread; plain ints)."""
-        return {
-            "queue_len": self.engine.num_waiting(),
-            "in_flight": len(self._reqs),
-            "requests_total": self.stats.requests_total,
-            "cpu_seconds": time.process_time(),
-            "is_sleeping": self.engine.is_sleeping(),
-            "draining": self.draining,
-            "extra": {
-                "steps": float(self.stats.steps),
-                "step_s_total": self.stats.step_s_total,
-                "tensor_bytes_out": float(self.stats.tensor_bytes_out),
-                "tensor_bytes_in": float(self.stats.tensor_bytes_in),
-                "stalls": float(self.stats.stalls),
-                "stall_s_total": self.stats.stall_s_total,
-                "held_outputs": float(len(self._held)),
-                **self.stats.by_transport,
-            },
-        }
+        return load_report(self)
 
     def command(self, kind: str, args: dict | None = None, timeout: float = 60.0) -> tuple[bool, str]:
         """Run a master command on the loop thread and wait for its result."""
@@ -147,7 +133,7 @@ class StageWorker:
             busy = self.engine.has_unfinished() and not self.engine.is_sleeping()
             # Held output is retried every few ms (a full frontend queue gives no event);
             # a FreeTensors from a consumer wakes the poll at once.
-            timeout = 5 if self._held else (busy_timeout if busy else 1000)
+            timeout = 5 if self._held else (busy_timeout if busy else self._idle_ms())
             if self._local is not None:
                 self._local.watch_writable()
             if ready_fd is not None and watching == bool(self._held):
@@ -190,6 +176,11 @@ class StageWorker:
             self._fail(rid, f"{self.stage.label} is shutting down", "unavailable")
         self.close()
 
+    def _idle_ms(self) -> int:
+        """The poll's wait with nothing to step: 1 s, or until a request's hold ends."""
+        until = self.engine.held_until()
+        return 1000 if until is None else min(1000, max(0, math.ceil((until - time.monotonic()) * 1000)))
+
     def _drain_socket(self) -> None:
         while True:
             try:
@@ -228,6 +219,9 @@ class StageWorker:
                 if self._reqs.pop(rid, None) is not None:
                     self.engine.abort(rid)
                     self._free_owner(rid)
+        elif isinstance(msg, m.Release):
+            for rid in msg.request_ids:
+                self.engine.release(rid)
         elif isinstance(msg, m.FreeTensors):
             producer = self._producers.get(msg.transport)
             if producer is not None:
@@ -273,7 +267,7 @@ class StageWorker:
         if rid not in self._reqs:
             self.stats.requests_total += 1
             self._reqs[rid] = InFlight(ident, time.monotonic(), msg.out_transport or self.default_transport,
-                                       msg.out_tensors)
+                                       msg.out_tensors, hold_s=msg.hold_ms / 1000)
 
     def _step(self) -> None:
         t0 = time.monotonic()
@@ -331,6 +325,8 @@ class StageWorker:
         if not req.started:
             req.started = True
             queue_s = max(0.0, time.monotonic() - req.added_at - step_s)
+            if req.hold_s and not out.finished:
+                self.engine.hold(out.request_id, time.monotonic() + req.hold_s)
         msg = m.Output(
             request_id=out.request_id,
             token_ids=out.token_ids,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from omni.engines.base import EngineOutput
 
@@ -14,6 +16,7 @@ class InFlight:
     out_transport: str
     out_tensors: bool = True
     started: bool = False
+    hold_s: float = 0.0      # held this long after the first output (AddRequest.hold_ms)
 
 
 @dataclass
@@ -43,3 +46,25 @@ class HeldOutput:
     out: EngineOutput | None = None
     step_s: float = 0.0
     frame: bytes = b""
+
+
+def load_report(w: Any) -> dict:
+    """A StageWorker's keep-alive payload (read from the keep-alive thread; plain numbers)."""
+    return {
+        "queue_len": w.engine.num_waiting(),
+        "in_flight": len(w._reqs),
+        "requests_total": w.stats.requests_total,
+        "cpu_seconds": time.process_time(),
+        "is_sleeping": w.engine.is_sleeping(),
+        "draining": w.draining,
+        "extra": {
+            "steps": float(w.stats.steps),
+            "step_s_total": w.stats.step_s_total,
+            "tensor_bytes_out": float(w.stats.tensor_bytes_out),
+            "tensor_bytes_in": float(w.stats.tensor_bytes_in),
+            "stalls": float(w.stats.stalls),
+            "stall_s_total": w.stats.stall_s_total,
+            "held_outputs": float(len(w._held)),
+            **w.stats.by_transport,
+        },
+    }
