@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import io
 import json
 import shutil
@@ -233,6 +235,31 @@ def test_talker_abort(voice_dir):
     assert len(t.step()) == 1
     t.abort("a")
     assert not t.has_unfinished() and t.step() == []
+
+
+def test_talker_hold_waits_for_release_or_deadline_and_serves_others_meanwhile(voice_dir):
+    t = TalkerEngine(voice_dir)
+    assert t.can_hold() and t.held_until() is None
+    t.add_request(EngineRequest(request_id="a", text="One. Two. Three."))
+    (first,) = t.step()
+    t.hold("a", time.monotonic() + 3600)
+    assert not t.has_unfinished() and t.step() == [] and t.num_running() == 1
+    t.add_request(EngineRequest(request_id="b", text="Other."))
+    assert [o.request_id for o in t.step()] == ["b"]        # another request goes on meanwhile
+    assert not t.has_unfinished() and t.held_until() > time.monotonic() + 3000
+    t.release("a")
+    t.release("a")                                           # twice, or unknown: ignored
+    assert [o.request_id for o in _run(t)] == ["a", "a"]
+    # A deadline ends a hold without a release; an abort drops a held request.
+    t.add_request(EngineRequest(request_id="c", text="One. Two."))
+    t.step()
+    t.hold("c", time.monotonic() - 1)
+    assert t.has_unfinished() and [o.request_id for o in t.step()] == ["c"]
+    t.add_request(EngineRequest(request_id="d", text="One. Two."))
+    t.step()
+    t.hold("d", time.monotonic() + 3600)
+    t.abort("d")
+    assert t.held_until() is None and not t.has_unfinished() and t.num_running() == 0
 
 
 def test_find_latent_cut():

@@ -188,6 +188,39 @@ def speech_with_code2wav_on(*code2wav: ReplicaInfo) -> tuple[OrchestratorCore, l
     return core, core.handle(ev.ReplicaGone(dead, "dead"))
 
 
+def _hold_config():
+    import msgspec
+    raw = msgspec.to_builtins(CONFIG)
+    raw["stages"][1]["first_output_hold_ms"] = 200
+    return parse(raw, source="test")
+
+
+def test_talker_hold_is_asked_until_the_first_audio_then_released():
+    core = make_core(*ALL, config=_hold_config())
+    acts = core.submit(PipelineRequest(request_id="sp", text="One. Two.", entry_stage=1, modalities=("audio",)))
+    (talk,) = of(acts, ev.Send)
+    assert talk.message.hold_ms == 200
+    acts = core.handle(output("s1r0", 1, "sp", tensors={"latents": ref(1)}))
+    assert [a.message.hold_ms for a in of(acts, ev.Send)] == [0.0]      # code2wav's own input holds nothing
+    acts = core.handle(output("s2r0", 2, "sp", tensors={"audio": ref(7, "s2r0")}, sample_rate=22050))
+    (release,) = [a for a in of(acts, ev.Send) if isinstance(a.message, m.Release)]
+    assert release.replica.replica_id == "s1r0" and release.message.request_ids == ["sp"]
+    acts = core.handle(output("s2r0", 2, "sp", tensors={"audio": ref(8, "s2r0")}, sample_rate=22050))
+    assert not of(acts, ev.Send)                                        # released once
+
+
+def test_no_hold_is_asked_once_the_first_audio_is_out_and_text_does_not_release():
+    core = make_core(*ALL, config=_hold_config())
+    core.submit(chat())
+    acts = core.handle(output("s0r0", 0, "r1", token_ids=ids("Hi. Yo")))
+    assert of(acts, ev.Send)[0].message.hold_ms == 200     # the thinker's text is no audio
+    core.handle(output("s1r0", 1, "r1/s1", tensors={"latents": ref(1)}, finished=True))
+    acts = core.handle(output("s2r0", 2, "r1", tensors={"audio": ref(7, "s2r0")}, sample_rate=22050))
+    assert not [a for a in of(acts, ev.Send) if isinstance(a.message, m.Release)]   # nothing left open
+    acts = core.handle(output("s0r0", 0, "r1", token_ids=ids("!"), finished=True, finish_reason="stop"))
+    assert [a.message.hold_ms for a in of(acts, ev.Send)] == [0.0]      # audio is out: no hold
+
+
 def test_downstream_shm_inputs_replay_only_on_the_same_host():
     core, acts = speech_with_code2wav_on(replica(2, "a-h1"), replica(2, "b-h2", host="h2"), replica(2, "c-h1"))
     assert sends(acts) == [("c-h1", "sp", False), ("c-h1", "sp", True)]     # both pieces, in order

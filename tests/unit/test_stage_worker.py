@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import msgspec
 import pytest
@@ -272,3 +273,80 @@ def test_engine_with_ready_fd_is_stepped_when_it_has_output_not_in_a_loop():
         w.stop()
         t.join(10)
     assert not t.is_alive()
+
+
+class HoldEngine(CountEngine):
+    """CountEngine that can hold a request (as the talker does under first_output_hold_ms)."""
+
+    def __init__(self):
+        super().__init__()
+        self.held: dict[str, tuple[float, list]] = {}
+        self.calls: list[tuple[str, str]] = []
+
+    def can_hold(self) -> bool:
+        return True
+
+    def hold(self, rid: str, until: float) -> None:
+        self.calls.append(("hold", rid))
+        self.held[rid] = (until, self.reqs.pop(rid))
+
+    def release(self, rid: str) -> None:
+        self.calls.append(("release", rid))
+        held = self.held.pop(rid, None)
+        if held is not None:
+            self.reqs[rid] = held[1]
+
+    def held_until(self) -> float | None:
+        return min(u for u, _ in self.held.values()) if self.held else None
+
+    def step(self) -> list[EngineOutput]:
+        for rid in [r for r, (u, _) in self.held.items() if u <= time.monotonic()]:
+            self.reqs[rid] = self.held.pop(rid)[1]
+        return super().step()
+
+    def has_unfinished(self) -> bool:
+        return bool(self.reqs) or (bool(self.held) and self.held_until() <= time.monotonic())
+
+
+@pytest.fixture
+def hold_worker():
+    engine = HoldEngine()
+    w = StageWorker(StageConfig(stage_id=1, engine="count", name="talker", first_output_hold_ms=100),
+                    engine, token="secret", replica_id="s1r0")
+    t = threading.Thread(target=w.run, kwargs={"grace_s": 1.0}, daemon=True)
+    t.start()
+    yield w, engine
+    w.stop()
+    t.join(10)
+    assert not t.is_alive()
+
+
+def test_a_held_request_waits_for_its_release(hold_worker):
+    w, engine = hold_worker
+    s = dealer(w.endpoint)
+    assert hello(s).ok
+    s.send(enc.encode(m.AddRequest(request_id="r1", prompt_token_ids=[10], hold_ms=3_600_000,
+                                   sampling=SamplingParams(max_tokens=3))))
+    assert recv(s).token_ids == [11]
+    s.send(enc.encode(m.Utility(1, "ping")))
+    assert isinstance(recv(s), m.UtilityResult)     # nothing of r1 came before: it is held
+    s.send(enc.encode(m.Release(["r1"])))
+    assert [recv(s).token_ids for _ in range(2)] == [[12], [13]]
+    assert engine.calls == [("hold", "r1"), ("release", "r1")]
+    s.close()
+
+
+def test_a_hold_ends_at_its_deadline_without_a_release(hold_worker):
+    w, engine = hold_worker
+    s = dealer(w.endpoint)
+    assert hello(s).ok
+    s.send(enc.encode(m.AddRequest(request_id="r2", prompt_token_ids=[10], hold_ms=20,
+                                   sampling=SamplingParams(max_tokens=3))))
+    assert [recv(s).token_ids for _ in range(3)] == [[11], [12], [13]]   # the loop woke at the deadline
+    assert engine.calls == [("hold", "r2")]
+    s.close()
+
+
+def test_a_hold_on_an_engine_that_cannot_hold_is_refused_by_name():
+    with pytest.raises(ValueError, match="first_output_hold_ms"):
+        StageWorker(StageConfig(stage_id=1, engine="count", first_output_hold_ms=100), CountEngine(), token="x")
