@@ -60,17 +60,20 @@ class CountEngine(Engine):
         return self.sleeping
 
 
-@pytest.fixture
-def worker():
-    stage = StageConfig(stage_id=0, engine="count", name="counter")
-    engine = CountEngine()
-    w = StageWorker(stage, engine, token="secret", replica_id="s0r0")
+def running(stage: StageConfig, engine: Engine):
+    """A worker running on a thread; stopped (by a deadline) when the test is done."""
+    w = StageWorker(stage, engine, token="secret", replica_id=f"s{stage.stage_id}r0")
     t = threading.Thread(target=w.run, kwargs={"grace_s": 1.0}, daemon=True)
     t.start()
     yield w, engine
     w.stop()
     t.join(10)
     assert not t.is_alive()
+
+
+@pytest.fixture
+def worker():
+    yield from running(StageConfig(stage_id=0, engine="count", name="counter"), CountEngine())
 
 
 def dealer(endpoint: str, ident: bytes = b"fe-test", token: str = "secret"):
@@ -310,23 +313,21 @@ class HoldEngine(CountEngine):
 
 @pytest.fixture
 def hold_worker():
-    engine = HoldEngine()
-    w = StageWorker(StageConfig(stage_id=1, engine="count", name="talker", first_output_hold_ms=100),
-                    engine, token="secret", replica_id="s1r0")
-    t = threading.Thread(target=w.run, kwargs={"grace_s": 1.0}, daemon=True)
-    t.start()
-    yield w, engine
-    w.stop()
-    t.join(10)
-    assert not t.is_alive()
+    yield from running(StageConfig(stage_id=1, engine="count", name="talker", first_output_hold_ms=100), HoldEngine())
+
+
+def send_held(w: StageWorker, rid: str, hold_ms: float):
+    """A frontend's socket that sent one 3-token request with `hold_ms`."""
+    s = dealer(w.endpoint)
+    assert hello(s).ok
+    s.send(enc.encode(m.AddRequest(request_id=rid, prompt_token_ids=[10], hold_ms=hold_ms,
+                                   sampling=SamplingParams(max_tokens=3))))
+    return s
 
 
 def test_a_held_request_waits_for_its_release(hold_worker):
     w, engine = hold_worker
-    s = dealer(w.endpoint)
-    assert hello(s).ok
-    s.send(enc.encode(m.AddRequest(request_id="r1", prompt_token_ids=[10], hold_ms=3_600_000,
-                                   sampling=SamplingParams(max_tokens=3))))
+    s = send_held(w, "r1", 3_600_000)
     assert recv(s).token_ids == [11]
     s.send(enc.encode(m.Utility(1, "ping")))
     assert isinstance(recv(s), m.UtilityResult)     # nothing of r1 came before: it is held
@@ -338,10 +339,7 @@ def test_a_held_request_waits_for_its_release(hold_worker):
 
 def test_a_hold_ends_at_its_deadline_without_a_release(hold_worker):
     w, engine = hold_worker
-    s = dealer(w.endpoint)
-    assert hello(s).ok
-    s.send(enc.encode(m.AddRequest(request_id="r2", prompt_token_ids=[10], hold_ms=20,
-                                   sampling=SamplingParams(max_tokens=3))))
+    s = send_held(w, "r2", 20)
     assert [recv(s).token_ids for _ in range(3)] == [[11], [12], [13]]   # the loop woke at the deadline
     assert engine.calls == [("hold", "r2")]
     s.close()
