@@ -218,7 +218,12 @@ def build_engine(config: DeployConfig, stage: StageConfig) -> Engine:
         )
     stage = msgspec.structs.replace(stage, engine_args=engine_args_for(stage))
     try:
-        return factory(config, stage)
+        engine = factory(config, stage)
     except TypeError as e:
         # Usually an engine_args key the engine does not take.
         raise ConfigError(f"{stage.label}: engine_args for {stage.engine!r}: {e}") from None
+    if stage.first_output_hold_ms and not engine.can_hold():
+        engine.shutdown()
+        raise ConfigError(f"{stage.label}: first_output_hold_ms is set, but engine {stage.engine} cannot hold a "
+                          "request (piper_talker can)")
+    return engine

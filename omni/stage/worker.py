@@ -57,8 +57,6 @@ class StageWorker:
         stop_request: StopRequest | None = None,
         local_channel: bool = False,
     ):
-        if stage.first_output_hold_ms and not engine.can_hold():
-            raise ValueError(f"{stage.label}: first_output_hold_ms is set, but its engine cannot hold a request")
         self.stage = stage
         self.engine = engine
         self.token = token

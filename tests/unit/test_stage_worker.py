@@ -345,6 +345,16 @@ def test_a_hold_ends_at_its_deadline_without_a_release(hold_worker):
     s.close()
 
 
-def test_a_hold_on_an_engine_that_cannot_hold_is_refused_by_name():
-    with pytest.raises(ValueError, match="first_output_hold_ms"):
-        StageWorker(StageConfig(stage_id=1, engine="count", first_output_hold_ms=100), CountEngine(), token="x")
+def test_a_hold_on_an_engine_that_cannot_hold_is_refused_by_name(monkeypatch):
+    from omni.config import parse
+    from omni.engines import factory
+    from omni.errors import ConfigError
+
+    monkeypatch.setitem(factory.ENGINES, "count", lambda config, stage: CountEngine())
+    config = parse({"model": "m", "stages": [
+        {"stage_id": 0, "engine": "count", "name": "talker", "first_output_hold_ms": 100},
+        {"stage_id": 1, "engine": "count", "inputs": [0], "final_output": True, "final_output_type": "audio"}]},
+        source="x.yaml")
+    with pytest.raises(ConfigError, match="stage 0 .talker.: first_output_hold_ms is set, but engine count cannot"):
+        factory.build_engine(config, config.stage(0))
+    assert isinstance(factory.build_engine(config, config.stage(1)), CountEngine)
