@@ -75,6 +75,7 @@ class Orchestrator:
         self._local = local_enabled()     # OMNI_STAGE_CHANNEL: same-host replicas over LocalChannel
         self._sinks: dict[str, _Sink] = {}
         self._apply_handlers = {ev.Send: self._do_send, ev.Free: self._do_free, ev.AbortStage: self._do_abort,
+                                ev.ReleaseHold: self._do_release,
                                 ev.Emit: self._do_emit, ev.Fail: self._do_fail, ev.Finished: self._do_finished}
         topology.on_change(self._on_topology)
 
@@ -159,11 +160,6 @@ class Orchestrator:
         return ch
 
     def _do_send(self, a: ev.Send) -> None:
-        if isinstance(a.message, m.Release):   # a hint: a gone replica's requests are replayed anyway
-            ch = self._live_channel(a.replica.replica_id)
-            if ch is not None:
-                ch.post(a.message)
-            return
         try:
             self._channel(a.replica).post(a.message)
         except Unavailable as e:
@@ -182,6 +178,11 @@ class Orchestrator:
         ch = self._live_channel(a.replica_id)
         if ch is not None:
             ch.post(m.Abort(list(a.request_ids)))
+
+    def _do_release(self, a: ev.ReleaseHold) -> None:
+        ch = self._live_channel(a.replica_id)   # a hint: a gone replica's requests are replayed anyway
+        if ch is not None:
+            ch.post(m.Release(list(a.request_ids)))
 
     def _do_emit(self, a: ev.Emit) -> None:
         sink = self._sinks.get(a.request_id)

@@ -58,7 +58,7 @@ class Send:
     """Send `message` to `replica` (open a channel to it first if there is none)."""
     request_id: str
     replica: ReplicaInfo
-    message: m.AddRequest | m.Release
+    message: m.AddRequest
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,13 @@ class Free:
 
 @dataclass(frozen=True)
 class AbortStage:
+    replica_id: str
+    request_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ReleaseHold:
+    """The replica may step these held requests again (their first final output is out)."""
     replica_id: str
     request_ids: tuple[str, ...]
 
@@ -99,4 +106,4 @@ class Finished:
     seconds: float
 
 
-Action = Send | Free | AbortStage | Emit | Fail | Finished
+Action = Send | Free | AbortStage | ReleaseHold | Emit | Fail | Finished

@@ -23,8 +23,8 @@ from omni.master.types import ReplicaInfo
 from omni.orchestrator import events as ev
 from omni.orchestrator.limits import RecentFailures, fitting
 from omni.orchestrator.metrics import OrchestratorMetrics
-from omni.orchestrator.request_state import (ProcessorContext, RequestState, load_processor, needed_stages,
-                                             ref_id)
+from omni.orchestrator.request_state import (ProcessorContext, RequestState, finals_below, load_processor,
+                                             needed_stages, ref_id)
 from omni.orchestrator.topology import Topology
 from omni.orchestrator.types import PipelineOutput, PipelineRequest
 from omni.stage import messages as m
@@ -49,6 +49,9 @@ class OrchestratorCore:
         self.metrics = metrics if metrics is not None else OrchestratorMetrics()
         self.clock = clock
         self._processors = {s.stage_id: load_processor(s.processor) for s in config.stages}
+        # Stage with first_output_hold_ms -> the final-output stages it feeds (whose first output releases it).
+        self._hold_for = {s.stage_id: finals_below(config, s.stage_id) for s in config.stages
+                          if s.first_output_hold_ms}
         self.requests: dict[str, RequestState] = {}
         self.by_replica: dict[str, set[str]] = {}       # replica id -> request ids holding work there
         self.failures = RecentFailures()
@@ -323,8 +326,9 @@ class OrchestratorCore:
         extra.setdefault("final", final)
         out_transport, out_tensors = self._out_route(state, stage)
         # Held after its first output while the final output it feeds has not started.
-        hold_ms = stage.first_output_hold_ms if stage.first_output_hold_ms and not any(
-            state.stages[t].first_output_at for t in self._finals_below(s) if t in state.stages) else 0.0
+        finals = self._hold_for.get(s, ())
+        hold_ms = stage.first_output_hold_ms if finals and not any(
+            state.stages[t].first_output_at for t in finals if t in state.stages) else 0.0
         msg = m.AddRequest(request_id=erid, prompt_token_ids=inp.token_ids, text=inp.text,
                            sampling=state.req.sampling, tensors=dict(inp.tensors), extra=extra,
                            out_transport=out_transport, out_tensors=out_tensors, sent_at=time.time(),
@@ -338,23 +342,13 @@ class OrchestratorCore:
         self.by_replica.setdefault(replica.replica_id, set()).add(state.rid)
         self._out.append(ev.Send(state.rid, replica, msg))
 
-    def _finals_below(self, s: int) -> list[int]:
-        """The final-output stages that stage s feeds, directly or not."""
-        below, todo = set(), list(self.config.downstream(s))
-        while todo:
-            t = todo.pop()
-            if t not in below:
-                below.add(t)
-                todo += self.config.downstream(t)
-        return [t for t in below if self.config.stage(t).final_output]
-
     def _release_holds(self, state: RequestState, final: int) -> None:
         """Stage `final` made its first output of the request: the stages feeding it that hold
         the request's next work (first_output_hold_ms) may go on."""
-        for s, st in state.stages.items():
-            if (self.config.stage(s).first_output_hold_ms and st.open and st.replica is not None
-                    and final in self._finals_below(s)):
-                self._out.append(ev.Send(state.rid, st.replica, m.Release(sorted(st.open))))
+        for s, finals in self._hold_for.items():
+            st = state.stages.get(s)
+            if final in finals and st is not None and st.open and st.replica is not None:
+                self._out.append(ev.ReleaseHold(st.replica.replica_id, tuple(sorted(st.open))))
 
     def _out_route(self, state: RequestState, stage: StageConfig) -> tuple[str, bool]:
         """Where this stage's output tensors go for this request, and if anyone reads them."""

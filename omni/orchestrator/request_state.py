@@ -89,3 +89,15 @@ def needed_stages(config: DeployConfig, req: PipelineRequest) -> list[int]:
     if req.entry_stage not in needed:
         raise BadRequest(f"modalities {list(req.modalities)} are not reachable from stage {req.entry_stage}")
     return sorted(needed)
+
+
+def finals_below(config: DeployConfig, s: int) -> frozenset[int]:
+    """The final-output stages that stage s feeds, directly or not (needed_stages walks the other way)."""
+    below: set[int] = set()
+    todo = list(config.downstream(s))
+    while todo:
+        t = todo.pop()
+        if t not in below:
+            below.add(t)
+            todo.extend(config.downstream(t))
+    return frozenset(t for t in below if config.stage(t).final_output)

@@ -203,10 +203,9 @@ def test_talker_hold_is_asked_until_the_first_audio_then_released():
     acts = core.handle(output("s1r0", 1, "sp", tensors={"latents": ref(1)}))
     assert [a.message.hold_ms for a in of(acts, ev.Send)] == [0.0]      # code2wav's own input holds nothing
     acts = core.handle(output("s2r0", 2, "sp", tensors={"audio": ref(7, "s2r0")}, sample_rate=22050))
-    (release,) = [a for a in of(acts, ev.Send) if isinstance(a.message, m.Release)]
-    assert release.replica.replica_id == "s1r0" and release.message.request_ids == ["sp"]
+    assert of(acts, ev.ReleaseHold) == [ev.ReleaseHold("s1r0", ("sp",))]
     acts = core.handle(output("s2r0", 2, "sp", tensors={"audio": ref(8, "s2r0")}, sample_rate=22050))
-    assert not of(acts, ev.Send)                                        # released once
+    assert not of(acts, ev.Send) and not of(acts, ev.ReleaseHold)      # released once
 
 
 def test_no_hold_is_asked_once_the_first_audio_is_out_and_text_does_not_release():
@@ -216,7 +215,7 @@ def test_no_hold_is_asked_once_the_first_audio_is_out_and_text_does_not_release(
     assert of(acts, ev.Send)[0].message.hold_ms == 200     # the thinker's text is no audio
     core.handle(output("s1r0", 1, "r1/s1", tensors={"latents": ref(1)}, finished=True))
     acts = core.handle(output("s2r0", 2, "r1", tensors={"audio": ref(7, "s2r0")}, sample_rate=22050))
-    assert not [a for a in of(acts, ev.Send) if isinstance(a.message, m.Release)]   # nothing left open
+    assert not of(acts, ev.ReleaseHold)                                 # nothing left open
     acts = core.handle(output("s0r0", 0, "r1", token_ids=ids("!"), finished=True, finish_reason="stop"))
     assert [a.message.hold_ms for a in of(acts, ev.Send)] == [0.0]      # audio is out: no hold
 
