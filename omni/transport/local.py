@@ -27,7 +27,7 @@ import termios
 from typing import Callable
 
 from omni.transport.base import TransportError
-from omni.transport.server import NONCE_BYTES, client_hello, hello_answer, peer_uid, same_user_server
+from omni.transport.server import NONCE_BYTES, check_listener_user, client_hello, hello_answer, same_user_server
 
 MAGIC = b"OML1"
 _STATUS = struct.Struct("<B")   # hello reply: 0 ok, 1 refused
@@ -162,18 +162,13 @@ def _admitted(sock: socket.socket, name: str, status: bytes) -> LocalChannel:
     return LocalChannel(sock)
 
 
-def _check_listener_user(sock: socket.socket, name: str) -> None:
-    if peer_uid(sock) != os.getuid():
-        raise TransportError(f"local channel {name} is held by another user")
-
-
 def connect_local(name: str, token: str | None = None, timeout: float = 10.0) -> LocalChannel:
     """Connect to a LocalListener of this user; TransportError if refused or unreachable."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     with _hello_guard(sock, name):
         sock.settimeout(timeout)
         sock.connect("\0" + name)
-        _check_listener_user(sock, name)
+        check_listener_user(sock, f"local channel {name}")
         client_hello(sock, MAGIC, token)
         status = sock.recv(_STATUS.size)
     return _admitted(sock, name, status)
@@ -191,7 +186,7 @@ async def connect_local_async(name: str, token: str | None = None, timeout: floa
         try:
             async with asyncio.timeout(timeout):
                 sock.connect("\0" + name)
-                _check_listener_user(sock, name)
+                check_listener_user(sock, f"local channel {name}")
                 nonce = await loop.sock_recv(sock, NONCE_BYTES)     # a packet socket: the whole nonce or nothing
                 if len(nonce) != NONCE_BYTES:
                     raise TransportError(f"local channel {name} closed the connection during its hello")

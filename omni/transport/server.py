@@ -29,6 +29,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from omni.ratelog import RateLimitedLog
+from omni.transport.base import TransportError
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,13 @@ def peer_uid(sock: socket.socket) -> int:
     """The user id of the process at the other end of a unix socket (the kernel's word)."""
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     return struct.unpack("3i", creds)[1]
+
+
+def check_listener_user(sock: socket.socket, what: str) -> None:
+    """A client's check before the hello: an abstract name can be bound by any user on the host,
+    and a listener of another user could answer in our listener's place."""
+    if peer_uid(sock) != os.getuid():
+        raise TransportError(f"{what} is held by another user")
 
 
 def same_user_server(name: str, kind: int, handler: Callable[[socket.socket], None], server_name: str, *,

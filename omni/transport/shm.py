@@ -25,7 +25,7 @@ import torch
 
 from omni.transport.alloc import ALIGN, SlotAllocator, round_up
 from omni.transport.base import ProducerFull, TensorConsumer, TensorProducer, TensorRef, TransportError
-from omni.transport.server import client_hello, peer_uid, same_user_server
+from omni.transport.server import check_listener_user, client_hello, same_user_server
 from omni.transport.util import check_ref, dtype_name, flat_bytes, recv_exact
 
 logger = logging.getLogger(__name__)
@@ -278,10 +278,7 @@ class ShmConsumer(TensorConsumer):
             sock.settimeout(self._timeout)
             try:
                 sock.connect("\0" + name)
-                # An abstract name can be taken by anyone on the host: a listener of another
-                # user could hand us a segment of its own making.
-                if peer_uid(sock) != os.getuid():
-                    raise TransportError(f"shm producer {name} is held by another user")
+                check_listener_user(sock, f"shm producer {name}")   # else it could hand us a segment of its own
                 client_hello(sock, MAGIC, self._token)
                 status = sock.recv(_STATUS.size)
                 if status != _STATUS.pack(0):
