@@ -220,15 +220,13 @@ class Variant:
 
     def __init__(self, label: str, args: types.SimpleNamespace, url: str, reference: Reference):
         self.label, self.args, self.url, self.reference = label, args, url, reference
-        self.raw: RawClient | None = None
+        self.raw = RawClient(url)
 
     def names(self) -> tuple[str, str, str]:
         """Served with the minimal client (judged), served with httpx, in process."""
         return f"omni{self.label}", f"omni httpx{self.label}", f"in-process{self.label}"
 
     def sides(self, client: httpx.AsyncClient):
-        self.raw = self.raw or RawClient(self.url)
-
         async def served(texts):
             return list(await asyncio.gather(*[one_speech_raw(self.raw, t) for t in texts]))
 
@@ -313,7 +311,6 @@ async def measure(variants: list[Variant], speech_levels, chat_levels, max_token
     # One client, kept alive: a request's time is the server's, not a TCP handshake's.
     async with httpx.AsyncClient(timeout=600) as client:
         for v in variants:
-            v.sides(client)
             await one_speech(client, v.url, "Warm up.")                     # not reported
             await one_speech_raw(v.raw, "Warm up.")
         rows, comparison = [], []

@@ -15,11 +15,10 @@ from urllib.parse import urlsplit
 
 
 class RawClient:
-    def __init__(self, url: str, headers: dict[str, str] | None = None):
+    def __init__(self, url: str):
         u = urlsplit(url)
         self.host, self.port = u.hostname or "127.0.0.1", u.port or 80
-        extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
-        self._head = f"host: {self.host}:{self.port}\r\ncontent-type: application/json\r\n{extra}"
+        self._head = f"host: {self.host}:{self.port}\r\ncontent-type: application/json\r\n"
         self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
 
     async def _send(self, request: bytes):

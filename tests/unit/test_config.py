@@ -81,8 +81,8 @@ stages:
     ("model: m\nstages: [{stage_id: 0, engine: a, final_output: true, final_output_type: text, connectors: {'0': {transport: pigeon}}}]",
      "transport must be one of"),
     ("model: m\nstages: []", "empty"),
-    ("model: m\nstages: [{stage_id: 0, engine: a}, {stage_id: 1, engine: b, inputs: [0], final_output: true, "
-     "final_output_type: audio}]\n".replace("engine: a}", "engine: a, first_output_hold_ms: -1}"),
+    ("model: m\nstages: [{stage_id: 0, engine: a, first_output_hold_ms: -1}, {stage_id: 1, engine: b, inputs: [0], "
+     "final_output: true, final_output_type: audio}]",
      "stages\\[0\\].first_output_hold_ms must be in \\[0, 10000\\], got -1"),
     ("model: m\nstages: [{stage_id: 0, engine: a, final_output: true, final_output_type: text, "
      "first_output_hold_ms: 100}]", "first_output_hold_ms: only a stage whose output feeds a later stage"),

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import time
-
 import io
 import json
 import shutil
+import time
 import wave
 
 import numpy as np
