@@ -216,7 +216,10 @@ def test_a_huge_frame_does_not_grow_the_stage(served):
             if token:
                 secure_client(s, token)
             s.connect(r.endpoints["channel"])
-            s.send(frame, copy=False)
+            # Copied: a zero-copy send hands the frame's release to pyzmq's garbage-collector thread,
+            # and once in a CI run ctx.term() below then never returned (main thread in zmq_ctx_term,
+            # the gc thread in a blocking recv). A 256 MiB copy costs ~30 ms.
+            s.send(frame, copy=True)
             s.close()
     finally:
         ctx.term()
