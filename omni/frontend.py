@@ -68,8 +68,9 @@ async def follow_topology(master, topology, stop: asyncio.Event) -> None:
             return
         topology.synced = False
         try:
-            await asyncio.wait_for(stop.wait(), backoff)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(backoff):
+                await stop.wait()
+        except TimeoutError:
             pass
         backoff = min(2.0, backoff * 2)
 
@@ -96,8 +97,9 @@ async def publish_metrics(app, amaster, topology, index: int, stop: asyncio.Even
         except Exception as e:   # the master is away: try again next round
             logger.info("metrics publish failed: %s: %s", type(e).__name__, e)
         try:
-            await asyncio.wait_for(stop.wait(), PUBLISH_S)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(PUBLISH_S):
+                await stop.wait()
+        except TimeoutError:
             pass
 
 
@@ -167,8 +169,9 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
     watcher = asyncio.create_task(follow_topology(amaster, topology, stop))
     # Take connections only once the topology is known, so none is answered 503.
     try:
-        await asyncio.wait_for(synced.wait(), 60)
-    except asyncio.TimeoutError:
+        async with asyncio.timeout(60):
+            await synced.wait()
+    except TimeoutError:
         raise OmniError(f"no topology from the omni master at {master_address} within 60 s") from None
     # Accept from the launcher's listener (inherited fd) once the topology is known; alone: our own.
     sock = socket.socket(fileno=listen_fd) if listen_fd is not None else \

@@ -149,7 +149,7 @@ class ClosingStream(StreamingResponse):
     async def __call__(self, scope, receive, send):
         watch = DisconnectWatch(receive)
         try:
-            await self.stream_response(send)
+            await self._stream(send, watch)
         except asyncio.CancelledError:
             if not watch.ours():
                 raise
@@ -159,6 +159,18 @@ class ClosingStream(StreamingResponse):
                 await self.body_iterator.aclose()
         if self.background is not None:
             await self.background()
+
+    async def _stream(self, send, watch: DisconnectWatch) -> None:
+        # A cancel is delivered once and code below us may swallow it; `gone` stops the stream
+        # at its next chunk regardless.
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async for chunk in self.body_iterator:
+            if watch.gone:
+                return
+            if not isinstance(chunk, bytes | memoryview):
+                chunk = chunk.encode(self.charset)
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def endpoint(fn: Callable[..., Awaitable[Response]]):

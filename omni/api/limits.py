@@ -7,7 +7,6 @@ listen backlog. Streaming responses are never timed: only receiving the request 
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import asdict, dataclass
 
 from omni.api.errors import APIError, error_response
@@ -71,7 +70,7 @@ class LimitsMiddleware:
             if size > self.limit:
                 e = too_large(size, self.limit)
                 return await error_response(e.status, e.message, e.type, code=e.code)(scope, receive, send)
-        deadline = time.monotonic() + self.timeout
+        deadline = asyncio.get_running_loop().time() + self.timeout   # the loop's clock, for timeout_at
         received = 0
         complete = False
 
@@ -80,8 +79,9 @@ class LimitsMiddleware:
             if complete:   # after the body only a disconnect comes: streaming responses wait on it untimed
                 return await receive()
             try:
-                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
-            except asyncio.TimeoutError:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
                 raise body_timeout(self.timeout) from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))

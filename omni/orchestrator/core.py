@@ -229,9 +229,12 @@ class Orchestrator:
                     remaining = deadline - time.monotonic()
                     try:
                         if remaining <= 0:
-                            raise asyncio.TimeoutError from None
-                        item = await asyncio.wait_for(sink.queue.get(), remaining)
-                    except asyncio.TimeoutError:
+                            raise TimeoutError from None
+                        # Not wait_for: 3.11's returns an item that lands with a cancel and drops
+                        # the cancel, and a client's disconnect then never stops the stream.
+                        async with asyncio.timeout(remaining):
+                            item = await sink.queue.get()
+                    except TimeoutError:
                         error = RequestTimeout(f"request {req.request_id} timed out after {timeout:g} s")
                         self._apply(self.core.handle(ev.Cancel(req.request_id, error)))
                         if sink.queue.empty():

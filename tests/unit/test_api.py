@@ -17,6 +17,7 @@ from transformers import PreTrainedTokenizerFast
 
 from omni.api import InMemoryVoiceStore, build_app
 from omni.api.detok import IncrementalDetokenizer, StopMatcher, decoder_for
+from omni.api.http import ClosingStream
 from omni.api.serve import bind_socket, serve
 from omni.errors import RequestTimeout, StageFailed, Unavailable
 from omni.orchestrator.types import PipelineOutput, PipelineRequest
@@ -702,6 +703,38 @@ async def test_disconnect_non_streaming_and_before_first_output(tokenizer):
         gone.set()
         await asyncio.wait_for(task, 10)
         assert orch.closed == [orch.requests[0].request_id]
+
+
+async def test_a_stream_whose_cancel_was_swallowed_ends_at_its_next_chunk():
+    """The disconnect's cancel is delivered once; code under the stream may swallow it (3.11's
+    asyncio.wait_for did): the stream still stops before sending another chunk, and closes its body."""
+    gone, closed = asyncio.Event(), asyncio.Event()
+
+    async def body():
+        try:
+            yield "a"
+            try:
+                await asyncio.Event().wait()     # waiting for the next output when the client leaves
+            except asyncio.CancelledError:
+                pass                             # swallowed
+            for i in range(100):                 # and outputs keep coming
+                yield str(i)
+        finally:
+            closed.set()
+
+    async def receive():
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    sent = []
+
+    async def send(msg):
+        sent.append(msg)
+        if msg.get("body") == b"a":
+            gone.set()
+
+    await asyncio.wait_for(ClosingStream(body())({"type": "http"}, receive, send), 10)
+    assert [m.get("body") for m in sent] == [None, b"a"] and closed.is_set()
 
 
 # ---- real sockets
