@@ -124,6 +124,7 @@ class DisconnectWatch:
         self.task = asyncio.current_task()
         self.gone = False
         self._closed = False
+        self._counted = False          # our cancel's count on the task was taken back
         self._watcher = asyncio.ensure_future(self._watch(receive))
 
     async def _watch(self, receive) -> None:
@@ -135,11 +136,17 @@ class DisconnectWatch:
 
     def ours(self) -> bool:
         """After a CancelledError: True when it was this watch's alone (the client left)."""
-        return self.gone and self.task.uncancel() == 0
+        if not self.gone or self._counted:
+            return False
+        self._counted = True
+        return self.task.uncancel() == 0
 
     def close(self) -> None:
         self._closed = True
         self._watcher.cancel()
+        if self.gone and not self._counted:   # our cancel was swallowed below us: balance its count
+            self._counted = True
+            self.task.uncancel()
 
 
 class ClosingStream(StreamingResponse):
