@@ -4,7 +4,9 @@
   ZMQ PAIR ipc with msgpack (how the benchmark carried refs before), ZMQ PAIR ipc with raw
   frames, the same with CURVE (the stage channel's security), ZMQ DEALER/ROUTER ipc with
   CURVE (the stage channel's socket types), omni's LocalChannel (unix SEQPACKET, same-user
-  + token hello), and a raw shared-memory + eventfd doorbell (the floor on this box).
+  + token hello) blocking at once and polling for up to OMNI_SPIN_US first (as the stage loop
+  does), and a raw shared-memory + eventfd doorbell with both processes on one vCPU and on
+  two: the wake-up of a halted vCPU, which is what the blocking carriers pay each way.
 - iperf-style TCP: one stream over 127.0.0.1, large sends from and receives into
   preallocated buffers, no protocol: what omni's tcp transport is compared against.
 """
@@ -20,6 +22,7 @@ import time
 
 import zmq
 
+from omni import envs
 from omni.stage.curve import secure_client, secure_server
 from omni.transport.local import LocalListener, connect_local
 
@@ -99,26 +102,26 @@ def zmq_roundtrip(rounds: int, *, curve: bool, router: bool = False, msgpack: bo
 
 
 # -- omni LocalChannel -----------------------------------------------------------------------
-def _local_echo(name: str, token: str) -> None:
+def _local_echo(name: str, token: str, spin_us: int) -> None:
     ch = connect_local(name, token)
     while True:
-        msg = ch.recv()
+        msg = ch.recv(spin_us=spin_us)
         if msg == STOP:
             break
         ch.send(msg)
     ch.close()
 
 
-def local_roundtrip(rounds: int) -> list[float]:
+def local_roundtrip(rounds: int, spin_us: int = 0) -> list[float]:
     token = secrets.token_hex(16)
     listener = LocalListener(token=token)
-    proc = mp.get_context("spawn").Process(target=_local_echo, args=(listener.name, token), daemon=True)
+    proc = mp.get_context("spawn").Process(target=_local_echo, args=(listener.name, token, spin_us), daemon=True)
     proc.start()
     ch = listener.accept(timeout=60)
 
     def once() -> None:
         ch.send(MSG)
-        ch.recv(timeout=60)
+        ch.recv(timeout=60, spin_us=spin_us)
 
     try:
         return _timed(rounds, 50, once)
@@ -130,11 +133,15 @@ def local_roundtrip(rounds: int) -> list[float]:
 
 
 # -- raw shared memory + eventfd (no framing, no auth: the floor) -----------------------------
-def eventfd_roundtrip(rounds: int) -> list[float]:
+def eventfd_roundtrip(rounds: int, cpus: tuple[int, int] | None = None) -> list[float]:
+    """`cpus`: pin this process and the echoing child to these two (one vCPU twice, or two)."""
     ping, pong = os.eventfd(0), os.eventfd(0)
     mm = mmap.mmap(-1, 4096)
+    mask = os.sched_getaffinity(0)
     pid = os.fork()
     if pid == 0:   # child: only os calls, no threads of ours
+        if cpus:
+            os.sched_setaffinity(0, {cpus[1]})
         while True:
             os.eventfd_read(ping)
             if mm[0:1] == STOP:
@@ -148,9 +155,12 @@ def eventfd_roundtrip(rounds: int) -> list[float]:
         os.eventfd_read(pong)
         bytes(mm[2048:2048 + len(MSG)])
 
+    if cpus:
+        os.sched_setaffinity(0, {cpus[0]})
     try:
         return _timed(rounds, 50, once)
     finally:
+        os.sched_setaffinity(0, mask)
         mm[0:1] = STOP
         os.eventfd_write(ping, 1)
         os.waitpid(pid, 0)
@@ -166,8 +176,15 @@ def carrier_rows(rounds: int) -> list[dict]:
         ("zmq PAIR ipc + CURVE", lambda: zmq_roundtrip(rounds, curve=True)),
         ("zmq DEALER/ROUTER ipc + CURVE (stage channel)", lambda: zmq_roundtrip(rounds, curve=True, router=True)),
         ("omni LocalChannel (unix SEQPACKET, authenticated)", lambda: local_roundtrip(rounds)),
-        ("raw shm + eventfd doorbell (floor, no auth)", lambda: eventfd_roundtrip(rounds)),
+        (f"omni LocalChannel, both ends poll {envs.OMNI_SPIN_US} us first", lambda: local_roundtrip(
+            rounds, envs.OMNI_SPIN_US)),
+        ("raw shm + eventfd doorbell (no auth)", lambda: eventfd_roundtrip(rounds)),
     ]
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) >= 2:
+        cases += [("raw shm + eventfd, both on one vCPU (no halt)", lambda: eventfd_roundtrip(rounds, (cpus[0],) * 2)),
+                  ("raw shm + eventfd, one vCPU each (wakes a halted one)",
+                   lambda: eventfd_roundtrip(rounds, (cpus[0], cpus[1])))]
     rows = []
     for name, run in cases:
         s = run()

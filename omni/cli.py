@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 import typer
 
+from omni import envs
 from omni.errors import ConfigError, OmniError
 
 app = typer.Typer(
@@ -156,6 +157,7 @@ def serve(
         if value is not None and not 0 <= value <= 65535:
             raise ConfigError(f"{flag} must be a TCP port, 0-65535 (0: any free one), got {value}")
     log_level = _log_level(log_level)
+    envs.OMNI_SPIN_US   # noqa: B018 -- a bad value is refused here, not later in each stage
     from omni.api.limits import HttpLimits
 
     http_limits = HttpLimits(max_request_bytes=max_request_bytes, timeout_keep_alive=timeout_keep_alive,

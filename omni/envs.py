@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
+from omni.errors import ConfigError
+
 environment_variables: dict[str, Callable[[], Any]] = {
     # Shared secret of the master and the data plane; children get it by environment, never argv.
     "OMNI_TOKEN": lambda: os.environ.get("OMNI_TOKEN", ""),
@@ -33,7 +35,20 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # unix SEQPACKET LocalChannel where both ends can reach it, ZMQ+CURVE otherwise) or "zmq" (always
     # ZMQ; for benchmarks and debugging). Either end set to "zmq" keeps that pair on ZMQ.
     "OMNI_STAGE_CHANNEL": lambda: os.environ.get("OMNI_STAGE_CHANNEL", "local").strip().lower() or "local",
+    # Microseconds a stage loop (and a blocking LocalChannel.recv) polls without blocking before it
+    # sleeps: a message landing meanwhile skips the wake-up of a halted vCPU. 0 turns it off.
+    "OMNI_SPIN_US": lambda: _spin_us(os.environ.get("OMNI_SPIN_US", "50")),
 }
+
+
+def _spin_us(value: str) -> int:
+    try:
+        us = int(value)
+    except ValueError:
+        us = -1
+    if not 0 <= us <= 10_000:
+        raise ConfigError(f"OMNI_SPIN_US={value!r}: expected whole microseconds from 0 to 10000")
+    return us
 
 
 def __getattr__(name: str) -> Any:

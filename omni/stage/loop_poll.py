@@ -8,14 +8,23 @@ ROUTER is asked for its EVENTS only when it can have changed: its FD (an edge-st
 "look at me" signal, not "readable") fired, or the loop used the socket since the last wait
 (`touched`), since a send or receive may take in the notice of a new message itself.
 The wake-up is a socketpair, not a ZMQ pair, so other threads wake the loop with one send.
+
+Before a wait that would block, the loop polls without blocking for up to OMNI_SPIN_US (50 us by
+default): on a VM whose idle vCPUs halt, waking a blocked process from the other vCPU costs
+about 30 us each way, while a message that lands during the spin is seen within a microsecond
+(docs/transport-benchmarks.md, "Wake-ups"). The spin is bounded per wait, so an idle stage
+spends at most that much CPU per wait (one a second when nothing is in flight).
 """
 
 from __future__ import annotations
 
 import select
 import socket
+import time
 
 import zmq
+
+from omni import envs
 
 IN = select.EPOLLIN
 OUT = select.EPOLLOUT
@@ -34,6 +43,7 @@ class LoopPoller:
         self._wfd = self._wake_r.fileno()
         self._ep.register(self._wfd, IN)
         self.touched = True     # the loop used the ROUTER: ask it for EVENTS before waiting
+        self.spin_s = envs.OMNI_SPIN_US / 1e6
 
     def wake(self) -> None:
         """From any thread: the loop's next (or current) wait returns with `woke`."""
@@ -60,7 +70,7 @@ class LoopPoller:
                 router_ready, timeout_ms = True, 0
         woke = False
         events: dict[int, int] = {}
-        for fd, ev in self._ep.poll(timeout_ms / 1000):
+        for fd, ev in self._wait(timeout_ms / 1000):
             if fd == self._zfd:
                 router_ready = router_ready or bool(self._router.getsockopt(zmq.EVENTS) & zmq.POLLIN)
             elif fd == self._wfd:
@@ -74,6 +84,16 @@ class LoopPoller:
         if router_ready:
             self.touched = True     # the caller reads it
         return router_ready, woke, events
+
+    def _wait(self, timeout_s: float) -> list[tuple[int, int]]:
+        if timeout_s <= 0 or self.spin_s <= 0:
+            return self._ep.poll(timeout_s)
+        start = time.perf_counter()
+        ready = self._ep.poll(0)
+        deadline = start + min(self.spin_s, timeout_s)
+        while not ready and time.perf_counter() < deadline:
+            ready = self._ep.poll(0)
+        return ready or self._ep.poll(max(0.0, timeout_s - (time.perf_counter() - start)))
 
     def close(self) -> None:
         self._ep.close()

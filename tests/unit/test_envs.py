@@ -24,3 +24,16 @@ def test_an_unknown_variable_is_an_attribute_error():
     with pytest.raises(AttributeError, match="OMNI_NOPE"):
         envs.OMNI_NOPE  # noqa: B018
     assert "OMNI_TOKEN" in dir(envs)
+
+
+def test_spin_us_defaults_to_50_and_a_bad_value_names_the_variable(monkeypatch):
+    from omni.errors import ConfigError
+
+    monkeypatch.delenv("OMNI_SPIN_US", raising=False)
+    assert envs.OMNI_SPIN_US == 50
+    monkeypatch.setenv("OMNI_SPIN_US", "0")
+    assert envs.OMNI_SPIN_US == 0
+    for bad in ("fast", "-1", "10001", "1.5"):
+        monkeypatch.setenv("OMNI_SPIN_US", bad)
+        with pytest.raises(ConfigError, match=f"OMNI_SPIN_US='{bad}'"):
+            envs.OMNI_SPIN_US  # noqa: B018

@@ -6,6 +6,8 @@ import os
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -81,6 +83,32 @@ def test_bad_messages_and_timeouts_raise():
         assert client.send(b"z", wait=False)
         assert server.recv(timeout=DEADLINE) == b"z"
         client.close()
+        server.close()
+    finally:
+        listener.close()
+
+
+@pytest.mark.parametrize("spin_us", [0, 50, 10_000])
+def test_recv_keeps_its_contract_with_or_without_a_spin(spin_us):
+    listener = LocalListener(token="t")
+    try:
+        client = connect_local(listener.name, "t")
+        server = listener.accept(timeout=DEADLINE)
+        client.send(b"waiting")
+        assert server.recv(timeout=DEADLINE, spin_us=spin_us) == b"waiting"
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            server.recv(timeout=0.06, spin_us=spin_us)   # the spin counts toward the timeout
+        assert time.monotonic() - t0 >= 0.055
+        started = threading.Event()
+        sender = threading.Thread(target=lambda: (started.wait(DEADLINE), client.send(b"later")))
+        sender.start()
+        started.set()                  # lands during the spin or after it: either way it is returned
+        assert server.recv(timeout=DEADLINE, spin_us=spin_us) == b"later"
+        sender.join()
+        client.close()
+        with pytest.raises(ConnectionError, match="closed"):
+            server.recv(spin_us=spin_us)                 # no timeout: the close ends the wait
         server.close()
     finally:
         listener.close()
