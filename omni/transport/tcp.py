@@ -10,7 +10,8 @@ Wire format (all little endian, no pickle):
 The consumer keeps a pool of open connections per endpoint and receives straight into
 the buffer of a preallocated tensor (`recv_into`), from 1 MiB on a reused buffer whose
 pages are present (recvpool.py); the producer sends from the tensor's memory
-(`sendall(memoryview)`).
+(`sendall(memoryview)`). Both ends read without blocking while bytes keep coming, and sleep
+only after OMNI_SPIN_US with none (util.recv_into_exact).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import threading
 
 import torch
 
+from omni import envs
 from omni.transport.base import ProducerFull, TensorConsumer, TensorProducer, TensorRef, TransportError
 from omni.transport.recvpool import DEFAULT_POOL_BYTES, RecvPool
 from omni.transport.server import SocketServer, client_hello, token_hello
@@ -67,6 +69,7 @@ class KeyedProducer(TensorProducer):
         self._by_owner: dict[str, set[int]] = {}
         self._bytes = 0
         self._closed = False
+        self._spin_s = envs.OMNI_SPIN_US / 1e6   # a consumer's next request often follows at once
         sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
                                     backlog=1024)
         bound_port = sock.getsockname()[1]
@@ -84,7 +87,7 @@ class KeyedProducer(TensorProducer):
         try:
             while True:
                 try:
-                    key, want = REQ.unpack(recv_exact(conn, REQ.size))
+                    key, want = REQ.unpack(recv_exact(conn, REQ.size, self._spin_s))
                 except ConnectionError:
                     return
                 with self._lock:
@@ -213,10 +216,10 @@ def connect(endpoint: str, token: str | None, timeout: float) -> socket.socket:
     return sock
 
 
-def request(sock: socket.socket, ref: TensorRef) -> int:
+def request(sock: socket.socket, ref: TensorRef, spin_s: float = 0.0) -> int:
     """Ask for ref.key; returns the payload size or raises TransportError for a bad ref."""
     sock.sendall(REQ.pack(ref.key, ref.nbytes))
-    status, nbytes = REP.unpack(recv_exact(sock, REP.size))
+    status, nbytes = REP.unpack(recv_exact(sock, REP.size, spin_s))
     if status == UNKNOWN_KEY:
         raise TransportError(f"{ref.transport} producer {ref.endpoint} has no tensor with key {ref.key} "
                              "(freed or foreign ref)")
@@ -238,6 +241,7 @@ class TcpConsumer(TensorConsumer):
         self._idle: dict[str, list[socket.socket]] = {}
         self._closed = False
         self._pool = RecvPool(pool_bytes)
+        self._spin_s = envs.OMNI_SPIN_US / 1e6
 
     def _take(self, endpoint: str) -> socket.socket:
         with self._lock:
@@ -262,10 +266,10 @@ class TcpConsumer(TensorConsumer):
                                  f"of {self._max} bytes")
         sock = self._take(ref.endpoint)
         try:
-            request(sock, ref)
+            request(sock, ref, self._spin_s)
             out = self._pool.empty(ref.shape, dtype, ref.nbytes)
             if ref.nbytes:
-                recv_into_exact(sock, as_memoryview(out))
+                recv_into_exact(sock, as_memoryview(out), self._spin_s)
         except TransportError:
             self._give(ref.endpoint, sock)  # the connection is still in step
             raise

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import select
 import socket
+import time
 
 import torch
 
@@ -64,13 +66,25 @@ def prepare(tensor: torch.Tensor, device: str = "cpu") -> torch.Tensor:
     return tensor.detach().to(device).contiguous()
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytes:
+def recv_exact(sock: socket.socket, n: int, spin_s: float = 0.0) -> bytes:
     buf = bytearray(n)
-    recv_into_exact(sock, memoryview(buf))
+    recv_into_exact(sock, memoryview(buf), spin_s)
     return bytes(buf)
 
 
-def recv_into_exact(sock: socket.socket, view: memoryview) -> None:
+def recv_into_exact(sock: socket.socket, view: memoryview, spin_s: float = 0.0) -> None:
+    """Fill `view` from `sock`. With `spin_s`, read without blocking while bytes keep coming and
+    wait (up to the socket's timeout) only after `spin_s` with none: each time a reader sleeps,
+    its wake-up from a halted vCPU costs ~30 us, many times per tensor on loopback
+    (docs/transport-benchmarks.md, "Wake-ups")."""
+    if spin_s > 0:
+        timeout = sock.gettimeout()
+        sock.setblocking(False)
+        try:
+            _recv_polling(sock, view, spin_s, timeout)
+        finally:
+            sock.settimeout(timeout)
+        return
     got = 0
     n = len(view)
     while got < n:
@@ -78,6 +92,29 @@ def recv_into_exact(sock: socket.socket, view: memoryview) -> None:
         if k == 0:
             raise ConnectionError(f"peer closed the connection after {got} of {n} bytes")
         got += k
+
+
+def _recv_polling(sock: socket.socket, view: memoryview, spin_s: float, timeout: float | None) -> None:
+    got, n = 0, len(view)
+    quiet_since = time.perf_counter()
+    waiter = None
+    while got < n:
+        try:
+            k = sock.recv_into(view[got:], n - got)
+        except BlockingIOError:
+            if time.perf_counter() - quiet_since < spin_s:
+                continue
+            if waiter is None:
+                waiter = select.poll()
+                waiter.register(sock, select.POLLIN)
+            if not waiter.poll(None if timeout is None else timeout * 1000):
+                raise TimeoutError(f"no bytes within {timeout} s ({got} of {n} received)") from None
+            quiet_since = time.perf_counter()
+            continue
+        if k == 0:
+            raise ConnectionError(f"peer closed the connection after {got} of {n} bytes")
+        got += k
+        quiet_since = time.perf_counter()
 
 
 def split_endpoint(endpoint: str) -> tuple[str, int]:
