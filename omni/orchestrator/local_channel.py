@@ -7,14 +7,20 @@ with no task switch. The stage's end closing (EOF: the process died or stopped) 
 through `on_lost`, seconds before the master's lease would say so. The connect itself
 (`LocalStageChannel.connect`) runs on the loop too, so a stage that does not answer it holds
 up nothing; the channel falls back to ZMQ then.
+
+After it posts or reads, the channel keeps the loop polling (its readiness check with no wait)
+for OMNI_SPIN_US, by one callback that re-queues itself: a reply landing meanwhile is read
+without the wake-up of a halted vCPU, ~30 us on this VM (docs/transport-benchmarks.md).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any, Callable
 
+from omni import envs
 from omni.orchestrator.channel import BaseChannel
 from omni.stage.local_link import FramedLink, connect_stage_async
 from omni.transport.base import TransportError
@@ -24,6 +30,31 @@ logger = logging.getLogger(__name__)
 # A same-host stage answers the hello in well under a millisecond; one that does not within
 # this (alive but stopped, or swamped) is reached over ZMQ instead.
 CONNECT_TIMEOUT_S = 1.0
+
+
+class LoopSpin:
+    """Keeps `loop` polling without waiting until `spin_s` after the last `extend()`: a queued
+    callback makes asyncio and uvloop poll their fds with a zero timeout on each turn."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, spin_s: float):
+        self._loop = loop
+        self._spin_s = spin_s
+        self._until = 0.0
+        self._queued = False
+
+    def extend(self) -> None:
+        if self._spin_s <= 0:
+            return
+        self._until = time.perf_counter() + self._spin_s
+        if not self._queued:
+            self._queued = True
+            self._loop.call_soon(self._turn)
+
+    def _turn(self) -> None:
+        if time.perf_counter() < self._until:
+            self._loop.call_soon(self._turn)
+        else:
+            self._queued = False
 
 
 class LocalStageChannel(BaseChannel):
@@ -39,6 +70,7 @@ class LocalStageChannel(BaseChannel):
         self._fd = -1
         self._backlog: list[bytes] | None = None    # frames posted while connecting
         self._connecting: asyncio.Task | None = None
+        self._spin = LoopSpin(self._loop, envs.OMNI_SPIN_US / 1e6)
         if link is not None:
             self._attach(link)
 
@@ -103,6 +135,7 @@ class LocalStageChannel(BaseChannel):
         if self._link.pending and not self._writing:
             self._writing = True
             self._loop.add_writer(self._fd, self._writable)
+        self._spin.extend()     # an answer often follows within microseconds
 
     def _writable(self) -> None:
         try:
@@ -120,6 +153,7 @@ class LocalStageChannel(BaseChannel):
         except TransportError as e:
             msgs, eof = [], True
             logger.warning("stage channel to %s: %s", self.replica_id, e)
+        self._spin.extend()
         for payload in msgs:
             if self.closed:
                 return
