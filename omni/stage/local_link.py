@@ -205,6 +205,11 @@ class LocalPeers:
     def link(self, ident: bytes) -> FramedLink | None:
         return self._links.get(ident) if self._links else None
 
+    @property
+    def connected(self) -> bool:
+        """A same-host frontend is connected (its answers come fast enough to spin for)."""
+        return bool(self._links)
+
     def send(self, link: FramedLink, frame: bytes) -> bool:
         """`link.send`, noting a link that now queues packets for `watch_writable`."""
         ok = link.send(frame)

@@ -13,7 +13,9 @@ Before a wait that would block, the loop polls without blocking for up to OMNI_S
 default): on a VM whose idle vCPUs halt, waking a blocked process from the other vCPU costs
 about 30 us each way, while a message that lands during the spin is seen within a microsecond
 (docs/transport-benchmarks.md, "Wake-ups"). The spin is bounded per wait, so an idle stage
-spends at most that much CPU per wait (one a second when nothing is in flight).
+spends at most that much CPU per wait (one a second when nothing is in flight). The worker
+spins only while a same-host frontend is connected: a ZMQ round trip from another host takes
+longer than the spin, which would only burn CPU.
 """
 
 from __future__ import annotations
@@ -61,8 +63,9 @@ class LoopPoller:
     def unregister(self, fd: int) -> None:
         self._ep.unregister(fd)
 
-    def poll(self, timeout_ms: int) -> tuple[bool, bool, dict[int, int]]:
-        """Wait up to `timeout_ms`: (the ROUTER has messages, a wake-up came, {fd: events} of the rest)."""
+    def poll(self, timeout_ms: int, spin: bool = True) -> tuple[bool, bool, dict[int, int]]:
+        """Wait up to `timeout_ms`: (the ROUTER has messages, a wake-up came, {fd: events} of the rest).
+        `spin=False`: block at once (no same-host peer whose answer could land within the spin)."""
         router_ready = False
         if self.touched:
             self.touched = False
@@ -70,7 +73,7 @@ class LoopPoller:
                 router_ready, timeout_ms = True, 0
         woke = False
         events: dict[int, int] = {}
-        for fd, ev in self._wait(timeout_ms / 1000):
+        for fd, ev in self._wait(timeout_ms / 1000, spin):
             if fd == self._zfd:
                 router_ready = router_ready or bool(self._router.getsockopt(zmq.EVENTS) & zmq.POLLIN)
             elif fd == self._wfd:
@@ -85,8 +88,8 @@ class LoopPoller:
             self.touched = True     # the caller reads it
         return router_ready, woke, events
 
-    def _wait(self, timeout_s: float) -> list[tuple[int, int]]:
-        if timeout_s <= 0 or self.spin_s <= 0:
+    def _wait(self, timeout_s: float, spin: bool) -> list[tuple[int, int]]:
+        if timeout_s <= 0 or self.spin_s <= 0 or not spin:
             return self._ep.poll(timeout_s)
         start = time.perf_counter()
         ready = self._ep.poll(0)

@@ -140,7 +140,7 @@ class StageWorker:
                     poller.register(ready_fd)
                 else:
                     poller.unregister(ready_fd)
-            router_ready, woke, events = poller.poll(timeout)
+            router_ready, woke, events = poller.poll(timeout, self._local is not None and self._local.connected)
             if woke and self._local is not None:
                 self._local.accept()
             if router_ready:
