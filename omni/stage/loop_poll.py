@@ -27,6 +27,7 @@ import time
 import zmq
 
 from omni import envs
+from omni.transport.util import spin_until
 
 IN = select.EPOLLIN
 OUT = select.EPOLLOUT
@@ -92,10 +93,7 @@ class LoopPoller:
         if timeout_s <= 0 or self.spin_s <= 0 or not spin:
             return self._ep.poll(timeout_s)
         start = time.perf_counter()
-        ready = self._ep.poll(0)
-        deadline = start + min(self.spin_s, timeout_s)
-        while not ready and time.perf_counter() < deadline:
-            ready = self._ep.poll(0)
+        ready = spin_until(lambda: self._ep.poll(0), min(self.spin_s, timeout_s))
         return ready or self._ep.poll(max(0.0, timeout_s - (time.perf_counter() - start)))
 
     def close(self) -> None:

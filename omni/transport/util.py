@@ -6,10 +6,13 @@ import math
 import select
 import socket
 import time
+from typing import Callable, TypeVar
 
 import torch
 
 from omni.transport.base import TensorRef, TransportError
+
+T = TypeVar("T")
 
 _DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
@@ -115,6 +118,16 @@ def _recv_polling(sock: socket.socket, view: memoryview, spin_s: float, timeout:
             raise ConnectionError(f"peer closed the connection after {got} of {n} bytes")
         got += k
         quiet_since = time.perf_counter()
+
+
+def spin_until(probe: Callable[[], T], seconds: float) -> T:
+    """Call `probe` without pause until it returns something truthy or `seconds` pass; its last
+    result. The spin before a blocking wait (OMNI_SPIN_US): see docs/transport-benchmarks.md."""
+    deadline = time.perf_counter() + seconds
+    while True:
+        got = probe()
+        if got or time.perf_counter() >= deadline:
+            return got
 
 
 def split_endpoint(endpoint: str) -> tuple[str, int]:
