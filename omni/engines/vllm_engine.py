@@ -12,14 +12,14 @@ processor needs to expand placeholders. Request contract (checked in vllm_mm.py)
   (the frontends tokenize; the single pad is expanded by vLLM to the audio tower's length).
 - `tensors["audio_<i>"]`: float32 mono waveform at 16 kHz, 1-D, i = 0.. in placeholder order.
   Images and video are refused by name.
-- `extra["emit_prompt_ids"]`: the first output carries `tensors["prompt_token_ids"]` (int64),
+- `request.emit_prompt_ids`: the first output carries `tensors["prompt_token_ids"]` (int64),
   the prompt as vLLM expanded it.
 - With `engine_args.mm_hidden_layer` (k, or "talker": the talker's accept_hidden_layer), the
   first output of a prompt with audio carries `tensors["mm_hidden"]` (float, [n_audio_positions,
   hidden]): transformers' `hidden_states[k]` at its `<|audio_pad|>` positions (vllm_hidden.py).
   Text-only prompts capture nothing.
 - With `engine_args.hidden_rows_layer` (k, or "last": the last layer's output before the final
-  norm), a request whose `extra["audio_out"]` is true gets, on each output, `tensors["hidden_rows"]`
+  norm), a request whose `audio_out` is true gets, on each output, `tensors["hidden_rows"]`
   (float [n, hidden]): layer k's rows of the tokens fed since, the prompt's with the first output,
   then one per generated id that was fed (an id's row comes with a later output; the last id is
   never fed). Qwen2.5-Omni's talker reads them (vllm_hidden.RowStream).
@@ -59,7 +59,7 @@ logger = logging.getLogger(__name__)
 # Engine args omni itself understands (not vLLM's): CPU threads of the EngineCore.
 # mm_hidden_layer: capture hidden_states[k] at multi-modal prompt positions ("talker": the
 # model's talker_config.accept_hidden_layer), delivered as mm_hidden with the first output.
-# emit_prompt_ids: every request's first output carries its prompt ids (as extra.emit_prompt_ids does).
+# emit_prompt_ids: every request's first output carries its prompt ids (as a request's emit_prompt_ids does).
 # hidden_rows_layer: every fed token's rows at layer k ("last": before the final norm) for audio_out requests.
 OMNI_ARGS = ("num_threads", "mm_hidden_layer", "emit_prompt_ids", "hidden_rows_layer")
 # Env defaults for the EngineCore (read by vLLM at import and in its children).
@@ -279,7 +279,7 @@ class VllmEngine(Engine):
         n_audio = 0
         if self._mm_tokens is not None:
             vllm_prompt, n_audio = vllm_mm.build_prompt(request, prompt, self._mm_tokens, self._mm_limits)
-        p = request.sampling
+        p = request.effective_sampling()
         if p.max_tokens < 1:
             raise EngineError(f"request {rid!r}: max_tokens must be >= 1, got {p.max_tokens}")
         from vllm.exceptions import VLLMClientError
@@ -290,7 +290,7 @@ class VllmEngine(Engine):
             hidden_name, rows = None, None
             if n_audio and self._hidden is not None:   # only prompts with audio pay for it
                 hidden_name = self._hidden.new_name()
-            if self._rows_on and request.extra.get("audio_out"):   # only requests that will speak
+            if self._rows_on and request.audio_out:   # only requests that will speak
                 rows = self._hidden.new_stream()
             if hidden_name is not None or rows is not None:
                 params.extra_args = vllm_mm.hidden_request_args(hidden_name, rows and rows.stem)
@@ -301,7 +301,8 @@ class VllmEngine(Engine):
             # Fails this request; the next step() reports the death (has_unfinished says so).
             self._dead = self._dead or "the EngineCore reported itself dead"
             raise EngineError(f"{self.label}: vLLM EngineCore died: {self._dead}") from None
-        self._live[rid] = _Live(len(prompt), emit_prompt_ids=bool(request.extra.get("emit_prompt_ids", self._emit_prompt_ids)),
+        self._live[rid] = _Live(len(prompt), emit_prompt_ids=(self._emit_prompt_ids if request.emit_prompt_ids is None
+                                                                 else request.emit_prompt_ids),
                                 hidden_name=hidden_name, rows=rows, logprobs=p.logprobs)
         self._prompt_tokens += len(prompt)
 

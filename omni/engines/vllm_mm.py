@@ -6,7 +6,7 @@ The request contract (see VllmEngine's docstring for the whole of it):
   text) because tokenization stays in the frontends, as for text-only prompts.
 - `tensors["audio_0"]`, `tensors["audio_1"]`, ...: float32 mono waveforms at 16 kHz, 1-D, in the
   order of their placeholders. Images and video are refused by name.
-- `extra["emit_prompt_ids"]`: the first output carries `tensors["prompt_token_ids"]` (int64), the
+- `request.emit_prompt_ids`: the first output carries `tensors["prompt_token_ids"]` (int64), the
   prompt as vLLM expanded it (the talker needs the audio positions).
 - With `engine_args.mm_hidden_layer`, the first output of a prompt with audio also carries
   `tensors["mm_hidden"]` (vllm_hidden.py).

@@ -10,8 +10,8 @@ from typing import Any, Union
 
 import msgspec
 
-from omni.engines.base import SamplingParams
 from omni.engines.logprobs import Logprobs
+from omni.sampling import SamplingOverrides, SamplingParams
 from omni.transport.base import TensorRef
 
 
@@ -37,7 +37,14 @@ class AddRequest(msgspec.Struct, frozen=True, tag="add", kw_only=True):
     text: str | None = None
     sampling: SamplingParams = SamplingParams()
     tensors: dict[str, TensorRef] = {}
-    extra: dict[str, Any] = {}
+    # What the engine is told besides its input (omni.engines.base.EngineRequest has the meaning).
+    final: bool = True
+    voice: str | None = None
+    speed: float | None = None
+    generated_ids: list[int] | None = None
+    audio_out: bool = False
+    emit_prompt_ids: bool | None = None
+    overrides: SamplingOverrides = SamplingOverrides()
     # Transport for this request's output tensors (chosen by the orchestrator
     # from where the consumer runs); "" means the stage default.
     out_transport: str = ""

@@ -252,7 +252,8 @@ class StageWorker:
                 text=msg.text,
                 sampling=msg.sampling,
                 tensors=tensors,
-                extra=msg.extra,
+                final=msg.final, voice=msg.voice, speed=msg.speed, generated_ids=msg.generated_ids,
+                audio_out=msg.audio_out, emit_prompt_ids=msg.emit_prompt_ids, overrides=msg.overrides,
             )
             self.engine.add_request(req)
             if latency_trace.on():
