@@ -17,16 +17,13 @@ import torch
 from omni.engines.logprobs import Logprobs
 from omni.sampling import SamplingOverrides, SamplingParams
 
-__all__ = ["Engine", "EngineError", "EngineOutput", "EngineRequest", "SamplingOverrides", "SamplingParams"]
+__all__ = ["Engine", "EngineError", "EngineOutput", "EngineRequest", "SamplingOverrides", "SamplingParams",
+           "StageFacts", "facts_of"]
 
 
-class EngineRequest(msgspec.Struct, kw_only=True):
-    request_id: str
-    prompt_token_ids: list[int] | None = None
-    text: str | None = None
-    sampling: SamplingParams = SamplingParams()
-    # Named tensors from the previous stage (e.g. "hidden_states", "latents").
-    tensors: dict[str, Any] = {}
+class StageFacts(msgspec.Struct, kw_only=True):
+    """What a stage is told of a request besides its input; the stage channel's AddRequest
+    carries the same fields (omni.stage.messages), so they cross processes typed."""
     # False: a piece of a continuing request (same request_id) and more pieces follow.
     final: bool = True
     # The voice (speaker) to speak in and its speed; None: the engine's default.
@@ -39,8 +36,21 @@ class EngineRequest(msgspec.Struct, kw_only=True):
     audio_out: bool = False
     # Whether the first output carries the prompt as the engine expanded it; None: the engine's default.
     emit_prompt_ids: bool | None = None
-    # This stage's own sampling over `sampling` (deploy default_sampling_params).
+    # This stage's own sampling over the request's (deploy default_sampling_params).
     overrides: SamplingOverrides = SamplingOverrides()
+
+
+def facts_of(obj: StageFacts) -> dict[str, Any]:
+    return {k: getattr(obj, k) for k in StageFacts.__struct_fields__}
+
+
+class EngineRequest(StageFacts, kw_only=True):
+    request_id: str
+    prompt_token_ids: list[int] | None = None
+    text: str | None = None
+    sampling: SamplingParams = SamplingParams()
+    # Named tensors from the previous stage (e.g. "hidden_states", "latents").
+    tensors: dict[str, Any] = {}
 
     def effective_sampling(self) -> SamplingParams:
         return self.overrides.over(self.sampling)

@@ -10,8 +10,9 @@ from typing import Any, Union
 
 import msgspec
 
+from omni.engines.base import StageFacts
 from omni.engines.logprobs import Logprobs
-from omni.sampling import SamplingOverrides, SamplingParams
+from omni.sampling import SamplingParams
 from omni.transport.base import TensorRef
 
 
@@ -31,20 +32,13 @@ class InlineTensor(msgspec.Struct, frozen=True):
     data: bytes
 
 
-class AddRequest(msgspec.Struct, frozen=True, tag="add", kw_only=True):
+class AddRequest(StageFacts, frozen=True, tag="add", kw_only=True):
     request_id: str
     prompt_token_ids: list[int] | None = None
     text: str | None = None
     sampling: SamplingParams = SamplingParams()
     tensors: dict[str, TensorRef] = {}
-    # What the engine is told besides its input (omni.engines.base.EngineRequest has the meaning).
-    final: bool = True
-    voice: str | None = None
-    speed: float | None = None
-    generated_ids: list[int] | None = None
-    audio_out: bool = False
-    emit_prompt_ids: bool | None = None
-    overrides: SamplingOverrides = SamplingOverrides()
+    # and the StageFacts fields: what the engine is told besides its input.
     # Transport for this request's output tensors (chosen by the orchestrator
     # from where the consumer runs); "" means the stage default.
     out_transport: str = ""
