@@ -48,7 +48,7 @@ class InProcess:
         from transformers import AutoTokenizer
 
         from omni import config as omni_config
-        from omni.engines import vllm_engine
+        from omni.engines.vllm import engine as vllm_engine
         from omni.engines.factory import build_engine
 
         torch.set_num_threads(1)

@@ -41,7 +41,7 @@ def reference(tiny):
 
 @pytest.fixture(scope="module")
 def engine(tiny):
-    from omni.engines.vllm_engine import VllmEngine
+    from omni.engines.vllm.engine import VllmEngine
 
     stage = StageConfig(stage_id=0, engine="vllm", engine_args={
         "num_threads": 1, "dtype": "float32", "max_model_len": 1024, "max_num_seqs": 4,

@@ -57,7 +57,7 @@ def tok(tiny):
 
 @pytest.fixture(scope="module")
 def engine(tiny):
-    from omni.engines.vllm_engine import VllmEngine
+    from omni.engines.vllm.engine import VllmEngine
 
     torch.set_num_threads(1)
     stage = StageConfig(stage_id=0, engine="vllm", engine_args={

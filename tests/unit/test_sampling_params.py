@@ -51,7 +51,7 @@ def test_presence_and_frequency_penalties_by_hand():
 
 def test_vllm_sampling_params_get_them():
     pytest.importorskip("vllm")
-    from omni.engines.vllm_engine import to_vllm_sampling
+    from omni.engines.vllm.engine import to_vllm_sampling
 
     v = to_vllm_sampling(SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.1,
                                         logit_bias={7: 3.0}, min_tokens=2, max_tokens=8))
