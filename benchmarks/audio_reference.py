@@ -28,8 +28,8 @@ import numpy as np
 import torch
 
 from omni.engines.base import EngineRequest, SamplingOverrides
-from omni.engines.onnx_audio import Code2WavEngine, TalkerEngine, code2wav_request
-from omni.models.piper_voice import prepare_voice
+from omni.models.piper.engines import Code2WavEngine, TalkerEngine, code2wav_request
+from omni.models.piper.voice import prepare_voice
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog. It was not amused.",

@@ -84,7 +84,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(args.model) if args.model else None
         if folder is None:
-            from omni.models import qwen3_omni_tiny
+            from omni.models.qwen3_omni import tiny as qwen3_omni_tiny
 
             folder = qwen3_omni_tiny.build(Path(tmp) / "tiny")
         for n in (1, 4):

@@ -114,7 +114,7 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
     from omni.api.serve import bind_socket, serve
     from omni.master.client import AsyncMasterClient, MasterClient
     from omni.models.resolve import resolve_model
-    from omni.orchestrator.core import Orchestrator
+    from omni.orchestrator.executor import Orchestrator
     from omni.orchestrator.topology import Topology
     from omni.stage.main import advertised_host
     from omni.transport.factory import MultiConsumer

@@ -128,8 +128,8 @@ def test_served_speech_equals_an_in_process_one_shot_decode(speech_wavs):
     import torch
 
     from omni.engines.base import EngineRequest, SamplingOverrides
-    from omni.engines.onnx_audio import Code2WavEngine, TalkerEngine
-    from omni.models.piper_voice import prepare_voice
+    from omni.models.piper.engines import Code2WavEngine, TalkerEngine
+    from omni.models.piper.voice import prepare_voice
 
     torch.set_num_threads(1)
     voice = prepare_voice("joe")

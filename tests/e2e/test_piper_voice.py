@@ -15,14 +15,14 @@ import torch
 
 from omni.audio import wav_bytes
 from omni.engines.base import EngineError, EngineRequest, SamplingOverrides
-from omni.engines.onnx_audio import Code2WavEngine, TalkerEngine, code2wav_request
+from omni.models.piper.engines import Code2WavEngine, TalkerEngine, code2wav_request
 from omni.engines.onnx_session import make_session
-from omni.models.piper_voice import Phonemizer, VoicePaths, prepare_voice
+from omni.models.piper.voice import Phonemizer, VoicePaths, prepare_voice
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 DETERMINISTIC = SamplingOverrides(noise_scale=0.0, noise_w_scale=0.0)
-PREPARE = ("import sys; from omni.models.piper_voice import prepare_voice; "
+PREPARE = ("import sys; from omni.models.piper.voice import prepare_voice; "
            "print(prepare_voice('joe', cache_dir=sys.argv[1]).dir)")
 
 

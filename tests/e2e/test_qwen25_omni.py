@@ -52,7 +52,7 @@ def env() -> dict:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from omni.models.qwen25_omni_tiny import build
+    from omni.models.qwen25_omni.tiny import build
 
     return build(tmp_path_factory.mktemp("q25") / "any-folder-name")
 

@@ -28,7 +28,7 @@ TOKENS = 8
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from omni.models import qwen25_omni_tiny
+    from omni.models.qwen25_omni import tiny as qwen25_omni_tiny
 
     return str(qwen25_omni_tiny.build(tmp_path_factory.mktemp("qwen25-omni-tiny")))
 

@@ -43,7 +43,7 @@ def _tone(seconds: float, hz: float, seed: int) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from omni.models import qwen3_omni_tiny
+    from omni.models.qwen3_omni import tiny as qwen3_omni_tiny
 
     return str(qwen3_omni_tiny.build(tmp_path_factory.mktemp("qwen3-omni-tiny")))
 

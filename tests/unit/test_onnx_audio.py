@@ -16,9 +16,9 @@ from onnx import TensorProto, helper
 
 from omni.audio import pcm16_bytes, wav_bytes, wav_header
 from omni.engines.base import EngineError, EngineRequest, SamplingOverrides
-from omni.engines.onnx_audio import Code2WavEngine, TalkerEngine, code2wav_request
-from omni.models import piper_voice
-from omni.models.piper_voice import find_latent_cut
+from omni.models.piper.engines import Code2WavEngine, TalkerEngine, code2wav_request
+from omni.models.piper import voice as piper_voice
+from omni.models.piper.voice import find_latent_cut
 
 C = 4      # latent channels
 HOP = 3    # samples per frame
@@ -299,14 +299,14 @@ def test_piper_stages_run_torch_on_their_own_threads():
     """A stage's shared-memory copies are torch ops: on a pool as wide as the host, its idle
     workers spin after each copy and take CPU from the next stage (speech's first chunk)."""
     from omni.config import StageConfig
-    from omni.engines.factory import _onnx_stage_threads
+    from omni.engines.factory import cpu_stage_threads
 
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        _onnx_stage_threads(StageConfig(stage_id=2, engine="piper_code2wav"))
+        cpu_stage_threads(StageConfig(stage_id=2, engine="piper_code2wav"))
         assert torch.get_num_threads() == 1
-        _onnx_stage_threads(StageConfig(stage_id=2, engine="piper_code2wav", engine_args={"threads": 2}))
+        cpu_stage_threads(StageConfig(stage_id=2, engine="piper_code2wav", engine_args={"threads": 2}))
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)

@@ -20,7 +20,7 @@ TALKER_TOKENS = 40
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    from omni.models import qwen25_omni_tiny
+    from omni.models.qwen25_omni import tiny as qwen25_omni_tiny
 
     torch.set_num_threads(1)
     return qwen25_omni_tiny.build(tmp_path_factory.mktemp("qwen25_tiny"))
@@ -72,7 +72,7 @@ def _t2w_piece(rid, codes, speaker, seed, final=True):
 def test_tiny_folder_is_byte_identical_per_seed(folder, tmp_path):
     from transformers import Qwen2_5OmniForConditionalGeneration
 
-    from omni.models import qwen25_omni_tiny
+    from omni.models.qwen25_omni import tiny as qwen25_omni_tiny
 
     again = qwen25_omni_tiny.build(tmp_path / "again")
     digest = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}

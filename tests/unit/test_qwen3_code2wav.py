@@ -15,7 +15,7 @@ T = 120
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    from omni.models import qwen3_omni_tiny
+    from omni.models.qwen3_omni import tiny as qwen3_omni_tiny
 
     torch.set_num_threads(1)
     return qwen3_omni_tiny.build(tmp_path_factory.mktemp("qwen3_tiny"))

@@ -35,13 +35,13 @@ from omni.engines.base import EngineError, EngineOutput, EngineRequest
 from omni.models.qwen25_omni import edges
 from omni.models.qwen25_omni.weights import load_speakers, load_talker
 from omni.models.qwen3_omni.codes import Pick, pick, repetition_penalty
-from omni.models.qwen3_omni.talker import Qwen3TalkerEngine, _Req
+from omni.models.qwen3_omni.talker import Qwen3TalkerEngine, TalkerRequest
 
 DEFAULT_SPEAKER = "chelsie"     # transformers' generate() default
 
 
 @dataclasses.dataclass
-class _Req25(_Req):
+class _Req25(TalkerRequest):
     rows: list[torch.Tensor] = dataclasses.field(default_factory=list)
     n_rows: int = 0
     speaker_bos: int = 0

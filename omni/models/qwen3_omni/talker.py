@@ -54,14 +54,14 @@ _IN_BATCH = object()      # a request's cache while its rows live in the batch c
 
 @dataclasses.dataclass
 class _Batch:
-    reqs: tuple["_Req", ...]
+    reqs: tuple["TalkerRequest", ...]
     cache: Any                # DynamicCache [B, kv_heads, width, head_dim] per layer, left-padded
     lengths: list[int]        # real positions per row
     width: int
 
 
 @dataclasses.dataclass
-class _Req:
+class TalkerRequest:
     rid: str
     prompt: list[int]
     speaker_id: int
@@ -109,7 +109,7 @@ class Qwen3TalkerEngine(Engine):
         self._suppress = suppress_mask(vocab, self.ids.codec_eos, self.device)
         with torch.no_grad():
             self._tts = edges.tts_rows(self.talker, self.embed, self.ids)
-        self._reqs: collections.OrderedDict[str, _Req] = collections.OrderedDict()
+        self._reqs: collections.OrderedDict[str, TalkerRequest] = collections.OrderedDict()
         self._stats: collections.Counter = collections.Counter()
         self._sleeping = False
         self._batch: _Batch | None = None
@@ -120,7 +120,7 @@ class Qwen3TalkerEngine(Engine):
 
     # -- requests ------------------------------------------------------------
 
-    def _new(self, req: EngineRequest) -> _Req:
+    def _new(self, req: EngineRequest) -> TalkerRequest:
         rid = req.request_id
         prompt = req.prompt_token_ids
         if prompt is None and "prompt_token_ids" in (req.tensors or {}):
@@ -156,7 +156,7 @@ class Qwen3TalkerEngine(Engine):
         temperature, top_k, top_p, max_tokens, penalty, gen = self._sampling(req, rid)
         code0 = Pick(temperature, top_k, top_p, gen)
         residual = Pick() if code0.greedy else Pick(1.0, 50, 0.8, gen)   # transformers' choice
-        return _Req(rid, prompt, self.ids.speakers[name.lower()], hidden, code0, residual, penalty, max_tokens)
+        return TalkerRequest(rid, prompt, self.ids.speakers[name.lower()], hidden, code0, residual, penalty, max_tokens)
 
     def _sampling(self, req: EngineRequest, rid: str) -> tuple[float, int, float, int, float, Any]:
         """The talker's sampling options (the stage's own over the request's), checked; a
@@ -210,13 +210,13 @@ class Qwen3TalkerEngine(Engine):
 
     # -- stepping --------------------------------------------------------------
 
-    def _text(self, r: _Req) -> tuple[list[int], bool]:
+    def _text(self, r: TalkerRequest) -> tuple[list[int], bool]:
         if r.text is None:       # recomputed only after a new piece
             r.text = edges.trailing_ids(r.generated, self.text_eos)
         trailing, ended = r.text
         return trailing, ended or r.final
 
-    def _next_text_row(self, r: _Req) -> torch.Tensor | None:
+    def _next_text_row(self, r: TalkerRequest) -> torch.Tensor | None:
         """The trailing text row for decode step `r.step`, or None while it has not arrived."""
         trailing, closed = self._text(r)
         if r.step < len(trailing):
@@ -225,16 +225,16 @@ class Qwen3TalkerEngine(Engine):
             return None
         return self._tts[1] if r.step == len(trailing) else self._tts[2]
 
-    def _can_prefill(self, r: _Req) -> bool:
+    def _can_prefill(self, r: TalkerRequest) -> bool:
         return r.cache is None and r.done is None and bool(r.generated)
 
-    def _can_decode(self, r: _Req) -> bool:
+    def _can_decode(self, r: TalkerRequest) -> bool:
         if r.cache is None or r.done is not None or r.next_codec is None:
             return False
         trailing, closed = self._text(r)
         return closed or r.step < len(trailing)
 
-    def _ready(self, r: _Req) -> bool:
+    def _ready(self, r: TalkerRequest) -> bool:
         if r.done is not None:
             return True
         if r.cache is None and r.final and not r.generated:
@@ -244,7 +244,7 @@ class Qwen3TalkerEngine(Engine):
     @torch.no_grad()
     def step(self) -> list[EngineOutput]:
         t0 = time.perf_counter()
-        chosen: list[_Req] = []
+        chosen: list[TalkerRequest] = []
         logits: list[torch.Tensor] = []
         hidden: list[torch.Tensor] = []
         decode = []
@@ -275,7 +275,7 @@ class Qwen3TalkerEngine(Engine):
             self._stats["talker_steps"] += 1
         return self._emit()
 
-    def _prefill(self, r: _Req) -> torch.Tensor | None:
+    def _prefill(self, r: TalkerRequest) -> torch.Tensor | None:
         from transformers import DynamicCache
 
         try:
@@ -289,7 +289,7 @@ class Qwen3TalkerEngine(Engine):
         return self.talker.model(inputs_embeds=x[None], past_key_values=r.cache,
                                  use_cache=True).last_hidden_state[0, -1]
 
-    def _decode(self, reqs: list[_Req], x: torch.Tensor) -> torch.Tensor:
+    def _decode(self, reqs: list[TalkerRequest], x: torch.Tensor) -> torch.Tensor:
         """One talker forward for one new row per request (x [B, H]) -> last normed hidden [B, H].
 
         Several requests decode in one batch cache: their caches left-padded and masked. The
@@ -315,7 +315,7 @@ class Qwen3TalkerEngine(Engine):
         self._stats["batched_decodes"] += 1
         return h
 
-    def _make_batch(self, reqs: list[_Req]) -> "_Batch":
+    def _make_batch(self, reqs: list[TalkerRequest]) -> "_Batch":
         from transformers import DynamicCache
 
         lengths = [r.cache.get_seq_length() for r in reqs]
@@ -347,7 +347,7 @@ class Qwen3TalkerEngine(Engine):
                 cache.update(layer.keys[row:row + 1, :, start:], layer.values[row:row + 1, :, start:], i)
             r.cache = cache
 
-    def _sample(self, chosen: list[_Req], logits: list[torch.Tensor], hidden: list[torch.Tensor]) -> None:
+    def _sample(self, chosen: list[TalkerRequest], logits: list[torch.Tensor], hidden: list[torch.Tensor]) -> None:
         go, go_hidden = [], []
         for r, row, h in zip(chosen, logits, hidden):
             row = repetition_penalty(row, r.history, r.penalty)

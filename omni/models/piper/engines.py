@@ -1,5 +1,5 @@
 """The audio stages on onnxruntime: talker (text -> latent frames) and code2wav
-(latent frames -> waveform), built from a voice split by omni.models.piper_voice.
+(latent frames -> waveform), built from a voice split by omni.models.piper.voice.
 
 Both engines do one unit of work per `step()` and serve requests round-robin:
 the talker synthesises one sentence of one request, code2wav decodes one chunk
@@ -31,7 +31,7 @@ import torch
 
 from omni.engines.base import Engine, EngineError, EngineOutput, EngineRequest
 from omni.engines.onnx_session import make_session
-from omni.models.piper_voice import LATENT_NAME, Phonemizer, VoicePaths
+from omni.models.piper.voice import LATENT_NAME, Phonemizer, VoicePaths
 
 logger = logging.getLogger(__name__)
 
