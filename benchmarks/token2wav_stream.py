@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -108,6 +109,7 @@ def main() -> None:
     if args.codes < 1 or args.runs < 1 or args.streams < 1:
         ap.error("--codes, --runs and --streams must be >= 1")
     torch.set_num_threads(args.threads)
+    wall0, load0 = time.perf_counter(), os.getloadavg()[0]
     from omni.models.qwen25_omni.token2wav import Qwen25Token2WavEngine
 
     tmp = None
@@ -140,12 +142,14 @@ def main() -> None:
             sweep.append({**cfg, **errors(got["audio"], whole)})
     doc = {"model": "real-size (7B config, random weights)" if args.real_size else "tiny (random weights)",
            "device": args.device, "codes": args.codes, "streams": args.streams, "runs": args.runs,
-           "stream_args": DEFAULTS, "rows": rows, "sweep": sweep}
+           "stream_args": DEFAULTS, "rows": rows, "sweep": sweep,
+           "wall_s": time.perf_counter() - wall0, "load": [load0, os.getloadavg()[0]]}
     if args.json:
         print(json.dumps(doc, indent=1))
     else:
         print(f"token2wav, {doc['model']}, {args.device}, {args.codes} codes ({args.codes / 50:.2f} s of audio), "
-              f"{args.streams} stream(s), medians of {args.runs}; streamed: {DEFAULTS}")
+              f"{args.streams} stream(s), medians of {args.runs}; streamed: {DEFAULTS}; "
+              f"{doc['wall_s']:.0f} s at load {doc['load'][0]:.1f} .. {doc['load'][1]:.1f}")
         print(f"{'mode':10} {'first audio ms':>15} {'total ms':>10} {'RTF':>7} {'max|err|':>10} {'rms rel':>9}")
         for r in rows:
             print(f"{r['mode']:10} {r['first_audio_ms']:15.1f} {r['total_ms']:10.1f} {r['rtf']:7.3f} "

@@ -162,6 +162,7 @@ def test_empty_and_short_streams(streamed, whole_engine, codes):
     ("vocoder_context", "8", "vocoder_context must be an integer >= 0, got '8'"),
     ("stream", "yes", "stream must be true or false, got 'yes'"),
     ("max_num_seqs", 0, "max_num_seqs must be >= 1, got 0"),
+    ("block_codes", 16384, r"block_codes \+ right_context must fit the DiT's 16384 codes"),
 ])
 def test_bad_args_are_refused_by_name(folder, key, value, message):
     with pytest.raises(ValueError, match=message):

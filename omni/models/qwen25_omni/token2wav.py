@@ -90,15 +90,21 @@ class Qwen25Token2WavEngine(StreamedVocoder):
         else:
             (config, model), speakers = load_token2wav(model_dir, device=device), load_speakers(model_dir)
         dit = config.token2wav_config.dit_config
+        # A whole decode's positions end at the DiT's max_position_embeddings; streamed windows restart at 0.
+        whole_limit = dit.max_position_embeddings // dit.repeats
+        # Window starts are multiples of `align` codes: a whole number of DiT attention blocks.
+        align = dit.block_size // math.gcd(dit.block_size, dit.repeats)
+        widest = self.left_context + align + max(self.first_block_codes, self.block_codes) + self.right_context
+        if stream and widest > whole_limit:
+            raise ValueError(f"left_context + first_block_codes / block_codes + right_context must fit the DiT's "
+                             f"{whole_limit} codes (max_position_embeddings / repeats), got {widest}")
         super().__init__(device=device, groups=1, vocab=dit.num_embeds + 1, sample_rate=24000,
-                         max_num_seqs=max_num_seqs, max_codes=dit.max_position_embeddings // dit.repeats)
+                         max_num_seqs=max_num_seqs, max_codes=None if stream else whole_limit)
         self.config, self.model = config, model
         self.speakers = {k.lower(): (v["cond"].float().to(self.device), v["ref_mel"].float().to(self.device))
                          for k, v in speakers.items()}
-        self.num_codes = self.vocab                   # the DiT's codec table
         self.repeats, self.mel_dim = dit.repeats, dit.mel_dim
-        # Window starts are multiples of `align` codes: a whole number of DiT attention blocks.
-        self.align = dit.block_size // math.gcd(dit.block_size, dit.repeats)
+        self.align = align
         self.hop = math.prod(config.token2wav_config.bigvgan_config.upsample_rates)
         self.num_steps = num_steps
         self.guidance_scale = guidance_scale
