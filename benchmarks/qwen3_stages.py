@@ -39,7 +39,7 @@ def _talker(folder: Path, n: int, frames: int) -> tuple[float, float, torch.Tens
         text = torch.randint(100, 900, (frames // 3,), generator=gen).tolist()
         engine.add_request(EngineRequest(request_id=f"r{i}", prompt_token_ids=prompt,
                                          sampling=SamplingParams(max_tokens=frames + 1),
-                                         extra={"speaker": "ethan", "token_ids": text}))
+                                         voice="ethan", generated_ids=text))
     codes = []
     t0 = time.perf_counter()
     steps = 0
@@ -63,7 +63,7 @@ def _code2wav(folder: Path, n: int, codes: torch.Tensor) -> float:
     for k, size in enumerate(sizes):
         for i in range(n):
             engine.add_request(EngineRequest(request_id=f"s{i}", tensors={"codes": codes[:, at:at + size]},
-                                             extra={"final": k == len(sizes) - 1}))
+                                             final=k == len(sizes) - 1))
         at += size
         while engine.has_unfinished():
             samples += sum(o.tensors["audio"].numel() for o in engine.step())

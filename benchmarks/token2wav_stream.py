@@ -72,7 +72,7 @@ def run_once(engine, codes: torch.Tensor, device: str, streams: int = 1) -> dict
     """All of each request's codes in one final piece; times to the first and the last output."""
     for i in range(streams):
         engine.add_request(EngineRequest(request_id=f"r{i}", tensors={"codes": codes[None]},
-                                         sampling=SamplingParams(seed=3), extra={"speaker": "chelsie"}))
+                                         sampling=SamplingParams(seed=3), voice="chelsie"))
     _sync(device)
     t0 = time.perf_counter()
     first, chunks = None, []

@@ -23,6 +23,7 @@ import msgspec
 import yaml
 
 from omni.errors import ConfigError
+from omni.sampling import SamplingOverrides
 
 DEPLOY_DIR = Path(__file__).resolve().parent.parent / "deploy"
 TRANSPORTS = ("auto", "shm", "tcp", "gloo", "nccl")
@@ -42,7 +43,8 @@ class StageConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     devices: str = "cpu"
     num_replicas: int = 1
     engine_args: dict[str, Any] = {}
-    default_sampling_params: dict[str, Any] = {}
+    # The stage's own sampling; a key it does not know is refused by name (omni.sampling).
+    default_sampling_params: SamplingOverrides = SamplingOverrides()
     # "prompt" (the request's token ids), "text" (the request's text) or an upstream stage id.
     inputs: tuple[str | int, ...] = ("prompt",)
     # "module:function" turning upstream outputs into this stage's inputs.

@@ -41,11 +41,9 @@ def _sampling_defaults(config: DeployConfig) -> dict:
     for s in config.stages:
         if "prompt" in s.inputs:
             d = s.default_sampling_params
-            out = {}
-            if "max_tokens" in d:
-                out["default_max_tokens"] = int(d["max_tokens"])
-            if "temperature" in d:
-                out["default_temperature"] = float(d["temperature"])
+            out: dict = {"sampling_defaults": d}
+            if d.max_tokens is not None:
+                out["default_max_tokens"] = d.max_tokens
             return out
     return {}
 

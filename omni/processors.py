@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from omni.orchestrator.types import PipelineRequest
 from omni.stage.messages import Output
 from omni.transport.base import TensorRef
 
@@ -21,9 +22,14 @@ class StageInput:
     text: str | None = None
     token_ids: list[int] | None = None
     tensors: dict[str, TensorRef] = field(default_factory=dict)
-    extra: dict[str, Any] = field(default_factory=dict)
+    # What the next stage is told besides its input (omni.engines.base.EngineRequest has the meaning).
+    voice: str | None = None
+    speed: float | None = None
+    generated_ids: list[int] | None = None
+    audio_out: bool = False
+    emit_prompt_ids: bool | None = None
     # Set: an independent sub-request (e.g. one sentence); None: a piece of one
-    # continuing request, the last of which the orchestrator marks extra["final"].
+    # continuing request, the last of which the orchestrator marks final.
     sub_id: str | None = None
     # A piece the next stage can take at once (not held back to be marked final);
     # the orchestrator then closes the request with an empty piece marked final.
@@ -33,7 +39,7 @@ class StageInput:
 
 
 class Context(Protocol):
-    request_extra: dict[str, Any]
+    request: PipelineRequest       # voice, speed, num_audio_inputs: what the client asked
 
     def detokenize(self, token_ids: list[int]) -> str: ...
 
@@ -42,6 +48,15 @@ def passthrough(ctx: Context, state: dict, out: Output) -> list[StageInput]:
     if not out.token_ids and not out.tensors:
         return []
     return [StageInput(token_ids=list(out.token_ids), tensors=dict(out.tensors))]
+
+
+def first_talker_piece(ctx: Context, tensors: dict, ids: list[int], default_voice: str) -> StageInput:
+    """A talker's first piece: the prompt (the thinker's expanded `prompt_token_ids` tensor in
+    `tensors`, else the request's own ids), the voice and the first generated ids."""
+    prompt = None if "prompt_token_ids" in tensors else ctx.request.prompt_token_ids
+    return StageInput(token_ids=list(prompt) if prompt is not None else None, tensors=tensors,
+                      voice=ctx.request.voice or default_voice, generated_ids=ids, stream=True)
+
 
 
 def hidden_states_to_pooler(ctx: Context, state: dict, out: Output) -> list[StageInput]:
@@ -71,12 +86,12 @@ def thinker_to_talker(ctx: Context, state: dict, out: Output) -> list[StageInput
         pieces.append(pending)
         sent += len(pending)
     state["sent_chars"] = sent
-    voice = {k: v for k, v in ctx.request_extra.items() if k in ("voice", "speed")}
     inputs = []
     for piece in pieces:
         if piece.strip():
             n = state["n"] = state.get("n", 0) + 1
-            inputs.append(StageInput(text=piece.strip(), extra=dict(voice), sub_id=f"s{n}"))
+            inputs.append(StageInput(text=piece.strip(), voice=ctx.request.voice, speed=ctx.request.speed,
+                                     sub_id=f"s{n}"))
     return inputs
 
 

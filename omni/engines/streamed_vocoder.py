@@ -2,7 +2,7 @@
 
 Request contract: one continuing request per utterance, pieces with the same request_id carrying
 `tensors["codes"]` int64 [groups, n] (a leading batch of 1, or for one group a flat [n], is
-accepted); the piece marked final (`final`, default true) may carry no codes. Output:
+accepted); the piece marked `final` (EngineRequest.final, default true) may carry no codes. Output:
 `tensors["audio"]` float32 1-D chunks at `sample_rate`, finished on the last.
 
 A subclass says when a stream is ready (`ready`), which codes its next decode reads and up to
@@ -131,12 +131,6 @@ class StreamedVocoder(Engine):
 
     # -- requests ------------------------------------------------------------------
 
-    def final_flag(self, request: EngineRequest) -> bool:
-        final = (request.extra or {}).get("final", True)
-        if not isinstance(final, bool):
-            raise EngineError(f"request {request.request_id}: extra.final must be true or false, got {final!r}")
-        return final
-
     def parse_codes(self, req: EngineRequest) -> torch.Tensor | None:
         """The piece's codes as int64 [groups, n] on the device (moved once), or None."""
         t = (req.tensors or {}).get("codes")
@@ -163,7 +157,7 @@ class StreamedVocoder(Engine):
         rid = request.request_id
         if self.offload.sleeping:
             raise EngineError(f"request {rid}: {self.name} is asleep (wake_up first)")
-        final = self.final_flag(request)
+        final = request.final
         codes = self.parse_codes(request)
         s = self._streams.get(rid)
         if s is not None and s.final:

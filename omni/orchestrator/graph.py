@@ -27,6 +27,7 @@ from omni.orchestrator.request_state import (ProcessorContext, RequestState, fin
                                              needed_stages, ref_id)
 from omni.orchestrator.topology import Topology
 from omni.orchestrator.types import PipelineOutput, PipelineRequest
+from omni.sampling import SamplingOverrides
 from omni.stage import messages as m
 from omni.transport.base import TensorRef
 
@@ -49,6 +50,8 @@ class OrchestratorCore:
         self.metrics = metrics if metrics is not None else OrchestratorMetrics()
         self.clock = clock
         self._processors = {s.stage_id: load_processor(s.processor) for s in config.stages}
+        self._overrides = {s.stage_id: SamplingOverrides() if "prompt" in s.inputs else s.default_sampling_params
+                           for s in config.stages}
         # Stage with first_output_hold_ms -> the final-output stages it feeds (whose first output releases it).
         self._hold_for = {s.stage_id: finals_below(config, s.stage_id) for s in config.stages
                           if s.first_output_hold_ms}
@@ -85,7 +88,8 @@ class OrchestratorCore:
     @staticmethod
     def entry_input(req: PipelineRequest) -> procs.StageInput:
         """What the entry stage gets: the prompt's token ids or text (the place for new request inputs)."""
-        return procs.StageInput(token_ids=req.prompt_token_ids, text=req.text, extra=dict(req.extra),
+        return procs.StageInput(token_ids=req.prompt_token_ids, text=req.text, voice=req.voice, speed=req.speed,
+                                audio_out=req.audio_out,
                                 inline=dict(req.inputs))
 
     def handle(self, event: ev.Event) -> list[ev.Action]:
@@ -253,7 +257,7 @@ class OrchestratorCore:
         for t in self.config.downstream(s):
             if t not in state.stages:
                 continue
-            ctx = ProcessorContext(self.detokenize, state.extra)
+            ctx = ProcessorContext(self.detokenize, state.req)
             for inp in self._processors[t](ctx, state.stages[t].proc_state, out):
                 forwarded.update(ref_id(r) for r in inp.tensors.values())
                 self._route(state, t, inp)
@@ -321,16 +325,18 @@ class OrchestratorCore:
             if replica is not None:
                 self._unhold(replica.replica_id, state.rid)
             replica = st.replica = self.pick(s, state.req)
-        # Stage defaults (e.g. the talker's noise scales) under the request's own options.
-        extra = {**stage.default_sampling_params, **inp.extra}
-        extra.setdefault("final", final)
+        # The stage's own sampling (the talker's temperature, piper's noise scales) over the request's;
+        # the stage that takes the client's prompt had its defaults folded in by the frontend.
+        overrides = self._overrides[s]
         out_transport, out_tensors = self._out_route(state, stage)
         # Held after its first output while the final output it feeds has not started.
         finals = self._hold_for.get(s, ())
         hold_ms = stage.first_output_hold_ms if finals and not any(
             state.stages[t].first_output_at for t in finals if t in state.stages) else 0.0
         msg = m.AddRequest(request_id=erid, prompt_token_ids=inp.token_ids, text=inp.text,
-                           sampling=state.req.sampling, tensors=dict(inp.tensors), extra=extra,
+                           sampling=state.req.sampling, tensors=dict(inp.tensors), final=final,
+                           voice=inp.voice, speed=inp.speed, generated_ids=inp.generated_ids,
+                           audio_out=inp.audio_out, emit_prompt_ids=inp.emit_prompt_ids, overrides=overrides,
                            out_transport=out_transport, out_tensors=out_tensors, sent_at=time.time(),
                            inline=dict(inp.inline), hold_ms=hold_ms)
         st.started = True

@@ -4,10 +4,11 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 
-from omni.engines.base import EngineError, EngineRequest, SamplingParams
+from omni.engines.base import EngineError, EngineRequest, SamplingOverrides, SamplingParams
 from tests.unit.qwen3_ref import drive
 
 pytest.importorskip("transformers")
@@ -52,8 +53,8 @@ def _pieces(rid, codes, size, seed=3, speaker="chelsie", final=True):
     for at in range(0, codes.shape[0], size):
         last = at + size >= codes.shape[0]
         out.append(EngineRequest(request_id=rid, tensors={"codes": codes[None, at:at + size]},
-                                 sampling=SamplingParams(seed=seed), extra={"final": final and last}))
-    out[0].extra["speaker"] = speaker
+                                 sampling=SamplingParams(seed=seed), final=final and last,
+                                 voice=speaker if at == 0 else None))
     return out
 
 
@@ -107,7 +108,7 @@ def test_first_audio_after_the_first_block(streamed, codes):
     got = []
     for i in range(need):
         streamed.add_request(EngineRequest(request_id="f", tensors={"codes": codes[None, i:i + 1]},
-                                           sampling=SamplingParams(seed=3), extra={"final": False}))
+                                           sampling=SamplingParams(seed=3), final=False))
         got += streamed.step()
         assert (got == []) == (i < need - 1)
     (first,) = got
@@ -139,6 +140,10 @@ def test_seeded_and_independent_of_other_streams(streamed, codes):
                              "x": _pieces("x", codes, 10, seed=7)})
     assert streamed.stats()["batched"] > batched         # equal windows of both decoded in one batch
     assert (_audio(crowd["x"]) - alone).abs().max() < MAX_ERR
+    # The stage's own seed (deploy default_sampling_params) wins over the request's.
+    staged = _pieces("s", codes, 10, seed=8)
+    staged[0] = msgspec.structs.replace(staged[0], overrides=SamplingOverrides(seed=7))
+    assert torch.equal(_audio(drive(streamed, {"s": staged})["s"]), alone)
     other = _audio(drive(streamed, {"z": _pieces("z", codes, 10, seed=8)})["z"])
     assert (other - alone).abs().max() > 1e-3
     assert torch.equal(torch.random.get_rng_state(), before)      # the process RNG is never drawn
@@ -146,7 +151,7 @@ def test_seeded_and_independent_of_other_streams(streamed, codes):
 
 def test_empty_and_short_streams(streamed, whole_engine, codes):
     for engine in (streamed, whole_engine):
-        outs = drive(engine, {"e": [EngineRequest(request_id="e", extra={"final": True})]})["e"]
+        outs = drive(engine, {"e": [EngineRequest(request_id="e", final=True)]})["e"]
         assert len(outs) == 1 and outs[0].finished and outs[0].tensors["audio"].numel() == 0
         short = _audio(drive(engine, {"s": _pieces("s", codes[:3], 3)})["s"])
         assert short.shape == (3 * HOP,)
@@ -188,10 +193,10 @@ def test_bad_pieces(streamed):
     with pytest.raises(EngineError, match=r"codes must be int64 \[1, n\]"):
         streamed.add_request(EngineRequest(request_id="b", tensors={"codes": torch.zeros(2, 3, dtype=torch.long)}))
     with pytest.raises(EngineError, match="only a final piece"):
-        streamed.add_request(EngineRequest(request_id="b", extra={"final": False}))
+        streamed.add_request(EngineRequest(request_id="b", final=False))
     with pytest.raises(EngineError, match="seed must be an integer"):
         streamed.add_request(EngineRequest(request_id="b", tensors={"codes": torch.tensor([1])},
-                                           extra={"seed": "x"}))
+                                           sampling=SamplingParams(seed="x")))
     assert not streamed.has_open_streams()
 
 

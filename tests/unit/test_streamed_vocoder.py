@@ -43,7 +43,7 @@ def _pieces(rid, codes, sizes):
     out, at = [], 0
     for i, n in enumerate(sizes):
         out.append(EngineRequest(request_id=rid, tensors={"codes": codes[at:at + n]},
-                                 extra={"final": i == len(sizes) - 1}))
+                                 final=i == len(sizes) - 1))
         at += n
     return out
 
@@ -74,15 +74,13 @@ def test_a_failed_decode_fails_only_its_batch():
 
 def test_waiting_streams_do_not_spin_and_abort_drops_them():
     e = Echo()
-    e.add_request(EngineRequest(request_id="w", tensors={"codes": torch.arange(3)}, extra={"final": False}))
+    e.add_request(EngineRequest(request_id="w", tensors={"codes": torch.arange(3)}, final=False))
     assert not e.has_unfinished() and e.num_waiting() == 1 and e.num_running() == 0 and e.step() == []
     e.abort("w")
     assert not e.has_open_streams()
     with pytest.raises(EngineError, match="codes after the piece marked final"):
         e.add_request(EngineRequest(request_id="f", tensors={"codes": torch.arange(3)}))
         e.add_request(EngineRequest(request_id="f", tensors={"codes": torch.arange(3)}))
-    with pytest.raises(EngineError, match=r"extra.final must be true or false, got 'no'"):
-        e.add_request(EngineRequest(request_id="g", extra={"final": "no"}))
     with pytest.raises(EngineError, match=r"codes must be integers"):
         e.add_request(EngineRequest(request_id="g", tensors={"codes": torch.zeros(2)}))
 

@@ -2,8 +2,8 @@
 DiT flow matching (RK4, classifier-free guidance) -> mel -> BigVGAN -> 24 kHz float32 audio.
 
 Request contract (omni.engines.streamed_vocoder): pieces of `tensors["codes"]` int64 [1, n] (or
-[n]); the first names the voice (`extra["speaker"]` or `extra["voice"]`, chelsie / ethan, default
-chelsie) and the seed (`extra["seed"]`, else `request.sampling.seed`, else a fresh random one).
+[n]); the first names the voice (`voice`, chelsie / ethan, default chelsie) and the seed (the
+stage's `seed` override, else `request.sampling.seed`, else a fresh random one).
 
 Streamed (`stream: true`, the default): the audio of codes [done, done + n) (n =
 `first_block_codes` for the first block, then `block_codes`) comes from one DiT decode of codes
@@ -119,14 +119,11 @@ class Qwen25Token2WavEngine(StreamedVocoder):
 
     def open_stream(self, req: EngineRequest, buf: torch.Tensor) -> _Stream:
         rid = req.request_id
-        extra = req.extra or {}
-        name = extra.get("speaker", extra.get("voice")) or DEFAULT_SPEAKER
+        name = req.voice or DEFAULT_SPEAKER
         if not isinstance(name, str) or name.lower() not in self.speakers:
             raise EngineError(f"request {rid}: unknown speaker {name!r}; known speakers: "
                               f"{', '.join(sorted(self.speakers))}")
-        seed = extra.get("seed")
-        if seed is None:
-            seed = req.sampling.seed
+        seed = req.effective_sampling().seed
         gen = torch.Generator()
         if seed is None:
             gen.seed()

@@ -1,24 +1,22 @@
 """Qwen3-Omni talker + code predictor as an omni Engine (engine name `qwen3_talker`).
 
 Request contract: one continuing request per thinker request, fed in pieces with the
-same request_id; `extra["final"]` (default True) marks the last piece.
+same request_id; `final` (default True) marks the last piece.
   first piece   `prompt_token_ids` (or an int tensor `tensors["prompt_token_ids"]`) = the
                 thinker's prompt ids (audio placeholders expanded, ending with the
                 `<|im_start|>assistant\\n` header);
-                `extra["speaker"]` (or `extra["voice"]`): chelsie / ethan / aiden, any case
-                (default ethan, as transformers);
+                `voice`: chelsie / ethan / aiden, any case (default ethan, as transformers);
                 optional `tensors["mm_hidden"]` float [n_mm, H_thinker]: the thinker's
                 layer-`accept_hidden_layer` rows at every audio/image/video placeholder
                 of the prompt, in order (audio only: image/video need 3-D positions);
-                `extra["token_ids"]`: the thinker's first generated ids (may be empty).
-  later pieces  generated ids (delta) in `extra["token_ids"]`, or in `prompt_token_ids`
+                `generated_ids`: the thinker's first generated ids (may be empty).
+  later pieces  generated ids (delta) in `generated_ids`, or in `prompt_token_ids`
                 (where the orchestrator puts a StageInput's `token_ids`), including the
                 thinker's EOS if it stopped on it; ids after that EOS are ignored.
-Sampling: `request.sampling` (temperature <= 0 is greedy; top_k, top_p, seed ->
-a per-request generator; max_tokens = the talker's max new tokens, as transformers'
-`talker_max_new_tokens`: at most max_tokens - 1 frames), each overridable by the same
-key in `extra` (stage defaults arrive there); `extra["repetition_penalty"]` else the
-engine's (1.05). Residual codes: greedy when code 0 is, else top_k 50 / top_p 0.8.
+Sampling: `request.overrides` (the stage's defaults) over `request.sampling` (temperature
+<= 0 is greedy; top_k, top_p, seed -> a per-request generator; max_tokens = the talker's max
+new tokens, as transformers' `talker_max_new_tokens`: at most max_tokens - 1 frames);
+repetition_penalty from the overrides, else the engine's (1.05). Residual codes: greedy when code 0 is, else top_k 50 / top_p 0.8.
 Output: `tensors["codes"]` int64 [16, n] per chunk (first `first_chunk_frames`, then
 `chunk_frames`); finished at codec EOS ("stop") or max_tokens ("length").
 
@@ -86,11 +84,6 @@ class _Req:
     error: str | None = None
 
 
-def _opt(req: EngineRequest, key: str, default):
-    value = (req.extra or {}).get(key)
-    return default if value is None else value
-
-
 class Qwen3TalkerEngine(Engine):
     def __init__(self, model_dir: str | Path, *, dtype: str = "auto", device: str = "cpu",
                  first_chunk_frames: int = 4, chunk_frames: int = 25, repetition_penalty: float = 1.05,
@@ -129,13 +122,12 @@ class Qwen3TalkerEngine(Engine):
 
     def _new(self, req: EngineRequest) -> _Req:
         rid = req.request_id
-        extra = req.extra or {}
         prompt = req.prompt_token_ids
         if prompt is None and "prompt_token_ids" in (req.tensors or {}):
             prompt = torch.as_tensor(req.tensors["prompt_token_ids"]).reshape(-1).tolist()
         if not prompt:
             raise EngineError(f"request {rid}: the first piece needs prompt_token_ids (the thinker's prompt)")
-        name = extra.get("speaker", extra.get("voice")) or DEFAULT_SPEAKER
+        name = req.voice or DEFAULT_SPEAKER
         known = ", ".join(sorted(self.ids.speakers))
         if not isinstance(name, str) or name.lower() not in self.ids.speakers:
             raise EngineError(f"request {rid}: unknown speaker {name!r}; known speakers: {known}")
@@ -167,18 +159,12 @@ class Qwen3TalkerEngine(Engine):
         return _Req(rid, prompt, self.ids.speakers[name.lower()], hidden, code0, residual, penalty, max_tokens)
 
     def _sampling(self, req: EngineRequest, rid: str) -> tuple[float, int, float, int, float, Any]:
-        """The talker's sampling options (stage defaults in `extra` over the request's own), checked;
-        a per-request generator when sampling with a seed."""
-        s = req.sampling
-        try:
-            temperature = float(_opt(req, "temperature", s.temperature))
-            top_k, top_p = int(_opt(req, "top_k", s.top_k)), float(_opt(req, "top_p", s.top_p))
-            max_tokens = int(_opt(req, "max_tokens", s.max_tokens))
-            penalty = float(_opt(req, "repetition_penalty", self.repetition_penalty))
-            seed = _opt(req, "seed", s.seed)
-            seed = None if seed is None else int(seed)
-        except (TypeError, ValueError) as e:
-            raise EngineError(f"request {rid}: bad sampling option: {e}") from None
+        """The talker's sampling options (the stage's own over the request's), checked; a
+        per-request generator when sampling with a seed."""
+        s = req.effective_sampling()
+        temperature, top_k, top_p, max_tokens, seed = s.temperature, s.top_k, s.top_p, s.max_tokens, s.seed
+        penalty = req.overrides.repetition_penalty
+        penalty = self.repetition_penalty if penalty is None else penalty
         if not (math.isfinite(temperature) and top_k >= 0 and 0 < top_p <= 1 and max_tokens >= 1
                 and math.isfinite(penalty) and penalty > 0):
             raise EngineError(f"request {rid}: sampling needs a finite temperature, top_k >= 0, "
@@ -204,12 +190,9 @@ class Qwen3TalkerEngine(Engine):
         rid = request.request_id
         if self._sleeping:
             raise EngineError(f"request {rid}: qwen3_talker is asleep (wake_up first)")
-        extra = request.extra or {}
-        final = extra.get("final", True)
-        if not isinstance(final, bool):
-            raise EngineError(f"request {rid}: extra.final must be true or false, got {final!r}")
+        final = request.final
         r = self._reqs.get(rid)
-        delta = extra.get("token_ids")
+        delta = request.generated_ids
         if r is None:
             r = self._new(request)
         else:
