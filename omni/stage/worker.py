@@ -270,7 +270,7 @@ class StageWorker:
                                        msg.out_tensors, hold_s=msg.hold_ms / 1000)
 
     def _step(self) -> None:
-        batch = self.engine.num_running() if self._time_steps else 0
+        ready = self.engine.num_running() if self._time_steps else 0
         t0 = time.monotonic()
         try:
             outputs = self.engine.step()
@@ -289,8 +289,12 @@ class StageWorker:
         dt = time.monotonic() - t0
         self.stats.steps += 1
         self.stats.step_s_total += dt
-        if batch:
-            self.stats.engine_step(dt, batch)
+        if self._time_steps:
+            # The requests this step advanced: those it made output for (Piper's engines step one
+            # at a time), else those the engine had ready (a batched talker between code chunks).
+            batch = len({o.request_id for o in outputs}) or ready
+            if batch:
+                self.stats.engine_step(dt, batch)
         for out in outputs:
             self._emit(out, dt)
 
