@@ -20,7 +20,6 @@ client when it has parsed it.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -34,6 +33,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import audio  # noqa: E402
 from benchmarks import omni_chat_client as oc  # noqa: E402
 from benchmarks.audio import CHAT_PROMPTS, MODEL, start_server  # noqa: E402
 
@@ -131,18 +131,11 @@ COLS = [("concurrency", "conc"), ("requests", "reqs"), ("ttfa_ms_p50", "TTFA p50
 
 
 def table(rows: list[dict]) -> str:
-    cells = [[h for _, h in COLS]] + [["-" if r.get(k) is None else str(r[k]) for k, _ in COLS] for r in rows]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(COLS))]
-    return "\n".join("  ".join(v.rjust(w) for v, w in zip(c, widths)) for c in cells)
+    return audio.table(rows, [k for k, _ in COLS], [h for _, h in COLS])
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--url", help="benchmark a running server instead of starting one")
-    mode = ap.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true", help="the default: a short run (< 2 min)")
-    mode.add_argument("--full", action="store_true", help="more requests per level")
-    ap.add_argument("--json", action="store_true", help="print one JSON document")
+    ap = audio.served_bench_args(__doc__)
     ap.add_argument("--max-tokens", type=int, default=32, help="thinker tokens per request")
     a = ap.parse_args()
     if a.max_tokens < 1:
