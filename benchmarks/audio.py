@@ -341,19 +341,25 @@ HEAD = ["mode", "route", "conc", "reqs", "TTFA p50", "p10", "p90", "srv TTFA", "
         "lat p50", "req RTF", "agg RTF", "audio s", "load"]
 
 
-def table(rows: list[dict]) -> str:
-    cells = [HEAD] + [["-" if r.get(c) is None else str(r[c]) for c in COLS] for r in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(COLS))]
+def table(rows: list[dict], cols: list[str] = COLS, head: list[str] = HEAD) -> str:
+    cells = [head] + [["-" if r.get(c) is None else str(r[c]) for c in cols] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
     return "\n".join("  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def served_bench_args(doc: str) -> argparse.ArgumentParser:
+    """--url, --quick | --full, --json: the options every served speech benchmark takes."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", help="benchmark a running server instead of starting one")
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="the default: a short run (< 2 min)")
     mode.add_argument("--full", action="store_true", help="more requests per setting")
     ap.add_argument("--json", action="store_true", help="print one JSON document")
+    return ap
+
+
+def main() -> None:
+    ap = served_bench_args(__doc__)
     ap.add_argument("--no-chat", action="store_true", help="skip streaming chat with audio")
     ap.add_argument("--max-tokens", type=int, default=32, help="thinker tokens per chat request")
     ap.add_argument("--requests", type=int, help="speech requests per side at concurrency 1 "

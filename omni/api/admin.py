@@ -72,6 +72,10 @@ class AdminRoutes:
                 texts += await self.fe.peer_metrics()
             except Exception as e:   # the master is away: this frontend's own view still answers
                 log.info("peer metrics unavailable: %s: %s", type(e).__name__, e)
+        # The stages' own figures: one copy, from this frontend's topology (an in-memory fake has none).
+        deployment = getattr(self.fe.orch, "deployment_metrics_text", None)
+        if deployment is not None:
+            texts.append(deployment())
         return Response(merge(texts), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def version(self, request: Request) -> Response:

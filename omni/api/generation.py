@@ -8,7 +8,8 @@ last ("end", str) once, with `finish_reason` and `stop_reason` set: the text of 
 request (or hit a stop string) and whatever was held back, so a stream can put the finish
 reason on the chunk that carries the last token, as vLLM's server does.
 With logprobs asked for, `take_logprobs()` hands out the entries of the tokens handled since
-its last call.
+its last call. With `audio` (an api.audio_metrics.AudioStream) each audio event is timed as it is
+handed out and `usage()` carries the request's audio seconds and time to first audio.
 The orchestrator's iterator is always closed at the end, which aborts the request
 in every stage when the client went away or a stop string ended it early.
 """
@@ -21,6 +22,7 @@ from typing import AsyncIterator, Callable
 import anyio
 
 from omni import latency_trace
+from omni.api.audio_metrics import AudioStream
 from omni.api.detok import IncrementalDetokenizer, StopMatcher
 from omni.api.metrics import FrontendMetrics
 from omni.orchestrator.types import OrchestratorLike, PipelineOutput, PipelineRequest
@@ -29,8 +31,10 @@ from omni.orchestrator.types import OrchestratorLike, PipelineOutput, PipelineRe
 class Generation:
     def __init__(self, orchestrator: OrchestratorLike, request: PipelineRequest, *,
                  decode: Callable[[list[int]], str], prompt_ids: list[int], stops: list[str],
-                 metrics: FrontendMetrics, route: str, t0: float, eos_token_id: int | None = None):
+                 metrics: FrontendMetrics, route: str, t0: float, eos_token_id: int | None = None,
+                 audio: AudioStream | None = None):
         self.request = request
+        self.audio = audio          # set when the request asked for audio: its figures and usage
         self._eos = None if request.sampling.ignore_eos else eos_token_id
         self.created = int(time.time())  # one value for every chunk of the stream
         self.prompt_tokens = len(prompt_ids)
@@ -98,6 +102,8 @@ class Generation:
                 self.finish_reason = "stop"
             if self._stop.stopped:
                 self.stop_reason = self._stop.matched
+            if self.audio is not None:
+                self.audio.completed()
             yield ("end", last + tail)
         finally:
             self._metrics.tokens(self.prompt_tokens, self.completion_tokens)
@@ -124,6 +130,8 @@ class Generation:
             if latency_trace.on():
                 latency_trace.mark("audio", self.request.request_id, len(out.audio_pcm))
             self.sample_rate = out.sample_rate or self.sample_rate
+            if self.audio is not None:
+                self.audio.chunk(len(out.audio_pcm) // 4, out.sample_rate)   # float32 samples
             yield ("audio", out.audio_pcm, out.sample_rate)
         if out.finished:
             # vLLM's server checks the tokenizer's EOS before stop_token_ids: that one stops with null
@@ -135,5 +143,8 @@ class Generation:
         return out
 
     def usage(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+        u = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+             "total_tokens": self.prompt_tokens + self.completion_tokens}
+        if self.audio is not None:
+            u.update(self.audio.usage())
+        return u

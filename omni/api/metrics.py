@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+from omni.api.audio_metrics import AudioMetrics
 from omni.metrics import LATENCY_BUCKETS, TTFO_BUCKETS, Histogram
 from omni.metrics import labels as _labels
 
@@ -12,7 +13,7 @@ TEXT_ROUTES = ("/v1/chat/completions", "/v1/completions")
 
 
 class FrontendMetrics:
-    """Request counts by route/status, in-flight requests, latency and time to first output."""
+    """Request counts by route/status, in-flight requests, latency, time to first output, audio."""
 
     def __init__(self, frontend_index: int = 0, model_name: str = ""):
         self._base = {"frontend": str(frontend_index)}
@@ -26,6 +27,7 @@ class FrontendMetrics:
         self.in_flight = 0
         self.latency: dict[str, Histogram] = {}
         self.ttfo: dict[str, Histogram] = {}
+        self.audio = AudioMetrics()
 
     def started(self) -> None:
         with self._lock:
@@ -82,5 +84,6 @@ class FrontendMetrics:
                 "# HELP vllm:e2e_request_latency_seconds End-to-end latency of chat and completions requests.",
                 "# TYPE vllm:e2e_request_latency_seconds histogram",
                 *self.e2e.lines("vllm:e2e_request_latency_seconds", self._vllm),
+                *self.audio.render(self._base["frontend"]),
             ]
             return "\n".join(lines) + "\n"

@@ -8,6 +8,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from omni.api import protocol as P
+from omni.api.audio_metrics import AudioStream
 from omni.api.errors import APIError, bad_request
 from omni.api.generation import Generation
 from omni.api.http import ClosingStream, until_disconnect
@@ -38,8 +39,10 @@ class SpeechRoutes:
         voice, speed = await self.fe.voice(req.voice, req.speed)
         preq = PipelineRequest(request_id=f"speech-{uuid.uuid4().hex}", text=req.input,
                                entry_stage=self.fe.speech_stage, modalities=("audio",), voice=voice, speed=speed)
+        audio = AudioStream(self.fe.metrics.audio, self.fe.model, req.voice or voice,
+                            self.fe.t0(request), streamed=req.response_format == "pcm")
         gen = Generation(self.fe.orch, preq, decode=self.fe.decode, prompt_ids=[], stops=[], metrics=self.fe.metrics,
-                         route="/v1/audio/speech", t0=self.fe.t0(request))
+                         route="/v1/audio/speech", t0=self.fe.t0(request), audio=audio)
 
         async def stream_pcm() -> Response:
             # Raw s16le as it is made (OpenAI's stream_format "audio"): the first bytes leave

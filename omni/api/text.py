@@ -5,6 +5,11 @@ Streaming audio in chat (our choice, documented in docs): text deltas go to
 `delta.content`; each audio delta is its own chunk with
 `delta.audio = {"id", "data": base64 PCM16 LE mono, "format": "pcm16", "sample_rate"}`,
 and the finishing chunk carries `delta.audio = {"id", "transcript", "expires_at"}`.
+With audio asked for, every chunk also names its `modality` ("text" or "audio"), as vllm-omni's
+stream does (its benchmark client reads it); a request without an `audio` object (that client
+sends none) gets each chunk's `data` as a WAV file of that chunk (`"format": "wav"`), which is
+what the client decodes; OpenAI's clients send `audio` and get raw pcm16 as OpenAI streams it.
+The usage of a request with audio adds `audio_duration_s` and `audio_ttfp_s`.
 
 As vLLM's server streams: `finish_reason` rides on the chunk with the last token (an empty
 delta when that token has no text, e.g. EOS) with `stop_reason` (the stop string or stop token
@@ -17,6 +22,7 @@ Non-streaming chat puts the whole WAV in `message.audio.data` (base64).
 from __future__ import annotations
 
 import base64
+import functools
 import time
 import uuid
 
@@ -27,6 +33,7 @@ from starlette.responses import JSONResponse, Response
 from omni.api import logprobs as LP
 from omni.api import protocol as P
 from omni.api import sse
+from omni.api.audio_metrics import AudioStream
 from omni.api.errors import bad_request, error_body, to_api_error
 from omni.api.generation import Generation
 from omni.api.http import ClosingStream, until_disconnect
@@ -73,11 +80,14 @@ class TextRoutes:
                 raise bad_request("modality `audio` is not available: this pipeline has no speech stage",
                                   param="modalities")
         voice = speed = None
+        audio = None
         if "audio" in modalities:
             fmt = req.audio.format if req.audio else "wav"
             if fmt not in ("wav", "pcm16"):
                 raise bad_request(f"audio.format `{fmt}` is not supported (wav, pcm16)", param="audio.format")
             voice, speed = await self.fe.voice(req.audio.voice if req.audio else None)
+            audio = AudioStream(self.fe.metrics.audio, self.fe.model, (req.audio.voice if req.audio else None) or voice,
+                                self.fe.t0(request), streamed=bool(req.stream))
         inputs = {}
         if audios:
             self.fe.need_audio_in()
@@ -97,10 +107,11 @@ class TextRoutes:
                                audio_out="audio" in modalities, num_audio_inputs=len(inputs), inputs=inputs)
         gen = Generation(self.fe.orch, preq, decode=self.fe.decode, prompt_ids=prompt_ids,
                          stops=P.stop_list(req.stop), metrics=self.fe.metrics, route="/v1/chat/completions",
-                         t0=self.fe.t0(request), eos_token_id=self.fe.tokenizer.eos_token_id)
+                         t0=self.fe.t0(request), eos_token_id=self.fe.tokenizer.eos_token_id, audio=audio)
         if req.stream:
+            body = functools.partial(self._chat_stream, wav_chunks=req.audio is None)
             return await until_disconnect(
-                request, lambda: self._open_stream(gen, self._chat_stream, usage_mode(req.stream_options)))
+                request, lambda: self._open_stream(gen, body, usage_mode(req.stream_options)))
         return await until_disconnect(request, lambda: self._chat_full(gen))
 
     async def _open_stream(self, gen: Generation, body, usage: str | None) -> Response:
@@ -108,24 +119,28 @@ class TextRoutes:
         await gen.start()
         return ClosingStream(body(gen, usage), media_type="text/event-stream", headers=sse.HEADERS)
 
-    def _chunk(self, gen: Generation, obj: str, choice: dict | None, usage: dict | None = None) -> bytes:
+    def _chunk(self, gen: Generation, obj: str, choice: dict | None, usage: dict | None = None,
+               modality: str | None = None) -> bytes:
         d = {"id": gen.request.request_id, "object": obj, "created": gen.created, "model": self.fe.model,
              "choices": [choice] if choice is not None else []}
+        if modality is not None:
+            d["modality"] = modality
         if usage is not None:
             d["usage"] = usage
         return sse.event(d)
 
-    async def _chat_stream(self, gen: Generation, usage: str | None):
+    async def _chat_stream(self, gen: Generation, usage: str | None, wav_chunks: bool = False):
         audio_id = f"audio-{gen.request.request_id}"
         obj = "chat.completion.chunk"
         had_audio = False
         running = usage == "continuous"
+        tagged = gen.audio is not None    # vllm-omni's `modality` on every chunk, with audio only
 
-        def chunk(delta, finish=None, logprobs=None):
+        def chunk(delta, finish=None, logprobs=None, modality="text"):
             choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             if finish is not None:
                 choice["stop_reason"] = gen.stop_reason   # only on the finishing chunk, as vLLM sends it
-            return self._chunk(gen, obj, choice, gen.usage() if running else None)
+            return self._chunk(gen, obj, choice, gen.usage() if running else None, modality if tagged else None)
 
         try:
             yield chunk({"role": "assistant", "content": ""})
@@ -134,8 +149,12 @@ class TextRoutes:
                     yield chunk({"content": ev[1]}, None, self._chat_logprobs(gen, last=False))
                 elif ev[0] == "audio":
                     had_audio = True
-                    data = base64.b64encode(pcm16(ev[1])).decode()
-                    yield chunk({"audio": {"id": audio_id, "data": data, "format": "pcm16", "sample_rate": ev[2]}})
+                    if wav_chunks:
+                        data, fmt = wav_bytes(ev[1], ev[2]), "wav"
+                    else:
+                        data, fmt = pcm16(ev[1]), "pcm16"
+                    yield chunk({"audio": {"id": audio_id, "data": base64.b64encode(data).decode(), "format": fmt,
+                                           "sample_rate": ev[2]}}, modality="audio")
                 else:
                     # The finishing chunk: the last token's text, or with audio the closing record.
                     delta = {"content": ev[1]} if ev[1] or not had_audio else {}

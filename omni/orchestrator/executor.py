@@ -26,7 +26,7 @@ from omni.orchestrator import events as ev
 from omni.orchestrator.channel import BaseChannel, StageChannel
 from omni.orchestrator.local_channel import LocalStageChannel
 from omni.orchestrator.core import OrchestratorCore, load_processor
-from omni.orchestrator.metrics import OrchestratorMetrics
+from omni.orchestrator.metrics import OrchestratorMetrics, render_engine_steps
 from omni.orchestrator.topology import GONE, Topology
 from omni.orchestrator.types import PipelineOutput, PipelineRequest
 from omni.stage import messages as m
@@ -306,6 +306,10 @@ class Orchestrator:
             ["# HELP omni_stage_channels Open channels to stage replicas, by carrier (local: same host).\n",
              "# TYPE omni_stage_channels gauge\n"]
             + [f"omni_stage_channels{labels({'frontend': label, 'kind': k})} {n}\n" for k, n in kinds.items()])
+
+    def deployment_metrics_text(self) -> str:
+        """What the stages report of themselves (not per frontend): the answering frontend adds it."""
+        return render_engine_steps(self.topology.replicas.values())
 
     @property
     def in_flight(self) -> int:

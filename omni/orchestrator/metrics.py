@@ -4,10 +4,32 @@ from __future__ import annotations
 
 import time
 
-from omni.metrics import LATENCY_BUCKETS, STEP_BUCKETS, TTFO_BUCKETS, Histogram
+from omni.metrics import BATCH_BUCKETS, BATCH_KEY, LATENCY_BUCKETS, STEP_BUCKETS, STEP_KEY, TTFO_BUCKETS, Histogram
 from omni.metrics import labels as _labels
 
 OUTCOMES = ("ok", "aborted", "failed")
+ENGINE_STEP = "omni_stage_engine_step_seconds"
+ENGINE_BATCH = "omni_stage_engine_batch_size"
+
+
+def render_engine_steps(replicas) -> str:
+    """The stages' own per-step histograms, from their load reports in the topology (a second or
+    so behind): stages whose engine computes in the stage process (the speech stages; vLLM
+    stages step in their EngineCore and report none). Per replica, not per frontend: the
+    frontend that answers /metrics renders them (they are not published with its own)."""
+    out = {ENGINE_STEP: [f"# HELP {ENGINE_STEP} Engine step time, steps with work (stage-reported).",
+                         f"# TYPE {ENGINE_STEP} histogram"],
+           ENGINE_BATCH: [f"# HELP {ENGINE_BATCH} Requests the engine had ready per step (stage-reported).",
+                          f"# TYPE {ENGINE_BATCH} histogram"]}
+    for r in sorted(replicas, key=lambda r: (r.stage_id, r.replica_index)):
+        if r.role != "STAGE" or r.state == "DEAD":
+            continue
+        lab = {"stage": str(r.stage_id), "replica": str(r.replica_index)}
+        for name, key, buckets in ((ENGINE_STEP, STEP_KEY, STEP_BUCKETS), (ENGINE_BATCH, BATCH_KEY, BATCH_BUCKETS)):
+            h = Histogram.from_flat(buckets, key, r.extra)
+            if h is not None:
+                out[name] += h.lines(name, lab)
+    return "".join(line + "\n" for lines in out.values() for line in lines)
 
 
 class OrchestratorMetrics:

@@ -79,6 +79,8 @@ class StageWorker:
         self.draining = False
         self.fatal: str | None = None      # why the engine can serve no more (set by _step)
         self.stats = WorkerStats()
+        # Steps are timed where the engine computes in this process (vLLM's run in its EngineCore).
+        self._time_steps = engine.ready_fd() is None
         self._codec = m.stage_codec()
         self._out = m.Codec(m.ToStage)   # encoder side only
         self._ctx = zmq.Context.instance()
@@ -268,6 +270,7 @@ class StageWorker:
                                        msg.out_tensors, hold_s=msg.hold_ms / 1000)
 
     def _step(self) -> None:
+        ready = self.engine.num_running() if self._time_steps else 0
         t0 = time.monotonic()
         try:
             outputs = self.engine.step()
@@ -286,6 +289,12 @@ class StageWorker:
         dt = time.monotonic() - t0
         self.stats.steps += 1
         self.stats.step_s_total += dt
+        if self._time_steps:
+            # The requests this step advanced: those it made output for (Piper's engines step one
+            # at a time), else those the engine had ready (a batched talker between code chunks).
+            batch = len({o.request_id for o in outputs}) or ready
+            if batch:
+                self.stats.engine_step(dt, batch)
         for out in outputs:
             self._emit(out, dt)
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omni.engines.base import EngineOutput
+from omni.metrics import BATCH_BUCKETS, BATCH_KEY, STEP_BUCKETS, STEP_KEY, Histogram
 
 
 @dataclass
@@ -30,9 +31,21 @@ class WorkerStats:
     by_transport: dict[str, float] = field(default_factory=dict)   # "tensor_bytes_out.tcp" -> bytes
     stalls: int = 0                 # times output had to wait for consumers (backpressure)
     stall_s_total: float = 0.0
+    # Steps of an engine that computes in this process, with work: seconds and requests stepped.
+    step_hist: Histogram = field(default_factory=lambda: Histogram(STEP_BUCKETS))
+    batch_hist: Histogram = field(default_factory=lambda: Histogram(BATCH_BUCKETS))
 
     def count(self, key: str, n: int) -> None:
         self.by_transport[key] = self.by_transport.get(key, 0.0) + n
+
+    def engine_step(self, seconds: float, batch: int) -> None:
+        self.step_hist.observe(seconds)
+        self.batch_hist.observe(batch)
+
+    def step_report(self) -> dict[str, float]:
+        if not self.batch_hist.sum:
+            return {}
+        return {**self.step_hist.to_flat(STEP_KEY), **self.batch_hist.to_flat(BATCH_KEY)}
 
 
 @dataclass
@@ -66,5 +79,6 @@ def load_report(w: Any) -> dict:
             "stall_s_total": w.stats.stall_s_total,
             "held_outputs": float(len(w._held)),
             **w.stats.by_transport,
+            **w.stats.step_report(),
         },
     }

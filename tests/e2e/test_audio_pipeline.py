@@ -1,13 +1,19 @@
 """Issue 6: the speech pipeline (thinker -> talker -> code2wav) served by `omni serve`,
 checked over HTTP: WAV/PCM speech, determinism, chat with audio (whole and streamed),
-streamed audio joining to the one-shot waveform, and voices."""
+streamed audio joining to the one-shot waveform, and voices. Issue 27: the audio metrics move
+as the requests say, and vllm-omni's benchmark client reads the streamed chat audio."""
 
 from __future__ import annotations
 
 import base64
 import io
 import json
+import os
+import queue
 import re
+import signal
+import threading
+import time
 import uuid
 import wave
 
@@ -15,7 +21,8 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.e2e.harness import OmniProcess, omni_shm_entries
+from benchmarks import omni_chat_client as oc
+from tests.e2e.harness import OmniProcess, descendants, omni_shm_entries, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -32,12 +39,18 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def url():
+def server():
     p = OmniProcess("serve", MODEL, "--port", "0")
     try:
-        yield p.http(300)
+        p.http(300)
+        yield p
     finally:
         assert omni_shm_entries(p.stop(60)) == []   # Ctrl-C, the whole tree gone, its shm with it
+
+
+@pytest.fixture(scope="module")
+def url(server):
+    return server.http(1)
 
 
 def speech(url: str, text: str, **body) -> httpx.Response:
@@ -288,3 +301,152 @@ def test_speech_of_nothing_speakable_is_a_client_error(url, text):
     r = speech(url, text)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "input" or "speak" in r.json()["error"]["message"], r.text
+
+
+# ---------------------------------------------------------------- audio metrics (issue 27)
+
+
+def scrape(url: str, name: str, **labels: str) -> float:
+    return value(httpx.get(f"{url}/metrics", timeout=30).text, name, **labels)
+
+
+def value(text: str, name: str, **labels: str) -> float:
+    """The sum of a metric's samples whose labels include `labels`."""
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", line)
+        if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
+AUDIO = ("vllm_omni:audio_ttfp_s_count", "vllm_omni:audio_duration_s_count", "vllm_omni:audio_duration_s_sum",
+         "omni_audio_underruns_total", "vllm_omni:audio_underrun_s_count", "vllm_omni:audio_underrun_s_sum")
+
+
+def audio_figures(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return {k: value(text, k, voice="joe") for k in AUDIO}
+
+
+def stream_pcm16(url: str, body: dict) -> tuple[bytes, dict]:
+    """Today's parse of a streamed chat: the joined pcm16 `delta.audio.data`, and the usage chunk."""
+    pcm, usage = bytearray(), {}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=180) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                usage = chunk.get("usage") or usage
+                for c in chunk["choices"]:
+                    data = (c["delta"].get("audio") or {}).get("data")
+                    if data:
+                        pcm += base64.b64decode(data)
+    return bytes(pcm), usage
+
+
+async def vllm_omni_chat(url: str, body: dict) -> oc.Result:
+    async with httpx.AsyncClient(timeout=180) as client:
+        return await oc.chat(client, f"{url}/v1/chat/completions", body)
+
+
+def test_audio_metrics_count_each_request_and_its_seconds(url):
+    import asyncio
+
+    before = audio_figures(url)
+    pcm, usage = stream_pcm16(url, chat_body(stream=True, audio={"voice": "joe", "format": "pcm16"},
+                                             stream_options={"include_usage": True}))
+    # vllm-omni's benchmark client: no `audio` object, so WAV chunks, each decoded alone.
+    body = oc.payload(MODEL, CATS[0]["content"], 64, {"modalities": ["text", "audio"]})
+    got = asyncio.run(vllm_omni_chat(url, body))
+    whole = httpx.post(f"{url}/v1/chat/completions", json=chat_body(), timeout=180).json()
+    wav = wav_samples(base64.b64decode(whole["choices"][0]["message"]["audio"]["data"]))
+    after = audio_figures(url)
+    delta = {k: after[k] - before[k] for k in AUDIO}
+    # First audio once per streamed request (the whole one has none), seconds once per request.
+    assert delta["vllm_omni:audio_ttfp_s_count"] == 2 and delta["vllm_omni:audio_duration_s_count"] == 3
+    streamed_s, wav_s = len(pcm) / 2 / RATE, seconds(wav)
+    assert got.ok and got.dropped_chunks == 0 and got.sample_rate == RATE, got.error
+    assert delta["vllm_omni:audio_duration_s_sum"] == pytest.approx(streamed_s + got.audio_duration + wav_s, abs=1e-6)
+    assert whole["usage"]["audio_duration_s"] == pytest.approx(wav_s, abs=1e-6)
+    assert usage["audio_duration_s"] == pytest.approx(streamed_s, abs=1e-6)
+    assert 0 < usage["audio_ttfp_s"] and 0 < whole["usage"]["audio_ttfp_s"]
+    # The vllm-omni parse of the WAV chunks and today's parse of the pcm16 chunks: the same audio
+    # (two requests: code2wav's chunk boundaries may differ, as between streamed and whole above).
+    a, b = np.frombuffer(pcm, dtype="<i2"), np.frombuffer(got.pcm, dtype="<i2")
+    assert len(a) == len(b) == len(wav) and got.text == whole["choices"][0]["message"]["content"]
+    assert np.abs(a.astype(np.int32) - b.astype(np.int32)).max() <= 0.01 * 32767
+    assert 0 < got.audio_ttfp < got.latency and got.audio_rtf > 0
+    # The speech stages' own step figures reach /metrics through their load reports (~1 s behind).
+    for stage in ("1", "2"):
+        wait_until(lambda s=stage: scrape(url, "omni_stage_engine_batch_size_count", stage=s) > 0, 15,
+                   f"stage {stage} step figures in /metrics", every_s=0.25)
+        text = httpx.get(f"{url}/metrics", timeout=30).text
+        steps = value(text, "omni_stage_engine_step_seconds_count", stage=stage)
+        assert steps == value(text, "omni_stage_engine_batch_size_count", stage=stage)
+        assert value(text, "omni_stage_engine_batch_size_sum", stage=stage) >= steps    # at least one each
+        assert value(text, "omni_stage_engine_step_seconds_sum", stage=stage) > 0
+
+
+def stage_pid(launcher_pid: int, stage_id: int) -> int:
+    import psutil
+
+    for pid in descendants(launcher_pid):
+        try:
+            argv = psutil.Process(pid).cmdline()
+        except psutil.NoSuchProcess:
+            continue
+        if "omni.children" in argv and "stage" in argv and argv[argv.index("--stage-id") + 1] == str(stage_id):
+            return pid
+    raise AssertionError(f"no stage {stage_id} process under {launcher_pid}")
+
+
+STARVE_MARGIN_S = 0.4
+
+
+def test_a_stream_that_starves_counts_an_underrun(server, url):
+    """code2wav is stopped (SIGSTOP) once the first audio is in; the client plays what it got and,
+    once that has played out and STARVE_MARGIN_S more has passed with nothing new, code2wav goes
+    on. The frontend hands the next chunk out after the client's player ran dry (its clock starts
+    no later than the client's), so it counts an underrun. The stop stays well under the lease."""
+    text = "Hi. " + " ".join(TEXTS[1:])
+    before = audio_figures(url)
+    code2wav = stage_pid(server.proc.pid, 2)
+    chunks: queue.Queue = queue.Queue()
+
+    def read() -> None:
+        body = {"model": MODEL, "input": text, "voice": "joe", "response_format": "pcm"}
+        try:
+            with httpx.stream("POST", f"{url}/v1/audio/speech", json=body, timeout=120) as r:
+                for b in r.iter_raw():
+                    chunks.put((time.monotonic(), b))
+        finally:
+            chunks.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    first = chunks.get(timeout=120)
+    assert first is not None, "the stream ended before any audio"
+    os.kill(code2wav, signal.SIGSTOP)
+    stopped = time.monotonic()
+    got = [first[1]]
+    try:
+        play_end = first[0] + len(first[1]) / 2 / RATE
+        while (left := play_end + STARVE_MARGIN_S - time.monotonic()) > 0:
+            try:
+                item = chunks.get(timeout=left)
+            except queue.Empty:
+                break
+            assert item is not None, "all the audio came before code2wav was stopped: nothing to starve"
+            play_end = max(play_end, item[0]) + len(item[1]) / 2 / RATE
+            got.append(item[1])
+        assert time.monotonic() - stopped < 3.0, "the audio sent before the stop lasts too long for the lease"
+    finally:
+        os.kill(code2wav, signal.SIGCONT)
+    while (item := chunks.get(timeout=120)) is not None:
+        got.append(item[1])
+    after = audio_figures(url)
+    assert after["omni_audio_underruns_total"] - before["omni_audio_underruns_total"] >= 1
+    assert after["vllm_omni:audio_underrun_s_count"] - before["vllm_omni:audio_underrun_s_count"] == 1
+    assert after["vllm_omni:audio_underrun_s_sum"] - before["vllm_omni:audio_underrun_s_sum"] >= STARVE_MARGIN_S
+    # Stopping a stage does not change what it says.
+    assert b"".join(got) == speech(url, text, response_format="pcm").content

@@ -18,6 +18,7 @@ import httpx
 import numpy as np
 import pytest
 
+from benchmarks import omni_chat_client as oc
 from tests.e2e.harness import OmniProcess, omni_env
 from tests.unit.qwen3_ref import Reference, tone
 
@@ -161,6 +162,42 @@ def test_streamed_chat_audio_is_within_1e_3_of_the_reference(server, reference):
     got = np.frombuffer(bytes(pcm), "<i2").astype(np.float64) / 32767
     assert got.shape == want_wav.shape
     assert np.abs(got - np.clip(want_wav, -1, 1)).max() <= 1e-3
+
+
+def audio_counts(url: str) -> tuple[float, float, float]:
+    """vllm_omni:audio_ttfp_s_count, _duration_s_count and _duration_s_sum, over every label set."""
+    out = {"vllm_omni:audio_ttfp_s_count": 0.0, "vllm_omni:audio_duration_s_count": 0.0,
+           "vllm_omni:audio_duration_s_sum": 0.0}
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        name = line.split("{", 1)[0]
+        if name in out:
+            out[name] += float(line.rsplit(" ", 1)[1])
+    return tuple(out.values())
+
+
+def test_vllm_omni_client_reads_the_stream_and_the_metrics_count_it(server, reference):
+    """vllm-omni's benchmark client (its request and its parse: benchmarks/omni_chat_client.py) gets
+    the reference audio from WAV chunks; /metrics counts the first audio once and the seconds."""
+    import asyncio
+
+    want_text, want_wav = reference("Tell me about the sea.")          # the default voice: Ethan
+    body = oc.payload(NAME, "", THINKER_TOKENS, {"modalities": ["text", "audio"]})
+    body["messages"] = [SYSTEM, {"role": "user", "content": "Tell me about the sea."}]
+    before = audio_counts(server)
+
+    async def go():
+        async with httpx.AsyncClient(timeout=300) as c:
+            return await oc.chat(c, f"{server}/v1/chat/completions", body)
+    got = asyncio.run(go())
+    after = audio_counts(server)
+    assert got.ok and got.dropped_chunks == 0 and got.sample_rate == 24000, got.error
+    assert got.text == want_text
+    pcm = np.frombuffer(got.pcm, "<i2").astype(np.float64) / 32767
+    assert pcm.shape == want_wav.shape and np.abs(pcm - np.clip(want_wav, -1, 1)).max() <= 1e-3
+    assert (after[0] - before[0], after[1] - before[1]) == (1, 1)
+    assert after[2] - before[2] == pytest.approx(len(want_wav) / 24000, abs=1e-6)
+    assert got.usage["audio_duration_s"] == pytest.approx(len(want_wav) / 24000, abs=1e-6)
+    assert 0 < got.usage["audio_ttfp_s"] and 0 < got.audio_ttfp <= got.audio_generate_time
 
 
 def test_two_concurrent_requests_each_equal_their_reference(server, reference):

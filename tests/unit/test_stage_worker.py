@@ -358,3 +358,58 @@ def test_a_hold_on_an_engine_that_cannot_hold_is_refused_by_name(monkeypatch):
     with pytest.raises(ConfigError, match="stage 0 .talker.: first_output_hold_ms is set, but engine count cannot"):
         factory.build_engine(config, config.stage(0))
     assert isinstance(factory.build_engine(config, config.stage(1)), CountEngine)
+
+
+class RunningCountEngine(CountEngine):
+    def num_running(self) -> int:
+        return len(self.reqs)
+
+
+class QuietCountEngine(RunningCountEngine):
+    """Steps like CountEngine but says nothing until a request's last token (a talker between chunks)."""
+
+    def step(self) -> list[EngineOutput]:
+        return [o for o in super().step() if o.finished]
+
+
+def test_steps_with_work_report_their_time_and_batch():
+    """Each step of an engine that computes in the stage counts once, with the requests it had
+    ready: the batch sizes sum to the request-steps whatever the interleaving."""
+    from omni.metrics import BATCH_BUCKETS, BATCH_KEY, STEP_BUCKETS, STEP_KEY, Histogram
+
+    gen = running(StageConfig(stage_id=1, engine="count", name="counter"), RunningCountEngine())
+    w, _ = next(gen)
+    try:
+        assert w.load()["extra"].get(f"{BATCH_KEY}.sum") is None      # no work yet, nothing reported
+        s = dealer(w.endpoint)
+        assert hello(s).ok
+        for rid in ("a", "b"):
+            s.send(enc.encode(m.AddRequest(request_id=rid, prompt_token_ids=[1],
+                                           sampling=SamplingParams(max_tokens=3))))
+        outs = [recv(s) for _ in range(6)]
+        assert sum(o.finished for o in outs) == 2
+        extra = w.load()["extra"]
+        batch = Histogram.from_flat(BATCH_BUCKETS, BATCH_KEY, extra)
+        steps = Histogram.from_flat(STEP_BUCKETS, STEP_KEY, extra)
+        assert batch.sum == 6 and 3 <= sum(batch.counts) <= 6
+        assert sum(steps.counts) == sum(batch.counts) and steps.sum > 0
+        s.close()
+    finally:
+        next(gen, None)
+
+
+def test_steps_without_output_count_the_requests_the_engine_had_ready():
+    from omni.metrics import BATCH_BUCKETS, BATCH_KEY, Histogram
+
+    gen = running(StageConfig(stage_id=1, engine="count", name="counter"), QuietCountEngine())
+    w, _ = next(gen)
+    try:
+        s = dealer(w.endpoint)
+        assert hello(s).ok
+        s.send(enc.encode(m.AddRequest(request_id="q", prompt_token_ids=[1], sampling=SamplingParams(max_tokens=3))))
+        assert recv(s).finished
+        batch = Histogram.from_flat(BATCH_BUCKETS, BATCH_KEY, w.load()["extra"])
+        assert sum(batch.counts) == 3 and batch.sum == 3      # two quiet steps and the one that answered
+        s.close()
+    finally:
+        next(gen, None)
