@@ -428,27 +428,33 @@ class StageWorker:
     def _send_frame(self, ident: bytes, frame: bytes) -> bool:
         """False when the frontend's queue is full (it reads slowly): the caller holds the frame."""
         link = self._local.link(ident) if self._local is not None else None
+        # Counted before the send (taken back if it fails): the peer may read the count as soon as it has the message.
         if link is not None:
+            self.stats.count("channel_msgs_out.local", 1)
             try:
                 if not self._local.send(link, frame):
+                    self.stats.count("channel_msgs_out.local", -1)
                     return False
             except TransportError as e:
+                self.stats.count("channel_msgs_out.local", -1)
                 self._frontend_gone(ident, str(e))
                 return True
             except ValueError as e:   # over the size cap: ZMQ would drop the whole connection
+                self.stats.count("channel_msgs_out.local", -1)
                 self._bad_frames.warning("%s: dropped a message to %r: %s", self.stage.label, ident, e)
                 return True
-            self.stats.count("channel_msgs_out.local", 1)
             return True
         self._poll.touched = True   # a send may take in the ROUTER's notice of a new message
+        self.stats.count("channel_msgs_out.zmq", 1)
         try:
             self._sock.send_multipart([ident, frame], zmq.NOBLOCK)
         except zmq.Again:
+            self.stats.count("channel_msgs_out.zmq", -1)
             return False
         except zmq.ZMQError as e:   # EHOSTUNREACH
+            self.stats.count("channel_msgs_out.zmq", -1)
             self._frontend_gone(ident, str(e))
             return True
-        self.stats.count("channel_msgs_out.zmq", 1)
         return True
 
     def _frontend_gone(self, ident: bytes, why: str) -> None:
