@@ -35,6 +35,7 @@ from omni.engines.base import EngineError, EngineOutput, EngineRequest
 from omni.models.qwen25_omni import edges
 from omni.models.qwen25_omni.weights import load_speakers, load_talker
 from omni.models.qwen3_omni.codes import Pick, pick, repetition_penalty
+from omni.models.qwen3_omni.sampling import Uniforms
 from omni.models.qwen3_omni.talker import Qwen3TalkerEngine, _Req
 
 DEFAULT_SPEAKER = "chelsie"     # transformers' generate() default
@@ -118,8 +119,9 @@ class Qwen25TalkerEngine(Qwen3TalkerEngine):
         th = self.config.thinker_config
         if any(t in (th.image_token_index, th.video_token_index) for t in prompt):
             raise EngineError(f"request {rid}: image/video prompts need 3-D talker positions (not supported)")
-        temperature, top_k, top_p, max_tokens, penalty, gen = self._sampling(req, rid)
-        r = _Req25(rid, prompt, 0, None, Pick(temperature, top_k, top_p, gen), Pick(), penalty, max_tokens)
+        temperature, top_k, top_p, max_tokens, penalty, seed = self._sampling(req, rid)
+        code0 = Pick(temperature, top_k, top_p)
+        r = _Req25(rid, prompt, 0, None, code0, None if code0.greedy else Uniforms(seed, 1), penalty, max_tokens)
         r.speaker_bos = self.speakers[name.lower()]
         # transformers' repetition penalty also sees the talker's prompt ids (mask x n, pad, bos)
         r.history = [self.ids.codec_mask, self.ids.codec_pad, self.ids.codec_bos]
@@ -235,7 +237,8 @@ class Qwen25TalkerEngine(Qwen3TalkerEngine):
         for r, row in zip(chosen, logits):
             row = repetition_penalty(row, r.history, r.penalty)
             row = row.masked_fill(self._suppress, float("-inf"))
-            code = pick(row, r.code0)
+            frame = len(r.history) - 3      # the 3 prompt codes first
+            code = pick(row, r.code0, None if r.uniforms is None else r.uniforms.rows(frame + 1)[-1, 0])
             r.history.append(code)
             if code in self.stop_codes:
                 r.done = "stop"

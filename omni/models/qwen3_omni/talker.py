@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from omni.engines.base import Engine, EngineError, EngineOutput, EngineRequest
 from omni.models.qwen3_omni import edges
 from omni.models.qwen3_omni.codes import Pick, pick, repetition_penalty, residual_codes, suppress_mask
+from omni.models.qwen3_omni.sampling import Uniforms
 from omni.models.qwen3_omni.weights import load_talker
 
 logger = logging.getLogger(__name__)
@@ -69,7 +70,7 @@ class _Req:
     speaker_id: int
     mm_hidden: torch.Tensor | None
     code0: Pick
-    residual: Pick
+    uniforms: Uniforms | None          # the request's random stream (None: greedy)
     penalty: float
     max_tokens: int
     generated: list[int] = dataclasses.field(default_factory=list)
@@ -161,14 +162,14 @@ class Qwen3TalkerEngine(Engine):
         if len(mm) != (0 if hidden is None else hidden.shape[0]):
             raise EngineError(f"request {rid}: the prompt has {len(mm)} audio placeholder(s) but "
                               f"mm_hidden has {0 if hidden is None else hidden.shape[0]} row(s)")
-        temperature, top_k, top_p, max_tokens, penalty, gen = self._sampling(req, rid)
-        code0 = Pick(temperature, top_k, top_p, gen)
-        residual = Pick() if code0.greedy else Pick(1.0, 50, 0.8, gen)   # transformers' choice
-        return _Req(rid, prompt, self.ids.speakers[name.lower()], hidden, code0, residual, penalty, max_tokens)
+        temperature, top_k, top_p, max_tokens, penalty, seed = self._sampling(req, rid)
+        code0 = Pick(temperature, top_k, top_p)
+        uniforms = None if code0.greedy else Uniforms(seed, self.config.talker_config.num_code_groups)
+        return _Req(rid, prompt, self.ids.speakers[name.lower()], hidden, code0, uniforms, penalty, max_tokens)
 
-    def _sampling(self, req: EngineRequest, rid: str) -> tuple[float, int, float, int, float, Any]:
-        """The talker's sampling options (stage defaults in `extra` over the request's own), checked;
-        a per-request generator when sampling with a seed."""
+    def _sampling(self, req: EngineRequest, rid: str) -> tuple[float, int, float, int, float, int | None]:
+        """The talker's sampling options (stage defaults in `extra` over the request's own), checked,
+        and the seed (None: unseeded)."""
         s = req.sampling
         try:
             temperature = float(_opt(req, "temperature", s.temperature))
@@ -184,10 +185,7 @@ class Qwen3TalkerEngine(Engine):
             raise EngineError(f"request {rid}: sampling needs a finite temperature, top_k >= 0, "
                               f"0 < top_p <= 1, max_tokens >= 1 and repetition_penalty > 0; got "
                               f"{temperature}, {top_k}, {top_p}, {max_tokens}, {penalty}")
-        gen = None
-        if temperature > 0 and seed is not None:
-            gen = torch.Generator(device=self.device).manual_seed(seed)
-        return temperature, top_k, top_p, max_tokens, penalty, gen
+        return temperature, top_k, top_p, max_tokens, penalty, seed
 
     def _ids(self, rid: str, ids) -> list[int]:
         try:
@@ -286,7 +284,7 @@ class Qwen3TalkerEngine(Engine):
             chosen.extend(decode)
             hidden.extend(h)
         if chosen:
-            logits = list(self.talker.codec_head(torch.stack(hidden)))
+            logits = list(self.talker.codec_head(torch.stack(hidden)).float())
             self._sample(chosen, logits, hidden)
             self._stats["talker_seconds"] += time.perf_counter() - t0
             self._stats["talker_steps"] += 1
@@ -369,7 +367,7 @@ class Qwen3TalkerEngine(Engine):
         for r, row, h in zip(chosen, logits, hidden):
             row = repetition_penalty(row, r.history, r.penalty)
             row = row.masked_fill(self._suppress, float("-inf"))
-            code = pick(row, r.code0)
+            code = pick(row, r.code0, None if r.uniforms is None else r.uniforms.rows(len(r.history) + 1)[-1, 0])
             r.history.append(code)
             if code == self.ids.codec_eos:
                 r.done = "stop"
@@ -381,7 +379,11 @@ class Qwen3TalkerEngine(Engine):
         if not go:
             return
         code0 = torch.tensor([r.history[-1] for r in go], dtype=torch.long, device=self.device)
-        codes, codec = residual_codes(self.talker, torch.stack(go_hidden), code0, [r.residual for r in go])
+        greedy = torch.tensor([r.uniforms is None for r in go], device=self.device)
+        u = None if all(r.uniforms is None for r in go) else torch.stack(
+            [torch.zeros(self.config.talker_config.num_code_groups) if r.uniforms is None
+             else r.uniforms.rows(len(r.history))[-1] for r in go]).to(self.device)
+        codes, codec = residual_codes(self.talker, torch.stack(go_hidden), code0, greedy, u)
         self._stats["frames"] += len(go)
         for i, r in enumerate(go):
             r.frames.append(codes[i])
