@@ -80,6 +80,7 @@ class Qwen25TalkerEngine(Qwen3TalkerEngine):
         self._stats = collections.Counter()
         self._sleeping = False
         self._batch = None
+        self._static = None
 
     def _cache_config(self):
         return self.talker.config

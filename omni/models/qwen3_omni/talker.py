@@ -45,6 +45,7 @@ from omni.engines.base import Engine, EngineError, EngineOutput, EngineRequest
 from omni.models.qwen3_omni import edges
 from omni.models.qwen3_omni.codes import Pick, pick, repetition_penalty, residual_codes, suppress_mask
 from omni.models.qwen3_omni.sampling import Uniforms
+from omni.models.qwen3_omni.slots import SlotRunner, static_runner
 from omni.models.qwen3_omni.weights import load_talker
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,8 @@ class _Req:
     first_out: bool = True
     done: str | None = None           # finish reason once finished
     error: str | None = None
+    slot: int | None = None           # static step: the request's slot, and its next position there
+    pos: int = 0
 
 
 def _opt(req: EngineRequest, key: str, default):
@@ -96,12 +99,15 @@ class Qwen3TalkerEngine(Engine):
     def __init__(self, model_dir: str | Path, *, dtype: str = "auto", device: str = "cpu",
                  first_chunk_frames: int = 4, chunk_frames: int = 25, repetition_penalty: float = 1.05,
                  text_eos_token_ids: list[int] | None = None, batch_decode: bool = True,
-                 threads: int | None = None, max_num_seqs: int = 64):
+                 threads: int | None = None, max_num_seqs: int = 64, static_decode: bool = True,
+                 enforce_eager: bool = False, max_model_len: int = 4096, moe_impl: str | None = None):
         if first_chunk_frames < 1 or chunk_frames < 1:
             raise ValueError(f"first_chunk_frames and chunk_frames must be >= 1, "
                              f"got {first_chunk_frames} and {chunk_frames}")
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if static_decode and not batch_decode:
+            raise ValueError("batch_decode: false needs static_decode: false (the static step always batches)")
         self.max_num_seqs = max_num_seqs     # requests decoded in one step; the rest wait their turn
         if threads:
             torch.set_num_threads(threads)
@@ -121,6 +127,9 @@ class Qwen3TalkerEngine(Engine):
         self._stats: collections.Counter = collections.Counter()
         self._sleeping = False
         self._batch: _Batch | None = None
+        self._static: SlotRunner | None = None
+        if static_decode:
+            self._static = static_runner(self, max_num_seqs, max_model_len, moe_impl, enforce_eager)
 
     def _cache_config(self):
         """The config a talker KV cache is built from (the Qwen2.5 talker overrides it)."""
@@ -158,7 +167,7 @@ class Qwen3TalkerEngine(Engine):
             if hidden.ndim != 2 or hidden.shape[1] != self.embed.shape[1] or not hidden.is_floating_point():
                 raise EngineError(f"request {rid}: mm_hidden must be float [n, {self.embed.shape[1]}], "
                                   f"got {hidden.dtype} {list(hidden.shape)}")
-            hidden = hidden.to(self.device, self.embed.dtype)
+            hidden = hidden.to(self.device, self.embed.dtype, non_blocking=True)
         if len(mm) != (0 if hidden is None else hidden.shape[0]):
             raise EngineError(f"request {rid}: the prompt has {len(mm)} audio placeholder(s) but "
                               f"mm_hidden has {0 if hidden is None else hidden.shape[0]} row(s)")
@@ -221,7 +230,9 @@ class Qwen3TalkerEngine(Engine):
         self._reqs[rid] = r
 
     def abort(self, request_id: str) -> None:
-        self._reqs.pop(request_id, None)
+        r = self._reqs.pop(request_id, None)
+        if r is not None and self._static is not None:
+            self._static.release(r)
 
     # -- stepping --------------------------------------------------------------
 
@@ -241,7 +252,8 @@ class Qwen3TalkerEngine(Engine):
         return self._tts[1] if r.step == len(trailing) else self._tts[2]
 
     def _can_prefill(self, r: _Req) -> bool:
-        return r.cache is None and r.done is None and bool(r.generated)
+        return (r.cache is None and r.done is None and bool(r.generated)
+                and (self._static is None or self._static.free() > 0))
 
     def _can_decode(self, r: _Req) -> bool:
         if r.cache is None or r.done is not None or r.next_codec is None:
@@ -258,6 +270,8 @@ class Qwen3TalkerEngine(Engine):
 
     @torch.no_grad()
     def step(self) -> list[EngineOutput]:
+        if self._static is not None:
+            return self._static_step()
         t0 = time.perf_counter()
         chosen: list[_Req] = []
         logits: list[torch.Tensor] = []
@@ -286,6 +300,25 @@ class Qwen3TalkerEngine(Engine):
         if chosen:
             logits = list(self.talker.codec_head(torch.stack(hidden)).float())
             self._sample(chosen, logits, hidden)
+            self._stats["talker_seconds"] += time.perf_counter() - t0
+            self._stats["talker_steps"] += 1
+        return self._emit()
+
+    def _static_step(self) -> list[EngineOutput]:
+        """The static path: new requests prefill into free slots, requests in slots step one frame."""
+        t0 = time.perf_counter()
+        prefill, decode = [], []
+        free = self._static.free()
+        for r in list(self._reqs.values()):
+            if r.cache is None and r.final and not r.generated and r.done is None:
+                r.done = "stop"
+            if r.slot is not None:
+                if self._can_decode(r):
+                    decode.append(r)
+            elif len(prefill) < free and self._can_prefill(r):
+                prefill.append(r)
+        if prefill or decode:
+            self._static.step(prefill, decode)
             self._stats["talker_seconds"] += time.perf_counter() - t0
             self._stats["talker_steps"] += 1
         return self._emit()
