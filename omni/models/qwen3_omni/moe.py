@@ -2,14 +2,18 @@
 
 transformers' experts loop over the experts a batch hit (`nonzero()`, one read-back per layer
 on a GPU). Here every formulation keeps the routing on the device:
-  dense    every expert on every row, the unrouted ones weighted 0: no gather, E times the
-           FLOPs; the fastest for the tiny test model (4 experts) on CPU.
-  grouped  rows sorted by expert and `torch._grouped_mm` with offsets computed on the device
-           (the real model's 128 experts on a GPU: only routed weights are read).
+  grouped  rows sorted by expert and `torch._grouped_mm` with offsets computed on the device:
+           only routed weights are read (the real model's 128 experts on a GPU), and on a CPU
+           each expert multiplies the same rows transformers gives it, so float32 is exact.
+  dense    every expert on every row, the unrouted ones weighted 0: no sort, E times the FLOPs;
+           the fastest for the tiny test model (4 experts) on a CPU, but its per-expert products
+           over all rows round differently from products over the routed rows (~1e-9 off at 7
+           rows; exact at one row).
   gather   each (row, expert) pair gathers its expert's weights and one bmm: no sort, but the
-           gathered weights grow with rows x top_k (small batches only).
-All sum a row's top-k expert outputs after weighting them, as transformers does; with top-2
-(the tiny model) that sum is the same in any order, so float32 results are exact.
+           gathered weights grow with rows x top_k (small batches only; ~1e-9 off like dense).
+Measured (benchmarks/qwen3_moe.py) and chosen in `default_impl`. All sum a row's top-k expert
+outputs after weighting them, as transformers does; with top-2 (the tiny model) that sum is
+the same in any order.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ class Moe:
     shared_gate_up: torch.Tensor  # [2S, H]
     shared_down: torch.Tensor     # [H, S]
     shared_gate: torch.Tensor     # [1, H]
-    impl: str = "dense"
+    impl: str = "grouped"
 
     @classmethod
     def from_block(cls, block, impl: str) -> "Moe":
@@ -103,7 +107,8 @@ def gated_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> tor
 
 
 def default_impl(device: torch.device, dtype: torch.dtype, num_experts: int) -> str:
-    """grouped on a GPU in bfloat16 (the kernel's dtype); dense for few experts; else gather."""
-    if device.type == "cuda" and dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+    """grouped where `torch._grouped_mm` runs: a CPU (any dtype), a GPU in bfloat16 (its kernel's
+    dtype); else dense for few experts, gather for many."""
+    if hasattr(torch, "_grouped_mm") and (device.type == "cpu" or dtype == torch.bfloat16):
         return "grouped"
     return "dense" if num_experts <= 16 else "gather"
