@@ -52,7 +52,7 @@ class Qwen25TalkerEngine(Qwen3TalkerEngine):
     def __init__(self, model_dir: str | Path, *, dtype: str = "auto", device: str = "cpu",
                  first_chunk_frames: int = 25, chunk_frames: int = 50, repetition_penalty: float = 1.05,
                  text_eos_token_ids: list[int] | None = None, batch_decode: bool = True,
-                 codec_rows: bool = False, threads: int | None = None):
+                 codec_rows: bool = False, threads: int | None = None, parts: tuple | None = None):
         import collections
 
         if first_chunk_frames < 1 or chunk_frames < 1:
@@ -60,8 +60,11 @@ class Qwen25TalkerEngine(Qwen3TalkerEngine):
                              f"got {first_chunk_frames} and {chunk_frames}")
         if threads:
             torch.set_num_threads(threads)
-        self.config, self.talker, self.embed, self.norm = load_talker(model_dir, dtype=dtype, device=device)
-        self.speakers = {k.lower(): int(v["bos_token"]) for k, v in load_speakers(model_dir).items()}
+        if parts is not None:     # (config, talker, embed table, thinker norm, {voice: bos id}) built in memory
+            self.config, self.talker, self.embed, self.norm, self.speakers = parts
+        else:
+            self.config, self.talker, self.embed, self.norm = load_talker(model_dir, dtype=dtype, device=device)
+            self.speakers = {k.lower(): int(v["bos_token"]) for k, v in load_speakers(model_dir).items()}
         self.ids = edges.TalkerIds.from_config(self.config)
         self.device = torch.device(device)
         self.first_chunk_frames = first_chunk_frames

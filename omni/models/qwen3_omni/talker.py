@@ -100,7 +100,8 @@ class Qwen3TalkerEngine(Engine):
                  first_chunk_frames: int = 4, chunk_frames: int = 25, repetition_penalty: float = 1.05,
                  text_eos_token_ids: list[int] | None = None, batch_decode: bool = True,
                  threads: int | None = None, max_num_seqs: int = 64, static_decode: bool = True,
-                 enforce_eager: bool = False, max_model_len: int = 4096, moe_impl: str | None = None):
+                 enforce_eager: bool = False, max_model_len: int = 4096, moe_impl: str | None = None,
+                 parts: tuple | None = None):
         if first_chunk_frames < 1 or chunk_frames < 1:
             raise ValueError(f"first_chunk_frames and chunk_frames must be >= 1, "
                              f"got {first_chunk_frames} and {chunk_frames}")
@@ -111,7 +112,9 @@ class Qwen3TalkerEngine(Engine):
         self.max_num_seqs = max_num_seqs     # requests decoded in one step; the rest wait their turn
         if threads:
             torch.set_num_threads(threads)
-        self.config, self.talker, self.embed = load_talker(model_dir, dtype=dtype, device=device)
+        # parts: (config, talker module, thinker embedding table) built in memory (benchmarks at real
+        # size); model_dir is then unused
+        self.config, self.talker, self.embed = parts or load_talker(model_dir, dtype=dtype, device=device)
         self.ids = edges.TalkerIds.from_config(self.config)
         self.device = torch.device(device)
         self.first_chunk_frames = first_chunk_frames
