@@ -53,10 +53,12 @@ class Moe:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, H] -> [N, H]."""
-        shared = gated_mlp(x, self.shared_gate_up, self.shared_down)
         weights, experts = self.route(x)
-        routed = getattr(self, "_" + self.impl)(x, weights, experts)
-        return routed + torch.sigmoid(F.linear(x, self.shared_gate)) * shared
+        return getattr(self, "_" + self.impl)(x, weights, experts) + self.shared_out(x)
+
+    def shared_out(self, x: torch.Tensor) -> torch.Tensor:
+        """The gated shared expert."""
+        return torch.sigmoid(F.linear(x, self.shared_gate)) * gated_mlp(x, self.shared_gate_up, self.shared_down)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """transformers' top-k router: softmax in float32, top k, optionally renormalised."""
