@@ -9,25 +9,13 @@ import torch
 
 from omni.engines.base import EngineError, EngineRequest, SamplingParams
 from tests.unit.host_reads import HostReads
-from tests.unit.qwen3_ref import Reference, drive, talker_pieces
+from tests.unit.qwen3_ref import drive, talker_pieces
+from tests.unit.test_qwen3_talker import folder, ref  # noqa: F401 (the tiny model and its reference, shared)
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore:Passing `repetition_penalty`:UserWarning")
 
 TOKENS = 24
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    from omni.models import qwen3_omni_tiny
-
-    torch.set_num_threads(1)
-    return qwen3_omni_tiny.build(tmp_path_factory.mktemp("qwen3_tiny"))
-
-
-@pytest.fixture(scope="module")
-def ref(folder):
-    return Reference(folder)
 
 
 @pytest.fixture(scope="module")
