@@ -280,7 +280,7 @@ def test_cuda_graphs_equal_eager_on_the_device(folder, runs):
     graphed.step()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        graphed._static.dev.load_inputs([0], [1])      # what a step queues before its one copy
+        graphed._static.dev.load_inputs([[0], [1]])      # what a step queues before its one copy
         graphed._static.graphs.run(1)
     finally:
         torch.cuda.set_sync_debug_mode("default")

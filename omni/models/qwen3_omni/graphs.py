@@ -32,7 +32,7 @@ class FrameGraphs:
         self.sizes = sorted(sizes)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         t0 = time.perf_counter()
-        dev.load_inputs([], [])           # no row steps: warm-up and capture leave every slot as it was
+        dev.load_inputs([])           # no row steps: warm-up and capture leave every slot as it was
         pool = torch.cuda.graph_pool_handle()
         for b in reversed(self.sizes):    # largest first, so smaller graphs fit in its memory
             side = torch.cuda.Stream()

@@ -1,29 +1,29 @@
-"""The host side of the talker's static step: which request holds which slot, what each row feeds,
+"""The host side of the talkers' static step: which request holds which slot, what each row feeds,
 and what the one copied-back tensor means.
 
 Slots stay packed (requests 0..n-1): a finished or aborted request's slot takes the last slot's
 request, so a decode batch is always the prefix 0..n-1 of the device state. A request gets a
 slot when it prefills; with every slot taken, new requests wait (first come, first served).
 The host mirrors each request's position and frame count itself (it knows how many rows it
-fed), so it never reads them back.
+fed), so it never reads them back. `SlotRunner` is the part both talkers share; a talker's
+subclass says what a row feeds (`inputs`), what its prefill is (`prefill_rows`, `admit`), when a
+request ends before it gets a slot (`settle`) and what a copied row means (`apply`).
 """
 
 from __future__ import annotations
 
-import logging
+import time
 
 import torch
 
 from omni.models.qwen3_omni import edges
-from omni.models.qwen3_omni.static_step import EOS, LENGTH, StaticTalker
-
-logger = logging.getLogger(__name__)
+from omni.models.qwen3_omni.static_step import LENGTH, STOP, StaticTalker
 
 IN_SLOT = object()     # a request's cache and next input while they live in its slot
 
 
 class SlotRunner:
-    def __init__(self, engine, device_step: StaticTalker, graphs=None):
+    def __init__(self, engine, device_step, graphs=None):
         self.engine = engine
         self.dev = device_step
         self.graphs = graphs
@@ -47,13 +47,27 @@ class SlotRunner:
         self.dev.pos[last].zero_()      # an empty slot's masked writes stay inside the cache
         r.slot = None
 
-    def text_id(self, r) -> int:
-        """The thinker id whose text row decode step `r.step` consumes (the caller checked it is there)."""
-        trailing, _ = self.engine._text(r)
-        if r.step < len(trailing):
-            return trailing[r.step]
-        ids = self.engine.ids
-        return ids.tts_eos if r.step == len(trailing) else ids.tts_pad
+    def engine_step(self) -> list:
+        """The engine's step on this path: new requests prefill into free slots, requests in slots step
+        one frame, the outputs go out in the engine's chunks."""
+        e = self.engine
+        t0 = time.perf_counter()
+        prefill, decode = [], []
+        free = self.free()
+        for r in list(e._reqs.values()):
+            self.settle(r)
+            if r.done is not None:
+                continue
+            if r.slot is not None:
+                if e._can_decode(r):
+                    decode.append(r)
+            elif len(prefill) < free and e._can_prefill(r):
+                prefill.append(r)
+        if prefill or decode:
+            self.step(prefill, decode)
+            e._stats["talker_seconds"] += time.perf_counter() - t0
+            e._stats["talker_steps"] += 1
+        return e._emit()
 
     def step(self, prefill: list, decode: list) -> None:
         """Prefill `prefill` (new requests, at most `free()`), step `decode` (requests in slots) by one
@@ -85,29 +99,18 @@ class SlotRunner:
                 r.pos += 1
             for r, row in zip(rows, codes):
                 if r is not None:
-                    self._apply(r, row)
+                    r.history.append(int(row[0]))
+                    self.apply(r, row[:-1], int(row[-1]))
         for r in full + decode + first:
             if r.done is not None:
                 self.release(r)
 
-    def _apply(self, r, row) -> None:
-        """One frame's codes and status (a numpy row [17]) into the request."""
-        r.history.append(int(row[0]))
-        status = int(row[-1])
-        if status == EOS:
-            r.done = "stop"
-        elif status == LENGTH:
-            r.done = "length"     # as transformers: the last code 0 gets no residual codes
-        else:
-            r.frames.append(torch.from_numpy(row[:-1].copy()))
-            r.next_codec = IN_SLOT
-            self.engine._stats["frames"] += 1
-
     def _decode(self, decode: list, stepping: set[int]) -> torch.Tensor:
         n = len(self.owner)
         go = [int(id(r) in stepping) for r in self.owner]
-        ids = [self.text_id(r) if g else 0 for r, g in zip(self.owner, go)]
-        self.dev.load_inputs(ids, go)
+        blank = [0] * self.dev.inputs.shape[0]
+        rows = [self.inputs(r) + [1] if g else blank for r, g in zip(self.owner, go)]
+        self.dev.load_inputs([list(c) for c in zip(*rows)])
         if len(decode) > 1:
             self.engine._stats["batched_decodes"] += 1
         if self.graphs is not None and self.graphs.covers(n):
@@ -119,10 +122,8 @@ class SlotRunner:
         return self.dev.decode(n, width, masked, sampled)
 
     def _prefill(self, r) -> torch.Tensor | None:
-        e = self.engine
         try:
-            x = edges.prefill_embeds(e.talker, e.embed, e.ids, r.prompt, r.generated[0], r.speaker_id,
-                                     r.mm_hidden, e._tts)
+            x = self.prefill_rows(r)
             if x.shape[0] >= self.dev.length:
                 raise ValueError(f"the talker prefill has {x.shape[0]} rows; max_model_len {self.dev.length} "
                                  f"leaves no room to decode")
@@ -131,23 +132,72 @@ class SlotRunner:
             return None
         r.slot = len(self.owner)
         self.owner.append(r)
-        code0 = r.code0
-        u = None if r.uniforms is None else r.uniforms.rows(min(r.max_tokens, self.dev.length))
-        h = self.dev.admit(r.slot, x, penalty=r.penalty, temperature=code0.temperature, top_k=code0.top_k,
-                           top_p=code0.top_p, max_tokens=r.max_tokens, uniforms=u)
+        h = self.admit(r, x)
         r.cache = IN_SLOT
         r.pos = x.shape[0]
-        e._stats["prefill_tokens"] += x.shape[0]
+        self.engine._stats["prefill_tokens"] += x.shape[0]
         return h
+
+    def admit(self, r, x: torch.Tensor, **extra) -> torch.Tensor:
+        c = r.code0
+        u = None if r.uniforms is None else r.uniforms.rows(min(r.max_tokens, self.dev.length))
+        return self.dev.admit(r.slot, x, penalty=r.penalty, temperature=c.temperature, top_k=c.top_k,
+                              top_p=c.top_p, max_tokens=r.max_tokens, uniforms=u, **extra)
+
+    # -- the talker's part ----------------------------------------------------------
+
+    def settle(self, r) -> None:
+        """End a request that will never need a slot (the thinker said nothing)."""
+        if r.cache is None and r.final and not r.generated:
+            r.done = "stop"
+
+    def inputs(self, r) -> list[int]:
+        """What decode step `r.step` feeds (the caller checked it is there): the thinker id of its text row."""
+        trailing, _ = self.engine._text(r)
+        if r.step < len(trailing):
+            return [trailing[r.step]]
+        ids = self.engine.ids
+        return [ids.tts_eos if r.step == len(trailing) else ids.tts_pad]
+
+    def prefill_rows(self, r) -> torch.Tensor:
+        e = self.engine
+        return edges.prefill_embeds(e.talker, e.embed, e.ids, r.prompt, r.generated[0], r.speaker_id,
+                                    r.mm_hidden, e._tts)
+
+    def apply(self, r, codes, status: int) -> None:
+        """One frame (a numpy row of codes and its status) into the request."""
+        if status == STOP:
+            r.done = "stop"
+        elif status == LENGTH:
+            r.done = "length"     # as transformers: the last code 0 gets no residual codes
+        else:
+            r.frames.append(torch.from_numpy(codes.copy()))
+            r.next_codec = IN_SLOT
+            self.engine._stats["frames"] += 1
+
+
+def check_static_args(slots: int, max_model_len: int) -> None:
+    if slots < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, got {slots}")
+    if max_model_len < 2:
+        raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+
+
+def with_graphs(runner: SlotRunner, enforce_eager: bool) -> SlotRunner:
+    """CUDA graphs of the runner's frame, unless enforce_eager or not on CUDA."""
+    from omni.models.qwen3_omni.graphs import FrameGraphs, buckets
+
+    if runner.dev.device.type == "cuda" and not enforce_eager:
+        with torch.no_grad():
+            runner.graphs = FrameGraphs(runner.dev, buckets(runner.dev.slots))
+    return runner
 
 
 def static_runner(engine, slots: int, max_model_len: int, moe_impl: str | None, enforce_eager: bool) -> SlotRunner:
-    """The static step for a talker engine: device state, and CUDA graphs unless enforce_eager (or on CPU)."""
-    from omni.models.qwen3_omni.graphs import FrameGraphs, buckets
+    """The Qwen3 talker's static step: device state, and CUDA graphs unless enforce_eager (or on CPU)."""
     from omni.models.qwen3_omni.moe import IMPLS, default_impl
 
-    if max_model_len < 2:
-        raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+    check_static_args(slots, max_model_len)
     tc = engine.talker.config.text_config
     impl = moe_impl or default_impl(engine.device, engine.embed.dtype, tc.num_experts)
     if impl not in IMPLS:
@@ -155,7 +205,4 @@ def static_runner(engine, slots: int, max_model_len: int, moe_impl: str | None, 
     with torch.no_grad():
         dev = StaticTalker(engine.talker, engine.embed, engine._suppress, engine.ids.codec_eos, slots=slots,
                            max_model_len=max_model_len, moe_impl=impl)
-        graphs = None
-        if engine.device.type == "cuda" and not enforce_eager:
-            graphs = FrameGraphs(dev, buckets(slots))
-    return SlotRunner(engine, dev, graphs)
+    return with_graphs(SlotRunner(engine, dev), enforce_eager)

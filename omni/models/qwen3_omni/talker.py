@@ -274,7 +274,7 @@ class Qwen3TalkerEngine(Engine):
     @torch.no_grad()
     def step(self) -> list[EngineOutput]:
         if self._static is not None:
-            return self._static_step()
+            return self._static.engine_step()
         t0 = time.perf_counter()
         chosen: list[_Req] = []
         logits: list[torch.Tensor] = []
@@ -303,25 +303,6 @@ class Qwen3TalkerEngine(Engine):
         if chosen:
             logits = list(self.talker.codec_head(torch.stack(hidden)).float())
             self._sample(chosen, logits, hidden)
-            self._stats["talker_seconds"] += time.perf_counter() - t0
-            self._stats["talker_steps"] += 1
-        return self._emit()
-
-    def _static_step(self) -> list[EngineOutput]:
-        """The static path: new requests prefill into free slots, requests in slots step one frame."""
-        t0 = time.perf_counter()
-        prefill, decode = [], []
-        free = self._static.free()
-        for r in list(self._reqs.values()):
-            if r.cache is None and r.final and not r.generated and r.done is None:
-                r.done = "stop"
-            if r.slot is not None:
-                if self._can_decode(r):
-                    decode.append(r)
-            elif len(prefill) < free and self._can_prefill(r):
-                prefill.append(r)
-        if prefill or decode:
-            self._static.step(prefill, decode)
             self._stats["talker_seconds"] += time.perf_counter() - t0
             self._stats["talker_steps"] += 1
         return self._emit()
