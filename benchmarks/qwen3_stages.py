@@ -57,13 +57,9 @@ class Source:
         kw = dict(device=self.device, dtype=str(self.dtype).removeprefix("torch."))
         if self.model == "qwen3":
             from omni.models.qwen3_omni.talker import Qwen3TalkerEngine as cls
-
-            kw.update(static_decode=mode != "eager", enforce_eager=mode != "graphed", max_num_seqs=slots)
         else:
             from omni.models.qwen25_omni.talker import Qwen25TalkerEngine as cls
-
-            if mode != "eager":
-                kw.update(static_decode=True, enforce_eager=mode != "graphed", max_num_seqs=slots)
+        kw.update(static_decode=mode != "eager", enforce_eager=mode != "graphed", max_num_seqs=slots)
         if self.real and self._talker is None:
             parts = real_size.qwen3_talker_parts if self.model == "qwen3" else real_size.qwen25_talker_parts
             self._talker = parts(self.device, self.dtype)
@@ -151,8 +147,6 @@ def run_code2wav(engine, n: int, codes: torch.Tensor) -> float:
 
 
 def modes_for(model: str, device: str) -> list[str]:
-    if model == "qwen25":
-        return ["eager"]
     modes = ["eager", "static"]
     if device.startswith("cuda"):
         modes.append("graphed")

@@ -1,12 +1,12 @@
-"""The talker's and code predictor's decoder stacks as plain functions over transformers' weights,
-reading and writing a preallocated KV cache (the static decode step's forward).
+"""The talkers' decoder stacks as plain functions over transformers' weights, reading and writing a
+preallocated KV cache (the static decode step's forward).
 
-The maths of transformers' Qwen3OmniMoeTalkerModel / Qwen3OmniMoeTalkerCodePredictorModel:
-pre-norm decoder layers (RMSNorm in float32), q/k RMSNorm per head, rotary embeddings (the
-talker's multimodal rope reduces to plain rope: its three position rows are equal for audio and
-text), grouped-query attention, then the sparse MoE (talker) or a gated MLP (code predictor).
-Each layer's q/k/v projections are stacked into one matrix and q and k are normalised and
-rotated together, so a layer is a few large ops rather than many small ones.
+The maths of transformers' Qwen3OmniMoeTalkerModel / Qwen3OmniMoeTalkerCodePredictorModel and
+Qwen2_5OmniTalkerModel: pre-norm decoder layers (RMSNorm in float32), q/k RMSNorm per head (Qwen3)
+or q/k/v biases (Qwen2.5), rotary embeddings (the multimodal rope reduces to plain rope: its three
+position rows are equal for audio and text), grouped-query attention, then the sparse MoE (Qwen3
+talker) or a gated MLP. Each layer's q/k/v projections are stacked into one matrix and q and k are
+normalised and rotated together, so a layer is a few large ops rather than many small ones.
 """
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ class Layer:
     ln1: torch.Tensor
     ln2: torch.Tensor
     qkv: torch.Tensor             # [(nh + 2 kv) * hd, H]
-    qk_norm: torch.Tensor         # [nh + kv, hd]: q_norm's weight per query head, then k_norm's
+    qkv_bias: torch.Tensor | None
+    qk_norm: torch.Tensor | None  # [nh + kv, hd]: q_norm's weight per query head, then k_norm's (Qwen3)
     o: torch.Tensor
     mlp: Moe | tuple[torch.Tensor, torch.Tensor]     # the MoE, or a gated MLP's (gate_up, down)
     eps: torch.Tensor             # 0-dim float32 (see rms_norm)
@@ -67,11 +68,15 @@ class Layer:
         a = layer.self_attn
         nh = a.q_proj.weight.shape[0] // a.head_dim
         kv = a.k_proj.weight.shape[0] // a.head_dim
-        qk = torch.cat([a.q_norm.weight.expand(nh, -1), a.k_norm.weight.expand(kv, -1)])
-        return cls(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                   torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), qk, a.o_proj.weight, mlp,
-                   scalar(layer.input_layernorm.variance_epsilon, qk.device),
-                   scalar(layer.input_layernorm.weight.shape[0], qk.device))
+        qk = None
+        if hasattr(a, "q_norm"):
+            qk = torch.cat([a.q_norm.weight.expand(nh, -1), a.k_norm.weight.expand(kv, -1)])
+        projs = (a.q_proj, a.k_proj, a.v_proj)
+        bias = torch.cat([p.bias for p in projs]) if a.q_proj.bias is not None else None
+        w = layer.input_layernorm.weight
+        return cls(w, layer.post_attention_layernorm.weight, torch.cat([p.weight for p in projs]), bias, qk,
+                   a.o_proj.weight, mlp, scalar(layer.input_layernorm.variance_epsilon, w.device),
+                   scalar(w.shape[0], w.device))
 
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [R, H] -> x + mlp(norm(x))."""
@@ -104,9 +109,12 @@ class Stack:
 
     def _qkv(self, layer: Layer, x: torch.Tensor, cos, sin):
         """x [R, H] -> q [R, nh, hd], k and v [R, kv, hd] (normed, rotated)."""
-        qkv = F.linear(rms_norm(x, layer.ln1, self.eps, self.width), layer.qkv).view(x.shape[0], -1, self.hd)
+        h = rms_norm(x, layer.ln1, self.eps, self.width)
+        qkv = F.linear(h, layer.qkv, layer.qkv_bias).view(x.shape[0], -1, self.hd)
         qk, v = qkv.split([self.nh + self.kv, self.kv], dim=1)
-        q, k = rope(rms_norm(qk, layer.qk_norm, self.eps, self.head_width), cos, sin).split([self.nh, self.kv], dim=1)
+        if layer.qk_norm is not None:
+            qk = rms_norm(qk, layer.qk_norm, self.eps, self.head_width)
+        q, k = rope(qk, cos, sin).split([self.nh, self.kv], dim=1)
         return q, k, v
 
     def _out(self, layer: Layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
@@ -195,11 +203,16 @@ def talker_stack(model, slots: int, length: int, moe_impl: str) -> Stack:
                  c.num_key_value_heads, hd, model.rotary_emb, slots, length)
 
 
-def code_predictor_stack(model, slots: int) -> Stack:
-    """From transformers' Qwen3OmniMoeTalkerCodePredictorModel; cache length = its 16 positions."""
+def dense_stack(model, slots: int, length: int) -> Stack:
+    """From a stack of dense decoder layers (gate/up/down MLP): the Qwen3 code predictor, the Qwen2.5 talker."""
     c = model.config
     layers = [Layer.from_module(layer, (torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]),
                                         layer.mlp.down_proj.weight)) for layer in model.layers]
     hd = model.layers[0].self_attn.head_dim
     return Stack(layers, model.norm.weight, model.norm.variance_epsilon, c.num_attention_heads,
-                 c.num_key_value_heads, hd, model.rotary_emb, slots, c.num_code_groups)
+                 c.num_key_value_heads, hd, model.rotary_emb, slots, length)
+
+
+def code_predictor_stack(model, slots: int) -> Stack:
+    """From transformers' Qwen3OmniMoeTalkerCodePredictorModel; cache length = its 16 positions."""
+    return dense_stack(model, slots, model.config.num_code_groups)
