@@ -86,8 +86,8 @@ class Reference:
     def __init__(self, args: types.SimpleNamespace):
         import torch
 
-        from omni.engines.onnx_audio import Code2WavEngine, TalkerEngine
-        from omni.models.piper_voice import prepare_voice
+        from omni.models.piper.engines import Code2WavEngine, TalkerEngine
+        from omni.models.piper.voice import prepare_voice
 
         torch.set_num_threads(1)
         voice = prepare_voice("joe")
@@ -155,7 +155,7 @@ async def one_chat(client: httpx.AsyncClient, url: str, prompt: str, max_tokens:
                 raise RuntimeError(f"chat: {chunk['error']}")
             for c in chunk["choices"]:
                 text += c["delta"].get("content") or ""
-                # The talker starts on a sentence once its end is seen (omni.processors.thinker_to_talker).
+                # The talker starts on a sentence once its end is seen (omni.models.piper.processors.thinker_to_talker).
                 if sentence is None and _SENTENCE_END.search(text):
                     sentence = time.perf_counter() - t0
                 data = (c["delta"].get("audio") or {}).get("data")

@@ -27,9 +27,9 @@ import time
 import numpy as np
 import torch
 
-from omni.engines.base import EngineRequest
-from omni.engines.onnx_audio import Code2WavEngine, TalkerEngine, code2wav_request
-from omni.models.piper_voice import prepare_voice
+from omni.engines.base import EngineRequest, SamplingOverrides
+from omni.models.piper.engines import Code2WavEngine, TalkerEngine, code2wav_request
+from omni.models.piper.voice import prepare_voice
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog. It was not amused.",
@@ -39,7 +39,7 @@ TEXTS = [
     "Please read the numbers back to me: four, eight, fifteen, sixteen, twenty three.",
     "Tomorrow will be sunny in the morning, with clouds rolling in after lunch.",
 ]
-DETERMINISTIC = {"noise_scale": 0.0, "noise_w_scale": 0.0}
+DETERMINISTIC = SamplingOverrides(noise_scale=0.0, noise_w_scale=0.0)
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -57,7 +57,7 @@ def components(talker: TalkerEngine, voice, args) -> dict:
     for i, text in enumerate(TEXTS * args.repeat):
         rid = f"c{i}"
         t0 = time.perf_counter()
-        talker.add_request(EngineRequest(request_id=rid, text=text, extra=DETERMINISTIC))
+        talker.add_request(EngineRequest(request_id=rid, text=text, overrides=DETERMINISTIC))
         pieces = []
         while talker.has_unfinished():
             pieces += talker.step()
@@ -93,7 +93,7 @@ def run_burst(talker: TalkerEngine, c2w: Code2WavEngine, texts: list[str], tag: 
     recs = {}
     for i, text in enumerate(texts):
         rid = f"{tag}-{i}"
-        talker.add_request(EngineRequest(request_id=rid, text=text, extra=DETERMINISTIC))
+        talker.add_request(EngineRequest(request_id=rid, text=text, overrides=DETERMINISTIC))
         recs[rid] = {"first": None, "done": None, "samples": 0, "talker_first": None}
     while talker.has_unfinished() or c2w.has_unfinished():
         for out in talker.step():

@@ -48,7 +48,7 @@ class InProcess:
         from transformers import AutoTokenizer
 
         from omni import config as omni_config
-        from omni.engines import vllm_engine
+        from omni.engines.vllm import engine as vllm_engine
         from omni.engines.factory import build_engine
 
         torch.set_num_threads(1)
@@ -61,8 +61,8 @@ class InProcess:
         t0 = time.perf_counter()
         self.thinker, self.talker, self.code2wav = (build_engine(self.cfg, self.cfg.stage(i)) for i in (0, 1, 2))
         self.load_seconds = time.perf_counter() - t0
-        # The orchestrator puts a stage's defaults under the request's extra: the same here.
-        self.talker_defaults = dict(self.cfg.stage(1).default_sampling_params)
+        # The orchestrator sends a later stage its defaults as the request's overrides: the same here.
+        self.talker_defaults = self.cfg.stage(1).default_sampling_params
         self.names = tuple(self.cfg.stage(i).name for i in (0, 1, 2))    # thinker, talker, code2wav|token2wav
         # Qwen2.5's token2wav takes the voice on its first piece (Qwen3's code2wav has no voice).
         self.vocoder_voice = self.cfg.stage(2).engine == "qwen25_token2wav"
@@ -87,7 +87,7 @@ class InProcess:
             recs[rid] = Rec(idx)
             # audio_out: as omni's chat sets it when audio is asked for (Qwen2.5's thinker then sends rows).
             self.thinker.add_request(EngineRequest(request_id=rid, prompt_token_ids=self.prompt_ids(text),
-                                                   sampling=sampling, extra={"audio_out": True}))
+                                                   sampling=sampling, audio_out=True))
         started: set[str] = set()
         voiced: set[str] = set()
         open_ = set(recs)
@@ -111,13 +111,13 @@ class InProcess:
                     r = recs[out.request_id]
                     if r.talker_first is None:
                         r.talker_first = now - t0
-                    extra = {"final": out.finished}
+                    voice = None
                     if self.vocoder_voice and out.request_id not in voiced:
                         voiced.add(out.request_id)
-                        extra["speaker"] = self.voice
+                        voice = self.voice
                     self.code2wav.add_request(EngineRequest(
                         request_id=out.request_id, tensors={"codes": codes} if codes is not None else {},
-                        sampling=sampling, extra=extra))
+                        sampling=sampling, final=out.finished, voice=voice))
             if self.code2wav.has_unfinished():
                 s = time.perf_counter()
                 outs = self.code2wav.step()
@@ -161,16 +161,17 @@ class InProcess:
                 r.sentence = now - t0
             if out.finished:
                 r.text_done = now - t0
-            extra = {**self.talker_defaults, "token_ids": list(out.token_ids), "final": out.finished}
+            piece = dict(sampling=sampling, overrides=self.talker_defaults, generated_ids=list(out.token_ids),
+                         final=out.finished)
             # Qwen2.5: the thinker's last-layer rows, as the stage processor passes them on.
             rows = {"thinker_last_layer": out.tensors["hidden_rows"]} if "hidden_rows" in out.tensors else {}
             if rid in started:
-                self.talker.add_request(EngineRequest(request_id=rid, sampling=sampling, extra=extra, tensors=rows))
+                self.talker.add_request(EngineRequest(request_id=rid, tensors=rows, **piece))
                 continue
             started.add(rid)
             prompt = out.tensors["prompt_token_ids"].tolist()    # emit_prompt_ids, as the deploy sets
-            self.talker.add_request(EngineRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
-                                                  extra={**extra, "speaker": self.voice}, tensors=rows))
+            self.talker.add_request(EngineRequest(request_id=rid, prompt_token_ids=prompt, voice=self.voice,
+                                                  tensors=rows, **piece))
 
     def shutdown(self) -> None:
         self.thinker.shutdown()

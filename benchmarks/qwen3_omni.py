@@ -62,9 +62,9 @@ class Model:
 
 
 MODELS = {
-    "qwen3": Model("qwen3", "qwen3-omni-tiny", "ethan", "omni.models.qwen3_omni_tiny", "qwen3_omni_moe", 24, None),
+    "qwen3": Model("qwen3", "qwen3-omni-tiny", "ethan", "omni.models.qwen3_omni.tiny", "qwen3_omni_moe", 24, None),
     # 48 codes at 50 Hz: ~1 s of audio (Qwen3's 23 frames at 12.5 Hz: 1.8 s).
-    "qwen25": Model("qwen25", "qwen25-omni-tiny", "chelsie", "omni.models.qwen25_omni_tiny", "qwen2_5_omni", 48, 0),
+    "qwen25": Model("qwen25", "qwen25-omni-tiny", "chelsie", "omni.models.qwen25_omni.tiny", "qwen2_5_omni", 48, 0),
 }
 PROMPTS = [
     "What is the capital of France?",

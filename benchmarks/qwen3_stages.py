@@ -90,7 +90,7 @@ class Source:
             tensors["thinker_hidden"] = torch.randn(len(prompt) + len(text), h, generator=g)
         return EngineRequest(request_id=f"r{i}", prompt_token_ids=prompt, tensors=tensors,
                              sampling=SamplingParams(max_tokens=frames + 1),
-                             extra={"speaker": "chelsie" if self.model == "qwen25" else "ethan", "token_ids": text})
+                             voice="chelsie" if self.model == "qwen25" else "ethan", generated_ids=text)
 
 
 def _sync(device: str) -> None:
@@ -139,7 +139,7 @@ def run_code2wav(engine, n: int, codes: torch.Tensor) -> float:
     for k, size in enumerate(sizes):
         for i in range(n):
             engine.add_request(EngineRequest(request_id=f"s{i}", tensors={"codes": codes[:, at:at + size]},
-                                             extra={"final": k == len(sizes) - 1}))
+                                             final=k == len(sizes) - 1))
         at += size
         while engine.has_unfinished():
             samples += sum(o.tensors["audio"].numel() for o in engine.step())
@@ -215,9 +215,9 @@ def main() -> None:
         folder = Path(args.folder) if args.folder else None
         if folder is None and not args.real_size:
             if args.model == "qwen3":
-                from omni.models import qwen3_omni_tiny as tiny
+                from omni.models.qwen3_omni import tiny
             else:
-                from omni.models import qwen25_omni_tiny as tiny
+                from omni.models.qwen25_omni import tiny
             folder = tiny.build(Path(tmp) / "tiny")
         source = Source(args.model, folder, args.device, args.real_size)
         doc = bench(source, streams, args.frames, args.rounds)

@@ -100,7 +100,7 @@ def omni_argv(out_dir: str, whole: bool = False) -> list[str]:
 
 def vllm_flags(engine_args: dict) -> list[str]:
     """omni's stage engine args as vLLM server flags (omni's own args left out)."""
-    from omni.engines.vllm_engine import OMNI_ARGS
+    from omni.engines.vllm.engine import OMNI_ARGS
 
     flags = []
     for k, v in sorted(engine_args.items()):

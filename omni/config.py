@@ -23,6 +23,7 @@ import msgspec
 import yaml
 
 from omni.errors import ConfigError
+from omni.sampling import SamplingOverrides
 
 DEPLOY_DIR = Path(__file__).resolve().parent.parent / "deploy"
 TRANSPORTS = ("auto", "shm", "tcp", "gloo", "nccl")
@@ -42,7 +43,8 @@ class StageConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     devices: str = "cpu"
     num_replicas: int = 1
     engine_args: dict[str, Any] = {}
-    default_sampling_params: dict[str, Any] = {}
+    # The stage's own sampling; a key it does not know is refused by name (omni.sampling).
+    default_sampling_params: SamplingOverrides = SamplingOverrides()
     # "prompt" (the request's token ids), "text" (the request's text) or an upstream stage id.
     inputs: tuple[str | int, ...] = ("prompt",)
     # "module:function" turning upstream outputs into this stage's inputs.
@@ -139,10 +141,6 @@ def bundled_configs() -> dict[str, Path]:
     return table
 
 
-# config.json `model_type` of a model folder -> the bundled pipeline that serves it.
-FOLDER_PIPELINES = {"qwen3_omni_moe": "qwen3-omni-moe.yaml", "qwen2_5_omni": "qwen2.5-omni-7b.yaml"}
-
-
 def default_config_path(model: str) -> Path:
     table = bundled_configs()
     key = model.lower().rstrip("/")
@@ -172,12 +170,11 @@ def folder_model_type(folder: Path) -> str:
 
 
 def folder_config_path(folder: Path) -> Path:
-    """A local model folder picks its pipeline by what it is (config.json `model_type`);
-    anything else is served as one torch_lm stage."""
-    model_type = folder_model_type(folder)
-    if model_type in FOLDER_PIPELINES:
-        return DEPLOY_DIR / FOLDER_PIPELINES[model_type]
-    return DEPLOY_DIR / "single-stage-lm.yaml"
+    """A local model folder picks its pipeline by what it is (config.json `model_type`, the model
+    family's entry in omni/models/registry.py); anything else is served as one torch_lm stage."""
+    from omni.models import registry
+
+    return DEPLOY_DIR / registry.folder_deploy(folder_model_type(folder))
 
 
 def deploy_config_path(name: str) -> Path:

@@ -1,6 +1,6 @@
 """A death signal for spawned children from the first moment of their interpreter.
 
-omni's entry functions in vLLM's EngineCore and Worker (omni/engines/vllm_procs.py) ask for
+omni's entry functions in vLLM's EngineCore and Worker (omni/engines/vllm/procs.py) ask for
 SIGKILL when their parent dies, but a spawned child runs them only after its interpreter's
 bootstrap (imports, unpickling: seconds); a parent SIGKILLed meanwhile left the child running.
 So a process about to spawn such a child names itself in OMNI_DIE_WITH_PARENT

@@ -41,11 +41,9 @@ def _sampling_defaults(config: DeployConfig) -> dict:
     for s in config.stages:
         if "prompt" in s.inputs:
             d = s.default_sampling_params
-            out = {}
-            if "max_tokens" in d:
-                out["default_max_tokens"] = int(d["max_tokens"])
-            if "temperature" in d:
-                out["default_temperature"] = float(d["temperature"])
+            out: dict = {"sampling_defaults": d}
+            if d.max_tokens is not None:
+                out["default_max_tokens"] = d.max_tokens
             return out
     return {}
 
@@ -116,7 +114,7 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
     from omni.api.serve import bind_socket, serve
     from omni.master.client import AsyncMasterClient, MasterClient
     from omni.models.resolve import resolve_model
-    from omni.orchestrator.core import Orchestrator
+    from omni.orchestrator.executor import Orchestrator
     from omni.orchestrator.topology import Topology
     from omni.stage.main import advertised_host
     from omni.transport.factory import MultiConsumer

@@ -8,10 +8,10 @@ descriptors: the bytes go producer -> consumer, never through here.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from omni.orchestrator.types import PipelineRequest
 from omni.stage.messages import Output
 from omni.transport.base import TensorRef
 
@@ -21,9 +21,14 @@ class StageInput:
     text: str | None = None
     token_ids: list[int] | None = None
     tensors: dict[str, TensorRef] = field(default_factory=dict)
-    extra: dict[str, Any] = field(default_factory=dict)
+    # What the next stage is told besides its input (omni.engines.base.EngineRequest has the meaning).
+    voice: str | None = None
+    speed: float | None = None
+    generated_ids: list[int] | None = None
+    audio_out: bool = False
+    emit_prompt_ids: bool | None = None
     # Set: an independent sub-request (e.g. one sentence); None: a piece of one
-    # continuing request, the last of which the orchestrator marks extra["final"].
+    # continuing request, the last of which the orchestrator marks final.
     sub_id: str | None = None
     # A piece the next stage can take at once (not held back to be marked final);
     # the orchestrator then closes the request with an empty piece marked final.
@@ -33,7 +38,7 @@ class StageInput:
 
 
 class Context(Protocol):
-    request_extra: dict[str, Any]
+    request: PipelineRequest       # voice, speed, num_audio_inputs: what the client asked
 
     def detokenize(self, token_ids: list[int]) -> str: ...
 
@@ -44,43 +49,15 @@ def passthrough(ctx: Context, state: dict, out: Output) -> list[StageInput]:
     return [StageInput(token_ids=list(out.token_ids), tensors=dict(out.tensors))]
 
 
+def first_talker_piece(ctx: Context, tensors: dict, ids: list[int], default_voice: str) -> StageInput:
+    """A talker's first piece: the prompt (the thinker's expanded `prompt_token_ids` tensor in
+    `tensors`, else the request's own ids), the voice and the first generated ids."""
+    prompt = None if "prompt_token_ids" in tensors else ctx.request.prompt_token_ids
+    return StageInput(token_ids=list(prompt) if prompt is not None else None, tensors=tensors,
+                      voice=ctx.request.voice or default_voice, generated_ids=ids, stream=True)
+
+
+
 def hidden_states_to_pooler(ctx: Context, state: dict, out: Output) -> list[StageInput]:
     ref = out.tensors.get("hidden_states")
     return [StageInput(tensors={"hidden_states": ref})] if ref is not None else []
-
-
-_SENTENCE_END = re.compile(r"[.!?;:\n]+[\"')\]]*\s+")
-
-
-def thinker_to_talker(ctx: Context, state: dict, out: Output) -> list[StageInput]:
-    """Thinker tokens -> one talker sub-request per sentence, as soon as it ends."""
-    ids = state.setdefault("ids", [])
-    ids.extend(out.token_ids)
-    text = ctx.detokenize(ids)
-    sent = state.get("sent_chars", 0)
-    pieces = []
-    pending = text[sent:]
-    while True:
-        match = _SENTENCE_END.search(pending)
-        if not match:
-            break
-        pieces.append(pending[: match.end()])
-        sent += match.end()
-        pending = pending[match.end():]
-    if out.finished and pending.strip():
-        pieces.append(pending)
-        sent += len(pending)
-    state["sent_chars"] = sent
-    voice = {k: v for k, v in ctx.request_extra.items() if k in ("voice", "speed")}
-    inputs = []
-    for piece in pieces:
-        if piece.strip():
-            n = state["n"] = state.get("n", 0) + 1
-            inputs.append(StageInput(text=piece.strip(), extra=dict(voice), sub_id=f"s{n}"))
-    return inputs
-
-
-def talker_to_code2wav(ctx: Context, state: dict, out: Output) -> list[StageInput]:
-    # Streamed: code2wav starts decoding the first sentence while the next is spoken.
-    ref = out.tensors.get("latents")
-    return [StageInput(tensors={"latents": ref}, stream=True)] if ref is not None else []

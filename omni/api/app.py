@@ -25,12 +25,13 @@ from omni.api.state import FrontendState
 from omni.api.text import TextRoutes
 from omni.api.voices import VoiceRoutes
 from omni.orchestrator.types import OrchestratorLike
+from omni.sampling import SamplingOverrides
 
 
 def build_app(orchestrator: OrchestratorLike, tokenizer: Any, *, served_model_name: str,
               model_aliases=(), frontend_index: int = 0, max_model_len: int, default_max_tokens: int = 256,
               max_tokens_limit: int | None = None, speech_entry_stage: int | None = None, voices=None,
-              api_key: str | None = None, default_temperature: float = 1.0, jobs: Jobs | None = None,
+              api_key: str | None = None, sampling_defaults: SamplingOverrides | None = None, jobs: Jobs | None = None,
               control_api_key: str | None = None, control_routes: bool = True, audio_out: bool | None = None,
               speakers: tuple[str, ...] = (), default_voice: str | None = None,
               limits: HttpLimits | None = None, max_speech_chars: int = 4096) -> Starlette:
@@ -39,7 +40,7 @@ def build_app(orchestrator: OrchestratorLike, tokenizer: Any, *, served_model_na
     fe = FrontendState(orchestrator, tokenizer, served_model_name=served_model_name, model_aliases=model_aliases,
                        frontend_index=frontend_index, max_model_len=max_model_len,
                        default_max_tokens=default_max_tokens, max_tokens_limit=max_tokens_limit,
-                       speech_entry_stage=speech_entry_stage, voices=voices, default_temperature=default_temperature,
+                       speech_entry_stage=speech_entry_stage, voices=voices, sampling_defaults=sampling_defaults,
                        audio_out=audio_out, speakers=speakers, default_voice=default_voice,
                        max_speech_chars=max_speech_chars)
     jobs = jobs if jobs is not None else Jobs(frontend_index=frontend_index)

@@ -35,9 +35,9 @@ class SpeechRoutes:
             raise bad_request(f"response_format `{req.response_format}` is not supported (wav, pcm)",
                               param="response_format")
         P.check_speed(req.speed)
-        extra = await self.fe.voice(req.voice, req.speed)
+        voice, speed = await self.fe.voice(req.voice, req.speed)
         preq = PipelineRequest(request_id=f"speech-{uuid.uuid4().hex}", text=req.input,
-                               entry_stage=self.fe.speech_stage, modalities=("audio",), extra=extra)
+                               entry_stage=self.fe.speech_stage, modalities=("audio",), voice=voice, speed=speed)
         gen = Generation(self.fe.orch, preq, decode=self.fe.decode, prompt_ids=[], stops=[], metrics=self.fe.metrics,
                          route="/v1/audio/speech", t0=self.fe.t0(request))
 

@@ -21,6 +21,7 @@ from omni.api.errors import APIError, bad_request
 from omni.api.metrics import FrontendMetrics
 from omni.api.voices import InMemoryVoiceStore
 from omni.engines.base import SamplingParams
+from omni.sampling import SamplingOverrides
 from omni.errors import NotFound
 from omni.orchestrator.types import OrchestratorLike
 from omni.stage.messages import InlineTensor
@@ -50,7 +51,7 @@ class FrontendState:
     def __init__(self, orchestrator: OrchestratorLike, tokenizer: Any, *, served_model_name: str,
                  model_aliases, frontend_index: int, max_model_len: int, default_max_tokens: int,
                  max_tokens_limit: int | None, speech_entry_stage: int | None, voices,
-                 default_temperature: float, audio_out: bool | None = None, speakers: tuple[str, ...] = (),
+                 sampling_defaults: SamplingOverrides | None, audio_out: bool | None = None, speakers: tuple[str, ...] = (),
                  default_voice: str | None = None, max_speech_chars: int = 4096):
         self.orch = orchestrator
         self.tokenizer = tokenizer
@@ -64,7 +65,8 @@ class FrontendState:
         self.max_speech_chars = max_speech_chars
         self.job_endpoints: tuple[str, ...] = ()   # the endpoints a job may run here (set by build_app)
         self.voices = voices if voices is not None or speech_entry_stage is None else InMemoryVoiceStore()
-        self.default_temperature = default_temperature
+        # The prompt stage's deploy defaults, under the client's own values (vLLM's generation-config way).
+        self.sampling_defaults = sampling_defaults or SamplingOverrides()
         # Audio out through chat: a pipeline with an audio stage (a speech entry implies one).
         self.audio_out = speech_entry_stage is not None if audio_out is None else audio_out
         # The model's own speakers (Qwen3-Omni: chelsie, ethan, aiden), matched in any case;
@@ -162,7 +164,12 @@ class FrontendState:
 
     def sampling(self, req, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """`logprobs`: what P.check_sampling returned for this request."""
-        top_k = req.top_k or 0
+        d = self.sampling_defaults
+
+        def pick(value, default, fallback):
+            return value if value is not None else default if default is not None else fallback
+
+        top_k = pick(req.top_k, d.top_k, 0)
         bias = {int(k): float(v) for k, v in (req.logit_bias or {}).items()}
         vocab = len(self.tokenizer) if self.tokenizer is not None else None
         if vocab is not None and any(t >= vocab for t in bias):
@@ -170,23 +177,26 @@ class FrontendState:
                               param="logit_bias")
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=self.default_temperature if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
+            temperature=pick(req.temperature, d.temperature, 1.0),   # vLLM's default
+            top_p=pick(req.top_p, d.top_p, 1.0),
             top_k=0 if top_k < 0 else top_k,
-            seed=req.seed, stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
-            presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-            logit_bias=bias, min_tokens=min(req.min_tokens, max_tokens),   # max_tokens ends it first
+            seed=pick(req.seed, d.seed, None), stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos or bool(d.ignore_eos),
+            presence_penalty=pick(req.presence_penalty, d.presence_penalty, 0.0),
+            frequency_penalty=pick(req.frequency_penalty, d.frequency_penalty, 0.0),
+            repetition_penalty=pick(req.repetition_penalty, d.repetition_penalty, 1.0),
+            logit_bias=bias, min_tokens=min(req.min_tokens or d.min_tokens or 0, max_tokens),   # max_tokens ends it first
             logprobs=logprobs)
 
-    async def voice(self, name: str | None, speed: float = 1.0) -> dict:
-        """Resolve a voice (maybe a preset) to what the speech stage needs: a base voice and speed."""
+    async def voice(self, name: str | None, speed: float = 1.0) -> tuple[str, float | None]:
+        """Resolve a voice (maybe a preset) to what the speech stage needs: a base voice and speed
+        (None: the model's speakers have no speed)."""
         if self.speakers:
             key = (name or self.default_voice).lower()
             if key not in self.speakers:
                 raise _no_voice(f"voice `{name}` does not exist; available: {', '.join(self.speakers)}",
                                 "audio.voice")
-            return {"voice": key}
+            return key, None
         name = name or self.default_voice
         if self.voices is None:
             raise _no_voice(f"voice `{name}` does not exist; this pipeline has no voices", "voice")
@@ -202,7 +212,7 @@ class FrontendState:
         if v is None:
             known = [x["name"] for x in await self.voices.list()]
             raise _no_voice(f"voice `{name}` does not exist; available: {', '.join(known) or 'none'}", "voice")
-        return {"voice": v["base"], "speed": speed * float(v.get("speed", 1.0)), "voice_name": name}
+        return v["base"], speed * float(v.get("speed", 1.0))
 
     # ---- audio input (chat `input_audio` parts)
 

@@ -72,18 +72,16 @@ class TextRoutes:
             if m == "audio" and not self.fe.audio_out:
                 raise bad_request("modality `audio` is not available: this pipeline has no speech stage",
                                   param="modalities")
-        extra: dict = {}
+        voice = speed = None
         if "audio" in modalities:
             fmt = req.audio.format if req.audio else "wav"
             if fmt not in ("wav", "pcm16"):
                 raise bad_request(f"audio.format `{fmt}` is not supported (wav, pcm16)", param="audio.format")
-            extra = await self.fe.voice(req.audio.voice if req.audio else None)
-            extra["audio_out"] = True   # stages that feed a talker capture what it needs only then
+            voice, speed = await self.fe.voice(req.audio.voice if req.audio else None)
         inputs = {}
         if audios:
             self.fe.need_audio_in()
             inputs = await self.fe.offload(True, self.fe.audio_inputs, audios)   # decode + resample
-            extra["num_audio_inputs"] = len(inputs)
         chars = content_chars(messages)
         self.fe.check_prompt_chars(chars, "messages", "messages")
         prompt_ids = await self.fe.offload(chars > OFFLOAD_CHARS, self.fe.render_chat, messages)
@@ -94,8 +92,9 @@ class TextRoutes:
         else:
             mt = self.fe.max_tokens(req.max_tokens, len(prompt_ids), "max_tokens", "messages")
         preq = PipelineRequest(request_id=f"chatcmpl-{uuid.uuid4().hex}", prompt_token_ids=prompt_ids,
-                               sampling=self.fe.sampling(req, mt, logprobs), modalities=modalities, extra=extra,
-                               inputs=inputs)
+                               sampling=self.fe.sampling(req, mt, logprobs), modalities=modalities, voice=voice, speed=speed,
+                               # stages that feed a talker capture what it needs only then
+                               audio_out="audio" in modalities, num_audio_inputs=len(inputs), inputs=inputs)
         gen = Generation(self.fe.orch, preq, decode=self.fe.decode, prompt_ids=prompt_ids,
                          stops=P.stop_list(req.stop), metrics=self.fe.metrics, route="/v1/chat/completions",
                          t0=self.fe.t0(request), eos_token_id=self.fe.tokenizer.eos_token_id)

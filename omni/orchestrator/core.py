@@ -1,320 +1,458 @@
-"""Orchestrator: one per frontend process.
+"""The orchestrator core: each request's stage graph, as events in and actions out.
 
-It owns the stage channels, the topology subscription and each request's queue, and
-carries out what the socket-free core (omni/orchestrator/graph.py) decides: stage
-outputs, stage errors, replicas that go away and clients that leave are fed to the
-core as events; the actions it returns (send, free, abort, emit, fail, finished) are
-applied here, in order.
+No sockets, tasks or clocks it waits on: `submit(request)` and `handle(event)` return the
+actions (omni/orchestrator/events.py) the Orchestrator carries out in order. Per request:
+the stages it needs (ancestors of the stages making the requested modalities), a sticky
+least-loaded replica per stage, the entry stage's input, then for each output: final
+outputs to the client, the next stages' processors turning it into inputs, and a stage is
+done when its inputs are closed and it holds nothing; the request is done when every
+needed stage is.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from typing import Any, AsyncIterator, Callable
+from typing import Callable
 
-import msgspec
-import numpy as np
-import zmq.asyncio
-
-from omni.config import DeployConfig
-from omni.errors import OmniError, RequestTimeout, StageFailed, Unavailable
-from omni.master.types import ReplicaInfo, TopologyEvent
-from omni.metrics import labels
+from omni import errors
+from omni import processors as procs
+from omni.config import DeployConfig, StageConfig
+from omni.errors import BadRequest, OmniError, StageFailed, Unavailable
+from omni.master.types import ReplicaInfo
 from omni.orchestrator import events as ev
-from omni.orchestrator.channel import BaseChannel, StageChannel
-from omni.orchestrator.local_channel import LocalStageChannel
-from omni.orchestrator.graph import OrchestratorCore, load_processor
+from omni.orchestrator.limits import RecentFailures, fitting
 from omni.orchestrator.metrics import OrchestratorMetrics
-from omni.orchestrator.topology import GONE, Topology
+from omni.orchestrator.request_state import (ProcessorContext, RequestState, finals_below, load_processor,
+                                             needed_stages, ref_id)
+from omni.orchestrator.topology import Topology
 from omni.orchestrator.types import PipelineOutput, PipelineRequest
+from omni.sampling import SamplingOverrides
 from omni.stage import messages as m
-from omni.stage.local_link import local_enabled, same_host_name
+from omni.transport.base import TensorRef
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Orchestrator", "load_processor"]
+TENSOR_OUTPUTS = ("audio", "embedding")     # final outputs read from a tensor, not token ids
 
 
-class _Sink:
-    """Where one request's outputs wait for its generator."""
-
-    def __init__(self) -> None:
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.finished = False
-
-
-class Orchestrator:
-    def __init__(
-        self,
-        config: DeployConfig,
-        *,
-        frontend_id: str,
-        topology: Topology,
-        detokenize: Callable[[list[int]], str],
-        consumer: Any = None,
-        token: str = "",
-        host: str = "127.0.0.1",
-        master: Any = None,
-        choose_transport: Callable[[str, str, str | None], str] | None = None,
-    ):
+class OrchestratorCore:
+    def __init__(self, config: DeployConfig, *, topology: Topology, detokenize: Callable[[list[int]], str],
+                 host: str = "127.0.0.1", choose_transport: Callable[[str, str, str | None], str] | None = None,
+                 metrics: OrchestratorMetrics | None = None, clock: Callable[[], float] = time.monotonic):
         self.config = config
-        self.frontend_id = frontend_id
-        self.metrics_label: str | None = None
         self.topology = topology
-        self.consumer = consumer
-        self.token = token
+        self.detokenize = detokenize
         self.host = host
-        self.master = master
-        self.metrics = OrchestratorMetrics()
-        self.core = OrchestratorCore(config, topology=topology, detokenize=detokenize, host=host,
-                                     choose_transport=choose_transport, metrics=self.metrics)
-        self._ctx = zmq.asyncio.Context()
-        self._channels: dict[str, BaseChannel] = {}
-        self._local = local_enabled()     # OMNI_STAGE_CHANNEL: same-host replicas over LocalChannel
-        self._sinks: dict[str, _Sink] = {}
-        self._apply_handlers = {ev.Send: self._do_send, ev.Free: self._do_free, ev.AbortStage: self._do_abort,
-                                ev.ReleaseHold: self._do_release,
-                                ev.Emit: self._do_emit, ev.Fail: self._do_fail, ev.Finished: self._do_finished}
-        topology.on_change(self._on_topology)
+        if choose_transport is None:
+            from omni.transport.factory import choose_transport
+        self._choose_transport = choose_transport
+        self.metrics = metrics if metrics is not None else OrchestratorMetrics()
+        self.clock = clock
+        self._processors = {s.stage_id: load_processor(s.processor) for s in config.stages}
+        self._overrides = {s.stage_id: SamplingOverrides() if "prompt" in s.inputs else s.default_sampling_params
+                           for s in config.stages}
+        # Stage with first_output_hold_ms -> the final-output stages it feeds (whose first output releases it).
+        self._hold_for = {s.stage_id: finals_below(config, s.stage_id) for s in config.stages
+                          if s.first_output_hold_ms}
+        self.requests: dict[str, RequestState] = {}
+        self.by_replica: dict[str, set[str]] = {}       # replica id -> request ids holding work there
+        self.failures = RecentFailures()
+        self._out: list[ev.Action] = []
+        self._handlers = {ev.StageOutput: self._on_output, ev.StageError: self._on_error,
+                          ev.ReplicaGone: self._on_gone, ev.Cancel: self._on_cancel}
 
-    # ------------------------------------------------------------ events in
+    # ------------------------------------------------------------ entry points
 
-    def _on_topology(self, r: ReplicaInfo, kind: str) -> None:
-        if r.role != "STAGE" or (kind != "REMOVED" and r.state not in GONE):
-            return
-        ch = self._channels.pop(r.replica_id, None)
-        if ch is not None:
-            ch.close()
-        why = "gone" if kind == "REMOVED" else r.state.lower()
-        self._apply(self.core.handle(ev.ReplicaGone(r, why)))
+    def submit(self, req: PipelineRequest) -> list[ev.Action]:
+        """Admit a request and send the entry stage its input. Raises BadRequest/Unavailable
+        (nothing was sent then)."""
+        needed = self.needed_stages(req)
+        if req.request_id in self.requests:
+            raise BadRequest(f"request id {req.request_id!r} is already in flight")
+        state = RequestState(req, needed, self.clock())
+        for st_id, st in state.stages.items():
+            st.replica = self.pick(st_id, req)
+        # Counted as load at once: concurrent requests spread over downstream replicas
+        # too, not only over the entry stage's (whose input is sent right away).
+        for st in state.stages.values():
+            self.by_replica.setdefault(st.replica.replica_id, set()).add(state.rid)
+        self.requests[state.rid] = state
+        self.metrics.request_started()
+        self._out = []
+        first = self.entry_input(req)
+        self._guarded(state, lambda: self._send(state, req.entry_stage, state.rid, first, final=True))
+        state.stages[req.entry_stage].inputs_closed = True
+        return self._take()
 
-    def _on_channel_lost(self, ch: BaseChannel, why: str) -> None:
-        """A same-host replica's end closed (it died or stopped): its requests move or fail now,
-        as they would when the master's lease expires, and it is SUSPECT in this frontend's view
-        until the master says otherwise, so no new request is sent there meanwhile."""
-        if self._channels.get(ch.replica_id) is ch:
-            del self._channels[ch.replica_id]
-        r = self.topology.replicas.get(ch.replica_id)
-        if r is None:
-            return
-        self._apply(self.core.handle(ev.ReplicaGone(r, "gone (its channel closed)")))
-        if r.state not in GONE:
-            self.topology.apply(TopologyEvent("UPDATED", [msgspec.structs.replace(r, state="SUSPECT")], -1))
+    @staticmethod
+    def entry_input(req: PipelineRequest) -> procs.StageInput:
+        """What the entry stage gets: the prompt's token ids or text (the place for new request inputs)."""
+        return procs.StageInput(token_ids=req.prompt_token_ids, text=req.text, voice=req.voice, speed=req.speed,
+                                audio_out=req.audio_out,
+                                inline=dict(req.inputs))
 
-    def _on_local_fallback(self, ch: BaseChannel, other: BaseChannel) -> None:
-        if self._channels.get(ch.replica_id) is ch:
-            self._channels[ch.replica_id] = other
-        else:       # replaced or gone meanwhile
-            other.close()
+    def handle(self, event: ev.Event) -> list[ev.Action]:
+        self._out = []
+        self._handlers[type(event)](event)
+        return self._take()
 
-    def _on_stage_message(self, ch: BaseChannel, msg: Any) -> None:
-        if isinstance(msg, m.Output):
-            event = ev.StageOutput(ch.replica_id, ch.stage_id, msg)
-        elif isinstance(msg, m.RequestError):
-            event = ev.StageError(ch.replica_id, ch.stage_id, msg)
-        else:
-            return
-        self._apply(self.core.handle(event))
-
-    # ------------------------------------------------------------ actions out
-
-    def _apply(self, actions: list[ev.Action]) -> None:
-        failed: list[ev.Cancel] = []
-        for a in actions:
-            try:
-                self._apply_handlers[type(a)](a)
-            except Exception as e:
-                rid = getattr(a, "request_id", None)
-                if rid is None:
-                    logger.warning("%s failed: %s: %s", type(a).__name__, type(e).__name__, e)
-                    continue
-                err = e if isinstance(e, OmniError) else OmniError(f"{type(e).__name__}: {e}")
-                failed.append(ev.Cancel(rid, err))
-        for c in failed:    # the core ignores requests that already ended
-            self._apply(self.core.handle(c))
-
-    def _channel(self, r: ReplicaInfo) -> BaseChannel:
-        ch = self._channels.get(r.replica_id)
-        endpoint = r.endpoints.get("channel")
-        local = r.endpoints.get("local", "") if self._local else ""
-        if ch is not None and ch.endpoint in (endpoint, local) and not ch.closed:
-            return ch
-        if ch is not None:
-            ch.close()
-        kw = dict(frontend_id=self.frontend_id, replica_id=r.replica_id, stage_id=r.stage_id, token=self.token,
-                  on_message=self._on_stage_message, host=self.host)
-        if local and same_host_name(local) is not None:
-            # Connects on the loop; ZMQ takes over (`_on_local_fallback`) if the stage does not answer.
-            zmq_kw = dict(kw, endpoint=endpoint)
-            ch = LocalStageChannel.connect(
-                lambda: StageChannel(self._ctx, **zmq_kw) if endpoint else None,
-                self._on_local_fallback, endpoint=local, on_lost=self._on_channel_lost, **kw)
-        elif endpoint:
-            ch = StageChannel(self._ctx, endpoint=endpoint, **kw)
-        else:
-            raise Unavailable(f"stage {r.stage_id} replica {r.replica_id} has no channel endpoint")
-        self._channels[r.replica_id] = ch
-        ch.start()
-        return ch
-
-    def _do_send(self, a: ev.Send) -> None:
-        try:
-            self._channel(a.replica).post(a.message)
-        except Unavailable as e:
-            raise StageFailed(a.replica.stage_id, a.replica.replica_id, str(e), e.kind) from None
-
-    def _live_channel(self, replica_id: str) -> BaseChannel | None:
-        ch = self._channels.get(replica_id)
-        return ch if ch is not None and not ch.closed else None   # gone: its arena went with it
-
-    def _do_free(self, a: ev.Free) -> None:
-        ch = self._live_channel(a.replica_id)
-        if ch is not None:
-            ch.post(m.FreeTensors(list(a.keys), a.transport))
-
-    def _do_abort(self, a: ev.AbortStage) -> None:
-        ch = self._live_channel(a.replica_id)
-        if ch is not None:
-            ch.post(m.Abort(list(a.request_ids)))
-
-    def _do_release(self, a: ev.ReleaseHold) -> None:
-        ch = self._live_channel(a.replica_id)   # a hint: a gone replica's requests are replayed anyway
-        if ch is not None:
-            ch.post(m.Release(list(a.request_ids)))
-
-    def _do_emit(self, a: ev.Emit) -> None:
-        sink = self._sinks.get(a.request_id)
-        if sink is None:
-            return
-        out = a.output
-        if a.tensor is not None:
-            tensor = self.consumer.get(a.tensor).float()
-            if out.modality == "audio":
-                out.audio_pcm = tensor.numpy().astype(np.float32).tobytes()
-            else:
-                out.embedding = tensor.flatten().tolist()
-        sink.queue.put_nowait(out)
-
-    def _do_fail(self, a: ev.Fail) -> None:
-        sink = self._sinks.get(a.request_id)
-        if sink is not None:
-            sink.queue.put_nowait(a.error)
-
-    def _do_finished(self, a: ev.Finished) -> None:
-        sink = self._sinks.get(a.request_id)
-        if sink is not None:
-            sink.finished = True
-
-    # ------------------------------------------------------------ requests
-
-    def needed_stages(self, req: PipelineRequest) -> list[int]:
-        return self.core.needed_stages(req)
-
-    async def generate(self, req: PipelineRequest) -> AsyncIterator[PipelineOutput]:
-        """Stream the request's outputs; the last has finished=True. Closing the iterator
-        before that aborts the request in every stage that holds it."""
-        timeout = req.timeout_s or self.config.pipeline.request_timeout_s
-        deadline = time.monotonic() + timeout
-        sink = _Sink()
-        actions = self.core.submit(req)       # BadRequest / Unavailable: nothing was sent
-        self._sinks[req.request_id] = sink
-        try:
-            self._apply(actions)
-            while True:
-                try:
-                    item = sink.queue.get_nowait()
-                except asyncio.QueueEmpty:
-                    remaining = deadline - time.monotonic()
-                    try:
-                        if remaining <= 0:
-                            raise TimeoutError from None
-                        # Not wait_for: 3.11's returns an item that lands with a cancel and drops
-                        # the cancel, and a client's disconnect then never stops the stream.
-                        async with asyncio.timeout(remaining):
-                            item = await sink.queue.get()
-                    except TimeoutError:
-                        error = RequestTimeout(f"request {req.request_id} timed out after {timeout:g} s")
-                        self._apply(self.core.handle(ev.Cancel(req.request_id, error)))
-                        if sink.queue.empty():
-                            raise error from None
-                        continue
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    return
-        finally:
-            if not sink.finished:         # the client left (or a stop string ended it) first
-                self._apply(self.core.handle(ev.Cancel(req.request_id)))
-            self._sinks.pop(req.request_id, None)
-
-    # ------------------------------------------------------------ health and control
-
-    def health(self) -> tuple[bool, str]:
-        if not self.topology.synced:
-            return False, "no topology from the omni master yet"
-        ready = self.topology.ready_stages()
-        missing = [s.label for s in self.config.stages if s.stage_id not in ready]
-        if missing:
-            return False, "no READY replica for " + ", ".join(missing)
-        return True, "ok"
-
-    async def sleep(self, level: int = 1) -> dict:
-        return await self._command("SLEEP", {"level": level})
-
-    async def wake_up(self) -> dict:
-        return await self._command("WAKE_UP", {})
-
-    async def _command(self, kind: str, args: dict) -> dict:
-        if self.master is None:
-            raise Unavailable("no omni master connection: cannot reach the stage engines")
-        try:
-            results = await self.master.send_command(kind, (), args, timeout_s=60.0)
-        except OmniError:
-            raise
-        except Exception as e:
-            raise Unavailable(f"omni master unreachable: {e}") from None
-        out = {"results": [
-            {"stage_id": r.stage_id, "replica_id": r.replica_id, "ok": r.ok, "message": r.message}
-            for r in results
-        ]}
-        out["is_sleeping"] = await self.is_sleeping()
+    def _take(self) -> list[ev.Action]:
+        out, self._out = self._out, []
         return out
 
-    async def is_sleeping(self) -> bool:
-        if self.master is None:
-            raise Unavailable("no omni master connection: sleep state unknown")
+    # ------------------------------------------------------------ replicas
+
+    def needed_stages(self, req: PipelineRequest) -> list[int]:
+        return needed_stages(self.config, req)
+
+    def pick(self, stage_id: int, req: PipelineRequest | None = None) -> ReplicaInfo:
+        replicas = self.topology.stage_replicas(stage_id)
+        if not replicas:
+            raise Unavailable(f"{self.config.stage(stage_id).label} has no READY replica")
+        return min(fitting(self.config.stage(stage_id), replicas, req), key=self.load)
+
+    def load(self, r: ReplicaInfo) -> tuple[int, str]:
+        """Least loaded first: the master's load report plus what this frontend sent since,
+        plus the requests that replica failed lately."""
+        return (r.queue_len + r.in_flight + len(self.by_replica.get(r.replica_id, ()))
+                + self.failures.count(r.replica_id, self.clock()), r.replica_id)
+
+    # ------------------------------------------------------------ events
+
+    def _guarded(self, state: RequestState, fn: Callable[[], None]) -> None:
         try:
-            status = await self.master.get_status()
-        except OmniError:
-            raise
+            fn()
+        except OmniError as e:
+            self._fail(state, e)
         except Exception as e:
-            raise Unavailable(f"omni master unreachable: {e}") from None
-        stages = [r for r in status.replicas if r.role == "STAGE" and r.state in ("READY", "DRAINING")]
-        capable = [r for r in stages if r.capabilities.get("can_sleep") == "true"]
-        return bool(capable) and all(r.is_sleeping for r in capable)
+            logger.exception("request %s: orchestration failed", state.rid)
+            self._fail(state, OmniError(f"orchestration failed: {type(e).__name__}: {e}"))
 
-    def metrics_text(self) -> str:
-        # The same `frontend` label as the HTTP metrics (the index), not the channel id "fe0-PID".
-        label = self.metrics_label or self.frontend_id
-        kinds = {"local": 0, "zmq": 0}
-        for ch in self._channels.values():
-            kinds[ch.kind] += not ch.closed
-        return self.metrics.render(label) + "".join(
-            ["# HELP omni_stage_channels Open channels to stage replicas, by carrier (local: same host).\n",
-             "# TYPE omni_stage_channels gauge\n"]
-            + [f"omni_stage_channels{labels({'frontend': label, 'kind': k})} {n}\n" for k, n in kinds.items()])
+    def _on_output(self, e: ev.StageOutput) -> None:
+        out = e.output
+        state = self.requests.get(out.request_id.split("/", 1)[0])
+        st = state.stages.get(e.stage_id) if state is not None else None
+        if st is None or st.replica is None or st.replica.replica_id != e.replica_id:
+            # Late output of a request that ended, of a stage it does not use, or from a replica
+            # it was moved away from (replayed): free what it published.
+            self._free(e.replica_id, list(out.tensors.values()))
+            return
+        for ref in out.tensors.values():
+            state.origin[ref_id(ref)] = e.replica_id
+        self._guarded(state, lambda: self._output(state, e.stage_id, out))
 
-    @property
-    def in_flight(self) -> int:
-        return len(self.core.requests)
+    def _on_error(self, e: ev.StageError) -> None:
+        if e.error.kind != errors.CLIENT:   # the replica's fault, not the request's
+            self.failures.add(e.replica_id, self.clock())
+        state = self.requests.get(e.error.request_id.split("/", 1)[0])
+        st = state.stages.get(e.stage_id) if state is not None else None
+        if st is not None and st.replica is not None and st.replica.replica_id == e.replica_id:
+            self._fail(state, StageFailed(e.stage_id, e.replica_id, e.error.message, e.error.kind))
 
-    async def close(self) -> None:
-        for rid in list(self.core.requests):
-            self._apply(self.core.handle(ev.Cancel(rid, Unavailable("frontend is shutting down"))))
-        for ch in self._channels.values():
-            ch.close()
-        self._channels.clear()
-        self._ctx.term()
+    def _on_cancel(self, e: ev.Cancel) -> None:
+        state = self.requests.get(e.request_id)
+        if state is None:
+            return
+        if e.error is None:
+            self._end(state, "aborted")
+        else:
+            self._fail(state, e.error)
+
+    def _on_gone(self, e: ev.ReplicaGone) -> None:
+        dead = e.replica
+        for rid in sorted(self.by_replica.pop(dead.replica_id, ())):
+            state = self.requests.get(rid)
+            if state is None:
+                continue
+            held = [st for st in state.stages.values()
+                    if st.replica is not None and st.replica.replica_id == dead.replica_id]
+            if not held:
+                continue
+            if not any(st.started for st in held):
+                for st in held:    # nothing sent there yet: pick another replica at the first send
+                    st.replica = None
+                continue
+            if not self._replay(state, dead):
+                self._fail(state, StageFailed(dead.stage_id, dead.replica_id, f"replica is {e.why}",
+                                              errors.UNAVAILABLE))
+
+    def _replay(self, state: RequestState, dead: ReplicaInfo) -> bool:
+        """Move a stage's part of the request to another replica when the dead one had produced
+        nothing for it yet: nothing of it was seen, so sending the same inputs again (in order)
+        is safe. A stage still receiving inputs moves too: the inputs sent so far go first and
+        every later one follows them (sends are made in order, here). Shared-memory inputs
+        need a replica on the dead one's host."""
+        held = [s for s, st in state.stages.items()
+                if st.replica is not None and st.replica.replica_id == dead.replica_id]
+        if len(held) != 1:
+            return False
+        s = held[0]
+        st = state.stages[s]
+        if st.first_output_at is not None or not st.sent:
+            return False
+        others = [r for r in self.topology.stage_replicas(s) if r.replica_id != dead.replica_id]
+        if any(ref.transport == "shm" for items in st.sent.values() for inp, _ in items
+               for ref in inp.tensors.values()):
+            others = [r for r in others if r.host == dead.host]
+        if not others:
+            return False
+        st.replica, st.started = min(others, key=self.load), False
+        sent, st.sent = st.sent, {}
+        for erid in sent:
+            st.refs_in.pop(erid, None)     # recorded again as they are sent again
+        logger.info("request %s: %s replica %s is gone before any output; replaying on %s",
+                    state.rid, self.config.stage(s).label, dead.replica_id, st.replica.replica_id)
+        self.metrics.replayed(s)
+        for erid, items in sent.items():
+            for inp, final in items:
+                self._send(state, s, erid, inp, final)
+        return True
+
+    # ------------------------------------------------------------ outputs
+
+    def _output(self, state: RequestState, s: int, out: m.Output) -> None:
+        st = state.stages[s]
+        now = self.clock()
+        if out.queue_s is not None:
+            self.metrics.stage_queue(s, out.queue_s)
+        if out.sent_at:
+            self.metrics.output_queue(s, max(0.0, time.time() - out.sent_at))
+        if st.first_output_at is None:
+            st.first_output_at = now
+            self.metrics.stage_first_output(s, now - state.started_at)
+            if self.config.stage(s).final_output:
+                self._release_holds(state, s)
+        self.metrics.stage_step(s, out.step_s)
+        if out.num_prompt_tokens is not None and state.num_prompt_tokens is None:
+            state.num_prompt_tokens = out.num_prompt_tokens
+        # Sub-requests of one stage are forwarded in the order they were made.
+        if out.request_id in st.sub_order:
+            if out.request_id != st.sub_order[0]:
+                st.sub_buffer.setdefault(out.request_id, []).append(out)
+                return
+            self._process(state, s, out)
+            if out.finished:
+                st.sub_order.pop(0)
+                self._drain_subs(state, s)
+            return
+        self._process(state, s, out)
+
+    def _drain_subs(self, state: RequestState, s: int) -> None:
+        st = state.stages[s]
+        while st.sub_order and state.rid in self.requests:
+            buffered = st.sub_buffer.pop(st.sub_order[0], [])
+            for b in buffered:
+                self._process(state, s, b)
+            if not (buffered and buffered[-1].finished):
+                return
+            st.sub_order.pop(0)
+
+    def _process(self, state: RequestState, s: int, out: m.Output) -> None:
+        st = state.stages[s]
+        stage = self.config.stage(s)
+        forwarded: set[tuple] = set()
+        if stage.final_output and stage.final_output_type in state.req.modalities:
+            self._emit_final(state, stage, out)
+        for t in self.config.downstream(s):
+            if t not in state.stages:
+                continue
+            ctx = ProcessorContext(self.detokenize, state.req)
+            for inp in self._processors[t](ctx, state.stages[t].proc_state, out):
+                forwarded.update(ref_id(r) for r in inp.tensors.values())
+                self._route(state, t, inp)
+        # What no consumer took (the emitted tensor too: the executor read it already).
+        self._free(state.origin.get, [r for r in out.tensors.values() if ref_id(r) not in forwarded])
+        if out.finished:
+            st.open.discard(out.request_id)
+            st.sent.pop(out.request_id, None)
+            self._release_inputs(state, s, out.request_id)
+            if out.finish_reason and stage.final_output_type == "text":
+                state.finish_reason, state.stop_reason = out.finish_reason, out.stop_reason
+            self._check_done(state, s)
+
+    def _emit_final(self, state: RequestState, stage: StageConfig, out: m.Output) -> None:
+        kind = stage.final_output_type
+        po = PipelineOutput(request_id=state.rid, stage_id=stage.stage_id, modality=kind,
+                            num_prompt_tokens=state.num_prompt_tokens)
+        ref = None
+        if kind == "text":
+            if not out.token_ids:
+                return
+            po.token_ids = list(out.token_ids)
+            po.logprobs = out.logprobs
+        else:
+            ref = next(iter(out.tensors.values()), None)
+            if ref is None:
+                return
+            self.metrics.tensor_bytes(ref.nbytes, ref.transport)
+            if kind == "audio":
+                if out.sample_rate <= 0:
+                    raise OmniError(f"{stage.label} sent audio without a sample rate")
+                po.sample_rate = out.sample_rate
+        if state.first_output_at is None:
+            state.first_output_at = self.clock()
+            self.metrics.first_output(state.first_output_at - state.started_at)
+        self._out.append(ev.Emit(state.rid, po, ref))
+
+    def _route(self, state: RequestState, t: int, inp: procs.StageInput) -> None:
+        st = state.stages[t]
+        for ref in inp.tensors.values():
+            self.metrics.tensor_bytes(ref.nbytes, ref.transport)
+        if inp.sub_id is not None:
+            erid = f"{state.rid}/{inp.sub_id}"
+            st.sub_order.append(erid)
+            self._send(state, t, erid, inp, final=True)
+        elif inp.stream:
+            st.streamed = True
+            self._send(state, t, state.rid, inp, final=False)
+        elif st.pending is not None:
+            prev, st.pending = st.pending, inp
+            self._send(state, t, state.rid, prev, final=False)
+        else:
+            st.pending = inp
+
+    # ------------------------------------------------------------ sends
+
+    def _send(self, state: RequestState, s: int, erid: str, inp: procs.StageInput, final: bool) -> None:
+        st = state.stages[s]
+        stage = self.config.stage(s)
+        replica = st.replica
+        live = self.topology.replicas.get(replica.replica_id) if replica is not None else None
+        if live is None or live.state != "READY":
+            if st.started:
+                raise StageFailed(s, replica.replica_id if replica else "?", "replica is gone", errors.UNAVAILABLE)
+            if replica is not None:
+                self._unhold(replica.replica_id, state.rid)
+            replica = st.replica = self.pick(s, state.req)
+        # The stage's own sampling (the talker's temperature, piper's noise scales) over the request's;
+        # the stage that takes the client's prompt had its defaults folded in by the frontend.
+        overrides = self._overrides[s]
+        out_transport, out_tensors = self._out_route(state, stage)
+        # Held after its first output while the final output it feeds has not started.
+        finals = self._hold_for.get(s, ())
+        hold_ms = stage.first_output_hold_ms if finals and not any(
+            state.stages[t].first_output_at for t in finals if t in state.stages) else 0.0
+        msg = m.AddRequest(request_id=erid, prompt_token_ids=inp.token_ids, text=inp.text,
+                           sampling=state.req.sampling, tensors=dict(inp.tensors), final=final,
+                           voice=inp.voice, speed=inp.speed, generated_ids=inp.generated_ids,
+                           audio_out=inp.audio_out, emit_prompt_ids=inp.emit_prompt_ids, overrides=overrides,
+                           out_transport=out_transport, out_tensors=out_tensors, sent_at=time.time(),
+                           inline=dict(inp.inline), hold_ms=hold_ms)
+        st.started = True
+        st.open.add(erid)
+        st.sent.setdefault(erid, []).append((inp, final))
+        if inp.tensors:
+            st.refs_in.setdefault(erid, []).extend(
+                (state.origin.get(ref_id(r), ""), r) for r in inp.tensors.values())
+        self.by_replica.setdefault(replica.replica_id, set()).add(state.rid)
+        self._out.append(ev.Send(state.rid, replica, msg))
+
+    def _release_holds(self, state: RequestState, final: int) -> None:
+        """Stage `final` made its first output of the request: the stages feeding it that hold
+        the request's next work (first_output_hold_ms) may go on."""
+        for s, finals in self._hold_for.items():
+            st = state.stages.get(s)
+            if final in finals and st is not None and st.open and st.replica is not None:
+                self._out.append(ev.ReleaseHold(st.replica.replica_id, tuple(sorted(st.open))))
+
+    def _out_route(self, state: RequestState, stage: StageConfig) -> tuple[str, bool]:
+        """Where this stage's output tensors go for this request, and if anyone reads them."""
+        me = state.stages[stage.stage_id].replica
+        my_host = me.host if me else self.host
+        for t in self.config.downstream(stage.stage_id):
+            if t in state.stages:
+                consumer = state.stages[t].replica
+                conn = stage.connectors.get(str(t))
+                configured = conn.transport if conn and conn.transport != "auto" else None
+                return self._choose_transport(my_host, consumer.host if consumer else my_host, configured), True
+        if stage.final_output and stage.final_output_type in TENSOR_OUTPUTS:
+            return self._choose_transport(my_host, self.host, None), True
+        return "", False
+
+    # ------------------------------------------------------------ completion
+
+    def _stage_done(self, state: RequestState, s: int) -> bool:
+        st = state.stages[s]
+        return st.inputs_closed and not st.open and st.pending is None
+
+    def _check_done(self, state: RequestState, s: int) -> None:
+        """Cascade: a stage whose inputs are closed and that holds nothing is done."""
+        if not self._stage_done(state, s):
+            return
+        for t in self.config.downstream(s):
+            ts = state.stages.get(t)
+            if ts is None or ts.inputs_closed:
+                continue
+            if all(self._stage_done(state, u) for u in self.config.stage(t).upstream() if u in state.stages):
+                ts.inputs_closed = True
+                if ts.pending is not None:
+                    inp, ts.pending = ts.pending, None
+                    self._send(state, t, state.rid, inp, final=True)
+                elif ts.streamed:
+                    self._send(state, t, state.rid, procs.StageInput(), final=True)
+                self._check_done(state, t)
+        if state.rid in self.requests and all(self._stage_done(state, x) for x in state.stages):
+            reason = state.finish_reason or "stop"
+            # The output that finished the request, when it is in this batch, carries the finish (a
+            # stream puts finish_reason on the last token's chunk, as vLLM's server does).
+            last = next((a for a in reversed(self._out) if isinstance(a, ev.Emit) and a.request_id == state.rid),
+                        None)
+            if last is not None:
+                last.output.finished, last.output.finish_reason = True, reason
+                last.output.stop_reason = state.stop_reason
+            else:
+                self._out.append(ev.Emit(state.rid, PipelineOutput(
+                    request_id=state.rid, stage_id=s, modality="text", finished=True,
+                    finish_reason=reason, num_prompt_tokens=state.num_prompt_tokens, stop_reason=state.stop_reason)))
+            self._end(state, "ok")
+
+    def _fail(self, state: RequestState, error: OmniError) -> None:
+        if state.rid in self.requests:
+            self._out.append(ev.Fail(state.rid, error))
+            self._end(state, "failed")
+
+    def _end(self, state: RequestState, outcome: str) -> None:
+        """The request leaves: stages that still hold it are told to abort (a finished request
+        holds nothing), the inputs they held are freed, and Finished closes it."""
+        if self.requests.pop(state.rid, None) is None:
+            return
+        for s, st in state.stages.items():
+            if st.replica is None:
+                continue
+            self._unhold(st.replica.replica_id, state.rid)
+            if outcome != "ok" and st.started:
+                ids = tuple(sorted(st.open | set(st.sub_order) | {state.rid}))
+                self._out.append(ev.AbortStage(st.replica.replica_id, ids))
+            for erid in list(st.refs_in):
+                self._release_inputs(state, s, erid)
+        seconds = self.clock() - state.started_at
+        self.metrics.request_finished(outcome, seconds)
+        self._out.append(ev.Finished(state.rid, outcome, seconds))
+
+    def _unhold(self, replica_id: str, rid: str) -> None:
+        holders = self.by_replica.get(replica_id)
+        if holders is not None:
+            holders.discard(rid)
+            if not holders:
+                del self.by_replica[replica_id]
+
+    # ------------------------------------------------------------ tensors
+
+    def _release_inputs(self, state: RequestState, s: int, erid: str) -> None:
+        """The stage finished with these tensors: their producers may free them."""
+        by_producer: dict[str, list] = {}
+        for producer, ref in state.stages[s].refs_in.pop(erid, []):
+            by_producer.setdefault(producer, []).append(ref)
+        for producer, refs in by_producer.items():
+            self._free(producer, refs)
+
+    def _free(self, producer: str | Callable, refs: list[TensorRef]) -> None:
+        """Free `refs` at their producer (a replica id, or a lookup from a ref's id to one)."""
+        groups: dict[tuple[str, str], list[int]] = {}
+        for ref in refs:
+            rep = producer(ref_id(ref), "") if callable(producer) else producer
+            if rep:
+                groups.setdefault((rep, ref.transport), []).append(ref.key)
+        for (rep, transport), keys in groups.items():
+            self._out.append(ev.Free(rep, transport, tuple(keys)))

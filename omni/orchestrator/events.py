@@ -1,6 +1,6 @@
 """What the orchestrator core takes in (events) and hands out (actions).
 
-The core (omni/orchestrator/graph.py) never touches a socket: the Orchestrator feeds it
+The core (omni/orchestrator/core.py) never touches a socket: the Orchestrator feeds it
 these events and carries out the actions it returns, in order.
 """
 

@@ -51,7 +51,6 @@ class RequestState:
         self.req = req
         self.rid = req.request_id
         self.stages = {s: StageState() for s in needed}
-        self.extra = dict(req.extra)
         self.started_at = now
         self.first_output_at: float | None = None
         self.finish_reason: str | None = None
@@ -64,9 +63,9 @@ class RequestState:
 class ProcessorContext:
     """What a processor sees of the request (omni.processors.Context)."""
 
-    def __init__(self, detokenize: Callable[[list[int]], str], extra: dict):
+    def __init__(self, detokenize: Callable[[list[int]], str], request: PipelineRequest):
         self.detokenize = detokenize
-        self.request_extra = extra
+        self.request = request
 
 
 def needed_stages(config: DeployConfig, req: PipelineRequest) -> list[int]:

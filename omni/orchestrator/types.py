@@ -22,7 +22,12 @@ class PipelineRequest(msgspec.Struct, kw_only=True):
     modalities: tuple[str, ...] = ("text",)
     # Stage the request enters at (0 for chat; the talker for speech).
     entry_stage: int = 0
-    extra: dict = {}
+    # The voice to speak in (a base voice of the speech stage) and its speed; None: the default.
+    voice: str | None = None
+    speed: float | None = None
+    # The answer will be spoken: the thinker captures what its talker needs.
+    audio_out: bool = False
+    num_audio_inputs: int = 0          # audio parts in the prompt (the thinker emits their hidden rows)
     timeout_s: float | None = None
     # Client input tensors for the entry stage (e.g. "audio_0": 16 kHz float32), carried inline.
     inputs: dict[str, InlineTensor] = {}

@@ -10,8 +10,9 @@ from typing import Any, Union
 
 import msgspec
 
-from omni.engines.base import SamplingParams
+from omni.engines.base import StageFacts
 from omni.engines.logprobs import Logprobs
+from omni.sampling import SamplingParams
 from omni.transport.base import TensorRef
 
 
@@ -31,13 +32,13 @@ class InlineTensor(msgspec.Struct, frozen=True):
     data: bytes
 
 
-class AddRequest(msgspec.Struct, frozen=True, tag="add", kw_only=True):
+class AddRequest(StageFacts, frozen=True, tag="add", kw_only=True):
     request_id: str
     prompt_token_ids: list[int] | None = None
     text: str | None = None
     sampling: SamplingParams = SamplingParams()
     tensors: dict[str, TensorRef] = {}
-    extra: dict[str, Any] = {}
+    # and the StageFacts fields: what the engine is told besides its input.
     # Transport for this request's output tensors (chosen by the orchestrator
     # from where the consumer runs); "" means the stage default.
     out_transport: str = ""

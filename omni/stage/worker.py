@@ -24,7 +24,7 @@ from omni import latency_trace
 from omni.config import StageConfig
 from omni.ratelog import RateLimitedLog
 from omni.signals import StopRequest
-from omni.engines.base import Engine, EngineError, EngineOutput, EngineRequest
+from omni.engines.base import Engine, EngineError, EngineOutput, EngineRequest, facts_of
 from omni.stage import messages as m
 from omni.stage.control import StageControl
 from omni.stage.local_link import CLOSED, LocalPeers
@@ -252,7 +252,7 @@ class StageWorker:
                 text=msg.text,
                 sampling=msg.sampling,
                 tensors=tensors,
-                extra=msg.extra,
+                **facts_of(msg),
             )
             self.engine.add_request(req)
             if latency_trace.on():

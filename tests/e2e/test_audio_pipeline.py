@@ -127,15 +127,15 @@ def test_served_speech_equals_an_in_process_one_shot_decode(speech_wavs):
     """code2wav decodes in chunks with context on both sides; joined, they match one decode."""
     import torch
 
-    from omni.engines.base import EngineRequest
-    from omni.engines.onnx_audio import Code2WavEngine, TalkerEngine
-    from omni.models.piper_voice import prepare_voice
+    from omni.engines.base import EngineRequest, SamplingOverrides
+    from omni.models.piper.engines import Code2WavEngine, TalkerEngine
+    from omni.models.piper.voice import prepare_voice
 
     torch.set_num_threads(1)
     voice = prepare_voice("joe")
     talker = TalkerEngine(voice)
     talker.add_request(EngineRequest(request_id="ref", text=TEXTS[2],
-                                     extra={"noise_scale": 0.0, "noise_w_scale": 0.0}))
+                                     overrides=SamplingOverrides(noise_scale=0.0, noise_w_scale=0.0)))
     pieces = []
     while talker.has_unfinished():
         pieces += talker.step()

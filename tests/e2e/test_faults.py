@@ -281,7 +281,7 @@ class TestOrchestrator:
         from omni import config as cfg
         from omni.frontend import follow_topology
         from omni.master.client import AsyncMasterClient
-        from omni.orchestrator.core import Orchestrator
+        from omni.orchestrator.executor import Orchestrator
         from omni.orchestrator.topology import Topology
         from omni.transport.factory import MultiConsumer
 

@@ -14,15 +14,15 @@ import pytest
 import torch
 
 from omni.audio import wav_bytes
-from omni.engines.base import EngineError, EngineRequest
-from omni.engines.onnx_audio import Code2WavEngine, TalkerEngine, code2wav_request
+from omni.engines.base import EngineError, EngineRequest, SamplingOverrides
+from omni.models.piper.engines import Code2WavEngine, TalkerEngine, code2wav_request
 from omni.engines.onnx_session import make_session
-from omni.models.piper_voice import Phonemizer, VoicePaths, prepare_voice
+from omni.models.piper.voice import Phonemizer, VoicePaths, prepare_voice
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-DETERMINISTIC = {"noise_scale": 0.0, "noise_w_scale": 0.0}
-PREPARE = ("import sys; from omni.models.piper_voice import prepare_voice; "
+DETERMINISTIC = SamplingOverrides(noise_scale=0.0, noise_w_scale=0.0)
+PREPARE = ("import sys; from omni.models.piper.voice import prepare_voice; "
            "print(prepare_voice('joe', cache_dir=sys.argv[1]).dir)")
 
 
@@ -74,7 +74,7 @@ def _drain(engine):
 
 
 def _speak(talker, code2wav, text, rid="r", **extra):
-    talker.add_request(EngineRequest(request_id=rid, text=text, extra={**DETERMINISTIC, **extra}))
+    talker.add_request(EngineRequest(request_id=rid, text=text, overrides=DETERMINISTIC, **extra))
     pieces = _drain(talker)
     assert pieces[-1].finished and all(p.error is None for p in pieces)
     for p in pieces:
@@ -134,7 +134,7 @@ def test_streaming_matches_one_shot(voice, talker, code2wav):
 
 def test_bad_input_then_still_works(talker, code2wav):
     with pytest.raises(EngineError, match="unknown voice 'amy'"):
-        talker.add_request(EngineRequest(request_id="bad", text="hi", extra={"voice": "amy"}))
+        talker.add_request(EngineRequest(request_id="bad", text="hi", voice="amy"))
     with pytest.raises(EngineError, match="empty text"):
         talker.add_request(EngineRequest(request_id="bad", text=" \n"))
     with pytest.raises(EngineError, match=r"latents must be \[1, 192, T\]"):

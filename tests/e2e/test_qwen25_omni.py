@@ -39,7 +39,9 @@ SYSTEM = {"role": "system", "content": "You are helpful."}
 NAME = "qwen25-omni-tiny"
 # Greedy talker (the request's temperature drives the thinker); the request's seed drives token2wav.
 # A float32 thinker: vLLM's dtype "auto" runs a float32 checkpoint in bfloat16, which flips near ties.
-OVERRIDES = {"0": {"dtype": "float32"},
+# The deploy's thinker repetition_penalty (1.1) reaches the thinker where a client sets none; the
+# reference generates without one.
+OVERRIDES = {"0": {"dtype": "float32", "default_sampling_params": {"repetition_penalty": 1.0}},
              "1": {"default_sampling_params": {"temperature": 0, "max_tokens": TALKER_TOKENS}}}
 
 
@@ -50,7 +52,7 @@ def env() -> dict:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from omni.models.qwen25_omni_tiny import build
+    from omni.models.qwen25_omni.tiny import build
 
     return build(tmp_path_factory.mktemp("q25") / "any-folder-name")
 

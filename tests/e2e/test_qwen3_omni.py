@@ -49,7 +49,7 @@ def env() -> dict:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from omni.models.qwen3_omni_tiny import build
+    from omni.models.qwen3_omni.tiny import build
 
     return build(tmp_path_factory.mktemp("q3") / "any-folder-name")
 

@@ -15,7 +15,7 @@ from omni import config as cfg
 from omni.engines.base import SamplingParams
 from omni.master.client import AsyncMasterClient
 from omni.master.server import MasterServer
-from omni.orchestrator.core import Orchestrator
+from omni.orchestrator.executor import Orchestrator
 from omni.orchestrator.topology import Topology
 from omni.orchestrator.types import PipelineRequest
 from omni.frontend import follow_topology

@@ -28,7 +28,7 @@ TOKENS = 8
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from omni.models import qwen25_omni_tiny
+    from omni.models.qwen25_omni import tiny as qwen25_omni_tiny
 
     return str(qwen25_omni_tiny.build(tmp_path_factory.mktemp("qwen25-omni-tiny")))
 
@@ -41,7 +41,7 @@ def reference(tiny):
 
 @pytest.fixture(scope="module")
 def engine(tiny):
-    from omni.engines.vllm_engine import VllmEngine
+    from omni.engines.vllm.engine import VllmEngine
 
     stage = StageConfig(stage_id=0, engine="vllm", engine_args={
         "num_threads": 1, "dtype": "float32", "max_model_len": 1024, "max_num_seqs": 4,
@@ -76,8 +76,8 @@ def test_rows_of_every_fed_token_equal_transformers_last_layer(engine, reference
     pad = reference.tok.convert_tokens_to_ids("<|AUDIO|>")
     audio_prompt = reference.prompt("What do you hear?", audio=True)
     got = serve(engine, [
-        EngineRequest(request_id="text", prompt_token_ids=text.prompt, sampling=sp, extra={"audio_out": True}),
-        EngineRequest(request_id="audio", prompt_token_ids=audio_prompt, sampling=sp, extra={"audio_out": True},
+        EngineRequest(request_id="text", prompt_token_ids=text.prompt, sampling=sp, audio_out=True),
+        EngineRequest(request_id="audio", prompt_token_ids=audio_prompt, sampling=sp, audio_out=True,
                       tensors={"audio_0": torch.from_numpy(wave(0))}),
         EngineRequest(request_id="quiet", prompt_token_ids=text.prompt, sampling=sp),
     ])

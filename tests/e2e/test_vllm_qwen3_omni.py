@@ -43,7 +43,7 @@ def _tone(seconds: float, hz: float, seed: int) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from omni.models import qwen3_omni_tiny
+    from omni.models.qwen3_omni import tiny as qwen3_omni_tiny
 
     return str(qwen3_omni_tiny.build(tmp_path_factory.mktemp("qwen3-omni-tiny")))
 
@@ -57,7 +57,7 @@ def tok(tiny):
 
 @pytest.fixture(scope="module")
 def engine(tiny):
-    from omni.engines.vllm_engine import VllmEngine
+    from omni.engines.vllm.engine import VllmEngine
 
     torch.set_num_threads(1)
     stage = StageConfig(stage_id=0, engine="vllm", engine_args={
@@ -134,9 +134,9 @@ def served(engine, tok):
     audio = _tone(3.0, 440.0, seed=0)
     sp = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     got = run(engine, [
-        EngineRequest(request_id="text", prompt_token_ids=text_ids, sampling=sp, extra={"emit_prompt_ids": True}),
+        EngineRequest(request_id="text", prompt_token_ids=text_ids, sampling=sp, emit_prompt_ids=True),
         EngineRequest(request_id="audio", prompt_token_ids=audio_ids, sampling=sp,
-                      tensors={"audio_0": torch.from_numpy(audio)}, extra={"emit_prompt_ids": True}),
+                      tensors={"audio_0": torch.from_numpy(audio)}, emit_prompt_ids=True),
     ])
     return {"text": (text_ids, got["text"]), "audio": (audio_ids, audio, got["audio"])}
 

@@ -40,7 +40,9 @@ MAX_TOKENS = 24
 # Penalties and min_tokens through the API must give what vLLM's own SamplingParams give.
 LOGPROBS_K = 5
 SHAPED = {"repetition_penalty": 1.3, "presence_penalty": 0.5, "frequency_penalty": 0.4, "min_tokens": MAX_TOKENS}
-STAGE0 = {"engine": "vllm", "dtype": "float32", "max_num_seqs": 4, "kv_cache_memory_bytes": 256 * 2**20}
+STAGE0 = {"engine": "vllm", "dtype": "float32", "max_num_seqs": 4, "kv_cache_memory_bytes": 256 * 2**20,
+          # As Qwen3-Omni's thinker deploy: top_k 1 makes its sampling greedy unless a client says otherwise.
+          "default_sampling_params": {"temperature": 1.0, "top_k": 1}}
 
 # vLLM's offline API on the same folder and token ids: the greedy reference.
 REFERENCE = r"""
@@ -225,6 +227,23 @@ def test_penalties_and_min_tokens_equal_vllm_offline_generate(server, reference,
     expected = reference["SHAPED"]
     assert expected != reference["REFERENCE"]                     # the parameters changed the answer
     assert r.json()["choices"][0]["message"]["content"] == tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def test_the_deploys_sampling_defaults_reach_vllm(server, reference_ids, tokenizer):
+    """The thinker's deploy `default_sampling_params` (STAGE0: temperature 1.0, top_k 1) reach the vLLM
+    engine where the client sets nothing: sampling from one candidate is the greedy answer. With the
+    client's own top_k off, the same temperature samples the whole vocabulary and wanders off it."""
+    _, url = server
+    greedy = tokenizer.decode(reference_ids, skip_special_tokens=True)
+
+    def answer(**body):
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=120,
+                       json={"model": MODEL, "messages": QUESTION, "max_tokens": MAX_TOKENS, **body})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["message"]["content"]
+
+    assert [answer(seed=s) for s in (1, 2)] == [greedy, greedy]
+    assert any(answer(seed=s, top_k=0) != greedy for s in (1, 2, 3, 4))
 
 
 def test_streaming_joins_to_the_offline_text(server, reference_ids, tokenizer):

@@ -119,11 +119,11 @@ def talker_pieces(ref: Ref, rid: str, speaker: str, per_token: bool, max_tokens:
     if not per_token:
         return [EngineRequest(request_id=rid, prompt_token_ids=ref.prompt, sampling=params,
                               tensors={key: rows},
-                              extra={"speaker": speaker, "token_ids": gen, "final": True})]
+                              voice=speaker, generated_ids=gen, final=True)]
     first = EngineRequest(request_id=rid, prompt_token_ids=ref.prompt, sampling=params,
                           tensors={key: rows[:n]},
-                          extra={"speaker": speaker, "token_ids": gen[:1], "final": len(gen) == 1})
+                          voice=speaker, generated_ids=gen[:1], final=len(gen) == 1)
     rest = [EngineRequest(request_id=rid, tensors={key: rows[n + i - 1:n + i]},
-                          extra={"token_ids": [t], "final": i == len(gen) - 1})
+                          generated_ids=[t], final=i == len(gen) - 1)
             for i, t in enumerate(gen) if i > 0]
     return [first] + rest

@@ -164,7 +164,7 @@ async def test_chat_non_streaming(tokenizer):
                                                     add_generation_prompt=True, tokenize=False)
     assert req.prompt_token_ids == tokenizer.encode(expected_prompt, add_special_tokens=False)
     assert req.sampling.max_tokens == 50 and req.sampling.seed == 5 and req.sampling.top_k == 4
-    assert req.sampling.temperature == 0.0 and req.modalities == ("text",) and "audio_out" not in req.extra
+    assert req.sampling.temperature == 0.0 and req.modalities == ("text",) and not req.audio_out
     n_out = len(tokenizer.encode("hello world", add_special_tokens=False)) + 1
     assert d["usage"] == {"prompt_tokens": len(req.prompt_token_ids), "completion_tokens": n_out,
                           "total_tokens": len(req.prompt_token_ids) + n_out}
@@ -565,7 +565,7 @@ async def test_speech(tokenizer):
     assert struct.unpack("<h", r.content[44:46])[0] == round(0.5 * 32767)
     req = orch.requests[0]
     assert req.text == "hi there" and req.entry_stage == 1 and req.modalities == ("audio",)
-    assert req.extra["voice"] == "joe" and req.extra["speed"] == 1.5
+    assert req.voice == "joe" and req.speed == 1.5
     r = await c.post("/v1/audio/speech", json={"input": "hi", "response_format": "pcm"})
     assert r.headers["content-type"] == "audio/pcm" and len(r.content) == 600
     assert_error(await c.post("/v1/audio/speech", json={"input": "hi", "speed": 9}), 400, "speed")
@@ -613,7 +613,7 @@ async def test_voices(tokenizer):
     assert_error(await c.post("/v1/audio/voices", json={"name": "bad name!"}), 400, "name")
     orch.audio_chunks = 1
     await c.post("/v1/audio/speech", json={"input": "hi", "voice": "slow-joe", "speed": 2.0})
-    assert orch.requests[-1].extra == {"voice": "joe", "speed": 1.0, "voice_name": "slow-joe"}
+    assert (orch.requests[-1].voice, orch.requests[-1].speed) == ("joe", 1.0)
     assert_error(await c.delete("/v1/audio/voices/joe"), 409, None, "built in")
     assert_error(await c.delete("/v1/audio/voices/nope"), 404)
     assert (await c.delete("/v1/audio/voices/slow-joe")).status_code == 200
@@ -628,8 +628,8 @@ async def test_chat_with_audio(tokenizer):
     msg = d["choices"][0]["message"]
     assert msg["content"] == "hello world" and msg["audio"]["transcript"] == "hello world"
     assert _wav_info(base64.b64decode(msg["audio"]["data"])) == (1, 22050, 16, 400)
-    assert orch.requests[0].modalities == ("text", "audio") and orch.requests[0].extra["voice"] == "joe"
-    assert orch.requests[0].extra["audio_out"] is True     # a thinker feeding a talker captures its rows only then
+    assert orch.requests[0].modalities == ("text", "audio") and orch.requests[0].voice == "joe"
+    assert orch.requests[0].audio_out is True     # a thinker feeding a talker captures its rows only then
     evs = sse_events((await c.post("/v1/chat/completions", json={**body, "stream": True})).text)
     audio = [e["choices"][0]["delta"]["audio"] for e in evs if e["choices"] and "audio" in e["choices"][0]["delta"]]
     assert [len(base64.b64decode(a["data"])) for a in audio[:-1]] == [200, 200]

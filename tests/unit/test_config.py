@@ -87,6 +87,13 @@ stages:
     ("model: m\nstages: [{stage_id: 0, engine: a, final_output: true, final_output_type: text, "
      "first_output_hold_ms: 100}]", "first_output_hold_ms: only a stage whose output feeds a later stage"),
     ("model: m\nstages: [{stage_id: 0, engine: a}]", "final_output"),
+    # A sampling key no engine reads is refused by name, never dropped (a typo would go unnoticed).
+    ("model: m\nstages: [{stage_id: 0, engine: a, final_output: true, final_output_type: text, "
+     "default_sampling_params: {temprature: 0.5}}]",
+     "unknown field `temprature` - at `stages\\[0\\].default_sampling_params`"),
+    ("model: m\nstages: [{stage_id: 0, engine: a, final_output: true, final_output_type: text, "
+     "default_sampling_params: {max_tokens: many}}]",
+     "got `str` - at `stages\\[0\\].default_sampling_params.max_tokens`"),
     ("- a list", "mapping"),
     ("model: [unclosed", "not valid YAML"),
 ])

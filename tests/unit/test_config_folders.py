@@ -23,7 +23,7 @@ def test_qwen3_omni_folder_uses_the_qwen3_pipeline_whatever_its_name(tmp_path, m
     assert c.model.endswith("any-name-at-all")         # the folder is every stage's weights
     assert all(s.model is None for s in c.stages)
     assert c.stages[0].engine_args["gpu_memory_utilization"] == 0.9
-    assert c.stages[1].default_sampling_params == {
+    assert c.stages[1].default_sampling_params.set() == {
         "temperature": 0.9, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.05, "max_tokens": 4096}
     assert "enforce_eager" not in c.stages[0].engine_args   # the cpu section is not applied on cuda
     assert c.final_stage("audio").stage_id == 2 and c.final_stage("text").stage_id == 0
@@ -99,7 +99,7 @@ def test_qwen25_omni_folder_and_hub_ids(tmp_path, monkeypatch):
         ("thinker", "vllm", "0"), ("talker", "qwen25_talker", "1"), ("token2wav", "qwen25_token2wav", "1")]
     assert c.model.endswith("any-name-at-all") and all(s.model is None for s in c.stages)
     assert c.stages[0].engine_args["max_num_seqs"] == 1 and c.stages[0].engine_args["gpu_memory_utilization"] == 0.8
-    assert c.stages[1].default_sampling_params == {
+    assert c.stages[1].default_sampling_params.set() == {
         "temperature": 0.9, "top_p": 0.8, "top_k": 40, "max_tokens": 2048, "repetition_penalty": 1.05}
     assert c.final_stage("audio").stage_id == 2 and c.final_stage("text").stage_id == 0
     seven = cfg.load("Qwen/Qwen2.5-Omni-7B")

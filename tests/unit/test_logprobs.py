@@ -81,7 +81,7 @@ def test_from_vllm_orders_the_top_k_by_rank_whether_or_not_the_sampled_token_is_
 def test_to_vllm_sampling_asks_for_them():
     pytest.importorskip("vllm")
     from omni.engines.base import SamplingParams
-    from omni.engines.vllm_engine import to_vllm_sampling
+    from omni.engines.vllm.engine import to_vllm_sampling
 
     assert to_vllm_sampling(SamplingParams(logprobs=4)).logprobs == 4
     assert to_vllm_sampling(SamplingParams()).logprobs is None

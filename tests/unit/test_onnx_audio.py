@@ -15,10 +15,10 @@ import torch
 from onnx import TensorProto, helper
 
 from omni.audio import pcm16_bytes, wav_bytes, wav_header
-from omni.engines.base import EngineError, EngineRequest
-from omni.engines.onnx_audio import Code2WavEngine, TalkerEngine, code2wav_request
-from omni.models import piper_voice
-from omni.models.piper_voice import find_latent_cut
+from omni.engines.base import EngineError, EngineRequest, SamplingOverrides
+from omni.models.piper.engines import Code2WavEngine, TalkerEngine, code2wav_request
+from omni.models.piper import voice as piper_voice
+from omni.models.piper.voice import find_latent_cut
 
 C = 4      # latent channels
 HOP = 3    # samples per frame
@@ -115,7 +115,7 @@ def test_streamed_pieces_join_to_one_shot(voice_dir):
     cuts = [0, 1, 7, 20, 21, 50]
     for a, b in zip(cuts, cuts[1:]):
         e.add_request(EngineRequest(request_id="s", tensors={"latents": lat[:, :, a:b]},
-                                    extra={"final": b == 50}))
+                                    final=b == 50))
         outs += _run(e)
         if b < 50:
             # Waiting for more frames is not work: the stage loop must not spin on it.
@@ -138,14 +138,14 @@ def test_without_context_chunks_differ(voice_dir):
 
 def test_final_marker_without_latents_flushes(voice_dir):
     e = Code2WavEngine(voice_dir, chunk_frames=4, context_frames=2)
-    e.add_request(EngineRequest(request_id="s", tensors={"latents": _latents(6)}, extra={"final": False}))
+    e.add_request(EngineRequest(request_id="s", tensors={"latents": _latents(6)}, final=False))
     first = _run(e)
     assert len(first) == 1 and first[0].tensors["audio"].shape == (4 * HOP,)
-    e.add_request(EngineRequest(request_id="s", extra={"final": True}))
+    e.add_request(EngineRequest(request_id="s", final=True))
     (last,) = _run(e)
     assert last.finished and last.tensors["audio"].shape == (2 * HOP,)
     # A stream whose only piece is an empty final one ends with empty audio.
-    e.add_request(EngineRequest(request_id="empty", extra={"final": True}))
+    e.add_request(EngineRequest(request_id="empty", final=True))
     (out,) = _run(e)
     assert out.finished and out.tensors["audio"].numel() == 0
 
@@ -158,17 +158,16 @@ def test_round_robin_between_streams(voice_dir):
     assert order == ["a", "b"] * 4
 
 
-@pytest.mark.parametrize("tensors,extra,needle", [
+@pytest.mark.parametrize("tensors,fields,needle", [
     ({"latents": torch.zeros(1, C + 1, 5)}, {}, "latents must be [1, 4, T]"),
     ({"latents": torch.zeros(1, C, 5, dtype=torch.int64)}, {}, "floating point"),
     ({"latents": torch.full((1, C, 5), float("nan"))}, {}, "NaN"),
     ({}, {"final": False}, "no 'latents'"),
-    ({"latents": torch.zeros(1, C, 5)}, {"final": "yes"}, "extra.final"),
 ])
-def test_code2wav_bad_input_names_the_problem(voice_dir, tensors, extra, needle):
+def test_code2wav_bad_input_names_the_problem(voice_dir, tensors, fields, needle):
     e = Code2WavEngine(voice_dir)
     with pytest.raises(EngineError, match="request bad: .*" + needle.replace("[", r"\[").replace("]", r"\]")):
-        e.add_request(EngineRequest(request_id="bad", tensors=tensors, extra=extra))
+        e.add_request(EngineRequest(request_id="bad", tensors=tensors, **fields))
     assert not e.has_open_streams()
     e.add_request(EngineRequest(request_id="ok", tensors={"latents": _latents(3)}))
     (out,) = _run(e)
@@ -208,20 +207,19 @@ def test_talker_one_output_per_sentence_and_feeds_code2wav(voice_dir):
     assert sum(a.tensors["audio"].numel() for a in audio) == total * HOP
 
 
-@pytest.mark.parametrize("text,extra,needle", [
+@pytest.mark.parametrize("text,fields,needle", [
     ("", {}, "empty text"),
     ("   ", {}, "empty text"),
     (None, {}, "empty text"),
     ("hi", {"voice": "nobody"}, "unknown voice 'nobody'"),
     ("hi", {"speed": 0}, "speed=0 is outside"),
-    ("hi", {"speed": "fast"}, "speed must be a number"),
-    ("hi", {"noise_scale": float("nan")}, "noise_scale=nan"),
+    ("hi", {"overrides": SamplingOverrides(noise_scale=float("nan"))}, "noise_scale=nan"),
     ("x" * 30_000, {}, "limit is 20000"),
 ])
-def test_talker_bad_input_names_the_problem(voice_dir, text, extra, needle):
+def test_talker_bad_input_names_the_problem(voice_dir, text, fields, needle):
     t = TalkerEngine(voice_dir)
     with pytest.raises(EngineError, match=needle):
-        t.add_request(EngineRequest(request_id="bad", text=text, extra=extra))
+        t.add_request(EngineRequest(request_id="bad", text=text, **fields))
     assert not t.has_unfinished()
     t.add_request(EngineRequest(request_id="ok", text="Still working."))
     (out,) = _run(t)
@@ -301,14 +299,14 @@ def test_piper_stages_run_torch_on_their_own_threads():
     """A stage's shared-memory copies are torch ops: on a pool as wide as the host, its idle
     workers spin after each copy and take CPU from the next stage (speech's first chunk)."""
     from omni.config import StageConfig
-    from omni.engines.factory import _onnx_stage_threads
+    from omni.engines.factory import cpu_stage_threads
 
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        _onnx_stage_threads(StageConfig(stage_id=2, engine="piper_code2wav"))
+        cpu_stage_threads(StageConfig(stage_id=2, engine="piper_code2wav"))
         assert torch.get_num_threads() == 1
-        _onnx_stage_threads(StageConfig(stage_id=2, engine="piper_code2wav", engine_args={"threads": 2}))
+        cpu_stage_threads(StageConfig(stage_id=2, engine="piper_code2wav", engine_args={"threads": 2}))
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)

@@ -10,7 +10,7 @@ import pytest
 
 from omni.engines.base import SamplingParams
 from omni.master.types import TopologyEvent
-from omni.orchestrator.core import Orchestrator
+from omni.orchestrator.executor import Orchestrator
 from omni.orchestrator.topology import Topology
 from omni.orchestrator.types import PipelineOutput, PipelineRequest
 from tests.unit.test_orchestrator_replay import CONFIG, StallEngine, info, running  # noqa: F401 (fixture)

@@ -15,7 +15,7 @@ from omni.engines.base import SamplingParams
 from omni.errors import BadRequest, StageFailed, Unavailable
 from omni.master.types import ReplicaInfo, TopologyEvent
 from omni.orchestrator import events as ev
-from omni.orchestrator.graph import OrchestratorCore
+from omni.orchestrator.core import OrchestratorCore
 from omni.orchestrator.topology import Topology
 from omni.orchestrator.types import PipelineRequest
 from omni.stage import messages as m
@@ -24,9 +24,9 @@ from omni.transport.base import TensorRef
 CONFIG = parse({"model": "m", "pipeline": {"speech_entry_stage": 1}, "stages": [
     {"stage_id": 0, "name": "thinker", "engine": "count", "final_output": True, "final_output_type": "text"},
     {"stage_id": 1, "name": "talker", "engine": "count", "inputs": [0],
-     "processor": "omni.processors:thinker_to_talker", "default_sampling_params": {"noise_scale": 0.0}},
+     "processor": "omni.models.piper.processors:thinker_to_talker", "default_sampling_params": {"noise_scale": 0.0}},
     {"stage_id": 2, "name": "code2wav", "engine": "count", "inputs": [1],
-     "processor": "omni.processors:talker_to_code2wav", "final_output": True, "final_output_type": "audio"},
+     "processor": "omni.models.piper.processors:talker_to_code2wav", "final_output": True, "final_output_type": "audio"},
 ]}, source="test")
 
 
@@ -63,12 +63,12 @@ def of(actions, kind) -> list:
 
 def chat(rid: str = "r1", modalities=("text", "audio")) -> PipelineRequest:
     return PipelineRequest(request_id=rid, prompt_token_ids=[1, 2], modalities=modalities,
-                           sampling=SamplingParams(max_tokens=8), extra={"voice": "joe", "speed": 1.0})
+                           sampling=SamplingParams(max_tokens=8), voice="joe", speed=1.0)
 
 
 def sends(actions) -> list[tuple[str, str, bool]]:
     """(replica, engine request id, final) of each Send."""
-    return [(a.replica.replica_id, a.message.request_id, a.message.extra["final"]) for a in of(actions, ev.Send)]
+    return [(a.replica.replica_id, a.message.request_id, a.message.final) for a in of(actions, ev.Send)]
 
 
 ALL = (replica(0, "s0r0"), replica(1, "s1r0"), replica(2, "s2r0"))
@@ -84,7 +84,7 @@ def test_three_stages_text_and_audio_end_ok_with_nothing_aborted():
     assert of(acts, ev.Emit)[0].output.token_ids == ids("Hi. Yo")
     assert sends(acts) == [("s1r0", "r1/s1", True)]
     talk = of(acts, ev.Send)[0].message
-    assert talk.text == "Hi." and talk.extra["voice"] == "joe" and talk.extra["noise_scale"] == 0.0
+    assert talk.text == "Hi." and talk.voice == "joe" and talk.overrides.noise_scale == 0.0
     assert talk.out_transport == "shm" and talk.out_tensors            # code2wav is on the same host
     acts = core.handle(output("s0r0", 0, "r1", token_ids=ids("!"), finished=True, finish_reason="length"))
     assert sends(acts) == [("s1r0", "r1/s2", True)] and of(acts, ev.Send)[0].message.text == "Yo!"
@@ -115,7 +115,7 @@ def test_streamed_edge_is_closed_with_an_empty_final_piece_and_inputs_are_freed(
     acts = core.handle(output("s1r0", 1, "sp", tensors={"latents": ref(2)}, finished=True))
     assert sends(acts) == [("s2r0", "sp", False), ("s2r0", "sp", True)]
     last = of(acts, ev.Send)[-1].message
-    assert last.tensors == {} and last.extra["final"] is True
+    assert last.tensors == {} and last.final is True
     acts = core.handle(output("s2r0", 2, "sp", tensors={"audio": ref(9, "s2r0")}, sample_rate=22050,
                               finished=True))
     kinds = [type(a) for a in acts]

@@ -15,7 +15,7 @@ from omni.config import parse
 from omni.engines.base import SamplingParams
 from omni.errors import RequestTimeout, StageFailed
 from omni.master.types import TopologyEvent
-from omni.orchestrator.core import Orchestrator
+from omni.orchestrator.executor import Orchestrator
 from omni.orchestrator.topology import Topology
 from omni.orchestrator.types import PipelineRequest
 from omni.stage import messages as m

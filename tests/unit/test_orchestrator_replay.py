@@ -14,7 +14,7 @@ from omni.config import parse
 from omni.engines.base import SamplingParams
 from omni.errors import StageFailed
 from omni.master.types import ReplicaInfo, TopologyEvent
-from omni.orchestrator.core import Orchestrator
+from omni.orchestrator.executor import Orchestrator
 from omni.orchestrator.topology import Topology
 from omni.orchestrator.types import PipelineRequest
 from omni.stage.worker import StageWorker

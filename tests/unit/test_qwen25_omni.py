@@ -21,7 +21,7 @@ TALKER_TOKENS = 40
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    from omni.models import qwen25_omni_tiny
+    from omni.models.qwen25_omni import tiny as qwen25_omni_tiny
 
     torch.set_num_threads(1)
     return qwen25_omni_tiny.build(tmp_path_factory.mktemp("qwen25_tiny"))
@@ -72,13 +72,13 @@ def _int16(wav: torch.Tensor) -> torch.Tensor:
 
 def _t2w_piece(rid, codes, speaker, seed, final=True):
     return EngineRequest(request_id=rid, tensors={"codes": codes[None]}, sampling=SamplingParams(seed=seed),
-                         extra={"speaker": speaker, "final": final})
+                         voice=speaker, final=final)
 
 
 def test_tiny_folder_is_byte_identical_per_seed(folder, tmp_path):
     from transformers import Qwen2_5OmniForConditionalGeneration
 
-    from omni.models import qwen25_omni_tiny
+    from omni.models.qwen25_omni import tiny as qwen25_omni_tiny
 
     again = qwen25_omni_tiny.build(tmp_path / "again")
     digest = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
@@ -168,14 +168,14 @@ def test_thinker_eos_ends_the_text(folder, ref, france, path):
     assert stopped.generated[-1] == eos and len(stopped.generated) <= 5
     engine = Qwen25TalkerEngine(folder, text_eos_token_ids=[eos], static_decode=path == "static")
     pieces = talker_pieces(stopped, "e", "chelsie", True, TALKER_TOKENS)
-    pieces[-1].extra["final"] = False      # the EOS alone closes the text
+    pieces[-1].final = False      # the EOS alone closes the text
     outs = drive(engine, {"e": pieces})["e"]
     assert torch.equal(_codes(outs), stopped.codes)
 
 
 def test_bad_requests(talker, t2w, france):
     with pytest.raises(EngineError, match="unknown speaker 'aiden'; known speakers: chelsie, ethan"):
-        talker.add_request(EngineRequest(request_id="q", prompt_token_ids=france.prompt, extra={"speaker": "aiden"}))
+        talker.add_request(EngineRequest(request_id="q", prompt_token_ids=france.prompt, voice="aiden"))
     with pytest.raises(EngineError, match="not both"):
         talker.add_request(EngineRequest(request_id="q", prompt_token_ids=france.prompt, tensors={
             "thinker_hidden": france.hidden[:2], "thinker_last_layer": france.last_layer[:2]}))
@@ -185,13 +185,13 @@ def test_bad_requests(talker, t2w, france):
     # The stream ends before the rows the prefill needs arrived: an error for that request only.
     outs = drive(talker, {"q": [EngineRequest(request_id="q", prompt_token_ids=france.prompt,
                                               tensors={"thinker_hidden": france.hidden[:3]},
-                                              extra={"token_ids": france.generated})]})["q"]
+                                              generated_ids=france.generated)]})["q"]
     assert outs[-1].finish_reason == "error" and "thinker_hidden row" in outs[-1].error
     with pytest.raises(EngineError, match=r"codes must lie in \[0, 8194\)"):
         t2w.add_request(EngineRequest(request_id="c", tensors={"codes": torch.tensor([[8292]])}))
     with pytest.raises(EngineError, match="unknown speaker"):
         t2w.add_request(EngineRequest(request_id="c", tensors={"codes": torch.tensor([[1]])},
-                                      extra={"speaker": "nobody"}))
+                                      voice="nobody"))
     assert not talker.has_open_streams() and not t2w.has_open_streams()
 
 
@@ -210,31 +210,32 @@ def test_stage_weights_only_their_prefix(folder, ref):
 
 def test_processors():
     from omni.models.qwen25_omni import processors as p
+    from omni.orchestrator.types import PipelineRequest
     from omni.stage.messages import Output
     from omni.transport.base import TensorRef
 
     class Ctx:
-        request_extra = {"voice": "Ethan", "prompt_token_ids": [1, 2, 3]}
+        request = PipelineRequest(request_id="r", prompt_token_ids=[1, 2, 3], voice="Ethan")
 
     rows = TensorRef(transport="shm", endpoint="seg", key=2, dtype="float32", shape=(3, 64), nbytes=768)
     state: dict = {}
     first = p.thinker_to_talker(Ctx(), state, Output(request_id="r", token_ids=[7], tensors={"thinker_hidden": rows}))
-    assert first[0].token_ids == [1, 2, 3] and first[0].extra == {"speaker": "Ethan", "token_ids": [7]}
+    assert first[0].token_ids == [1, 2, 3] and (first[0].voice, first[0].generated_ids) == ("Ethan", [7])
     assert first[0].tensors == {"thinker_hidden": rows} and first[0].stream
     later = p.thinker_to_talker(Ctx(), state, Output(request_id="r", token_ids=[8], tensors={"thinker_hidden": rows}))
-    assert later[0].extra == {"token_ids": [8]} and later[0].tensors == {"thinker_hidden": rows}
+    assert (later[0].voice, later[0].generated_ids) == (None, [8]) and later[0].tensors == {"thinker_hidden": rows}
     assert p.thinker_to_talker(Ctx(), state, Output(request_id="r", token_ids=[], finished=True)) == []
     # The vLLM thinker's rows (hidden_rows_layer: last) go on as the pre-norm rows the talker normalises.
     vllm_state: dict = {}
     got = p.thinker_to_talker(Ctx(), vllm_state, Output(request_id="r", token_ids=[7], tensors={"hidden_rows": rows}))
     assert got[0].tensors == {"thinker_last_layer": rows}
     got = p.thinker_to_talker(Ctx(), vllm_state, Output(request_id="r", token_ids=[], tensors={"hidden_rows": rows}))
-    assert got[0].tensors == {"thinker_last_layer": rows} and got[0].extra == {"token_ids": []}
+    assert got[0].tensors == {"thinker_last_layer": rows} and got[0].generated_ids == []
     codes = TensorRef(transport="shm", endpoint="seg", key=1, dtype="int64", shape=(1, 25), nbytes=200)
     s2: dict = {}
     a = p.talker_to_token2wav(Ctx(), s2, Output(request_id="r", tensors={"codes": codes}))
     b = p.talker_to_token2wav(Ctx(), s2, Output(request_id="r", tensors={"codes": codes}))
-    assert a[0].extra == {"speaker": "Ethan"} and b[0].extra == {} and a[0].stream and b[0].stream
+    assert a[0].voice == "Ethan" and b[0].voice is None and a[0].stream and b[0].stream
     assert p.talker_to_token2wav(Ctx(), s2, Output(request_id="r", finished=True)) == []
 
 

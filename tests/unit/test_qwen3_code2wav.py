@@ -15,7 +15,7 @@ T = 120
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    from omni.models import qwen3_omni_tiny
+    from omni.models.qwen3_omni import tiny as qwen3_omni_tiny
 
     torch.set_num_threads(1)
     return qwen3_omni_tiny.build(tmp_path_factory.mktemp("qwen3_tiny"))
@@ -43,7 +43,7 @@ def _pieces(rid, codes, sizes):
     out, at = [], 0
     for i, n in enumerate(sizes):
         out.append(EngineRequest(request_id=rid, tensors={"codes": codes[:, at:at + n]},
-                                 extra={"final": i == len(sizes) - 1}))
+                                 final=i == len(sizes) - 1))
         at += n
     assert at == codes.shape[1]
     return out
@@ -105,13 +105,13 @@ def test_bad_pieces(engine, codes):
     with pytest.raises(EngineError, match=r"in \[0, 2048\)"):
         engine.add_request(EngineRequest(request_id="x", tensors={"codes": codes + 2048}))
     with pytest.raises(EngineError, match="only a final piece"):
-        engine.add_request(EngineRequest(request_id="x", extra={"final": False}))
-    engine.add_request(EngineRequest(request_id="x", tensors={"codes": codes[:, :3]}, extra={"final": False}))
+        engine.add_request(EngineRequest(request_id="x", final=False))
+    engine.add_request(EngineRequest(request_id="x", tensors={"codes": codes[:, :3]}, final=False))
     assert not engine.has_unfinished() and engine.num_waiting() == 1   # waits for its first 4 frames
     engine.abort("x")
     assert not engine.has_open_streams()
     # A stream closed with no codes at all ends with an empty chunk.
-    outs = drive(engine, {"e": [EngineRequest(request_id="e", extra={"final": True})]})["e"]
+    outs = drive(engine, {"e": [EngineRequest(request_id="e", final=True)]})["e"]
     assert outs[-1].finished and outs[-1].tensors["audio"].numel() == 0
 
 
@@ -134,11 +134,12 @@ def test_stage_weights_only_their_prefix(folder):
 
 def test_processors():
     from omni.models.qwen3_omni import processors as p
+    from omni.orchestrator.types import PipelineRequest
     from omni.stage.messages import Output
     from omni.transport.base import TensorRef
 
     class Ctx:
-        request_extra = {"voice": "Chelsie", "prompt_token_ids": [1, 2, 3]}
+        request = PipelineRequest(request_id="r", prompt_token_ids=[1, 2, 3], voice="Chelsie")
 
         def detokenize(self, ids):
             return ""
@@ -146,16 +147,16 @@ def test_processors():
     state: dict = {}
     first = p.thinker_to_talker(Ctx(), state, Output(request_id="r", token_ids=[7]))
     assert len(first) == 1 and first[0].stream
-    assert first[0].token_ids == [1, 2, 3] and first[0].extra == {"speaker": "Chelsie", "token_ids": [7]}
+    assert first[0].token_ids == [1, 2, 3] and (first[0].voice, first[0].generated_ids) == ("Chelsie", [7])
     assert p.thinker_to_talker(Ctx(), state, Output(request_id="r", token_ids=[])) == []
     later = p.thinker_to_talker(Ctx(), state, Output(request_id="r", token_ids=[8, 9], finished=True))
-    assert later[0].extra == {"token_ids": [8, 9]} and later[0].token_ids is None and later[0].stream
+    assert (later[0].voice, later[0].generated_ids) == (None, [8, 9]) and later[0].token_ids is None and later[0].stream
     held: dict = {}
-    Ctx.request_extra = {"prompt_token_ids": [1, 2], "mm_hidden_expected": True}
+    Ctx.request = PipelineRequest(request_id="r", prompt_token_ids=[1, 2], num_audio_inputs=1)
     assert p.thinker_to_talker(Ctx(), held, Output(request_id="r", token_ids=[5])) == []
     rows = TensorRef(transport="shm", endpoint="seg", key=2, dtype="float32", shape=(3, 64), nbytes=768)
     first = p.thinker_to_talker(Ctx(), held, Output(request_id="r", token_ids=[6], tensors={"mm_hidden": rows}))
-    assert first[0].extra == {"speaker": "ethan", "token_ids": [5, 6]} and first[0].tensors == {"mm_hidden": rows}
+    assert (first[0].voice, first[0].generated_ids) == ("ethan", [5, 6]) and first[0].tensors == {"mm_hidden": rows}
     ref = TensorRef(transport="shm", endpoint="seg", key=1, dtype="int64", shape=(16, 4), nbytes=512)
     out = p.talker_to_code2wav(Ctx(), {}, Output(request_id="r", tensors={"codes": ref}))
     assert out[0].tensors == {"codes": ref} and out[0].stream

@@ -249,7 +249,7 @@ def test_bad_engine_args(folder):
     assert engine._static.graphs is None and engine._static.dev.slots == 4
     with pytest.raises(EngineError, match="unknown speaker"):
         engine.add_request(EngineRequest(request_id="q", prompt_token_ids=[1, 2, 3], sampling=SamplingParams(),
-                                         extra={"speaker": "bob"}))
+                                         voice="bob"))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from omni.engines.base import EngineError, EngineRequest
+from omni.engines.base import EngineError, EngineRequest, SamplingOverrides
 from tests.unit.qwen3_ref import Reference, drive, talker_pieces
 
 pytest.importorskip("transformers")
@@ -20,7 +20,7 @@ TALKER_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    from omni.models import qwen3_omni_tiny
+    from omni.models.qwen3_omni import tiny as qwen3_omni_tiny
 
     torch.set_num_threads(1)
     return qwen3_omni_tiny.build(tmp_path_factory.mktemp("qwen3_tiny"))
@@ -79,7 +79,7 @@ def test_talker_to_code2wav_waveform(talker, code2wav, france):
 
     def to_code2wav(o):   # the talker's chunks go on as they come
         code2wav.add_request(EngineRequest(request_id="w", tensors={"codes": o.tensors["codes"]},
-                                           extra={"final": o.finished}))
+                                           final=o.finished))
         while code2wav.has_unfinished():
             streamed.extend(a.tensors["audio"] for a in code2wav.step())
     outs = drive(talker, {"w": pieces}, on_output=to_code2wav)["w"]
@@ -136,7 +136,7 @@ def test_audio_input(ref, talker):
     # The placeholders need their hidden rows.
     with pytest.raises(EngineError, match="mm_hidden has 0 row"):
         talker.add_request(EngineRequest(request_id="y", prompt_token_ids=audio.prompt,
-                                         extra={"speaker": "aiden"}))
+                                         voice="aiden"))
 
 
 def test_thinker_eos_ends_the_text(folder, ref, path):
@@ -149,8 +149,8 @@ def test_thinker_eos_ends_the_text(folder, ref, path):
     assert stopped.generated[-1] == eos and len(stopped.generated) < 8
     engine = Qwen3TalkerEngine(folder, text_eos_token_ids=[eos], static_decode=path == "static")
     pieces = talker_pieces(stopped, "e", "ethan", True, TALKER_TOKENS)
-    pieces[-1].extra["final"] = False     # the final mark comes later, empty: EOS alone ends the text
-    pieces.append(EngineRequest(request_id="e", extra={"final": True}))
+    pieces[-1].final = False     # the final mark comes later, empty: EOS alone ends the text
+    pieces.append(EngineRequest(request_id="e", final=True))
     outs = drive(engine, {"e": pieces})["e"]
     assert torch.equal(_codes(outs), stopped.codes)
 
@@ -182,12 +182,12 @@ def test_waits_for_text_and_aborts(talker, france):
 def test_bad_requests(talker, france):
     with pytest.raises(EngineError, match=r"unknown speaker 'bob'; known speakers: aiden, chelsie, ethan"):
         talker.add_request(EngineRequest(request_id="b", prompt_token_ids=france.prompt,
-                                         extra={"speaker": "bob"}))
+                                         voice="bob"))
     with pytest.raises(EngineError, match="assistant"):
         talker.add_request(EngineRequest(request_id="b", prompt_token_ids=france.prompt[:-3],
-                                         extra={"speaker": "ethan"}))
+                                         voice="ethan"))
     with pytest.raises(EngineError, match="prompt_token_ids"):
-        talker.add_request(EngineRequest(request_id="b", extra={"speaker": "ethan"}))
+        talker.add_request(EngineRequest(request_id="b", voice="ethan"))
     with pytest.raises(EngineError, match="cannot sleep"):
         talker.sleep()
     assert not talker.has_open_streams()
@@ -210,14 +210,14 @@ def test_step_times(talker, code2wav, france):
 def test_bad_options_and_ids(talker, france):
     base = dict(request_id="o", prompt_token_ids=france.prompt)
     with pytest.raises(EngineError, match="top_p"):
-        talker.add_request(EngineRequest(**base, extra={"top_p": 0.0}))
-    with pytest.raises(EngineError, match="bad sampling option"):
-        talker.add_request(EngineRequest(**base, extra={"max_tokens": "many"}))
+        talker.add_request(EngineRequest(**base, overrides=SamplingOverrides(top_p=0.0)))
+    with pytest.raises(EngineError, match="max_tokens >= 1"):
+        talker.add_request(EngineRequest(**base, overrides=SamplingOverrides(max_tokens=0)))
     with pytest.raises(EngineError, match=r"outside the thinker's vocabulary \[0, 1024\)"):
-        talker.add_request(EngineRequest(**base, extra={"token_ids": [5000]}))
-    talker.add_request(EngineRequest(**base, extra={"final": False}))    # speaker defaults to ethan
+        talker.add_request(EngineRequest(**base, generated_ids=[5000]))
+    talker.add_request(EngineRequest(**base, final=False))    # speaker defaults to ethan
     with pytest.raises(EngineError, match="outside"):
-        talker.add_request(EngineRequest(request_id="o", extra={"token_ids": [-1]}))
+        talker.add_request(EngineRequest(request_id="o", generated_ids=[-1]))
     talker.abort("o")
     assert not talker.has_open_streams()
 
@@ -227,18 +227,19 @@ def test_processors_chain_the_engines(talker, code2wav, france):
     orchestrator maps them (StageInput.token_ids -> prompt_token_ids, an empty final piece to close
     a streamed request): the waveform is the reference's."""
     from omni.models.qwen3_omni import processors as p
+    from omni.orchestrator.types import PipelineRequest
     from omni.stage.messages import Output
 
     class Ctx:
-        request_extra = {"voice": "Ethan", "prompt_token_ids": france.prompt}
+        request = PipelineRequest(request_id="p", prompt_token_ids=france.prompt, voice="Ethan")
 
         def detokenize(self, ids):
             return ""
 
-    def request(inp, final=False):   # the stage's default_sampling_params go under the piece's extra
+    def request(inp, final=False):   # the stage's default_sampling_params arrive as its overrides
         return EngineRequest(request_id="p", prompt_token_ids=inp.token_ids, tensors=dict(inp.tensors),
-                             extra={"max_tokens": TALKER_TOKENS, "temperature": 0.0, **inp.extra,
-                                    "final": final})
+                             overrides=SamplingOverrides(max_tokens=TALKER_TOKENS, temperature=0.0),
+                             voice=inp.voice, generated_ids=inp.generated_ids, final=final)
 
     talker_state, c2w_state, audio = {}, {}, []
 
@@ -253,7 +254,7 @@ def test_processors_chain_the_engines(talker, code2wav, france):
                                                                          finished=o.finished)):
                     code2wav.add_request(request(inp))
                 if o.finished:
-                    code2wav.add_request(EngineRequest(request_id="p", extra={"final": True}))
+                    code2wav.add_request(EngineRequest(request_id="p", final=True))
                 run_code2wav()
 
     gen = france.generated
@@ -263,7 +264,7 @@ def test_processors_chain_the_engines(talker, code2wav, france):
             assert inp.stream
             talker.add_request(request(inp))
         run_talker()
-    talker.add_request(EngineRequest(request_id="p", extra={"final": True}))
+    talker.add_request(EngineRequest(request_id="p", final=True))
     run_talker()
     wav = torch.cat(audio)
     assert wav.shape == france.wav.shape and (wav - france.wav).abs().max() < 1e-3

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omni.engines.base import SamplingParams
+from omni.engines.base import SamplingOverrides, SamplingParams
 from omni.engines.torch_lm_sampling import shape_logits
 from tests.unit.test_api import assert_error, chat_body, make, tokenizer  # noqa: F401 (fixture)
 from tests.unit.test_torch_lm import EOS, PROMPTS, engine, req, run, tiny, tokens  # noqa: F401 (fixtures)
@@ -51,7 +51,7 @@ def test_presence_and_frequency_penalties_by_hand():
 
 def test_vllm_sampling_params_get_them():
     pytest.importorskip("vllm")
-    from omni.engines.vllm_engine import to_vllm_sampling
+    from omni.engines.vllm.engine import to_vllm_sampling
 
     v = to_vllm_sampling(SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.1,
                                         logit_bias={7: 3.0}, min_tokens=2, max_tokens=8))
@@ -164,3 +164,29 @@ def test_metrics_of_several_frontends_merge_by_family():
     at = lines.index("# TYPE vllm:e2e_request_latency_seconds histogram")
     family = lines[at + 1:at + 1 + 2 * (len(m.e2e.buckets) + 3)]
     assert all(x.startswith("vllm:e2e_request_latency_seconds_") for x in family)   # both frontends' samples
+
+
+@pytest.mark.anyio
+async def test_the_prompt_stage_defaults_sit_under_the_clients_own_values(tokenizer):
+    """A deploy's thinker `default_sampling_params` (Qwen3-Omni: temperature 0.4, top_p 0.9, top_k 1)
+    reach the request where the client left a value out; the client's own win (vLLM's way with
+    a generation config's defaults)."""
+    defaults = SamplingOverrides(temperature=0.4, top_p=0.9, top_k=1, repetition_penalty=1.1, seed=42)
+    orch, c = make(tokenizer, sampling_defaults=defaults)
+    assert (await c.post("/v1/chat/completions", json=chat_body())).status_code == 200
+    assert (await c.post("/v1/chat/completions", json=chat_body(temperature=0, top_p=0.5, top_k=7, seed=3,
+                                                                repetition_penalty=1.0))).status_code == 200
+    fill, own = orch.requests[0].sampling, orch.requests[1].sampling
+    assert (fill.temperature, fill.top_p, fill.top_k, fill.repetition_penalty, fill.seed) == (0.4, 0.9, 1, 1.1, 42)
+    assert (own.temperature, own.top_p, own.top_k, own.repetition_penalty, own.seed) == (0.0, 0.5, 7, 1.0, 3)
+    orch, c = make(tokenizer)       # no defaults: vLLM's (temperature 1, the rest off)
+    assert (await c.post("/v1/chat/completions", json=chat_body())).status_code == 200
+    p = orch.requests[0].sampling
+    assert (p.temperature, p.top_p, p.top_k, p.repetition_penalty, p.seed) == (1.0, 1.0, 0, 1.0, None)
+
+
+def test_overrides_replace_only_what_the_stage_sets():
+    base = SamplingParams(max_tokens=9, temperature=0.2, seed=5, top_k=3)
+    got = SamplingOverrides(temperature=0.9, max_tokens=100, noise_scale=0.0).over(base)
+    assert (got.temperature, got.max_tokens, got.seed, got.top_k) == (0.9, 100, 5, 3)
+    assert SamplingOverrides().over(base) is base

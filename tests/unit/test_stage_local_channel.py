@@ -22,7 +22,7 @@ from omni.config import StageConfig
 from omni.engines.base import SamplingParams
 from omni.errors import OmniError, Unavailable
 from omni.master.types import ReplicaInfo, TopologyEvent
-from omni.orchestrator.core import Orchestrator
+from omni.orchestrator.executor import Orchestrator
 from omni.orchestrator.local_channel import LocalStageChannel
 from omni.orchestrator.topology import Topology
 from omni.orchestrator.types import PipelineRequest

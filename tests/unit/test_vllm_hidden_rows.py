@@ -9,11 +9,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from omni.engines import vllm_mm
+from omni.engines.vllm import mm as vllm_mm
 from omni.errors import ConfigError
 
 pytest.importorskip("vllm")
-from omni.engines import vllm_hidden  # noqa: E402
+from omni.engines.vllm import hidden as vllm_hidden  # noqa: E402
 
 
 def _hf(layers=2):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from omni.engines import vllm_mm
+from omni.engines.vllm import mm as vllm_mm
 from omni.engines.base import EngineError, EngineRequest
 from omni.errors import ConfigError
 

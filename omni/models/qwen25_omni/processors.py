@@ -2,22 +2,20 @@
 
 thinker -> talker (`thinker_to_talker`): one continuing talker request, every piece
 `stream=True` (the orchestrator closes it with an empty piece marked final).
-  first piece: `token_ids` = the thinker's prompt ids (`ctx.request_extra["prompt_token_ids"]`,
-    else a `prompt_token_ids` tensor on the thinker's first output, passed on);
-    `extra["speaker"]` = `ctx.request_extra["voice"]` (default "Chelsie");
-    `extra["token_ids"]` = the generated ids.
+  first piece: the prompt, voice (default "Chelsie") and generated ids as for Qwen3-Omni
+    (`omni.processors.first_talker_piece`).
   every piece: the output's `thinker_hidden` tensor (the thinker's final-normed last-layer rows
     for the positions that step computed: the prompt's with the first output, then one per
     fed id) passed on, or `thinker_last_layer` (the same rows before the final norm); the vLLM
     engine's `hidden_rows` (with `hidden_rows_layer: last`: those pre-norm rows) goes on as
-    `thinker_last_layer`. Later pieces carry `extra["token_ids"]` = the new ids.
+    `thinker_last_layer`. Later pieces carry `generated_ids` = the new ids.
 talker -> token2wav (`talker_to_token2wav`): each `codes` chunk as a streamed piece; the
   first names the voice (token2wav conditions on it; the seed comes with the request's sampling).
 """
 
 from __future__ import annotations
 
-from omni.processors import Context, StageInput
+from omni.processors import Context, StageInput, first_talker_piece
 from omni.stage.messages import Output
 
 DEFAULT_SPEAKER = "Chelsie"
@@ -29,22 +27,19 @@ def thinker_to_talker(ctx: Context, state: dict, out: Output) -> list[StageInput
     if "hidden_rows" in out.tensors:
         tensors["thinker_last_layer"] = out.tensors["hidden_rows"]
     if state.get("started"):
-        return [StageInput(extra={"token_ids": ids}, tensors=tensors, stream=True)] if ids or tensors else []
+        return [StageInput(generated_ids=ids, tensors=tensors, stream=True)] if ids or tensors else []
     state["started"] = True
-    extra = {"speaker": ctx.request_extra.get("voice") or DEFAULT_SPEAKER, "token_ids": ids}
-    prompt = ctx.request_extra.get("prompt_token_ids")
-    if prompt is None and "prompt_token_ids" in out.tensors:
+    if "prompt_token_ids" in out.tensors:
         tensors["prompt_token_ids"] = out.tensors["prompt_token_ids"]
-    return [StageInput(token_ids=list(prompt) if prompt is not None else None, tensors=tensors,
-                       extra=extra, stream=True)]
+    return [first_talker_piece(ctx, tensors, ids, DEFAULT_SPEAKER)]
 
 
 def talker_to_token2wav(ctx: Context, state: dict, out: Output) -> list[StageInput]:
     ref = out.tensors.get("codes")
     if ref is None:
         return []
-    extra = {}
+    voice = None
     if not state.get("started"):
         state["started"] = True
-        extra["speaker"] = ctx.request_extra.get("voice") or DEFAULT_SPEAKER
-    return [StageInput(tensors={"codes": ref}, extra=extra, stream=True)]
+        voice = ctx.request.voice or DEFAULT_SPEAKER
+    return [StageInput(tensors={"codes": ref}, voice=voice, stream=True)]

@@ -1,12 +1,12 @@
 """Qwen2.5-Omni talker as an omni Engine (engine name `qwen25_talker`): one codebook, 50 Hz.
 
 Request contract (the Qwen3 talker's, plus the thinker's rows): one continuing request per
-thinker request, fed in pieces with the same request_id; `extra["final"]` (default True)
+thinker request, fed in pieces with the same request_id; `final` (default True)
 marks the last piece.
   first piece   `prompt_token_ids` (or an int tensor `tensors["prompt_token_ids"]`) = the
                 thinker's prompt ids (audio placeholders expanded);
-                `extra["speaker"]` (or `extra["voice"]`): chelsie / ethan, any case (default
-                chelsie, as transformers); `extra["token_ids"]`: the thinker's first generated ids.
+                `voice`: chelsie / ethan, any case (default chelsie, as transformers);
+                `generated_ids`: the thinker's first generated ids.
   every piece   `tensors["thinker_hidden"]` float [n, H_thinker]: the thinker's final-normed
                 last-layer rows (what its lm_head reads), appended in order: one per prompt
                 position, then one per generated id the thinker has fed (a generated id's row
@@ -14,10 +14,10 @@ marks the last piece.
                 embed(id) + row at every position. Or `tensors["thinker_last_layer"]`: the
                 same rows before the final norm (the last layer's residual output), which
                 the talker normalises with the thinker's norm weights.
-  later pieces  generated ids (delta) in `extra["token_ids"]` or `prompt_token_ids`, including
+  later pieces  generated ids (delta) in `generated_ids` or `prompt_token_ids`, including
                 the thinker's EOS if it stopped on it; ids after that EOS are ignored.
-Sampling: `request.sampling` / `extra` as the Qwen3 talker (temperature <= 0 greedy; top_k,
-top_p, seed -> per-request generator; max_tokens = transformers' talker_max_new_tokens);
+Sampling: `request.overrides` over `request.sampling` as the Qwen3 talker (temperature <= 0 greedy; top_k,
+top_p, seed -> the request's own uniforms; max_tokens = transformers' talker_max_new_tokens);
 repetition penalty 1.05 over the codec prompt ids and the codes so far; codec bos suppressed;
 codec eos or pad ends the utterance. Output `tensors["codes"]` int64 [1, n] per chunk.
 `codec_rows`: add the codec pad / bos embeddings to the last two prefill rows as the original
@@ -37,13 +37,13 @@ from omni.models.qwen25_omni.weights import load_speakers, load_talker
 from omni.models.qwen3_omni.codes import Pick, pick, repetition_penalty
 from omni.models.qwen3_omni.sampling import Uniforms
 from omni.models.qwen25_omni.static_step import TEXT, TTS_EOS, TTS_PAD, static_runner25
-from omni.models.qwen3_omni.talker import Qwen3TalkerEngine, _Req
+from omni.models.qwen3_omni.talker import Qwen3TalkerEngine, TalkerRequest
 
 DEFAULT_SPEAKER = "chelsie"     # transformers' generate() default
 
 
 @dataclasses.dataclass
-class _Req25(_Req):
+class _Req25(TalkerRequest):
     rows: list[torch.Tensor] = dataclasses.field(default_factory=list)
     n_rows: int = 0
     speaker_bos: int = 0
@@ -117,13 +117,12 @@ class Qwen25TalkerEngine(Qwen3TalkerEngine):
 
     def _new(self, req: EngineRequest) -> _Req25:
         rid = req.request_id
-        extra = req.extra or {}
         prompt = req.prompt_token_ids
         if prompt is None and "prompt_token_ids" in (req.tensors or {}):
             prompt = torch.as_tensor(req.tensors["prompt_token_ids"]).reshape(-1).tolist()
         if not prompt:
             raise EngineError(f"request {rid}: the first piece needs prompt_token_ids (the thinker's prompt)")
-        name = extra.get("speaker", extra.get("voice")) or DEFAULT_SPEAKER
+        name = req.voice or DEFAULT_SPEAKER
         if not isinstance(name, str) or name.lower() not in self.speakers:
             raise EngineError(f"request {rid}: unknown speaker {name!r}; known speakers: "
                               f"{', '.join(sorted(self.speakers))}")

@@ -2,10 +2,10 @@
 DiT flow matching (RK4, classifier-free guidance) -> mel -> BigVGAN -> 24 kHz float32 audio.
 
 Request contract: one continuing request, pieces with the same request_id carrying
-`tensors["codes"]` int64 [1, n] (or [n]); `extra["final"]` (default True) marks the last
-piece (it may carry no codes). The first piece names the voice (`extra["speaker"]` or
-`extra["voice"]`, chelsie / ethan, default chelsie) and the seed (`extra["seed"]`, else
-`request.sampling.seed`, else a fresh random one). Output: one `tensors["audio"]` float32
+`tensors["codes"]` int64 [1, n] (or [n]); `final` (default True) marks the last
+piece (it may carry no codes). The first piece names the voice (`voice`, chelsie / ethan,
+default chelsie) and the seed (the stage's `seed` override, else `request.sampling.seed`, else
+a fresh random one). Output: one `tensors["audio"]` float32
 1-D at `sample_rate` when the stream is final.
 
 Whole-utterance decode: the DiT's attention reaches one block (24 mel frames = 12 codes)
@@ -89,14 +89,11 @@ class Qwen25Token2WavEngine(Engine):
 
     def _open(self, req: EngineRequest) -> _Stream:
         rid = req.request_id
-        extra = req.extra or {}
-        name = extra.get("speaker", extra.get("voice")) or DEFAULT_SPEAKER
+        name = req.voice or DEFAULT_SPEAKER
         if not isinstance(name, str) or name.lower() not in self.speakers:
             raise EngineError(f"request {rid}: unknown speaker {name!r}; known speakers: "
                               f"{', '.join(sorted(self.speakers))}")
-        seed = extra.get("seed")
-        if seed is None:
-            seed = req.sampling.seed
+        seed = req.effective_sampling().seed
         gen = torch.Generator(device=self.device)
         if seed is None:
             gen.seed()
@@ -111,9 +108,7 @@ class Qwen25Token2WavEngine(Engine):
         rid = request.request_id
         if self._sleeping:
             raise EngineError(f"request {rid}: qwen25_token2wav is asleep (wake_up first)")
-        final = (request.extra or {}).get("final", True)
-        if not isinstance(final, bool):
-            raise EngineError(f"request {rid}: extra.final must be true or false, got {final!r}")
+        final = request.final
         codes = self._codes(request)
         s = self._streams.get(rid)
         if s is not None and s.final:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from omni.engines.base import EngineError
-from omni.models.qwen3_omni.weights import EMBED_KEY, _build, _dtype, load_prefix
+from omni.models.checkpoint import EMBED_KEY, build_module, load_prefix, resolve_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +58,9 @@ def load_talker(folder: str | Path, *, dtype: str | torch.dtype | None = "auto",
     from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniRMSNorm
 
     config = load_config(folder)
-    dt = _dtype(dtype, config)
-    talker = _build(Qwen2_5OmniTalkerForConditionalGeneration, config.talker_config,
-                    load_prefix(folder, "talker."), dt, f"{folder} talker")
+    dt = resolve_dtype(dtype, config)
+    talker = build_module(Qwen2_5OmniTalkerForConditionalGeneration, config.talker_config,
+                          load_prefix(folder, "talker."), dt, f"{folder} talker")
     thinker = load_prefix(folder, "thinker.", names={EMBED_KEY, NORM_KEY})
     text = config.thinker_config.text_config
     norm = Qwen2_5OmniRMSNorm(text.hidden_size, eps=text.rms_norm_eps)
@@ -75,6 +75,6 @@ def load_token2wav(folder: str | Path, *, device: str = "cpu"):
     from transformers import Qwen2_5OmniToken2WavModel
 
     config = load_config(folder)
-    model = _build(Qwen2_5OmniToken2WavModel, config.token2wav_config, load_prefix(folder, "token2wav."),
-                   torch.float32, f"{folder} token2wav")
+    model = build_module(Qwen2_5OmniToken2WavModel, config.token2wav_config, load_prefix(folder, "token2wav."),
+                         torch.float32, f"{folder} token2wav")
     return config, model.to(device)

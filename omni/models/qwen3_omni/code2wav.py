@@ -2,7 +2,7 @@
 24 kHz float32 waveform, streamed.
 
 Request contract: one continuing request, pieces with the same request_id carrying
-`tensors["codes"]` int64 [16, n] (or [1, 16, n]); `extra["final"]` (default True)
+`tensors["codes"]` int64 [16, n] (or [1, 16, n]); `final` (default True)
 marks the last piece (it may carry no codes). Output: `tensors["audio"]` float32 1-D
 chunks at `Qwen3Code2WavEngine.sample_rate` (24000 Hz, from the checkpoint: 1920
 samples per 80 ms frame); finished on the last.
@@ -110,9 +110,7 @@ class Qwen3Code2WavEngine(Engine):
         rid = request.request_id
         if self._sleeping:
             raise EngineError(f"request {rid}: qwen3_code2wav is asleep (wake_up first)")
-        final = (request.extra or {}).get("final", True)
-        if not isinstance(final, bool):
-            raise EngineError(f"request {rid}: extra.final must be true or false, got {final!r}")
+        final = request.final
         codes = self._codes(request)
         s = self._streams.get(rid)
         if s is not None and s.final:

@@ -2,22 +2,22 @@
 
 thinker -> talker (`thinker_to_talker`): one continuing talker request, every piece
 `stream=True` (the orchestrator closes it with an empty piece marked final).
-  first piece: `token_ids` = the thinker's prompt ids (what the talker engine reads as
-    `prompt_token_ids`), taken from `ctx.request_extra["prompt_token_ids"]`; else the
-    thinker's first output must carry a `prompt_token_ids` tensor (int64 [n]), passed on
-    as is. `extra["speaker"]` = `ctx.request_extra["voice"]` (default "ethan");
-    `extra["token_ids"]` = the thinker's first generated ids; a `mm_hidden` tensor on
-    that output (the thinker's layer-k rows at the prompt's audio positions) is passed on.
-    With `ctx.request_extra["num_audio_inputs"]` > 0 (the prompt has audio), the
-    generated ids are held until an output carries `mm_hidden` (or the thinker finishes).
-  later pieces: `extra["token_ids"]` = each output's generated ids (delta, including
-    the thinker's EOS token when it stopped on it).
+  first piece: the thinker's prompt ids as it expanded them: the `prompt_token_ids` tensor
+    (int64 [n]) of its first output, passed on as is, else (a thinker that does not expand)
+    the request's own `prompt_token_ids` as `token_ids` (what the talker reads as
+    `prompt_token_ids`). `voice` = the request's voice (default "ethan"); `generated_ids` =
+    the thinker's first generated ids; a `mm_hidden` tensor on that output (the thinker's
+    layer-k rows at the prompt's audio positions) is passed on. With audio in the prompt
+    (`request.num_audio_inputs` > 0), the generated ids are held until an output carries
+    `mm_hidden` (or the thinker finishes).
+  later pieces: `generated_ids` = each output's generated ids (delta, including the
+    thinker's EOS token when it stopped on it).
 talker -> code2wav (`talker_to_code2wav`): each `codes` chunk as a streamed piece.
 """
 
 from __future__ import annotations
 
-from omni.processors import Context, StageInput
+from omni.processors import Context, StageInput, first_talker_piece
 from omni.stage.messages import Output
 
 DEFAULT_SPEAKER = "ethan"
@@ -26,20 +26,14 @@ DEFAULT_SPEAKER = "ethan"
 def thinker_to_talker(ctx: Context, state: dict, out: Output) -> list[StageInput]:
     ids = list(out.token_ids)
     if state.get("started"):
-        return [StageInput(extra={"token_ids": ids}, stream=True)] if ids else []
-    expect_rows = ctx.request_extra.get("mm_hidden_expected") or ctx.request_extra.get("num_audio_inputs")
-    if expect_rows and "mm_hidden" not in out.tensors and not out.finished:
+        return [StageInput(generated_ids=ids, stream=True)] if ids else []
+    if ctx.request.num_audio_inputs and "mm_hidden" not in out.tensors and not out.finished:
         state.setdefault("held", []).extend(ids)    # the talker cannot prefill without those rows
         return []
     ids = state.pop("held", []) + ids
     state["started"] = True
-    extra = {"speaker": ctx.request_extra.get("voice") or DEFAULT_SPEAKER, "token_ids": ids}
-    tensors = {k: out.tensors[k] for k in ("mm_hidden",) if k in out.tensors}
-    prompt = ctx.request_extra.get("prompt_token_ids")
-    if prompt is None and "prompt_token_ids" in out.tensors:
-        tensors["prompt_token_ids"] = out.tensors["prompt_token_ids"]
-    return [StageInput(token_ids=list(prompt) if prompt is not None else None, tensors=tensors,
-                       extra=extra, stream=True)]
+    tensors = {k: out.tensors[k] for k in ("mm_hidden", "prompt_token_ids") if k in out.tensors}
+    return [first_talker_piece(ctx, tensors, ids, DEFAULT_SPEAKER)]
 
 
 def talker_to_code2wav(ctx: Context, state: dict, out: Output) -> list[StageInput]:

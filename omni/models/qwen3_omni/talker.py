@@ -1,24 +1,22 @@
 """Qwen3-Omni talker + code predictor as an omni Engine (engine name `qwen3_talker`).
 
 Request contract: one continuing request per thinker request, fed in pieces with the
-same request_id; `extra["final"]` (default True) marks the last piece.
+same request_id; `final` (default True) marks the last piece.
   first piece   `prompt_token_ids` (or an int tensor `tensors["prompt_token_ids"]`) = the
                 thinker's prompt ids (audio placeholders expanded, ending with the
                 `<|im_start|>assistant\\n` header);
-                `extra["speaker"]` (or `extra["voice"]`): chelsie / ethan / aiden, any case
-                (default ethan, as transformers);
+                `voice`: chelsie / ethan / aiden, any case (default ethan, as transformers);
                 optional `tensors["mm_hidden"]` float [n_mm, H_thinker]: the thinker's
                 layer-`accept_hidden_layer` rows at every audio/image/video placeholder
                 of the prompt, in order (audio only: image/video need 3-D positions);
-                `extra["token_ids"]`: the thinker's first generated ids (may be empty).
-  later pieces  generated ids (delta) in `extra["token_ids"]`, or in `prompt_token_ids`
+                `generated_ids`: the thinker's first generated ids (may be empty).
+  later pieces  generated ids (delta) in `generated_ids`, or in `prompt_token_ids`
                 (where the orchestrator puts a StageInput's `token_ids`), including the
                 thinker's EOS if it stopped on it; ids after that EOS are ignored.
-Sampling: `request.sampling` (temperature <= 0 is greedy; top_k, top_p, seed ->
-a per-request generator; max_tokens = the talker's max new tokens, as transformers'
-`talker_max_new_tokens`: at most max_tokens - 1 frames), each overridable by the same
-key in `extra` (stage defaults arrive there); `extra["repetition_penalty"]` else the
-engine's (1.05). Residual codes: greedy when code 0 is, else top_k 50 / top_p 0.8.
+Sampling: `request.overrides` (the stage's defaults) over `request.sampling` (temperature
+<= 0 is greedy; top_k, top_p, seed -> the request's own uniforms; max_tokens = the talker's max
+new tokens, as transformers' `talker_max_new_tokens`: at most max_tokens - 1 frames);
+repetition_penalty from the overrides, else the engine's (1.05). Residual codes: greedy when code 0 is, else top_k 50 / top_p 0.8.
 Output: `tensors["codes"]` int64 [16, n] per chunk (first `first_chunk_frames`, then
 `chunk_frames`); finished at codec EOS ("stop") or max_tokens ("length").
 
@@ -26,6 +24,11 @@ The talker prefills once it has the first generated id and then takes one traili
 text row per step; a request whose next id has not arrived (stream not final)
 skips the step while others go on. Sleep moves the weights to host memory when idle;
 on CPU there is no device memory to free, so it refuses.
+
+Decode paths: the static step (default; omni/models/qwen3_omni/slots.py, static_step.py:
+`max_num_seqs` slots of `max_model_len` positions, CUDA graphs unless `enforce_eager`, MoE
+formulation `moe_impl`) or, with `static_decode: false`, transformers' modules with a
+DynamicCache per request (the reference it is tested against).
 """
 
 from __future__ import annotations
@@ -58,14 +61,14 @@ _IN_BATCH = object()      # a request's cache while its rows live in the batch c
 
 @dataclasses.dataclass
 class _Batch:
-    reqs: tuple["_Req", ...]
+    reqs: tuple["TalkerRequest", ...]
     cache: Any                # DynamicCache [B, kv_heads, width, head_dim] per layer, left-padded
     lengths: list[int]        # real positions per row
     width: int
 
 
 @dataclasses.dataclass
-class _Req:
+class TalkerRequest:
     rid: str
     prompt: list[int]
     speaker_id: int
@@ -88,11 +91,6 @@ class _Req:
     error: str | None = None
     slot: int | None = None           # static step: the request's slot, and its next position there
     pos: int = 0
-
-
-def _opt(req: EngineRequest, key: str, default):
-    value = (req.extra or {}).get(key)
-    return default if value is None else value
 
 
 class Qwen3TalkerEngine(Engine):
@@ -126,7 +124,7 @@ class Qwen3TalkerEngine(Engine):
         self._suppress = suppress_mask(vocab, self.ids.codec_eos, self.device)
         with torch.no_grad():
             self._tts = edges.tts_rows(self.talker, self.embed, self.ids)
-        self._reqs: collections.OrderedDict[str, _Req] = collections.OrderedDict()
+        self._reqs: collections.OrderedDict[str, TalkerRequest] = collections.OrderedDict()
         self._stats: collections.Counter = collections.Counter()
         self._sleeping = False
         self._batch: _Batch | None = None
@@ -140,15 +138,14 @@ class Qwen3TalkerEngine(Engine):
 
     # -- requests ------------------------------------------------------------
 
-    def _new(self, req: EngineRequest) -> _Req:
+    def _new(self, req: EngineRequest) -> TalkerRequest:
         rid = req.request_id
-        extra = req.extra or {}
         prompt = req.prompt_token_ids
         if prompt is None and "prompt_token_ids" in (req.tensors or {}):
             prompt = torch.as_tensor(req.tensors["prompt_token_ids"]).reshape(-1).tolist()
         if not prompt:
             raise EngineError(f"request {rid}: the first piece needs prompt_token_ids (the thinker's prompt)")
-        name = extra.get("speaker", extra.get("voice")) or DEFAULT_SPEAKER
+        name = req.voice or DEFAULT_SPEAKER
         known = ", ".join(sorted(self.ids.speakers))
         if not isinstance(name, str) or name.lower() not in self.ids.speakers:
             raise EngineError(f"request {rid}: unknown speaker {name!r}; known speakers: {known}")
@@ -177,21 +174,16 @@ class Qwen3TalkerEngine(Engine):
         temperature, top_k, top_p, max_tokens, penalty, seed = self._sampling(req, rid)
         code0 = Pick(temperature, top_k, top_p)
         uniforms = None if code0.greedy else Uniforms(seed, self.config.talker_config.num_code_groups)
-        return _Req(rid, prompt, self.ids.speakers[name.lower()], hidden, code0, uniforms, penalty, max_tokens)
+        return TalkerRequest(rid, prompt, self.ids.speakers[name.lower()], hidden, code0, uniforms, penalty,
+                             max_tokens)
 
     def _sampling(self, req: EngineRequest, rid: str) -> tuple[float, int, float, int, float, int | None]:
-        """The talker's sampling options (stage defaults in `extra` over the request's own), checked,
-        and the seed (None: unseeded)."""
-        s = req.sampling
-        try:
-            temperature = float(_opt(req, "temperature", s.temperature))
-            top_k, top_p = int(_opt(req, "top_k", s.top_k)), float(_opt(req, "top_p", s.top_p))
-            max_tokens = int(_opt(req, "max_tokens", s.max_tokens))
-            penalty = float(_opt(req, "repetition_penalty", self.repetition_penalty))
-            seed = _opt(req, "seed", s.seed)
-            seed = None if seed is None else int(seed)
-        except (TypeError, ValueError) as e:
-            raise EngineError(f"request {rid}: bad sampling option: {e}") from None
+        """The talker's sampling options (the stage's own over the request's), checked, and the seed
+        (None: unseeded)."""
+        s = req.effective_sampling()
+        temperature, top_k, top_p, max_tokens, seed = s.temperature, s.top_k, s.top_p, s.max_tokens, s.seed
+        penalty = req.overrides.repetition_penalty
+        penalty = self.repetition_penalty if penalty is None else penalty
         if not (math.isfinite(temperature) and top_k >= 0 and 0 < top_p <= 1 and max_tokens >= 1
                 and math.isfinite(penalty) and penalty > 0):
             raise EngineError(f"request {rid}: sampling needs a finite temperature, top_k >= 0, "
@@ -214,12 +206,9 @@ class Qwen3TalkerEngine(Engine):
         rid = request.request_id
         if self._sleeping:
             raise EngineError(f"request {rid}: qwen3_talker is asleep (wake_up first)")
-        extra = request.extra or {}
-        final = extra.get("final", True)
-        if not isinstance(final, bool):
-            raise EngineError(f"request {rid}: extra.final must be true or false, got {final!r}")
+        final = request.final
         r = self._reqs.get(rid)
-        delta = extra.get("token_ids")
+        delta = request.generated_ids
         if r is None:
             r = self._new(request)
         else:
@@ -239,13 +228,13 @@ class Qwen3TalkerEngine(Engine):
 
     # -- stepping --------------------------------------------------------------
 
-    def _text(self, r: _Req) -> tuple[list[int], bool]:
+    def _text(self, r: TalkerRequest) -> tuple[list[int], bool]:
         if r.text is None:       # recomputed only after a new piece
             r.text = edges.trailing_ids(r.generated, self.text_eos)
         trailing, ended = r.text
         return trailing, ended or r.final
 
-    def _next_text_row(self, r: _Req) -> torch.Tensor | None:
+    def _next_text_row(self, r: TalkerRequest) -> torch.Tensor | None:
         """The trailing text row for decode step `r.step`, or None while it has not arrived."""
         trailing, closed = self._text(r)
         if r.step < len(trailing):
@@ -254,17 +243,17 @@ class Qwen3TalkerEngine(Engine):
             return None
         return self._tts[1] if r.step == len(trailing) else self._tts[2]
 
-    def _can_prefill(self, r: _Req) -> bool:
+    def _can_prefill(self, r: TalkerRequest) -> bool:
         return (r.cache is None and r.done is None and bool(r.generated)
                 and (self._static is None or self._static.free() > 0))
 
-    def _can_decode(self, r: _Req) -> bool:
+    def _can_decode(self, r: TalkerRequest) -> bool:
         if r.cache is None or r.done is not None or r.next_codec is None:
             return False
         trailing, closed = self._text(r)
         return closed or r.step < len(trailing)
 
-    def _ready(self, r: _Req) -> bool:
+    def _ready(self, r: TalkerRequest) -> bool:
         if r.done is not None:
             return True
         if r.cache is None and r.final and not r.generated:
@@ -276,7 +265,7 @@ class Qwen3TalkerEngine(Engine):
         if self._static is not None:
             return self._static.engine_step()
         t0 = time.perf_counter()
-        chosen: list[_Req] = []
+        chosen: list[TalkerRequest] = []
         logits: list[torch.Tensor] = []
         hidden: list[torch.Tensor] = []
         decode = []
@@ -307,7 +296,7 @@ class Qwen3TalkerEngine(Engine):
             self._stats["talker_steps"] += 1
         return self._emit()
 
-    def _prefill(self, r: _Req) -> torch.Tensor | None:
+    def _prefill(self, r: TalkerRequest) -> torch.Tensor | None:
         from transformers import DynamicCache
 
         try:
@@ -321,7 +310,7 @@ class Qwen3TalkerEngine(Engine):
         return self.talker.model(inputs_embeds=x[None], past_key_values=r.cache,
                                  use_cache=True).last_hidden_state[0, -1]
 
-    def _decode(self, reqs: list[_Req], x: torch.Tensor) -> torch.Tensor:
+    def _decode(self, reqs: list[TalkerRequest], x: torch.Tensor) -> torch.Tensor:
         """One talker forward for one new row per request (x [B, H]) -> last normed hidden [B, H].
 
         Several requests decode in one batch cache: their caches left-padded and masked. The
@@ -347,7 +336,7 @@ class Qwen3TalkerEngine(Engine):
         self._stats["batched_decodes"] += 1
         return h
 
-    def _make_batch(self, reqs: list[_Req]) -> "_Batch":
+    def _make_batch(self, reqs: list[TalkerRequest]) -> "_Batch":
         from transformers import DynamicCache
 
         lengths = [r.cache.get_seq_length() for r in reqs]
@@ -379,7 +368,7 @@ class Qwen3TalkerEngine(Engine):
                 cache.update(layer.keys[row:row + 1, :, start:], layer.values[row:row + 1, :, start:], i)
             r.cache = cache
 
-    def _sample(self, chosen: list[_Req], logits: list[torch.Tensor], hidden: list[torch.Tensor]) -> None:
+    def _sample(self, chosen: list[TalkerRequest], logits: list[torch.Tensor], hidden: list[torch.Tensor]) -> None:
         go, go_hidden = [], []
         for r, row, h in zip(chosen, logits, hidden):
             row = repetition_penalty(row, r.history, r.penalty)

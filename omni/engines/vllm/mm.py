@@ -6,10 +6,10 @@ The request contract (see VllmEngine's docstring for the whole of it):
   text) because tokenization stays in the frontends, as for text-only prompts.
 - `tensors["audio_0"]`, `tensors["audio_1"]`, ...: float32 mono waveforms at 16 kHz, 1-D, in the
   order of their placeholders. Images and video are refused by name.
-- `extra["emit_prompt_ids"]`: the first output carries `tensors["prompt_token_ids"]` (int64), the
+- `request.emit_prompt_ids`: the first output carries `tensors["prompt_token_ids"]` (int64), the
   prompt as vLLM expanded it (the talker needs the audio positions).
 - With `engine_args.mm_hidden_layer`, the first output of a prompt with audio also carries
-  `tensors["mm_hidden"]` (vllm_hidden.py).
+  `tensors["mm_hidden"]` (hidden.py).
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ def enable_hidden_capture(label: str, layer: Any, hf_config: Any, vllm_args: dic
     if taken:
         raise ConfigError(f"{label}: engine_args.{flag} uses vLLM's {' and '.join(taken)}; "
                           f"remove them or {flag}")
-    from omni.engines import vllm_hidden
+    from omni.engines.vllm import hidden as vllm_hidden
 
     reader = vllm_hidden.HiddenStatesReader()
     vllm_args.update(vllm_hidden.engine_args(layer, rows_layer, str(reader.dir)))
@@ -150,7 +150,7 @@ def enable_hidden_capture(label: str, layer: Any, hf_config: Any, vllm_args: dic
 
 
 def hidden_request_args(file_name: str | None, rows_stem: str | None = None) -> dict[str, Any]:
-    from omni.engines import vllm_hidden
+    from omni.engines.vllm import hidden as vllm_hidden
 
     params = {}
     if file_name is not None:

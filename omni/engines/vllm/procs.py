@@ -15,10 +15,10 @@ import signal
 
 from omni.deathsig import PARENT_ENV, children_die_with_us
 
-# Architectures whose vLLM class omni replaces with a subclass (omni/engines/vllm_models.py).
+# Architectures whose vLLM class omni replaces with a subclass (omni/engines/vllm/models.py).
 MODEL_OVERRIDES = {
     # vLLM's Qwen2.5-Omni thinker without the EAGLE-3 interface cannot hand out hidden states.
-    "Qwen2_5OmniForConditionalGeneration": "omni.engines.vllm_models:Qwen25OmniThinker",
+    "Qwen2_5OmniForConditionalGeneration": "omni.engines.vllm.models:Qwen25OmniThinker",
 }
 
 

@@ -1,5 +1,5 @@
 """The audio stages on onnxruntime: talker (text -> latent frames) and code2wav
-(latent frames -> waveform), built from a voice split by omni.models.piper_voice.
+(latent frames -> waveform), built from a voice split by omni.models.piper.voice.
 
 Both engines do one unit of work per `step()` and serve requests round-robin:
 the talker synthesises one sentence of one request, code2wav decodes one chunk
@@ -11,7 +11,7 @@ Wire contract between the two (see `code2wav_request`):
   talker output   tensors={"latents": float32 [1, C, T]}, one output per
                   sentence, finished=True on the last one;
   code2wav input  the same request_id for every piece, tensors={"latents": ...},
-                  extra={"final": bool} (default True: a one-shot request);
+                  final (default True: a one-shot request);
   code2wav output tensors={"audio": float32 [n]} per chunk, finished on the last.
 Code2WavEngine.has_unfinished() is true only while a step can make progress;
 a stream waiting for its next piece counts in num_waiting()/has_open_streams().
@@ -25,14 +25,13 @@ import logging
 import math
 import os
 import time
-from typing import Any
 
 import numpy as np
 import torch
 
 from omni.engines.base import Engine, EngineError, EngineOutput, EngineRequest
 from omni.engines.onnx_session import make_session
-from omni.models.piper_voice import LATENT_NAME, Phonemizer, VoicePaths
+from omni.models.piper.voice import LATENT_NAME, Phonemizer, VoicePaths
 
 logger = logging.getLogger(__name__)
 
@@ -43,9 +42,8 @@ def _voice_paths(voice: str | os.PathLike | VoicePaths) -> VoicePaths:
     return voice if isinstance(voice, VoicePaths) else VoicePaths.from_dir(voice)
 
 
-def _number(extra: dict[str, Any], key: str, default: float, lo: float, hi: float,
+def _number(value: float | None, key: str, default: float, lo: float, hi: float,
             request_id: str) -> float:
-    value = extra.get(key)
     if value is None:
         return default
     try:
@@ -90,8 +88,7 @@ class TalkerEngine(Engine):
         rid = request.request_id
         if rid in self._jobs:
             raise EngineError(f"request {rid}: already running")
-        extra = request.extra or {}
-        voice = extra.get("voice", self.voice)
+        voice = request.voice or self.voice
         if voice != self.voice:
             raise EngineError(f"request {rid}: unknown voice {voice!r}; this talker serves {self.voice!r}")
         text = request.text
@@ -101,11 +98,12 @@ class TalkerEngine(Engine):
             raise EngineError(f"request {rid}: text has {len(text)} characters, "
                               f"the limit is {self.max_text_chars}")
         noise, length, noise_w = self._defaults
-        speed = _number(extra, "speed", 1.0, 0.1, 10.0, rid)
+        speed = _number(request.speed, "speed", 1.0, 0.1, 10.0, rid)
+        own = request.overrides
         scales = np.array([
-            _number(extra, "noise_scale", noise, 0.0, 2.0, rid),
+            _number(own.noise_scale, "noise_scale", noise, 0.0, 2.0, rid),
             length / speed,      # speed 2 = half the phoneme durations
-            _number(extra, "noise_w_scale", noise_w, 0.0, 2.0, rid),
+            _number(own.noise_w_scale, "noise_w_scale", noise_w, 0.0, 2.0, rid),
         ], dtype=np.float32)
         sentences = self._phonemizer.sentences(text)
         if not sentences:
@@ -251,9 +249,7 @@ class Code2WavEngine(Engine):
 
     def add_request(self, request: EngineRequest) -> None:
         rid = request.request_id
-        final = (request.extra or {}).get("final", True)
-        if not isinstance(final, bool):
-            raise EngineError(f"request {rid}: extra.final must be true or false, got {final!r}")
+        final = request.final
         latents = self._latents(request)
         stream = self._streams.get(rid)
         if stream is not None and stream.final:
@@ -353,4 +349,4 @@ def code2wav_request(talker_output: EngineOutput, request_id: str | None = None)
     if "latents" in talker_output.tensors:
         tensors["latents"] = talker_output.tensors["latents"]
     return EngineRequest(request_id=request_id or talker_output.request_id, tensors=tensors,
-                         extra={"final": bool(talker_output.finished)})
+                         final=bool(talker_output.finished))

@@ -179,6 +179,11 @@ def _progress(msg: str, *args: Any) -> None:
     print("[omni] " + msg % args, file=sys.stderr, flush=True)
 
 
+def voice_dir(name: str) -> Path:
+    """The split voice's folder (the piper engines' weights; omni/models/registry.py)."""
+    return prepare_voice(name).dir
+
+
 def prepare_voice(name: str = "joe", cache_dir: str | os.PathLike | None = None,
                   lock_timeout_s: float = 600.0) -> VoicePaths:
     """Split a built-in voice into talker/code2wav once; return where they are."""

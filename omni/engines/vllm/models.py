@@ -1,4 +1,4 @@
-"""vLLM model classes omni registers in place of vLLM's own (vllm_procs.MODEL_OVERRIDES).
+"""vLLM model classes omni registers in place of vLLM's own (procs.MODEL_OVERRIDES).
 
 Imported only inside vLLM's processes, by the registry, when it builds or inspects the model.
 """
@@ -13,4 +13,4 @@ class Qwen25OmniThinker(Qwen2_5OmniThinkerForConditionalGeneration, SupportsEagl
     """vLLM's Qwen2.5-Omni thinker declaring the EAGLE-3 aux hidden-state interface: its Qwen2
     decoder already collects the rows of the layers asked for (index k: the residual stream
     entering layer k; num_hidden_layers: the last layer's output before the final norm) and its
-    forward returns them, so `extract_hidden_states` can capture them (vllm_hidden.py)."""
+    forward returns them, so `extract_hidden_states` can capture them (hidden.py)."""

@@ -7,22 +7,22 @@ monitors). Token ids go in and come out; tokenization stays in the frontends
 EngineCore produced since the previous step.
 
 Multi-modal models (Qwen3-Omni: vLLM runs its thinker) load the tokenizer, which vLLM's
-processor needs to expand placeholders. Request contract (checked in vllm_mm.py):
+processor needs to expand placeholders. Request contract (checked in mm.py):
 - `prompt_token_ids`: token ids, one `<|audio_start|><|audio_pad|><|audio_end|>` per audio
   (the frontends tokenize; the single pad is expanded by vLLM to the audio tower's length).
 - `tensors["audio_<i>"]`: float32 mono waveform at 16 kHz, 1-D, i = 0.. in placeholder order.
   Images and video are refused by name.
-- `extra["emit_prompt_ids"]`: the first output carries `tensors["prompt_token_ids"]` (int64),
+- `request.emit_prompt_ids`: the first output carries `tensors["prompt_token_ids"]` (int64),
   the prompt as vLLM expanded it.
 - With `engine_args.mm_hidden_layer` (k, or "talker": the talker's accept_hidden_layer), the
   first output of a prompt with audio carries `tensors["mm_hidden"]` (float, [n_audio_positions,
-  hidden]): transformers' `hidden_states[k]` at its `<|audio_pad|>` positions (vllm_hidden.py).
+  hidden]): transformers' `hidden_states[k]` at its `<|audio_pad|>` positions (hidden.py).
   Text-only prompts capture nothing.
 - With `engine_args.hidden_rows_layer` (k, or "last": the last layer's output before the final
-  norm), a request whose `extra["audio_out"]` is true gets, on each output, `tensors["hidden_rows"]`
+  norm), a request whose `audio_out` is true gets, on each output, `tensors["hidden_rows"]`
   (float [n, hidden]): layer k's rows of the tokens fed since, the prompt's with the first output,
   then one per generated id that was fed (an id's row comes with a later output; the last id is
-  never fed). Qwen2.5-Omni's talker reads them (vllm_hidden.RowStream).
+  never fed). Qwen2.5-Omni's talker reads them (hidden.RowStream).
 
 Liveness: vLLM's monitor thread marks the client dead when the EngineCore
 process exits, but a blocked `get_output()` would then wait forever. So step()
@@ -47,9 +47,9 @@ import torch
 
 from omni import latency_trace
 from omni.config import DeployConfig, StageConfig
-from omni.engines import vllm_mm
-from omni.engines.vllm_outputs import OutputWaiter
-from omni.engines.vllm_procs import describe_exit, engine_core_dies_with_us
+from omni.engines.vllm import mm as vllm_mm
+from omni.engines.vllm.outputs import OutputWaiter
+from omni.engines.vllm.procs import describe_exit, engine_core_dies_with_us
 from omni.engines.base import Engine, EngineError, EngineOutput, EngineRequest, SamplingParams
 from omni.engines.logprobs import from_vllm
 from omni.errors import ConfigError
@@ -59,7 +59,7 @@ logger = logging.getLogger(__name__)
 # Engine args omni itself understands (not vLLM's): CPU threads of the EngineCore.
 # mm_hidden_layer: capture hidden_states[k] at multi-modal prompt positions ("talker": the
 # model's talker_config.accept_hidden_layer), delivered as mm_hidden with the first output.
-# emit_prompt_ids: every request's first output carries its prompt ids (as extra.emit_prompt_ids does).
+# emit_prompt_ids: every request's first output carries its prompt ids (as a request's emit_prompt_ids does).
 # hidden_rows_layer: every fed token's rows at layer k ("last": before the final norm) for audio_out requests.
 OMNI_ARGS = ("num_threads", "mm_hidden_layer", "emit_prompt_ids", "hidden_rows_layer")
 # Env defaults for the EngineCore (read by vLLM at import and in its children).
@@ -86,7 +86,7 @@ class _Live:
     started: bool = False
     emit_prompt_ids: bool = False
     hidden_name: str | None = None   # the mm_hidden file vLLM writes once the prefill is done
-    rows: Any = None                 # a vllm_hidden.RowStream for hidden_rows
+    rows: Any = None                 # a hidden.RowStream for hidden_rows
     n_tokens: int = 0                # prompt (as vLLM expanded it) + generated so far
     logprobs: int | None = None      # the request's top-k, when it asked for logprobs
 
@@ -179,14 +179,14 @@ class VllmEngine(Engine):
 
         from vllm.v1.engine.llm_engine import LLMEngine
 
-        from omni.engines.vllm_procs import register_models
+        from omni.engines.vllm.procs import register_models
 
         register_models()   # before vLLM inspects the architecture
         t0 = time.monotonic()
         engine_args, vllm_config = _engine_config(stage.label, model_path, vllm_args, skip_tokenizer=True)
         self._mm_tokens: vllm_mm.MmTokens | None = None
         self._mm_limits: dict[str, int] = {}
-        self._hidden = None   # a vllm_hidden.HiddenStatesReader while capture is on
+        self._hidden = None   # a hidden.HiddenStatesReader while capture is on
         self._rows_on = False
         if vllm_config.model_config.is_multimodal_model:
             # vLLM's multi-modal processors need the tokenizer (to expand placeholders);
@@ -279,7 +279,7 @@ class VllmEngine(Engine):
         n_audio = 0
         if self._mm_tokens is not None:
             vllm_prompt, n_audio = vllm_mm.build_prompt(request, prompt, self._mm_tokens, self._mm_limits)
-        p = request.sampling
+        p = request.effective_sampling()
         if p.max_tokens < 1:
             raise EngineError(f"request {rid!r}: max_tokens must be >= 1, got {p.max_tokens}")
         from vllm.exceptions import VLLMClientError
@@ -290,7 +290,7 @@ class VllmEngine(Engine):
             hidden_name, rows = None, None
             if n_audio and self._hidden is not None:   # only prompts with audio pay for it
                 hidden_name = self._hidden.new_name()
-            if self._rows_on and request.extra.get("audio_out"):   # only requests that will speak
+            if self._rows_on and request.audio_out:   # only requests that will speak
                 rows = self._hidden.new_stream()
             if hidden_name is not None or rows is not None:
                 params.extra_args = vllm_mm.hidden_request_args(hidden_name, rows and rows.stem)
@@ -301,7 +301,8 @@ class VllmEngine(Engine):
             # Fails this request; the next step() reports the death (has_unfinished says so).
             self._dead = self._dead or "the EngineCore reported itself dead"
             raise EngineError(f"{self.label}: vLLM EngineCore died: {self._dead}") from None
-        self._live[rid] = _Live(len(prompt), emit_prompt_ids=bool(request.extra.get("emit_prompt_ids", self._emit_prompt_ids)),
+        self._live[rid] = _Live(len(prompt), emit_prompt_ids=(self._emit_prompt_ids if request.emit_prompt_ids is None
+                                                                 else request.emit_prompt_ids),
                                 hidden_name=hidden_name, rows=rows, logprobs=p.logprobs)
         self._prompt_tokens += len(prompt)
 
@@ -390,7 +391,7 @@ class VllmEngine(Engine):
         return outputs
 
     def _attach_mm_hidden(self, out: EngineOutput, name: str, finished: bool) -> None:
-        """The file is complete before the first token leaves vLLM's worker (vllm_hidden.py)."""
+        """The file is complete before the first token leaves vLLM's worker (hidden.py)."""
         rows = self._hidden.take(name)
         if rows is not None:
             out.tensors = {**out.tensors, "mm_hidden": rows}

@@ -5,16 +5,15 @@ Random weights (seeded, ~3 M parameters), the real module classes, the real code
 Ethan in `spk_dict.pt` as the real checkpoint has them (`cond`, `ref_mel`, `bos_token`),
 the Qwen3 builder's byte-level BPE tokenizer trained with Qwen2.5's special tokens, and
 the processor files vLLM needs for audio input. Same seed -> byte-identical files.
-`python -m omni.models.qwen25_omni_tiny DIR`.
+`python -m omni.models.qwen25_omni.tiny DIR`.
 """
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 
-from omni.models.qwen3_omni_tiny import VOCAB, build_tokenizer, write_processor_files
+from omni.models import tiny_folder
+from omni.models.tiny_folder import VOCAB
 
 SPECIALS = (
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>",
@@ -138,21 +137,16 @@ def build(out: str | Path, seed: int = 0) -> Path:
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    build_tokenizer(out, seed, specials=SPECIALS, chat_template=CHAT_TEMPLATE, extra_special_tokens=EXTRA_SPECIALS)
+    tiny_folder.build_tokenizer(out, seed, specials=SPECIALS, chat_template=CHAT_TEMPLATE, extra_special_tokens=EXTRA_SPECIALS)
     tok = AutoTokenizer.from_pretrained(out)
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIALS + ROLES}
     config = build_config(ids)
     torch.manual_seed(seed)
     model = Qwen2_5OmniForConditionalGeneration(config).to(torch.float32)
     _init_weights(model, seed)
-    model.save_pretrained(out, max_shard_size="20MB")
     torch.save(_speakers(config, seed), out / "spk_dict.pt")
-    write_processor_files(out, "Qwen2_5OmniProcessor", patch_size=14)
-    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": ids["<|im_end|>"]}))
-    return out
+    return tiny_folder.save(model, out, ids["<|im_end|>"], "Qwen2_5OmniProcessor", patch_size=14)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m omni.models.qwen25_omni_tiny DIR")
-    print(build(sys.argv[1]))
+    tiny_folder.main(build, "omni.models.qwen25_omni.tiny")

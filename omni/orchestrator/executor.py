@@ -1,0 +1,320 @@
+"""Orchestrator: one per frontend process.
+
+It owns the stage channels, the topology subscription and each request's queue, and
+carries out what the socket-free core (omni/orchestrator/core.py) decides: stage
+outputs, stage errors, replicas that go away and clients that leave are fed to the
+core as events; the actions it returns (send, free, abort, emit, fail, finished) are
+applied here, in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, AsyncIterator, Callable
+
+import msgspec
+import numpy as np
+import zmq.asyncio
+
+from omni.config import DeployConfig
+from omni.errors import OmniError, RequestTimeout, StageFailed, Unavailable
+from omni.master.types import ReplicaInfo, TopologyEvent
+from omni.metrics import labels
+from omni.orchestrator import events as ev
+from omni.orchestrator.channel import BaseChannel, StageChannel
+from omni.orchestrator.local_channel import LocalStageChannel
+from omni.orchestrator.core import OrchestratorCore, load_processor
+from omni.orchestrator.metrics import OrchestratorMetrics
+from omni.orchestrator.topology import GONE, Topology
+from omni.orchestrator.types import PipelineOutput, PipelineRequest
+from omni.stage import messages as m
+from omni.stage.local_link import local_enabled, same_host_name
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Orchestrator", "load_processor"]
+
+
+class _Sink:
+    """Where one request's outputs wait for its generator."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.finished = False
+
+
+class Orchestrator:
+    def __init__(
+        self,
+        config: DeployConfig,
+        *,
+        frontend_id: str,
+        topology: Topology,
+        detokenize: Callable[[list[int]], str],
+        consumer: Any = None,
+        token: str = "",
+        host: str = "127.0.0.1",
+        master: Any = None,
+        choose_transport: Callable[[str, str, str | None], str] | None = None,
+    ):
+        self.config = config
+        self.frontend_id = frontend_id
+        self.metrics_label: str | None = None
+        self.topology = topology
+        self.consumer = consumer
+        self.token = token
+        self.host = host
+        self.master = master
+        self.metrics = OrchestratorMetrics()
+        self.core = OrchestratorCore(config, topology=topology, detokenize=detokenize, host=host,
+                                     choose_transport=choose_transport, metrics=self.metrics)
+        self._ctx = zmq.asyncio.Context()
+        self._channels: dict[str, BaseChannel] = {}
+        self._local = local_enabled()     # OMNI_STAGE_CHANNEL: same-host replicas over LocalChannel
+        self._sinks: dict[str, _Sink] = {}
+        self._apply_handlers = {ev.Send: self._do_send, ev.Free: self._do_free, ev.AbortStage: self._do_abort,
+                                ev.ReleaseHold: self._do_release,
+                                ev.Emit: self._do_emit, ev.Fail: self._do_fail, ev.Finished: self._do_finished}
+        topology.on_change(self._on_topology)
+
+    # ------------------------------------------------------------ events in
+
+    def _on_topology(self, r: ReplicaInfo, kind: str) -> None:
+        if r.role != "STAGE" or (kind != "REMOVED" and r.state not in GONE):
+            return
+        ch = self._channels.pop(r.replica_id, None)
+        if ch is not None:
+            ch.close()
+        why = "gone" if kind == "REMOVED" else r.state.lower()
+        self._apply(self.core.handle(ev.ReplicaGone(r, why)))
+
+    def _on_channel_lost(self, ch: BaseChannel, why: str) -> None:
+        """A same-host replica's end closed (it died or stopped): its requests move or fail now,
+        as they would when the master's lease expires, and it is SUSPECT in this frontend's view
+        until the master says otherwise, so no new request is sent there meanwhile."""
+        if self._channels.get(ch.replica_id) is ch:
+            del self._channels[ch.replica_id]
+        r = self.topology.replicas.get(ch.replica_id)
+        if r is None:
+            return
+        self._apply(self.core.handle(ev.ReplicaGone(r, "gone (its channel closed)")))
+        if r.state not in GONE:
+            self.topology.apply(TopologyEvent("UPDATED", [msgspec.structs.replace(r, state="SUSPECT")], -1))
+
+    def _on_local_fallback(self, ch: BaseChannel, other: BaseChannel) -> None:
+        if self._channels.get(ch.replica_id) is ch:
+            self._channels[ch.replica_id] = other
+        else:       # replaced or gone meanwhile
+            other.close()
+
+    def _on_stage_message(self, ch: BaseChannel, msg: Any) -> None:
+        if isinstance(msg, m.Output):
+            event = ev.StageOutput(ch.replica_id, ch.stage_id, msg)
+        elif isinstance(msg, m.RequestError):
+            event = ev.StageError(ch.replica_id, ch.stage_id, msg)
+        else:
+            return
+        self._apply(self.core.handle(event))
+
+    # ------------------------------------------------------------ actions out
+
+    def _apply(self, actions: list[ev.Action]) -> None:
+        failed: list[ev.Cancel] = []
+        for a in actions:
+            try:
+                self._apply_handlers[type(a)](a)
+            except Exception as e:
+                rid = getattr(a, "request_id", None)
+                if rid is None:
+                    logger.warning("%s failed: %s: %s", type(a).__name__, type(e).__name__, e)
+                    continue
+                err = e if isinstance(e, OmniError) else OmniError(f"{type(e).__name__}: {e}")
+                failed.append(ev.Cancel(rid, err))
+        for c in failed:    # the core ignores requests that already ended
+            self._apply(self.core.handle(c))
+
+    def _channel(self, r: ReplicaInfo) -> BaseChannel:
+        ch = self._channels.get(r.replica_id)
+        endpoint = r.endpoints.get("channel")
+        local = r.endpoints.get("local", "") if self._local else ""
+        if ch is not None and ch.endpoint in (endpoint, local) and not ch.closed:
+            return ch
+        if ch is not None:
+            ch.close()
+        kw = dict(frontend_id=self.frontend_id, replica_id=r.replica_id, stage_id=r.stage_id, token=self.token,
+                  on_message=self._on_stage_message, host=self.host)
+        if local and same_host_name(local) is not None:
+            # Connects on the loop; ZMQ takes over (`_on_local_fallback`) if the stage does not answer.
+            zmq_kw = dict(kw, endpoint=endpoint)
+            ch = LocalStageChannel.connect(
+                lambda: StageChannel(self._ctx, **zmq_kw) if endpoint else None,
+                self._on_local_fallback, endpoint=local, on_lost=self._on_channel_lost, **kw)
+        elif endpoint:
+            ch = StageChannel(self._ctx, endpoint=endpoint, **kw)
+        else:
+            raise Unavailable(f"stage {r.stage_id} replica {r.replica_id} has no channel endpoint")
+        self._channels[r.replica_id] = ch
+        ch.start()
+        return ch
+
+    def _do_send(self, a: ev.Send) -> None:
+        try:
+            self._channel(a.replica).post(a.message)
+        except Unavailable as e:
+            raise StageFailed(a.replica.stage_id, a.replica.replica_id, str(e), e.kind) from None
+
+    def _live_channel(self, replica_id: str) -> BaseChannel | None:
+        ch = self._channels.get(replica_id)
+        return ch if ch is not None and not ch.closed else None   # gone: its arena went with it
+
+    def _do_free(self, a: ev.Free) -> None:
+        ch = self._live_channel(a.replica_id)
+        if ch is not None:
+            ch.post(m.FreeTensors(list(a.keys), a.transport))
+
+    def _do_abort(self, a: ev.AbortStage) -> None:
+        ch = self._live_channel(a.replica_id)
+        if ch is not None:
+            ch.post(m.Abort(list(a.request_ids)))
+
+    def _do_release(self, a: ev.ReleaseHold) -> None:
+        ch = self._live_channel(a.replica_id)   # a hint: a gone replica's requests are replayed anyway
+        if ch is not None:
+            ch.post(m.Release(list(a.request_ids)))
+
+    def _do_emit(self, a: ev.Emit) -> None:
+        sink = self._sinks.get(a.request_id)
+        if sink is None:
+            return
+        out = a.output
+        if a.tensor is not None:
+            tensor = self.consumer.get(a.tensor).float()
+            if out.modality == "audio":
+                out.audio_pcm = tensor.numpy().astype(np.float32).tobytes()
+            else:
+                out.embedding = tensor.flatten().tolist()
+        sink.queue.put_nowait(out)
+
+    def _do_fail(self, a: ev.Fail) -> None:
+        sink = self._sinks.get(a.request_id)
+        if sink is not None:
+            sink.queue.put_nowait(a.error)
+
+    def _do_finished(self, a: ev.Finished) -> None:
+        sink = self._sinks.get(a.request_id)
+        if sink is not None:
+            sink.finished = True
+
+    # ------------------------------------------------------------ requests
+
+    def needed_stages(self, req: PipelineRequest) -> list[int]:
+        return self.core.needed_stages(req)
+
+    async def generate(self, req: PipelineRequest) -> AsyncIterator[PipelineOutput]:
+        """Stream the request's outputs; the last has finished=True. Closing the iterator
+        before that aborts the request in every stage that holds it."""
+        timeout = req.timeout_s or self.config.pipeline.request_timeout_s
+        deadline = time.monotonic() + timeout
+        sink = _Sink()
+        actions = self.core.submit(req)       # BadRequest / Unavailable: nothing was sent
+        self._sinks[req.request_id] = sink
+        try:
+            self._apply(actions)
+            while True:
+                try:
+                    item = sink.queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    remaining = deadline - time.monotonic()
+                    try:
+                        if remaining <= 0:
+                            raise TimeoutError from None
+                        # Not wait_for: 3.11's returns an item that lands with a cancel and drops
+                        # the cancel, and a client's disconnect then never stops the stream.
+                        async with asyncio.timeout(remaining):
+                            item = await sink.queue.get()
+                    except TimeoutError:
+                        error = RequestTimeout(f"request {req.request_id} timed out after {timeout:g} s")
+                        self._apply(self.core.handle(ev.Cancel(req.request_id, error)))
+                        if sink.queue.empty():
+                            raise error from None
+                        continue
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            if not sink.finished:         # the client left (or a stop string ended it) first
+                self._apply(self.core.handle(ev.Cancel(req.request_id)))
+            self._sinks.pop(req.request_id, None)
+
+    # ------------------------------------------------------------ health and control
+
+    def health(self) -> tuple[bool, str]:
+        if not self.topology.synced:
+            return False, "no topology from the omni master yet"
+        ready = self.topology.ready_stages()
+        missing = [s.label for s in self.config.stages if s.stage_id not in ready]
+        if missing:
+            return False, "no READY replica for " + ", ".join(missing)
+        return True, "ok"
+
+    async def sleep(self, level: int = 1) -> dict:
+        return await self._command("SLEEP", {"level": level})
+
+    async def wake_up(self) -> dict:
+        return await self._command("WAKE_UP", {})
+
+    async def _command(self, kind: str, args: dict) -> dict:
+        if self.master is None:
+            raise Unavailable("no omni master connection: cannot reach the stage engines")
+        try:
+            results = await self.master.send_command(kind, (), args, timeout_s=60.0)
+        except OmniError:
+            raise
+        except Exception as e:
+            raise Unavailable(f"omni master unreachable: {e}") from None
+        out = {"results": [
+            {"stage_id": r.stage_id, "replica_id": r.replica_id, "ok": r.ok, "message": r.message}
+            for r in results
+        ]}
+        out["is_sleeping"] = await self.is_sleeping()
+        return out
+
+    async def is_sleeping(self) -> bool:
+        if self.master is None:
+            raise Unavailable("no omni master connection: sleep state unknown")
+        try:
+            status = await self.master.get_status()
+        except OmniError:
+            raise
+        except Exception as e:
+            raise Unavailable(f"omni master unreachable: {e}") from None
+        stages = [r for r in status.replicas if r.role == "STAGE" and r.state in ("READY", "DRAINING")]
+        capable = [r for r in stages if r.capabilities.get("can_sleep") == "true"]
+        return bool(capable) and all(r.is_sleeping for r in capable)
+
+    def metrics_text(self) -> str:
+        # The same `frontend` label as the HTTP metrics (the index), not the channel id "fe0-PID".
+        label = self.metrics_label or self.frontend_id
+        kinds = {"local": 0, "zmq": 0}
+        for ch in self._channels.values():
+            kinds[ch.kind] += not ch.closed
+        return self.metrics.render(label) + "".join(
+            ["# HELP omni_stage_channels Open channels to stage replicas, by carrier (local: same host).\n",
+             "# TYPE omni_stage_channels gauge\n"]
+            + [f"omni_stage_channels{labels({'frontend': label, 'kind': k})} {n}\n" for k, n in kinds.items()])
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.core.requests)
+
+    async def close(self) -> None:
+        for rid in list(self.core.requests):
+            self._apply(self.core.handle(ev.Cancel(rid, Unavailable("frontend is shutting down"))))
+        for ch in self._channels.values():
+            ch.close()
+        self._channels.clear()
+        self._ctx.term()
