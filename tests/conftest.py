@@ -1,10 +1,13 @@
 """Session hygiene: omni processes that outlive the test session are orphans (a bug in shutdown
-or in a test's finalizer). They are listed loudly and killed, so one run never loads the next."""
+or in a test's finalizer). They are listed loudly and killed, so one run never loads the next.
+Also the `device` fixture of the engine tests (cpu, then cuda where a GPU is present)."""
 
 from __future__ import annotations
 
 import os
 import uuid
+
+import pytest
 
 # Every process this session starts inherits the tag, so the sweep below touches only ours,
 # never another test run's (or a deployment's) on the same machine.
@@ -45,3 +48,30 @@ def pytest_sessionfinish(session, exitstatus):
             p.kill()
         except Exception:
             pass
+
+
+
+def pytest_runtest_setup(item):
+    """`cuda` tests need a CUDA GPU; here they skip (the engine tests run on both when one is present)."""
+    if item.get_closest_marker("cuda") is not None:
+        import torch
+
+        if not torch.cuda.is_available():
+            pytest.skip("needs a CUDA GPU")
+
+
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def device(request):
+    """An engine test's device, "cpu" then "cuda". On CUDA, float32 stays float32 (no TF32 in matmuls or
+    cuDNN convolutions), so a streamed and a whole decode on the device compare as on the CPU."""
+    if request.param != "cuda":
+        yield request.param
+        return
+    import torch
+
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield request.param
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved

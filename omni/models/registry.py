@@ -52,7 +52,7 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         "qwen3-omni", "omni.models.qwen3_omni", model_types=("qwen3_omni_moe",),
         deploy="qwen3-omni-moe.yaml",
-        deploys=("qwen3-omni-moe.yaml", "qwen3-omni-moe-thinker-only.yaml"),
+        deploys=("qwen3-omni-moe.yaml", "qwen3-omni-moe-thinker-only.yaml", "qwen3-omni-moe-1gpu.yaml"),
         engines={"qwen3_talker": EngineSpec("omni.models.qwen3_omni.talker:Qwen3TalkerEngine"),
                  "qwen3_code2wav": EngineSpec("omni.models.qwen3_omni.code2wav:Qwen3Code2WavEngine")},
         processors=("omni.models.qwen3_omni.processors:thinker_to_talker",

@@ -121,3 +121,22 @@ def test_qwen3_torch_stages_keep_their_deploy_keys(tmp_path, monkeypatch):
     for s in c.stages[1:]:
         assert engine_args_for(s) == dict(s.engine_args)
         assert {"num_threads", "gpu_memory_utilization", "max_num_seqs"} <= set(s.engine_args)
+
+
+def test_one_gpu_variant_fits_one_80gb_card(monkeypatch):
+    """`--deploy-config qwen3-omni-moe-1gpu`: the same pipeline, every stage on GPU 0, shares summing to <= 1,
+    the thinker's share holding its 59 GiB of bf16 weights and the talker + code2wav's their measured 9.1 GiB."""
+    monkeypatch.setenv("OMNI_PLATFORM", "cuda")
+    two = cfg.load("Qwen/Qwen3-Omni-30B-A3B-Instruct")
+    one = cfg.load("Qwen/Qwen3-Omni-30B-A3B-Instruct", deploy_config="qwen3-omni-moe-1gpu")
+    assert [(s.name, s.engine, s.devices) for s in one.stages] == [
+        ("thinker", "vllm", "0"), ("talker", "qwen3_talker", "0"), ("code2wav", "qwen3_code2wav", "0")]
+    assert [s.processor for s in one.stages] == [s.processor for s in two.stages]
+    assert one.stages[0].engine_args["mm_hidden_layer"] == "talker"        # the base's keys stay
+    shares = [s.engine_args["gpu_memory_utilization"] for s in one.stages]
+    usable_gib = 79.0                                                       # an 80 GB card, as torch sees it
+    assert sum(shares) <= 1 and shares[0] * usable_gib > 59 + 4
+    assert (shares[1] + shares[2]) * usable_gib > 9.1
+    assert one.model == "Qwen/Qwen3-Omni-30B-A3B-Instruct"
+    # The bundled default for the hub id stays the two-GPU one (the variant names no model of its own).
+    assert cfg.default_config_path("Qwen/Qwen3-Omni-30B-A3B-Instruct").name == "qwen3-omni-moe.yaml"

@@ -48,7 +48,14 @@ def talker(folder, path):
 def t2w(folder):
     from omni.models.qwen25_omni.token2wav import Qwen25Token2WavEngine
 
-    return Qwen25Token2WavEngine(folder)
+    return Qwen25Token2WavEngine(folder, stream=False)     # the exact whole decode; streamed: test_qwen25_token2wav.py
+
+
+@pytest.fixture(scope="module")
+def t2w_streamed(folder):
+    from omni.models.qwen25_omni.token2wav import Qwen25Token2WavEngine
+
+    return Qwen25Token2WavEngine(folder, first_block_codes=6, block_codes=12)
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +131,22 @@ def test_talker_to_token2wav_waveform(talker, t2w, france):
     assert (wav - france.wav).abs().max() < 1e-6
     assert torch.equal(torch.random.get_rng_state(), before)      # the process RNG is never drawn
     assert t2w.sample_rate == 24000 and not t2w.has_open_streams()
+
+
+def test_talker_to_streamed_token2wav(talker, t2w_streamed, france):
+    """Streamed token2wav: audio before the talker's last chunk, the whole decode's to int16 rounding."""
+    audio, talker_done = [], []
+
+    def on_codes(o):
+        t2w_streamed.add_request(_t2w_piece("v", o.tensors["codes"][0], "Chelsie", 0, o.finished))
+        while t2w_streamed.has_unfinished():
+            audio.extend((a.tensors["audio"], bool(talker_done)) for a in t2w_streamed.step())
+        talker_done.append(o.finished)
+    drive(talker, {"v": talker_pieces(france, "v", "Chelsie", True, TALKER_TOKENS)}, on_output=on_codes)
+    wav = torch.cat([a for a, _ in audio])
+    assert wav.shape == france.wav.shape and (wav - france.wav).abs().max() < 1e-6
+    assert (_int16(wav).int() - _int16(france.wav).int()).abs().max() <= 1
+    assert audio[0][0].numel() == 6 * 2 * 240 and not audio[0][1]      # before the talker's second chunk
 
 
 def test_two_concurrent_requests(talker, t2w, france, sea):

@@ -22,10 +22,16 @@ def folder(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engine(folder):
+def engine(folder, device):
     from omni.models.qwen3_omni.code2wav import Qwen3Code2WavEngine
 
-    return Qwen3Code2WavEngine(folder)
+    return Qwen3Code2WavEngine(folder, device=device)
+
+
+def _decode(engine, codes):
+    """The whole decode on the engine's device (the codes arrive on the CPU)."""
+    with torch.no_grad():
+        return engine.model(codes[None].to(engine.device)).reshape(-1).cpu()
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +41,7 @@ def codes():
 
 @pytest.fixture(scope="module")
 def whole(engine, codes):
-    with torch.no_grad():
-        return engine.model(codes[None]).reshape(-1)
+    return _decode(engine, codes)
 
 
 def _pieces(rid, codes, sizes):
@@ -56,11 +61,10 @@ def _audio(outs):
 def _chunked_decode_error(engine, codes, whole, sizes, context=25):
     """transformers' / vllm-omni's chunking: decode [start - context, end), keep from frame `start`."""
     parts, start = [], 0
-    with torch.no_grad():
-        for n in sizes:
-            lo = max(0, start - context)
-            parts.append(engine.model(codes[None, :, lo:start + n]).reshape(-1)[(start - lo) * engine.hop:])
-            start += n
+    for n in sizes:
+        lo = max(0, start - context)
+        parts.append(_decode(engine, codes[:, lo:start + n])[(start - lo) * engine.hop:])
+        start += n
     joined = torch.cat(parts)
     m = min(joined.shape[0], whole.shape[0])
     rms = ((joined[:m] - whole[:m]).pow(2).mean().sqrt() / whole.pow(2).mean().sqrt()).item()
@@ -89,8 +93,7 @@ def test_one_piece_is_exactly_the_whole_decode(engine, codes, whole):
 
 def test_concurrent_streams_batch(engine, codes, whole):
     other = torch.flip(codes, dims=[1])
-    with torch.no_grad():
-        other_whole = engine.model(other[None]).reshape(-1)
+    other_whole = _decode(engine, other)
     before = engine.stats().get("batched", 0)
     sizes = [4, 25, 25, 25, 25, 16]
     outs = drive(engine, {"a": _pieces("a", codes, sizes), "b": _pieces("b", other, sizes)})
@@ -176,3 +179,17 @@ def test_factory_builds_both_engines(folder):
     assert build_engine(config, stages[1]).context_frames == 30
     with pytest.raises(ConfigError, match="context"):
         build_engine(config, stages[2])
+
+
+def test_sleep_frees_the_device_and_wakes_to_the_same_audio(engine, codes, whole):
+    if engine.device.type == "cpu":
+        with pytest.raises(EngineError, match="qwen3_code2wav on CPU cannot sleep"):
+            engine.sleep()
+        return
+    engine.sleep()
+    assert engine.is_sleeping() and next(engine.model.parameters()).device.type == "cpu"
+    with pytest.raises(EngineError, match="asleep"):
+        engine.add_request(EngineRequest(request_id="z", tensors={"codes": codes}))
+    engine.wake_up()
+    assert next(engine.model.parameters()).device == engine.device
+    assert torch.equal(_audio(drive(engine, {"z": _pieces("z", codes, [T])})["z"]), whole)
