@@ -20,13 +20,13 @@ def _codes(outs) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def engines(folder):  # noqa: F811
+def engines(folder):
     from omni.models.qwen25_omni.talker import Qwen25TalkerEngine
 
     return Qwen25TalkerEngine(folder, max_num_seqs=3), Qwen25TalkerEngine(folder, static_decode=False)
 
 
-def test_static_equals_eager_under_churn(engines, france, sea):  # noqa: F811
+def test_static_equals_eager_under_churn(engines, france, sea):
     """Per-piece and gappy feeds, a late joiner, seeded sampled requests and more requests than the 3
     slots: every request's codes equal the eager path's, the greedy ones transformers'."""
     static, eager = engines
@@ -48,7 +48,7 @@ def test_static_equals_eager_under_churn(engines, france, sea):  # noqa: F811
     assert static.stats()["slot_moves"] > 0 and not static.has_open_streams() and static._static.owner == []
 
 
-def test_one_host_read_per_step(engines, france, sea):  # noqa: F811
+def test_one_host_read_per_step(engines, france, sea):
     static, _ = engines
     for rid, run, voice in (("h1", france, "chelsie"), ("h2", sea, "ethan")):
         for piece in talker_pieces(run, rid, voice, False, 10, temperature=0.9, seed=1):

@@ -253,7 +253,7 @@ def test_bad_engine_args(folder):
 
 
 @pytest.mark.cuda
-def test_cuda_graphs_equal_eager_on_the_device(folder, runs):  # noqa: F811
+def test_cuda_graphs_equal_eager_on_the_device(folder, runs):
     """On a GPU: the graphed static step = the eager static step = the eager path (float32, same device),
     and a decode step makes no synchronising call beyond its one copy."""
     from omni.models.qwen3_omni.talker import Qwen3TalkerEngine
