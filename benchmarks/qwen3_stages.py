@@ -1,11 +1,20 @@
-"""Qwen3-Omni talker and code2wav engines in one process: step times at concurrency 1 and 4.
+"""Qwen3-Omni (or Qwen2.5-Omni) talker and code2wav engines in one process, driven as the stage worker
+drives them (add the requests, step while there is work), each decode path side by side.
 
-Talker: ms per step and per frame (one frame = 80 ms of audio, so real time needs < 80 ms
-per frame per request); code2wav: RTF (seconds spent / seconds of audio), streamed in
-the talker's chunks (4, then 25 frames). Greedy, float32, one thread. Without a folder it
-builds the tiny model (random weights: the numbers measure the machinery, not quality).
+Talker rows, per decode path and number of streams: ms per step (each stream gets one frame a step:
+80 ms of audio for Qwen3, 20 ms for Qwen2.5, so real time needs less than that), ms per frame
+(the step shared by its streams), frames/s per stream, first audio (from adding a request's
+first piece to its first codes chunk: the prefill plus 3 frames), GPU memory. Paths: `eager`
+(transformers' modules, DynamicCache: static_decode false), `static` (the static step without
+CUDA graphs: enforce_eager) and, on CUDA, `graphed`. Rounds alternate the paths (paired);
+figures are medians over rounds. code2wav: RTF streamed in the talker's chunks (4, then 25).
 
-    .venv/bin/python benchmarks/qwen3_stages.py [MODEL_DIR] [--frames 60] [--json]
+Without a folder it builds the tiny model (random weights: the figures measure the machinery, not
+quality); `--real-size` builds the released sizes with random weights in memory (benchmarks/
+real_size.py), `--device cuda` for a GPU. Greedy, one thread on CPU.
+
+    .venv/bin/python benchmarks/qwen3_stages.py [MODEL_DIR] [--model qwen3|qwen25] [--streams 1,4,16,64]
+        [--frames 40] [--rounds 3] [--real-size] [--device cpu|cuda] [--json]
 """
 
 from __future__ import annotations
@@ -13,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -22,44 +32,110 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import real_size  # noqa: E402
 from omni.engines.base import EngineRequest, SamplingParams  # noqa: E402
 
+FRAME_AUDIO_MS = {"qwen3": 80.0, "qwen25": 20.0}
 
-def _talker(folder: Path, n: int, frames: int) -> tuple[float, float, torch.Tensor]:
-    from transformers import AutoTokenizer
 
-    from omni.models.qwen3_omni.talker import Qwen3TalkerEngine
+class Source:
+    """Where the engines' weights come from: a folder (tiny or given) or real-size parts in memory."""
 
-    tok = AutoTokenizer.from_pretrained(folder)
-    engine = Qwen3TalkerEngine(folder)
-    gen = torch.Generator().manual_seed(0)
-    for i in range(n):
-        prompt = tok.apply_chat_template([{"role": "user", "content": f"Tell me story number {i}."}],
-                                         add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
-        text = torch.randint(100, 900, (frames // 3,), generator=gen).tolist()
-        engine.add_request(EngineRequest(request_id=f"r{i}", prompt_token_ids=prompt,
-                                         sampling=SamplingParams(max_tokens=frames + 1),
-                                         voice="ethan", generated_ids=text))
-    codes = []
+    def __init__(self, model: str, folder: Path | None, device: str, real: bool):
+        self.model, self.folder, self.device, self.real = model, folder, device, real
+        self.dtype = torch.bfloat16 if real else torch.float32
+        self._talker = self._code2wav = None
+        if real:
+            self.config = real_size.qwen3_config() if model == "qwen3" else real_size.qwen25_config()
+        else:
+            from transformers import AutoConfig, AutoTokenizer
+
+            self.config = AutoConfig.from_pretrained(folder)
+            self.tokenizer = AutoTokenizer.from_pretrained(folder)
+
+    def talker(self, mode: str, slots: int):
+        kw = dict(device=self.device, dtype=str(self.dtype).removeprefix("torch."))
+        if self.model == "qwen3":
+            from omni.models.qwen3_omni.talker import Qwen3TalkerEngine as cls
+        else:
+            from omni.models.qwen25_omni.talker import Qwen25TalkerEngine as cls
+        kw.update(static_decode=mode != "eager", enforce_eager=mode != "graphed", max_num_seqs=slots)
+        if self.real and self._talker is None:
+            parts = real_size.qwen3_talker_parts if self.model == "qwen3" else real_size.qwen25_talker_parts
+            self._talker = parts(self.device, self.dtype)
+        return cls(self.folder, parts=self._talker, **kw) if self.real else cls(self.folder, **kw)
+
+    def code2wav(self):
+        from omni.models.qwen3_omni.code2wav import Qwen3Code2WavEngine
+
+        if self.real and self._code2wav is None:
+            self._code2wav = real_size.qwen3_code2wav_parts(self.device, self.dtype)
+        kw = dict(device=self.device, dtype=str(self.dtype).removeprefix("torch."))
+        return Qwen3Code2WavEngine(self.folder, parts=self._code2wav, **kw)
+
+    def prompt(self, i: int) -> list[int]:
+        if self.real:
+            return real_size.prompt_ids(self.config, 24, i)
+        return self.tokenizer.apply_chat_template([{"role": "user", "content": f"Tell me story number {i}."}],
+                                                  add_generation_prompt=True, tokenize=True,
+                                                  return_dict=True)["input_ids"]
+
+    def request(self, i: int, frames: int) -> EngineRequest:
+        g = torch.Generator().manual_seed(i)
+        prompt = self.prompt(i)
+        text = torch.randint(100, 900, (max(2, frames // 3),), generator=g).tolist()
+        tensors = {}
+        if self.model == "qwen25":      # the thinker's rows: one per prompt position and generated id
+            h = self.config.thinker_config.text_config.hidden_size
+            tensors["thinker_hidden"] = torch.randn(len(prompt) + len(text), h, generator=g)
+        return EngineRequest(request_id=f"r{i}", prompt_token_ids=prompt, tensors=tensors,
+                             sampling=SamplingParams(max_tokens=frames + 1),
+                             voice="chelsie" if self.model == "qwen25" else "ethan", generated_ids=text)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def run_talker(engine, source: Source, n: int, frames: int) -> dict:
+    """n streams through the engine; per-step wall times of decode steps and each stream's first audio."""
+    before = engine.stats().get("prefill_tokens", 0)
     t0 = time.perf_counter()
-    steps = 0
+    for i in range(n):
+        engine.add_request(source.request(i, frames))
+    first: dict[str, float] = {}
+    steps, codes = [], []
     while engine.has_open_streams():
-        steps += 1
-        codes += [o.tensors["codes"] for o in engine.step() if o.request_id == "r0" and "codes" in o.tensors]
-    spent = time.perf_counter() - t0
-    done = engine.stats()["frames"]
-    return spent * 1000 / steps, spent * 1000 / done, torch.cat(codes, dim=1)
+        s = time.perf_counter()
+        outs = engine.step()
+        _sync(source.device)
+        now = time.perf_counter()
+        if engine.stats().get("prefill_tokens", 0) == before or len(first) == n:
+            steps.append(now - s)         # decode steps only: no prefill in them
+        before = engine.stats().get("prefill_tokens", 0)
+        for o in outs:
+            if o.tensors.get("codes") is not None and o.tensors["codes"].shape[1]:
+                first.setdefault(o.request_id, now - t0)
+                if o.request_id == "r0":
+                    codes.append(o.tensors["codes"])
+    return {"steps": steps, "first": list(first.values()), "codes": torch.cat(codes, dim=1)}
 
 
-def _code2wav(folder: Path, n: int, codes: torch.Tensor) -> float:
-    from omni.models.qwen3_omni.code2wav import Qwen3Code2WavEngine
+def talker_row(model: str, mode: str, n: int, runs: list[dict], mem_gib: float | None) -> dict:
+    step = statistics.median(statistics.median(r["steps"]) for r in runs) * 1000
+    first = statistics.median(statistics.median(r["first"]) for r in runs) * 1000
+    return {"model": model, "mode": mode, "streams": n, "talker_ms_per_step": round(step, 2),
+            "talker_ms_per_frame": round(step / n, 3), "frames_per_s_per_stream": round(1000 / step, 1),
+            "x_real_time_per_stream": round(FRAME_AUDIO_MS[model] / step, 2), "first_audio_ms": round(first, 1),
+            "gpu_mem_gib": mem_gib, "rounds": len(runs)}
 
-    engine = Qwen3Code2WavEngine(folder)
+
+def run_code2wav(engine, n: int, codes: torch.Tensor) -> float:
     sizes = [4] + [25] * ((codes.shape[1] - 4) // 25)
     sizes.append(codes.shape[1] - sum(sizes))
-    samples = 0
+    samples, at = 0, 0
     t0 = time.perf_counter()
-    at = 0
     for k, size in enumerate(sizes):
         for i in range(n):
             engine.add_request(EngineRequest(request_id=f"s{i}", tensors={"codes": codes[:, at:at + size]},
@@ -70,37 +146,99 @@ def _code2wav(folder: Path, n: int, codes: torch.Tensor) -> float:
     return (time.perf_counter() - t0) / (samples / engine.sample_rate)
 
 
+def modes_for(model: str, device: str) -> list[str]:
+    modes = ["eager", "static"]
+    if device.startswith("cuda"):
+        modes.append("graphed")
+    return modes
+
+
+def bench(source: Source, streams: list[int], frames: int, rounds: int) -> dict:
+    modes = modes_for(source.model, source.device)
+    engines, capture = {}, {}
+    for mode in modes:
+        engines[mode] = source.talker(mode, max(streams))
+        graphs = getattr(getattr(engines[mode], "_static", None), "graphs", None)
+        if graphs is not None:
+            capture[mode] = round(graphs.seconds, 2)
+    for e in engines.values():                  # warm-up: first calls allocate
+        run_talker(e, source, 1, 6)
+    rows, codes = [], {}
+    for n in streams:
+        runs: dict[str, list] = {m: [] for m in modes}
+        peak: dict[str, float] = {}
+        for _ in range(rounds):
+            for mode in modes:
+                if source.device.startswith("cuda"):
+                    torch.cuda.reset_peak_memory_stats()
+                r = run_talker(engines[mode], source, n, frames)
+                runs[mode].append(r)
+                codes[mode] = r["codes"]
+                if source.device.startswith("cuda"):
+                    peak[mode] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        rows += [talker_row(source.model, m, n, runs[m], peak.get(m)) for m in modes]
+    same = all(torch.equal(codes[m], codes["eager"]) for m in modes) if not source.real else None
+    doc = {"rows": rows, "capture_seconds": capture, "codes_equal_across_paths": same,
+           "talker_ms_per_frame": {r["mode"]: r["talker_ms_per_frame"] for r in rows if r["streams"] == 1}}
+    if source.model == "qwen3":
+        c2w = source.code2wav()
+        doc["code2wav"] = [{"streams": n, "rtf": round(run_code2wav(c2w, n, codes[modes[-1]]), 4)} for n in streams]
+    return doc
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("model", nargs="?", help="Qwen3-Omni folder (default: build the tiny one)")
-    ap.add_argument("--frames", type=int, default=60, help="talker frames per request")
+    ap.add_argument("folder", nargs="?", help="model folder (default: build the tiny one)")
+    ap.add_argument("--model", choices=["qwen3", "qwen25"], default="qwen3")
+    ap.add_argument("--streams", default="1,4,16,64", help="comma-separated stream counts")
+    ap.add_argument("--frames", type=int, default=40, help="talker frames per request")
+    ap.add_argument("--rounds", type=int, default=3, help="paired rounds per stream count")
+    ap.add_argument("--real-size", action="store_true", help="the released sizes, random weights, in memory")
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--json", action="store_true", help="print one JSON document")
     args = ap.parse_args()
-    if args.frames < 2:
-        ap.error("--frames must be >= 2")
+    try:
+        streams = [int(s) for s in args.streams.split(",")]
+    except ValueError:
+        ap.error(f"--streams must be comma-separated integers, got {args.streams!r}")
+    if args.frames < 6 or args.rounds < 1 or min(streams) < 1:
+        ap.error("--frames must be >= 6, --rounds >= 1 and every --streams entry >= 1")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device here")
+    if args.real_size and args.folder:
+        ap.error("--real-size builds the model: give no folder")
     t0 = time.perf_counter()
-    torch.set_num_threads(1)
-    rows = []
+    if not args.device.startswith("cuda"):
+        torch.set_num_threads(1)
+    load_start = [round(x, 2) for x in os.getloadavg()]
     with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(args.model) if args.model else None
-        if folder is None:
-            from omni.models.qwen3_omni import tiny as qwen3_omni_tiny
-
-            folder = qwen3_omni_tiny.build(Path(tmp) / "tiny")
-        for n in (1, 4):
-            step_ms, frame_ms, codes = _talker(folder, n, args.frames)
-            rtf = _code2wav(folder, n, codes)
-            rows.append({"concurrency": n, "talker_ms_per_step": round(step_ms, 2),
-                         "talker_ms_per_frame": round(frame_ms, 2), "code2wav_rtf": round(rtf, 4)})
-    doc = {"model": args.model or "tiny (built)", "frames": args.frames, "rows": rows,
-           "seconds": round(time.perf_counter() - t0, 1), "loadavg_end": [round(x, 2) for x in os.getloadavg()]}
+        folder = Path(args.folder) if args.folder else None
+        if folder is None and not args.real_size:
+            if args.model == "qwen3":
+                from omni.models.qwen3_omni import tiny
+            else:
+                from omni.models.qwen25_omni import tiny
+            folder = tiny.build(Path(tmp) / "tiny")
+        source = Source(args.model, folder, args.device, args.real_size)
+        doc = bench(source, streams, args.frames, args.rounds)
+    doc.update({"model": args.model, "weights": "real size, random" if args.real_size else (args.folder or "tiny"),
+                "device": args.device, "frames": args.frames, "seconds": round(time.perf_counter() - t0, 1),
+                "loadavg_start": load_start, "loadavg_end": [round(x, 2) for x in os.getloadavg()]})
     if args.json:
         print(json.dumps(doc, indent=1))
         return
-    for r in rows:
-        print(f"concurrency {r['concurrency']}: talker {r['talker_ms_per_step']:.1f} ms/step, "
-              f"{r['talker_ms_per_frame']:.1f} ms/frame (80 ms of audio per frame); code2wav RTF {r['code2wav_rtf']:.3f}")
-    print(f"total wall time {doc['seconds']} s, load average {doc['loadavg_end']} at the end")
+    print(f"{'path':8} {'streams':>7} {'ms/step':>9} {'ms/frame':>9} {'frames/s/stream':>15} {'x real time':>11} "
+          f"{'first audio ms':>14} {'GPU GiB':>8}")
+    for r in doc["rows"]:
+        print(f"{r['mode']:8} {r['streams']:>7} {r['talker_ms_per_step']:>9.2f} {r['talker_ms_per_frame']:>9.3f} "
+              f"{r['frames_per_s_per_stream']:>15.1f} {r['x_real_time_per_stream']:>11.2f} {r['first_audio_ms']:>14.1f} "
+              f"{r['gpu_mem_gib'] if r['gpu_mem_gib'] is not None else '-':>8}")
+    for c in doc.get("code2wav", []):
+        print(f"code2wav {c['streams']} streams: RTF {c['rtf']:.3f}")
+    if doc["capture_seconds"]:
+        print(f"CUDA graph capture: {doc['capture_seconds']} s")
+    print(f"codes equal across paths: {doc['codes_equal_across_paths']}; {doc['seconds']} s; "
+          f"load average {doc['loadavg_start']} -> {doc['loadavg_end']}")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Qwen2.5-Omni talker and token2wav engines against transformers' generate() on the tiny model
-(float32, greedy thinker and talker, torch.manual_seed(seed)): codes exact, waveform to int16."""
+(float32, greedy thinker and talker, torch.manual_seed(seed)): codes exact, waveform to int16. The
+talker tests run on both decode paths (the static step, the default, and the eager one)."""
 
 from __future__ import annotations
 
@@ -31,11 +32,16 @@ def ref(folder):
     return Reference(folder)
 
 
+@pytest.fixture(scope="module", params=["static", "eager"])
+def path(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def talker(folder):
+def talker(folder, path):
     from omni.models.qwen25_omni.talker import Qwen25TalkerEngine
 
-    return Qwen25TalkerEngine(folder)
+    return Qwen25TalkerEngine(folder, static_decode=path == "static")
 
 
 @pytest.fixture(scope="module")
@@ -176,14 +182,14 @@ def test_audio_input(ref, talker):
     assert torch.equal(_codes(outs), audio.codes)
 
 
-def test_thinker_eos_ends_the_text(folder, ref, france):
+def test_thinker_eos_ends_the_text(folder, ref, france, path):
     """The thinker stopping on its EOS: that EOS is replaced by tts_eos, then tts_pad."""
     from omni.models.qwen25_omni.talker import Qwen25TalkerEngine
 
     eos = france.generated[4]
     stopped = ref.run("What is the capital of France?", "Chelsie", talker_tokens=TALKER_TOKENS, eos=eos)
     assert stopped.generated[-1] == eos and len(stopped.generated) <= 5
-    engine = Qwen25TalkerEngine(folder, text_eos_token_ids=[eos])
+    engine = Qwen25TalkerEngine(folder, text_eos_token_ids=[eos], static_decode=path == "static")
     pieces = talker_pieces(stopped, "e", "chelsie", True, TALKER_TOKENS)
     pieces[-1].final = False      # the EOS alone closes the text
     outs = drive(engine, {"e": pieces})["e"]

@@ -1,5 +1,6 @@
 """The Qwen3-Omni talker and code2wav engines against transformers' generate(return_audio=True)
-on the tiny model (float32, greedy): same codes exactly, same waveform."""
+on the tiny model (float32, greedy): same codes exactly, same waveform. Every talker test runs on
+both decode paths: the static step (the default) and the eager one over transformers' modules."""
 
 from __future__ import annotations
 
@@ -30,11 +31,16 @@ def ref(folder):
     return Reference(folder)
 
 
+@pytest.fixture(scope="module", params=["static", "eager"])
+def path(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def talker(folder):
+def talker(folder, path):
     from omni.models.qwen3_omni.talker import Qwen3TalkerEngine
 
-    return Qwen3TalkerEngine(folder)
+    return Qwen3TalkerEngine(folder, static_decode=path == "static")
 
 
 @pytest.fixture(scope="module")
@@ -109,12 +115,16 @@ def test_batch_changes_keep_every_request_exact(ref, talker, france):
              "c": [None] * 3 + talker_pieces(france, "c", "ethan", False, 10),
              "d": gappy}
     before = talker.stats().get("batch_builds", 0)
+    moves = talker.stats().get("slot_moves", 0)
     outs = drive(talker, feeds)
     assert torch.equal(_codes(outs["a"]), france.codes)
     assert torch.equal(_codes(outs["b"]), other.codes)
     assert torch.equal(_codes(outs["c"]), france.codes[:, :9]) and outs["c"][-1].finish_reason == "length"
     assert torch.equal(_codes(outs["d"]), france.codes)
-    assert talker.stats()["batch_builds"] - before > 3
+    if talker._static is None:
+        assert talker.stats()["batch_builds"] - before > 3
+    else:   # c ends first and b before d: their slots were taken by the last slot's request
+        assert talker.stats()["slot_moves"] - moves >= 1
     assert not talker.has_open_streams()
 
 
@@ -129,7 +139,7 @@ def test_audio_input(ref, talker):
                                          voice="aiden"))
 
 
-def test_thinker_eos_ends_the_text(folder, ref):
+def test_thinker_eos_ends_the_text(folder, ref, path):
     """The thinker stopping on its EOS: the talker feeds that EOS, then tts_eos, then tts_pad."""
     from omni.models.qwen3_omni.talker import Qwen3TalkerEngine
 
@@ -137,7 +147,7 @@ def test_thinker_eos_ends_the_text(folder, ref):
     eos = probe.generated[3]      # pretend this id is the thinker's EOS: it stops there
     stopped = ref.run("What is the capital of France?", thinker_tokens=8, talker_tokens=TALKER_TOKENS, eos=eos)
     assert stopped.generated[-1] == eos and len(stopped.generated) < 8
-    engine = Qwen3TalkerEngine(folder, text_eos_token_ids=[eos])
+    engine = Qwen3TalkerEngine(folder, text_eos_token_ids=[eos], static_decode=path == "static")
     pieces = talker_pieces(stopped, "e", "ethan", True, TALKER_TOKENS)
     pieces[-1].final = False     # the final mark comes later, empty: EOS alone ends the text
     pieces.append(EngineRequest(request_id="e", final=True))

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from omni.models.qwen3_omni.edges import on_device
+
 
 @dataclass(frozen=True)
 class TalkerIds:
@@ -53,14 +55,14 @@ def prefill_rows(talker, embed: torch.Tensor, ids: TalkerIds, prompt: list[int],
     if hidden.shape[0] < n + 1:
         raise ValueError(f"the talker's prefill needs {n + 1} thinker rows (prompt + first token), "
                          f"got {hidden.shape[0]}")
-    tokens = torch.as_tensor(prompt + [speaker_bos, first], dtype=torch.long, device=embed.device)
-    x = embed[tokens]
-    mm = torch.isin(tokens[:n], torch.as_tensor(ids.mm, device=embed.device))
-    x[:n][mm] = 0.0                       # placeholders carry only the thinker's row
+    x = embed[on_device(prompt + [speaker_bos, first], embed.device)]
+    mm = [i for i, t in enumerate(prompt) if t in ids.mm]    # host-side: a mask would read back its count
+    if mm:
+        x[on_device(mm, embed.device)] = 0.0        # placeholders carry only the thinker's row
     rows = hidden[:n + 1].to(embed.device, embed.dtype)
     x = torch.cat([rows[:n] + x[:n], x[n:n + 1], rows[n:n + 1] + x[n + 1:]])
     if codec_rows:
-        x[-2:] += talker.get_input_embeddings()(torch.tensor([ids.codec_pad, ids.codec_bos], device=embed.device))
+        x[-2:] += talker.get_input_embeddings()(on_device([ids.codec_pad, ids.codec_bos], embed.device))
     return talker.thinker_to_talker_proj(x)
 
 

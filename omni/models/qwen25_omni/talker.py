@@ -17,7 +17,7 @@ marks the last piece.
   later pieces  generated ids (delta) in `generated_ids` or `prompt_token_ids`, including
                 the thinker's EOS if it stopped on it; ids after that EOS are ignored.
 Sampling: `request.overrides` over `request.sampling` as the Qwen3 talker (temperature <= 0 greedy; top_k,
-top_p, seed -> per-request generator; max_tokens = transformers' talker_max_new_tokens);
+top_p, seed -> the request's own uniforms; max_tokens = transformers' talker_max_new_tokens);
 repetition penalty 1.05 over the codec prompt ids and the codes so far; codec bos suppressed;
 codec eos or pad ends the utterance. Output `tensors["codes"]` int64 [1, n] per chunk.
 `codec_rows`: add the codec pad / bos embeddings to the last two prefill rows as the original
@@ -35,6 +35,8 @@ from omni.engines.base import EngineError, EngineOutput, EngineRequest
 from omni.models.qwen25_omni import edges
 from omni.models.qwen25_omni.weights import load_speakers, load_talker
 from omni.models.qwen3_omni.codes import Pick, pick, repetition_penalty
+from omni.models.qwen3_omni.sampling import Uniforms
+from omni.models.qwen25_omni.static_step import TEXT, TTS_EOS, TTS_PAD, static_runner25
 from omni.models.qwen3_omni.talker import Qwen3TalkerEngine, TalkerRequest
 
 DEFAULT_SPEAKER = "chelsie"     # transformers' generate() default
@@ -45,13 +47,16 @@ class _Req25(TalkerRequest):
     rows: list[torch.Tensor] = dataclasses.field(default_factory=list)
     n_rows: int = 0
     speaker_bos: int = 0
+    rows_in_slot: int = 0         # static step: rows copied into the request's slot so far
 
 
 class Qwen25TalkerEngine(Qwen3TalkerEngine):
     def __init__(self, model_dir: str | Path, *, dtype: str = "auto", device: str = "cpu",
                  first_chunk_frames: int = 25, chunk_frames: int = 50, repetition_penalty: float = 1.05,
                  text_eos_token_ids: list[int] | None = None, batch_decode: bool = True,
-                 codec_rows: bool = False, threads: int | None = None):
+                 codec_rows: bool = False, threads: int | None = None, parts: tuple | None = None,
+                 static_decode: bool = True, enforce_eager: bool = False, max_model_len: int = 4096,
+                 max_num_seqs: int = 16):
         import collections
 
         if first_chunk_frames < 1 or chunk_frames < 1:
@@ -59,8 +64,11 @@ class Qwen25TalkerEngine(Qwen3TalkerEngine):
                              f"got {first_chunk_frames} and {chunk_frames}")
         if threads:
             torch.set_num_threads(threads)
-        self.config, self.talker, self.embed, self.norm = load_talker(model_dir, dtype=dtype, device=device)
-        self.speakers = {k.lower(): int(v["bos_token"]) for k, v in load_speakers(model_dir).items()}
+        if parts is not None:     # (config, talker, embed table, thinker norm, {voice: bos id}) built in memory
+            self.config, self.talker, self.embed, self.norm, self.speakers = parts
+        else:
+            self.config, self.talker, self.embed, self.norm = load_talker(model_dir, dtype=dtype, device=device)
+            self.speakers = {k.lower(): int(v["bos_token"]) for k, v in load_speakers(model_dir).items()}
         self.ids = edges.TalkerIds.from_config(self.config)
         self.device = torch.device(device)
         self.first_chunk_frames = first_chunk_frames
@@ -79,6 +87,11 @@ class Qwen25TalkerEngine(Qwen3TalkerEngine):
         self._stats = collections.Counter()
         self._sleeping = False
         self._batch = None
+        self._static = None
+        if static_decode:
+            if not batch_decode:
+                raise ValueError("batch_decode: false needs static_decode: false (the static step always batches)")
+            self._static = static_runner25(self, max_num_seqs, max_model_len, enforce_eager)
 
     def _cache_config(self):
         return self.talker.config
@@ -117,8 +130,9 @@ class Qwen25TalkerEngine(Qwen3TalkerEngine):
         th = self.config.thinker_config
         if any(t in (th.image_token_index, th.video_token_index) for t in prompt):
             raise EngineError(f"request {rid}: image/video prompts need 3-D talker positions (not supported)")
-        temperature, top_k, top_p, max_tokens, penalty, gen = self._sampling(req, rid)
-        r = _Req25(rid, prompt, 0, None, Pick(temperature, top_k, top_p, gen), Pick(), penalty, max_tokens)
+        temperature, top_k, top_p, max_tokens, penalty, seed = self._sampling(req, rid)
+        code0 = Pick(temperature, top_k, top_p)
+        r = _Req25(rid, prompt, 0, None, code0, None if code0.greedy else Uniforms(seed, 1), penalty, max_tokens)
         r.speaker_bos = self.speakers[name.lower()]
         # transformers' repetition penalty also sees the talker's prompt ids (mask x n, pad, bos)
         r.history = [self.ids.codec_mask, self.ids.codec_pad, self.ids.codec_bos]
@@ -131,6 +145,9 @@ class Qwen25TalkerEngine(Qwen3TalkerEngine):
             r = self._reqs[request.request_id]
             r.rows.append(rows)
             r.n_rows += rows.shape[0]
+            if r.slot is not None:        # static step: the slot holds the request's rows on the device
+                self._static.dev.put_rows(r.slot, r.rows_in_slot, rows)
+                r.rows_in_slot = r.n_rows
 
     # -- stepping --------------------------------------------------------------
 
@@ -145,37 +162,50 @@ class Qwen25TalkerEngine(Qwen3TalkerEngine):
             r.text = (gen, edges.reply_index(gen, self.text_eos, r.final))
         return r.text
 
-    def _row(self, r: _Req25, i: int) -> torch.Tensor:
+    def _rows(self, r: _Req25) -> torch.Tensor:
         if len(r.rows) > 1:
             r.rows = [torch.cat(r.rows)]
-        return r.rows[0][i]
+        return r.rows[0]
 
-    def _next_text_row(self, r: _Req25) -> torch.Tensor | None:
-        """reply(j) for the next decode step j = step + 1, or None while it has not arrived."""
+    def _next_text(self, r: _Req25) -> tuple[int, int, int] | None:
+        """What reply(j) for the next decode step j = step + 1 reads: (TEXT, row index, thinker id), or
+        (TTS_EOS / TTS_PAD, 0, 0); None while it has not arrived."""
         gen, p = self._gen(r)
         j, n = r.step + 1, len(r.prompt)
         if j < (len(gen) - 1 if p is None else p):     # the thinker's text: its id and its row
-            return self._row(r, n + j) + self.embed[gen[j]] if r.n_rows > n + j else None
+            return (TEXT, n + j, gen[j]) if r.n_rows > n + j else None
         if p is None:
             return None       # j is the newest id: text or the end, unknown until more arrives
-        return self._tts[1] if j == p else self._tts[2]
+        return (TTS_EOS, 0, 0) if j == p else (TTS_PAD, 0, 0)
+
+    def _next_text_row(self, r: _Req25) -> torch.Tensor | None:
+        """reply(j) for the next decode step j = step + 1, or None while it has not arrived."""
+        got = self._next_text(r)
+        if got is None:
+            return None
+        kind, at, token = got
+        return self._rows(r)[at] + self.embed[token] if kind == TEXT else self._tts[kind]
 
     def _no_audio(self, r: _Req25) -> bool:
         gen, p = self._gen(r)
         return r.cache is None and p is not None and len(gen) < 2
 
+    def _prefill_ready(self, r: _Req25) -> bool:
+        """The first two generated ids and the rows up to the first are here."""
+        return len(self._gen(r)[0]) >= 2 and r.n_rows > len(r.prompt)
+
     def _can_prefill(self, r: _Req25) -> bool:
-        return (r.cache is None and r.done is None and not self._no_audio(r)
-                and len(self._gen(r)[0]) >= 2 and r.n_rows > len(r.prompt))
+        return (r.cache is None and r.done is None and not self._no_audio(r) and self._prefill_ready(r)
+                and (self._static is None or self._static.free() > 0))
 
     def _can_decode(self, r: _Req25) -> bool:
         return (r.cache is not None and r.done is None and r.next_codec is not None
-                and self._next_text_row(r) is not None)
+                and self._next_text(r) is not None)
 
     def _ready(self, r: _Req25) -> bool:
         if r.done is not None or self._no_audio(r):
             return True
-        if r.final and r.cache is None and not self._can_prefill(r):
+        if r.final and r.cache is None and not self._prefill_ready(r):
             return True       # will end with an error: the rows never came
         return self._can_prefill(r) or self._can_decode(r)
 
@@ -183,6 +213,8 @@ class Qwen25TalkerEngine(Qwen3TalkerEngine):
     def step(self) -> list[EngineOutput]:
         import time
 
+        if self._static is not None:
+            return self._static.engine_step()
         t0 = time.perf_counter()
         chosen, hidden, decode = [], [], []
         for r in list(self._reqs.values()):
@@ -220,7 +252,7 @@ class Qwen25TalkerEngine(Qwen3TalkerEngine):
         gen, _ = self._gen(r)
         try:
             x = edges.prefill_rows(self.talker, self.embed, self.ids, r.prompt, gen[0], r.speaker_bos,
-                                   torch.cat(r.rows)[:len(r.prompt) + 1], self.codec_rows)
+                                   self._rows(r)[:len(r.prompt) + 1], self.codec_rows)
         except ValueError as e:
             r.done, r.frames, r.error = "error", [], f"request {r.rid}: {e}"
             return None
@@ -234,7 +266,8 @@ class Qwen25TalkerEngine(Qwen3TalkerEngine):
         for r, row in zip(chosen, logits):
             row = repetition_penalty(row, r.history, r.penalty)
             row = row.masked_fill(self._suppress, float("-inf"))
-            code = pick(row, r.code0)
+            frame = len(r.history) - 3      # the 3 prompt codes first
+            code = pick(row, r.code0, None if r.uniforms is None else r.uniforms.rows(frame + 1)[-1, 0])
             r.history.append(code)
             if code in self.stop_codes:
                 r.done = "stop"

@@ -35,14 +35,16 @@ class Qwen3Code2WavEngine(StreamedVocoder):
 
     def __init__(self, model_dir: str | Path, *, dtype: str = "auto", device: str = "cpu",
                  first_chunk_frames: int = 4, chunk_frames: int = 25, context_frames: int = 25,
-                 max_frames: int = 300, threads: int | None = None, max_num_seqs: int = 64):
+                 max_frames: int = 300, threads: int | None = None, max_num_seqs: int = 64,
+                 parts: tuple | None = None):
         if min(first_chunk_frames, chunk_frames) < 1 or context_frames < 0 or max_frames < chunk_frames:
             raise ValueError(f"need first_chunk_frames, chunk_frames >= 1, context_frames >= 0 and "
                              f"max_frames >= chunk_frames; got {first_chunk_frames}, {chunk_frames}, "
                              f"{context_frames}, {max_frames}")
         if threads:
             torch.set_num_threads(threads)
-        config, model = load_code2wav(model_dir, dtype=dtype, device=device)
+        # parts: (config, code2wav module) built in memory (benchmarks at real size); model_dir unused
+        config, model = parts or load_code2wav(model_dir, dtype=dtype, device=device)
         super().__init__(device=device, groups=config.code2wav_config.num_quantizers,
                          vocab=config.code2wav_config.codebook_size, sample_rate=24000, max_num_seqs=max_num_seqs)
         self.config, self.model = config, model

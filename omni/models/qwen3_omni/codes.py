@@ -1,8 +1,9 @@
 """Choosing codec codes: the talker's code 0 and the code predictor's 15 residual codes.
 
-The same maths as transformers' talker generate (repetition penalty, suppressed
-special ids, temperature / top-k / top-p) with a per-request `torch.Generator`, so a
-seeded request draws the same codes whatever else shares its batch.
+The same maths as transformers' talker generate (logits in float32, repetition penalty,
+suppressed special ids, temperature / top-k / top-p), drawn by omni.models.qwen3_omni.sampling
+from the request's own uniforms, so a seeded request draws the same codes whatever else shares
+its batch, and the eager and static paths draw the same codes.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from omni.models.qwen3_omni.sampling import sample
+
 
 @dataclass(frozen=True)
 class Pick:
@@ -18,41 +21,32 @@ class Pick:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
-    generator: torch.Generator | None = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
 
 
+RESIDUAL = Pick(1.0, 50, 0.8)     # the code predictor's options when the talker samples (transformers')
+
+
 def repetition_penalty(logits: torch.Tensor, history: list[int], penalty: float) -> torch.Tensor:
     """transformers' RepetitionPenaltyLogitsProcessor for one row: divide positive, multiply negative."""
     if penalty == 1.0 or not history:
         return logits
-    idx = torch.as_tensor(sorted(set(history)), dtype=torch.long, device=logits.device)
+    idx = torch.as_tensor(sorted(set(history)), dtype=torch.long).to(logits.device, non_blocking=True)
     score = logits[idx]
     logits = logits.clone()
     logits[idx] = torch.where(score < 0, score * penalty, score / penalty)
     return logits
 
 
-def pick(logits: torch.Tensor, how: Pick) -> int:
-    """One code from a 1-D row of logits."""
+def pick(logits: torch.Tensor, how: Pick, u: torch.Tensor | None = None) -> int:
+    """One code from a 1-D row of logits; `u` the request's uniform for it (sampling only)."""
     if how.greedy:
         return int(torch.argmax(logits))
-    scores = logits.float() / how.temperature
-    if how.top_k > 0 and how.top_k < scores.shape[-1]:
-        kth = torch.topk(scores, how.top_k).values[-1]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if how.top_p < 1.0:
-        order = torch.argsort(scores)                      # ascending, as transformers' TopPLogitsWarper
-        cum = torch.softmax(scores[order], -1).cumsum(-1)
-        drop = cum <= (1 - how.top_p)
-        drop[-1] = False                                   # keep at least one
-        scores = scores.clone()
-        scores[order[drop]] = float("-inf")
-    probs = torch.softmax(scores, -1)
-    return int(torch.multinomial(probs, 1, generator=how.generator))
+    return int(sample(logits[None].float(), u.reshape(1).to(logits.device), how.temperature, how.top_k,
+                      how.top_p)[0])
 
 
 def suppress_mask(vocab: int, eos: int, device=None) -> torch.Tensor:
@@ -64,10 +58,13 @@ def suppress_mask(vocab: int, eos: int, device=None) -> torch.Tensor:
 
 
 @torch.no_grad()
-def residual_codes(talker, hidden: torch.Tensor, code0: torch.Tensor, picks: list[Pick]):
+def residual_codes(talker, hidden: torch.Tensor, code0: torch.Tensor, greedy: torch.Tensor,
+                   u: torch.Tensor | None = None):
     """The code predictor for a batch of frames.
 
-    hidden [B, H]: the talker's last normed hidden that chose code 0; code0 [B].
+    hidden [B, H]: the talker's last normed hidden that chose code 0; code0 [B]; greedy [B] bool:
+    rows whose residual codes are greedy (the others sample with RESIDUAL); u [B, G]: the rows'
+    uniforms for this frame (None when every row is greedy).
     Returns (codes [B, G] int64 with code 0 first, codec embedding sum [B, H]: the
     codec part of the talker's next input).
     """
@@ -82,9 +79,9 @@ def residual_codes(talker, hidden: torch.Tensor, code0: torch.Tensor, picks: lis
     x = torch.stack([hidden, first], dim=1)                            # [B, 2, H]
     out = cp.model(inputs_embeds=x, past_key_values=cache, use_cache=True)
     for g in range(1, groups):
-        logits = cp.lm_head[g - 1](out.last_hidden_state[:, -1])
-        code = torch.tensor([pick(row, p) for row, p in zip(logits, picks)], dtype=torch.long,
-                            device=hidden.device)
+        logits = cp.lm_head[g - 1](out.last_hidden_state[:, -1]).float()
+        code = logits.argmax(-1) if u is None else sample(
+            logits, u[:, g], RESIDUAL.temperature, RESIDUAL.top_k, RESIDUAL.top_p, greedy)
         codes.append(code)
         e = cp.model.get_input_embeddings()[g - 1](code)
         embeds.append(e)

@@ -79,10 +79,14 @@ def mm_positions(prompt: list[int], ids: TalkerIds) -> list[int]:
     return [i for i, tok in enumerate(prompt) if tok in ids.mm]
 
 
+def on_device(values: list[int], device) -> torch.Tensor:
+    """An int64 tensor of host values on `device`, copied without waiting for the device's queue."""
+    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+
+
 def text_rows(talker, embed: torch.Tensor, token_ids: list[int]) -> torch.Tensor:
     """text_projection(thinker embedding) for `token_ids` -> [n, H_talker]."""
-    idx = torch.as_tensor(token_ids, dtype=torch.long, device=embed.device)
-    return talker.text_projection(embed[idx].unsqueeze(0))[0]
+    return talker.text_projection(embed[on_device(token_ids, embed.device)].unsqueeze(0))[0]
 
 
 def tts_rows(talker, embed: torch.Tensor, ids: TalkerIds) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -116,18 +120,20 @@ def prefill_embeds(talker, embed: torch.Tensor, ids: TalkerIds, prompt: list[int
     text_pos = [p for p in users if p not in mm_row]
     user = torch.empty(len(users), talker.config.text_config.hidden_size, dtype=embed.dtype,
                        device=embed.device)
-    is_mm = torch.tensor([p in mm_row for p in users], dtype=torch.bool, device=embed.device)
+    # index lists built on the host: a boolean mask would make the device report its count back
+    mm_at = [i for i, p in enumerate(users) if p in mm_row]
     if text_pos:
-        user[~is_mm] = text_rows(talker, embed, [prompt[p] for p in text_pos])
-    if bool(is_mm.any()):
-        rows = mm_hidden[[mm_row[p] for p in users if p in mm_row]].to(embed.device, embed.dtype)
-        user[is_mm] = talker.hidden_projection(rows.unsqueeze(0))[0]
+        text_at = [i for i, p in enumerate(users) if p not in mm_row]
+        user[on_device(text_at, embed.device)] = text_rows(talker, embed, [prompt[p] for p in text_pos])
+    if mm_at:
+        rows = mm_hidden[on_device([mm_row[users[i]] for i in mm_at], mm_hidden.device)].to(embed.device, embed.dtype)
+        user[on_device(mm_at, embed.device)] = talker.hidden_projection(rows.unsqueeze(0))[0]
     parts.append(user)
     tts_bos, _, tts_pad = tts if tts is not None else tts_rows(talker, embed, ids)
     assistant = text_rows(talker, embed, header + [first_text])
     text = torch.cat([assistant[:3], tts_pad.expand(4, -1), tts_bos[None], assistant[3:4]])
     codec_ids = list(ids.codec_prefix) + [speaker_id, ids.codec_pad, ids.codec_bos]
-    codec = talker.get_input_embeddings()(torch.tensor(codec_ids, device=embed.device))
+    codec = talker.get_input_embeddings()(on_device(codec_ids, embed.device))
     codec = torch.cat([codec.new_zeros(3, codec.shape[1]), codec])
     parts.append(text + codec)
     return torch.cat(parts)

@@ -14,7 +14,7 @@ same request_id; `final` (default True) marks the last piece.
                 (where the orchestrator puts a StageInput's `token_ids`), including the
                 thinker's EOS if it stopped on it; ids after that EOS are ignored.
 Sampling: `request.overrides` (the stage's defaults) over `request.sampling` (temperature
-<= 0 is greedy; top_k, top_p, seed -> a per-request generator; max_tokens = the talker's max
+<= 0 is greedy; top_k, top_p, seed -> the request's own uniforms; max_tokens = the talker's max
 new tokens, as transformers' `talker_max_new_tokens`: at most max_tokens - 1 frames);
 repetition_penalty from the overrides, else the engine's (1.05). Residual codes: greedy when code 0 is, else top_k 50 / top_p 0.8.
 Output: `tensors["codes"]` int64 [16, n] per chunk (first `first_chunk_frames`, then
@@ -24,6 +24,11 @@ The talker prefills once it has the first generated id and then takes one traili
 text row per step; a request whose next id has not arrived (stream not final)
 skips the step while others go on. Sleep moves the weights to host memory when idle;
 on CPU there is no device memory to free, so it refuses.
+
+Decode paths: the static step (default; omni/models/qwen3_omni/slots.py, static_step.py:
+`max_num_seqs` slots of `max_model_len` positions, CUDA graphs unless `enforce_eager`, MoE
+formulation `moe_impl`) or, with `static_decode: false`, transformers' modules with a
+DynamicCache per request (the reference it is tested against).
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ import torch.nn.functional as F
 from omni.engines.base import Engine, EngineError, EngineOutput, EngineRequest
 from omni.models.qwen3_omni import edges
 from omni.models.qwen3_omni.codes import Pick, pick, repetition_penalty, residual_codes, suppress_mask
+from omni.models.qwen3_omni.sampling import Uniforms
+from omni.models.qwen3_omni.slots import SlotRunner, static_runner
 from omni.models.qwen3_omni.weights import load_talker
 
 logger = logging.getLogger(__name__)
@@ -67,7 +74,7 @@ class TalkerRequest:
     speaker_id: int
     mm_hidden: torch.Tensor | None
     code0: Pick
-    residual: Pick
+    uniforms: Uniforms | None          # the request's random stream (None: greedy)
     penalty: float
     max_tokens: int
     generated: list[int] = dataclasses.field(default_factory=list)
@@ -82,22 +89,30 @@ class TalkerRequest:
     first_out: bool = True
     done: str | None = None           # finish reason once finished
     error: str | None = None
+    slot: int | None = None           # static step: the request's slot, and its next position there
+    pos: int = 0
 
 
 class Qwen3TalkerEngine(Engine):
     def __init__(self, model_dir: str | Path, *, dtype: str = "auto", device: str = "cpu",
                  first_chunk_frames: int = 4, chunk_frames: int = 25, repetition_penalty: float = 1.05,
                  text_eos_token_ids: list[int] | None = None, batch_decode: bool = True,
-                 threads: int | None = None, max_num_seqs: int = 64):
+                 threads: int | None = None, max_num_seqs: int = 64, static_decode: bool = True,
+                 enforce_eager: bool = False, max_model_len: int = 4096, moe_impl: str | None = None,
+                 parts: tuple | None = None):
         if first_chunk_frames < 1 or chunk_frames < 1:
             raise ValueError(f"first_chunk_frames and chunk_frames must be >= 1, "
                              f"got {first_chunk_frames} and {chunk_frames}")
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if static_decode and not batch_decode:
+            raise ValueError("batch_decode: false needs static_decode: false (the static step always batches)")
         self.max_num_seqs = max_num_seqs     # requests decoded in one step; the rest wait their turn
         if threads:
             torch.set_num_threads(threads)
-        self.config, self.talker, self.embed = load_talker(model_dir, dtype=dtype, device=device)
+        # parts: (config, talker module, thinker embedding table) built in memory (benchmarks at real
+        # size); model_dir is then unused
+        self.config, self.talker, self.embed = parts or load_talker(model_dir, dtype=dtype, device=device)
         self.ids = edges.TalkerIds.from_config(self.config)
         self.device = torch.device(device)
         self.first_chunk_frames = first_chunk_frames
@@ -113,6 +128,9 @@ class Qwen3TalkerEngine(Engine):
         self._stats: collections.Counter = collections.Counter()
         self._sleeping = False
         self._batch: _Batch | None = None
+        self._static: SlotRunner | None = None
+        if static_decode:
+            self._static = static_runner(self, max_num_seqs, max_model_len, moe_impl, enforce_eager)
 
     def _cache_config(self):
         """The config a talker KV cache is built from (the Qwen2.5 talker overrides it)."""
@@ -149,18 +167,19 @@ class Qwen3TalkerEngine(Engine):
             if hidden.ndim != 2 or hidden.shape[1] != self.embed.shape[1] or not hidden.is_floating_point():
                 raise EngineError(f"request {rid}: mm_hidden must be float [n, {self.embed.shape[1]}], "
                                   f"got {hidden.dtype} {list(hidden.shape)}")
-            hidden = hidden.to(self.device, self.embed.dtype)
+            hidden = hidden.to(self.device, self.embed.dtype, non_blocking=True)
         if len(mm) != (0 if hidden is None else hidden.shape[0]):
             raise EngineError(f"request {rid}: the prompt has {len(mm)} audio placeholder(s) but "
                               f"mm_hidden has {0 if hidden is None else hidden.shape[0]} row(s)")
-        temperature, top_k, top_p, max_tokens, penalty, gen = self._sampling(req, rid)
-        code0 = Pick(temperature, top_k, top_p, gen)
-        residual = Pick() if code0.greedy else Pick(1.0, 50, 0.8, gen)   # transformers' choice
-        return TalkerRequest(rid, prompt, self.ids.speakers[name.lower()], hidden, code0, residual, penalty, max_tokens)
+        temperature, top_k, top_p, max_tokens, penalty, seed = self._sampling(req, rid)
+        code0 = Pick(temperature, top_k, top_p)
+        uniforms = None if code0.greedy else Uniforms(seed, self.config.talker_config.num_code_groups)
+        return TalkerRequest(rid, prompt, self.ids.speakers[name.lower()], hidden, code0, uniforms, penalty,
+                             max_tokens)
 
-    def _sampling(self, req: EngineRequest, rid: str) -> tuple[float, int, float, int, float, Any]:
-        """The talker's sampling options (the stage's own over the request's), checked; a
-        per-request generator when sampling with a seed."""
+    def _sampling(self, req: EngineRequest, rid: str) -> tuple[float, int, float, int, float, int | None]:
+        """The talker's sampling options (the stage's own over the request's), checked, and the seed
+        (None: unseeded)."""
         s = req.effective_sampling()
         temperature, top_k, top_p, max_tokens, seed = s.temperature, s.top_k, s.top_p, s.max_tokens, s.seed
         penalty = req.overrides.repetition_penalty
@@ -170,10 +189,7 @@ class Qwen3TalkerEngine(Engine):
             raise EngineError(f"request {rid}: sampling needs a finite temperature, top_k >= 0, "
                               f"0 < top_p <= 1, max_tokens >= 1 and repetition_penalty > 0; got "
                               f"{temperature}, {top_k}, {top_p}, {max_tokens}, {penalty}")
-        gen = None
-        if temperature > 0 and seed is not None:
-            gen = torch.Generator(device=self.device).manual_seed(seed)
-        return temperature, top_k, top_p, max_tokens, penalty, gen
+        return temperature, top_k, top_p, max_tokens, penalty, seed
 
     def _ids(self, rid: str, ids) -> list[int]:
         try:
@@ -206,7 +222,9 @@ class Qwen3TalkerEngine(Engine):
         self._reqs[rid] = r
 
     def abort(self, request_id: str) -> None:
-        self._reqs.pop(request_id, None)
+        r = self._reqs.pop(request_id, None)
+        if r is not None and self._static is not None:
+            self._static.release(r)
 
     # -- stepping --------------------------------------------------------------
 
@@ -226,7 +244,8 @@ class Qwen3TalkerEngine(Engine):
         return self._tts[1] if r.step == len(trailing) else self._tts[2]
 
     def _can_prefill(self, r: TalkerRequest) -> bool:
-        return r.cache is None and r.done is None and bool(r.generated)
+        return (r.cache is None and r.done is None and bool(r.generated)
+                and (self._static is None or self._static.free() > 0))
 
     def _can_decode(self, r: TalkerRequest) -> bool:
         if r.cache is None or r.done is not None or r.next_codec is None:
@@ -243,6 +262,8 @@ class Qwen3TalkerEngine(Engine):
 
     @torch.no_grad()
     def step(self) -> list[EngineOutput]:
+        if self._static is not None:
+            return self._static.engine_step()
         t0 = time.perf_counter()
         chosen: list[TalkerRequest] = []
         logits: list[torch.Tensor] = []
@@ -269,7 +290,7 @@ class Qwen3TalkerEngine(Engine):
             chosen.extend(decode)
             hidden.extend(h)
         if chosen:
-            logits = list(self.talker.codec_head(torch.stack(hidden)))
+            logits = list(self.talker.codec_head(torch.stack(hidden)).float())
             self._sample(chosen, logits, hidden)
             self._stats["talker_seconds"] += time.perf_counter() - t0
             self._stats["talker_steps"] += 1
@@ -352,7 +373,7 @@ class Qwen3TalkerEngine(Engine):
         for r, row, h in zip(chosen, logits, hidden):
             row = repetition_penalty(row, r.history, r.penalty)
             row = row.masked_fill(self._suppress, float("-inf"))
-            code = pick(row, r.code0)
+            code = pick(row, r.code0, None if r.uniforms is None else r.uniforms.rows(len(r.history) + 1)[-1, 0])
             r.history.append(code)
             if code == self.ids.codec_eos:
                 r.done = "stop"
@@ -364,7 +385,11 @@ class Qwen3TalkerEngine(Engine):
         if not go:
             return
         code0 = torch.tensor([r.history[-1] for r in go], dtype=torch.long, device=self.device)
-        codes, codec = residual_codes(self.talker, torch.stack(go_hidden), code0, [r.residual for r in go])
+        greedy = torch.tensor([r.uniforms is None for r in go], device=self.device)
+        u = None if all(r.uniforms is None for r in go) else torch.stack(
+            [torch.zeros(self.config.talker_config.num_code_groups) if r.uniforms is None
+             else r.uniforms.rows(len(r.history))[-1] for r in go]).to(self.device)
+        codes, codec = residual_codes(self.talker, torch.stack(go_hidden), code0, greedy, u)
         self._stats["frames"] += len(go)
         for i, r in enumerate(go):
             r.frames.append(codes[i])

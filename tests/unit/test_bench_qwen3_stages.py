@@ -1,0 +1,36 @@
+"""The pure parts of benchmarks/qwen3_stages.py and benchmarks/real_size.py: a row's figures, the paths
+per device, and the released sizes (built on the meta device: no memory, no weights)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+
+def test_talker_row_figures():
+    from benchmarks.qwen3_stages import talker_row
+
+    runs = [{"steps": [0.010, 0.020, 0.030], "first": [0.1, 0.3]}, {"steps": [0.040] * 3, "first": [0.5]}]
+    row = talker_row("qwen3", "static", 4, runs, None)
+    assert row["talker_ms_per_step"] == 30.0                    # median of the rounds' medians (20, 40)
+    assert row["talker_ms_per_frame"] == 7.5 and row["frames_per_s_per_stream"] == 33.3
+    assert row["x_real_time_per_stream"] == 2.67 and row["first_audio_ms"] == 350.0
+
+
+def test_paths_per_device():
+    from benchmarks.qwen3_stages import modes_for
+
+    assert modes_for("qwen3", "cpu") == ["eager", "static"]
+    assert modes_for("qwen3", "cuda") == ["eager", "static", "graphed"]
+
+
+def test_released_sizes():
+    from benchmarks import real_size as rs
+
+    config, talker, embed = rs.qwen3_talker_parts("meta")
+    assert round(rs.parameters(talker) / 1e9, 2) == 3.32           # GPU.md: the talker is 3.3 B
+    assert talker.model.layers[0].mlp.gate.top_k == 6 and embed.shape == (152064, 2048)
+    assert round(rs.parameters(rs.qwen3_code2wav_parts("meta")[1]) / 1e6) == 216
+    prompt = rs.prompt_ids(config, 5, 0)
+    assert prompt[-3:] == [config.im_start_token_id, config.assistant_token_id, 198] and len(prompt) == 13
