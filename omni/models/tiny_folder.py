@@ -112,3 +112,16 @@ def main(build: Callable[[str], Path], module: str) -> None:
     if len(sys.argv) != 2:
         sys.exit(f"usage: python -m {module} DIR")
     print(build(sys.argv[1]))
+
+
+def init_vocoder_convs(module, gen) -> None:
+    """Uniform fan-in init of a vocoder's Conv1d / ConvTranspose1d layers: with from_config's std-0.02
+    init a random vocoder's output is ~0 (call under torch.no_grad())."""
+    import torch
+
+    for m in module.modules():
+        if isinstance(m, (torch.nn.Conv1d, torch.nn.ConvTranspose1d)):
+            bound = 1.0 / (m.weight.shape[1] * m.weight.shape[2]) ** 0.5
+            m.weight.copy_((torch.rand(m.weight.shape, generator=gen) * 2 - 1) * bound)
+            if m.bias is not None:
+                m.bias.copy_((torch.rand(m.bias.shape, generator=gen) * 2 - 1) * bound)

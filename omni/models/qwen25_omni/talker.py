@@ -279,21 +279,5 @@ class Qwen25TalkerEngine(Qwen3TalkerEngine):
             else:
                 r.next_codec = emb(torch.tensor(code, device=self.device))
 
-    def _emit(self) -> list[EngineOutput]:
-        outs = []
-        for r in list(self._reqs.values()):
-            want = self.first_chunk_frames if r.sent == 0 else self.chunk_frames
-            if r.done is None and len(r.frames) < want:
-                continue
-            if r.done is None:
-                frames, r.frames = r.frames[:want], r.frames[want:]
-            else:
-                frames, r.frames = r.frames, []
-                del self._reqs[r.rid]
-            codes = torch.stack(frames, dim=1) if frames else torch.zeros((1, 0), dtype=torch.long)
-            r.sent += len(frames)
-            outs.append(EngineOutput(request_id=r.rid, tensors={} if r.error else {"codes": codes.contiguous()},
-                                     finished=r.done is not None, finish_reason=r.done, error=r.error,
-                                     num_prompt_tokens=len(r.prompt) if r.first_out else None))
-            r.first_out = False
-        return outs
+    def code_groups(self) -> int:
+        return 1

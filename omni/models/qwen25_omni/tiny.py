@@ -104,13 +104,7 @@ def _init_weights(model, seed: int) -> None:
         keep = {CODEC["pad"], CODEC["eos"]}
         head[[i for i in range(model.config.token2wav_config.dit_config.num_embeds + 1, head.shape[0])
               if i not in keep]] = 0.0
-        for module in model.token2wav.code2wav_bigvgan_model.modules():
-            if isinstance(module, (torch.nn.Conv1d, torch.nn.ConvTranspose1d)):
-                fan_in = module.weight.shape[1] * module.weight.shape[2]
-                bound = 1.0 / fan_in ** 0.5
-                module.weight.copy_((torch.rand(module.weight.shape, generator=gen) * 2 - 1) * bound)
-                if module.bias is not None:
-                    module.bias.copy_((torch.rand(module.bias.shape, generator=gen) * 2 - 1) * bound)
+        tiny_folder.init_vocoder_convs(model.token2wav.code2wav_bigvgan_model, gen)
         bad = [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]
         bad += [n for n, b in model.named_buffers() if b.is_floating_point() and not torch.isfinite(b).all()]
     if bad:

@@ -395,6 +395,10 @@ class Qwen3TalkerEngine(Engine):
             r.frames.append(codes[i])
             r.next_codec = codec[i]
 
+    def code_groups(self) -> int:
+        """Codes per frame (a `codes` chunk is [groups, n]); the Qwen2.5 talker has one codebook."""
+        return self.config.talker_config.num_code_groups
+
     def _emit(self) -> list[EngineOutput]:
         outs = []
         for r in list(self._reqs.values()):
@@ -406,8 +410,7 @@ class Qwen3TalkerEngine(Engine):
             else:
                 frames, r.frames = r.frames, []
                 del self._reqs[r.rid]
-            codes = torch.stack(frames, dim=1) if frames else torch.zeros(
-                (self.config.talker_config.num_code_groups, 0), dtype=torch.long)
+            codes = torch.stack(frames, dim=1) if frames else torch.zeros((self.code_groups(), 0), dtype=torch.long)
             r.sent += len(frames)
             out = EngineOutput(request_id=r.rid, tensors={} if r.error else {"codes": codes.cpu().contiguous()},
                                finished=r.done is not None, finish_reason=r.done, error=r.error,

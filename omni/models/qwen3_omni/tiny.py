@@ -100,13 +100,7 @@ def _init_weights(model, seed: int) -> None:
         for name, p in model.named_parameters():
             if name.startswith("talker.") and (".experts." in name or ".gate." in name or "router" in name):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
-        for module in model.code2wav.modules():
-            if isinstance(module, (torch.nn.Conv1d, torch.nn.ConvTranspose1d)):
-                fan_in = module.weight.shape[1] * module.weight.shape[2]
-                bound = 1.0 / fan_in ** 0.5
-                module.weight.copy_((torch.rand(module.weight.shape, generator=gen) * 2 - 1) * bound)
-                if module.bias is not None:
-                    module.bias.copy_((torch.rand(module.bias.shape, generator=gen) * 2 - 1) * bound)
+        tiny_folder.init_vocoder_convs(model.code2wav, gen)
         bad = [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]
     if bad:
         raise RuntimeError(f"tiny Qwen3-Omni has non-finite parameters: {bad[:5]}")
