@@ -21,9 +21,9 @@ from omni.api.errors import APIError, bad_request
 from omni.api.metrics import FrontendMetrics
 from omni.api.voices import InMemoryVoiceStore
 from omni.engines.base import SamplingParams
-from omni.sampling import SamplingOverrides
 from omni.errors import NotFound
 from omni.orchestrator.types import OrchestratorLike
+from omni.sampling import SamplingOverrides
 from omni.stage.messages import InlineTensor
 
 # Prompts longer than this (characters) are templated/tokenized on a worker thread so
