@@ -9,7 +9,7 @@ torch tensors here; the stage worker moves them over the transport.
 from __future__ import annotations
 
 import abc
-from typing import Any
+from typing import Any, Iterable
 
 import msgspec
 import torch
@@ -18,7 +18,7 @@ from omni.engines.logprobs import Logprobs
 from omni.sampling import SamplingOverrides, SamplingParams
 
 __all__ = ["Engine", "EngineError", "EngineOutput", "EngineRequest", "SamplingOverrides", "SamplingParams",
-           "StageFacts", "facts_of"]
+           "StageFacts", "StreamEngine", "facts_of"]
 
 
 class StageFacts(msgspec.Struct, kw_only=True):
@@ -143,6 +143,32 @@ class Engine(abc.ABC):
 
     def shutdown(self) -> None:
         pass
+
+
+class StreamEngine(Engine):
+    """An engine whose requests stay open between pieces (a talker waiting for its thinker's next
+    tokens, a vocoder for its next codes): only the ready ones count as unfinished, else the stage
+    loop would spin on streams that wait; the waiting ones show in num_waiting()."""
+
+    @abc.abstractmethod
+    def open_requests(self) -> Iterable[Any]:
+        """The open requests (streams), finished or not."""
+
+    @abc.abstractmethod
+    def is_ready(self, r: Any) -> bool:
+        """True when a step can advance r."""
+
+    def has_unfinished(self) -> bool:
+        return any(self.is_ready(r) for r in self.open_requests())
+
+    def has_open_streams(self) -> bool:
+        return any(True for _ in self.open_requests())
+
+    def num_waiting(self) -> int:
+        return sum(1 for r in self.open_requests() if not self.is_ready(r))
+
+    def num_running(self) -> int:
+        return sum(1 for r in self.open_requests() if self.is_ready(r))
 
 
 def dtype_name(t: torch.Tensor) -> str:

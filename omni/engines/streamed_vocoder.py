@@ -19,11 +19,11 @@ import collections
 import dataclasses
 import logging
 import time
-from typing import Callable
 
 import torch
 
-from omni.engines.base import Engine, EngineError, EngineOutput, EngineRequest
+from omni.engines.base import EngineError, EngineOutput, EngineRequest, StreamEngine
+from omni.engines.offload import IdleOffload
 
 logger = logging.getLogger(__name__)
 
@@ -55,32 +55,7 @@ class Window:
         return self.hi - self.lo
 
 
-class IdleOffload:
-    """sleep / wake_up for a torch engine: its weights go to host memory while it sleeps, which
-    is refused on CPU (nothing to free) and while work is open."""
-
-    def __init__(self, name: str, device: torch.device, move: Callable[[torch.device], None]):
-        self.name, self.device, self._move = name, device, move
-        self.sleeping = False
-
-    def can_sleep(self) -> bool:
-        return self.device.type != "cpu"
-
-    def sleep(self, open_work: int, what: str = "stream(s) open") -> None:
-        if not self.can_sleep():
-            raise EngineError(f"{self.name} on CPU cannot sleep: its weights have no device memory to free")
-        if open_work:
-            raise EngineError(f"{self.name} cannot sleep with {open_work} {what}")
-        self._move(torch.device("cpu"))
-        self.sleeping = True
-
-    def wake_up(self) -> None:
-        if self.sleeping:
-            self._move(self.device)
-            self.sleeping = False
-
-
-class StreamedVocoder(Engine):
+class StreamedVocoder(StreamEngine):
     name = "vocoder"              # the engine name, for messages
     seconds_key = "vocoder_seconds"   # stats: time spent decoding
 
@@ -92,7 +67,8 @@ class StreamedVocoder(Engine):
         self.groups, self.vocab, self.sample_rate = groups, vocab, sample_rate
         self.max_num_seqs = max_num_seqs      # streams decoded in one batch
         self.max_codes = max_codes
-        self.offload = IdleOffload(self.name, self.device, self.move_to)
+        self.offload = IdleOffload(self.name, self.device, off=lambda: self.move_to(torch.device("cpu")),
+                                   on=lambda: self.move_to(self.device))
         self._streams: collections.OrderedDict[str, VocoderStream] = collections.OrderedDict()
         self._stats: collections.Counter = collections.Counter()
 
@@ -228,18 +204,14 @@ class StreamedVocoder(Engine):
 
     # -- bookkeeping -----------------------------------------------------------------
 
+    def open_requests(self):
+        return self._streams.values()
+
+    def is_ready(self, s: VocoderStream) -> bool:
+        return self.ready(s)
+
     def has_unfinished(self) -> bool:
-        # Only streams a step can advance (the stage loop spins while this is true).
-        return not self.offload.sleeping and any(self.ready(s) for s in self._streams.values())
-
-    def has_open_streams(self) -> bool:
-        return bool(self._streams)
-
-    def num_waiting(self) -> int:
-        return sum(1 for s in self._streams.values() if not self.ready(s))
-
-    def num_running(self) -> int:
-        return sum(1 for s in self._streams.values() if self.ready(s))
+        return not self.offload.sleeping and super().has_unfinished()
 
     def can_sleep(self) -> bool:
         return self.offload.can_sleep()

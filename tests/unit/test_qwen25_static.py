@@ -59,3 +59,17 @@ def test_one_host_read_per_step(engines, france, sea):
             static.step()
         counts.append(len(reads))
     assert len(counts) >= 9 and max(counts) <= 1, counts
+
+
+def test_sleep_cycle_rebuilds_the_static_state(folder, france):
+    """Sleep drops the static state, wake-up builds it again, the codes stay transformers'."""
+    from omni.models.qwen25_omni.talker import Qwen25TalkerEngine
+
+    engine = Qwen25TalkerEngine(folder, max_num_seqs=2)
+    old = engine._static
+    engine.offload._off()         # what sleep does once it is allowed (a GPU); CPU refuses sleep itself
+    assert engine._static is None
+    engine.offload._on()
+    assert engine._static is not None and engine._static is not old
+    got = drive(engine, {"a": talker_pieces(france, "a", "chelsie", True, TALKER_TOKENS)})["a"]
+    assert torch.equal(_codes(got), france.codes)

@@ -284,3 +284,43 @@ def test_cuda_graphs_equal_eager_on_the_device(folder, runs):
         graphed._static.graphs.run(1)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def _sleep_cycle_keeps_codes(engine, runs) -> None:
+    france, _, _ = runs
+    before = drive(engine, {"a": talker_pieces(france, "a", "ethan", True, TOKENS)})["a"]
+    old = engine._static
+    engine.offload._off()          # what sleep does once it is allowed (a GPU); CPU refuses sleep itself
+    assert engine._static is None
+    engine.offload._on()
+    assert engine._static is not None and engine._static is not old      # built again: fresh addresses
+    after = drive(engine, {"b": talker_pieces(france, "b", "ethan", True, TOKENS)})["b"]
+    assert torch.equal(_codes(before), _codes(after))
+    assert torch.equal(_codes(after), france.codes)
+
+
+def test_sleep_cycle_rebuilds_the_static_state(folder, runs):
+    """Sleep drops the static state (slot cache, stacked weights, graphs), wake-up builds it again,
+    and the codes stay transformers'."""
+    from omni.models.qwen3_omni.talker import Qwen3TalkerEngine
+
+    _sleep_cycle_keeps_codes(Qwen3TalkerEngine(folder, max_num_seqs=2), runs)
+
+
+@pytest.mark.cuda
+def test_sleep_frees_the_device_and_graphs_replay_after_wake(folder, runs):
+    """On a GPU: sleep gives the talker's memory back and the graphs captured again after wake-up
+    give the same codes."""
+    from omni.models.qwen3_omni.talker import Qwen3TalkerEngine
+
+    engine = Qwen3TalkerEngine(folder, device="cuda", dtype="float32", max_num_seqs=4)
+    france, _, _ = runs
+    before = _codes(drive(engine, {"a": talker_pieces(france, "a", "ethan", True, TOKENS)})["a"])
+    held = torch.cuda.memory_allocated()
+    engine.sleep()
+    assert engine.is_sleeping() and torch.cuda.memory_allocated() < held / 2
+    with pytest.raises(EngineError, match="asleep"):
+        engine.add_request(talker_pieces(france, "x", "ethan", True, TOKENS)[0])
+    engine.wake_up()
+    after = _codes(drive(engine, {"b": talker_pieces(france, "b", "ethan", True, TOKENS)})["b"])
+    assert torch.equal(before, after) and engine.stats()["graph_replays"] > 0

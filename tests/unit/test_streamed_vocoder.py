@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from omni.engines.base import EngineError, EngineRequest
-from omni.engines.streamed_vocoder import IdleOffload, StreamedVocoder, Window
+from omni.engines.offload import IdleOffload
+from omni.engines.streamed_vocoder import StreamedVocoder, Window
 from tests.unit.qwen3_ref import drive
 
 HOP = 3
@@ -87,17 +88,20 @@ def test_waiting_streams_do_not_spin_and_abort_drops_them():
 
 def test_sleep_moves_the_weights_off_the_device_only_when_idle():
     moved = []
-    off = IdleOffload("echo", torch.device("cuda"), moved.append)     # nothing runs on the device here
+    off = IdleOffload("echo", torch.device("cuda"), off=lambda: moved.append("cpu"),
+                      on=lambda: moved.append("cuda"))     # nothing runs on the device here
     with pytest.raises(EngineError, match="echo cannot sleep with 2 stream"):
         off.sleep(2)
     off.sleep(0)
+    off.sleep(0)                                   # asleep already: nothing moves
     off.wake_up()
     off.wake_up()                                  # awake already: nothing moves
-    assert [d.type for d in moved] == ["cpu", "cuda"] and not off.sleeping
+    assert moved == ["cpu", "cuda"] and not off.sleeping
     e = Echo()
     with pytest.raises(EngineError, match="echo on CPU cannot sleep"):
         e.sleep()
-    e.offload = IdleOffload("echo", torch.device("cuda"), e.move_to)
+    e.offload = IdleOffload("echo", torch.device("cuda"), off=lambda: e.move_to(torch.device("cpu")),
+                            on=lambda: e.move_to(torch.device("cuda")))
     e.sleep()
     assert e.is_sleeping() and e.moved == ["cpu"] and e.step() == []
     with pytest.raises(EngineError, match="echo is asleep"):

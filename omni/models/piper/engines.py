@@ -29,7 +29,7 @@ import time
 import numpy as np
 import torch
 
-from omni.engines.base import Engine, EngineError, EngineOutput, EngineRequest
+from omni.engines.base import Engine, EngineError, EngineOutput, EngineRequest, StreamEngine
 from omni.engines.onnx_session import make_session
 from omni.models.piper.voice import LATENT_NAME, Phonemizer, VoicePaths
 
@@ -199,7 +199,7 @@ class _Stream:
     final: bool = False
 
 
-class Code2WavEngine(Engine):
+class Code2WavEngine(StreamEngine):
     """Latent frames -> waveform chunks, streaming with context on both sides.
 
     A chunk of `chunk_frames` frames is decoded together with up to
@@ -277,7 +277,7 @@ class Code2WavEngine(Engine):
 
     def has_ready_work(self) -> bool:
         """True when step() would produce output."""
-        return any(self._ready(s) for s in self._streams.values())
+        return self.has_unfinished()
 
     def step(self) -> list[EngineOutput]:
         stream = next((s for s in self._streams.values() if self._ready(s)), None)
@@ -321,21 +321,11 @@ class Code2WavEngine(Engine):
         s.start = keep_from
         return audio
 
-    def has_unfinished(self) -> bool:
-        # Only streams a step can advance: the stage loop polls without a
-        # timeout while this is true, so counting streams that wait for their
-        # next latent piece would spin a core. Those show in num_waiting().
-        return self.has_ready_work()
+    def open_requests(self):
+        return self._streams.values()
 
-    def has_open_streams(self) -> bool:
-        return bool(self._streams)
-
-    def num_waiting(self) -> int:
-        """Open streams waiting for more latents."""
-        return sum(1 for s in self._streams.values() if not self._ready(s))
-
-    def num_running(self) -> int:
-        return sum(1 for s in self._streams.values() if self._ready(s))
+    def is_ready(self, s: _Stream) -> bool:
+        return self._ready(s)
 
     def stats(self) -> dict[str, float]:
         return dict(self._stats)

@@ -66,14 +66,6 @@ class StaticTalker25(SlotState):
 
 
 class Qwen25Slots(SlotRunner):
-    def settle(self, r) -> None:
-        e = self.engine
-        if e._no_audio(r):
-            r.done = "stop"
-        elif r.final and r.cache is None and not e._prefill_ready(r):
-            r.done, r.error = "error", (f"request {r.rid}: the thinker's stream ended with {r.n_rows} "
-                                        f"thinker_hidden row(s); the prefill needs {len(r.prompt) + 1}")
-
     def inputs(self, r) -> list[int]:
         kind, at, token = self.engine._next_text(r)
         return [kind, at, token]

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from omni.engines.base import EngineError, EngineOutput, EngineRequest
+from omni.engines.base import EngineError, EngineRequest
 from omni.models.qwen25_omni import edges
 from omni.models.qwen25_omni.weights import load_speakers, load_talker
 from omni.models.qwen3_omni.codes import Pick, pick, repetition_penalty
@@ -51,30 +51,23 @@ class _Req25(TalkerRequest):
 
 
 class Qwen25TalkerEngine(Qwen3TalkerEngine):
+    name = "qwen25_talker"
+    default_speaker = DEFAULT_SPEAKER
+
     def __init__(self, model_dir: str | Path, *, dtype: str = "auto", device: str = "cpu",
                  first_chunk_frames: int = 25, chunk_frames: int = 50, repetition_penalty: float = 1.05,
                  text_eos_token_ids: list[int] | None = None, batch_decode: bool = True,
                  codec_rows: bool = False, threads: int | None = None, parts: tuple | None = None,
                  static_decode: bool = True, enforce_eager: bool = False, max_model_len: int = 4096,
                  max_num_seqs: int = 16):
-        import collections
-
-        if first_chunk_frames < 1 or chunk_frames < 1:
-            raise ValueError(f"first_chunk_frames and chunk_frames must be >= 1, "
-                             f"got {first_chunk_frames} and {chunk_frames}")
-        if threads:
-            torch.set_num_threads(threads)
+        self._init_common(device, first_chunk_frames, chunk_frames, repetition_penalty, batch_decode, max_num_seqs,
+                          static_decode, threads)
         if parts is not None:     # (config, talker, embed table, thinker norm, {voice: bos id}) built in memory
             self.config, self.talker, self.embed, self.norm, self.speakers = parts
         else:
             self.config, self.talker, self.embed, self.norm = load_talker(model_dir, dtype=dtype, device=device)
             self.speakers = {k.lower(): int(v["bos_token"]) for k, v in load_speakers(model_dir).items()}
         self.ids = edges.TalkerIds.from_config(self.config)
-        self.device = torch.device(device)
-        self.first_chunk_frames = first_chunk_frames
-        self.chunk_frames = chunk_frames
-        self.repetition_penalty = repetition_penalty
-        self.batch_decode = batch_decode
         self.codec_rows = codec_rows
         self.text_eos = set(text_eos_token_ids or [self.config.thinker_config.text_config.eos_token_id])
         self.stop_codes = {self.ids.codec_eos, self.ids.codec_pad}
@@ -83,15 +76,18 @@ class Qwen25TalkerEngine(Qwen3TalkerEngine):
         with torch.no_grad():
             rows = self.embed[[self.ids.tts_eos, self.ids.tts_pad]]
         self._tts = (None, rows[0], rows[1])
-        self._reqs = collections.OrderedDict()
-        self._stats = collections.Counter()
-        self._sleeping = False
-        self._batch = None
-        self._static = None
-        if static_decode:
-            if not batch_decode:
-                raise ValueError("batch_decode: false needs static_decode: false (the static step always batches)")
-            self._static = static_runner25(self, max_num_seqs, max_model_len, enforce_eager)
+        self._init_static((max_num_seqs, max_model_len, enforce_eager) if static_decode else None)
+
+    def _build_static(self):
+        return None if self._static_args is None else static_runner25(self, *self._static_args)
+
+    def _to_host(self) -> None:
+        super()._to_host()
+        self.norm.to("cpu")
+
+    def _to_device(self) -> None:
+        self.norm.to(self.device)
+        super()._to_device()
 
     def _cache_config(self):
         return self.talker.config
@@ -115,25 +111,19 @@ class Qwen25TalkerEngine(Qwen3TalkerEngine):
                 t = self.norm(t)
         return t
 
+    def _speakers(self) -> dict[str, int]:
+        return self.speakers
+
     def _new(self, req: EngineRequest) -> _Req25:
         rid = req.request_id
-        prompt = req.prompt_token_ids
-        if prompt is None and "prompt_token_ids" in (req.tensors or {}):
-            prompt = torch.as_tensor(req.tensors["prompt_token_ids"]).reshape(-1).tolist()
-        if not prompt:
-            raise EngineError(f"request {rid}: the first piece needs prompt_token_ids (the thinker's prompt)")
-        name = req.voice or DEFAULT_SPEAKER
-        if not isinstance(name, str) or name.lower() not in self.speakers:
-            raise EngineError(f"request {rid}: unknown speaker {name!r}; known speakers: "
-                              f"{', '.join(sorted(self.speakers))}")
-        prompt = self._ids(rid, prompt)
+        prompt, name = self._first_piece(req)
         th = self.config.thinker_config
         if any(t in (th.image_token_index, th.video_token_index) for t in prompt):
             raise EngineError(f"request {rid}: image/video prompts need 3-D talker positions (not supported)")
         temperature, top_k, top_p, max_tokens, penalty, seed = self._sampling(req, rid)
         code0 = Pick(temperature, top_k, top_p)
         r = _Req25(rid, prompt, 0, None, code0, None if code0.greedy else Uniforms(seed, 1), penalty, max_tokens)
-        r.speaker_bos = self.speakers[name.lower()]
+        r.speaker_bos = self.speakers[name]
         # transformers' repetition penalty also sees the talker's prompt ids (mask x n, pad, bos)
         r.history = [self.ids.codec_mask, self.ids.codec_pad, self.ids.codec_bos]
         return r
@@ -209,59 +199,24 @@ class Qwen25TalkerEngine(Qwen3TalkerEngine):
             return True       # will end with an error: the rows never came
         return self._can_prefill(r) or self._can_decode(r)
 
-    @torch.no_grad()
-    def step(self) -> list[EngineOutput]:
-        import time
+    def _settle(self, r: _Req25) -> None:
+        if r.done is not None:
+            return
+        if self._no_audio(r):
+            r.done = "stop"
+        elif r.final and r.cache is None and not self._prefill_ready(r):
+            r.done, r.error = "error", (f"request {r.rid}: the thinker's stream ended with {r.n_rows} "
+                                        f"thinker_hidden row(s); the prefill needs {len(r.prompt) + 1}")
 
-        if self._static is not None:
-            return self._static.engine_step()
-        t0 = time.perf_counter()
-        chosen, hidden, decode = [], [], []
-        for r in list(self._reqs.values()):
-            if r.done is None and self._no_audio(r):
-                r.done = "stop"
-            elif self._can_prefill(r):
-                h = self._prefill(r)
-                if h is not None:
-                    chosen.append(r)
-                    hidden.append(h)
-            elif self._can_decode(r):
-                decode.append(r)
-            elif r.done is None and r.final and r.cache is None:
-                r.done, r.error = "error", (f"request {r.rid}: the thinker's stream ended with {r.n_rows} "
-                                            f"thinker_hidden row(s); the prefill needs {len(r.prompt) + 1}")
-        if decode:
-            x = self.talker.thinker_to_talker_proj(
-                torch.stack([r.next_codec + self._next_text_row(r) for r in decode]))
-            h = self._decode(decode, x) if self.batch_decode else torch.cat(
-                [self._decode([r], x[i:i + 1]) for i, r in enumerate(decode)])
-            for r in decode:
-                r.step += 1
-            chosen.extend(decode)
-            hidden.extend(h)
-        if chosen:
-            logits = self.talker.codec_head(torch.stack(hidden)).float()
-            self._sample(chosen, list(logits))
-            self._stats["talker_seconds"] += time.perf_counter() - t0
-            self._stats["talker_steps"] += 1
-        return self._emit()
+    def _project(self, x: torch.Tensor) -> torch.Tensor:
+        return self.talker.thinker_to_talker_proj(x)
 
-    def _prefill(self, r: _Req25) -> torch.Tensor | None:
-        from transformers import DynamicCache
-
+    def _prefill_embeds(self, r: _Req25) -> torch.Tensor:
         gen, _ = self._gen(r)
-        try:
-            x = edges.prefill_rows(self.talker, self.embed, self.ids, r.prompt, gen[0], r.speaker_bos,
-                                   self._rows(r)[:len(r.prompt) + 1], self.codec_rows)
-        except ValueError as e:
-            r.done, r.frames, r.error = "error", [], f"request {r.rid}: {e}"
-            return None
-        r.cache = DynamicCache(config=self._cache_config())
-        self._stats["prefill_tokens"] += x.shape[0]
-        return self.talker.model(inputs_embeds=x[None], past_key_values=r.cache,
-                                 use_cache=True).last_hidden_state[0, -1]
+        return edges.prefill_rows(self.talker, self.embed, self.ids, r.prompt, gen[0], r.speaker_bos,
+                                  self._rows(r)[:len(r.prompt) + 1], self.codec_rows)
 
-    def _sample(self, chosen: list[_Req25], logits: list[torch.Tensor]) -> None:
+    def _sample(self, chosen: list[_Req25], logits: list[torch.Tensor], hidden: list[torch.Tensor]) -> None:
         emb = self.talker.get_input_embeddings()
         for r, row in zip(chosen, logits):
             row = repetition_penalty(row, r.history, r.penalty)

@@ -147,9 +147,8 @@ class SlotRunner:
     # -- the talker's part ----------------------------------------------------------
 
     def settle(self, r) -> None:
-        """End a request that will never need a slot (the thinker said nothing)."""
-        if r.cache is None and r.final and not r.generated:
-            r.done = "stop"
+        """End a request that will never need a slot (the engine says when)."""
+        self.engine._settle(r)
 
     def inputs(self, r) -> list[int]:
         """What decode step `r.step` feeds (the caller checked it is there): the thinker id of its text row."""

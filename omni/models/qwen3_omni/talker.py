@@ -44,7 +44,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from omni.engines.base import Engine, EngineError, EngineOutput, EngineRequest
+from omni.engines.base import EngineError, EngineOutput, EngineRequest, StreamEngine
+from omni.engines.offload import IdleOffload
 from omni.models.qwen3_omni import edges
 from omni.models.qwen3_omni.codes import Pick, pick, repetition_penalty, residual_codes, suppress_mask
 from omni.models.qwen3_omni.sampling import Uniforms
@@ -93,13 +94,32 @@ class TalkerRequest:
     pos: int = 0
 
 
-class Qwen3TalkerEngine(Engine):
+class Qwen3TalkerEngine(StreamEngine):
+    name = "qwen3_talker"
+    default_speaker = DEFAULT_SPEAKER
+
     def __init__(self, model_dir: str | Path, *, dtype: str = "auto", device: str = "cpu",
                  first_chunk_frames: int = 4, chunk_frames: int = 25, repetition_penalty: float = 1.05,
                  text_eos_token_ids: list[int] | None = None, batch_decode: bool = True,
                  threads: int | None = None, max_num_seqs: int = 64, static_decode: bool = True,
                  enforce_eager: bool = False, max_model_len: int = 4096, moe_impl: str | None = None,
                  parts: tuple | None = None):
+        self._init_common(device, first_chunk_frames, chunk_frames, repetition_penalty, batch_decode, max_num_seqs,
+                          static_decode, threads)
+        # parts: (config, talker module, thinker embedding table) built in memory (benchmarks at real
+        # size); model_dir is then unused
+        self.config, self.talker, self.embed = parts or load_talker(model_dir, dtype=dtype, device=device)
+        self.ids = edges.TalkerIds.from_config(self.config)
+        self.text_eos = set(text_eos_token_ids or [self.config.im_end_token_id])
+        vocab = self.config.talker_config.text_config.vocab_size
+        self._suppress = suppress_mask(vocab, self.ids.codec_eos, self.device)
+        with torch.no_grad():
+            self._tts = edges.tts_rows(self.talker, self.embed, self.ids)
+        self._init_static((max_num_seqs, max_model_len, moe_impl, enforce_eager) if static_decode else None)
+
+    def _init_common(self, device: str, first_chunk_frames: int, chunk_frames: int, repetition_penalty: float,
+                     batch_decode: bool, max_num_seqs: int, static_decode: bool, threads: int | None) -> None:
+        """The engine args both talkers take, checked, and the empty request table."""
         if first_chunk_frames < 1 or chunk_frames < 1:
             raise ValueError(f"first_chunk_frames and chunk_frames must be >= 1, "
                              f"got {first_chunk_frames} and {chunk_frames}")
@@ -107,30 +127,27 @@ class Qwen3TalkerEngine(Engine):
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if static_decode and not batch_decode:
             raise ValueError("batch_decode: false needs static_decode: false (the static step always batches)")
-        self.max_num_seqs = max_num_seqs     # requests decoded in one step; the rest wait their turn
         if threads:
             torch.set_num_threads(threads)
-        # parts: (config, talker module, thinker embedding table) built in memory (benchmarks at real
-        # size); model_dir is then unused
-        self.config, self.talker, self.embed = parts or load_talker(model_dir, dtype=dtype, device=device)
-        self.ids = edges.TalkerIds.from_config(self.config)
         self.device = torch.device(device)
         self.first_chunk_frames = first_chunk_frames
         self.chunk_frames = chunk_frames
         self.repetition_penalty = repetition_penalty
         self.batch_decode = batch_decode
-        self.text_eos = set(text_eos_token_ids or [self.config.im_end_token_id])
-        vocab = self.config.talker_config.text_config.vocab_size
-        self._suppress = suppress_mask(vocab, self.ids.codec_eos, self.device)
-        with torch.no_grad():
-            self._tts = edges.tts_rows(self.talker, self.embed, self.ids)
+        self.max_num_seqs = max_num_seqs     # requests decoded in one step; the rest wait their turn
         self._reqs: collections.OrderedDict[str, TalkerRequest] = collections.OrderedDict()
         self._stats: collections.Counter = collections.Counter()
-        self._sleeping = False
         self._batch: _Batch | None = None
-        self._static: SlotRunner | None = None
-        if static_decode:
-            self._static = static_runner(self, max_num_seqs, max_model_len, moe_impl, enforce_eager)
+
+    def _init_static(self, static_args: tuple | None) -> None:
+        """The static step (None: the eager path), once the weights are loaded, and sleep's offload."""
+        self._static_args = static_args
+        self._static: SlotRunner | None = self._build_static()
+        self.offload = IdleOffload(self.name, self.device, off=self._to_host, on=self._to_device)
+
+    def _build_static(self) -> SlotRunner | None:
+        """The static step's device state and graphs (None: the eager path)."""
+        return None if self._static_args is None else static_runner(self, *self._static_args)
 
     def _cache_config(self):
         """The config a talker KV cache is built from (the Qwen2.5 talker overrides it)."""
@@ -138,18 +155,27 @@ class Qwen3TalkerEngine(Engine):
 
     # -- requests ------------------------------------------------------------
 
-    def _new(self, req: EngineRequest) -> TalkerRequest:
+    def _speakers(self) -> dict[str, int]:
+        """Speaker name (lower case) -> the id the talker's prompt starts from."""
+        return self.ids.speakers
+
+    def _first_piece(self, req: EngineRequest) -> tuple[list[int], str]:
+        """A new request's thinker prompt ids and its speaker (lower case), checked."""
         rid = req.request_id
         prompt = req.prompt_token_ids
         if prompt is None and "prompt_token_ids" in (req.tensors or {}):
             prompt = torch.as_tensor(req.tensors["prompt_token_ids"]).reshape(-1).tolist()
         if not prompt:
             raise EngineError(f"request {rid}: the first piece needs prompt_token_ids (the thinker's prompt)")
-        name = req.voice or DEFAULT_SPEAKER
-        known = ", ".join(sorted(self.ids.speakers))
-        if not isinstance(name, str) or name.lower() not in self.ids.speakers:
-            raise EngineError(f"request {rid}: unknown speaker {name!r}; known speakers: {known}")
-        prompt = self._ids(rid, prompt)
+        name = req.voice or self.default_speaker
+        if not isinstance(name, str) or name.lower() not in self._speakers():
+            raise EngineError(f"request {rid}: unknown speaker {name!r}; known speakers: "
+                              f"{', '.join(sorted(self._speakers()))}")
+        return self._ids(rid, prompt), name.lower()
+
+    def _new(self, req: EngineRequest) -> TalkerRequest:
+        rid = req.request_id
+        prompt, name = self._first_piece(req)
         try:
             header = len(prompt) - edges.assistant_start(prompt, self.ids)
         except ValueError as e:
@@ -174,7 +200,7 @@ class Qwen3TalkerEngine(Engine):
         temperature, top_k, top_p, max_tokens, penalty, seed = self._sampling(req, rid)
         code0 = Pick(temperature, top_k, top_p)
         uniforms = None if code0.greedy else Uniforms(seed, self.config.talker_config.num_code_groups)
-        return TalkerRequest(rid, prompt, self.ids.speakers[name.lower()], hidden, code0, uniforms, penalty,
+        return TalkerRequest(rid, prompt, self.ids.speakers[name], hidden, code0, uniforms, penalty,
                              max_tokens)
 
     def _sampling(self, req: EngineRequest, rid: str) -> tuple[float, int, float, int, float, int | None]:
@@ -204,8 +230,8 @@ class Qwen3TalkerEngine(Engine):
 
     def add_request(self, request: EngineRequest) -> None:
         rid = request.request_id
-        if self._sleeping:
-            raise EngineError(f"request {rid}: qwen3_talker is asleep (wake_up first)")
+        if self.offload.sleeping:
+            raise EngineError(f"request {rid}: {self.name} is asleep (wake_up first)")
         final = request.final
         r = self._reqs.get(rid)
         delta = request.generated_ids
@@ -260,18 +286,25 @@ class Qwen3TalkerEngine(Engine):
             return True       # the thinker said nothing: no audio
         return self._can_prefill(r) or self._can_decode(r)
 
+    def _settle(self, r: TalkerRequest) -> None:
+        """End a request that will never need a prefill (the thinker said nothing)."""
+        if r.done is None and r.cache is None and r.final and not r.generated:
+            r.done = "stop"
+
+    def _project(self, x: torch.Tensor) -> torch.Tensor:
+        """A decode step's input rows [B, H] as the talker's layers take them."""
+        return x
+
     @torch.no_grad()
     def step(self) -> list[EngineOutput]:
         if self._static is not None:
             return self._static.engine_step()
         t0 = time.perf_counter()
         chosen: list[TalkerRequest] = []
-        logits: list[torch.Tensor] = []
         hidden: list[torch.Tensor] = []
         decode = []
         for r in list(self._reqs.values()):
-            if r.cache is None and r.final and not r.generated and r.done is None:
-                r.done = "stop"
+            self._settle(r)
             if self._can_prefill(r):
                 h = self._prefill(r)
                 if h is not None:
@@ -282,7 +315,7 @@ class Qwen3TalkerEngine(Engine):
         for r in decode:            # round-robin when more can step than one batch takes
             self._reqs.move_to_end(r.rid)
         if decode:
-            x = torch.stack([r.next_codec + self._next_text_row(r) for r in decode])
+            x = self._project(torch.stack([r.next_codec + self._next_text_row(r) for r in decode]))
             h = self._decode(decode, x) if self.batch_decode else torch.cat(
                 [self._decode([r], x[i:i + 1]) for i, r in enumerate(decode)])
             for r in decode:
@@ -296,12 +329,16 @@ class Qwen3TalkerEngine(Engine):
             self._stats["talker_steps"] += 1
         return self._emit()
 
+    def _prefill_embeds(self, r: TalkerRequest) -> torch.Tensor:
+        """The request's prefill rows [n, H] (ValueError: its inputs do not fit)."""
+        return edges.prefill_embeds(self.talker, self.embed, self.ids, r.prompt, r.generated[0],
+                                    r.speaker_id, r.mm_hidden, self._tts)
+
     def _prefill(self, r: TalkerRequest) -> torch.Tensor | None:
         from transformers import DynamicCache
 
         try:
-            x = edges.prefill_embeds(self.talker, self.embed, self.ids, r.prompt, r.generated[0],
-                                     r.speaker_id, r.mm_hidden, self._tts)
+            x = self._prefill_embeds(r)
         except ValueError as e:
             r.done, r.frames, r.error = "error", [], f"request {r.rid}: {e}"
             return None
@@ -421,41 +458,37 @@ class Qwen3TalkerEngine(Engine):
 
     # -- bookkeeping -------------------------------------------------------------
 
-    def has_unfinished(self) -> bool:
-        # Only requests a step can advance, else the stage loop would spin on
-        # streams waiting for their next thinker token (those count in num_waiting()).
-        return any(self._ready(r) for r in self._reqs.values())
+    def open_requests(self):
+        return self._reqs.values()
 
-    def has_open_streams(self) -> bool:
-        return bool(self._reqs)
+    def is_ready(self, r: TalkerRequest) -> bool:
+        return self._ready(r)
 
-    def num_waiting(self) -> int:
-        return sum(1 for r in self._reqs.values() if not self._ready(r))
+    # -- sleep: the weights and the static step's state leave the device ---------------
 
-    def num_running(self) -> int:
-        return sum(1 for r in self._reqs.values() if self._ready(r))
-
-    def can_sleep(self) -> bool:
-        return self.device.type != "cpu"
-
-    def sleep(self, level: int = 1) -> None:
-        if not self.can_sleep():
-            raise EngineError("qwen3_talker on CPU cannot sleep: its weights have no device memory to free")
-        if self._reqs:
-            raise EngineError(f"qwen3_talker cannot sleep with {len(self._reqs)} request(s) in flight")
-        self._batch = None
+    def _to_host(self) -> None:
+        # The static state (slot KV cache, stacked weight copies, CUDA graphs holding their
+        # addresses) is dropped, not moved: wake-up builds it again, so graphs see live addresses.
+        self._static, self._batch = None, None
         self.talker.to("cpu")
         self.embed = self.embed.cpu()
-        self._sleeping = True
+
+    def _to_device(self) -> None:
+        self.talker.to(self.device)
+        self.embed = self.embed.to(self.device)
+        self._static = self._build_static()
+
+    def can_sleep(self) -> bool:
+        return self.offload.can_sleep()
+
+    def sleep(self, level: int = 1) -> None:
+        self.offload.sleep(len(self._reqs), "request(s) in flight")
 
     def wake_up(self) -> None:
-        if self._sleeping:
-            self.talker.to(self.device)
-            self.embed = self.embed.to(self.device)
-            self._sleeping = False
+        self.offload.wake_up()
 
     def is_sleeping(self) -> bool:
-        return self._sleeping
+        return self.offload.sleeping
 
     def stats(self) -> dict[str, float]:
         return dict(self._stats)
