@@ -51,6 +51,9 @@ class _Req25(TalkerRequest):
 
 
 class Qwen25TalkerEngine(Qwen3TalkerEngine):
+    """The Qwen3 talker's request handling and steps over Qwen2.5's dense talker: one codebook (no
+    code predictor), the thinker's rows projected per step, its own prefill and end rules."""
+
     name = "qwen25_talker"
     default_speaker = DEFAULT_SPEAKER
 
