@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PORT ?= 8091
 MODEL ?= HuggingFaceTB/SmolLM2-135M-Instruct
 
-.PHONY: demo test lint venv proto clean
+.PHONY: demo test lint venv proto clean gpu-wheels
 
 venv: $(VENV)/.installed
 
@@ -33,6 +33,13 @@ lint: venv
 
 proto: venv
 	$(PY) -m omni._proto.build
+
+# What benchmarks/gpu_check.sh installs on the GPU machine (python 3.12 there; ../shared/GPU.md): carry .whl.
+GPU_WHEELS := msgspec==0.23.0 transformers==5.19.0 psutil==7.2.2
+gpu-wheels: venv
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	  -d .whl $(GPU_WHEELS)
 
 clean:
 	rm -rf $(VENV)

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The one prepared device check (../shared/GPU.md): omni's `cuda` tests and the real-size speech-stage
+# benchmarks, each under its own time limit, outputs under $OUT (the device tool brings them back).
+# Here: `make gpu-wheels` (the wheels the GPU machine lacks, into .whl/). There, from the repo root,
+# with .whl carried:  bash benchmarks/gpu_check.sh   (about 7 minutes; a step that overruns is cut,
+# the rest still run).
+set -uo pipefail
+OUT=${OUT:-/tmp/omni-gpu-check}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || { echo "gpu_check: installing .whl/*.whl failed (run 'make gpu-wheels' here and carry .whl)"; exit 1; }
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
+python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)' >> "$OUT/gpu.txt" 2>&1
+cat "$OUT/gpu.txt"
+
+step() {    # step NAME SECONDS CMD...: CMD's output to $OUT/NAME.txt, its tail to the console
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name (limit ${limit}s): $*"
+  timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
+  echo "exit $?" >> "$OUT/$name.txt"
+  tail -n 25 "$OUT/$name.txt"
+}
+
+# The engine tests that run on both devices (only these files: the others import the HTTP stack).
+step cuda_tests 240 python3 -m pytest -q -p no:cacheprovider -m cuda -o addopts="" \
+  tests/unit/test_qwen3_static.py tests/unit/test_streamed_vocoder.py tests/unit/test_qwen3_code2wav.py \
+  tests/unit/test_qwen25_token2wav.py
+step qwen3_stages 150 python3 benchmarks/qwen3_stages.py --real-size --device cuda --streams 1,4,16,64 --rounds 2 --json
+step qwen25_stages 90 python3 benchmarks/qwen3_stages.py --model qwen25 --real-size --device cuda --streams 1,16 --rounds 2 --json
+step token2wav 60 python3 benchmarks/token2wav_stream.py --real-size --device cuda --codes 250 --runs 2 --json
