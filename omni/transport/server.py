@@ -77,6 +77,29 @@ def check_listener_user(sock: socket.socket, what: str) -> None:
         raise TransportError(f"{what} is held by another user")
 
 
+def connect_same_user(name: str, kind: int, magic: bytes, token: str | None, timeout: float,
+                      what: str) -> socket.socket:
+    """A connected socket to the same_user_server at abstract `name` that passed the token hello:
+    the listener's user checked, the status byte read (0: admitted). TransportError names the cause."""
+    sock = socket.socket(socket.AF_UNIX, kind)
+    try:
+        sock.settimeout(timeout)
+        sock.connect("\0" + name)
+        check_listener_user(sock, what)   # else it could answer in our listener's place
+        client_hello(sock, magic, token)
+        status = sock.recv(1)
+    except OSError as e:
+        sock.close()
+        raise TransportError(f"{what} unreachable: {e}") from e
+    except BaseException:
+        sock.close()
+        raise
+    if status != b"\0":
+        sock.close()
+        raise TransportError(f"{what} refused the connection (bad token, or another user)")
+    return sock
+
+
 def same_user_server(name: str, kind: int, handler: Callable[[socket.socket], None], server_name: str, *,
                      magic: bytes, token: str | None, refusal: bytes) -> SocketServer:
     """A SocketServer at the abstract unix name `name` (`kind`: SOCK_STREAM or SOCK_SEQPACKET)
