@@ -27,6 +27,10 @@ class TensorRef(msgspec.Struct, frozen=True, kw_only=True):
     owner: str = ""             # the request (or consumer) this tensor belongs to
 
 
+# Refs of these transports can be read on the producer's host only.
+SAME_HOST_ONLY = frozenset({"shm", "cuda_ipc"})
+
+
 class TransportError(Exception):
     """A request-level transport failure (freed/foreign ref, bad dtype/shape, too large)."""
 
