@@ -43,8 +43,9 @@ from typing import Any
 import msgspec
 import torch
 
-from omni.transport.alloc import KeyedSlots, round_up
-from omni.transport.base import ProducerFull, TensorConsumer, TensorProducer, TensorRef, TransportError
+from omni.transport.alloc import round_up
+from omni.transport.arena import ArenaProducer
+from omni.transport.base import TensorConsumer, TensorRef, TransportError
 from omni.transport.ipc_memory import MEMORY, ArenaMemory, Grant, Mapping, Segment, make_memory
 from omni.transport.server import connect_same_user, same_user_server
 from omni.transport.util import check_ref, dtype_name, flat_bytes
@@ -75,7 +76,7 @@ class _Seg:
     grant: bytes
 
 
-class CudaIpcProducer(TensorProducer):
+class CudaIpcProducer(ArenaProducer):
     """`arena_bytes`: one segment (the largest tensor that fits); up to `max_segments` are made
     as it fills. `memory`: "cuda" (on `device`, default the current one) or "host" (the stand-in)."""
 
@@ -86,16 +87,11 @@ class CudaIpcProducer(TensorProducer):
         if arena_bytes < ALIGN or max_segments < 1:
             raise ValueError(f"cuda_ipc arena_bytes must be >= {ALIGN} and max_segments >= 1")
         self.memory = make_memory(memory, device)
-        self.arena_bytes = round_up(arena_bytes, ALIGN)
-        self.max_segments = max_segments
+        super().__init__(round_up(arena_bytes, ALIGN), max_segments, ALIGN,
+                         f"omni-ipc-{os.getpid()}-{secrets.token_hex(4)}")
         self.host = host
-        self.name = f"omni-ipc-{os.getpid()}-{secrets.token_hex(4)}"
         self._prefix = f"{socket.gethostname()}/{self.name}/"
-        self._lock = threading.Lock()
-        self._book = KeyedSlots(self.arena_bytes, max_segments, ALIGN)
-        self._segments: list[_Seg] = []
         self._fence = self.memory.fence()
-        self._closed = False
         self._server = same_user_server(self.name, socket.SOCK_SEQPACKET, self._serve, "omni-cuda-ipc",
                                         magic=MAGIC, token=token, refusal=_STATUS.pack(1))
 
@@ -154,52 +150,17 @@ class CudaIpcProducer(TensorProducer):
         return TensorRef(transport="cuda_ipc", endpoint=f"{self._prefix}{seg.index}", key=key, dtype=dtype,
                          shape=tuple(src.shape), nbytes=nbytes, offset=off, owner=owner)
 
-    def _reserve(self, nbytes: int, owner: str) -> tuple[_Seg, int, int]:
-        with self._lock:
-            if self._closed:
-                raise TransportError(f"cuda_ipc producer {self.name} is closed")
-            got = self._book.reserve(nbytes, owner)
-            if got is None:
-                raise ProducerFull(
-                    f"cuda_ipc arena full: {self._book.bytes_in_use()} of {self.arena_bytes * self.max_segments} "
-                    f"bytes in use, {nbytes} more needed; consumers must ack (free) tensors")
-            index, off, key = got
-            if index == len(self._segments):
-                try:
-                    self._segments.append(self._new_segment(index))
-                except BaseException:
-                    self._book.drop_segment(key)
-                    raise
-        return self._segments[index], off, key
+    def _cleared(self, key: int, segment: _Seg, offset: int) -> None:
+        if not self._closed:
+            _ENTRY.pack_into(segment.table, offset // ALIGN * _ENTRY.size, 0, 0, 0)
 
-    def free(self, keys: list[int]) -> None:
-        with self._lock:
-            for _key, index, off in self._book.release(keys):
-                if not self._closed:
-                    _ENTRY.pack_into(self._segments[index].table, off // ALIGN * _ENTRY.size, 0, 0, 0)
-
-    def free_owner(self, owner: str) -> None:
-        with self._lock:
-            keys = self._book.keys_of(owner)
-        self.free(keys)
-
-    def bytes_in_use(self) -> int:
-        with self._lock:
-            return self._book.bytes_in_use()
+    def _close_segment(self, segment: _Seg) -> None:
+        segment.mem.close()
+        segment.table.close()
+        os.close(segment.table_fd)
 
     def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        self._server.close()
-        with self._lock:
-            for seg in self._segments:
-                seg.mem.close()
-                seg.table.close()
-                os.close(seg.table_fd)
-            self._segments.clear()
-            self._book.clear()
+        super().close()
         self.memory.close()
 
 

@@ -29,7 +29,9 @@ from typing import Callable
 
 from omni import envs
 from omni.transport.base import TransportError
-from omni.transport.server import NONCE_BYTES, check_listener_user, client_hello, hello_answer, same_user_server
+from omni.transport.server import (
+    NONCE_BYTES, check_listener_user, connect_same_user, hello_answer, same_user_server,
+)
 from omni.transport.util import spin_until
 
 MAGIC = b"OML1"
@@ -179,14 +181,7 @@ def _admitted(sock: socket.socket, name: str, status: bytes) -> LocalChannel:
 
 def connect_local(name: str, token: str | None = None, timeout: float = 10.0) -> LocalChannel:
     """Connect to a LocalListener of this user; TransportError if refused or unreachable."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    with _hello_guard(sock, name):
-        sock.settimeout(timeout)
-        sock.connect("\0" + name)
-        check_listener_user(sock, f"local channel {name}")
-        client_hello(sock, MAGIC, token)
-        status = sock.recv(_STATUS.size)
-    return _admitted(sock, name, status)
+    return LocalChannel(connect_same_user(name, socket.SOCK_SEQPACKET, MAGIC, token, timeout, f"local channel {name}"))
 
 
 async def connect_local_async(name: str, token: str | None = None, timeout: float = 1.0) -> LocalChannel:

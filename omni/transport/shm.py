@@ -23,8 +23,9 @@ import threading
 
 import torch
 
-from omni.transport.alloc import ALIGN, KeyedSlots, round_up
-from omni.transport.base import ProducerFull, TensorConsumer, TensorProducer, TensorRef, TransportError
+from omni.transport.alloc import ALIGN, round_up
+from omni.transport.arena import ArenaProducer
+from omni.transport.base import TensorConsumer, TensorRef, TransportError
 from omni.transport.server import connect_same_user, same_user_server
 from omni.transport.util import check_ref, dtype_name, flat_bytes, recv_exact
 
@@ -61,7 +62,7 @@ class _Segment:
         os.close(self.fd)
 
 
-class ShmProducer(TensorProducer):
+class ShmProducer(ArenaProducer):
     """Owns the arena. `arena_bytes` is the size of one segment (the largest tensor that
     fits, less a 64-byte header); up to `max_segments` segments are added as it fills."""
 
@@ -71,15 +72,10 @@ class ShmProducer(TensorProducer):
                  token: str | None = None):
         if arena_bytes < 2 * HEADER or max_segments < 1:
             raise ValueError(f"shm arena_bytes must be >= {2 * HEADER} and max_segments >= 1")
-        self.arena_bytes = round_up(arena_bytes)
-        self.max_segments = max_segments
+        super().__init__(round_up(arena_bytes), max_segments, ALIGN, f"omni-shm-{os.getpid()}-{secrets.token_hex(4)}")
         self.host = host
-        self.name = f"omni-shm-{os.getpid()}-{secrets.token_hex(4)}"
-        self._lock = threading.Lock()
-        self._book = KeyedSlots(self.arena_bytes, max_segments)
-        self._segments: list[_Segment] = [_Segment(0, self.arena_bytes, self.name)]   # more as it fills
+        self._segments.append(_Segment(0, self.arena_bytes, self.name))   # more as it fills
         self._staged: dict[int, tuple[int, tuple[int, ...], torch.dtype]] = {}   # key -> (data_ptr, shape, dtype)
-        self._closed = False
         self._server = same_user_server(self.name, socket.SOCK_STREAM, self._serve_fds, "omni-shm",
                                         magic=MAGIC, token=token, refusal=_STATUS.pack(1))
 
@@ -159,51 +155,23 @@ class ShmProducer(TensorProducer):
                 f"tensor of {nbytes} bytes (+{HEADER} header) does not fit the shm arena segment of "
                 f"{self.arena_bytes} bytes; raise arena_bytes"
             )
-        with self._lock:
-            if self._closed:
-                raise TransportError(f"shm producer {self.name} is closed")
-            got = self._book.reserve(need, owner)
-            if got is None:
-                raise ProducerFull(
-                    f"shm arena full: {self._book.bytes_in_use()} of {self.arena_bytes * self.max_segments} "
-                    f"bytes in use, {need} more needed; consumers must ack (free) tensors"
-                )
-            index, off, key = got
-            if index == len(self._segments):
-                try:
-                    self._segments.append(_Segment(index, self.arena_bytes, self.name))
-                except BaseException:
-                    self._book.drop_segment(key)
-                    raise
-                logger.debug("shm %s: added segment %d", self.name, index)
-        return self._segments[index], off, key
+        return super()._reserve(need, owner)
 
-    def free(self, keys: list[int]) -> None:
-        with self._lock:
-            for key, index, off in self._book.release(keys):
-                self._staged.pop(key, None)
-                if not self._closed:
-                    _SLOT.pack_into(self._segments[index].mm, off, 0, 0, 0)
+    def _new_segment(self, index: int) -> _Segment:
+        logger.debug("shm %s: adding segment %d", self.name, index)
+        return _Segment(index, self.arena_bytes, self.name)
 
-    def free_owner(self, owner: str) -> None:
-        with self._lock:
-            keys = self._book.keys_of(owner)
-        self.free(keys)
+    def _cleared(self, key: int, segment: _Segment, offset: int) -> None:
+        self._staged.pop(key, None)
+        if not self._closed:
+            _SLOT.pack_into(segment.mm, offset, 0, 0, 0)
 
-    def bytes_in_use(self) -> int:
-        with self._lock:
-            return self._book.bytes_in_use()
+    def _close_segment(self, segment: _Segment) -> None:
+        segment.close()
 
     def close(self) -> None:
+        super().close()
         with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        self._server.close()
-        with self._lock:
-            for seg in self._segments:
-                seg.close()
-            self._book.clear()
             self._staged.clear()
 
 
