@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import array
 import asyncio
-import contextlib
 import fcntl
 import os
 import queue
@@ -30,7 +29,7 @@ from typing import Callable
 from omni import envs
 from omni.transport.base import TransportError
 from omni.transport.server import (
-    NONCE_BYTES, check_listener_user, connect_same_user, hello_answer, same_user_server,
+    NONCE_BYTES, check_listener_user, connect_same_user, hello_answer, hello_guard, same_user_server,
 )
 from omni.transport.util import spin_until
 
@@ -159,19 +158,6 @@ class LocalListener:
             self._accepted.get_nowait().close()
 
 
-@contextlib.contextmanager
-def _hello_guard(sock: socket.socket, name: str):
-    """Close `sock` on any failure of the connect or hello; socket errors name the channel."""
-    try:
-        yield
-    except OSError as e:
-        sock.close()
-        raise TransportError(f"local channel {name} unreachable: {e}") from e
-    except BaseException:
-        sock.close()
-        raise
-
-
 def _admitted(sock: socket.socket, name: str, status: bytes) -> LocalChannel:
     if status != _STATUS.pack(0):
         sock.close()
@@ -192,7 +178,7 @@ async def connect_local_async(name: str, token: str | None = None, timeout: floa
     loop = asyncio.get_running_loop()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     sock.setblocking(False)
-    with _hello_guard(sock, name):
+    with hello_guard(sock, f"local channel {name}"):
         try:
             async with asyncio.timeout(timeout):
                 sock.connect("\0" + name)
