@@ -220,3 +220,23 @@ def test_cuda_slot_is_reused_after_the_ack_and_a_freed_ref_fails():
     finally:
         child.close()
         producer.close()
+
+
+# -- the benchmark's device rows ----------------------------------------------------------------
+def test_benchmark_device_rows_run_without_a_gpu_and_say_so(monkeypatch, capsys):
+    from benchmarks import transport as bench
+
+    monkeypatch.setattr(bench, "DEVICE_SIZES", {4 << 10: 3, 1 << 20: 3})
+    monkeypatch.setattr(bench, "DEVICE_ARENA", 2 << 20)
+    bench.bench_device(as_json=True)
+    doc = msgspec.json.decode(capsys.readouterr().out)
+    labels = [label for label, *_ in bench.device_runs(torch.cuda.is_available())]
+    assert [(r["transport"], r["bytes"]) for r in doc["rows"]] == [(k, n) for k in labels for n in (4 << 10, 1 << 20)]
+    assert all(r["p50_us"] > 0 for r in doc["rows"])
+    if not torch.cuda.is_available():
+        assert doc["device"] == "cpu" and doc["skipped"].startswith("CUDA rows skipped")
+        assert labels == ["shm", "cuda_ipc host"]
+    bench.bench_device(as_json=False)
+    table = capsys.readouterr().out
+    assert "p50 us per tensor" in table and all(label in table for label in labels)
+    assert ("CUDA rows skipped" in table) != torch.cuda.is_available()
