@@ -319,7 +319,7 @@ class StageWorker:
         refs = {}
         try:
             for name, tensor in (out.tensors.items() if req.out_tensors else ()):
-                refs[name] = self._producer(self._kind_for(req, tensor)).put(tensor, owner=out.request_id)
+                refs[name] = self._put(req, tensor, out.request_id)
         except ProducerFull:
             self._free_refs(refs)
             return False
@@ -359,6 +359,21 @@ class StageWorker:
     def _free_refs(self, refs: dict) -> None:
         for r in refs.values():
             self._producers[r.transport].free([r.key])
+
+    def _put(self, req: InFlight, tensor: Any, owner: str):
+        kind = self._kind_for(req, tensor)
+        if kind != req.out_transport:
+            # auto's choice for this tensor (cuda_ipc). Should it fail here (it has not run on a GPU
+            # yet), this process goes back to what the orchestrator sent, for this tensor and after.
+            try:
+                return self._producer(kind).put(tensor, owner=owner)
+            except ProducerFull:
+                raise
+            except TransportError as e:
+                logger.warning("%s: %s failed, `auto` takes %s from now on: %s", self.stage.label, kind,
+                               req.out_transport, e)
+                self._available = frozenset()
+        return self._producer(req.out_transport).put(tensor, owner=owner)
 
     def _kind_for(self, req: InFlight, tensor: Any) -> str:
         """The request's transport, or cuda_ipc for a CUDA tensor where `auto` allows it."""

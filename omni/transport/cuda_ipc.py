@@ -30,6 +30,7 @@ segment's fd), or u8 1 when there is no such segment. Endpoints: "HOST/NAME/SEGM
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -63,6 +64,15 @@ DEFAULT_ARENA_BYTES = 64 << 20   # device memory: segments come one at a time, a
 MAX_GRANT_BYTES = 4096
 
 
+@contextlib.contextmanager
+def cuda_errors(what: str):
+    """torch's CUDA errors (out of memory, an IPC handle refused) as TransportError with the step."""
+    try:
+        yield
+    except RuntimeError as e:
+        raise TransportError(f"cuda_ipc: {what} failed: {e}") from e
+
+
 def table_bytes(segment_bytes: int) -> int:
     return round_up(segment_bytes // ALIGN * _ENTRY.size, mmap.PAGESIZE)
 
@@ -86,12 +96,14 @@ class CudaIpcProducer(ArenaProducer):
                  token: str | None = None, memory: str | ArenaMemory = "cuda", device: Any = None):
         if arena_bytes < ALIGN or max_segments < 1:
             raise ValueError(f"cuda_ipc arena_bytes must be >= {ALIGN} and max_segments >= 1")
-        self.memory = make_memory(memory, device)
+        with cuda_errors("setting up the producer's memory"):
+            self.memory = make_memory(memory, device)
+            fence = self.memory.fence()
         super().__init__(round_up(arena_bytes, ALIGN), max_segments, ALIGN,
                          f"omni-ipc-{os.getpid()}-{secrets.token_hex(4)}")
         self.host = host
         self._prefix = f"{socket.gethostname()}/{self.name}/"
-        self._fence = self.memory.fence()
+        self._fence = fence
         self._server = same_user_server(self.name, socket.SOCK_SEQPACKET, self._serve, "omni-cuda-ipc",
                                         magic=MAGIC, token=token, refusal=_STATUS.pack(1))
 
@@ -111,7 +123,8 @@ class CudaIpcProducer(ArenaProducer):
                     socket.send_fds(conn, [seg.grant], [seg.table_fd, *seg.mem.fds])
 
     def _new_segment(self, index: int) -> _Seg:
-        mem = self.memory.allocate(self.arena_bytes)
+        with cuda_errors(f"allocating and exporting arena segment {index} ({self.arena_bytes} bytes)"):
+            mem = self.memory.allocate(self.arena_bytes)
         fd = os.memfd_create(f"omni-ipc-table-{index}", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, table_bytes(self.arena_bytes))
@@ -141,7 +154,8 @@ class CudaIpcProducer(ArenaProducer):
         seg, off, key = self._reserve(nbytes, owner)
         try:
             if nbytes:
-                self.memory.copy_in(seg.mem.buf[off:off + nbytes], flat_bytes(src))
+                with cuda_errors("the copy into the arena"):
+                    self.memory.copy_in(seg.mem.buf[off:off + nbytes], flat_bytes(src))
             # the entry after the copy is queued: the fence recorded with it covers the bytes
             _ENTRY.pack_into(seg.table, off // ALIGN * _ENTRY.size, _TAG, key, nbytes)
         except Exception:
@@ -193,7 +207,8 @@ class CudaIpcConsumer(TensorConsumer):
                                  f"segment {ref.endpoint} of {seg.grant.size} bytes")
         self._check_entry(seg, ref)
         memory = self._memory[seg.grant.memory]
-        out = memory.copy_out(seg.mapping, seg.fence, off, dtype, ref.shape)
+        with cuda_errors(f"the copy out of {ref.endpoint}"):
+            out = memory.copy_out(seg.mapping, seg.fence, off, dtype, ref.shape)
         self._check_entry(seg, ref)   # freed (and maybe reused) while it was copied: not these bytes
         return out
 
@@ -222,14 +237,15 @@ class CudaIpcConsumer(TensorConsumer):
             grant = msgspec.msgpack.decode(msg, type=Grant)
             if grant.memory not in MEMORY or grant.index != index or not fds:
                 raise TransportError(f"cuda_ipc producer {name} sent a bad grant for segment {index}")
-            memory = self._memory.get(grant.memory)
-            if memory is None:
-                memory = self._memory[grant.memory] = make_memory(grant.memory)
-            mapping = memory.open(grant, fds[1:])
+            with cuda_errors(f"mapping segment {index} of {name}"):
+                memory = self._memory.get(grant.memory)
+                if memory is None:
+                    memory = self._memory[grant.memory] = make_memory(grant.memory)
+                mapping = memory.open(grant, fds[1:])
+                fence = self._fences.get(name)
+                if fence is None:
+                    fence = self._fences[name] = memory.open_fence(grant)
             table = mmap.mmap(fds[0], table_bytes(grant.size), prot=mmap.PROT_READ)
-            fence = self._fences.get(name)
-            if fence is None:
-                fence = self._fences[name] = memory.open_fence(grant)
         except msgspec.DecodeError as e:
             raise TransportError(f"cuda_ipc producer {name}: undecodable grant: {e}") from e
         finally:

@@ -84,6 +84,28 @@ def test_worker_takes_cuda_ipc_for_a_cuda_tensor_where_auto_allows():
     assert kind("", cuda, "nccl") == "nccl"
 
 
+def test_worker_goes_back_to_shm_when_cuda_ipc_fails():
+    puts: list[str] = []
+
+    class Failing:
+        def put(self, tensor, owner=""):
+            raise TransportError("cuda_ipc: allocating and exporting arena segment 0 failed: out of memory")
+
+    class Shm:
+        def put(self, tensor, owner=""):
+            puts.append(owner)
+            return "ref"
+
+    producers = {"cuda_ipc": Failing(), "shm": Shm()}
+    fake = types.SimpleNamespace(stage=types.SimpleNamespace(devices="1", label="talker"), _available=IPC,
+                                 _producer=producers.__getitem__)
+    fake._kind_for = lambda req, t: StageWorker._kind_for(fake, req, t)
+    req = InFlight(b"f", 0.0, "shm", out_devices="1")
+    cuda = types.SimpleNamespace(is_cuda=True, device="cuda:0")
+    assert StageWorker._put(fake, req, cuda, "r1") == "ref" and puts == ["r1"]
+    assert fake._available == frozenset() and StageWorker._kind_for(fake, req, cuda) == "shm"
+
+
 def test_config_takes_cuda_ipc_and_refuses_an_unknown_transport_by_name():
     base = {"model": "m", "stages": [
         {"stage_id": 0, "engine": "count"},
