@@ -39,14 +39,15 @@ class Grant(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class CudaShare(msgspec.Struct, frozen=True, array_like=True):
-    """torch's `UntypedStorage._share_cuda_()` tuple, for `_new_shared_cuda` on the other side."""
+    """torch's `UntypedStorage._share_cuda_()` tuple, for `_new_shared_cuda` on the other side
+    (torch leaves the event handle out when no sync is required)."""
     device: int
     handle: bytes
     size: int
     offset: int
-    ref_counter_handle: bytes
+    ref_counter_handle: bytes | None
     ref_counter_offset: int
-    event_handle: bytes
+    event_handle: bytes | None
     event_sync_required: bool
 
 
