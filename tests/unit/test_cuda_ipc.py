@@ -221,16 +221,17 @@ def test_cuda_tensors_reach_a_consumer_process_in_order_of_the_fence():
         producer.close()
 
 
-@pytest.mark.cuda
-def test_cuda_slot_is_reused_after_the_ack_and_a_freed_ref_fails():
-    producer = make_producer("cuda_ipc", arena_bytes=1 << 20, max_segments=1)
+@pytest.mark.parametrize("memory", ["host", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_a_slot_is_reused_after_the_ack_and_a_freed_ref_fails_in_the_consumer_process(memory):
+    device = "cuda" if memory == "cuda" else "cpu"
+    producer = make_producer("cuda_ipc", arena_bytes=1 << 20, max_segments=1, memory=memory)
     child = Child("consume")
     try:
-        first = producer.put(torch.full((1 << 18,), 3, dtype=torch.int32, device="cuda"))
+        first = producer.put(torch.full((1 << 18,), 3, dtype=torch.int32, device=device))
         child.send(msgspec.json.encode(first).decode())
         assert child.read() == child_digest(torch.full((1 << 18,), 3, dtype=torch.int32))
         producer.free([first.key])
-        second = producer.put(torch.full((1 << 18,), 5, dtype=torch.int32, device="cuda"))
+        second = producer.put(torch.full((1 << 18,), 5, dtype=torch.int32, device=device))
         assert second.offset == first.offset
         child.send(msgspec.json.encode(second).decode())
         assert child.read() == child_digest(torch.full((1 << 18,), 5, dtype=torch.int32))
