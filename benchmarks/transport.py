@@ -21,6 +21,14 @@ so a load change mid-run moves both). GB/s = bytes / p50.
     .venv/bin/python benchmarks/transport.py           # --quick (default, < 2 min)
     .venv/bin/python benchmarks/transport.py --full
     .venv/bin/python benchmarks/transport.py --json    # one JSON document on stdout
+    .venv/bin/python benchmarks/transport.py --device cuda   # cuda_ipc vs shm, CUDA tensors
+
+`--device cuda` measures the hand-off of CUDA tensors between two processes on one GPU: cuda_ipc
+(get returns a device tensor of the consumer's own, copied on the GPU) against shm (device -> host
+arena -> device: the consumer's `to("cuda")` and a synchronize are in the time) at 4 KiB, 1 MiB,
+16 MiB and 256 MiB; "x memcpy" is then against a device-to-device copy in one process. Without a
+GPU it says so and runs the same rows on CPU tensors, cuda_ipc on its host-memory stand-in: what
+that shows is the protocol's overhead (ref, slot table, copy out), not CUDA IPC.
 """
 
 from __future__ import annotations
@@ -56,6 +64,8 @@ FULL = {4 << 10: 2000, 16 << 10: 2000, 64 << 10: 1000, 256 << 10: 500, 1 << 20: 
         4 << 20: 80, 16 << 20: 40, 64 << 20: 15}
 WARMUP = 3
 ARENA = 160 << 20
+DEVICE_SIZES = {4 << 10: 200, 1 << 20: 50, 16 << 20: 20, 256 << 20: 8}
+DEVICE_ARENA = (256 << 20) + (4 << 10)    # one 256 MiB tensor and shm's slot header
 GOAL_ROUNDTRIP_US = 50.0
 GOAL_BW_RATIO = 0.8
 
@@ -85,13 +95,20 @@ def row(transport: str, nbytes: int, samples_s: list[float], per: int = 1) -> di
             "p99_us": round(pct(samples_s, 0.99) / per * 1e6, 1), "gbps": round(nbytes * per / p50 / 1e9, 3)}
 
 
-def memcpy_samples(nbytes: int, iters: int) -> list[float]:
-    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+def settle(device: str) -> None:
+    """Wait for the device's queued work, so a time covers it (nothing to wait for on CPU)."""
+    if device != "cpu":
+        torch.cuda.synchronize()
+
+
+def memcpy_samples(nbytes: int, iters: int, device: str = "cpu") -> list[float]:
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     samples = []
     for i in range(iters + WARMUP):
         t0 = time.perf_counter()
         dst.copy_(src)
+        settle(device)
         if i >= WARMUP:
             samples.append(time.perf_counter() - t0)
     return samples
@@ -152,10 +169,13 @@ class Carrier:
         return sock.send, sock.recv, close
 
 
-def producer_main(kind: str, carrier: str, addr: str, token: str, sizes: list[int]) -> None:
+def producer_main(kind: str, carrier: str, addr: str, token: str, sizes: list[int], device: str = "cpu",
+                  opts: dict | None = None) -> None:
     torch.set_num_threads(1)
-    producer = make_producer(kind, arena_bytes=ARENA) if kind == "shm" else make_producer(kind)
-    payloads = {n: torch.randint(0, 256, (n,), dtype=torch.uint8) for n in sizes}
+    if opts is None:
+        opts = {"arena_bytes": ARENA} if kind == "shm" else {}
+    producer = make_producer(kind, **opts)
+    payloads = {n: torch.randint(0, 256, (n,), dtype=torch.uint8, device=device) for n in sizes}
     send, recv, close = Carrier.peer(carrier, addr, token)
     dec = msgspec.msgpack.Decoder(Req)
     enc = msgspec.msgpack.Encoder()
@@ -182,10 +202,12 @@ def producer_main(kind: str, carrier: str, addr: str, token: str, sizes: list[in
 
 
 def bench_transport(label: str, kind: str, carrier: str, mode: str, sizes: dict[int, int],
-                    floors: dict[str, list[float]]) -> list[dict]:
+                    floors: dict[str, list[float]], device: str = "cpu", opts: dict | None = None) -> list[dict]:
+    """`device`: where the producer's tensors are and the consumer wants them (a CPU tensor from
+    shm is moved there, inside the time); `opts`: the producer's."""
     chan = Carrier(carrier)
     proc = mp.get_context("spawn").Process(target=producer_main, args=(kind, carrier, chan.addr, chan.token,
-                                                                       list(sizes)), daemon=True)
+                                                                       list(sizes), device, opts), daemon=True)
     proc.start()
     consumer = make_consumer(kind)
     enc = msgspec.msgpack.Encoder()
@@ -217,6 +239,9 @@ def bench_transport(label: str, kind: str, carrier: str, mode: str, sizes: dict[
                         raise SystemExit(f"{label} producer did not answer within 60 s "
                                          f"(alive: {proc.is_alive()})") from None
                     tensor = consumer.get(ref)
+                    if device != "cpu":
+                        tensor = tensor.to(device)
+                        settle(device)
                     assert tensor.numel() == nbytes
                     del tensor
                     keys.append(ref.key)
@@ -226,7 +251,7 @@ def bench_transport(label: str, kind: str, carrier: str, mode: str, sizes: dict[
                     samples.append(dt)
             r = row(label, nbytes, samples, count)
             # the same size's memcpy, measured now: the ratio holds up when load changes mid-run
-            r["memcpy_gbps"] = row("memcpy", nbytes, memcpy_samples(nbytes, max(3, iters // 2)))["gbps"]
+            r["memcpy_gbps"] = row("memcpy", nbytes, memcpy_samples(nbytes, max(3, iters // 2), device))["gbps"]
             r["vs_memcpy"] = round(r["gbps"] / r["memcpy_gbps"], 3)
             rows.append(r)
         chan.send(enc.encode(Req(STOP, acks)))
@@ -267,6 +292,56 @@ def goals(rows: list[dict], carriers: list[dict], iperf_gbps: float, sizes: list
     return out
 
 
+def print_tables(by: dict[tuple[str, int], dict], sizes: list[int], labels: list[str]) -> None:
+    for title, field, fmt in (("p50 us per tensor", "p50_us", "{:>13.1f}"), ("GB/s (bytes / p50)", "gbps", "{:>13.2f}"),
+                              ("x memcpy (same time)", "vs_memcpy", "{:>13.2f}")):
+        head = f"{title:<20}| " + " ".join(f"{k:>13}" for k in labels)
+        print(head)
+        print("-" * len(head))
+        for n in sizes:
+            cells = [fmt.format(by[(k, n)][field]) if field in by.get((k, n), {}) else f"{'-':>13}" for k in labels]
+            print(f"{human(n):>20}| " + " ".join(cells))
+        print()
+
+
+def device_runs(cuda: bool) -> list[tuple[str, str, str, dict]]:
+    """(label, transport, device, producer options) of --device cuda."""
+    if cuda:
+        return [("shm d-h-d", "shm", "cuda", {"arena_bytes": DEVICE_ARENA}),
+                ("cuda_ipc", "cuda_ipc", "cuda", {"arena_bytes": DEVICE_ARENA})]
+    return [("shm", "shm", "cpu", {"arena_bytes": DEVICE_ARENA}),
+            ("cuda_ipc host", "cuda_ipc", "cpu", {"arena_bytes": DEVICE_ARENA, "memory": "host"})]
+
+
+def bench_device(as_json: bool) -> None:
+    t0 = time.perf_counter()
+    cuda = torch.cuda.is_available()
+    gpu = torch.cuda.get_device_name() if cuda else ""
+    skipped = "" if cuda else ("CUDA rows skipped: torch sees no CUDA GPU here. The same rows follow on CPU "
+                               "tensors, cuda_ipc on its host-memory stand-in: protocol overhead, not CUDA IPC.")
+    if skipped and not as_json:
+        print(skipped + "\n", flush=True)
+    load = [os.getloadavg()[0]]
+    floors: dict[str, list[float]] = {}
+    runs = device_runs(cuda)
+    rows: list[dict] = []
+    for label, kind, device, opts in runs:
+        print(f"running {label} ...", file=sys.stderr, flush=True)
+        rows += bench_transport(label, kind, "local", "copy", DEVICE_SIZES, floors, device, opts)
+    load.append(os.getloadavg()[0])
+    if as_json:
+        print(json.dumps({"device": "cuda" if cuda else "cpu", "gpu": gpu, "skipped": skipped, "load": load,
+                          "rows": rows, "floors_p50_us": {c: round(pct(f, 0.5) * 1e6, 1) for c, f in floors.items()},
+                          "seconds": round(time.perf_counter() - t0, 1)}))
+        return
+    print(f"two processes, refs over LocalChannel, {'on ' + gpu if cuda else 'CPU tensors'}; "
+          f"load average before/after: {load[0]:.2f} / {load[1]:.2f}\n")
+    print_tables({(r["transport"], r["bytes"]): r for r in rows}, list(DEVICE_SIZES), [r[0] for r in runs])
+    print("ref round trip alone (no put/get): " + ", ".join(
+        f"{c} p50 {pct(f, 0.5) * 1e6:.1f} us" for c, f in floors.items()))
+    print(f"total wall time {time.perf_counter() - t0:.1f} s")
+
+
 def print_report(rows: list[dict], sizes: list[int], carriers: list[dict], floors: dict[str, list[float]],
                  iperf_gbps: float, goal_rows: list[dict], load: list[float], run_labels: list[str]) -> None:
     labels = ["memcpy", *run_labels]
@@ -274,15 +349,7 @@ def print_report(rows: list[dict], sizes: list[int], carriers: list[dict], floor
     print("\n\n".join(__doc__.split("\n\n")[1:4]) + "\n")
     print(f"load average before/after: {load[0]:.2f} / {load[1]:.2f} (2 shared cores: figures are noisy)")
     print(f"LocalChannel ends poll up to OMNI_SPIN_US={envs.OMNI_SPIN_US} us before blocking (0: off)\n")
-    for title, field, fmt in (("p50 us per tensor", "p50_us", "{:>11.1f}"), ("GB/s (bytes / p50)", "gbps", "{:>11.2f}"),
-                              ("x memcpy (same time)", "vs_memcpy", "{:>11.2f}")):
-        head = f"{title:<20}| " + " ".join(f"{k:>11}" for k in labels)
-        print(head)
-        print("-" * len(head))
-        for n in sizes:
-            cells = [fmt.format(by[(k, n)][field]) if field in by.get((k, n), {}) else f"{'-':>11}" for k in labels]
-            print(f"{human(n):>20}| " + " ".join(cells))
-        print()
+    print_tables(by, sizes, labels)
     print("ref round trip alone (no put/get): " + ", ".join(
         f"{c} p50 {pct(f, 0.5) * 1e6:.1f} us p99 {pct(f, 0.99) * 1e6:.1f} us" for c, f in floors.items()))
     print("\nsmall-message (128 B) round trip between two processes:")
@@ -303,7 +370,13 @@ def main() -> None:
     mode.add_argument("--quick", action="store_true", help="fewer iterations (default)")
     mode.add_argument("--full", action="store_true", help="more sizes and iterations")
     ap.add_argument("--json", action="store_true", help="print one JSON document and nothing else")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: only the CUDA-tensor rows, cuda_ipc vs shm (on CPU: their stand-in)")
     args = ap.parse_args()
+    if args.device == "cuda":
+        torch.set_num_threads(1)
+        bench_device(args.json)
+        return
     t0 = time.perf_counter()
     torch.set_num_threads(1)
     sizes = FULL if args.full else QUICK

@@ -26,7 +26,7 @@ from omni.errors import ConfigError
 from omni.sampling import SamplingOverrides
 
 DEPLOY_DIR = Path(__file__).resolve().parent.parent / "deploy"
-TRANSPORTS = ("auto", "shm", "tcp", "gloo", "nccl")
+TRANSPORTS = ("auto", "shm", "tcp", "gloo", "nccl", "cuda_ipc")
 OUTPUT_TYPES = ("text", "audio", "embedding")
 
 

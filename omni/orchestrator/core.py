@@ -29,7 +29,7 @@ from omni.orchestrator.topology import Topology
 from omni.orchestrator.types import PipelineOutput, PipelineRequest
 from omni.sampling import SamplingOverrides
 from omni.stage import messages as m
-from omni.transport.base import TensorRef
+from omni.transport.base import SAME_HOST_ONLY, TensorRef
 
 logger = logging.getLogger(__name__)
 
@@ -192,7 +192,7 @@ class OrchestratorCore:
         if st.first_output_at is not None or not st.sent:
             return False
         others = [r for r in self.topology.stage_replicas(s) if r.replica_id != dead.replica_id]
-        if any(ref.transport == "shm" for items in st.sent.values() for inp, _ in items
+        if any(ref.transport in SAME_HOST_ONLY for items in st.sent.values() for inp, _ in items
                for ref in inp.tensors.values()):
             others = [r for r in others if r.host == dead.host]
         if not others:
@@ -328,7 +328,7 @@ class OrchestratorCore:
         # The stage's own sampling (the talker's temperature, piper's noise scales) over the request's;
         # the stage that takes the client's prompt had its defaults folded in by the frontend.
         overrides = self._overrides[s]
-        out_transport, out_tensors = self._out_route(state, stage)
+        out_transport, out_tensors, out_devices = self._out_route(state, stage)
         # Held after its first output while the final output it feeds has not started.
         finals = self._hold_for.get(s, ())
         hold_ms = stage.first_output_hold_ms if finals and not any(
@@ -337,7 +337,8 @@ class OrchestratorCore:
                            sampling=state.req.sampling, tensors=dict(inp.tensors), final=final,
                            voice=inp.voice, speed=inp.speed, generated_ids=inp.generated_ids,
                            audio_out=inp.audio_out, emit_prompt_ids=inp.emit_prompt_ids, overrides=overrides,
-                           out_transport=out_transport, out_tensors=out_tensors, sent_at=time.time(),
+                           out_transport=out_transport, out_tensors=out_tensors, out_devices=out_devices,
+                           sent_at=time.time(),
                            inline=dict(inp.inline), hold_ms=hold_ms)
         st.started = True
         st.open.add(erid)
@@ -356,8 +357,11 @@ class OrchestratorCore:
             if final in finals and st is not None and st.open and st.replica is not None:
                 self._out.append(ev.ReleaseHold(st.replica.replica_id, tuple(sorted(st.open))))
 
-    def _out_route(self, state: RequestState, stage: StageConfig) -> tuple[str, bool]:
-        """Where this stage's output tensors go for this request, and if anyone reads them."""
+    def _out_route(self, state: RequestState, stage: StageConfig) -> tuple[str, bool, str]:
+        """Where this stage's output tensors go for this request, if anyone reads them, and the
+        consuming stage's `devices` when `auto` picked shm for it: a CUDA tensor then takes
+        cuda_ipc if the consumer sees its GPU (the producing stage decides, per tensor:
+        omni.transport.factory.auto_transport)."""
         me = state.stages[stage.stage_id].replica
         my_host = me.host if me else self.host
         for t in self.config.downstream(stage.stage_id):
@@ -365,10 +369,13 @@ class OrchestratorCore:
                 consumer = state.stages[t].replica
                 conn = stage.connectors.get(str(t))
                 configured = conn.transport if conn and conn.transport != "auto" else None
-                return self._choose_transport(my_host, consumer.host if consumer else my_host, configured), True
+                chosen = self._choose_transport(my_host, consumer.host if consumer else my_host, configured)
+                devices = self.config.stage(t).devices if configured is None and chosen == "shm" else ""
+                return chosen, True, devices
         if stage.final_output and stage.final_output_type in TENSOR_OUTPUTS:
-            return self._choose_transport(my_host, self.host, None), True
-        return "", False
+            # the frontend wants host tensors: no devices, so no cuda_ipc
+            return self._choose_transport(my_host, self.host, None), True, ""
+        return "", False, ""
 
     # ------------------------------------------------------------ completion
 

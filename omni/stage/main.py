@@ -179,7 +179,7 @@ def _run_stage(config: DeployConfig, stage_id: int, opts: StageOptions, engine_f
     arenas = [c.arena_bytes for c in stage.connectors.values() if c.arena_bytes]
 
     def producer_opts(kind: str) -> dict:
-        if kind == "shm":
+        if kind in ("shm", "cuda_ipc"):
             return {"token": opts.token or None, **({"arena_bytes": max(arenas)} if arenas else {})}
         return {"token": opts.token or None, "advertise_host": advertise}
     worker = StageWorker(

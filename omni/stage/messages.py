@@ -50,6 +50,9 @@ class AddRequest(StageFacts, frozen=True, tag="add", kw_only=True):
     # > 0: after its first output the engine holds this request that long at most, or until a
     # Release (the stage's `first_output_hold_ms`: the pipeline's first audio is on its way).
     hold_ms: float = 0.0
+    # The consuming stage's `devices` when `transport: auto` picked shm for this edge (one host):
+    # a CUDA output tensor takes cuda_ipc instead if that stage sees its GPU. "" otherwise.
+    out_devices: str = ""
 
 
 class Abort(msgspec.Struct, frozen=True, tag="abort"):

@@ -18,6 +18,7 @@ import time
 from collections import deque
 from typing import Any, Callable
 
+import torch
 import zmq
 
 from omni import latency_trace
@@ -32,6 +33,7 @@ from omni.stage.loop_poll import LoopPoller
 from omni.stage.worker_state import HeldOutput, InFlight, WorkerStats, load_report
 from omni.stage.curve import secure_server
 from omni.transport.base import ProducerFull, TensorProducer, TransportError
+from omni.transport.factory import auto_transport
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +66,7 @@ class StageWorker:
         self.default_transport = default_transport
         self._make_producer = make_producer
         self._producers: dict[str, TensorProducer] = {}
+        self._available: frozenset[str] | None = None   # transports this process can make (cuda_ipc: a GPU)
         self._consumer = consumer
         self._reqs: dict[str, InFlight] = {}
         # Backpressure: while anything is held, the engine is not stepped, so memory
@@ -267,7 +270,7 @@ class StageWorker:
         if rid not in self._reqs:
             self.stats.requests_total += 1
             self._reqs[rid] = InFlight(ident, time.monotonic(), msg.out_transport or self.default_transport,
-                                       msg.out_tensors, hold_s=msg.hold_ms / 1000)
+                                       msg.out_tensors, hold_s=msg.hold_ms / 1000, out_devices=msg.out_devices)
 
     def _step(self) -> None:
         ready = self.engine.num_running() if self._time_steps else 0
@@ -316,12 +319,12 @@ class StageWorker:
         refs = {}
         try:
             for name, tensor in (out.tensors.items() if req.out_tensors else ()):
-                refs[name] = self._producer(req.out_transport).put(tensor, owner=out.request_id)
+                refs[name] = self._put(req, tensor, out.request_id)
         except ProducerFull:
-            self._free_refs(req.out_transport, refs)
+            self._free_refs(refs)
             return False
         except (TransportError, ValueError) as e:
-            self._free_refs(req.out_transport, refs)
+            self._free_refs(refs)
             self.engine.abort(out.request_id)
             self._fail(out.request_id, f"could not publish output tensors: {e}")
             return True
@@ -353,9 +356,32 @@ class StageWorker:
             latency_trace.mark("sent", out.request_id, len(out.token_ids))
         return True
 
-    def _free_refs(self, transport: str, refs: dict) -> None:
-        if refs:
-            self._producers[transport].free([r.key for r in refs.values()])
+    def _free_refs(self, refs: dict) -> None:
+        for r in refs.values():
+            self._producers[r.transport].free([r.key])
+
+    def _put(self, req: InFlight, tensor: Any, owner: str):
+        kind = self._kind_for(req, tensor)
+        if kind != req.out_transport:
+            # auto's choice for this tensor (cuda_ipc). Should it fail here (it has not run on a GPU
+            # yet), this process goes back to what the orchestrator sent, for this tensor and after.
+            try:
+                return self._producer(kind).put(tensor, owner=owner)
+            except ProducerFull:
+                raise
+            except TransportError as e:
+                logger.warning("%s: %s failed, `auto` takes %s from now on: %s", self.stage.label, kind,
+                               req.out_transport, e)
+                self._available = frozenset()
+        return self._producer(req.out_transport).put(tensor, owner=owner)
+
+    def _kind_for(self, req: InFlight, tensor: Any) -> str:
+        """The request's transport, or cuda_ipc for a CUDA tensor where `auto` allows it."""
+        if not req.out_devices or not getattr(tensor, "is_cuda", False):
+            return req.out_transport
+        if self._available is None:
+            self._available = frozenset({"cuda_ipc"}) if torch.cuda.is_available() else frozenset()
+        return auto_transport(True, str(tensor.device), self.stage.devices, req.out_devices, self._available)
 
     def _hold(self, held: HeldOutput) -> None:
         if not self._held:

@@ -18,6 +18,7 @@ class InFlight:
     out_tensors: bool = True
     started: bool = False
     hold_s: float = 0.0      # held this long after the first output (AddRequest.hold_ms)
+    out_devices: str = ""    # AddRequest.out_devices
 
 
 @dataclass

@@ -17,14 +17,18 @@ import torch
 
 
 class TensorRef(msgspec.Struct, frozen=True, kw_only=True):
-    transport: str              # "shm" | "tcp" | "gloo" (| "nccl")
+    transport: str              # "shm" | "tcp" | "gloo" | "nccl" | "cuda_ipc"
     endpoint: str               # where the producer can be reached (segment name, host:port, ...)
     key: int                    # producer-unique id of this tensor
     dtype: str                  # torch dtype name without the "torch." prefix, e.g. "float32"
     shape: tuple[int, ...]
     nbytes: int
-    offset: int = 0             # byte offset inside the segment (shm)
+    offset: int = 0             # byte offset inside the segment (shm, cuda_ipc)
     owner: str = ""             # the request (or consumer) this tensor belongs to
+
+
+# Refs of these transports can be read on the producer's host only.
+SAME_HOST_ONLY = frozenset({"shm", "cuda_ipc"})
 
 
 class TransportError(Exception):

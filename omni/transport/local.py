@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import array
 import asyncio
-import contextlib
 import fcntl
 import os
 import queue
@@ -29,7 +28,9 @@ from typing import Callable
 
 from omni import envs
 from omni.transport.base import TransportError
-from omni.transport.server import NONCE_BYTES, check_listener_user, client_hello, hello_answer, same_user_server
+from omni.transport.server import (
+    NONCE_BYTES, check_listener_user, connect_same_user, hello_answer, hello_guard, same_user_server,
+)
 from omni.transport.util import spin_until
 
 MAGIC = b"OML1"
@@ -157,19 +158,6 @@ class LocalListener:
             self._accepted.get_nowait().close()
 
 
-@contextlib.contextmanager
-def _hello_guard(sock: socket.socket, name: str):
-    """Close `sock` on any failure of the connect or hello; socket errors name the channel."""
-    try:
-        yield
-    except OSError as e:
-        sock.close()
-        raise TransportError(f"local channel {name} unreachable: {e}") from e
-    except BaseException:
-        sock.close()
-        raise
-
-
 def _admitted(sock: socket.socket, name: str, status: bytes) -> LocalChannel:
     if status != _STATUS.pack(0):
         sock.close()
@@ -179,14 +167,7 @@ def _admitted(sock: socket.socket, name: str, status: bytes) -> LocalChannel:
 
 def connect_local(name: str, token: str | None = None, timeout: float = 10.0) -> LocalChannel:
     """Connect to a LocalListener of this user; TransportError if refused or unreachable."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    with _hello_guard(sock, name):
-        sock.settimeout(timeout)
-        sock.connect("\0" + name)
-        check_listener_user(sock, f"local channel {name}")
-        client_hello(sock, MAGIC, token)
-        status = sock.recv(_STATUS.size)
-    return _admitted(sock, name, status)
+    return LocalChannel(connect_same_user(name, socket.SOCK_SEQPACKET, MAGIC, token, timeout, f"local channel {name}"))
 
 
 async def connect_local_async(name: str, token: str | None = None, timeout: float = 1.0) -> LocalChannel:
@@ -197,7 +178,7 @@ async def connect_local_async(name: str, token: str | None = None, timeout: floa
     loop = asyncio.get_running_loop()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     sock.setblocking(False)
-    with _hello_guard(sock, name):
+    with hello_guard(sock, f"local channel {name}"):
         try:
             async with asyncio.timeout(timeout):
                 sock.connect("\0" + name)

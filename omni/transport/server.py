@@ -15,6 +15,7 @@ thousands of idle sockets costs a bounded set of file descriptors and no threads
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import logging
@@ -75,6 +76,36 @@ def check_listener_user(sock: socket.socket, what: str) -> None:
     and a listener of another user could answer in our listener's place."""
     if peer_uid(sock) != os.getuid():
         raise TransportError(f"{what} is held by another user")
+
+
+@contextlib.contextmanager
+def hello_guard(sock: socket.socket, what: str):
+    """Close `sock` on any failure of the connect or hello; socket errors say `what` is unreachable."""
+    try:
+        yield
+    except OSError as e:
+        sock.close()
+        raise TransportError(f"{what} unreachable: {e}") from e
+    except BaseException:
+        sock.close()
+        raise
+
+
+def connect_same_user(name: str, kind: int, magic: bytes, token: str | None, timeout: float,
+                      what: str) -> socket.socket:
+    """A connected socket to the same_user_server at abstract `name` that passed the token hello:
+    the listener's user checked, the status byte read (0: admitted). TransportError names the cause."""
+    sock = socket.socket(socket.AF_UNIX, kind)
+    with hello_guard(sock, what):
+        sock.settimeout(timeout)
+        sock.connect("\0" + name)
+        check_listener_user(sock, what)   # else it could answer in our listener's place
+        client_hello(sock, magic, token)
+        status = sock.recv(1)
+    if status != b"\0":
+        sock.close()
+        raise TransportError(f"{what} refused the connection (bad token, or another user)")
+    return sock
 
 
 def same_user_server(name: str, kind: int, handler: Callable[[socket.socket], None], server_name: str, *,

@@ -23,9 +23,10 @@ import threading
 
 import torch
 
-from omni.transport.alloc import ALIGN, SlotAllocator, round_up
-from omni.transport.base import ProducerFull, TensorConsumer, TensorProducer, TensorRef, TransportError
-from omni.transport.server import check_listener_user, client_hello, same_user_server
+from omni.transport.alloc import ALIGN, round_up
+from omni.transport.arena import ArenaProducer
+from omni.transport.base import TensorConsumer, TensorRef, TransportError
+from omni.transport.server import connect_same_user, same_user_server
 from omni.transport.util import check_ref, dtype_name, flat_bytes, recv_exact
 
 logger = logging.getLogger(__name__)
@@ -48,7 +49,6 @@ class _Segment:
         self.fd = os.memfd_create(f"omni-shm-{tag}-{index}", os.MFD_CLOEXEC)
         os.ftruncate(self.fd, size)
         self.mm = mmap.mmap(self.fd, size)
-        self.alloc = SlotAllocator(size)
 
     def view(self, offset: int, count: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
         # frombuffer per call measured cheaper than slicing one whole-segment tensor (+ a dtype view)
@@ -62,7 +62,7 @@ class _Segment:
         os.close(self.fd)
 
 
-class ShmProducer(TensorProducer):
+class ShmProducer(ArenaProducer):
     """Owns the arena. `arena_bytes` is the size of one segment (the largest tensor that
     fits, less a 64-byte header); up to `max_segments` segments are added as it fills."""
 
@@ -72,17 +72,10 @@ class ShmProducer(TensorProducer):
                  token: str | None = None):
         if arena_bytes < 2 * HEADER or max_segments < 1:
             raise ValueError(f"shm arena_bytes must be >= {2 * HEADER} and max_segments >= 1")
-        self.arena_bytes = round_up(arena_bytes)
-        self.max_segments = max_segments
+        super().__init__(round_up(arena_bytes), max_segments, ALIGN, f"omni-shm-{os.getpid()}-{secrets.token_hex(4)}")
         self.host = host
-        self.name = f"omni-shm-{os.getpid()}-{secrets.token_hex(4)}"
-        self._lock = threading.Lock()
-        self._segments: list[_Segment] = [_Segment(0, self.arena_bytes, self.name)]
-        self._next_key = 1
-        self._slots: dict[int, tuple[int, int, str]] = {}   # key -> (segment, offset, owner)
-        self._by_owner: dict[str, set[int]] = {}
+        self._segments.append(_Segment(0, self.arena_bytes, self.name))   # more as it fills
         self._staged: dict[int, tuple[int, tuple[int, ...], torch.dtype]] = {}   # key -> (data_ptr, shape, dtype)
-        self._closed = False
         self._server = same_user_server(self.name, socket.SOCK_STREAM, self._serve_fds, "omni-shm",
                                         magic=MAGIC, token=token, refusal=_STATUS.pack(1))
 
@@ -147,7 +140,7 @@ class ShmProducer(TensorProducer):
             for key, (sptr, sshape, sdtype) in self._staged.items():
                 if sptr == ptr and sshape == shape and sdtype == tensor.dtype and tensor.is_contiguous():
                     del self._staged[key]
-                    index, off, owner = self._slots[key]
+                    index, off, owner = self._book.slots[key]
                     nbytes = tensor.numel() * tensor.element_size()
                     _SLOT.pack_into(self._segments[index].mm, off, _MAGIC, key, nbytes)
                     return TensorRef(transport="shm", endpoint=self._segments[index].endpoint, key=key,
@@ -162,74 +155,23 @@ class ShmProducer(TensorProducer):
                 f"tensor of {nbytes} bytes (+{HEADER} header) does not fit the shm arena segment of "
                 f"{self.arena_bytes} bytes; raise arena_bytes"
             )
-        with self._lock:
-            if self._closed:
-                raise TransportError(f"shm producer {self.name} is closed")
-            seg, off = self._alloc(need)
-            key = self._next_key
-            self._next_key += 1
-            self._slots[key] = (seg.index, off, owner)
-            self._by_owner.setdefault(owner, set()).add(key)
-        return seg, off, key
+        return super()._reserve(need, owner)
 
-    def _alloc(self, need: int) -> tuple[_Segment, int]:
-        for seg in self._segments:
-            off = seg.alloc.alloc(need)
-            if off is not None:
-                return seg, off
-        if len(self._segments) >= self.max_segments:
-            raise ProducerFull(
-                f"shm arena full: {self._bytes_in_use()} of {self.arena_bytes * self.max_segments} bytes "
-                f"in use, {need} more needed; consumers must ack (free) tensors"
-            )
-        seg = _Segment(len(self._segments), self.arena_bytes, self.name)
-        self._segments.append(seg)
-        logger.debug("shm %s: added segment %d", self.name, seg.index)
-        off = seg.alloc.alloc(need)
-        assert off is not None
-        return seg, off
+    def _new_segment(self, index: int) -> _Segment:
+        logger.debug("shm %s: adding segment %d", self.name, index)
+        return _Segment(index, self.arena_bytes, self.name)
 
-    def free(self, keys: list[int]) -> None:
-        with self._lock:
-            for key in keys:
-                slot = self._slots.pop(key, None)
-                if slot is None:
-                    continue  # double ack or unknown key: freeing is idempotent
-                index, off, owner = slot
-                self._staged.pop(key, None)
-                seg = self._segments[index]
-                if not self._closed:
-                    _SLOT.pack_into(seg.mm, off, 0, 0, 0)
-                seg.alloc.free(off)
-                owned = self._by_owner.get(owner)
-                if owned is not None:
-                    owned.discard(key)
-                    if not owned:
-                        del self._by_owner[owner]
+    def _cleared(self, key: int, segment: _Segment, offset: int) -> None:
+        self._staged.pop(key, None)
+        if not self._closed:
+            _SLOT.pack_into(segment.mm, offset, 0, 0, 0)
 
-    def free_owner(self, owner: str) -> None:
-        with self._lock:
-            keys = list(self._by_owner.get(owner, ()))
-        self.free(keys)
-
-    def bytes_in_use(self) -> int:
-        with self._lock:
-            return self._bytes_in_use()
-
-    def _bytes_in_use(self) -> int:
-        return sum(seg.alloc.bytes_in_use for seg in self._segments)
+    def _close_segment(self, segment: _Segment) -> None:
+        segment.close()
 
     def close(self) -> None:
+        super().close()
         with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        self._server.close()
-        with self._lock:
-            for seg in self._segments:
-                seg.close()
-            self._slots.clear()
-            self._by_owner.clear()
             self._staged.clear()
 
 
@@ -274,15 +216,9 @@ class ShmConsumer(TensorConsumer):
         name, sep, index = endpoint.rpartition("/")
         if not sep or not index.isdigit() or not name.startswith("omni-shm-"):
             raise TransportError(f"bad shm endpoint {endpoint!r}, expected omni-shm-<pid>-<id>/<segment>")
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            sock.settimeout(self._timeout)
+        with connect_same_user(name, socket.SOCK_STREAM, MAGIC, self._token, self._timeout,
+                               f"shm producer {name}") as sock:
             try:
-                sock.connect("\0" + name)
-                check_listener_user(sock, f"shm producer {name}")   # else it could hand us a segment of its own
-                client_hello(sock, MAGIC, self._token)
-                status = sock.recv(_STATUS.size)
-                if status != _STATUS.pack(0):
-                    raise TransportError(f"shm producer {name} refused the connection (bad token, or another user)")
                 sock.sendall(_REQ.pack(int(index)))
                 msg, fds, _flags, _addr = socket.recv_fds(sock, _REP.size, 1)
             except OSError as e:

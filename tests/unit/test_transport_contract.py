@@ -1,4 +1,7 @@
-"""One contract, run against every tensor transport (shm, tcp, gloo), plus their parts."""
+"""One contract, run against every tensor transport (shm, tcp, gloo, cuda_ipc), plus their parts.
+
+cuda_ipc runs here on its host-memory stand-in (the same protocol, processes and sockets; the
+CUDA memory itself: tests/unit/test_cuda_ipc.py, marked `cuda`)."""
 
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from omni.transport.alloc import ALIGN, SlotAllocator
 from omni.transport.base import TensorConsumer, TensorProducer, TensorRef, TransportError
 from omni.transport.factory import MultiConsumer, choose_transport, make_consumer, make_producer
 
-KINDS = ["shm", "tcp", "gloo"]
+KINDS = ["shm", "tcp", "gloo", "cuda_ipc"]
 REPO = Path(__file__).resolve().parents[2]
 CHILD = Path(__file__).with_name("transport_child.py")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8, torch.bool]
@@ -29,7 +32,12 @@ DEADLINE = 60.0
 
 
 def limit_opts(kind: str, nbytes: int) -> dict:
-    return {"arena_bytes": nbytes} if kind == "shm" else {"max_tensor_bytes": nbytes}
+    return {"arena_bytes": nbytes} if kind in ("shm", "cuda_ipc") else {"max_tensor_bytes": nbytes}
+
+
+def producer(kind: str, **opts) -> TensorProducer:
+    """make_producer, with cuda_ipc on host memory (no GPU here)."""
+    return make_producer(kind, **({"memory": "host"} if kind == "cuda_ipc" else {}), **opts)
 
 
 def omni_shm_names() -> set[str]:
@@ -43,11 +51,11 @@ def kind(request) -> str:
 
 @pytest.fixture
 def pair(kind) -> Iterator[tuple[TensorProducer, TensorConsumer]]:
-    producer = make_producer(kind, **limit_opts(kind, ARENA))
+    prod = producer(kind, **limit_opts(kind, ARENA))
     consumer = make_consumer(kind)
-    yield producer, consumer
+    yield prod, consumer
     consumer.close()
-    producer.close()
+    prod.close()
 
 
 def sample(shape, dtype, seed=0) -> torch.Tensor:
@@ -192,17 +200,17 @@ def test_bad_refs_raise_and_producer_keeps_working(pair):
 
 
 def test_too_large(kind):
-    producer = make_producer(kind, **limit_opts(kind, 1 << 20))
+    prod = producer(kind, **limit_opts(kind, 1 << 20))
     try:
         with pytest.raises(TransportError, match=str(1 << 20)):
-            producer.put(torch.zeros(2 << 20, dtype=torch.uint8))
-        assert producer.bytes_in_use() == 0
+            prod.put(torch.zeros(2 << 20, dtype=torch.uint8))
+        assert prod.bytes_in_use() == 0
         consumer = make_consumer(kind)
         x = torch.arange(1000)
-        assert torch.equal(consumer.get(producer.put(x)), x)
+        assert torch.equal(consumer.get(prod.put(x)), x)
         consumer.close()
     finally:
-        producer.close()
+        prod.close()
 
 
 def test_free_owner(pair):
@@ -245,7 +253,7 @@ def test_consumer_in_other_process_then_sigkilled(pair, kind):
 
 def test_producer_sigkilled_leaves_nothing(kind):
     before = omni_shm_names()
-    child = Child("produce", kind)
+    child = Child("produce", kind + (":host" if kind == "cuda_ipc" else ""))
     consumer = make_consumer(kind)
     try:
         refs = []
@@ -257,9 +265,10 @@ def test_producer_sigkilled_leaves_nothing(kind):
         assert torch.equal(first, child_sample(0))
         child.kill()
         assert omni_shm_names() <= before
-        if kind == "shm":
+        if kind in ("shm", "cuda_ipc"):
             # the mapping outlives the producer; the memory goes when the consumer lets go
             assert torch.equal(first, child_sample(0))
+            assert torch.equal(consumer.get(refs[1]), child_sample(1))
             shm_ref = msgspec.structs.replace(refs[1], endpoint=refs[1].endpoint.rsplit("/", 1)[0] + "/1")
             with pytest.raises(TransportError, match="unreachable"):
                 consumer.get(shm_ref)
@@ -276,24 +285,24 @@ def test_producer_sigkilled_leaves_nothing(kind):
 
 def test_close_leaves_nothing_and_refuses_puts(kind):
     before = omni_shm_names()
-    producer = make_producer(kind)
+    prod = producer(kind)
     consumer = make_consumer(kind)
-    ref = producer.put(torch.ones(1000))
+    ref = prod.put(torch.ones(1000))
     assert torch.equal(consumer.get(ref), torch.ones(1000))
     consumer.close()
-    producer.close()
-    producer.close()  # idempotent
+    prod.close()
+    prod.close()  # idempotent
     with pytest.raises(TransportError, match="closed"):
-        producer.put(torch.ones(3))
+        prod.put(torch.ones(3))
     assert omni_shm_names() <= before
 
 
 # -- transport-specific parts ---------------------------------------------------------------
-@pytest.mark.parametrize("kind", ["shm", "tcp", "gloo"])
+@pytest.mark.parametrize("kind", ["shm", "tcp", "gloo", "cuda_ipc"])
 def test_wrong_token_is_refused(kind):
-    producer = make_producer(kind, token="sesame")
+    prod = producer(kind, token="sesame")
     try:
-        ref = producer.put(torch.ones(4))
+        ref = prod.put(torch.ones(4))
         bad = make_consumer(kind, token="guess")
         with pytest.raises(TransportError, match="bad token"):
             bad.get(ref)
@@ -302,7 +311,7 @@ def test_wrong_token_is_refused(kind):
         assert torch.equal(good.get(ref), torch.ones(4))
         good.close()
     finally:
-        producer.close()
+        prod.close()
 
 
 def test_shm_is_zero_copy_and_grows_segments():
@@ -347,7 +356,7 @@ def test_factory_and_choice():
     assert choose_transport("127.0.0.1", "localhost", None) == "shm"
     assert choose_transport("10.0.0.1", "10.0.0.2", None) == "tcp"
     assert choose_transport("10.0.0.1", "10.0.0.1", "gloo") == "gloo"
-    producers = [make_producer(k) for k in KINDS]
+    producers = [producer(k) for k in KINDS]
     multi = MultiConsumer()
     try:
         for i, p in enumerate(producers):

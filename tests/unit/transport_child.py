@@ -2,7 +2,8 @@
 
   consume          read msgspec-JSON TensorRefs from stdin, one a line; print the sha256 of
                    each tensor's bytes; keep the tensors alive; on "hold" print "held" and wait
-  produce KIND [TOKEN]  make a KIND producer, put `sample(i)` for i in 0..3 (owner "child"),
+  produce KIND[:MEMORY] [TOKEN]  make a KIND producer (cuda_ipc: on MEMORY, "cuda" or "host"), put
+                   `sample(i)` for i in 0..3 (owner "child"; on the GPU for cuda_ipc on "cuda"),
                    print each ref as JSON, then "ready", then wait on stdin
 """
 
@@ -24,7 +25,7 @@ def sample(i: int) -> torch.Tensor:
 
 
 def digest(t: torch.Tensor) -> str:
-    return hashlib.sha256(flat_bytes(t.contiguous()).numpy().tobytes()).hexdigest()
+    return hashlib.sha256(flat_bytes(t.contiguous().cpu()).numpy().tobytes()).hexdigest()
 
 
 def main() -> None:
@@ -44,9 +45,13 @@ def main() -> None:
             held.append(t)
             print(digest(t), flush=True)
     elif mode == "produce":
-        producer = make_producer(sys.argv[2], **({"token": sys.argv[3]} if len(sys.argv) > 3 else {}))
+        kind, _, memory = sys.argv[2].partition(":")
+        opts = {"token": sys.argv[3]} if len(sys.argv) > 3 else {}
+        producer = make_producer(kind, **opts, **({"memory": memory} if memory else {}))
+        on_gpu = kind == "cuda_ipc" and memory in ("", "cuda")
         for i in range(4):
-            print(enc.encode(producer.put(sample(i), owner="child")).decode(), flush=True)
+            t = sample(i).cuda() if on_gpu else sample(i)
+            print(enc.encode(producer.put(t, owner="child")).decode(), flush=True)
         print("ready", flush=True)
         sys.stdin.read()
         producer.close()
