@@ -26,7 +26,8 @@ step() {    # step NAME SECONDS CMD...: CMD's output to $OUT/NAME.txt, its tail 
 # The engine tests that run on both devices (only these files: the others import the HTTP stack).
 step cuda_tests 240 python3 -m pytest -q -p no:cacheprovider -m cuda -o addopts="" \
   tests/unit/test_qwen3_static.py tests/unit/test_streamed_vocoder.py tests/unit/test_qwen3_code2wav.py \
-  tests/unit/test_qwen25_token2wav.py
+  tests/unit/test_qwen25_token2wav.py tests/unit/test_cuda_ipc.py
+step transport 90 python3 benchmarks/transport.py --device cuda --json
 step qwen3_stages 150 python3 benchmarks/qwen3_stages.py --real-size --device cuda --streams 1,4,16,64 --rounds 2 --json
 step qwen25_stages 90 python3 benchmarks/qwen3_stages.py --model qwen25 --real-size --device cuda --streams 1,16 --rounds 2 --json
 step token2wav 60 python3 benchmarks/token2wav_stream.py --real-size --device cuda --codes 250 --runs 2 --json
