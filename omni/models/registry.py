@@ -28,7 +28,8 @@ class EngineSpec:
 class Family:
     name: str
     package: str
-    model_types: tuple[str, ...] = ()        # a folder whose config.json says one of these is this family
+    # a folder whose config.json `model_type` (a diffusers folder: model_index.json `_class_name`) is one of these
+    model_types: tuple[str, ...] = ()
     deploy: str | None = None                # the bundled deploy config such a folder gets
     deploys: tuple[str, ...] = ()            # every bundled deploy config of the family (deploy/)
     engines: dict[str, EngineSpec] = field(default_factory=dict)
@@ -69,6 +70,12 @@ FAMILIES: tuple[Family, ...] = (
                     "omni.models.qwen25_omni.processors:talker_to_token2wav"),
         voices=("chelsie", "ethan"),
         tiny="omni.models.qwen25_omni.tiny:build"),
+    # A diffusers folder: model_index.json's `_class_name` stands for config.json's model_type.
+    Family(
+        "qwen-image", "omni.models.qwen_image", model_types=("QwenImagePipeline",),
+        deploy="qwen-image.yaml", deploys=("qwen-image.yaml",),
+        engines={"qwen_image": EngineSpec("omni.models.qwen_image.engine:QwenImageEngine")},
+        tiny="omni.models.qwen_image.tiny:build"),
 )
 
 # Deploy configs of no family: one LM stage (any folder of another model_type), and LM -> pooler.
