@@ -44,7 +44,6 @@ class Job:
     scheduler: object = None
     timesteps: torch.Tensor | None = None
     done: int = 0                        # denoising steps taken
-    first_step_at: float | None = None
 
     @property
     def cfg(self) -> bool:
@@ -218,17 +217,23 @@ class QwenImageEngine(Engine):
                                          img_shapes=[[shape]] * latents.shape[0], attention_kwargs={},
                                          return_dict=False)[0]
 
-    def decode(self, job: Job) -> torch.Tensor:
-        """uint8 [n, height, width, 3], as the pipeline's PIL images hold them."""
-        pipe, p = self.pipe, job.params
+    def decode(self, jobs: list[Job]) -> list[torch.Tensor]:
+        """One VAE decode for the finished jobs (of one size): uint8 [n, height, width, 3] each, as the
+        pipeline's PIL images hold them."""
+        pipe, p = self.pipe, jobs[0].params
         vae = pipe.vae
-        lat = pipe._unpack_latents(job.latents, p.height, p.width, pipe.vae_scale_factor).to(vae.dtype)
+        latents = torch.cat([j.latents for j in jobs])
+        lat = pipe._unpack_latents(latents, p.height, p.width, pipe.vae_scale_factor).to(vae.dtype)
         z = vae.config.z_dim
         mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(lat.device, lat.dtype)
         scale = 1.0 / torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1).to(lat.device, lat.dtype)
         image = vae.decode(lat / scale + mean, return_dict=False)[0][:, :, 0]
-        pil = pipe.image_processor.postprocess(image, output_type="pil")
-        return torch.from_numpy(np.stack([np.asarray(im) for im in pil]))
+        rows = np.stack([np.asarray(im) for im in pipe.image_processor.postprocess(image, output_type="pil")])
+        out, at = [], 0
+        for j in jobs:
+            out.append(torch.from_numpy(rows[at:at + j.params.n]))
+            at += j.params.n
+        return out
 
     # -- the loop ------------------------------------------------------------------
 
@@ -259,27 +264,31 @@ class QwenImageEngine(Engine):
             return outputs
         batch = self.pick()
         now = time.monotonic()
-        for j in batch:
-            j.first_step_at = j.first_step_at or now
         self.denoise(batch)
         dt = time.monotonic() - now
         self._stats["steps"] += 1
         self._stats["step_rows"] += sum(j.params.n for j in batch)
         self._stats["denoise_s"] += dt
-        for j in [j for j in batch if j.done == j.params.num_inference_steps]:
-            t0 = time.monotonic()
-            try:
-                image = self.decode(j)
-            except Exception as e:
-                logger.exception("%s: request %s failed in the VAE decode", self.name, j.request_id)
-                outputs.append(failed(j, f"decode failed: {type(e).__name__}: {e}"))
-            else:
-                outputs.append(EngineOutput(request_id=j.request_id, tensors={"image": image}, finished=True,
-                                            finish_reason="stop"))
-                self._stats["images"] += j.params.n
-            self._stats["decode_s"] += time.monotonic() - t0
-            del self._jobs[j.request_id]
+        finished = [j for j in batch if j.done == j.params.num_inference_steps]
+        if finished:
+            outputs += self.finish(finished)
         return outputs
+
+    def finish(self, jobs: list[Job]) -> list[EngineOutput]:
+        """Decode the jobs that took their last step (together: one VAE batch) and hand out their images."""
+        t0 = time.monotonic()
+        for j in jobs:
+            del self._jobs[j.request_id]
+        try:
+            images = self.decode(jobs)
+        except Exception as e:
+            logger.exception("%s: the VAE decode of %s failed", self.name, [j.request_id for j in jobs])
+            return [failed(j, f"decode failed: {type(e).__name__}: {e}") for j in jobs]
+        finally:
+            self._stats["decode_s"] += time.monotonic() - t0
+        self._stats["images"] += sum(j.params.n for j in jobs)
+        return [EngineOutput(request_id=j.request_id, tensors={"image": im}, finished=True, finish_reason="stop")
+                for j, im in zip(jobs, images)]
 
     # -- sleep and figures -------------------------------------------------------------
 

@@ -24,10 +24,10 @@ SCHEDULER = dict(base_image_seq_len=256, base_shift=0.5, invert_sigmas=False, ma
                  use_exponential_sigmas=False, use_karras_sigmas=False)
 
 # The DiT and VAE at test size: 2 dual-stream blocks of width 64, a 4-channel latent, the VAE's real
-# 8x downsampling (three stages) at base width 16.
+# 8x downsampling (three stages) at base width 8.
 TINY_TRANSFORMER = dict(patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=32,
                         num_attention_heads=2, joint_attention_dim=64, axes_dims_rope=(8, 12, 12))
-TINY_VAE = dict(base_dim=16, z_dim=4, dim_mult=[1, 2, 4, 4], num_res_blocks=1,
+TINY_VAE = dict(base_dim=8, z_dim=4, dim_mult=[1, 2, 4, 4], num_res_blocks=1,
                 latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 2.0, 1.0, 0.8])
 
 

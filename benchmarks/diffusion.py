@@ -1,0 +1,266 @@
+"""Images served by omni (`omni serve DIR`, POST /v1/images/generations) vs diffusers'
+QwenImagePipeline called in this process, at concurrency 1 and 4.
+
+Default: the tiny Qwen-Image folder (omni/models/qwen_image/tiny.py, built in a temp dir) on CPU,
+float32, one thread on each side. The pipeline serves one request a call, so at concurrency 4 its
+requests run one after another; omni's stage batches the four requests' denoising steps into one
+DiT forward (their text encodings and VAE decodes stay one per request). A third row, `pipeline
+x4`, is the pipeline given the four prompts as one list (its own batch: the best an in-process
+caller who holds all four at once can do). Sides take turns burst by burst, each first in turn, so a
+change in the shared machine's load hits both; one warm-up request each is not reported.
+
+Figures per side and level: images/s (images over the bursts' wall time), latency p50 (a request's
+time from send to its image), s/step (latency over denoising steps: what one step costs a request).
+
+    .venv/bin/python benchmarks/diffusion.py            # --quick, under 2 minutes
+    .venv/bin/python benchmarks/diffusion.py --full     # more bursts
+    .venv/bin/python benchmarks/diffusion.py --json     # one JSON document
+    .venv/bin/python benchmarks/diffusion.py --device cuda --real-size   # the real-size DiT, see below
+
+`--real-size` builds Qwen-Image's real transformer (60 blocks, width 3072; `--layers` fewer) and VAE
+from their configs with random weights on the device (bfloat16, no download, nothing on disk) and a
+one-layer text encoder of the real width (3584; the text encoder runs once per request, the
+benchmark is about the denoising loop). There is no folder to serve, so omni's side is the
+qwen_image engine stepped in this process (the stage's loop without processes and HTTP) against the
+pipeline on the same modules.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+PROMPTS = ["a red cat on the mountain", "the big dog runs home over the hill", "sun over the sea at night",
+           "a green tree beside the river"]
+
+
+def build_real(device: str, layers: int):
+    """QwenImagePipeline at the real size, random weights, built on the device in bfloat16."""
+    import torch
+    from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline,
+                           QwenImageTransformer2DModel)
+    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
+
+    from omni.models import tiny_folder
+    from omni.models.qwen_image import tiny
+
+    tok_dir = Path(tempfile.mkdtemp(prefix="qwen-image-tok-"))
+    tiny_folder.build_tokenizer(tok_dir, 0, specials=tiny.SPECIALS, chat_template="", extra_special_tokens={})
+    tokenizer = Qwen2Tokenizer.from_pretrained(tok_dir)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in tiny.SPECIALS}
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            transformer = QwenImageTransformer2DModel(num_layers=layers).eval()
+            vae = AutoencoderKLQwenImage().eval()
+            encoder = Qwen2_5_VLForConditionalGeneration(tiny.text_encoder_config(ids, 3584, 1)).eval()
+    finally:
+        torch.set_default_dtype(saved)
+    pipe = QwenImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(**tiny.SCHEDULER), vae=vae,
+                             text_encoder=encoder, tokenizer=tokenizer, transformer=transformer)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+class InProcess:
+    """The pipeline called in this process, one request a call (or the whole burst as one list)."""
+
+    def __init__(self, pipe, args):
+        self.pipe, self.a = pipe, args
+
+    def call(self, prompts: list[str], seeds: list[int]) -> None:
+        import torch
+
+        self.pipe(prompts if len(prompts) > 1 else prompts[0], negative_prompt=[" "] * len(prompts)
+                  if len(prompts) > 1 else " ", true_cfg_scale=4.0, width=self.a.size, height=self.a.size,
+                  num_inference_steps=self.a.steps,
+                  generator=[torch.Generator().manual_seed(s) for s in seeds] if len(seeds) > 1
+                  else torch.Generator().manual_seed(seeds[0]))
+
+    def burst(self, prompts: list[str], seeds: list[int], together: bool = False) -> list[float]:
+        t0 = time.perf_counter()
+        if together:
+            self.call(prompts, seeds)
+            return [time.perf_counter() - t0] * len(prompts)
+        done = []
+        for p, s in zip(prompts, seeds):
+            self.call([p], [s])
+            done.append(time.perf_counter() - t0)   # a request waits for those before it
+        return done
+
+
+class Served:
+    def __init__(self, url: str, args):
+        self.url, self.a = url, args
+        self.client = None      # one kept-alive client for the run (made on the benchmark's loop)
+
+    async def burst(self, prompts: list[str], seeds: list[int]) -> list[float]:
+        import httpx
+
+        self.client = self.client or httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_keepalive_connections=8))
+
+        async def one(p, s):
+            t0 = time.perf_counter()
+            r = await self.client.post(f"{self.url}/v1/images/generations",
+                                       json={"prompt": p, "seed": s, "size": f"{self.a.size}x{self.a.size}",
+                                             "num_inference_steps": self.a.steps, "guidance_scale": 4.0})
+            r.raise_for_status()
+            return time.perf_counter() - t0
+        return list(await asyncio.gather(*(one(p, s) for p, s in zip(prompts, seeds))))
+
+
+class EngineSide:
+    """The qwen_image engine stepped in this process (--real-size: nothing to serve)."""
+
+    def __init__(self, pipe, args):
+        from omni.models.qwen_image.engine import QwenImageEngine
+
+        self.engine = QwenImageEngine(None, device=args.device, pipeline=pipe, max_pixels=args.size ** 2)
+        self.a, self.n = args, 0
+
+    async def burst(self, prompts: list[str], seeds: list[int]) -> list[float]:
+        from omni.engines.base import EngineRequest, ImageParams
+
+        t0 = time.perf_counter()
+        done = {}
+        for p, s in zip(prompts, seeds):
+            self.n += 1
+            self.engine.add_request(EngineRequest(request_id=f"r{self.n}", text=p, image=ImageParams(
+                width=self.a.size, height=self.a.size, num_inference_steps=self.a.steps, guidance_scale=4.0,
+                negative_prompt=" ", seed=s)))
+        while self.engine.has_unfinished():
+            for o in self.engine.step():
+                done[o.request_id] = time.perf_counter() - t0
+        return list(done.values())
+
+
+def row(side: str, level: int, lat: list[float], wall: float, steps: int) -> dict:
+    return {"side": side, "concurrency": level, "images": len(lat), "images_per_s": round(len(lat) / wall, 3),
+            "latency_s_p50": round(statistics.median(lat), 3),
+            "s_per_step": round(statistics.mean(lat) / steps, 4)}
+
+
+async def measure(omni_side, pipe_side: InProcess, omni_name: str, levels: list[tuple[int, int]], steps: int):
+    rows, seed = [], 0
+    for _ in range(2):                            # warm-ups (the second on a kept-alive connection)
+        await omni_side.burst(PROMPTS[:1], [0])
+        pipe_side.burst(PROMPTS[:1], [0])
+    for level, bursts in levels:
+        lat: dict[str, list[float]] = {omni_name: [], "pipeline": [], "pipeline x4": []}
+        wall = dict.fromkeys(lat, 0.0)
+        for b in range(bursts):
+            prompts = [PROMPTS[(b + i) % len(PROMPTS)] for i in range(level)]
+            seeds = list(range(seed, seed + level))
+            seed += level
+            order = [omni_name, "pipeline"] if b % 2 == 0 else ["pipeline", omni_name]
+            if level > 1:
+                order.append("pipeline x4")
+            for side in order:
+                t0 = time.perf_counter()
+                if side == omni_name:
+                    got = await omni_side.burst(prompts, seeds)
+                else:
+                    got = pipe_side.burst(prompts, seeds, together=side == "pipeline x4")
+                wall[side] += time.perf_counter() - t0
+                lat[side] += got
+        for side in lat:
+            if lat[side]:
+                rows.append(row(side, level, lat[side], wall[side], steps))
+    return rows
+
+
+def ratios(rows: list[dict], omni_name: str) -> list[dict]:
+    out = []
+    for level in sorted({r["concurrency"] for r in rows}):
+        by = {r["side"]: r for r in rows if r["concurrency"] == level}
+        out.append({"concurrency": level,
+                    "images_per_s_omni_over_pipeline": round(by[omni_name]["images_per_s"] /
+                                                             by["pipeline"]["images_per_s"], 3)})
+    return out
+
+
+COLS = ["side", "concurrency", "images", "images_per_s", "latency_s_p50", "s_per_step"]
+HEAD = ["side", "conc", "images", "images/s", "lat p50 s", "s/step"]
+
+
+def table(rows: list[dict]) -> str:
+    cells = [HEAD] + [[str(r[c]) for c in COLS] for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(COLS))]
+    return "\n".join("  ".join(v.rjust(w) for v, w in zip(c, widths)) for c in cells)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="the default: a short run (< 2 min)")
+    mode.add_argument("--full", action="store_true", help="more bursts per level")
+    ap.add_argument("--json", action="store_true", help="print one JSON document")
+    ap.add_argument("--model", help="a Qwen-Image diffusers folder (default: the tiny one, built in a temp dir)")
+    ap.add_argument("--size", type=int, default=None, help="image width and height (default 128; real size 512)")
+    ap.add_argument("--steps", type=int, default=None, help="denoising steps (default 10)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--real-size", action="store_true", help="Qwen-Image's real DiT and VAE, random weights, "
+                    "built on --device; omni's side is the engine in this process")
+    ap.add_argument("--layers", type=int, default=60, help="--real-size: DiT blocks (Qwen-Image has 60)")
+    a = ap.parse_args()
+    a.size = a.size or (512 if a.real_size else 128)
+    a.steps = a.steps or 10
+    if a.real_size and a.device == "cpu":
+        ap.error("--real-size needs --device cuda (the real DiT is 20 B parameters)")
+    levels = [(1, 16), (4, 8)] if a.full else [(1, 8), (4, 4)]
+
+    import torch
+
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    load_start = [round(x, 2) for x in os.getloadavg()]
+    server = None
+    try:
+        if a.real_size:
+            pipe = build_real(a.device, a.layers)
+            omni_name, omni_side = "omni engine", EngineSide(pipe, a)
+        else:
+            from diffusers import QwenImagePipeline
+
+            from omni.models.qwen_image.tiny import build
+            from tests.e2e.harness import OmniProcess, omni_env
+
+            folder = a.model or str(build(Path(tempfile.mkdtemp(prefix="qwen-image-tiny-"))))
+            server = OmniProcess("serve", folder, "--port", "0",
+                                 env=omni_env(OMNI_PLATFORM=a.device, OMP_NUM_THREADS="1"))
+            pipe = QwenImagePipeline.from_pretrained(folder, dtype=torch.float32)
+            pipe.set_progress_bar_config(disable=True)
+            omni_name, omni_side = "omni", Served(server.http(600), a)
+        startup_s = round(time.perf_counter() - t0, 1)
+        rows = asyncio.run(measure(omni_side, InProcess(pipe, a), omni_name, levels, a.steps))
+    finally:
+        if server is not None:
+            server.interrupt(60)
+    doc = {"model": "Qwen-Image real size (random weights)" if a.real_size else (a.model or "tiny Qwen-Image"),
+           "device": a.device, "size": f"{a.size}x{a.size}", "steps": a.steps, "guidance_scale": 4.0,
+           "startup_seconds": startup_s, "rows": rows, "ratios": ratios(rows, omni_name),
+           "loadavg_start": load_start, "loadavg_end": [round(x, 2) for x in os.getloadavg()],
+           "seconds": round(time.perf_counter() - t0, 1)}
+    if a.json:
+        print(json.dumps(doc, indent=1))
+        return
+    print(f"{doc['model']} on {a.device}, {doc['size']}, {a.steps} steps, guidance 4.0 "
+          f"(load {load_start} -> {doc['loadavg_end']}, {doc['seconds']} s)")
+    print(table(rows))
+    for r in doc["ratios"]:
+        print(f"concurrency {r['concurrency']}: {omni_name} / pipeline images/s = "
+              f"{r['images_per_s_omni_over_pipeline']}")
+
+
+if __name__ == "__main__":
+    main()
