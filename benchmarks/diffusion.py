@@ -43,35 +43,6 @@ PROMPTS = ["a red cat on the mountain", "the big dog runs home over the hill", "
            "a green tree beside the river"]
 
 
-def build_real(device: str, layers: int):
-    """QwenImagePipeline at the real size, random weights, built on the device in bfloat16."""
-    import torch
-    from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline,
-                           QwenImageTransformer2DModel)
-    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
-
-    from omni.models import tiny_folder
-    from omni.models.qwen_image import tiny
-
-    tok_dir = Path(tempfile.mkdtemp(prefix="qwen-image-tok-"))
-    tiny_folder.build_tokenizer(tok_dir, 0, specials=tiny.SPECIALS, chat_template="", extra_special_tokens={})
-    tokenizer = Qwen2Tokenizer.from_pretrained(tok_dir)
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in tiny.SPECIALS}
-    saved = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(device):
-            transformer = QwenImageTransformer2DModel(num_layers=layers).eval()
-            vae = AutoencoderKLQwenImage().eval()
-            encoder = Qwen2_5_VLForConditionalGeneration(tiny.text_encoder_config(ids, 3584, 1)).eval()
-    finally:
-        torch.set_default_dtype(saved)
-    pipe = QwenImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(**tiny.SCHEDULER), vae=vae,
-                             text_encoder=encoder, tokenizer=tokenizer, transformer=transformer)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
 class InProcess:
     """The pipeline called in this process, one request a call (or the whole burst as one list)."""
 
@@ -193,12 +164,6 @@ COLS = ["side", "concurrency", "images", "images_per_s", "latency_s_p50", "s_per
 HEAD = ["side", "conc", "images", "images/s", "lat p50 s", "s/step"]
 
 
-def table(rows: list[dict]) -> str:
-    cells = [HEAD] + [[str(r[c]) for c in COLS] for r in rows]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(COLS))]
-    return "\n".join("  ".join(v.rjust(w) for v, w in zip(c, widths)) for c in cells)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = ap.add_mutually_exclusive_group()
@@ -227,7 +192,9 @@ def main() -> None:
     server = None
     try:
         if a.real_size:
-            pipe = build_real(a.device, a.layers)
+            from benchmarks.real_size import qwen_image_pipeline
+
+            pipe = qwen_image_pipeline(a.device, a.layers)
             omni_name, omni_side = "omni engine", EngineSide(pipe, a)
         else:
             from diffusers import QwenImagePipeline
@@ -256,7 +223,9 @@ def main() -> None:
         return
     print(f"{doc['model']} on {a.device}, {doc['size']}, {a.steps} steps, guidance 4.0 "
           f"(load {load_start} -> {doc['loadavg_end']}, {doc['seconds']} s)")
-    print(table(rows))
+    from benchmarks.audio import table
+
+    print(table(rows, COLS, HEAD))
     for r in doc["ratios"]:
         print(f"concurrency {r['concurrency']}: {omni_name} / pipeline images/s = "
               f"{r['images_per_s_omni_over_pipeline']}")
