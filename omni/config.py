@@ -192,7 +192,12 @@ def folder_config_path(folder: Path) -> Path:
     family's entry in omni/models/registry.py); anything else is served as one torch_lm stage."""
     from omni.models import registry
 
-    return DEPLOY_DIR / registry.folder_deploy(folder_model_type(folder))
+    kind = folder_model_type(folder)
+    if not (folder / "config.json").exists() and registry.folder_deploy(kind) == registry.FOLDER_FALLBACK:
+        served = ", ".join(t for f in registry.FAMILIES for t in f.model_types if t[:1].isupper())
+        raise ConfigError(f"{folder / 'model_index.json'}: diffusers pipeline {kind!r} is not one omni serves "
+                          f"({served}); pass --deploy-config FILE")
+    return DEPLOY_DIR / registry.folder_deploy(kind)
 
 
 def deploy_config_path(name: str) -> Path:
