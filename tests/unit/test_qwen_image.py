@@ -70,6 +70,13 @@ def test_a_request_alone_is_the_pipelines_image_bit_for_bit(engine, pipe, params
     assert np.array_equal(got, want)
 
 
+def test_a_cached_encoding_gives_the_same_image(engine, pipe):
+    hits = engine.stats().get("encode_cache_hits", 0)
+    again = run(engine, {"again": ("a red cat on the mountain", PARAMS)})["again"]
+    assert engine.stats()["encode_cache_hits"] == hits + 2     # the prompt and " ", both seen before
+    assert np.array_equal(again, reference(pipe, "a red cat on the mountain", PARAMS))
+
+
 def test_prompt_token_ids_are_the_encoders_input(engine, pipe):
     ids = engine.token_ids("a red cat")
     engine.add_request(EngineRequest(request_id="ids", prompt_token_ids=ids, image=PARAMS))

@@ -55,8 +55,10 @@ class QwenImageEngine(Engine):
 
     def __init__(self, model_dir: str | Path, *, device: str = "cpu", dtype: str = "float32",
                  threads: int | None = None, max_batch_rows: int = 8, max_sequence_length: int = 512,
-                 max_pixels: int = 1024 * 1024 * 4, max_steps: int = 200, pipeline=None):
-        """`pipeline`: a QwenImagePipeline built in memory (benchmarks at real size); model_dir unused then."""
+                 max_pixels: int = 1024 * 1024 * 4, max_steps: int = 200, encode_cache: int = 16, pipeline=None):
+        """`encode_cache`: prompt encodings kept (most recently used; the default negative prompt " " is
+        in nearly every request). `pipeline`: a QwenImagePipeline built in memory (benchmarks at real
+        size); model_dir unused then."""
         if max_batch_rows < 1:
             raise ValueError(f"max_batch_rows must be >= 1, got {max_batch_rows}")
         if not 1 <= max_sequence_length <= 1024:
@@ -77,9 +79,15 @@ class QwenImageEngine(Engine):
         self.max_pixels, self.max_steps = max_pixels, max_steps
         # Sizes must be whole latent patches: the VAE's downsampling times the DiT's patch size.
         self.size_multiple = self.pipe.vae_scale_factor * self.pipe.transformer.config.patch_size
-        self.offload = IdleOffload(self.name, self.device, lambda d: self.pipe.to(d))
+        self.offload = IdleOffload(self.name, self.device, self.move_to)
         self._jobs: collections.OrderedDict[str, Job] = collections.OrderedDict()
         self._stats: collections.Counter = collections.Counter()
+        self._encoded: collections.OrderedDict[tuple[int, ...], torch.Tensor] = collections.OrderedDict()
+        self.encode_cache = encode_cache
+
+    def move_to(self, device: torch.device) -> None:
+        self.pipe.to(device)
+        self._encoded.clear()      # cached encodings live on the device too
 
     # -- requests --------------------------------------------------------------------
 
@@ -139,12 +147,24 @@ class QwenImageEngine(Engine):
         return list(enc.input_ids)
 
     def encode(self, ids: list[int]) -> torch.Tensor:
-        """[1, tokens, dim]: the encoder's last hidden state past the template's system part."""
+        """[1, tokens, dim]: the encoder's last hidden state past the template's system part. A prompt is
+        encoded alone, so a cached encoding is the same tensor a new one would be."""
+        key = tuple(ids)
+        hit = self._encoded.get(key)
+        if hit is not None:
+            self._encoded.move_to_end(key)
+            self._stats["encode_cache_hits"] += 1
+            return hit
         pipe = self.pipe
         x = torch.tensor([ids], device=self.device)
         out = pipe.text_encoder(input_ids=x, attention_mask=torch.ones_like(x), output_hidden_states=True)
         rows = out.hidden_states[-1][:, pipe.prompt_template_encode_start_idx:]
-        return rows[:, :self.max_sequence_length].to(pipe.text_encoder.dtype)
+        rows = rows[:, :self.max_sequence_length].to(pipe.text_encoder.dtype)
+        if self.encode_cache > 0:
+            self._encoded[key] = rows
+            while len(self._encoded) > self.encode_cache:
+                self._encoded.popitem(last=False)
+        return rows
 
     def admit(self, job: Job) -> None:
         """Encode the prompt (and the negative one with guidance), draw the noise, set the schedule."""
