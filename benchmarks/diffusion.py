@@ -10,7 +10,9 @@ caller who holds all four at once can do). Sides take turns burst by burst, each
 change in the shared machine's load hits both; one warm-up request each is not reported.
 
 Figures per side and level: images/s (images over the bursts' wall time), latency p50 (a request's
-time from send to its image), s/step (latency over denoising steps: what one step costs a request).
+time from send to its image), s/step (latency over denoising steps: what one step costs a request);
+per level the paired figure: the median over bursts of the pipeline's burst time over omni's (> 1: omni is
+faster), steadier than the totals on a shared machine.
 
     .venv/bin/python benchmarks/diffusion.py            # --quick, under 2 minutes
     .venv/bin/python benchmarks/diffusion.py --full     # more bursts
@@ -93,10 +95,11 @@ class Served:
 class EngineSide:
     """The qwen_image engine stepped in this process (--real-size: nothing to serve)."""
 
-    def __init__(self, pipe, args):
+    def __init__(self, pipe, args, encode_cache: int):
         from omni.models.qwen_image.engine import QwenImageEngine
 
-        self.engine = QwenImageEngine(None, device=args.device, pipeline=pipe, max_pixels=args.size ** 2)
+        self.engine = QwenImageEngine(None, device=args.device, pipeline=pipe, max_pixels=args.size ** 2,
+                                      encode_cache=encode_cache)
         self.a, self.n = args, 0
 
     async def burst(self, prompts: list[str], seeds: list[int]) -> list[float]:
@@ -122,13 +125,16 @@ def row(side: str, level: int, lat: list[float], wall: float, steps: int) -> dic
 
 
 async def measure(omni_side, pipe_side: InProcess, omni_name: str, levels: list[tuple[int, int]], steps: int):
-    rows, seed = [], 0
+    """Rows per side and level, and per level the paired figure: the median over bursts of the
+    pipeline's burst time over omni's (the same prompts and seeds back to back; > 1: omni is faster),
+    which a change in the machine's load between bursts moves far less than the totals."""
+    rows, paired, seed = [], [], 0
     for _ in range(2):                            # warm-ups (the second on a kept-alive connection)
         await omni_side.burst(PROMPTS[:1], [0])
         pipe_side.burst(PROMPTS[:1], [0])
     for level, bursts in levels:
         lat: dict[str, list[float]] = {omni_name: [], "pipeline": [], "pipeline x4": []}
-        wall = dict.fromkeys(lat, 0.0)
+        walls: dict[str, list[float]] = {side: [] for side in lat}
         for b in range(bursts):
             prompts = [PROMPTS[(b + i) % len(PROMPTS)] for i in range(level)]
             seeds = list(range(seed, seed + level))
@@ -142,21 +148,22 @@ async def measure(omni_side, pipe_side: InProcess, omni_name: str, levels: list[
                     got = await omni_side.burst(prompts, seeds)
                 else:
                     got = pipe_side.burst(prompts, seeds, together=side == "pipeline x4")
-                wall[side] += time.perf_counter() - t0
+                walls[side].append(time.perf_counter() - t0)
                 lat[side] += got
         for side in lat:
             if lat[side]:
-                rows.append(row(side, level, lat[side], wall[side], steps))
-    return rows
+                rows.append(row(side, level, lat[side], sum(walls[side]), steps))
+        paired.append({"concurrency": level, "bursts": bursts, "pipeline_over_omni_burst_time_p50": round(
+            statistics.median(p / o for p, o in zip(walls["pipeline"], walls[omni_name])), 3)})
+    return rows, paired
 
 
-def ratios(rows: list[dict], omni_name: str) -> list[dict]:
+def ratios(rows: list[dict], paired: list[dict], omni_name: str) -> list[dict]:
     out = []
-    for level in sorted({r["concurrency"] for r in rows}):
+    for level, pair in zip(sorted({r["concurrency"] for r in rows}), paired):
         by = {r["side"]: r for r in rows if r["concurrency"] == level}
-        out.append({"concurrency": level,
-                    "images_per_s_omni_over_pipeline": round(by[omni_name]["images_per_s"] /
-                                                             by["pipeline"]["images_per_s"], 3)})
+        out.append({**pair, "images_per_s_omni_over_pipeline": round(by[omni_name]["images_per_s"] /
+                                                                      by["pipeline"]["images_per_s"], 3)})
     return out
 
 
@@ -177,12 +184,14 @@ def main() -> None:
     ap.add_argument("--real-size", action="store_true", help="Qwen-Image's real DiT and VAE, random weights, "
                     "built on --device; omni's side is the engine in this process")
     ap.add_argument("--layers", type=int, default=60, help="--real-size: DiT blocks (Qwen-Image has 60)")
+    ap.add_argument("--no-encode-cache", action="store_true", help="omni encodes every prompt, as the pipeline "
+                    "does (engine arg encode_cache: 0; by default the negative prompt's encoding is reused)")
     a = ap.parse_args()
     a.size = a.size or (512 if a.real_size else 128)
     a.steps = a.steps or 10
     if a.real_size and a.device == "cpu":
         ap.error("--real-size needs --device cuda (the real DiT is 20 B parameters)")
-    levels = [(1, 16), (4, 8)] if a.full else [(1, 8), (4, 4)]
+    levels = [(1, 48), (4, 12)] if a.full else [(1, 24), (4, 6)]
 
     import torch
 
@@ -195,7 +204,7 @@ def main() -> None:
             from benchmarks.real_size import qwen_image_pipeline
 
             pipe = qwen_image_pipeline(a.device, a.layers)
-            omni_name, omni_side = "omni engine", EngineSide(pipe, a)
+            omni_name, omni_side = "omni engine", EngineSide(pipe, a, 0 if a.no_encode_cache else 16)
         else:
             from diffusers import QwenImagePipeline
 
@@ -203,19 +212,21 @@ def main() -> None:
             from tests.e2e.harness import OmniProcess, omni_env
 
             folder = a.model or str(build(Path(tempfile.mkdtemp(prefix="qwen-image-tiny-"))))
-            server = OmniProcess("serve", folder, "--port", "0",
+            extra = ("--stage-overrides", json.dumps({"0": {"encode_cache": 0}})) if a.no_encode_cache else ()
+            server = OmniProcess("serve", folder, "--port", "0", *extra,
                                  env=omni_env(OMNI_PLATFORM=a.device, OMP_NUM_THREADS="1"))
             pipe = QwenImagePipeline.from_pretrained(folder, dtype=torch.float32)
             pipe.set_progress_bar_config(disable=True)
             omni_name, omni_side = "omni", Served(server.http(600), a)
         startup_s = round(time.perf_counter() - t0, 1)
-        rows = asyncio.run(measure(omni_side, InProcess(pipe, a), omni_name, levels, a.steps))
+        rows, paired = asyncio.run(measure(omni_side, InProcess(pipe, a), omni_name, levels, a.steps))
     finally:
         if server is not None:
             server.interrupt(60)
     doc = {"model": "Qwen-Image real size (random weights)" if a.real_size else (a.model or "tiny Qwen-Image"),
-           "device": a.device, "size": f"{a.size}x{a.size}", "steps": a.steps, "guidance_scale": 4.0,
-           "startup_seconds": startup_s, "rows": rows, "ratios": ratios(rows, omni_name),
+           "encode_cache": not a.no_encode_cache, "device": a.device, "size": f"{a.size}x{a.size}",
+           "steps": a.steps, "guidance_scale": 4.0,
+           "startup_seconds": startup_s, "rows": rows, "ratios": ratios(rows, paired, omni_name),
            "loadavg_start": load_start, "loadavg_end": [round(x, 2) for x in os.getloadavg()],
            "seconds": round(time.perf_counter() - t0, 1)}
     if a.json:
@@ -228,7 +239,8 @@ def main() -> None:
     print(table(rows, COLS, HEAD))
     for r in doc["ratios"]:
         print(f"concurrency {r['concurrency']}: {omni_name} / pipeline images/s = "
-              f"{r['images_per_s_omni_over_pipeline']}")
+              f"{r['images_per_s_omni_over_pipeline']}; paired (pipeline / {omni_name} burst time, "
+              f"p50 of {r['bursts']}) = {r['pipeline_over_omni_burst_time_p50']}")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from omni import latency_trace
 from omni.api import protocol as P
 from omni.api.errors import APIError, bad_request
 from omni.api.http import until_disconnect
@@ -106,13 +107,19 @@ class ImageRoutes:
         t0 = self.fe.t0(request)
 
         async def work() -> Response:
+            if latency_trace.on():
+                latency_trace.mark("arrived", preq.request_id, at=t0)
             it = aiter(self.fe.orch.generate(preq))
             images: list[str] = []
             try:
                 async for out in it:
                     if out.modality == "image" and out.image:
                         self.fe.metrics.first_output(ROUTE, time.monotonic() - t0)
+                        if latency_trace.on():
+                            latency_trace.mark("image", preq.request_id, params.n)
                         images += await anyio.to_thread.run_sync(png_b64, out)
+                        if latency_trace.on():
+                            latency_trace.mark("png", preq.request_id, params.n)
             finally:
                 with anyio.CancelScope(shield=True):
                     await it.aclose()
