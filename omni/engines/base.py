@@ -156,6 +156,12 @@ class Engine(abc.ABC):
     def stats(self) -> dict[str, float]:
         return {}
 
+    def load_extra(self) -> dict[str, float]:
+        """Gauges for the stage's load report (`omni status`, the frontends' /metrics as
+        omni_stage_engine_<name>). Read from the keep-alive thread: return a dict the loop
+        thread replaced whole after its last step, never one it changes in place."""
+        return {}
+
     def shutdown(self) -> None:
         pass
 

@@ -12,7 +12,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.e2e.harness import OmniProcess, omni_env
+from tests.e2e.harness import OmniProcess, omni_env, wait_until
 
 pytestmark = [pytest.mark.e2e]
 diffusers = pytest.importorskip("diffusers")
@@ -125,3 +125,17 @@ def test_bad_input_is_a_400_naming_the_parameter(server, body, param):
 def test_an_unknown_model_is_a_404(server):
     r = httpx.post(f"{server}/v1/images/generations", json={"model": "nope", "prompt": "a"}, timeout=30)
     assert r.status_code == 404
+
+
+def test_the_stages_progress_gauges_reach_metrics(server):
+    """The engine's gauges ride the stage's load report (about a second behind) into /metrics."""
+    assert generate(server, prompt="a", size="32x32", num_inference_steps=1, seed=1).status_code == 200
+
+    def images_total():
+        for line in httpx.get(f"{server}/metrics", timeout=30).text.splitlines():
+            if line.startswith("omni_stage_engine_images_total{"):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+    wait_until(lambda: images_total() >= 1, 15, "omni_stage_engine_images_total in /metrics")
+    text = httpx.get(f"{server}/metrics", timeout=30).text
+    assert 'omni_stage_engine_image_steps_left{stage="0",replica="0"}' in text

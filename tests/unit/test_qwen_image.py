@@ -108,6 +108,8 @@ def test_abort_between_steps_and_progress(engine):
     engine.step()
     assert engine.progress() == {"gone": (1, 4), "kept": (1, 4)}
     assert engine.stats()["request_steps_done"] == 2 and engine.stats()["request_steps_left"] == 6
+    gauges = engine.load_extra()      # what the stage's load report (omni status, /metrics) carries
+    assert gauges["image_requests"] == 2 and gauges["image_steps_done"] == 2 and gauges["image_steps_left"] == 6
     engine.abort("gone")
     outs = []
     while engine.has_unfinished():

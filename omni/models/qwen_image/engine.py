@@ -84,6 +84,7 @@ class QwenImageEngine(Engine):
         self._stats: collections.Counter = collections.Counter()
         self._encoded: collections.OrderedDict[tuple[int, ...], torch.Tensor] = collections.OrderedDict()
         self.encode_cache = encode_cache
+        self._report: dict[str, float] = {}    # load_extra(): replaced whole after each step
 
     def move_to(self, device: torch.device) -> None:
         self.pipe.to(device)
@@ -122,6 +123,7 @@ class QwenImageEngine(Engine):
     def abort(self, request_id: str) -> None:
         if self._jobs.pop(request_id, None) is not None:
             self._stats["aborted"] += 1
+            self._report = self.progress_gauges()
 
     def has_unfinished(self) -> bool:
         return bool(self._jobs)
@@ -268,8 +270,15 @@ class QwenImageEngine(Engine):
                 rows += j.params.n
         return batch
 
-    @torch.no_grad()
     def step(self) -> list[EngineOutput]:
+        try:
+            return self.step_batch()
+        finally:
+            self._report = self.progress_gauges()
+
+    @torch.no_grad()
+    def step_batch(self) -> list[EngineOutput]:
+        """Admit new requests, take one denoising step of a batch, decode what finished."""
         if not self._jobs:
             return []
         outputs = []
@@ -323,6 +332,15 @@ class QwenImageEngine(Engine):
 
     def is_sleeping(self) -> bool:
         return self.offload.sleeping
+
+    def progress_gauges(self) -> dict[str, float]:
+        return {"image_requests": float(len(self._jobs)),
+                "image_steps_done": float(sum(j.done for j in self._jobs.values())),
+                "image_steps_left": float(sum(j.params.num_inference_steps - j.done for j in self._jobs.values())),
+                "images_total": float(self._stats["images"])}
+
+    def load_extra(self) -> dict[str, float]:
+        return self._report
 
     def stats(self) -> dict[str, float]:
         """Totals (denoising steps, rows stepped, images, seconds per part) and the requests in flight
