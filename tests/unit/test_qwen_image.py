@@ -4,6 +4,8 @@ rounding only (at most one level of one 8-bit channel here)."""
 
 from __future__ import annotations
 
+import hashlib
+
 import msgspec
 import numpy as np
 import pytest
@@ -36,6 +38,18 @@ def pipe(folder):
     p = diffusers.QwenImagePipeline.from_pretrained(str(folder), dtype=torch.float32)
     p.set_progress_bar_config(disable=True)
     return p
+
+
+def test_tiny_folder_is_a_diffusers_folder_byte_identical_per_seed(folder, tmp_path):
+    from omni.models.qwen_image.tiny import build
+
+    def digest(d):
+        return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest()
+                for p in sorted(d.rglob("*")) if p.is_file()}
+    first = digest(folder)
+    assert first == digest(build(tmp_path / "again"))
+    assert {"model_index.json", "transformer/diffusion_pytorch_model.safetensors", "vae/config.json",
+            "text_encoder/model.safetensors", "tokenizer/tokenizer.json", "scheduler/scheduler_config.json"} <= set(first)
 
 
 def reference(pipe, prompt: str, p: ImageParams) -> np.ndarray:
