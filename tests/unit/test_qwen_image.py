@@ -121,9 +121,9 @@ def test_abort_between_steps_and_progress(engine):
     engine.add_request(EngineRequest(request_id="kept", text="b", image=PARAMS))
     engine.step()
     assert engine.progress() == {"gone": (1, 4), "kept": (1, 4)}
-    assert engine.stats()["request_steps_done"] == 2 and engine.stats()["request_steps_left"] == 6
     gauges = engine.load_extra()      # what the stage's load report (omni status, /metrics) carries
     assert gauges["image_requests"] == 2 and gauges["image_steps_done"] == 2 and gauges["image_steps_left"] == 6
+    assert gauges["image_requests_waiting"] == 0 and engine.stats()["image_steps_done"] == 2
     engine.abort("gone")
     outs = []
     while engine.has_unfinished():
@@ -142,6 +142,8 @@ def test_what_the_model_cannot_make_is_refused_by_name(engine, change, message):
         engine.add_request(EngineRequest(request_id="bad", text="a", image=msgspec.structs.replace(PARAMS, **change)))
     with pytest.raises(EngineError, match="no image parameters"):
         engine.add_request(EngineRequest(request_id="bad", text="a"))
+    with pytest.raises(EngineError, match="prompt_token_ids: 3 ids"):
+        engine.add_request(EngineRequest(request_id="bad", prompt_token_ids=[1, 2, 3], image=PARAMS))
 
 
 def test_sleep_is_refused_on_cpu(engine):

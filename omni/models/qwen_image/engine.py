@@ -37,7 +37,6 @@ class Job:
     params: ImageParams
     ids: list[int] | None               # encoder input (template applied); None once encoded
     text: str | None
-    added: float
     latents: torch.Tensor | None = None  # [n, patches, channels], packed as the DiT reads them
     embeds: torch.Tensor | None = None   # [n, tokens, dim]
     neg_embeds: torch.Tensor | None = None
@@ -115,10 +114,12 @@ class QwenImageEngine(Engine):
             raise EngineError(f"{self.name}: request {request.request_id} has neither text nor prompt_token_ids")
         ids = list(request.prompt_token_ids) if request.prompt_token_ids is not None else None
         drop = self.pipe.prompt_template_encode_start_idx
-        if ids is not None and len(ids) <= drop:
+        most = self.pipe.tokenizer_max_length + drop     # what the pipeline's tokenizer call truncates to
+        if ids is not None and not drop < len(ids) <= most:
             raise EngineError(f"prompt_token_ids: {len(ids)} ids; Qwen-Image's encoder input (template included) "
-                              f"has more than {drop}")
-        self._jobs[request.request_id] = Job(request.request_id, p, ids, request.text, time.monotonic())
+                              f"takes {drop + 1} to {most}")
+        self._jobs[request.request_id] = Job(request.request_id, p, ids, request.text)
+        self._report = self.progress_gauges()
 
     def abort(self, request_id: str) -> None:
         if self._jobs.pop(request_id, None) is not None:
@@ -129,7 +130,8 @@ class QwenImageEngine(Engine):
         return bool(self._jobs)
 
     def num_waiting(self) -> int:
-        return sum(1 for j in self._jobs.values() if j.done == 0)
+        # Read by the keep-alive thread too: from the report the loop thread replaces whole.
+        return int(self._report.get("image_requests_waiting", 0))
 
     def num_running(self) -> int:
         return sum(1 for j in self._jobs.values() if j.done > 0)
@@ -334,7 +336,9 @@ class QwenImageEngine(Engine):
         return self.offload.sleeping
 
     def progress_gauges(self) -> dict[str, float]:
+        """Requests in flight (and those not stepped yet), their denoising steps done and left, images made."""
         return {"image_requests": float(len(self._jobs)),
+                "image_requests_waiting": float(sum(1 for j in self._jobs.values() if j.done == 0)),
                 "image_steps_done": float(sum(j.done for j in self._jobs.values())),
                 "image_steps_left": float(sum(j.params.num_inference_steps - j.done for j in self._jobs.values())),
                 "images_total": float(self._stats["images"])}
@@ -343,12 +347,9 @@ class QwenImageEngine(Engine):
         return self._report
 
     def stats(self) -> dict[str, float]:
-        """Totals (denoising steps, rows stepped, images, seconds per part) and the requests in flight
-        with the denoising steps they have done and still need."""
-        done = sum(j.done for j in self._jobs.values())
-        left = sum(j.params.num_inference_steps - j.done for j in self._jobs.values())
-        return {**{k: float(v) for k, v in self._stats.items()}, "requests": float(len(self._jobs)),
-                "request_steps_done": float(done), "request_steps_left": float(left)}
+        """Totals (denoising steps, rows stepped, images, seconds per part, cache hits) and the progress
+        gauges."""
+        return {**{k: float(v) for k, v in self._stats.items()}, **self.progress_gauges()}
 
 
 def guide(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
