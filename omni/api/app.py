@@ -61,6 +61,7 @@ def build_app(orchestrator: OrchestratorLike, tokenizer: Any, *, served_model_na
     for r in ROUTES:
         by_path.setdefault(r.path, {})[r.method] = handlers[(r.path, r.method)]
     fe.job_endpoints = tuple(jobs.handlers)
+    fe.images = images
     routes = [Route(path, by_method(methods)) for path, methods in by_path.items()]
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error},
                     middleware=[Middleware(FrontendMiddleware, frontend_index=frontend_index, api_key=api_key,

@@ -1,8 +1,9 @@
 """Model families: everything omni knows of a family, in one table.
 
 A family is one package under omni/models/ and one `Family` line below: how a model folder is
-recognised (config.json `model_type`; a diffusers folder's model_index.json `_class_name`), its bundled deploy configs, its stage engines by name, the
-processors its deploys name, its voices and the builder of its tiny same-architecture test folder.
+recognised (config.json `model_type`; a diffusers folder's model_index.json `_class_name`), its
+bundled deploy configs, its stage engines by name, the processors its deploys name, its voices and
+the builder of its tiny same-architecture test folder.
 omni/engines/factory.py builds engines from here and omni/config.py picks a folder's deploy from
 here; docs/architecture.md ("Adding a model family") lists the steps. Nothing here imports a
 family's code: entries name it ("module:attribute"), so reading the table stays cheap.

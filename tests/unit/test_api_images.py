@@ -129,3 +129,11 @@ async def test_a_pipeline_without_images_answers_404_and_a_stage_failure_500():
     orch.fail = StageFailed(0, "r0", "boom")
     r = await client.post("/v1/images/generations", json={"prompt": "a"})
     assert r.status_code == 500 and "boom" in r.json()["error"]["message"]
+
+
+async def test_openapi_states_the_deployments_image_bounds():
+    _, client = make()
+    props = (await client.get("/openapi.json")).json()["components"]["schemas"]["ImageGenerationRequest"]["properties"]
+    assert {"type": "integer", "minimum": 1, "maximum": 3} in props["n"]["anyOf"]
+    assert {"type": "integer", "minimum": 1, "maximum": 20} in props["num_inference_steps"]["anyOf"]
+    assert props["prompt"]["maxLength"] == 4000 and props["model"]["anyOf"][0]["enum"] == ["img"]
