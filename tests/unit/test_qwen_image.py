@@ -1,6 +1,6 @@
-"""The qwen_image engine against diffusers' own QwenImagePipeline on the tiny folder (float32, CPU): a
-request alone in its batch is the pipeline's image bit for bit; batched requests differ by float32
-rounding only (at most one level of one 8-bit channel here)."""
+"""The qwen_image engine against diffusers' own QwenImagePipeline on the tiny folder, float32, on the same
+device (cpu, then cuda where a GPU is present, without TF32): a request alone in its batch is the pipeline's
+image bit for bit; batched requests differ by float32 rounding only (at most one level of one 8-bit channel)."""
 
 from __future__ import annotations
 
@@ -26,16 +26,16 @@ def folder(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engine(folder):
+def engine(folder, device):
     from omni.models.qwen_image.engine import QwenImageEngine
 
     torch.set_num_threads(1)
-    return QwenImageEngine(folder)
+    return QwenImageEngine(folder, device=device)
 
 
 @pytest.fixture(scope="module")
-def pipe(folder):
-    p = diffusers.QwenImagePipeline.from_pretrained(str(folder), dtype=torch.float32)
+def pipe(folder, device):
+    p = diffusers.QwenImagePipeline.from_pretrained(str(folder), dtype=torch.float32).to(device)
     p.set_progress_bar_config(disable=True)
     return p
 
@@ -146,21 +146,18 @@ def test_what_the_model_cannot_make_is_refused_by_name(engine, change, message):
         engine.add_request(EngineRequest(request_id="bad", prompt_token_ids=[1, 2, 3], image=PARAMS))
 
 
-def test_sleep_is_refused_on_cpu(engine):
-    assert not engine.can_sleep()
-    with pytest.raises(EngineError, match="on CPU cannot sleep"):
+def test_sleep_moves_the_weights_off_the_gpu_and_is_refused_on_cpu(engine):
+    if engine.device.type == "cpu":
+        assert not engine.can_sleep()
+        with pytest.raises(EngineError, match="on CPU cannot sleep"):
+            engine.sleep()
+        return
+    engine.add_request(EngineRequest(request_id="open", text="a", image=PARAMS))
+    with pytest.raises(EngineError, match="1 image request"):
         engine.sleep()
-
-
-@pytest.mark.cuda
-def test_sleep_moves_the_weights_off_the_gpu(folder):
-    from omni.models.qwen_image.engine import QwenImageEngine
-
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    eng = QwenImageEngine(folder, device="cuda")
-    eng.sleep()
-    assert eng.is_sleeping() and next(eng.pipe.transformer.parameters()).device.type == "cpu"
-    eng.wake_up()
-    assert next(eng.pipe.transformer.parameters()).device.type == "cuda"
-    assert run(eng, {"a": ("a", PARAMS)})["a"].shape == (1, 48, 64, 3)
+    engine.abort("open")
+    engine.sleep()
+    assert engine.is_sleeping() and next(engine.pipe.transformer.parameters()).device.type == "cpu"
+    engine.wake_up()
+    assert not engine.is_sleeping() and next(engine.pipe.transformer.parameters()).device.type == "cuda"
+    assert run(engine, {"a": ("a", PARAMS)})["a"].shape == (1, 48, 64, 3)
