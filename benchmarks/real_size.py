@@ -105,6 +105,39 @@ def qwen25_talker_parts(device, dtype=torch.bfloat16):
     return config, talker, embed, norm, {"chelsie": bos, "ethan": bos}
 
 
+def qwen_image_pipeline(device, layers: int = 60, dtype=torch.bfloat16):
+    """diffusers' QwenImagePipeline at Qwen-Image's size (the DiT's and VAE's config defaults: 60 blocks of
+    width 3072, 20 B parameters; `layers` fewer) with random weights built on `device`, a one-layer text
+    encoder of the real width (3584) and the tiny folder's tokenizer."""
+    import tempfile
+    from pathlib import Path
+
+    from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline,
+                           QwenImageTransformer2DModel)
+    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
+
+    from omni.models import tiny_folder
+    from omni.models.qwen_image import tiny
+
+    tok_dir = Path(tempfile.mkdtemp(prefix="qwen-image-tok-"))
+    tiny_folder.build_tokenizer(tok_dir, 0, specials=tiny.SPECIALS, chat_template="", extra_special_tokens={})
+    tokenizer = Qwen2Tokenizer.from_pretrained(tok_dir)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in tiny.SPECIALS}
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)      # the weights are made in `dtype` on the device: no float32 copy
+    try:
+        with torch.device(device):
+            transformer = QwenImageTransformer2DModel(num_layers=layers).eval()
+            vae = AutoencoderKLQwenImage().eval()
+            encoder = Qwen2_5_VLForConditionalGeneration(tiny.text_encoder_config(ids, 3584, 1)).eval()
+    finally:
+        torch.set_default_dtype(saved)
+    pipe = QwenImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(**tiny.SCHEDULER), vae=vae,
+                             text_encoder=encoder, tokenizer=tokenizer, transformer=transformer)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
 def parameters(model) -> int:
     return sum(p.numel() for p in model.parameters())
 

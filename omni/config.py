@@ -27,7 +27,7 @@ from omni.sampling import SamplingOverrides
 
 DEPLOY_DIR = Path(__file__).resolve().parent.parent / "deploy"
 TRANSPORTS = ("auto", "shm", "tcp", "gloo", "nccl", "cuda_ipc")
-OUTPUT_TYPES = ("text", "audio", "embedding")
+OUTPUT_TYPES = ("text", "audio", "embedding", "image")
 
 
 class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -69,6 +69,19 @@ class StageConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
 _STAGE_FIELDS = set(StageConfig.__struct_fields__)
 
 
+class ImageSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """/v1/images/generations of a pipeline with an image stage: defaults and the bounds it enforces."""
+    size_multiple: int = 16             # width and height: whole latent patches (VAE scale x DiT patch size)
+    default_size: str = "1024x1024"
+    max_pixels: int = 1024 * 1024
+    default_steps: int = 50
+    max_steps: int = 100
+    default_guidance_scale: float = 4.0   # Qwen-Image's true CFG scale
+    default_negative_prompt: str = " "    # Qwen-Image's: guidance on by default
+    max_n: int = 4
+    max_prompt_chars: int = 4000
+
+
 class PipelineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     name: str = "pipeline"
     request_timeout_s: float = 300.0
@@ -86,6 +99,7 @@ class PipelineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     max_tokens_limit: int | None = None
     # The longest /v1/audio/speech input, in characters (at most 4096).
     max_speech_chars: int = 4096
+    images: ImageSettings = ImageSettings()
 
 
 class DeployConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -156,8 +170,12 @@ def default_config_path(model: str) -> Path:
 
 
 def folder_model_type(folder: Path) -> str:
-    """`model_type` from a model folder's config.json; one clear line when it cannot be read."""
+    """`model_type` from a model folder's config.json, or a diffusers folder's pipeline class
+    (model_index.json `_class_name`); one clear line when it cannot be read."""
     path = folder / "config.json"
+    index = folder / "model_index.json"
+    if not path.exists() and index.exists():
+        path = index
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
@@ -166,7 +184,7 @@ def folder_model_type(folder: Path) -> str:
         raise ConfigError(f"{path}: not readable as JSON ({e})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a JSON object, found {type(data).__name__}")
-    return str(data.get("model_type") or "")
+    return str(data.get("_class_name" if path == index else "model_type") or "")
 
 
 def folder_config_path(folder: Path) -> Path:
@@ -174,7 +192,12 @@ def folder_config_path(folder: Path) -> Path:
     family's entry in omni/models/registry.py); anything else is served as one torch_lm stage."""
     from omni.models import registry
 
-    return DEPLOY_DIR / registry.folder_deploy(folder_model_type(folder))
+    kind = folder_model_type(folder)
+    if not (folder / "config.json").exists() and registry.folder_deploy(kind) == registry.FOLDER_FALLBACK:
+        served = ", ".join(t for f in registry.FAMILIES for t in f.model_types if t[:1].isupper())
+        raise ConfigError(f"{folder / 'model_index.json'}: diffusers pipeline {kind!r} is not one omni serves "
+                          f"({served}); pass --deploy-config FILE")
+    return DEPLOY_DIR / registry.folder_deploy(kind)
 
 
 def deploy_config_path(name: str) -> Path:
@@ -404,6 +427,20 @@ def validate(config: DeployConfig, source: str = "deploy config") -> None:
     entry = config.pipeline.speech_entry_stage
     if entry is not None and entry not in ids:
         raise ConfigError(f"{source}: pipeline.speech_entry_stage {entry} is not a stage id")
+    validate_images(config.pipeline.images, f"{source}: pipeline.images")
+
+
+def validate_images(s: ImageSettings, where: str) -> None:
+    for key in ("size_multiple", "max_pixels", "default_steps", "max_steps", "max_n", "max_prompt_chars"):
+        if getattr(s, key) < 1:
+            raise ConfigError(f"{where}.{key} must be >= 1, got {getattr(s, key)}")
+    w, sep, h = s.default_size.partition("x")
+    if not (sep and w.isdigit() and h.isdigit()) or int(w) % s.size_multiple or int(h) % s.size_multiple \
+            or int(w) * int(h) > s.max_pixels:
+        raise ConfigError(f"{where}.default_size {s.default_size!r} must be WxH, multiples of size_multiple "
+                          f"{s.size_multiple}, at most max_pixels {s.max_pixels}")
+    if s.default_steps > s.max_steps:
+        raise ConfigError(f"{where}.default_steps {s.default_steps} is over max_steps {s.max_steps}")
 
 
 def load(

@@ -16,6 +16,8 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # A stage's per-step histograms in its keep-alive `extra` (Histogram.to_flat prefixes), which
 # the frontend's /metrics renders (omni.orchestrator.metrics.render_engine_steps).
 STEP_KEY, BATCH_KEY = "engine_step_s", "engine_batch"
+# An engine's own gauges (Engine.load_extra) in the same `extra`, rendered as omni_stage_engine_<name>.
+ENGINE_GAUGE = "engine."
 
 
 def _escape(v: object) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from omni.engines.base import ImageParams
 from omni.orchestrator.types import PipelineRequest
 from omni.stage.messages import Output
 from omni.transport.base import TensorRef
@@ -35,6 +36,9 @@ class StageInput:
     stream: bool = False
     # Client input tensors carried in the request itself (entry stage: audio in a chat message).
     inline: dict[str, Any] = field(default_factory=dict)
+    # An image request's size, steps, guidance and seed (a diffusion stage; an upstream stage that
+    # writes its prompt passes the client's on: ctx.request.image).
+    image: ImageParams | None = None
 
 
 class Context(Protocol):

@@ -94,6 +94,7 @@ class AdminRoutes:
         facts = Facts(models=tuple(fe.names), vocab_size=fe.vocab_size,
                       max_tokens=fe.max_tokens_limit or max(1, fe.max_model_len - 1),
                       max_speech_chars=fe.max_speech_chars, audio_in=fe.audio_token_id is not None,
-                      audio_out=fe.audio_out, builtin_voices=builtin, job_endpoints=fe.job_endpoints)
+                      audio_out=fe.audio_out, builtin_voices=builtin, job_endpoints=fe.job_endpoints,
+                      images=fe.images)
         return JSONResponse(openapi_spec(fe.model, facts))
 

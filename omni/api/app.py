@@ -17,6 +17,7 @@ from starlette.routing import Route
 from omni.api.admin import AdminRoutes
 from omni.api.control import ControlRoutes
 from omni.api.http import FrontendMiddleware, by_method, endpoint, http_error
+from omni.api.images import ImageRoutes
 from omni.api.jobs import BODY_TYPES, Jobs
 from omni.api.limits import HttpLimits, LimitsMiddleware
 from omni.api.routes import ROUTES
@@ -24,6 +25,7 @@ from omni.api.speech import SpeechRoutes
 from omni.api.state import FrontendState
 from omni.api.text import TextRoutes
 from omni.api.voices import VoiceRoutes
+from omni.config import ImageSettings
 from omni.orchestrator.types import OrchestratorLike
 from omni.sampling import SamplingOverrides
 
@@ -34,9 +36,11 @@ def build_app(orchestrator: OrchestratorLike, tokenizer: Any, *, served_model_na
               api_key: str | None = None, sampling_defaults: SamplingOverrides | None = None, jobs: Jobs | None = None,
               control_api_key: str | None = None, control_routes: bool = True, audio_out: bool | None = None,
               speakers: tuple[str, ...] = (), default_voice: str | None = None,
-              limits: HttpLimits | None = None, max_speech_chars: int = 4096) -> Starlette:
+              limits: HttpLimits | None = None, max_speech_chars: int = 4096,
+              images: ImageSettings | None = None) -> Starlette:
     """`jobs`: the async job routes' state (master KV + shared result dir); in memory when None.
-    `limits`: request body cap and body timeout (the defaults when None)."""
+    `limits`: request body cap and body timeout (the defaults when None). `images`: the image
+    route's defaults and bounds, None when the pipeline makes no images."""
     fe = FrontendState(orchestrator, tokenizer, served_model_name=served_model_name, model_aliases=model_aliases,
                        frontend_index=frontend_index, max_model_len=max_model_len,
                        default_max_tokens=default_max_tokens, max_tokens_limit=max_tokens_limit,
@@ -45,7 +49,8 @@ def build_app(orchestrator: OrchestratorLike, tokenizer: Any, *, served_model_na
                        max_speech_chars=max_speech_chars)
     jobs = jobs if jobs is not None else Jobs(frontend_index=frontend_index)
     admin = AdminRoutes(fe)
-    families = {"text": TextRoutes(fe), "speech": SpeechRoutes(fe), "voices": VoiceRoutes(fe),
+    families = {"text": TextRoutes(fe), "speech": SpeechRoutes(fe), "images": ImageRoutes(fe, images),
+                "voices": VoiceRoutes(fe),
                 "control": ControlRoutes(fe), "jobs": jobs, "admin": admin}
     handlers = {(r.path, r.method): endpoint(getattr(families[r.family], r.handler)) for r in ROUTES}
     # Jobs run what this pipeline serves: text routes need a tokenizer, speech a speech stage.
@@ -56,6 +61,7 @@ def build_app(orchestrator: OrchestratorLike, tokenizer: Any, *, served_model_na
     for r in ROUTES:
         by_path.setdefault(r.path, {})[r.method] = handlers[(r.path, r.method)]
     fe.job_endpoints = tuple(jobs.handlers)
+    fe.images = images
     routes = [Route(path, by_method(methods)) for path, methods in by_path.items()]
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error},
                     middleware=[Middleware(FrontendMiddleware, frontend_index=frontend_index, api_key=api_key,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import re
+from typing import Any
 from dataclasses import dataclass
 
 import msgspec
@@ -37,6 +38,7 @@ class Facts:
     audio_out: bool = False               # chat takes modalities ["audio"]
     builtin_voices: tuple[str, ...] = ()
     job_endpoints: tuple[str, ...] = ()
+    images: Any = None                    # omni.config.ImageSettings: the image route's bounds
 
 
 def spec(routes, title: str, version: str, facts: Facts | None = None) -> dict:
@@ -116,7 +118,7 @@ def narrow(components: dict, f: Facts) -> None:
         return next((s for s in schema.get("anyOf", [schema]) if s.get("type") != "null"), schema)
 
     requests = ("ChatCompletionRequest", "CompletionRequest", "SpeechRequest", "TokenizeRequest",
-                "DetokenizeRequest")
+                "DetokenizeRequest", "ImageGenerationRequest")
     for name in requests:
         s = prop(name, "model")
         if s is not None and f.models:
@@ -136,6 +138,14 @@ def narrow(components: dict, f: Facts) -> None:
     s = prop("SpeechRequest", "input")
     if s is not None and f.max_speech_chars is not None:
         s["maxLength"] = min(s.get("maxLength", f.max_speech_chars), f.max_speech_chars)
+    if f.images is not None:
+        for field, most in (("n", f.images.max_n), ("num_inference_steps", f.images.max_steps)):
+            s = prop("ImageGenerationRequest", field)
+            if s is not None:
+                first(s)["maximum"] = min(first(s).get("maximum", most), most)
+        s = prop("ImageGenerationRequest", "prompt")
+        if s is not None:
+            s["maxLength"] = min(s.get("maxLength", f.images.max_prompt_chars), f.images.max_prompt_chars)
     s = prop("VoiceSpec", "base")
     if s is not None and f.builtin_voices:
         s["enum"] = sorted(f.builtin_voices)

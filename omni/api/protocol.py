@@ -121,6 +121,26 @@ class SpeechRequest(msgspec.Struct, kw_only=True):
     speed: Speed = 1.0
 
 
+MAX_IMAGE_PROMPT_CHARS = 4000
+
+
+class ImageGenerationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """OpenAI's /v1/images/generations, plus diffusion's own knobs. Unlike the text routes an unknown
+    field is refused by name (`quality`, `style`: nothing here would honour them). The deployment's
+    bounds (pipeline.images: size multiple, pixels, steps, n) are checked in omni/api/images.py."""
+    prompt: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_IMAGE_PROMPT_CHARS)]
+    model: str | None = None
+    n: Annotated[int, msgspec.Meta(ge=1, le=16)] | None = None
+    size: Annotated[str, msgspec.Meta(pattern=r"^[0-9]{1,5}x[0-9]{1,5}$")] | None = None   # "WxH"
+    response_format: Annotated[str, _refused(["b64_json"])] = "b64_json"
+    user: Annotated[str, msgspec.Meta(max_length=256)] | None = None      # OpenAI's end-user label
+    seed: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] | None = None
+    num_inference_steps: Annotated[int, msgspec.Meta(ge=1, le=1000)] | None = None
+    # Qwen-Image's true classifier-free guidance scale (diffusers' true_cfg_scale); <= 1: none.
+    guidance_scale: Annotated[float, msgspec.Meta(ge=0.0, le=50.0)] | None = None
+    negative_prompt: Annotated[str, msgspec.Meta(max_length=MAX_IMAGE_PROMPT_CHARS)] | None = None
+
+
 class TokenizeRequest(msgspec.Struct, kw_only=True):
     """vLLM's /tokenize: `prompt` (raw text) or `messages` (through the chat template)."""
     model: str | None = None
@@ -170,7 +190,7 @@ def decode_body(body: bytes, type_: type) -> Any:
         msg = str(e)
         m = _PATH_RE.search(msg)
         param = m.group(1) if m else None
-        if param is None and "missing required field" in msg:
+        if param is None and ("missing required field" in msg or "unknown field" in msg):
             f = re.search(r"`([^`]+)`", msg)
             param = f.group(1) if f else None
         raise bad_request(f"invalid request: {msg}", param=param) from None

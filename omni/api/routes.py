@@ -16,7 +16,7 @@ from omni.api.jobs import JobRequest
 class RouteSpec:
     path: str
     method: str
-    family: str                 # text | speech | voices | control | jobs | admin (see app.build_app)
+    family: str                 # text | speech | images | voices | control | jobs | admin (see app.build_app)
     handler: str                # the method of that family's object
     body: type | None = None    # the msgspec type the JSON body decodes into (POST): the OpenAPI schema
     ok: tuple[str, ...] = ("application/json",)   # content types of a success
@@ -37,6 +37,8 @@ ROUTES: tuple[RouteSpec, ...] = (
     RouteSpec("/tokenize", "POST", "text", "tokenize", P.TokenizeRequest, errors=(404,)),
     RouteSpec("/detokenize", "POST", "text", "detokenize", P.DetokenizeRequest, errors=(404,)),
     RouteSpec("/v1/audio/speech", "POST", "speech", "speech", P.SpeechRequest, ok=("audio/wav", "audio/pcm"),
+              errors=GENERATION),
+    RouteSpec("/v1/images/generations", "POST", "images", "generations", P.ImageGenerationRequest,
               errors=GENERATION),
     RouteSpec("/v1/audio/voices", "GET", "voices", "list", errors=(404, 503)),
     RouteSpec("/v1/audio/voices", "POST", "voices", "add", P.VoiceSpec, ok_status=201, errors=(404, 409, 415, 503)),

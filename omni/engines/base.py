@@ -17,8 +17,21 @@ import torch
 from omni.engines.logprobs import Logprobs
 from omni.sampling import SamplingOverrides, SamplingParams
 
-__all__ = ["Engine", "EngineError", "EngineOutput", "EngineRequest", "SamplingOverrides", "SamplingParams",
-           "StageFacts", "StreamEngine", "facts_of"]
+__all__ = ["Engine", "EngineError", "EngineOutput", "EngineRequest", "ImageParams", "SamplingOverrides",
+           "SamplingParams", "StageFacts", "StreamEngine", "facts_of"]
+
+
+class ImageParams(msgspec.Struct, frozen=True, kw_only=True):
+    """What an image request asks of a diffusion stage (its prompt is the request's text or token ids).
+    The frontend fills every field (deploy defaults under the client's values) and bounds them."""
+    width: int
+    height: int
+    num_inference_steps: int
+    # Classifier-free guidance scale (Qwen-Image: diffusers' `true_cfg_scale`); <= 1: no guidance.
+    guidance_scale: float
+    negative_prompt: str | None = None   # the unconditional prompt of the guidance
+    n: int = 1                           # images of this prompt, drawn from one generator
+    seed: int = 0
 
 
 class StageFacts(msgspec.Struct, kw_only=True):
@@ -38,6 +51,8 @@ class StageFacts(msgspec.Struct, kw_only=True):
     emit_prompt_ids: bool | None = None
     # This stage's own sampling over the request's (deploy default_sampling_params).
     overrides: SamplingOverrides = SamplingOverrides()
+    # An image request: size, steps, guidance, seed (a diffusion stage's input besides its prompt).
+    image: ImageParams | None = None
 
 
 def facts_of(obj: StageFacts) -> dict[str, Any]:
@@ -139,6 +154,12 @@ class Engine(abc.ABC):
         return False
 
     def stats(self) -> dict[str, float]:
+        return {}
+
+    def load_extra(self) -> dict[str, float]:
+        """Gauges for the stage's load report (`omni status`, the frontends' /metrics as
+        omni_stage_engine_<name>). Read from the keep-alive thread: return a dict the loop
+        thread replaced whole after its last step, never one it changes in place."""
         return {}
 
     def shutdown(self) -> None:

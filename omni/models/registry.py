@@ -1,8 +1,9 @@
 """Model families: everything omni knows of a family, in one table.
 
 A family is one package under omni/models/ and one `Family` line below: how a model folder is
-recognised (config.json `model_type`), its bundled deploy configs, its stage engines by name, the
-processors its deploys name, its voices and the builder of its tiny same-architecture test folder.
+recognised (config.json `model_type`; a diffusers folder's model_index.json `_class_name`), its
+bundled deploy configs, its stage engines by name, the processors its deploys name, its voices and
+the builder of its tiny same-architecture test folder.
 omni/engines/factory.py builds engines from here and omni/config.py picks a folder's deploy from
 here; docs/architecture.md ("Adding a model family") lists the steps. Nothing here imports a
 family's code: entries name it ("module:attribute"), so reading the table stays cheap.
@@ -28,7 +29,8 @@ class EngineSpec:
 class Family:
     name: str
     package: str
-    model_types: tuple[str, ...] = ()        # a folder whose config.json says one of these is this family
+    # a folder whose config.json `model_type` (a diffusers folder: model_index.json `_class_name`) is one of these
+    model_types: tuple[str, ...] = ()
     deploy: str | None = None                # the bundled deploy config such a folder gets
     deploys: tuple[str, ...] = ()            # every bundled deploy config of the family (deploy/)
     engines: dict[str, EngineSpec] = field(default_factory=dict)
@@ -69,6 +71,12 @@ FAMILIES: tuple[Family, ...] = (
                     "omni.models.qwen25_omni.processors:talker_to_token2wav"),
         voices=("chelsie", "ethan"),
         tiny="omni.models.qwen25_omni.tiny:build"),
+    # A diffusers folder: model_index.json's `_class_name` stands for config.json's model_type.
+    Family(
+        "qwen-image", "omni.models.qwen_image", model_types=("QwenImagePipeline",),
+        deploy="qwen-image.yaml", deploys=("qwen-image.yaml",),
+        engines={"qwen_image": EngineSpec("omni.models.qwen_image.engine:QwenImageEngine")},
+        tiny="omni.models.qwen_image.tiny:build"),
 )
 
 # Deploy configs of no family: one LM stage (any folder of another model_type), and LM -> pooler.

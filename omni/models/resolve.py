@@ -33,6 +33,10 @@ BUNDLED: tuple[BundledModel, ...] = (
 )
 
 
+# What makes a folder a model: a transformers config, or a diffusers pipeline's index.
+MODEL_FILES = ("config.json", "model_index.json")
+
+
 def find_bundled(name: str) -> BundledModel | None:
     key = name.strip().lower()
     for entry in BUNDLED:
@@ -62,8 +66,8 @@ def resolve_model(name_or_path: str) -> str:
         return str(entry.prepare())
     path = Path(name_or_path).expanduser()
     if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ConfigError(f"model directory {path} has no config.json")
+        if not any((path / f).is_file() for f in MODEL_FILES):
+            raise ConfigError(f"model directory {path} has no config.json (nor a diffusers model_index.json)")
         return str(path.resolve())
     cached = _hf_cache_snapshot(name_or_path)
     if cached is not None:
@@ -85,4 +89,4 @@ def _hf_cache_snapshot(repo_id: str) -> str | None:
         path = snapshot_download(repo_id, local_files_only=True)
     except Exception:   # not cached, or a name the hub client refuses: not ours to explain here
         return None
-    return path if (Path(path) / "config.json").is_file() else None
+    return path if any((Path(path) / f).is_file() for f in MODEL_FILES) else None

@@ -33,7 +33,7 @@ from omni.transport.base import SAME_HOST_ONLY, TensorRef
 
 logger = logging.getLogger(__name__)
 
-TENSOR_OUTPUTS = ("audio", "embedding")     # final outputs read from a tensor, not token ids
+TENSOR_OUTPUTS = ("audio", "embedding", "image")     # final outputs read from a tensor, not token ids
 
 
 class OrchestratorCore:
@@ -90,7 +90,7 @@ class OrchestratorCore:
         """What the entry stage gets: the prompt's token ids or text (the place for new request inputs)."""
         return procs.StageInput(token_ids=req.prompt_token_ids, text=req.text, voice=req.voice, speed=req.speed,
                                 audio_out=req.audio_out,
-                                inline=dict(req.inputs))
+                                inline=dict(req.inputs), image=req.image)
 
     def handle(self, event: ev.Event) -> list[ev.Action]:
         self._out = []
@@ -338,8 +338,7 @@ class OrchestratorCore:
                            voice=inp.voice, speed=inp.speed, generated_ids=inp.generated_ids,
                            audio_out=inp.audio_out, emit_prompt_ids=inp.emit_prompt_ids, overrides=overrides,
                            out_transport=out_transport, out_tensors=out_tensors, out_devices=out_devices,
-                           sent_at=time.time(),
-                           inline=dict(inp.inline), hold_ms=hold_ms)
+                           sent_at=time.time(), inline=dict(inp.inline), hold_ms=hold_ms, image=inp.image)
         st.started = True
         st.open.add(erid)
         st.sent.setdefault(erid, []).append((inp, final))

@@ -189,7 +189,10 @@ class Orchestrator:
         if sink is None:
             return
         out = a.output
-        if a.tensor is not None:
+        if a.tensor is not None and out.modality == "image":
+            tensor = self.consumer.get(a.tensor)
+            out.image, out.image_shape = tensor.numpy().tobytes(), tuple(tensor.shape)
+        elif a.tensor is not None:
             tensor = self.consumer.get(a.tensor).float()
             if out.modality == "audio":
                 out.audio_pcm = tensor.numpy().astype(np.float32).tobytes()

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 
-from omni.metrics import BATCH_BUCKETS, BATCH_KEY, LATENCY_BUCKETS, STEP_BUCKETS, STEP_KEY, TTFO_BUCKETS, Histogram
+from omni.metrics import (BATCH_BUCKETS, BATCH_KEY, ENGINE_GAUGE, LATENCY_BUCKETS, STEP_BUCKETS, STEP_KEY, TTFO_BUCKETS,
+                          Histogram)
 from omni.metrics import labels as _labels
 
 OUTCOMES = ("ok", "aborted", "failed")
@@ -29,6 +30,11 @@ def render_engine_steps(replicas) -> str:
             h = Histogram.from_flat(buckets, key, r.extra)
             if h is not None:
                 out[name] += h.lines(name, lab)
+        for key in sorted(k for k in r.extra if k.startswith(ENGINE_GAUGE)):
+            gauge = "omni_stage_engine_" + key[len(ENGINE_GAUGE):]
+            if gauge not in out:
+                out[gauge] = [f"# HELP {gauge} The engine's own gauge (stage-reported).", f"# TYPE {gauge} gauge"]
+            out[gauge].append(f"{gauge}{_labels(lab)} {r.extra[key]}")
     return "".join(line + "\n" for lines in out.values() for line in lines)
 
 

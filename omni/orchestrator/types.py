@@ -6,7 +6,7 @@ from typing import AsyncIterator, Protocol
 
 import msgspec
 
-from omni.engines.base import SamplingParams
+from omni.engines.base import ImageParams, SamplingParams
 from omni.engines.logprobs import Logprobs
 from omni.stage.messages import InlineTensor
 
@@ -31,6 +31,8 @@ class PipelineRequest(msgspec.Struct, kw_only=True):
     timeout_s: float | None = None
     # Client input tensors for the entry stage (e.g. "audio_0": 16 kHz float32), carried inline.
     inputs: dict[str, InlineTensor] = {}
+    # /v1/images/generations: what the diffusion stage makes of the prompt (`text`).
+    image: ImageParams | None = None
 
 
 class PipelineOutput(msgspec.Struct, kw_only=True):
@@ -46,6 +48,8 @@ class PipelineOutput(msgspec.Struct, kw_only=True):
     embedding: list[float] | None = None   # modality "embedding"
     logprobs: Logprobs | None = None   # modality "text": one row per token id, when asked for
     stop_reason: int | str | None = None   # on the finishing output: the stop token id that ended it
+    image: bytes = b""                 # modality "image": uint8 RGB rows of `image_shape` [n, height, width, 3]
+    image_shape: tuple[int, ...] = ()
 
 
 class OrchestratorLike(Protocol):

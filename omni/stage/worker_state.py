@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omni.engines.base import EngineOutput
-from omni.metrics import BATCH_BUCKETS, BATCH_KEY, STEP_BUCKETS, STEP_KEY, Histogram
+from omni.metrics import BATCH_BUCKETS, BATCH_KEY, ENGINE_GAUGE, STEP_BUCKETS, STEP_KEY, Histogram
 
 
 @dataclass
@@ -81,5 +81,6 @@ def load_report(w: Any) -> dict:
             "held_outputs": float(len(w._held)),
             **w.stats.by_transport,
             **w.stats.step_report(),
+            **{f"{ENGINE_GAUGE}{k}": v for k, v in w.engine.load_extra().items()},
         },
     }

@@ -140,3 +140,40 @@ def test_one_gpu_variant_fits_one_80gb_card(monkeypatch):
     assert one.model == "Qwen/Qwen3-Omni-30B-A3B-Instruct"
     # The bundled default for the hub id stays the two-GPU one (the variant names no model of its own).
     assert cfg.default_config_path("Qwen/Qwen3-Omni-30B-A3B-Instruct").name == "qwen3-omni-moe.yaml"
+
+
+def diffusers_folder(tmp_path, class_name):
+    d = tmp_path / "some-diffusers-folder"
+    d.mkdir(parents=True)
+    (d / "model_index.json").write_text(json.dumps({"_class_name": class_name, "transformer": ["diffusers", "X"]}))
+    return str(d)
+
+
+def test_a_diffusers_folder_picks_its_pipeline_by_model_index(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMNI_PLATFORM", "cpu")
+    c = cfg.load(diffusers_folder(tmp_path, "QwenImagePipeline"))
+    assert [(s.engine, s.inputs, s.final_output_type) for s in c.stages] == [("qwen_image", ("text",), "image")]
+    assert c.stages[0].engine_args["dtype"] == "float32" and c.stages[0].devices == "cpu"
+    assert c.pipeline.images.default_size == "256x256" and c.pipeline.images.size_multiple == 16
+    monkeypatch.setenv("OMNI_PLATFORM", "cuda")
+    assert cfg.load(diffusers_folder(tmp_path / "g", "QwenImagePipeline")).stages[0].engine_args["dtype"] == "bfloat16"
+
+
+def test_a_diffusers_folder_of_another_pipeline_is_one_line_naming_it(tmp_path):
+    with pytest.raises(ConfigError, match="diffusers pipeline 'FluxPipeline' is not one omni serves "
+                                          r"\(QwenImagePipeline\)"):
+        cfg.load(diffusers_folder(tmp_path, "FluxPipeline"))
+
+
+@pytest.mark.parametrize("images, says", [
+    ({"default_size": "100x100"}, "multiples of size_multiple 16"),
+    ({"default_size": "2048x2048"}, "at most max_pixels"),
+    ({"default_steps": 200}, "over max_steps"),
+    ({"max_n": 0}, "max_n must be >= 1"),
+])
+def test_image_settings_are_checked_once(tmp_path, monkeypatch, images, says):
+    monkeypatch.setenv("OMNI_PLATFORM", "cuda")    # the cpu section would set its own default_size
+    path = tmp_path / "d.yaml"
+    path.write_text(json.dumps({"base_config": "qwen-image.yaml", "pipeline": {"images": images}}))
+    with pytest.raises(ConfigError, match=says):
+        cfg.load("Qwen/Qwen-Image", deploy_config=str(path))

@@ -7,6 +7,7 @@ import inspect
 import msgspec
 
 from omni.api.errors import ErrorResponse
+from omni.api.images import ImageRoutes
 from omni.api.protocol import SCHEMA_EXTRA
 from omni.api.control import ControlRoutes
 from omni.api.jobs import Jobs
@@ -15,8 +16,8 @@ from omni.api.speech import SpeechRoutes
 from omni.api.text import TextRoutes
 from omni.api.voices import VoiceRoutes
 
-FAMILIES = {"text": TextRoutes, "speech": SpeechRoutes, "voices": VoiceRoutes, "control": ControlRoutes,
-            "jobs": Jobs}
+FAMILIES = {"text": TextRoutes, "speech": SpeechRoutes, "images": ImageRoutes, "voices": VoiceRoutes,
+            "control": ControlRoutes, "jobs": Jobs}
 
 
 def test_each_body_schema_is_the_type_its_handler_decodes():

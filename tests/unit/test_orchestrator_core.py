@@ -291,3 +291,55 @@ def test_audio_without_a_sample_rate_fails_naming_the_stage():
     core.handle(output("s1r0", 1, "sp", tensors={"latents": ref(1)}, finished=True))
     acts = core.handle(output("s2r0", 2, "sp", tensors={"audio": ref(5, "s2r0")}))
     assert "stage 2 (code2wav) sent audio without a sample rate" in str(of(acts, ev.Fail)[0].error)
+
+
+def prompt_to_image(ctx, state, out):
+    """An AR stage's finished text as the image stage's prompt, with the client's image parameters
+    (the shape an AR -> DiT pipeline's processor takes)."""
+    from omni.processors import StageInput
+
+    state["text"] = state.get("text", "") + ctx.detokenize(list(out.token_ids))
+    return [StageInput(text=state["text"], image=ctx.request.image)] if out.finished else []
+
+
+IMAGES = parse({"model": "m", "stages": [
+    {"stage_id": 0, "name": "dit", "engine": "count", "inputs": ["text"], "final_output": True,
+     "final_output_type": "image"}]}, source="test")
+AR_IMAGES = parse({"model": "m", "stages": [
+    {"stage_id": 0, "name": "writer", "engine": "count"},
+    {"stage_id": 1, "name": "dit", "engine": "count", "inputs": [0],
+     "processor": "tests.unit.test_orchestrator_core:prompt_to_image", "final_output": True,
+     "final_output_type": "image"}]}, source="test")
+
+
+def image_request(**kw) -> PipelineRequest:
+    from omni.engines.base import ImageParams
+
+    return PipelineRequest(request_id="img", modalities=("image",), image=ImageParams(
+        width=32, height=16, num_inference_steps=3, guidance_scale=4.0, negative_prompt=" ", n=2, seed=9), **kw)
+
+
+def test_an_image_request_carries_its_parameters_to_the_stage_and_its_image_back():
+    core = make_core(replica(0, "s0r0"), config=IMAGES)
+    req = image_request(text="a cat")
+    acts = core.submit(req)
+    add = of(acts, ev.Send)[0].message
+    assert add.text == "a cat" and add.image == req.image
+    # The stage channel's typed decoder keeps the field typed.
+    assert m.stage_codec().decode(m.stage_codec().encode(add)).image == req.image
+    image = TensorRef(transport="shm", endpoint="seg-s0r0", key=3, dtype="uint8", shape=(2, 16, 32, 3), nbytes=3072)
+    acts = core.handle(output("s0r0", 0, "img", tensors={"image": image}, finished=True, finish_reason="stop"))
+    emit = of(acts, ev.Emit)[0]
+    assert emit.output.modality == "image" and emit.tensor == image and emit.output.finished
+    assert of(acts, ev.Finished)[0].outcome == "ok"
+
+
+def test_an_upstream_stage_can_write_the_image_stages_prompt():
+    core = make_core(replica(0, "s0r0"), replica(1, "s1r0"), config=AR_IMAGES)
+    req = image_request(prompt_token_ids=[1, 2])
+    assert core.needed_stages(req) == [0, 1]
+    core.submit(req)
+    assert not of(core.handle(output("s0r0", 0, "img", token_ids=ids("a red "))), ev.Send)
+    acts = core.handle(output("s0r0", 0, "img", token_ids=ids("cat"), finished=True))
+    add = of(acts, ev.Send)[0].message
+    assert (add.request_id, add.text, add.image) == ("img", "a red cat", req.image)

@@ -1,0 +1,130 @@
+"""/v1/images/generations: a prompt in, PNG images (base64) out, as OpenAI answers.
+
+The deployment's bounds (config `pipeline.images`) are checked here, each refusal a 400 naming the
+parameter; the diffusion stage checks them again against what its model can make. Defaults fill what
+the client left out, so the stage gets every field set (omni.engines.base.ImageParams). PNG encoding
+runs off the event loop.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import secrets
+import time
+import uuid
+
+import anyio
+import numpy as np
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from omni import latency_trace
+from omni.api import protocol as P
+from omni.api.errors import APIError, bad_request
+from omni.api.http import until_disconnect
+from omni.api.state import FrontendState
+from omni.config import ImageSettings
+from omni.engines.base import ImageParams
+from omni.orchestrator.types import PipelineOutput, PipelineRequest
+
+ROUTE = "/v1/images/generations"
+
+
+def parse_size(size: str, param: str = "size") -> tuple[int, int]:
+    w, sep, h = size.partition("x")
+    if not (sep and w.isdigit() and h.isdigit()):
+        raise bad_request(f"size `{size}` is not WIDTHxHEIGHT (e.g. 1024x1024)", param=param)
+    return int(w), int(h)
+
+
+def image_params(req: P.ImageGenerationRequest, s: ImageSettings) -> ImageParams:
+    """The request's image parameters over the deployment's defaults, within its bounds."""
+    if req.response_format != "b64_json":
+        raise bad_request(f"response_format `{req.response_format}` is not supported: omni returns the images "
+                          "in the response (b64_json), it keeps no files to link to", param="response_format")
+    if not req.prompt.strip() or "\x00" in req.prompt:
+        raise bad_request("prompt must have some text and no NUL character", param="prompt")
+    if len(req.prompt) > s.max_prompt_chars:
+        raise bad_request(f"prompt is {len(req.prompt)} characters; the limit is {s.max_prompt_chars}", param="prompt")
+    width, height = parse_size(req.size or s.default_size)
+    m = s.size_multiple
+    if width < m or height < m or width % m or height % m:
+        raise bad_request(f"size {width}x{height}: width and height must be multiples of {m} (the model's VAE "
+                          "scale times its patch size)", param="size")
+    if width * height > s.max_pixels:
+        raise bad_request(f"size {width}x{height} is {width * height} pixels; the limit is {s.max_pixels}",
+                          param="size")
+    n = req.n if req.n is not None else 1
+    if n > s.max_n:
+        raise bad_request(f"n is {n}; the limit is {s.max_n} images a request", param="n")
+    steps = req.num_inference_steps if req.num_inference_steps is not None else s.default_steps
+    if steps > s.max_steps:
+        raise bad_request(f"num_inference_steps is {steps}; the limit is {s.max_steps}", param="num_inference_steps")
+    scale = req.guidance_scale if req.guidance_scale is not None else s.default_guidance_scale
+    negative = req.negative_prompt
+    if negative is not None and scale <= 1:
+        raise bad_request(f"negative_prompt needs guidance: guidance_scale is {scale} (guidance is on above 1)",
+                          param="negative_prompt")
+    if negative is None and scale > 1:
+        negative = s.default_negative_prompt
+    if negative is not None and len(negative) > s.max_prompt_chars:
+        raise bad_request(f"negative_prompt is {len(negative)} characters; the limit is {s.max_prompt_chars}",
+                          param="negative_prompt")
+    seed = req.seed if req.seed is not None else secrets.randbits(63)
+    return ImageParams(width=width, height=height, num_inference_steps=steps, guidance_scale=scale,
+                       negative_prompt=negative, n=n, seed=seed)
+
+
+def png_b64(out: PipelineOutput) -> list[str]:
+    """Each image as base64 PNG. zlib level 1: lossless like any level, and half the time of the default 6
+    (5.5 -> 2.7 ms for a 128x128 image here, more than the rest of the frontend's share of a request)."""
+    rows = np.frombuffer(out.image, dtype=np.uint8).reshape(out.image_shape)
+    from PIL import Image
+
+    encoded = []
+    for row in rows:
+        buf = io.BytesIO()
+        Image.fromarray(row).save(buf, format="PNG", compress_level=1)
+        encoded.append(base64.b64encode(buf.getvalue()).decode())
+    return encoded
+
+
+class ImageRoutes:
+    def __init__(self, fe: FrontendState, settings: ImageSettings | None):
+        self.fe = fe
+        self.settings = settings     # None: this pipeline makes no images
+
+    async def generations(self, request: Request) -> Response:
+        if self.settings is None:
+            raise APIError(404, "this pipeline makes no images (no stage with final_output_type image)",
+                           type="not_found_error")
+        req = P.decode_body(await request.body(), P.ImageGenerationRequest)
+        self.fe.check_model(req.model)
+        params = image_params(req, self.settings)
+        preq = PipelineRequest(request_id=f"img-{uuid.uuid4().hex}", text=req.prompt, modalities=("image",),
+                               image=params)
+        t0 = self.fe.t0(request)
+
+        async def work() -> Response:
+            if latency_trace.on():
+                latency_trace.mark("arrived", preq.request_id, at=t0)
+            it = aiter(self.fe.orch.generate(preq))
+            images: list[str] = []
+            try:
+                async for out in it:
+                    if out.modality == "image" and out.image:
+                        self.fe.metrics.first_output(ROUTE, time.monotonic() - t0)
+                        if latency_trace.on():
+                            latency_trace.mark("image", preq.request_id, params.n)
+                        images += await anyio.to_thread.run_sync(png_b64, out)
+                        if latency_trace.on():
+                            latency_trace.mark("png", preq.request_id, params.n)
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await it.aclose()
+            if len(images) != params.n:
+                raise APIError(500, f"the pipeline made {len(images)} of {params.n} images", type="stage_error")
+            return JSONResponse({"created": int(time.time()), "data": [{"b64_json": b} for b in images]})
+
+        return await until_disconnect(request, work)

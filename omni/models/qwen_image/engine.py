@@ -1,0 +1,363 @@
+"""Qwen-Image text-to-image as an omni Engine (engine name `qwen_image`), on diffusers' own modules.
+
+One stage runs the whole model: the Qwen2.5-VL text encoder once per request at admission, then the
+MMDiT denoising loop, then the VAE decode. Request contract: `text` (the prompt; the engine applies
+Qwen-Image's encoder template) or `prompt_token_ids` (the encoder's whole input, template included, as an
+upstream AR stage would hand it over), and `image` (omni.engines.base.ImageParams). Output: one
+`tensors["image"]` uint8 [n, height, width, 3] when the request finishes.
+
+A step is one denoising step of a batch: the rows of requests of equal image size (the oldest waiting
+request's size first, up to `max_batch_rows` rows, each request whole) share one transformer forward
+(and one more for the unconditional rows of requests with guidance), whatever step each request is at
+(timesteps go per row; each request keeps its own scheduler). Prompts of unequal length are padded and
+masked. A request alone in its batch computes exactly what diffusers' QwenImagePipeline computes for the
+same arguments (tests/unit/test_qwen_image.py); in a bigger batch float32 matmuls round differently.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from omni.engines.base import Engine, EngineError, EngineOutput, EngineRequest, ImageParams
+from omni.engines.streamed_vocoder import IdleOffload
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Job:
+    request_id: str
+    params: ImageParams
+    ids: list[int] | None               # encoder input (template applied); None once encoded
+    text: str | None
+    latents: torch.Tensor | None = None  # [n, patches, channels], packed as the DiT reads them
+    embeds: torch.Tensor | None = None   # [n, tokens, dim]
+    neg_embeds: torch.Tensor | None = None
+    scheduler: object = None
+    timesteps: torch.Tensor | None = None
+    done: int = 0                        # denoising steps taken
+
+    @property
+    def cfg(self) -> bool:
+        return self.neg_embeds is not None
+
+
+class QwenImageEngine(Engine):
+    name = "qwen_image"
+
+    def __init__(self, model_dir: str | Path, *, device: str = "cpu", dtype: str = "float32",
+                 threads: int | None = None, max_batch_rows: int = 8, max_sequence_length: int = 512,
+                 max_pixels: int = 1024 * 1024 * 4, max_steps: int = 200, encode_cache: int = 16, pipeline=None):
+        """`encode_cache`: prompt encodings kept (most recently used; the default negative prompt " " is
+        in nearly every request). `pipeline`: a QwenImagePipeline built in memory (benchmarks at real
+        size); model_dir unused then."""
+        if max_batch_rows < 1:
+            raise ValueError(f"max_batch_rows must be >= 1, got {max_batch_rows}")
+        if not 1 <= max_sequence_length <= 1024:
+            raise ValueError(f"max_sequence_length must be in [1, 1024] (Qwen-Image's), got {max_sequence_length}")
+        if threads:
+            torch.set_num_threads(threads)
+        from diffusers import QwenImagePipeline
+
+        self.device = torch.device(device)
+        if pipeline is None:
+            pipeline = QwenImagePipeline.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
+            pipeline.set_progress_bar_config(disable=True)
+        self.pipe = pipeline.to(self.device)
+        if self.pipe.transformer.config.guidance_embeds:
+            raise ValueError("a guidance-distilled Qwen-Image transformer (guidance_embeds) is not supported")
+        self.max_batch_rows = max_batch_rows
+        self.max_sequence_length = max_sequence_length
+        self.max_pixels, self.max_steps = max_pixels, max_steps
+        # Sizes must be whole latent patches: the VAE's downsampling times the DiT's patch size.
+        self.size_multiple = self.pipe.vae_scale_factor * self.pipe.transformer.config.patch_size
+        self.offload = IdleOffload(self.name, self.device, self.move_to)
+        self._jobs: collections.OrderedDict[str, Job] = collections.OrderedDict()
+        self._stats: collections.Counter = collections.Counter()
+        self._encoded: collections.OrderedDict[tuple[int, ...], torch.Tensor] = collections.OrderedDict()
+        self.encode_cache = encode_cache
+        self._report: dict[str, float] = {}    # load_extra(): replaced whole after each step
+
+    def move_to(self, device: torch.device) -> None:
+        self.pipe.to(device)
+        self._encoded.clear()      # cached encodings live on the device too
+
+    # -- requests --------------------------------------------------------------------
+
+    def check(self, p: ImageParams) -> None:
+        """Refuse what the model cannot make, naming the parameter (the frontend checks first)."""
+        m = self.size_multiple
+        if p.width <= 0 or p.height <= 0 or p.width % m or p.height % m:
+            raise EngineError(f"size {p.width}x{p.height}: width and height must be positive multiples of {m}")
+        if p.width * p.height > self.max_pixels:
+            raise EngineError(f"size {p.width}x{p.height} is {p.width * p.height} pixels; the limit is {self.max_pixels}")
+        if not 1 <= p.num_inference_steps <= self.max_steps:
+            raise EngineError(f"num_inference_steps must be in [1, {self.max_steps}], got {p.num_inference_steps}")
+        if not 1 <= p.n <= self.max_batch_rows:
+            raise EngineError(f"n must be in [1, {self.max_batch_rows}] (max_batch_rows), got {p.n}")
+
+    def add_request(self, request: EngineRequest) -> None:
+        p = request.image
+        if p is None:
+            raise EngineError(f"{self.name}: request {request.request_id} has no image parameters")
+        self.check(p)
+        if request.request_id in self._jobs:
+            raise EngineError(f"request id {request.request_id!r} is already in flight")
+        if request.prompt_token_ids is None and request.text is None:
+            raise EngineError(f"{self.name}: request {request.request_id} has neither text nor prompt_token_ids")
+        ids = list(request.prompt_token_ids) if request.prompt_token_ids is not None else None
+        drop = self.pipe.prompt_template_encode_start_idx
+        most = self.pipe.tokenizer_max_length + drop     # what the pipeline's tokenizer call truncates to
+        if ids is not None and not drop < len(ids) <= most:
+            raise EngineError(f"prompt_token_ids: {len(ids)} ids; Qwen-Image's encoder input (template included) "
+                              f"takes {drop + 1} to {most}")
+        self._jobs[request.request_id] = Job(request.request_id, p, ids, request.text)
+        self._report = self.progress_gauges()
+
+    def abort(self, request_id: str) -> None:
+        if self._jobs.pop(request_id, None) is not None:
+            self._stats["aborted"] += 1
+            self._report = self.progress_gauges()
+
+    def has_unfinished(self) -> bool:
+        return bool(self._jobs)
+
+    def num_waiting(self) -> int:
+        # Read by the keep-alive thread too: from the report the loop thread replaces whole.
+        return int(self._report.get("image_requests_waiting", 0))
+
+    def num_running(self) -> int:
+        return sum(1 for j in self._jobs.values() if j.done > 0)
+
+    def progress(self) -> dict[str, tuple[int, int]]:
+        """Request id -> (denoising steps done, steps asked for)."""
+        return {j.request_id: (j.done, j.params.num_inference_steps) for j in self._jobs.values()}
+
+    # -- the three parts of a request --------------------------------------------------
+
+    def token_ids(self, text: str) -> list[int]:
+        """The encoder's input for a prompt: Qwen-Image's template, tokenized as its pipeline does."""
+        pipe = self.pipe
+        drop = pipe.prompt_template_encode_start_idx
+        enc = pipe.tokenizer(pipe.prompt_template_encode.format(text), max_length=pipe.tokenizer_max_length + drop,
+                             truncation=True)
+        return list(enc.input_ids)
+
+    def encode(self, ids: list[int]) -> torch.Tensor:
+        """[1, tokens, dim]: the encoder's last hidden state past the template's system part. A prompt is
+        encoded alone, so a cached encoding is the same tensor a new one would be."""
+        key = tuple(ids)
+        hit = self._encoded.get(key)
+        if hit is not None:
+            self._encoded.move_to_end(key)
+            self._stats["encode_cache_hits"] += 1
+            return hit
+        pipe = self.pipe
+        x = torch.tensor([ids], device=self.device)
+        out = pipe.text_encoder(input_ids=x, attention_mask=torch.ones_like(x), output_hidden_states=True)
+        rows = out.hidden_states[-1][:, pipe.prompt_template_encode_start_idx:]
+        rows = rows[:, :self.max_sequence_length].to(pipe.text_encoder.dtype)
+        if self.encode_cache > 0:
+            self._encoded[key] = rows
+            while len(self._encoded) > self.encode_cache:
+                self._encoded.popitem(last=False)
+        return rows
+
+    def admit(self, job: Job) -> None:
+        """Encode the prompt (and the negative one with guidance), draw the noise, set the schedule."""
+        from diffusers import FlowMatchEulerDiscreteScheduler
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
+
+        pipe, p = self.pipe, job.params
+        t0 = time.monotonic()
+        ids = job.ids if job.ids is not None else self.token_ids(job.text or "")
+        job.embeds = self.encode(ids).repeat(p.n, 1, 1)
+        if p.guidance_scale > 1 and p.negative_prompt is not None:
+            job.neg_embeds = self.encode(self.token_ids(p.negative_prompt)).repeat(p.n, 1, 1)
+        self._stats["encode_s"] += time.monotonic() - t0
+        channels = pipe.transformer.config.in_channels // 4
+        gen = torch.Generator(device="cpu").manual_seed(p.seed)
+        job.latents = pipe.prepare_latents(p.n, channels, p.height, p.width, job.embeds.dtype, self.device, gen)
+        cfg = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config)
+        steps = p.num_inference_steps
+        c = cfg.config
+        mu = calculate_shift(job.latents.shape[1], c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
+                             c.get("base_shift", 0.5), c.get("max_shift", 1.15))
+        job.timesteps, _ = retrieve_timesteps(cfg, steps, self.device, sigmas=np.linspace(1.0, 1 / steps, steps),
+                                              mu=mu)
+        cfg.set_begin_index(0)
+        job.scheduler = cfg
+        job.ids = None
+
+    def denoise(self, batch: list[Job]) -> None:
+        """One step of every job in the batch: one conditional forward for all rows, one unconditional
+        forward for the rows with guidance, then each job's own scheduler step."""
+        pipe = self.pipe
+        p = batch[0].params
+        shape = (1, p.height // pipe.vae_scale_factor // 2, p.width // pipe.vae_scale_factor // 2)
+        latents = torch.cat([j.latents for j in batch])
+        t = torch.cat([j.timesteps[j.done].expand(j.params.n) for j in batch]).to(latents.dtype)
+        cond = self.forward(latents, t, [j.embeds for j in batch], shape, "cond")
+        guided = [i for i, j in enumerate(batch) if j.cfg]
+        uncond = None
+        if guided:
+            rows = torch.cat([self.rows(batch, i) for i in guided])
+            uncond = self.forward(latents[rows], t[rows], [batch[i].neg_embeds for i in guided], shape, "uncond")
+        at = 0
+        for i, j in enumerate(batch):
+            pred = cond[self.rows(batch, i)]
+            if j.cfg:
+                neg = uncond[at:at + j.params.n]
+                at += j.params.n
+                pred = guide(pred, neg, j.params.guidance_scale)
+            j.latents = j.scheduler.step(pred, j.timesteps[j.done], j.latents, return_dict=False)[0]
+            j.done += 1
+
+    @staticmethod
+    def rows(batch: list[Job], i: int) -> torch.Tensor:
+        start = sum(j.params.n for j in batch[:i])
+        return torch.arange(start, start + batch[i].params.n)
+
+    def forward(self, latents: torch.Tensor, t: torch.Tensor, embeds: list[torch.Tensor], shape: tuple,
+                context: str) -> torch.Tensor:
+        """The DiT on a batch; prompts of unequal length padded with zeros and masked (none: no mask,
+        as the pipeline passes a prompt alone)."""
+        longest = max(e.shape[1] for e in embeds)
+        mask = None
+        if any(e.shape[1] != longest for e in embeds):
+            mask = torch.cat([torch.arange(longest, device=self.device).expand(e.shape[0], longest) < e.shape[1]
+                              for e in embeds]).long()
+            embeds = [torch.nn.functional.pad(e, (0, 0, 0, longest - e.shape[1])) for e in embeds]
+        with self.pipe.transformer.cache_context(context):
+            return self.pipe.transformer(hidden_states=latents, timestep=t / 1000, guidance=None,
+                                         encoder_hidden_states_mask=mask, encoder_hidden_states=torch.cat(embeds),
+                                         img_shapes=[[shape]] * latents.shape[0], attention_kwargs={},
+                                         return_dict=False)[0]
+
+    def decode(self, jobs: list[Job]) -> list[torch.Tensor]:
+        """One VAE decode for the finished jobs (of one size): uint8 [n, height, width, 3] each, as the
+        pipeline's PIL images hold them."""
+        pipe, p = self.pipe, jobs[0].params
+        vae = pipe.vae
+        latents = torch.cat([j.latents for j in jobs])
+        lat = pipe._unpack_latents(latents, p.height, p.width, pipe.vae_scale_factor).to(vae.dtype)
+        z = vae.config.z_dim
+        mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(lat.device, lat.dtype)
+        scale = 1.0 / torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1).to(lat.device, lat.dtype)
+        image = vae.decode(lat / scale + mean, return_dict=False)[0][:, :, 0]
+        rows = np.stack([np.asarray(im) for im in pipe.image_processor.postprocess(image, output_type="pil")])
+        out, at = [], 0
+        for j in jobs:
+            out.append(torch.from_numpy(rows[at:at + j.params.n]))
+            at += j.params.n
+        return out
+
+    # -- the loop ------------------------------------------------------------------
+
+    def pick(self) -> list[Job]:
+        """The oldest request's size, then every request of that size in arrival order that fits."""
+        head = next(iter(self._jobs.values()))
+        key = (head.params.width, head.params.height)
+        batch, rows = [], 0
+        for j in self._jobs.values():
+            if (j.params.width, j.params.height) == key and rows + j.params.n <= self.max_batch_rows:
+                batch.append(j)
+                rows += j.params.n
+        return batch
+
+    def step(self) -> list[EngineOutput]:
+        try:
+            return self.step_batch()
+        finally:
+            self._report = self.progress_gauges()
+
+    @torch.no_grad()
+    def step_batch(self) -> list[EngineOutput]:
+        """Admit new requests, take one denoising step of a batch, decode what finished."""
+        if not self._jobs:
+            return []
+        outputs = []
+        for job in [j for j in self._jobs.values() if j.latents is None]:
+            try:
+                self.admit(job)
+            except Exception as e:   # this request's failure, not the loop's
+                logger.exception("%s: request %s failed at admission", self.name, job.request_id)
+                del self._jobs[job.request_id]
+                outputs.append(failed(job, f"admission failed: {type(e).__name__}: {e}"))
+        if not self._jobs:
+            return outputs
+        batch = self.pick()
+        now = time.monotonic()
+        self.denoise(batch)
+        dt = time.monotonic() - now
+        self._stats["steps"] += 1
+        self._stats["step_rows"] += sum(j.params.n for j in batch)
+        self._stats["denoise_s"] += dt
+        finished = [j for j in batch if j.done == j.params.num_inference_steps]
+        if finished:
+            outputs += self.finish(finished)
+        return outputs
+
+    def finish(self, jobs: list[Job]) -> list[EngineOutput]:
+        """Decode the jobs that took their last step (together: one VAE batch) and hand out their images."""
+        t0 = time.monotonic()
+        for j in jobs:
+            del self._jobs[j.request_id]
+        try:
+            images = self.decode(jobs)
+        except Exception as e:
+            logger.exception("%s: the VAE decode of %s failed", self.name, [j.request_id for j in jobs])
+            return [failed(j, f"decode failed: {type(e).__name__}: {e}") for j in jobs]
+        finally:
+            self._stats["decode_s"] += time.monotonic() - t0
+        self._stats["images"] += sum(j.params.n for j in jobs)
+        return [EngineOutput(request_id=j.request_id, tensors={"image": im}, finished=True, finish_reason="stop")
+                for j, im in zip(jobs, images)]
+
+    # -- sleep and figures -------------------------------------------------------------
+
+    def can_sleep(self) -> bool:
+        return self.offload.can_sleep()
+
+    def sleep(self, level: int = 1) -> None:
+        self.offload.sleep(len(self._jobs), "image request(s) open")
+
+    def wake_up(self) -> None:
+        self.offload.wake_up()
+
+    def is_sleeping(self) -> bool:
+        return self.offload.sleeping
+
+    def progress_gauges(self) -> dict[str, float]:
+        """Requests in flight (and those not stepped yet), their denoising steps done and left, images made."""
+        return {"image_requests": float(len(self._jobs)),
+                "image_requests_waiting": float(sum(1 for j in self._jobs.values() if j.done == 0)),
+                "image_steps_done": float(sum(j.done for j in self._jobs.values())),
+                "image_steps_left": float(sum(j.params.num_inference_steps - j.done for j in self._jobs.values())),
+                "images_total": float(self._stats["images"])}
+
+    def load_extra(self) -> dict[str, float]:
+        return self._report
+
+    def stats(self) -> dict[str, float]:
+        """Totals (denoising steps, rows stepped, images, seconds per part, cache hits) and the progress
+        gauges."""
+        return {**{k: float(v) for k, v in self._stats.items()}, **self.progress_gauges()}
+
+
+def guide(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
+    """Qwen-Image's true classifier-free guidance: the guided prediction rescaled to the conditional
+    one's norm (per token)."""
+    comb = uncond + scale * (cond - uncond)
+    return comb * (torch.norm(cond, dim=-1, keepdim=True) / torch.norm(comb, dim=-1, keepdim=True))
+
+
+def failed(job: Job, message: str) -> EngineOutput:
+    return EngineOutput(request_id=job.request_id, finished=True, finish_reason="error", error=message)

@@ -1,0 +1,139 @@
+"""POST /v1/images/generations against an in-memory fake orchestrator: what the stage is asked for
+(defaults under the client's values), the response shape, and every refusal naming its parameter."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import httpx
+import numpy as np
+import pytest
+
+from omni.api import build_app
+from omni.config import ImageSettings
+from omni.errors import StageFailed
+from omni.orchestrator.types import PipelineOutput, PipelineRequest
+
+pytestmark = pytest.mark.anyio
+SETTINGS = ImageSettings(default_size="64x32", max_pixels=128 * 128, default_steps=7, max_steps=20, max_n=3)
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+class FakeImages:
+    """Answers an image request with n images whose pixels encode the row index."""
+
+    def __init__(self):
+        self.requests: list[PipelineRequest] = []
+        self.fail: Exception | None = None
+
+    async def generate(self, request: PipelineRequest):
+        self.requests.append(request)
+        if self.fail is not None:
+            raise self.fail
+        p = request.image
+        rows = np.zeros((p.n, p.height, p.width, 3), dtype=np.uint8)
+        for i in range(p.n):
+            rows[i] = i * 40
+        yield PipelineOutput(request_id=request.request_id, stage_id=0, modality="image", finished=True,
+                             image=rows.tobytes(), image_shape=rows.shape)
+
+    def health(self):
+        return True, ""
+
+
+def make(images: ImageSettings | None = SETTINGS):
+    orch = FakeImages()
+    app = build_app(orch, None, served_model_name="img", max_model_len=16, images=images)
+    return orch, httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+
+
+def pixels(b64: str) -> np.ndarray:
+    from PIL import Image
+
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))))
+
+
+async def test_defaults_fill_what_the_client_left_out():
+    orch, client = make()
+    r = await client.post("/v1/images/generations", json={"prompt": "a cat"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert set(body) == {"created", "data"} and len(body["data"]) == 1
+    assert pixels(body["data"][0]["b64_json"]).shape == (32, 64, 3)
+    req = orch.requests[0]
+    assert req.text == "a cat" and req.modalities == ("image",)
+    p = req.image
+    assert (p.width, p.height, p.num_inference_steps, p.guidance_scale, p.negative_prompt, p.n) == \
+        (64, 32, 7, 4.0, " ", 1)
+    assert 0 <= p.seed < 2**63
+
+
+async def test_the_clients_values_reach_the_stage_and_n_images_come_back_in_order():
+    orch, client = make()
+    r = await client.post("/v1/images/generations", json={
+        "model": "img", "prompt": "a cat", "n": 3, "size": "32x48", "seed": 5, "num_inference_steps": 2,
+        "guidance_scale": 2.0, "negative_prompt": "dark", "response_format": "b64_json", "user": "u1"})
+    assert r.status_code == 200, r.text
+    got = [pixels(d["b64_json"]) for d in r.json()["data"]]
+    assert [g.shape for g in got] == [(48, 32, 3)] * 3 and [int(g[0, 0, 0]) for g in got] == [0, 40, 80]
+    p = orch.requests[0].image
+    assert (p.width, p.height, p.n, p.seed, p.num_inference_steps, p.guidance_scale, p.negative_prompt) == \
+        (32, 48, 3, 5, 2, 2.0, "dark")
+
+
+async def test_no_guidance_has_no_negative_prompt():
+    orch, client = make()
+    r = await client.post("/v1/images/generations", json={"prompt": "a", "guidance_scale": 1.0})
+    assert r.status_code == 200 and orch.requests[0].image.negative_prompt is None
+
+
+@pytest.mark.parametrize("body, param, says", [
+    ({"size": "40x32"}, "size", "multiples of 16"),
+    ({"size": "0x32"}, "size", "multiples of 16"),
+    ({"size": "256x256"}, "size", "the limit is 16384"),
+    ({"size": "64"}, "size", None),
+    ({"n": 4}, "n", "the limit is 3"),
+    ({"n": 0}, "n", None),
+    ({"num_inference_steps": 21}, "num_inference_steps", "the limit is 20"),
+    ({"response_format": "url"}, "response_format", "not supported"),
+    ({"quality": "hd"}, "quality", "unknown field"),
+    ({"style": "vivid"}, "style", "unknown field"),
+    ({"guidance_scale": 1.0, "negative_prompt": "x"}, "negative_prompt", "needs guidance"),
+    ({"guidance_scale": -1}, "guidance_scale", None),
+    ({"prompt": "   "}, "prompt", None),
+    ({"prompt": "x" * 4001}, "prompt", None),
+    ({"seed": -1}, "seed", None),
+])
+async def test_bad_input_is_a_400_naming_the_parameter(body, param, says):
+    orch, client = make()
+    r = await client.post("/v1/images/generations", json={"prompt": "a cat", **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error", err
+    assert says is None or says in err["message"], err
+    assert orch.requests == []
+
+
+async def test_a_pipeline_without_images_answers_404_and_a_stage_failure_500():
+    _, client = make(None)
+    r = await client.post("/v1/images/generations", json={"prompt": "a"})
+    assert r.status_code == 404 and "makes no images" in r.json()["error"]["message"]
+    orch, client = make()
+    r = await client.post("/v1/images/generations", json={"prompt": "a", "model": "other"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    orch.fail = StageFailed(0, "r0", "boom")
+    r = await client.post("/v1/images/generations", json={"prompt": "a"})
+    assert r.status_code == 500 and "boom" in r.json()["error"]["message"]
+
+
+async def test_openapi_states_the_deployments_image_bounds():
+    _, client = make()
+    props = (await client.get("/openapi.json")).json()["components"]["schemas"]["ImageGenerationRequest"]["properties"]
+    assert {"type": "integer", "minimum": 1, "maximum": 3} in props["n"]["anyOf"]
+    assert {"type": "integer", "minimum": 1, "maximum": 20} in props["num_inference_steps"]["anyOf"]
+    assert props["prompt"]["maxLength"] == 4000 and props["model"]["anyOf"][0]["enum"] == ["img"]
