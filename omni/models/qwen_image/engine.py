@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from omni.engines.base import Engine, EngineError, EngineOutput, EngineRequest, ImageParams
-from omni.engines.streamed_vocoder import IdleOffload
+from omni.engines.offload import IdleOffload
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,8 @@ class QwenImageEngine(Engine):
         self.max_pixels, self.max_steps = max_pixels, max_steps
         # Sizes must be whole latent patches: the VAE's downsampling times the DiT's patch size.
         self.size_multiple = self.pipe.vae_scale_factor * self.pipe.transformer.config.patch_size
-        self.offload = IdleOffload(self.name, self.device, self.move_to)
+        self.offload = IdleOffload(self.name, self.device, off=lambda: self.move_to(torch.device("cpu")),
+                                   on=lambda: self.move_to(self.device))
         self._jobs: collections.OrderedDict[str, Job] = collections.OrderedDict()
         self._stats: collections.Counter = collections.Counter()
         self._encoded: collections.OrderedDict[tuple[int, ...], torch.Tensor] = collections.OrderedDict()
