@@ -18,7 +18,6 @@ import time
 from collections import deque
 from typing import Any, Callable
 
-import torch
 import zmq
 
 from omni import latency_trace
@@ -32,8 +31,8 @@ from omni.stage.local_link import CLOSED, LocalPeers
 from omni.stage.loop_poll import LoopPoller
 from omni.stage.worker_state import HeldOutput, InFlight, WorkerStats, load_report
 from omni.stage.curve import secure_server
+from omni.stage.producers import OutputProducers
 from omni.transport.base import ProducerFull, TensorProducer, TransportError
-from omni.transport.factory import auto_transport
 
 logger = logging.getLogger(__name__)
 
@@ -64,9 +63,7 @@ class StageWorker:
         self.token = token
         self.replica_id = replica_id
         self.default_transport = default_transport
-        self._make_producer = make_producer
-        self._producers: dict[str, TensorProducer] = {}
-        self._available: frozenset[str] | None = None   # transports this process can make (cuda_ipc: a GPU)
+        self._producers = OutputProducers(make_producer, stage.devices, stage.label)
         self._consumer = consumer
         self._reqs: dict[str, InFlight] = {}
         # Backpressure: while anything is held, the engine is not stepped, so memory
@@ -319,12 +316,12 @@ class StageWorker:
         refs = {}
         try:
             for name, tensor in (out.tensors.items() if req.out_tensors else ()):
-                refs[name] = self._put(req, tensor, out.request_id)
+                refs[name] = self._producers.put(req, tensor, out.request_id)
         except ProducerFull:
-            self._free_refs(refs)
+            self._producers.free_refs(refs)
             return False
         except (TransportError, ValueError) as e:
-            self._free_refs(refs)
+            self._producers.free_refs(refs)
             self.engine.abort(out.request_id)
             self._fail(out.request_id, f"could not publish output tensors: {e}")
             return True
@@ -355,33 +352,6 @@ class StageWorker:
         if latency_trace.on():
             latency_trace.mark("sent", out.request_id, len(out.token_ids))
         return True
-
-    def _free_refs(self, refs: dict) -> None:
-        for r in refs.values():
-            self._producers[r.transport].free([r.key])
-
-    def _put(self, req: InFlight, tensor: Any, owner: str):
-        kind = self._kind_for(req, tensor)
-        if kind != req.out_transport:
-            # auto's choice for this tensor (cuda_ipc). Should it fail here (it has not run on a GPU
-            # yet), this process goes back to what the orchestrator sent, for this tensor and after.
-            try:
-                return self._producer(kind).put(tensor, owner=owner)
-            except ProducerFull:
-                raise
-            except TransportError as e:
-                logger.warning("%s: %s failed, `auto` takes %s from now on: %s", self.stage.label, kind,
-                               req.out_transport, e)
-                self._available = frozenset()
-        return self._producer(req.out_transport).put(tensor, owner=owner)
-
-    def _kind_for(self, req: InFlight, tensor: Any) -> str:
-        """The request's transport, or cuda_ipc for a CUDA tensor where `auto` allows it."""
-        if not req.out_devices or not getattr(tensor, "is_cuda", False):
-            return req.out_transport
-        if self._available is None:
-            self._available = frozenset({"cuda_ipc"}) if torch.cuda.is_available() else frozenset()
-        return auto_transport(True, str(tensor.device), self.stage.devices, req.out_devices, self._available)
 
     def _hold(self, held: HeldOutput) -> None:
         if not self._held:
@@ -419,17 +389,8 @@ class StageWorker:
             self.engine.abort(rid)
             self._fail(rid, message)
 
-    def _producer(self, kind: str) -> TensorProducer:
-        producer = self._producers.get(kind)
-        if producer is None:
-            if self._make_producer is None:
-                raise TransportError("this stage has no tensor producer")
-            producer = self._producers[kind] = self._make_producer(kind)
-        return producer
-
     def _free_owner(self, rid: str) -> None:
-        for producer in self._producers.values():
-            producer.free_owner(rid)
+        self._producers.free_owner(rid)
 
     def _fail(self, rid: str, message: str, kind: str = "internal") -> None:
         req = self._reqs.pop(rid, None)
@@ -506,12 +467,7 @@ class StageWorker:
             self._send(ident, m.UtilityResult(msg.call_id, False, None, f"{type(e).__name__}: {e}"))
 
     def close(self) -> None:
-        for producer in self._producers.values():
-            try:
-                producer.close()
-            except Exception:
-                logger.exception("closing a tensor producer")
-        self._producers.clear()
+        self._producers.close()
         if self._consumer is not None:
             self._consumer.close()
         self.engine.shutdown()

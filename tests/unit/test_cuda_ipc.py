@@ -11,7 +11,7 @@ import torch
 
 from omni.config import parse
 from omni.orchestrator import events as ev
-from omni.stage.worker import StageWorker
+from omni.stage.producers import OutputProducers
 from omni.stage.worker_state import InFlight
 from omni.transport.base import ProducerFull, TransportError
 from omni.transport.cuda_ipc import CudaIpcConsumer, CudaIpcProducer
@@ -70,12 +70,11 @@ def test_orchestrator_sends_the_consumer_devices_for_auto_on_one_host():
 
 
 def test_worker_takes_cuda_ipc_for_a_cuda_tensor_where_auto_allows():
-    fake = types.SimpleNamespace(stage=types.SimpleNamespace(devices="1"), _available=IPC)
+    out = OutputProducers(None, "1", "talker", available=IPC)
     cuda = types.SimpleNamespace(is_cuda=True, device="cuda:0")
 
     def kind(out_devices, tensor, transport="shm"):
-        req = InFlight(b"f", 0.0, transport, out_devices=out_devices)
-        return StageWorker._kind_for(fake, req, tensor)
+        return out.kind_for(InFlight(b"f", 0.0, transport, out_devices=out_devices), tensor)
 
     assert kind("1", cuda) == "cuda_ipc"
     assert kind("0", cuda) == "shm"
@@ -96,14 +95,11 @@ def test_worker_goes_back_to_shm_when_cuda_ipc_fails():
             puts.append(owner)
             return "ref"
 
-    producers = {"cuda_ipc": Failing(), "shm": Shm()}
-    fake = types.SimpleNamespace(stage=types.SimpleNamespace(devices="1", label="talker"), _available=IPC,
-                                 _producer=producers.__getitem__)
-    fake._kind_for = lambda req, t: StageWorker._kind_for(fake, req, t)
+    out = OutputProducers({"cuda_ipc": Failing(), "shm": Shm()}.__getitem__, "1", "talker", available=IPC)
     req = InFlight(b"f", 0.0, "shm", out_devices="1")
     cuda = types.SimpleNamespace(is_cuda=True, device="cuda:0")
-    assert StageWorker._put(fake, req, cuda, "r1") == "ref" and puts == ["r1"]
-    assert fake._available == frozenset() and StageWorker._kind_for(fake, req, cuda) == "shm"
+    assert out.put(req, cuda, "r1") == "ref" and puts == ["r1"]
+    assert out.available == frozenset() and out.kind_for(req, cuda) == "shm"
 
 
 def test_config_takes_cuda_ipc_and_refuses_an_unknown_transport_by_name():

@@ -1,0 +1,76 @@
+"""A stage's tensor producers, one per transport kind, made on first use, and `auto`'s choice per
+tensor: a CUDA tensor whose GPU the consuming stage also sees takes cuda_ipc; should cuda_ipc fail,
+this process goes back to what the orchestrator sent, for that tensor and every later one."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+
+from omni.stage.worker_state import InFlight
+from omni.transport.base import ProducerFull, TensorProducer, TransportError
+from omni.transport.factory import auto_transport
+
+logger = logging.getLogger(__name__)
+
+
+class OutputProducers:
+    def __init__(self, make_producer: Callable[[str], TensorProducer] | None, devices: str, label: str,
+                 available: frozenset[str] | None = None):
+        self._make = make_producer
+        self._by_kind: dict[str, TensorProducer] = {}
+        self.devices, self.label = devices, label
+        # transports this process can make beyond the sent one (cuda_ipc: a GPU); None: not looked yet
+        self.available = available
+
+    def get(self, kind: str) -> TensorProducer | None:
+        return self._by_kind.get(kind)
+
+    def producer(self, kind: str) -> TensorProducer:
+        producer = self._by_kind.get(kind)
+        if producer is None:
+            if self._make is None:
+                raise TransportError("this stage has no tensor producer")
+            producer = self._by_kind[kind] = self._make(kind)
+        return producer
+
+    def put(self, req: InFlight, tensor: Any, owner: str):
+        kind = self.kind_for(req, tensor)
+        if kind != req.out_transport:
+            # auto's choice for this tensor (cuda_ipc). Should it fail here (it has not run on a GPU
+            # yet), this process goes back to what the orchestrator sent, for this tensor and after.
+            try:
+                return self.producer(kind).put(tensor, owner=owner)
+            except ProducerFull:
+                raise
+            except TransportError as e:
+                logger.warning("%s: %s failed, `auto` takes %s from now on: %s", self.label, kind,
+                               req.out_transport, e)
+                self.available = frozenset()
+        return self.producer(req.out_transport).put(tensor, owner=owner)
+
+    def kind_for(self, req: InFlight, tensor: Any) -> str:
+        """The request's transport, or cuda_ipc for a CUDA tensor where `auto` allows it."""
+        if not req.out_devices or not getattr(tensor, "is_cuda", False):
+            return req.out_transport
+        if self.available is None:
+            self.available = frozenset({"cuda_ipc"}) if torch.cuda.is_available() else frozenset()
+        return auto_transport(True, str(tensor.device), self.devices, req.out_devices, self.available)
+
+    def free_refs(self, refs: dict) -> None:
+        for r in refs.values():
+            self._by_kind[r.transport].free([r.key])
+
+    def free_owner(self, rid: str) -> None:
+        for producer in self._by_kind.values():
+            producer.free_owner(rid)
+
+    def close(self) -> None:
+        for producer in self._by_kind.values():
+            try:
+                producer.close()
+            except Exception:
+                logger.exception("closing a tensor producer")
+        self._by_kind.clear()
