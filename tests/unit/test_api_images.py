@@ -142,6 +142,10 @@ async def test_openapi_states_the_deployments_image_bounds():
     assert {"type": "integer", "minimum": 1, "maximum": 3} in props["n"]["anyOf"]
     assert {"type": "integer", "minimum": 1, "maximum": 20} in props["num_inference_steps"]["anyOf"]
     assert props["prompt"]["maxLength"] == 4000 and props["model"]["anyOf"][0]["enum"] == ["img"]
+    schemas = (await client.get("/openapi.json")).json()["components"]["schemas"]
+    [job] = schemas["JobRequest"]["oneOf"]     # the only endpoint a job may run on an image pipeline
+    assert job["properties"]["endpoint"] == {"const": "/v1/images/generations"}
+    assert job["properties"]["body"]["properties"]["n"] == props["n"]
 
 
 async def settled(client: httpx.AsyncClient, job_id: str) -> dict:
