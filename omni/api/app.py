@@ -17,7 +17,7 @@ from starlette.routing import Route
 from omni.api.admin import AdminRoutes
 from omni.api.control import ControlRoutes
 from omni.api.http import FrontendMiddleware, by_method, endpoint, http_error
-from omni.api.images import ImageRoutes
+from omni.api.images import ROUTE as IMAGES, ImageRoutes
 from omni.api.jobs import BODY_TYPES, Jobs
 from omni.api.limits import HttpLimits, LimitsMiddleware
 from omni.api.routes import ROUTES
@@ -57,7 +57,7 @@ def build_app(orchestrator: OrchestratorLike, tokenizer: Any, *, served_model_na
     served = {"text": tokenizer is not None, "speech": speech_entry_stage is not None, "images": images is not None}
     jobs.bind({r.path: handlers[(r.path, r.method)] for r in ROUTES
                if r.path in BODY_TYPES and r.method == "POST" and served.get(r.family, True)},
-              checks={"/v1/images/generations": families["images"].check})
+              checks={IMAGES: families["images"].check})
     by_path: dict[str, dict] = {}
     for r in ROUTES:
         by_path.setdefault(r.path, {})[r.method] = handlers[(r.path, r.method)]
