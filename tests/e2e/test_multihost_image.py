@@ -3,6 +3,7 @@
 Two network namespaces (tests/e2e/netns.py). Host A runs the head with `--num-replicas 0`: the master and
 the HTTP frontend only. Host B runs the Qwen-Image DiT stage `--stage-id 0 --headless`. An image asked of
 the head is made on B, comes back over TCP, and equals diffusers' QwenImagePipeline's; so does an image job.
+`omni sleep --level 2` on A puts B's stage to sleep (a 503 meanwhile) and `omni wakeup` gives the same image.
 
 The bundled qwen-image deploy has one stage (the DiT, stage 0). For an AR -> DiT deploy (an LM stage 0,
 the DiT stage 1) set DEPLOY to its `--deploy-config` arguments, DIT_STAGE to 1 and HEAD to () (the head
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 
 import httpx
 import numpy as np
@@ -99,6 +101,18 @@ def test_an_image_job_through_the_head_is_the_pipelines(deployment, want):
     assert job["status"] == "completed", job
     assert np.array_equal(image_of(a.call(httpx.get, f"{job_url}/content", timeout=30)), want)
     assert a.call(httpx.delete, job_url, timeout=30).status_code == 200
+
+
+def test_omni_sleep_on_a_reaches_the_dit_on_b_and_wakeup_gives_the_same_image(deployment, want):
+    a, b, master, url, *_ = deployment
+    r = a.run(sys.executable, "-m", "omni.cli", "sleep", "--master", master, "--stage", str(DIT_STAGE),
+              "--level", "2", "--force", "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    refused = a.call(httpx.post, f"{url}/v1/images/generations", json=BODY, timeout=60)
+    assert refused.status_code == 503 and "asleep" in refused.json()["error"]["message"], refused.text
+    r = a.run(sys.executable, "-m", "omni.cli", "wakeup", "--master", master, "--stage", str(DIT_STAGE), "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert np.array_equal(image_of(a.call(httpx.post, f"{url}/v1/images/generations", json=BODY, timeout=120)), want)
 
 
 def test_ctrl_c_stops_both_hosts(deployment):
