@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -22,6 +23,8 @@ TOKEN = "multihost-token"
 ADDR_A, ADDR_B = "10.213.0.1", "10.213.0.2"
 CLONE_NEWNET = 0x40000000
 CMD_TIMEOUT_S = 30
+# A frontend's /metrics line of tensor bytes by transport: (transport, bytes)
+METRIC = re.compile(r'^omni_tensor_bytes_total\{[^}]*transport="(\w+)"[^}]*\} (\d+)$', re.M)
 
 
 def _ip(*args: str) -> subprocess.CompletedProcess:

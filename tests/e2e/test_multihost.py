@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from tests.e2e.harness import SERVING, OmniProcess, omni_env, omni_shm_entries
-from tests.e2e.netns import TOKEN, Host, hosts, kill_all, status  # noqa: F401 (fixture)
+from tests.e2e.netns import METRIC, TOKEN, Host, hosts, kill_all, status  # noqa: F401 (fixture)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -132,9 +132,6 @@ def test_chat_with_audio_across_hosts(deployment):
     msg = r.json()["choices"][0]["message"]
     assert "Paris" in msg["content"]
     assert_speech(base64.b64decode(msg["audio"]["data"]), 0.5, 30.0)
-
-
-METRIC = re.compile(r'^omni_tensor_bytes_total\{[^}]*transport="(\w+)"[^}]*\} (\d+)$', re.M)
 
 
 def test_tensors_cross_hosts_over_tcp_and_stay_in_shared_memory_within_one(deployment):
