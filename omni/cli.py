@@ -126,7 +126,7 @@ def serve(
     control_api_key: Optional[str] = typer.Option(None, "--control-api-key", envvar="OMNI_CONTROL_API_KEY", help="Require 'Authorization: Bearer KEY' with this key (not --api-key) on the control routes /v1/omni/sleep and /v1/omni/wakeup."),
     disable_control_routes: bool = typer.Option(False, "--disable-control-routes", help="Answer 403 on /v1/omni/sleep and /v1/omni/wakeup (the master's `omni sleep`/`omni wakeup` still work)."),
     served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="Model name the API reports (default: MODEL)."),
-    num_replicas: Optional[int] = typer.Option(None, "--num-replicas", "--omni-dp-size-local", help="Replicas of the stage(s) run here."),
+    num_replicas: Optional[int] = typer.Option(None, "--num-replicas", "--omni-dp-size-local", help="Replicas of the stage(s) run here. 0 with --stage-id 0 (the head): only the master and the HTTP frontends run here; stage 0 runs headless on other hosts."),
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Per-stage engine flag (stage mode): context length."),
     max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs", help="Per-stage engine flag: max concurrent sequences."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Per-stage engine flag: bfloat16 | float32."),
@@ -166,8 +166,9 @@ def serve(
     if api_server_count > cores:
         print(f"omni: warning: --api-server-count {api_server_count} is more than the {cores} CPU cores here; "
               "extra frontends only add contention", file=sys.stderr)
-    if num_replicas is not None and num_replicas < 1:
-        raise ConfigError(f"--num-replicas must be >= 1, got {num_replicas}")
+    if num_replicas is not None and num_replicas < (0 if stage_id == 0 and not headless else 1):
+        raise ConfigError(f"--num-replicas must be >= 1 (0 only on the head, --stage-id 0 without --headless), "
+                          f"got {num_replicas}")
     if disable_control_routes and control_api_key:
         raise ConfigError("--control-api-key and --disable-control-routes contradict each other: "
                           "a key guards the control routes, the other flag turns them off")
@@ -222,11 +223,13 @@ def serve(
         if stage_id != 0:
             raise ConfigError(f"--stage-id {stage_id} without --headless: only stage 0 hosts the master "
                               "and the HTTP frontends; add --headless")
-        plan = LaunchPlan(config, stages=[0], master_host=omni_master_address, master_port=omni_master_port,
+        # --num-replicas 0: a head of master and frontends only; every stage registers from elsewhere.
+        plan = LaunchPlan(config, stages=[0] if num_replicas != 0 else [], master_host=omni_master_address,
+                          master_port=omni_master_port,
                           api_server_count=api_server_count, host=host, port=port, token=token,
                           api_key=api_key, served_model_name=served_model_name,
                           control_api_key=control_api_key, control_routes=not disable_control_routes,
-                          replica_address=omni_replica_address, num_replicas=num_replicas,
+                          replica_address=omni_replica_address, num_replicas=num_replicas or None,
                           engine_flags=flags, log_level=log_level, state_dir=state_dir, http_limits=http_limits)
     else:
         plan = LaunchPlan(config, stages=[s.stage_id for s in config.stages],

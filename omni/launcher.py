@@ -1,7 +1,7 @@
 """The parent process of `omni serve`: master, stage processes, frontends, supervision.
 
 Single-command mode runs everything here; head mode (--stage-id 0) runs the master,
-stage 0 and the frontends and waits for the other stages; headless mode with several
+stage 0 (none with --num-replicas 0) and the frontends and waits for the other stages; headless mode with several
 replicas runs those replicas. Children are real processes started from this same
 package; they die with the parent (PR_SET_PDEATHSIG) so nothing is orphaned.
 """

@@ -17,7 +17,7 @@ from starlette.routing import Route
 from omni.api.admin import AdminRoutes
 from omni.api.control import ControlRoutes
 from omni.api.http import FrontendMiddleware, by_method, endpoint, http_error
-from omni.api.images import ImageRoutes
+from omni.api.images import ROUTE as IMAGES, ImageRoutes
 from omni.api.jobs import BODY_TYPES, Jobs
 from omni.api.limits import HttpLimits, LimitsMiddleware
 from omni.api.routes import ROUTES
@@ -53,10 +53,11 @@ def build_app(orchestrator: OrchestratorLike, tokenizer: Any, *, served_model_na
                 "voices": VoiceRoutes(fe),
                 "control": ControlRoutes(fe), "jobs": jobs, "admin": admin}
     handlers = {(r.path, r.method): endpoint(getattr(families[r.family], r.handler)) for r in ROUTES}
-    # Jobs run what this pipeline serves: text routes need a tokenizer, speech a speech stage.
-    served = {"text": tokenizer is not None, "speech": speech_entry_stage is not None}
+    # Jobs run what this pipeline serves: text routes need a tokenizer, speech a speech stage, images an image stage.
+    served = {"text": tokenizer is not None, "speech": speech_entry_stage is not None, "images": images is not None}
     jobs.bind({r.path: handlers[(r.path, r.method)] for r in ROUTES
-               if r.path in BODY_TYPES and r.method == "POST" and served.get(r.family, True)})
+               if r.path in BODY_TYPES and r.method == "POST" and served.get(r.family, True)},
+              checks={IMAGES: families["images"].check})
     by_path: dict[str, dict] = {}
     for r in ROUTES:
         by_path.setdefault(r.path, {})[r.method] = handlers[(r.path, r.method)]

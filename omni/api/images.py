@@ -95,13 +95,20 @@ class ImageRoutes:
         self.fe = fe
         self.settings = settings     # None: this pipeline makes no images
 
-    async def generations(self, request: Request) -> Response:
+    def parse(self, body: bytes) -> tuple[P.ImageGenerationRequest, ImageParams]:
+        """The request and its parameters, or the 400/404 this route answers; a job checks its body here too."""
         if self.settings is None:
             raise APIError(404, "this pipeline makes no images (no stage with final_output_type image)",
                            type="not_found_error")
-        req = P.decode_body(await request.body(), P.ImageGenerationRequest)
+        req = P.decode_body(body, P.ImageGenerationRequest)
         self.fe.check_model(req.model)
-        params = image_params(req, self.settings)
+        return req, image_params(req, self.settings)
+
+    def check(self, body: bytes) -> None:
+        self.parse(body)
+
+    async def generations(self, request: Request) -> Response:
+        req, params = self.parse(await request.body())
         preq = PipelineRequest(request_id=f"img-{uuid.uuid4().hex}", text=req.prompt, modalities=("image",),
                                image=params)
         t0 = self.fe.t0(request)

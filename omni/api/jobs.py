@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 NAMESPACE = "jobs"
 BODY_TYPES = {"/v1/audio/speech": P.SpeechRequest, "/v1/chat/completions": P.ChatCompletionRequest,
-              "/v1/completions": P.CompletionRequest}
+              "/v1/completions": P.CompletionRequest, "/v1/images/generations": P.ImageGenerationRequest}
 PENDING = ("queued", "in_progress")
 HIDDEN = ("owner", "created_ns")
 JOB_ID_RE = re.compile(r"^job-[0-9a-f]{32}$")
@@ -46,6 +46,8 @@ FINISH_S = 30.0    # how long the final status write is retried while the master
 MAX_RUNNING = 2
 
 Handler = Callable[[Request], Awaitable[Response]]
+# body -> None, or the APIError the route would answer before running anything (its own bounds)
+Check = Callable[[bytes], None]
 # -> {(host, pid)} of the registered frontends, or None while that is unknown (no topology yet)
 LiveFrontends = Callable[[], "set[tuple[str, int]] | None"]
 
@@ -139,14 +141,17 @@ class Jobs:
         self.owner = {"host": host, "pid": os.getpid(), "frontend": frontend_index}
         self.live_frontends = live_frontends
         self.handlers: dict[str, Handler] = {}
+        self.checks: dict[str, Check] = {}
         self._tasks: dict[str, asyncio.Task] = {}
         self._mine: set[str] = set()   # accepted here and not finished: ours even before the task exists
         self._watcher: asyncio.Task | None = None
         self._slots = asyncio.Semaphore(MAX_RUNNING)
 
-    def bind(self, handlers: dict[str, Handler]) -> None:
-        """The endpoints jobs may run (only those this pipeline serves), path -> route handler."""
+    def bind(self, handlers: dict[str, Handler], checks: dict[str, Check] | None = None) -> None:
+        """The endpoints jobs may run (only those this pipeline serves), path -> route handler; `checks`:
+        path -> the route's own refusals of a body, run at create time (the image route's bounds)."""
         self.handlers = {p: h for p, h in handlers.items() if p in BODY_TYPES}
+        self.checks = {p: c for p, c in (checks or {}).items() if p in self.handlers}
 
     # ---- routes
 
@@ -159,8 +164,10 @@ class Jobs:
             raise bad_request("a job cannot stream; drop body.stream or call the endpoint directly",
                               param="body.stream")
         body = msgspec.json.encode(spec.body)
-        try:  # wrong types and missing fields are refused now, not as a failed job later
+        try:  # wrong types, missing fields and a route's own bounds are refused now, not as a failed job later
             P.decode_body(body, BODY_TYPES[spec.endpoint])
+            if spec.endpoint in self.checks:
+                self.checks[spec.endpoint](body)
         except APIError as e:
             raise APIError(e.status, f"body: {e.message}", param=f"body.{e.param}" if e.param else "body") from None
         now = time.time_ns()

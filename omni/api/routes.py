@@ -52,7 +52,7 @@ ROUTES: tuple[RouteSpec, ...] = (
               query=(("limit", {"type": "integer", "minimum": 1, "maximum": 100, "default": 20}),)),
     RouteSpec("/v1/omni/jobs/{job_id}", "GET", "jobs", "retrieve", errors=JOB),
     RouteSpec("/v1/omni/jobs/{job_id}", "DELETE", "jobs", "delete", errors=JOB),
-    # The result's type is the job's endpoint's: JSON (chat, completions) or a WAV (speech).
+    # The result's type is the job's endpoint's: JSON (chat, completions, images) or a WAV (speech).
     RouteSpec("/v1/omni/jobs/{job_id}/content", "GET", "jobs", "content", ok=("application/json", "audio/wav"),
               errors=(*JOB, 409)),
     RouteSpec("/v1/models", "GET", "admin", "models"),

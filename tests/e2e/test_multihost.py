@@ -1,7 +1,6 @@
 """Issue 8, item 5: the head and headless stages on two hosts.
 
-The hosts are two fresh network namespaces joined directly by one veth pair (nothing is
-configured in the root namespace; only the two addresses inside exist). Host A runs the
+The hosts are two fresh network namespaces joined by a veth pair (tests/e2e/netns.py). Host A runs the
 head (master, thinker, HTTP frontend); host B runs the talker and code2wav headless.
 Stages advertise their own address (auto-detected, or --omni-replica-address); tensors go
 over TCP between the hosts and over shared memory within B.
@@ -10,114 +9,23 @@ over TCP between the hosts and over shared memory within B.
 from __future__ import annotations
 
 import base64
-import ctypes
 import io
 import json
-import os
 import re
-import shutil
-import signal
-import subprocess
-import sys
 import time
 import wave
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import httpx
 import numpy as np
 import pytest
 
-from tests.e2e.harness import REPO, SERVING, OmniProcess, descendants, omni_env, omni_shm_entries
+from tests.e2e.harness import SERVING, OmniProcess, omni_env, omni_shm_entries
+from tests.e2e.netns import METRIC, TOKEN, Host, hosts, kill_all, status  # noqa: F401 (fixture)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-# The token on: the stage channel runs CURVE and the tensor hellos HMAC across the two hosts.
-TOKEN = "multihost-token"
-ADDR_A, ADDR_B = "10.213.0.1", "10.213.0.2"
-CLONE_NEWNET = 0x40000000
-CMD_TIMEOUT_S = 30
-
-
-def _ip(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=CMD_TIMEOUT_S)
-
-
-def make_hosts(ns_a: str, ns_b: str) -> None:
-    """Two namespaces, one veth pair created with an end in each, /30 addresses, lo up."""
-    steps = [
-        ("link", "add", "omni0", "netns", ns_a, "type", "veth", "peer", "name", "omni0", "netns", ns_b),
-        ("-n", ns_a, "addr", "add", f"{ADDR_A}/30", "dev", "omni0"),
-        ("-n", ns_b, "addr", "add", f"{ADDR_B}/30", "dev", "omni0"),
-    ]
-    for ns in (ns_a, ns_b):
-        steps += [("-n", ns, "link", "set", "lo", "up"), ("-n", ns, "link", "set", "omni0", "up")]
-    for i, step in enumerate(steps):
-        r = _ip(*step)
-        if r.returncode != 0 and i == 0:
-            pytest.skip(f"cannot create a veth pair here: ip {' '.join(step)}: {r.stderr.strip()}")
-        if r.returncode != 0:
-            raise AssertionError(f"ip {' '.join(step)} failed: {r.stderr.strip()}")
-
-
-def enter_netns(name: str) -> None:
-    """Move the calling thread into network namespace `name` (network namespaces are per thread)."""
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
-    try:
-        if libc.setns(fd, CLONE_NEWNET) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"setns {name}: {os.strerror(err)}")
-    finally:
-        os.close(fd)
-
-
-class Host:
-    """A namespace: commands run in it with `ip netns exec`, HTTP calls from a thread inside it."""
-
-    def __init__(self, name: str, addr: str):
-        self.name = name
-        self.addr = addr
-        self.prefix = ("ip", "netns", "exec", name)
-        self._pool = ThreadPoolExecutor(max_workers=1, initializer=enter_netns, initargs=(name,),
-                                        thread_name_prefix=f"netns-{name}")
-
-    def call(self, fn, *args, timeout: float = 180.0, **kwargs):
-        return self._pool.submit(fn, *args, **kwargs).result(timeout)
-
-    def run(self, *argv: str, timeout: float = CMD_TIMEOUT_S) -> subprocess.CompletedProcess:
-        return subprocess.run([*self.prefix, *argv], capture_output=True, text=True, timeout=timeout,
-                              cwd=REPO, env=omni_env(OMNI_TOKEN=TOKEN))
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-@pytest.fixture(scope="module")
-def hosts():
-    if os.geteuid() != 0:
-        pytest.skip("network namespaces need root (CI runs this test as root)")
-    if shutil.which("ip") is None:
-        pytest.skip("iproute2's `ip` is not installed")
-    tag = os.getpid()
-    names = [f"omni-mh-a-{tag}", f"omni-mh-b-{tag}"]
-    made: list[str] = []
-    pools: list[Host] = []
-    try:
-        for name in names:
-            r = _ip("netns", "add", name)
-            if r.returncode != 0:
-                pytest.skip(f"cannot create a network namespace here: ip netns add: {r.stderr.strip()}")
-            made.append(name)
-        make_hosts(*names)
-        pools += [Host(names[0], ADDR_A), Host(names[1], ADDR_B)]
-        yield pools[0], pools[1]
-    finally:
-        for host in pools:
-            host.close()
-        for name in made:   # deletes the veth pair too
-            _ip("netns", "delete", name)
 
 
 @dataclass
@@ -157,20 +65,7 @@ def deployment(hosts):
         assert m.group(1) == "0.0.0.0", m.group(0)
         yield Deployment(a, b, master, f"http://{a.addr}:{m.group(2)}", procs, shm_before)
     finally:
-        # The head's stage and frontend run in their own process groups: kill them by pid too.
-        children = [pid for p in procs for pid in descendants(p.proc.pid)]
-        for p in procs:
-            if p.proc.poll() is None:
-                p.kill()
-        for pid in children:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-
-def status(host: Host, master: str, *extra: str) -> subprocess.CompletedProcess:
-    return host.run(sys.executable, "-m", "omni.cli", "status", "--master", master, *extra)
+        kill_all(procs)
 
 
 def test_status_shows_each_replica_on_its_own_host(deployment):
@@ -237,9 +132,6 @@ def test_chat_with_audio_across_hosts(deployment):
     msg = r.json()["choices"][0]["message"]
     assert "Paris" in msg["content"]
     assert_speech(base64.b64decode(msg["audio"]["data"]), 0.5, 30.0)
-
-
-METRIC = re.compile(r'^omni_tensor_bytes_total\{[^}]*transport="(\w+)"[^}]*\} (\d+)$', re.M)
 
 
 def test_tensors_cross_hosts_over_tcp_and_stay_in_shared_memory_within_one(deployment):

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 from omni.api import build_app
+from omni.api.jobs import Jobs
 from omni.config import ImageSettings
 from omni.errors import StageFailed
 from omni.orchestrator.types import PipelineOutput, PipelineRequest
@@ -92,7 +94,7 @@ async def test_no_guidance_has_no_negative_prompt():
     assert r.status_code == 200 and orch.requests[0].image.negative_prompt is None
 
 
-@pytest.mark.parametrize("body, param, says", [
+BAD = [
     ({"size": "40x32"}, "size", "multiples of 16"),
     ({"size": "0x32"}, "size", "multiples of 16"),
     ({"size": "256x256"}, "size", "the limit is 16384"),
@@ -108,7 +110,10 @@ async def test_no_guidance_has_no_negative_prompt():
     ({"prompt": "   "}, "prompt", None),
     ({"prompt": "x" * 4001}, "prompt", None),
     ({"seed": -1}, "seed", None),
-])
+]
+
+
+@pytest.mark.parametrize("body, param, says", BAD)
 async def test_bad_input_is_a_400_naming_the_parameter(body, param, says):
     orch, client = make()
     r = await client.post("/v1/images/generations", json={"prompt": "a cat", **body})
@@ -137,3 +142,66 @@ async def test_openapi_states_the_deployments_image_bounds():
     assert {"type": "integer", "minimum": 1, "maximum": 3} in props["n"]["anyOf"]
     assert {"type": "integer", "minimum": 1, "maximum": 20} in props["num_inference_steps"]["anyOf"]
     assert props["prompt"]["maxLength"] == 4000 and props["model"]["anyOf"][0]["enum"] == ["img"]
+    schemas = (await client.get("/openapi.json")).json()["components"]["schemas"]
+    [job] = schemas["JobRequest"]["oneOf"]     # the only endpoint a job may run on an image pipeline
+    assert job["properties"]["endpoint"] == {"const": "/v1/images/generations"}
+    assert job["properties"]["body"]["properties"]["n"] == props["n"]
+
+
+async def settled(client: httpx.AsyncClient, job_id: str) -> dict:
+    """The job once it is no longer pending (the fake answers at once; bounded)."""
+    jobs: Jobs = client._transport.app.state.jobs
+    tasks = list(jobs._tasks.values())
+    if tasks:
+        await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10)
+    return (await client.get(f"/v1/omni/jobs/{job_id}")).json()
+
+
+async def test_an_image_job_answers_what_the_sync_call_answers():
+    orch, client = make()
+    body = {"prompt": "a cat", "n": 2, "seed": 3}
+    r = await client.post("/v1/omni/jobs", json={"endpoint": "/v1/images/generations", "body": body})
+    assert r.status_code == 200, r.text
+    job = await settled(client, r.json()["id"])
+    assert job["status"] == "completed" and job["content_type"] == "application/json", job
+    content = await client.get(f"/v1/omni/jobs/{job['id']}/content")
+    sync = (await client.post("/v1/images/generations", json=body)).json()
+    got = content.json()
+    assert len(content.content) == job["bytes"] and set(got) == {"created", "data"}
+    assert got["data"] == sync["data"] and len(got["data"]) == 2     # `created` is each call's own time
+    assert orch.requests[0].image == orch.requests[1].image
+    assert (await client.delete(f"/v1/omni/jobs/{job['id']}")).status_code == 200
+    r = await client.get(f"/v1/omni/jobs/{job['id']}/content")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "job_not_found"
+
+
+@pytest.mark.parametrize("body, param, says", BAD)
+async def test_a_bad_image_job_is_refused_at_create_with_the_sync_routes_400(body, param, says):
+    orch, client = make()
+    sync = (await client.post("/v1/images/generations", json={"prompt": "a cat", **body})).json()["error"]
+    r = await client.post("/v1/omni/jobs", json={"endpoint": "/v1/images/generations",
+                                                 "body": {"prompt": "a cat", **body}})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == f"body.{param}" and err["message"] == f"body: {sync['message']}", err
+    assert orch.requests == [] and (await client.get("/v1/omni/jobs")).json()["data"] == []
+
+
+async def test_an_image_job_of_an_unknown_model_or_without_an_image_stage_is_refused():
+    _, client = make()
+    r = await client.post("/v1/omni/jobs", json={"endpoint": "/v1/images/generations",
+                                                 "body": {"prompt": "a", "model": "other"}})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "body.model", r.text
+    _, client = make(None)
+    r = await client.post("/v1/omni/jobs", json={"endpoint": "/v1/images/generations", "body": {"prompt": "a"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "endpoint", r.text
+
+
+async def test_an_image_job_whose_stage_fails_reads_failed_with_the_cause():
+    orch, client = make()
+    orch.fail = StageFailed(0, "r0", "boom")
+    r = await client.post("/v1/omni/jobs", json={"endpoint": "/v1/images/generations", "body": {"prompt": "a"}})
+    job = await settled(client, r.json()["id"])
+    assert job["status"] == "failed" and "boom" in job["error"]["message"], job
+    r = await client.get(f"/v1/omni/jobs/{job['id']}/content")
+    assert r.status_code == 409 and r.json()["error"]["code"] == "job_not_completed"

@@ -24,7 +24,10 @@ def test_each_body_schema_is_the_type_its_handler_decodes():
     bodies = [r for r in ROUTES if r.body is not None]
     assert {r.path for r in bodies} >= {"/v1/chat/completions", "/v1/completions", "/v1/audio/speech"}
     for r in bodies:
-        source = inspect.getsource(getattr(FAMILIES[r.family], r.handler))
+        family = FAMILIES[r.family]
+        source = inspect.getsource(getattr(family, r.handler))
+        if "self.parse(" in source:   # the image route decodes in parse(), which its jobs' check shares
+            source += inspect.getsource(family.parse)
         assert "decode_body(" in source and r.body.__name__ in source, (r.path, r.body)
     spec = openapi_spec("m")
     _, components = msgspec.json.schema_components([r.body for r in bodies] + [ErrorResponse],

@@ -146,10 +146,35 @@ def test_what_the_model_cannot_make_is_refused_by_name(engine, change, message):
         engine.add_request(EngineRequest(request_id="bad", prompt_token_ids=[1, 2, 3], image=PARAMS))
 
 
+def test_level_2_sleep_drops_the_weights_and_wake_up_reads_them_again(engine):
+    """On any device: a CPU stage has nothing to move off a device, but level 2 frees its host memory."""
+    before = run(engine, {"a": ("a red cat", PARAMS)})["a"]
+    assert engine.can_sleep()
+    engine.add_request(EngineRequest(request_id="open", text="a", image=PARAMS))
+    with pytest.raises(EngineError, match="1 image request"):
+        engine.sleep(2)
+    engine.abort("open")
+    with pytest.raises(EngineError, match="level must be 1 or 2"):
+        engine.sleep(3)
+    engine.sleep(2)
+    assert engine.is_sleeping() and engine.pipe is None
+    engine.sleep(1)                      # deeper already: nothing to do
+    engine.wake_up()
+    assert not engine.is_sleeping() and next(engine.pipe.transformer.parameters()).device.type == engine.device.type
+    assert np.array_equal(run(engine, {"b": ("a red cat", PARAMS)})["b"], before)
+
+
+def test_level_2_needs_a_folder_to_read_again(pipe):
+    from omni.models.qwen_image.engine import QwenImageEngine
+
+    built = QwenImageEngine(None, device=pipe.device.type, pipeline=pipe)
+    with pytest.raises(EngineError, match="no folder to read the weights from again"):
+        built.sleep(2)
+
+
 def test_sleep_moves_the_weights_off_the_gpu_and_is_refused_on_cpu(engine):
     if engine.device.type == "cpu":
-        assert not engine.can_sleep()
-        with pytest.raises(EngineError, match="on CPU cannot sleep"):
+        with pytest.raises(EngineError, match="on CPU cannot sleep at level 1: .*level 2 drops them"):
             engine.sleep()
         return
     engine.add_request(EngineRequest(request_id="open", text="a", image=PARAMS))

@@ -17,6 +17,7 @@ same arguments (tests/unit/test_qwen_image.py); in a bigger batch float32 matmul
 from __future__ import annotations
 
 import collections
+import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -64,13 +65,11 @@ class QwenImageEngine(Engine):
             raise ValueError(f"max_sequence_length must be in [1, 1024] (Qwen-Image's), got {max_sequence_length}")
         if threads:
             torch.set_num_threads(threads)
-        from diffusers import QwenImagePipeline
-
         self.device = torch.device(device)
-        if pipeline is None:
-            pipeline = QwenImagePipeline.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
-            pipeline.set_progress_bar_config(disable=True)
-        self.pipe = pipeline.to(self.device)
+        # Level-2 sleep reads the weights again from here; None: built in memory, nothing to reload from.
+        self.model_dir = None if pipeline is not None else str(model_dir)
+        self.dtype = getattr(torch, dtype)
+        self.pipe = pipeline.to(self.device) if pipeline is not None else self.load()
         if self.pipe.transformer.config.guidance_embeds:
             raise ValueError("a guidance-distilled Qwen-Image transformer (guidance_embeds) is not supported")
         self.max_batch_rows = max_batch_rows
@@ -85,6 +84,13 @@ class QwenImageEngine(Engine):
         self._encoded: collections.OrderedDict[tuple[int, ...], torch.Tensor] = collections.OrderedDict()
         self.encode_cache = encode_cache
         self._report: dict[str, float] = {}    # load_extra(): replaced whole after each step
+
+    def load(self):
+        from diffusers import QwenImagePipeline
+
+        pipe = QwenImagePipeline.from_pretrained(self.model_dir, dtype=self.dtype)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe.to(self.device)
 
     def move_to(self, device: torch.device) -> None:
         self.pipe.to(device)
@@ -325,16 +331,40 @@ class QwenImageEngine(Engine):
     # -- sleep and figures -------------------------------------------------------------
 
     def can_sleep(self) -> bool:
-        return self.offload.can_sleep()
+        return self.offload.can_sleep() or self.model_dir is not None
 
     def sleep(self, level: int = 1) -> None:
-        self.offload.sleep(len(self._jobs), "image request(s) open")
+        """Level 1: the pipeline to host memory (a GPU's only). Level 2: the weights dropped and read from
+        the folder again at wake-up, as torch_lm's level 2: frees host memory on CPU too."""
+        if level not in (1, 2):
+            raise EngineError(f"sleep level must be 1 or 2, got {level}")
+        if self.pipe is None:
+            return                       # at level 2 already
+        if level == 1 and not self.offload.can_sleep():
+            raise EngineError(f"{self.name} on CPU cannot sleep at level 1: its weights have no device memory to "
+                              "free; level 2 drops them and reads them again from the folder at wake-up")
+        if level == 1:
+            self.offload.sleep(len(self._jobs), "image request(s) open")
+            return
+        if self._jobs:
+            raise EngineError(f"{self.name} cannot sleep with {len(self._jobs)} image request(s) open")
+        if self.model_dir is None:
+            raise EngineError(f"{self.name} was built from a pipeline in memory: level 2 has no folder to read the "
+                              "weights from again; use level 1")
+        self.pipe = None
+        self._encoded.clear()
+        self.offload.sleeping = False    # nothing left on the host to bring back: wake-up loads
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def wake_up(self) -> None:
+        if self.pipe is None:
+            self.pipe = self.load()
         self.offload.wake_up()
 
     def is_sleeping(self) -> bool:
-        return self.offload.sleeping
+        return self.offload.sleeping or self.pipe is None
 
     def progress_gauges(self) -> dict[str, float]:
         """Requests in flight (and those not stepped yet), their denoising steps done and left, images made."""
