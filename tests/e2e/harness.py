@@ -179,6 +179,16 @@ def omni_shm_entries(pids: list[int] | None = None) -> list[str]:
     return [n for n in names if n.startswith(tuple(f"omni-shm-{pid}-" for pid in pids))]
 
 
+@contextlib.contextmanager
+def served(*args: str, env: dict | None = None, timeout: float = 300.0):
+    """`omni serve ARGS` for the block: yields its HTTP URL, then interrupts it (Ctrl-C)."""
+    p = OmniProcess("serve", *args, env=env)
+    try:
+        yield p.http(timeout=timeout)
+    finally:
+        p.interrupt()
+
+
 def pinned(url: str, index: str, tries: int = 200) -> httpx.Client:
     """A keep-alive client whose one connection is served by frontend `index`."""
     for _ in range(tries):

@@ -8,15 +8,15 @@ image is diffusers' QwenImagePipeline's for that prompt, seed, size and steps, p
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 
 import numpy as np
 import pytest
 
 from omni import config
-from tests.e2e.harness import OmniProcess, omni_env, until_frontend
+from tests.e2e.harness import omni_env, served, until_frontend
+# The one-stage test's tiny folder, diffusers' pipeline on it, and its reference and PNG reader.
+from tests.e2e.test_qwen_image import pipe, pixels, reference, tiny  # noqa: F401
 
 pytestmark = [pytest.mark.e2e]
 diffusers = pytest.importorskip("diffusers")
@@ -27,33 +27,17 @@ OVERRIDES = {"0": {"default_sampling_params": {"max_tokens": 24}}}
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from omni.models.qwen_image.tiny import build
-
-    return build(tmp_path_factory.mktemp("qi") / "folder")
-
-
-@pytest.fixture(scope="module")
-def deploy(tiny, monkeypatch_module):
-    monkeypatch_module.setenv("OMNI_PLATFORM", "cpu")
+def deploy(tiny):  # noqa: F811
+    """The writer stage and the chat as served (they are the same on every platform)."""
     return config.load(str(tiny), DEPLOY, stage_overrides=OVERRIDES)
 
 
 @pytest.fixture(scope="module")
-def monkeypatch_module():
-    with pytest.MonkeyPatch.context() as mp:
-        yield mp
-
-
-@pytest.fixture(scope="module")
-def server(tiny):
-    p = OmniProcess("serve", str(tiny), "--deploy-config", DEPLOY, "--port", "0", "--served-model-name", NAME,
-                    "--api-server-count", "2", "--stage-overrides", json.dumps(OVERRIDES),
-                    env=omni_env(OMNI_PLATFORM="cpu", OMP_NUM_THREADS="1"))
-    try:
-        yield p.http(timeout=300)
-    finally:
-        p.interrupt()
+def server(tiny):  # noqa: F811
+    with served(str(tiny), "--deploy-config", DEPLOY, "--port", "0", "--served-model-name", NAME,
+                "--api-server-count", "2", "--stage-overrides", json.dumps(OVERRIDES),
+                env=omni_env(OMNI_PLATFORM="cpu", OMP_NUM_THREADS="1")) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -67,15 +51,6 @@ def writer(deploy):
     torch.set_num_threads(1)
     path = resolve_model(deploy.stages[0].model)
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path)
-
-
-@pytest.fixture(scope="module")
-def pipe(tiny):
-    import torch
-
-    p = diffusers.QwenImagePipeline.from_pretrained(str(tiny), dtype=torch.float32)
-    p.set_progress_bar_config(disable=True)
-    return p
 
 
 def chat(deploy, prompt: str) -> list[dict]:
@@ -97,24 +72,9 @@ def written(writer, deploy, prompt: str) -> str:
     return tok.decode(out[0, len(ids):], skip_special_tokens=True).strip()
 
 
-def reference(pipe, prompt: str, *, size, steps, seed, n=1, scale=4.0):
-    import torch
-
-    images = pipe(prompt, negative_prompt=" ", true_cfg_scale=scale, width=size[0], height=size[1],
-                  num_inference_steps=steps, num_images_per_prompt=n,
-                  generator=torch.Generator().manual_seed(seed)).images
-    return [np.asarray(im) for im in images]
-
-
-def pixels(b64: str) -> np.ndarray:
-    from PIL import Image
-
-    return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"))
-
-
 @pytest.mark.parametrize("frontend, prompt, n, seed", [("0", "a red cat on the mountain", 1, 11),
                                                        ("1", "a lighthouse in a storm", 2, 12)])
-def test_each_frontend_serves_the_lm_expanded_image(server, deploy, writer, pipe, frontend, prompt, n, seed):
+def test_each_frontend_serves_the_lm_expanded_image(server, deploy, writer, pipe, frontend, prompt, n, seed):  # noqa: F811
     r = until_frontend(server, frontend, "POST", "/v1/images/generations", json={
         "model": NAME, "prompt": prompt, "size": "64x48", "n": n, "num_inference_steps": 3, "seed": seed})
     assert r.status_code == 200, r.text
@@ -122,7 +82,7 @@ def test_each_frontend_serves_the_lm_expanded_image(server, deploy, writer, pipe
     revised = data[0]["revised_prompt"]
     assert [d["revised_prompt"] for d in data] == [revised] * n
     assert revised == written(writer, deploy, prompt) and revised != prompt
-    want = reference(pipe, revised, size=(64, 48), steps=3, seed=seed, n=n)
+    want = reference(pipe, revised, size=(64, 48), steps=3, seed=seed, n=n, scale=4.0, negative=" ")
     assert len(data) == n and all(np.array_equal(pixels(d["b64_json"]), w) for d, w in zip(data, want))
 
 
