@@ -69,6 +69,13 @@ class StageConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
 _STAGE_FIELDS = set(StageConfig.__struct_fields__)
 
 
+class PromptExpansion(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """An AR -> DiT pipeline: the chat the frontend renders with the writer LM's chat template (stage 0)
+    to have it expand the client's image prompt; the DiT renders what the LM writes."""
+    system: str
+    user: str = "{prompt}"              # `{prompt}`: the client's prompt
+
+
 class ImageSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """/v1/images/generations of a pipeline with an image stage: defaults and the bounds it enforces."""
     size_multiple: int = 16             # width and height: whole latent patches (VAE scale x DiT patch size)
@@ -80,6 +87,8 @@ class ImageSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     default_negative_prompt: str = " "    # Qwen-Image's: guidance on by default
     max_n: int = 4
     max_prompt_chars: int = 4000
+    # Set: stage 0 is an LM that writes the image stage's prompt from the client's (an AR -> DiT pipeline).
+    expand: PromptExpansion | None = None
 
 
 class PipelineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -428,6 +437,7 @@ def validate(config: DeployConfig, source: str = "deploy config") -> None:
     if entry is not None and entry not in ids:
         raise ConfigError(f"{source}: pipeline.speech_entry_stage {entry} is not a stage id")
     validate_images(config.pipeline.images, f"{source}: pipeline.images")
+    validate_expansion(config, f"{source}: pipeline.images.expand")
 
 
 def validate_images(s: ImageSettings, where: str) -> None:
@@ -441,6 +451,20 @@ def validate_images(s: ImageSettings, where: str) -> None:
                           f"{s.size_multiple}, at most max_pixels {s.max_pixels}")
     if s.default_steps > s.max_steps:
         raise ConfigError(f"{where}.default_steps {s.default_steps} is over max_steps {s.max_steps}")
+
+
+def validate_expansion(config: DeployConfig, where: str) -> None:
+    """`expand`: an LM at stage 0 writes the image stage's prompt from the chat the frontend renders."""
+    expand = config.pipeline.images.expand
+    if expand is None:
+        return
+    image = config.final_stage("image")
+    if image is None or not image.upstream():
+        raise ConfigError(f"{where}: needs an image stage fed by an earlier stage (the LM that writes its prompt)")
+    if "prompt" not in config.stages[0].inputs:
+        raise ConfigError(f"{where}: stage 0 must take the rendered chat (inputs: [prompt])")
+    if "{prompt}" not in expand.user:
+        raise ConfigError(f"{where}.user must hold {{prompt}} (where the client's prompt goes), got {expand.user!r}")
 
 
 def load(

@@ -4,6 +4,11 @@ The deployment's bounds (config `pipeline.images`) are checked here, each refusa
 parameter; the diffusion stage checks them again against what its model can make. Defaults fill what
 the client left out, so the stage gets every field set (omni.engines.base.ImageParams). PNG encoding
 runs off the event loop.
+
+An AR -> DiT pipeline (config `pipeline.images.expand`): the client's prompt goes into the deploy's chat
+(system, user), rendered with the LM's chat template here and sent to stage 0 as token ids under that
+stage's deploy sampling; the DiT renders what the LM writes, which each answer item reports as
+`revised_prompt` (OpenAI's DALL-E 3 name for it).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from omni import latency_trace
 from omni.api import protocol as P
 from omni.api.errors import APIError, bad_request
 from omni.api.http import until_disconnect
-from omni.api.state import FrontendState
+from omni.api.state import OFFLOAD_CHARS, FrontendState
 from omni.config import ImageSettings
 from omni.engines.base import ImageParams
 from omni.orchestrator.types import PipelineOutput, PipelineRequest
@@ -109,8 +114,7 @@ class ImageRoutes:
 
     async def generations(self, request: Request) -> Response:
         req, params = self.parse(await request.body())
-        preq = PipelineRequest(request_id=f"img-{uuid.uuid4().hex}", text=req.prompt, modalities=("image",),
-                               image=params)
+        preq = await self.pipeline_request(req, params)
         t0 = self.fe.t0(request)
 
         async def work() -> Response:
@@ -118,9 +122,11 @@ class ImageRoutes:
                 latency_trace.mark("arrived", preq.request_id, at=t0)
             it = aiter(self.fe.orch.generate(preq))
             images: list[str] = []
+            revised: str | None = None
             try:
                 async for out in it:
                     if out.modality == "image" and out.image:
+                        revised = out.prompt
                         self.fe.metrics.first_output(ROUTE, time.monotonic() - t0)
                         if latency_trace.on():
                             latency_trace.mark("image", preq.request_id, params.n)
@@ -132,6 +138,26 @@ class ImageRoutes:
                     await it.aclose()
             if len(images) != params.n:
                 raise APIError(500, f"the pipeline made {len(images)} of {params.n} images", type="stage_error")
-            return JSONResponse({"created": int(time.time()), "data": [{"b64_json": b} for b in images]})
+            extra = {"revised_prompt": revised} if revised is not None else {}
+            return JSONResponse({"created": int(time.time()), "data": [{"b64_json": b, **extra} for b in images]})
 
         return await until_disconnect(request, work)
+
+    async def pipeline_request(self, req: P.ImageGenerationRequest, params: ImageParams) -> PipelineRequest:
+        """The image stage's own prompt is the client's text; with `expand`, stage 0 (an LM) gets the deploy's
+        chat around it instead, and the client's text rides along (what the DiT renders if the LM writes
+        nothing)."""
+        rid = f"img-{uuid.uuid4().hex}"
+        expand = self.settings.expand
+        if expand is None:
+            return PipelineRequest(request_id=rid, text=req.prompt, modalities=("image",), image=params)
+        fe = self.fe
+        fe.need_text()
+        user = expand.user.replace("{prompt}", req.prompt)
+        chars = len(expand.system) + len(user)
+        fe.check_prompt_chars(chars, "prompt", "prompt")
+        ids = await fe.offload(chars > OFFLOAD_CHARS, fe.render_chat,
+                               [{"role": "system", "content": expand.system}, {"role": "user", "content": user}])
+        sampling = fe.sampling(P.no_client_sampling(), fe.max_tokens(None, len(ids), "max_tokens", "prompt"), None)
+        return PipelineRequest(request_id=rid, prompt_token_ids=ids, text=req.prompt, sampling=sampling,
+                               modalities=("image",), image=params)

@@ -91,6 +91,11 @@ class _Sampling(msgspec.Struct, kw_only=True):
     suffix: Annotated[str | None, _refused(["", None])] = None
 
 
+def no_client_sampling() -> _Sampling:
+    """A request that sets no sampling value: the deploy's defaults alone (an image request's writer LM)."""
+    return _Sampling()
+
+
 class ChatCompletionRequest(_Sampling, kw_only=True):
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
     max_completion_tokens: MaxTokens | None = None

@@ -74,8 +74,9 @@ FAMILIES: tuple[Family, ...] = (
     # A diffusers folder: model_index.json's `_class_name` stands for config.json's model_type.
     Family(
         "qwen-image", "omni.models.qwen_image", model_types=("QwenImagePipeline",),
-        deploy="qwen-image.yaml", deploys=("qwen-image.yaml",),
+        deploy="qwen-image.yaml", deploys=("qwen-image.yaml", "qwen-image-prompt-expand.yaml"),
         engines={"qwen_image": EngineSpec("omni.models.qwen_image.engine:QwenImageEngine")},
+        processors=("omni.models.qwen_image.processors:lm_to_dit",),
         tiny="omni.models.qwen_image.tiny:build"),
 )
 

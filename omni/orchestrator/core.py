@@ -290,6 +290,10 @@ class OrchestratorCore:
                 if out.sample_rate <= 0:
                     raise OmniError(f"{stage.label} sent audio without a sample rate")
                 po.sample_rate = out.sample_rate
+            if kind == "image" and stage.upstream():
+                # The prompt an upstream stage wrote (the client's revised prompt), as it was sent.
+                sent = state.stages[stage.stage_id].sent.get(out.request_id, ())
+                po.prompt = next((inp.text for inp, _ in sent if inp.text is not None), None)
         if state.first_output_at is None:
             state.first_output_at = self.clock()
             self.metrics.first_output(state.first_output_at - state.started_at)

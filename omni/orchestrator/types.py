@@ -50,6 +50,8 @@ class PipelineOutput(msgspec.Struct, kw_only=True):
     stop_reason: int | str | None = None   # on the finishing output: the stop token id that ended it
     image: bytes = b""                 # modality "image": uint8 RGB rows of `image_shape` [n, height, width, 3]
     image_shape: tuple[int, ...] = ()
+    # modality "image" of a stage fed by another: the prompt it rendered (what the upstream stage wrote)
+    prompt: str | None = None
 
 
 class OrchestratorLike(Protocol):

@@ -14,6 +14,8 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
+
 REPO = Path(__file__).resolve().parents[2]
 SERVING = re.compile(r"serving .* on http://([\d.]+):(\d+)")
 MASTER = re.compile(r"master listening on ([\d.]+):(\d+)")
@@ -175,3 +177,33 @@ def omni_shm_entries(pids: list[int] | None = None) -> list[str]:
     if pids is None:
         return names
     return [n for n in names if n.startswith(tuple(f"omni-shm-{pid}-" for pid in pids))]
+
+
+@contextlib.contextmanager
+def served(*args: str, env: dict | None = None, timeout: float = 300.0):
+    """`omni serve ARGS` for the block: yields its HTTP URL, then interrupts it (Ctrl-C)."""
+    p = OmniProcess("serve", *args, env=env)
+    try:
+        yield p.http(timeout=timeout)
+    finally:
+        p.interrupt()
+
+
+def pinned(url: str, index: str, tries: int = 200) -> httpx.Client:
+    """A keep-alive client whose one connection is served by frontend `index`."""
+    for _ in range(tries):
+        c = httpx.Client(base_url=url, timeout=120, limits=httpx.Limits(max_connections=1))
+        if c.get("/health").headers.get("x-omni-frontend") == index:
+            return c
+        c.close()
+    raise AssertionError(f"frontend {index} never answered in {tries} new connections")
+
+
+def until_frontend(url: str, index: str, method: str, path: str, tries: int = 200, **kw) -> httpx.Response:
+    c = pinned(url, index, tries)
+    try:
+        r = c.request(method, path, **kw)
+    finally:
+        c.close()
+    assert r.headers["x-omni-frontend"] == index
+    return r

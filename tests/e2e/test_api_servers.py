@@ -15,7 +15,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.e2e.harness import REPO, OmniProcess, omni_env, omni_shm_entries
+from tests.e2e.harness import REPO, OmniProcess, omni_env, omni_shm_entries, pinned, until_frontend
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -38,26 +38,6 @@ def fresh(url: str, method: str, path: str, **kw) -> httpx.Response:
     """One request on a new connection (so the kernel picks a frontend anew)."""
     with httpx.Client(timeout=120) as c:
         return c.request(method, f"{url}{path}", **kw)
-
-
-def pinned(url: str, index: str, tries: int = 200) -> httpx.Client:
-    """A keep-alive client whose one connection is served by frontend `index`."""
-    for _ in range(tries):
-        c = httpx.Client(base_url=url, timeout=120, limits=httpx.Limits(max_connections=1))
-        if c.get("/health").headers.get("x-omni-frontend") == index:
-            return c
-        c.close()
-    raise AssertionError(f"frontend {index} never answered in {tries} new connections")
-
-
-def until_frontend(url: str, index: str, method: str, path: str, tries: int = 200, **kw) -> httpx.Response:
-    c = pinned(url, index, tries)
-    try:
-        r = c.request(method, path, **kw)
-    finally:
-        c.close()
-    assert r.headers["x-omni-frontend"] == index
-    return r
 
 
 def test_connections_spread_over_both_frontends(server):

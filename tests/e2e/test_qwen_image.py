@@ -12,7 +12,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.e2e.harness import OmniProcess, omni_env, wait_until
+from tests.e2e.harness import omni_env, served, wait_until
 
 pytestmark = [pytest.mark.e2e]
 diffusers = pytest.importorskip("diffusers")
@@ -29,12 +29,9 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tiny):
-    p = OmniProcess("serve", str(tiny), "--port", "0", "--served-model-name", NAME,
-                    env=omni_env(OMNI_PLATFORM="cpu", OMP_NUM_THREADS="1"))
-    try:
-        yield p.http(timeout=300)
-    finally:
-        p.interrupt()
+    with served(str(tiny), "--port", "0", "--served-model-name", NAME,
+                env=omni_env(OMNI_PLATFORM="cpu", OMP_NUM_THREADS="1")) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -8,14 +8,17 @@ import base64
 import io
 
 import httpx
+import msgspec
 import numpy as np
 import pytest
 
 from omni.api import build_app
 from omni.api.jobs import Jobs
-from omni.config import ImageSettings
+from omni.config import ImageSettings, PromptExpansion
+from omni.sampling import SamplingOverrides
 from omni.errors import StageFailed
 from omni.orchestrator.types import PipelineOutput, PipelineRequest
+from tests.unit.test_api import tokenizer  # noqa: F401  (a byte-level BPE with a chat template)
 
 pytestmark = pytest.mark.anyio
 SETTINGS = ImageSettings(default_size="64x32", max_pixels=128 * 128, default_steps=7, max_steps=20, max_n=3)
@@ -32,6 +35,7 @@ class FakeImages:
     def __init__(self):
         self.requests: list[PipelineRequest] = []
         self.fail: Exception | None = None
+        self.written: str | None = None     # the prompt an upstream stage wrote (PipelineOutput.prompt)
 
     async def generate(self, request: PipelineRequest):
         self.requests.append(request)
@@ -42,15 +46,16 @@ class FakeImages:
         for i in range(p.n):
             rows[i] = i * 40
         yield PipelineOutput(request_id=request.request_id, stage_id=0, modality="image", finished=True,
-                             image=rows.tobytes(), image_shape=rows.shape)
+                             image=rows.tobytes(), image_shape=rows.shape, prompt=self.written)
 
     def health(self):
         return True, ""
 
 
-def make(images: ImageSettings | None = SETTINGS):
+def make(images: ImageSettings | None = SETTINGS, tokenizer=None, **kw):  # noqa: F811
     orch = FakeImages()
-    app = build_app(orch, None, served_model_name="img", max_model_len=16, images=images)
+    app = build_app(orch, tokenizer, served_model_name="img", max_model_len=kw.pop("max_model_len", 16),
+                    images=images, **kw)
     return orch, httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
 
 
@@ -66,6 +71,7 @@ async def test_defaults_fill_what_the_client_left_out():
     assert r.status_code == 200, r.text
     body = r.json()
     assert set(body) == {"created", "data"} and len(body["data"]) == 1
+    assert set(body["data"][0]) == {"b64_json"}       # nothing revised the prompt
     assert pixels(body["data"][0]["b64_json"]).shape == (32, 64, 3)
     req = orch.requests[0]
     assert req.text == "a cat" and req.modalities == ("image",)
@@ -205,3 +211,32 @@ async def test_an_image_job_whose_stage_fails_reads_failed_with_the_cause():
     assert job["status"] == "failed" and "boom" in job["error"]["message"], job
     r = await client.get(f"/v1/omni/jobs/{job['id']}/content")
     assert r.status_code == 409 and r.json()["error"]["code"] == "job_not_completed"
+
+
+EXPAND = msgspec.structs.replace(SETTINGS, expand=PromptExpansion(system="Describe a picture.", user="Idea: {prompt}"))
+
+
+async def test_an_lm_entry_gets_the_deploys_chat_and_each_image_reports_the_revised_prompt(tokenizer):  # noqa: F811
+    orch, client = make(EXPAND, tokenizer, max_model_len=128,
+                        sampling_defaults=SamplingOverrides(temperature=0.0, max_tokens=40), default_max_tokens=40)
+    orch.written = "A red cat asleep on a mountain ledge at dusk."
+    r = await client.post("/v1/images/generations", json={"prompt": "a cat", "n": 2, "seed": 1})
+    assert r.status_code == 200, r.text
+    data = r.json()["data"]
+    assert [sorted(d) for d in data] == [["b64_json", "revised_prompt"]] * 2
+    assert {d["revised_prompt"] for d in data} == {orch.written}
+    req = orch.requests[0]
+    want = tokenizer.apply_chat_template([{"role": "system", "content": "Describe a picture."},
+                                          {"role": "user", "content": "Idea: a cat"}],
+                                         add_generation_prompt=True, tokenize=False)
+    assert req.prompt_token_ids == tokenizer.encode(want, add_special_tokens=False)
+    # The client's prompt rides along (the DiT's if the LM writes nothing); the LM samples as the deploy says.
+    assert (req.text, req.entry_stage, req.modalities, req.image.n) == ("a cat", 0, ("image",), 2)
+    assert (req.sampling.temperature, req.sampling.max_tokens) == (0.0, 40)
+
+
+async def test_a_prompt_the_lms_context_cannot_hold_is_a_400_naming_it(tokenizer):  # noqa: F811
+    orch, client = make(EXPAND, tokenizer, max_model_len=24)
+    r = await client.post("/v1/images/generations", json={"prompt": "the quick brown fox " * 20})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    assert orch.requests == []

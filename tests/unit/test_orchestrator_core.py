@@ -293,22 +293,13 @@ def test_audio_without_a_sample_rate_fails_naming_the_stage():
     assert "stage 2 (code2wav) sent audio without a sample rate" in str(of(acts, ev.Fail)[0].error)
 
 
-def prompt_to_image(ctx, state, out):
-    """An AR stage's finished text as the image stage's prompt, with the client's image parameters
-    (the shape an AR -> DiT pipeline's processor takes)."""
-    from omni.processors import StageInput
-
-    state["text"] = state.get("text", "") + ctx.detokenize(list(out.token_ids))
-    return [StageInput(text=state["text"], image=ctx.request.image)] if out.finished else []
-
-
 IMAGES = parse({"model": "m", "stages": [
     {"stage_id": 0, "name": "dit", "engine": "count", "inputs": ["text"], "final_output": True,
      "final_output_type": "image"}]}, source="test")
 AR_IMAGES = parse({"model": "m", "stages": [
     {"stage_id": 0, "name": "writer", "engine": "count"},
     {"stage_id": 1, "name": "dit", "engine": "count", "inputs": [0],
-     "processor": "tests.unit.test_orchestrator_core:prompt_to_image", "final_output": True,
+     "processor": "omni.models.qwen_image.processors:lm_to_dit", "final_output": True,
      "final_output_type": "image"}]}, source="test")
 
 
@@ -331,6 +322,7 @@ def test_an_image_request_carries_its_parameters_to_the_stage_and_its_image_back
     acts = core.handle(output("s0r0", 0, "img", tensors={"image": image}, finished=True, finish_reason="stop"))
     emit = of(acts, ev.Emit)[0]
     assert emit.output.modality == "image" and emit.tensor == image and emit.output.finished
+    assert emit.output.prompt is None      # the client's own prompt: nothing was revised
     assert of(acts, ev.Finished)[0].outcome == "ok"
 
 
@@ -342,4 +334,11 @@ def test_an_upstream_stage_can_write_the_image_stages_prompt():
     assert not of(core.handle(output("s0r0", 0, "img", token_ids=ids("a red "))), ev.Send)
     acts = core.handle(output("s0r0", 0, "img", token_ids=ids("cat"), finished=True))
     add = of(acts, ev.Send)[0].message
-    assert (add.request_id, add.text, add.image) == ("img", "a red cat", req.image)
+    assert (add.request_id, add.text, add.image, add.final) == ("img", "a red cat", req.image, True)
+    image = TensorRef(transport="shm", endpoint="seg-s1r0", key=1, dtype="uint8", shape=(2, 16, 32, 3), nbytes=3072)
+    acts = core.handle(output("s1r0", 1, "img", tensors={"image": image}, finished=True))
+    emit = of(acts, ev.Emit)[0]
+    # The image reports the prompt it was made from (the client's revised prompt); the writer's text
+    # went to no client (not asked for).
+    assert emit.output.modality == "image" and emit.output.prompt == "a red cat" and emit.output.finished
+    assert len(of(acts, ev.Emit)) == 1 and of(acts, ev.Finished)[0].outcome == "ok"
