@@ -16,41 +16,17 @@ same arguments (tests/unit/test_qwen_image.py); in a bigger batch float32 matmul
 
 from __future__ import annotations
 
-import collections
-import gc
-import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from omni.engines.base import Engine, EngineError, EngineOutput, EngineRequest, ImageParams
-from omni.engines.offload import IdleOffload
-
-logger = logging.getLogger(__name__)
+from omni.engines.base import EngineError, EngineRequest, ImageParams
+from omni.engines.diffusion import DiffusionEngine, Job
 
 
-@dataclass
-class Job:
-    request_id: str
-    params: ImageParams
-    ids: list[int] | None               # encoder input (template applied); None once encoded
-    text: str | None
-    latents: torch.Tensor | None = None  # [n, patches, channels], packed as the DiT reads them
-    embeds: torch.Tensor | None = None   # [n, tokens, dim]
-    neg_embeds: torch.Tensor | None = None
-    scheduler: object = None
-    timesteps: torch.Tensor | None = None
-    done: int = 0                        # denoising steps taken
-
-    @property
-    def cfg(self) -> bool:
-        return self.neg_embeds is not None
-
-
-class QwenImageEngine(Engine):
+class QwenImageEngine(DiffusionEngine):
     name = "qwen_image"
 
     def __init__(self, model_dir: str | Path, *, device: str = "cpu", dtype: str = "float32",
@@ -59,31 +35,16 @@ class QwenImageEngine(Engine):
         """`encode_cache`: prompt encodings kept (most recently used; the default negative prompt " " is
         in nearly every request). `pipeline`: a QwenImagePipeline built in memory (benchmarks at real
         size); model_dir unused then."""
-        if max_batch_rows < 1:
-            raise ValueError(f"max_batch_rows must be >= 1, got {max_batch_rows}")
         if not 1 <= max_sequence_length <= 1024:
             raise ValueError(f"max_sequence_length must be in [1, 1024] (Qwen-Image's), got {max_sequence_length}")
-        if threads:
-            torch.set_num_threads(threads)
-        self.device = torch.device(device)
-        # Level-2 sleep reads the weights again from here; None: built in memory, nothing to reload from.
-        self.model_dir = None if pipeline is not None else str(model_dir)
-        self.dtype = getattr(torch, dtype)
-        self.pipe = pipeline.to(self.device) if pipeline is not None else self.load()
+        super().__init__(model_dir, device=device, dtype=dtype, threads=threads, max_batch_rows=max_batch_rows,
+                         encode_cache=encode_cache, pipeline=pipeline)
         if self.pipe.transformer.config.guidance_embeds:
             raise ValueError("a guidance-distilled Qwen-Image transformer (guidance_embeds) is not supported")
-        self.max_batch_rows = max_batch_rows
         self.max_sequence_length = max_sequence_length
         self.max_pixels, self.max_steps = max_pixels, max_steps
         # Sizes must be whole latent patches: the VAE's downsampling times the DiT's patch size.
         self.size_multiple = self.pipe.vae_scale_factor * self.pipe.transformer.config.patch_size
-        self.offload = IdleOffload(self.name, self.device, off=lambda: self.move_to(torch.device("cpu")),
-                                   on=lambda: self.move_to(self.device))
-        self._jobs: collections.OrderedDict[str, Job] = collections.OrderedDict()
-        self._stats: collections.Counter = collections.Counter()
-        self._encoded: collections.OrderedDict[tuple[int, ...], torch.Tensor] = collections.OrderedDict()
-        self.encode_cache = encode_cache
-        self._report: dict[str, float] = {}    # load_extra(): replaced whole after each step
 
     def load(self):
         from diffusers import QwenImagePipeline
@@ -91,10 +52,6 @@ class QwenImageEngine(Engine):
         pipe = QwenImagePipeline.from_pretrained(self.model_dir, dtype=self.dtype)
         pipe.set_progress_bar_config(disable=True)
         return pipe.to(self.device)
-
-    def move_to(self, device: torch.device) -> None:
-        self.pipe.to(device)
-        self._encoded.clear()      # cached encodings live on the device too
 
     # -- requests --------------------------------------------------------------------
 
@@ -110,13 +67,7 @@ class QwenImageEngine(Engine):
         if not 1 <= p.n <= self.max_batch_rows:
             raise EngineError(f"n must be in [1, {self.max_batch_rows}] (max_batch_rows), got {p.n}")
 
-    def add_request(self, request: EngineRequest) -> None:
-        p = request.image
-        if p is None:
-            raise EngineError(f"{self.name}: request {request.request_id} has no image parameters")
-        self.check(p)
-        if request.request_id in self._jobs:
-            raise EngineError(f"request id {request.request_id!r} is already in flight")
+    def make_job(self, request: EngineRequest) -> Job:
         if request.prompt_token_ids is None and request.text is None:
             raise EngineError(f"{self.name}: request {request.request_id} has neither text nor prompt_token_ids")
         ids = list(request.prompt_token_ids) if request.prompt_token_ids is not None else None
@@ -125,27 +76,7 @@ class QwenImageEngine(Engine):
         if ids is not None and not drop < len(ids) <= most:
             raise EngineError(f"prompt_token_ids: {len(ids)} ids; Qwen-Image's encoder input (template included) "
                               f"takes {drop + 1} to {most}")
-        self._jobs[request.request_id] = Job(request.request_id, p, ids, request.text)
-        self._report = self.progress_gauges()
-
-    def abort(self, request_id: str) -> None:
-        if self._jobs.pop(request_id, None) is not None:
-            self._stats["aborted"] += 1
-            self._report = self.progress_gauges()
-
-    def has_unfinished(self) -> bool:
-        return bool(self._jobs)
-
-    def num_waiting(self) -> int:
-        # Read by the keep-alive thread too: from the report the loop thread replaces whole.
-        return int(self._report.get("image_requests_waiting", 0))
-
-    def num_running(self) -> int:
-        return sum(1 for j in self._jobs.values() if j.done > 0)
-
-    def progress(self) -> dict[str, tuple[int, int]]:
-        """Request id -> (denoising steps done, steps asked for)."""
-        return {j.request_id: (j.done, j.params.num_inference_steps) for j in self._jobs.values()}
+        return Job(request.request_id, request.image, ids, request.text)
 
     # -- the three parts of a request --------------------------------------------------
 
@@ -160,22 +91,14 @@ class QwenImageEngine(Engine):
     def encode(self, ids: list[int]) -> torch.Tensor:
         """[1, tokens, dim]: the encoder's last hidden state past the template's system part. A prompt is
         encoded alone, so a cached encoding is the same tensor a new one would be."""
-        key = tuple(ids)
-        hit = self._encoded.get(key)
-        if hit is not None:
-            self._encoded.move_to_end(key)
-            self._stats["encode_cache_hits"] += 1
-            return hit
-        pipe = self.pipe
-        x = torch.tensor([ids], device=self.device)
-        out = pipe.text_encoder(input_ids=x, attention_mask=torch.ones_like(x), output_hidden_states=True)
-        rows = out.hidden_states[-1][:, pipe.prompt_template_encode_start_idx:]
-        rows = rows[:, :self.max_sequence_length].to(pipe.text_encoder.dtype)
-        if self.encode_cache > 0:
-            self._encoded[key] = rows
-            while len(self._encoded) > self.encode_cache:
-                self._encoded.popitem(last=False)
-        return rows
+        def run() -> torch.Tensor:
+            pipe = self.pipe
+            x = torch.tensor([ids], device=self.device)
+            out = pipe.text_encoder(input_ids=x, attention_mask=torch.ones_like(x), output_hidden_states=True)
+            rows = out.hidden_states[-1][:, pipe.prompt_template_encode_start_idx:]
+            return rows[:, :self.max_sequence_length].to(pipe.text_encoder.dtype)
+
+        return self.cached(tuple(ids), run)
 
     def admit(self, job: Job) -> None:
         """Encode the prompt (and the negative one with guidance), draw the noise, set the schedule."""
@@ -227,11 +150,6 @@ class QwenImageEngine(Engine):
             j.latents = j.scheduler.step(pred, j.timesteps[j.done], j.latents, return_dict=False)[0]
             j.done += 1
 
-    @staticmethod
-    def rows(batch: list[Job], i: int) -> torch.Tensor:
-        start = sum(j.params.n for j in batch[:i])
-        return torch.arange(start, start + batch[i].params.n)
-
     def forward(self, latents: torch.Tensor, t: torch.Tensor, embeds: list[torch.Tensor], shape: tuple,
                 context: str) -> torch.Tensor:
         """The DiT on a batch; prompts of unequal length padded with zeros and masked (none: no mask,
@@ -266,129 +184,9 @@ class QwenImageEngine(Engine):
             at += j.params.n
         return out
 
-    # -- the loop ------------------------------------------------------------------
-
-    def pick(self) -> list[Job]:
-        """The oldest request's size, then every request of that size in arrival order that fits."""
-        head = next(iter(self._jobs.values()))
-        key = (head.params.width, head.params.height)
-        batch, rows = [], 0
-        for j in self._jobs.values():
-            if (j.params.width, j.params.height) == key and rows + j.params.n <= self.max_batch_rows:
-                batch.append(j)
-                rows += j.params.n
-        return batch
-
-    def step(self) -> list[EngineOutput]:
-        try:
-            return self.step_batch()
-        finally:
-            self._report = self.progress_gauges()
-
-    @torch.no_grad()
-    def step_batch(self) -> list[EngineOutput]:
-        """Admit new requests, take one denoising step of a batch, decode what finished."""
-        if not self._jobs:
-            return []
-        outputs = []
-        for job in [j for j in self._jobs.values() if j.latents is None]:
-            try:
-                self.admit(job)
-            except Exception as e:   # this request's failure, not the loop's
-                logger.exception("%s: request %s failed at admission", self.name, job.request_id)
-                del self._jobs[job.request_id]
-                outputs.append(failed(job, f"admission failed: {type(e).__name__}: {e}"))
-        if not self._jobs:
-            return outputs
-        batch = self.pick()
-        now = time.monotonic()
-        self.denoise(batch)
-        dt = time.monotonic() - now
-        self._stats["steps"] += 1
-        self._stats["step_rows"] += sum(j.params.n for j in batch)
-        self._stats["denoise_s"] += dt
-        finished = [j for j in batch if j.done == j.params.num_inference_steps]
-        if finished:
-            outputs += self.finish(finished)
-        return outputs
-
-    def finish(self, jobs: list[Job]) -> list[EngineOutput]:
-        """Decode the jobs that took their last step (together: one VAE batch) and hand out their images."""
-        t0 = time.monotonic()
-        for j in jobs:
-            del self._jobs[j.request_id]
-        try:
-            images = self.decode(jobs)
-        except Exception as e:
-            logger.exception("%s: the VAE decode of %s failed", self.name, [j.request_id for j in jobs])
-            return [failed(j, f"decode failed: {type(e).__name__}: {e}") for j in jobs]
-        finally:
-            self._stats["decode_s"] += time.monotonic() - t0
-        self._stats["images"] += sum(j.params.n for j in jobs)
-        return [EngineOutput(request_id=j.request_id, tensors={"image": im}, finished=True, finish_reason="stop")
-                for j, im in zip(jobs, images)]
-
-    # -- sleep and figures -------------------------------------------------------------
-
-    def can_sleep(self) -> bool:
-        return self.offload.can_sleep() or self.model_dir is not None
-
-    def sleep(self, level: int = 1) -> None:
-        """Level 1: the pipeline to host memory (a GPU's only). Level 2: the weights dropped and read from
-        the folder again at wake-up, as torch_lm's level 2: frees host memory on CPU too."""
-        if level not in (1, 2):
-            raise EngineError(f"sleep level must be 1 or 2, got {level}")
-        if self.pipe is None:
-            return                       # at level 2 already
-        if level == 1 and not self.offload.can_sleep():
-            raise EngineError(f"{self.name} on CPU cannot sleep at level 1: its weights have no device memory to "
-                              "free; level 2 drops them and reads them again from the folder at wake-up")
-        if level == 1:
-            self.offload.sleep(len(self._jobs), "image request(s) open")
-            return
-        if self._jobs:
-            raise EngineError(f"{self.name} cannot sleep with {len(self._jobs)} image request(s) open")
-        if self.model_dir is None:
-            raise EngineError(f"{self.name} was built from a pipeline in memory: level 2 has no folder to read the "
-                              "weights from again; use level 1")
-        self.pipe = None
-        self._encoded.clear()
-        self.offload.sleeping = False    # nothing left on the host to bring back: wake-up loads
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-
-    def wake_up(self) -> None:
-        if self.pipe is None:
-            self.pipe = self.load()
-        self.offload.wake_up()
-
-    def is_sleeping(self) -> bool:
-        return self.offload.sleeping or self.pipe is None
-
-    def progress_gauges(self) -> dict[str, float]:
-        """Requests in flight (and those not stepped yet), their denoising steps done and left, images made."""
-        return {"image_requests": float(len(self._jobs)),
-                "image_requests_waiting": float(sum(1 for j in self._jobs.values() if j.done == 0)),
-                "image_steps_done": float(sum(j.done for j in self._jobs.values())),
-                "image_steps_left": float(sum(j.params.num_inference_steps - j.done for j in self._jobs.values())),
-                "images_total": float(self._stats["images"])}
-
-    def load_extra(self) -> dict[str, float]:
-        return self._report
-
-    def stats(self) -> dict[str, float]:
-        """Totals (denoising steps, rows stepped, images, seconds per part, cache hits) and the progress
-        gauges."""
-        return {**{k: float(v) for k, v in self._stats.items()}, **self.progress_gauges()}
-
 
 def guide(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
     """Qwen-Image's true classifier-free guidance: the guided prediction rescaled to the conditional
     one's norm (per token)."""
     comb = uncond + scale * (cond - uncond)
     return comb * (torch.norm(cond, dim=-1, keepdim=True) / torch.norm(comb, dim=-1, keepdim=True))
-
-
-def failed(job: Job, message: str) -> EngineOutput:
-    return EngineOutput(request_id=job.request_id, finished=True, finish_reason="error", error=message)

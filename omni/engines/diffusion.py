@@ -1,0 +1,271 @@
+"""What every diffusion stage engine shares (qwen_image, wan): requests as jobs stepped one denoising step
+at a time in batches of equal shape, abort between steps, progress gauges, and sleep.
+
+A family's engine subclasses `DiffusionEngine` and supplies the model's parts: `load` (the diffusers
+pipeline), `check` (what the model can make), `admit` (encode, draw the noise, set the schedule),
+`denoise` (one step of a batch), `decode` (finished jobs to uint8 frames) and `batch_key` (which jobs may
+share a forward). The loop, the bookkeeping and sleep live here once.
+"""
+
+from __future__ import annotations
+
+import collections
+import gc
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from omni.engines.base import Engine, EngineError, EngineOutput, EngineRequest, ImageParams
+from omni.engines.offload import IdleOffload
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Job:
+    request_id: str
+    params: ImageParams
+    ids: list[int] | None               # encoder input, when the engine takes token ids; None once encoded
+    text: str | None
+    latents: torch.Tensor | None = None  # None until admitted
+    embeds: torch.Tensor | None = None   # [n, tokens, dim]
+    neg_embeds: torch.Tensor | None = None
+    scheduler: object = None             # the job's own scheduler (multistep ones keep history per job)
+    timesteps: torch.Tensor | None = None
+    done: int = 0                        # denoising steps taken
+
+    @property
+    def cfg(self) -> bool:
+        return self.neg_embeds is not None
+
+
+def failed(job: Job, message: str) -> EngineOutput:
+    return EngineOutput(request_id=job.request_id, finished=True, finish_reason="error", error=message)
+
+
+class DiffusionEngine(Engine):
+    """The loop and bookkeeping of a diffusion stage; see the module docstring for what a family supplies.
+    `unit` names the output ("image", "video"): its tensor and its gauges."""
+
+    name = "diffusion"
+    unit = "image"
+
+    def __init__(self, model_dir: str | Path, *, device: str, dtype: str, threads: int | None, max_batch_rows: int,
+                 encode_cache: int, pipeline=None):
+        if max_batch_rows < 1:
+            raise ValueError(f"max_batch_rows must be >= 1, got {max_batch_rows}")
+        if threads:
+            torch.set_num_threads(threads)
+        self.device = torch.device(device)
+        # Level-2 sleep reads the weights again from here; None: built in memory, nothing to reload from.
+        self.model_dir = None if pipeline is not None else str(model_dir)
+        self.dtype = getattr(torch, dtype)
+        self.pipe = pipeline.to(self.device) if pipeline is not None else self.load()
+        self.max_batch_rows = max_batch_rows
+        self.offload = IdleOffload(self.name, self.device, off=lambda: self.move_to(torch.device("cpu")),
+                                   on=lambda: self.move_to(self.device))
+        self._jobs: collections.OrderedDict[str, Job] = collections.OrderedDict()
+        self._stats: collections.Counter = collections.Counter()
+        self._encoded: collections.OrderedDict = collections.OrderedDict()   # prompt -> its encoding
+        self.encode_cache = encode_cache
+        self._report: dict[str, float] = {}    # load_extra(): replaced whole after each step
+
+    # -- what a family supplies ----------------------------------------------------------
+
+    def load(self):
+        raise NotImplementedError
+
+    def check(self, p: ImageParams) -> None:
+        raise NotImplementedError
+
+    def make_job(self, request: EngineRequest) -> Job:
+        raise NotImplementedError
+
+    def admit(self, job: Job) -> None:
+        raise NotImplementedError
+
+    def denoise(self, batch: list[Job]) -> None:
+        raise NotImplementedError
+
+    def decode(self, jobs: list[Job]) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def batch_key(self, job: Job) -> tuple:
+        return (job.params.width, job.params.height)
+
+    # -- shared parts --------------------------------------------------------------------
+
+    def move_to(self, device: torch.device) -> None:
+        self.pipe.to(device)
+        self._encoded.clear()      # cached encodings live on the device too
+
+    def cached(self, key, encode):
+        """`encode()` of a prompt, kept for the `encode_cache` most recently used prompts. A prompt is
+        encoded alone, so a cached encoding is the same tensor a new one would be."""
+        hit = self._encoded.get(key)
+        if hit is not None:
+            self._encoded.move_to_end(key)
+            self._stats["encode_cache_hits"] += 1
+            return hit
+        rows = encode()
+        if self.encode_cache > 0:
+            self._encoded[key] = rows
+            while len(self._encoded) > self.encode_cache:
+                self._encoded.popitem(last=False)
+        return rows
+
+    @staticmethod
+    def rows(batch: list[Job], i: int) -> torch.Tensor:
+        """The rows of batch[i] in the batch's concatenated tensors."""
+        start = sum(j.params.n for j in batch[:i])
+        return torch.arange(start, start + batch[i].params.n)
+
+    # -- requests --------------------------------------------------------------------
+
+    def add_request(self, request: EngineRequest) -> None:
+        p = request.image
+        if p is None:
+            raise EngineError(f"{self.name}: request {request.request_id} has no {self.unit} parameters")
+        self.check(p)
+        if request.request_id in self._jobs:
+            raise EngineError(f"request id {request.request_id!r} is already in flight")
+        self._jobs[request.request_id] = self.make_job(request)
+        self._report = self.progress_gauges()
+
+    def abort(self, request_id: str) -> None:
+        if self._jobs.pop(request_id, None) is not None:
+            self._stats["aborted"] += 1
+            self._report = self.progress_gauges()
+
+    def has_unfinished(self) -> bool:
+        return bool(self._jobs)
+
+    def num_waiting(self) -> int:
+        # Read by the keep-alive thread too: from the report the loop thread replaces whole.
+        return int(self._report.get(f"{self.unit}_requests_waiting", 0))
+
+    def num_running(self) -> int:
+        return sum(1 for j in self._jobs.values() if j.done > 0)
+
+    def progress(self) -> dict[str, tuple[int, int]]:
+        """Request id -> (denoising steps done, steps asked for)."""
+        return {j.request_id: (j.done, j.params.num_inference_steps) for j in self._jobs.values()}
+
+    # -- the loop ------------------------------------------------------------------
+
+    def pick(self) -> list[Job]:
+        """The oldest request's batch key, then every request of that key in arrival order that fits."""
+        key = self.batch_key(next(iter(self._jobs.values())))
+        batch, rows = [], 0
+        for j in self._jobs.values():
+            if self.batch_key(j) == key and rows + j.params.n <= self.max_batch_rows:
+                batch.append(j)
+                rows += j.params.n
+        return batch
+
+    def step(self) -> list[EngineOutput]:
+        try:
+            return self.step_batch()
+        finally:
+            self._report = self.progress_gauges()
+
+    @torch.no_grad()
+    def step_batch(self) -> list[EngineOutput]:
+        """Admit new requests, take one denoising step of a batch, decode what finished."""
+        if not self._jobs:
+            return []
+        outputs = []
+        for job in [j for j in self._jobs.values() if j.latents is None]:
+            try:
+                self.admit(job)
+            except Exception as e:   # this request's failure, not the loop's
+                logger.exception("%s: request %s failed at admission", self.name, job.request_id)
+                del self._jobs[job.request_id]
+                outputs.append(failed(job, f"admission failed: {type(e).__name__}: {e}"))
+        if not self._jobs:
+            return outputs
+        batch = self.pick()
+        now = time.monotonic()
+        self.denoise(batch)
+        self._stats["steps"] += 1
+        self._stats["step_rows"] += sum(j.params.n for j in batch)
+        self._stats["denoise_s"] += time.monotonic() - now
+        finished = [j for j in batch if j.done == j.params.num_inference_steps]
+        if finished:
+            outputs += self.finish(finished)
+        return outputs
+
+    def finish(self, jobs: list[Job]) -> list[EngineOutput]:
+        """Decode the jobs that took their last step (together: one VAE batch) and hand out their output."""
+        t0 = time.monotonic()
+        for j in jobs:
+            del self._jobs[j.request_id]
+        try:
+            made = self.decode(jobs)
+        except Exception as e:
+            logger.exception("%s: the VAE decode of %s failed", self.name, [j.request_id for j in jobs])
+            return [failed(j, f"decode failed: {type(e).__name__}: {e}") for j in jobs]
+        finally:
+            self._stats["decode_s"] += time.monotonic() - t0
+        self._stats[f"{self.unit}s"] += sum(j.params.n for j in jobs)
+        return [EngineOutput(request_id=j.request_id, tensors={self.unit: x}, finished=True, finish_reason="stop")
+                for j, x in zip(jobs, made)]
+
+    # -- sleep and figures -------------------------------------------------------------
+
+    def can_sleep(self) -> bool:
+        return self.offload.can_sleep() or self.model_dir is not None
+
+    def sleep(self, level: int = 1) -> None:
+        """Level 1: the pipeline to host memory (a GPU's only). Level 2: the weights dropped and read from
+        the folder again at wake-up, as torch_lm's level 2: frees host memory on CPU too."""
+        if level not in (1, 2):
+            raise EngineError(f"sleep level must be 1 or 2, got {level}")
+        if self.pipe is None:
+            return                       # at level 2 already
+        if level == 1 and not self.offload.can_sleep():
+            raise EngineError(f"{self.name} on CPU cannot sleep at level 1: its weights have no device memory to "
+                              "free; level 2 drops them and reads them again from the folder at wake-up")
+        what = f"{self.unit} request(s) open"
+        if level == 1:
+            self.offload.sleep(len(self._jobs), what)
+            return
+        if self._jobs:
+            raise EngineError(f"{self.name} cannot sleep with {len(self._jobs)} {what}")
+        if self.model_dir is None:
+            raise EngineError(f"{self.name} was built from a pipeline in memory: level 2 has no folder to read the "
+                              "weights from again; use level 1")
+        self.pipe = None
+        self._encoded.clear()
+        self.offload.sleeping = False    # nothing left on the host to bring back: wake-up loads
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake_up(self) -> None:
+        if self.pipe is None:
+            self.pipe = self.load()
+        self.offload.wake_up()
+
+    def is_sleeping(self) -> bool:
+        return self.offload.sleeping or self.pipe is None
+
+    def progress_gauges(self) -> dict[str, float]:
+        """Requests in flight (and those not stepped yet), their denoising steps done and left, outputs made."""
+        u = self.unit
+        return {f"{u}_requests": float(len(self._jobs)),
+                f"{u}_requests_waiting": float(sum(1 for j in self._jobs.values() if j.done == 0)),
+                f"{u}_steps_done": float(sum(j.done for j in self._jobs.values())),
+                f"{u}_steps_left": float(sum(j.params.num_inference_steps - j.done for j in self._jobs.values())),
+                f"{u}s_total": float(self._stats[f"{u}s"])}
+
+    def load_extra(self) -> dict[str, float]:
+        return self._report
+
+    def stats(self) -> dict[str, float]:
+        """Totals (denoising steps, rows stepped, outputs, seconds per part, cache hits) and the progress
+        gauges."""
+        return {**{k: float(v) for k, v in self._stats.items()}, **self.progress_gauges()}
