@@ -22,7 +22,7 @@ __all__ = ["Engine", "EngineError", "EngineOutput", "EngineRequest", "ImageParam
 
 
 class ImageParams(msgspec.Struct, frozen=True, kw_only=True):
-    """What an image request asks of a diffusion stage (its prompt is the request's text or token ids).
+    """What an image (or video) request asks of a diffusion stage (its prompt is the request's text or token ids).
     The frontend fills every field (deploy defaults under the client's values) and bounds them."""
     width: int
     height: int
@@ -32,6 +32,7 @@ class ImageParams(msgspec.Struct, frozen=True, kw_only=True):
     negative_prompt: str | None = None   # the unconditional prompt of the guidance
     n: int = 1                           # images of this prompt, drawn from one generator
     seed: int = 0
+    num_frames: int = 1                  # a video's frames (a video stage's; an image is one frame)
 
 
 class StageFacts(msgspec.Struct, kw_only=True):
