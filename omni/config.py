@@ -23,11 +23,13 @@ import msgspec
 import yaml
 
 from omni.errors import ConfigError
+# The config types of the image and video routes, kept where the rest of the deploy config is found.
+from omni.media_settings import ImageSettings, PromptExpansion, VideoSettings, validate_images  # noqa: F401
 from omni.sampling import SamplingOverrides
 
 DEPLOY_DIR = Path(__file__).resolve().parent.parent / "deploy"
 TRANSPORTS = ("auto", "shm", "tcp", "gloo", "nccl", "cuda_ipc")
-OUTPUT_TYPES = ("text", "audio", "embedding", "image")
+OUTPUT_TYPES = ("text", "audio", "embedding", "image", "video")
 
 
 class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -69,28 +71,6 @@ class StageConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
 _STAGE_FIELDS = set(StageConfig.__struct_fields__)
 
 
-class PromptExpansion(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """An AR -> DiT pipeline: the chat the frontend renders with the writer LM's chat template (stage 0)
-    to have it expand the client's image prompt; the DiT renders what the LM writes."""
-    system: str
-    user: str = "{prompt}"              # `{prompt}`: the client's prompt
-
-
-class ImageSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """/v1/images/generations of a pipeline with an image stage: defaults and the bounds it enforces."""
-    size_multiple: int = 16             # width and height: whole latent patches (VAE scale x DiT patch size)
-    default_size: str = "1024x1024"
-    max_pixels: int = 1024 * 1024
-    default_steps: int = 50
-    max_steps: int = 100
-    default_guidance_scale: float = 4.0   # Qwen-Image's true CFG scale
-    default_negative_prompt: str = " "    # Qwen-Image's: guidance on by default
-    max_n: int = 4
-    max_prompt_chars: int = 4000
-    # Set: stage 0 is an LM that writes the image stage's prompt from the client's (an AR -> DiT pipeline).
-    expand: PromptExpansion | None = None
-
-
 class PipelineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     name: str = "pipeline"
     request_timeout_s: float = 300.0
@@ -109,6 +89,7 @@ class PipelineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     # The longest /v1/audio/speech input, in characters (at most 4096).
     max_speech_chars: int = 4096
     images: ImageSettings = ImageSettings()
+    videos: VideoSettings = VideoSettings()
 
 
 class DeployConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -437,20 +418,8 @@ def validate(config: DeployConfig, source: str = "deploy config") -> None:
     if entry is not None and entry not in ids:
         raise ConfigError(f"{source}: pipeline.speech_entry_stage {entry} is not a stage id")
     validate_images(config.pipeline.images, f"{source}: pipeline.images")
+    validate_images(config.pipeline.videos, f"{source}: pipeline.videos")
     validate_expansion(config, f"{source}: pipeline.images.expand")
-
-
-def validate_images(s: ImageSettings, where: str) -> None:
-    for key in ("size_multiple", "max_pixels", "default_steps", "max_steps", "max_n", "max_prompt_chars"):
-        if getattr(s, key) < 1:
-            raise ConfigError(f"{where}.{key} must be >= 1, got {getattr(s, key)}")
-    w, sep, h = s.default_size.partition("x")
-    if not (sep and w.isdigit() and h.isdigit()) or int(w) % s.size_multiple or int(h) % s.size_multiple \
-            or int(w) * int(h) > s.max_pixels:
-        raise ConfigError(f"{where}.default_size {s.default_size!r} must be WxH, multiples of size_multiple "
-                          f"{s.size_multiple}, at most max_pixels {s.max_pixels}")
-    if s.default_steps > s.max_steps:
-        raise ConfigError(f"{where}.default_steps {s.default_steps} is over max_steps {s.max_steps}")
 
 
 def validate_expansion(config: DeployConfig, where: str) -> None:

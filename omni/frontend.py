@@ -194,6 +194,7 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
         speakers=tuple(config.pipeline.voices), default_voice=config.pipeline.default_voice,
         max_tokens_limit=config.pipeline.max_tokens_limit, max_speech_chars=config.pipeline.max_speech_chars,
         images=config.pipeline.images if config.final_stage("image") is not None else None,
+        videos=config.pipeline.videos if config.final_stage("video") is not None else None,
         voices=MasterVoiceStore(amaster) if config.pipeline.speech_entry_stage is not None else None,
         api_key=api_key,
         control_api_key=control_api_key,

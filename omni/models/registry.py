@@ -78,6 +78,11 @@ FAMILIES: tuple[Family, ...] = (
         engines={"qwen_image": EngineSpec("omni.models.qwen_image.engine:QwenImageEngine")},
         processors=("omni.models.qwen_image.processors:lm_to_dit",),
         tiny="omni.models.qwen_image.tiny:build"),
+    Family(
+        "wan", "omni.models.wan", model_types=("WanPipeline",),
+        deploy="wan2.1-t2v.yaml", deploys=("wan2.1-t2v.yaml",),
+        engines={"wan": EngineSpec("omni.models.wan.engine:WanEngine")},
+        tiny="omni.models.wan.tiny:build"),
 )
 
 # Deploy configs of no family: one LM stage (any folder of another model_type), and LM -> pooler.

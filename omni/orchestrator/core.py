@@ -33,7 +33,7 @@ from omni.transport.base import SAME_HOST_ONLY, TensorRef
 
 logger = logging.getLogger(__name__)
 
-TENSOR_OUTPUTS = ("audio", "embedding", "image")     # final outputs read from a tensor, not token ids
+TENSOR_OUTPUTS = ("audio", "embedding", "image", "video")     # final outputs read from a tensor, not token ids
 
 
 class OrchestratorCore:

@@ -189,7 +189,7 @@ class Orchestrator:
         if sink is None:
             return
         out = a.output
-        if a.tensor is not None and out.modality == "image":
+        if a.tensor is not None and out.modality in ("image", "video"):
             tensor = self.consumer.get(a.tensor)
             out.image, out.image_shape = tensor.numpy().tobytes(), tuple(tensor.shape)
         elif a.tensor is not None:

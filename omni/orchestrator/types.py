@@ -38,7 +38,7 @@ class PipelineRequest(msgspec.Struct, kw_only=True):
 class PipelineOutput(msgspec.Struct, kw_only=True):
     request_id: str
     stage_id: int
-    modality: str                      # "text" | "audio"
+    modality: str                      # "text" | "audio" | "embedding" | "image" | "video"
     token_ids: list[int] = []          # text delta (token ids; the frontend detokenizes)
     audio_pcm: bytes = b""             # audio delta: little-endian float32 mono PCM
     sample_rate: int = 0
@@ -48,7 +48,8 @@ class PipelineOutput(msgspec.Struct, kw_only=True):
     embedding: list[float] | None = None   # modality "embedding"
     logprobs: Logprobs | None = None   # modality "text": one row per token id, when asked for
     stop_reason: int | str | None = None   # on the finishing output: the stop token id that ended it
-    image: bytes = b""                 # modality "image": uint8 RGB rows of `image_shape` [n, height, width, 3]
+    # modality "image": uint8 RGB rows of `image_shape` [n, height, width, 3]; "video": [n, frames, height, width, 3]
+    image: bytes = b""
     image_shape: tuple[int, ...] = ()
     # modality "image" of a stage fed by another: the prompt it rendered (what the upstream stage wrote)
     prompt: str | None = None

@@ -77,7 +77,7 @@ stages:
      "contiguous"),
     ("model: m\nstages: [{stage_id: 0, engine: a, inputs: [1], final_output: true, final_output_type: text}]",
      "not an earlier stage"),
-    ("model: m\nstages: [{stage_id: 0, engine: a, final_output: true, final_output_type: video}]", "final_output_type"),
+    ("model: m\nstages: [{stage_id: 0, engine: a, final_output: true, final_output_type: hologram}]", "final_output_type"),
     ("model: m\nstages: [{stage_id: 0, engine: a, final_output: true, final_output_type: text, connectors: {'0': {transport: pigeon}}}]",
      "transport must be one of"),
     ("model: m\nstages: []", "empty"),

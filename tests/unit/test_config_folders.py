@@ -159,9 +159,31 @@ def test_a_diffusers_folder_picks_its_pipeline_by_model_index(tmp_path, monkeypa
     assert cfg.load(diffusers_folder(tmp_path / "g", "QwenImagePipeline")).stages[0].engine_args["dtype"] == "bfloat16"
 
 
+def test_a_wan_folder_gets_the_wan_video_pipeline(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMNI_PLATFORM", "cpu")
+    c = cfg.load(diffusers_folder(tmp_path, "WanPipeline"))
+    assert [(s.engine, s.inputs, s.final_output_type) for s in c.stages] == [("wan", ("text",), "video")]
+    assert c.stages[0].engine_args["dtype"] == "float32" and c.stages[0].engine_args["max_frames"] == 17
+    assert c.pipeline.videos.default_size == "64x64" and c.pipeline.videos.max_frames == 17
+    assert cfg.default_config_path("Wan-AI/Wan2.1-T2V-1.3B-Diffusers").name == "wan2.1-t2v.yaml"
+
+
+@pytest.mark.parametrize("videos, says", [
+    ({"default_frames": 10}, "1 more than a multiple of frame_multiple 4"),
+    ({"default_frames": 85}, "at most max_frames 81"),
+    ({"frame_multiple": 0}, "frame_multiple must be >= 1"),
+])
+def test_video_settings_are_checked_once(tmp_path, monkeypatch, videos, says):
+    monkeypatch.setenv("OMNI_PLATFORM", "cuda")
+    path = tmp_path / "d.yaml"
+    path.write_text(json.dumps({"base_config": "wan2.1-t2v.yaml", "pipeline": {"videos": videos}}))
+    with pytest.raises(ConfigError, match=says):
+        cfg.load("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", deploy_config=str(path))
+
+
 def test_a_diffusers_folder_of_another_pipeline_is_one_line_naming_it(tmp_path):
     with pytest.raises(ConfigError, match="diffusers pipeline 'FluxPipeline' is not one omni serves "
-                                          r"\(QwenImagePipeline\)"):
+                                          r"\(QwenImagePipeline, WanPipeline\)"):
         cfg.load(diffusers_folder(tmp_path, "FluxPipeline"))
 
 
