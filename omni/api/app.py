@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP frontend: a Starlette app over an OrchestratorLike.
 
-Route families, one module each: text (chat, completions, tokenize), speech, voices,
+Route families, one module each: text (chat, completions, tokenize), speech, images, videos, voices,
 control (sleep/wake), jobs, admin (models, health, metrics, openapi); the one route
 table (omni/api/routes.py) binds paths to them.
 """
@@ -24,8 +24,9 @@ from omni.api.routes import ROUTES
 from omni.api.speech import SpeechRoutes
 from omni.api.state import FrontendState
 from omni.api.text import TextRoutes
+from omni.api.videos import VideoRoutes
 from omni.api.voices import VoiceRoutes
-from omni.config import ImageSettings
+from omni.config import ImageSettings, VideoSettings
 from omni.orchestrator.types import OrchestratorLike
 from omni.sampling import SamplingOverrides
 
@@ -37,10 +38,11 @@ def build_app(orchestrator: OrchestratorLike, tokenizer: Any, *, served_model_na
               control_api_key: str | None = None, control_routes: bool = True, audio_out: bool | None = None,
               speakers: tuple[str, ...] = (), default_voice: str | None = None,
               limits: HttpLimits | None = None, max_speech_chars: int = 4096,
-              images: ImageSettings | None = None) -> Starlette:
+              images: ImageSettings | None = None, videos: VideoSettings | None = None) -> Starlette:
     """`jobs`: the async job routes' state (master KV + shared result dir); in memory when None.
     `limits`: request body cap and body timeout (the defaults when None). `images`: the image
-    route's defaults and bounds, None when the pipeline makes no images."""
+    route's defaults and bounds, None when the pipeline makes no images; `videos` the same for the
+    Videos API (its videos are jobs of `jobs`)."""
     fe = FrontendState(orchestrator, tokenizer, served_model_name=served_model_name, model_aliases=model_aliases,
                        frontend_index=frontend_index, max_model_len=max_model_len,
                        default_max_tokens=default_max_tokens, max_tokens_limit=max_tokens_limit,
@@ -50,6 +52,7 @@ def build_app(orchestrator: OrchestratorLike, tokenizer: Any, *, served_model_na
     jobs = jobs if jobs is not None else Jobs(frontend_index=frontend_index)
     admin = AdminRoutes(fe)
     families = {"text": TextRoutes(fe), "speech": SpeechRoutes(fe), "images": ImageRoutes(fe, images),
+                "videos": VideoRoutes(fe, videos, jobs),
                 "voices": VoiceRoutes(fe),
                 "control": ControlRoutes(fe), "jobs": jobs, "admin": admin}
     handlers = {(r.path, r.method): endpoint(getattr(families[r.family], r.handler)) for r in ROUTES}
@@ -63,6 +66,7 @@ def build_app(orchestrator: OrchestratorLike, tokenizer: Any, *, served_model_na
         by_path.setdefault(r.path, {})[r.method] = handlers[(r.path, r.method)]
     fe.job_endpoints = tuple(jobs.handlers)
     fe.images = images
+    fe.videos = videos
     routes = [Route(path, by_method(methods)) for path, methods in by_path.items()]
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error},
                     middleware=[Middleware(FrontendMiddleware, frontend_index=frontend_index, api_key=api_key,

@@ -29,7 +29,7 @@ from omni.api import protocol as P
 from omni.api.errors import APIError, bad_request
 from omni.api.http import until_disconnect
 from omni.api.state import OFFLOAD_CHARS, FrontendState
-from omni.config import ImageSettings
+from omni.config import ImageSettings, VideoSettings
 from omni.engines.base import ImageParams
 from omni.orchestrator.types import PipelineOutput, PipelineRequest
 
@@ -43,26 +43,25 @@ def parse_size(size: str, param: str = "size") -> tuple[int, int]:
     return int(w), int(h)
 
 
-def image_params(req: P.ImageGenerationRequest, s: ImageSettings) -> ImageParams:
-    """The request's image parameters over the deployment's defaults, within its bounds."""
-    if req.response_format != "b64_json":
-        raise bad_request(f"response_format `{req.response_format}` is not supported: omni returns the images "
-                          "in the response (b64_json), it keeps no files to link to", param="response_format")
-    if not req.prompt.strip() or "\x00" in req.prompt:
+def check_prompt(prompt: str, s: ImageSettings | VideoSettings) -> None:
+    if not prompt.strip() or "\x00" in prompt:
         raise bad_request("prompt must have some text and no NUL character", param="prompt")
-    if len(req.prompt) > s.max_prompt_chars:
-        raise bad_request(f"prompt is {len(req.prompt)} characters; the limit is {s.max_prompt_chars}", param="prompt")
-    width, height = parse_size(req.size or s.default_size)
+    if len(prompt) > s.max_prompt_chars:
+        raise bad_request(f"prompt is {len(prompt)} characters; the limit is {s.max_prompt_chars}", param="prompt")
+
+
+def check_size(width: int, height: int, s: ImageSettings | VideoSettings, param: str = "size") -> None:
     m = s.size_multiple
     if width < m or height < m or width % m or height % m:
         raise bad_request(f"size {width}x{height}: width and height must be multiples of {m} (the model's VAE "
-                          "scale times its patch size)", param="size")
+                          "scale times its patch size)", param=param)
     if width * height > s.max_pixels:
         raise bad_request(f"size {width}x{height} is {width * height} pixels; the limit is {s.max_pixels}",
-                          param="size")
-    n = req.n if req.n is not None else 1
-    if n > s.max_n:
-        raise bad_request(f"n is {n}; the limit is {s.max_n} images a request", param="n")
+                          param=param)
+
+
+def denoising(req: P.ImageGenerationRequest | P.VideoCreateRequest, s: ImageSettings | VideoSettings) -> dict:
+    """Steps, guidance, negative prompt and seed: the client's within the bounds, else the deployment's."""
     steps = req.num_inference_steps if req.num_inference_steps is not None else s.default_steps
     if steps > s.max_steps:
         raise bad_request(f"num_inference_steps is {steps}; the limit is {s.max_steps}", param="num_inference_steps")
@@ -77,8 +76,21 @@ def image_params(req: P.ImageGenerationRequest, s: ImageSettings) -> ImageParams
         raise bad_request(f"negative_prompt is {len(negative)} characters; the limit is {s.max_prompt_chars}",
                           param="negative_prompt")
     seed = req.seed if req.seed is not None else secrets.randbits(63)
-    return ImageParams(width=width, height=height, num_inference_steps=steps, guidance_scale=scale,
-                       negative_prompt=negative, n=n, seed=seed)
+    return dict(num_inference_steps=steps, guidance_scale=scale, negative_prompt=negative, seed=seed)
+
+
+def image_params(req: P.ImageGenerationRequest, s: ImageSettings) -> ImageParams:
+    """The request's image parameters over the deployment's defaults, within its bounds."""
+    if req.response_format != "b64_json":
+        raise bad_request(f"response_format `{req.response_format}` is not supported: omni returns the images "
+                          "in the response (b64_json), it keeps no files to link to", param="response_format")
+    check_prompt(req.prompt, s)
+    width, height = parse_size(req.size or s.default_size)
+    check_size(width, height, s)
+    n = req.n if req.n is not None else 1
+    if n > s.max_n:
+        raise bad_request(f"n is {n}; the limit is {s.max_n} images a request", param="n")
+    return ImageParams(width=width, height=height, n=n, **denoising(req, s))
 
 
 def png_b64(out: PipelineOutput) -> list[str]:

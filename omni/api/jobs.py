@@ -35,7 +35,7 @@ BODY_TYPES = {"/v1/audio/speech": P.SpeechRequest, "/v1/chat/completions": P.Cha
               "/v1/completions": P.CompletionRequest, "/v1/images/generations": P.ImageGenerationRequest}
 PENDING = ("queued", "in_progress")
 HIDDEN = ("owner", "created_ns")
-JOB_ID_RE = re.compile(r"^job-[0-9a-f]{32}$")
+JOB_ID_RE = re.compile(r"^(job-|video_)[0-9a-f]{32}$")   # video_: the Videos API's (omni/api/videos.py)
 # A job record must fit the master's KV value cap (64 KiB): an error message is cut to this
 # (a 1.5 MB unknown model name echoed back left a job unable to store its end, "in progress").
 MAX_ERROR_CHARS = 4096
@@ -48,6 +48,8 @@ MAX_RUNNING = 2
 Handler = Callable[[Request], Awaitable[Response]]
 # body -> None, or the APIError the route would answer before running anything (its own bounds)
 Check = Callable[[bytes], None]
+# -> (HTTP status, content type, body) of a job's work: a route's answer, or the Videos API's MP4
+Work = Callable[[], Awaitable["tuple[int, str, bytes]"]]
 # -> {(host, pid)} of the registered frontends, or None while that is unknown (no topology yet)
 LiveFrontends = Callable[[], "set[tuple[str, int]] | None"]
 
@@ -114,9 +116,9 @@ def _public(record: dict) -> dict:
     return {k: v for k, v in record.items() if k not in HIDDEN}
 
 
-def _not_found(job_id: str) -> APIError:
-    return APIError(404, f"job `{job_id}` does not exist", type="not_found_error", param="job_id",
-                    code="job_not_found")
+def _not_found(job_id: str, what: str = "job") -> APIError:
+    return APIError(404, f"{what} `{job_id}` does not exist", type="not_found_error", param=f"{what}_id",
+                    code=f"{what}_not_found")
 
 
 def _cut(text, limit: int):
@@ -170,21 +172,26 @@ class Jobs:
                 self.checks[spec.endpoint](body)
         except APIError as e:
             raise APIError(e.status, f"body: {e.message}", param=f"body.{e.param}" if e.param else "body") from None
+        return JSONResponse(await self.submit(spec.endpoint, lambda: self._call(spec.endpoint, body)))
+
+    async def submit(self, endpoint: str, work: Work, *, prefix: str = "job-", extra: dict | None = None) -> dict:
+        """Store a queued job and start `work` in the background; its public record. `extra`: fields the
+        record keeps for its reader (the Videos API's parameters)."""
         now = time.time_ns()
-        record = {"id": f"job-{uuid.uuid4().hex}", "object": "omni.job", "endpoint": spec.endpoint,
+        record = {"id": f"{prefix}{uuid.uuid4().hex}", "object": "omni.job", "endpoint": endpoint,
                   "status": "queued", "created_at": now // 10**9, "completed_at": None,
                   "frontend": self.frontend_index, "error": None, "content_type": None, "bytes": None,
-                  "owner": self.owner, "created_ns": now}
+                  "owner": self.owner, "created_ns": now, **(extra or {})}
         self._mine.add(record["id"])
         try:
             await self._save(record)   # master unreachable: 503 and nothing runs
         except BaseException:
             self._mine.discard(record["id"])
             raise
-        self._tasks[record["id"]] = asyncio.create_task(self._run(record, body), name=record["id"])
+        self._tasks[record["id"]] = asyncio.create_task(self._run(record, work), name=record["id"])
         if self._watcher is None or self._watcher.done():
             self._watcher = asyncio.create_task(self._watch_deletions())
-        return JSONResponse(_public(record))
+        return _public(record)
 
     async def list(self, request: Request) -> Response:
         raw = request.query_params.get("limit", "20")
@@ -194,36 +201,56 @@ class Jobs:
             limit = 0
         if not 1 <= limit <= 100:
             raise bad_request(f"limit={raw} must be an integer in [1, 100]", param="limit")
-        records = [json.loads(v) for v in (await self.kv.kv_list(NAMESPACE)).values()]
-        records.sort(key=lambda r: r.get("created_ns", 0), reverse=True)
-        live = self._live()
-        return JSONResponse({"object": "list", "data": [self._view(r, live) for r in records[:limit]],
-                             "has_more": len(records) > limit})
+        records = await self.records()
+        return JSONResponse({"object": "list", "data": records[:limit], "has_more": len(records) > limit})
 
     async def retrieve(self, request: Request) -> Response:
-        return JSONResponse(self._view(await self._get(request.path_params["job_id"]), self._live()))
+        return JSONResponse(await self.record(request.path_params["job_id"]))
 
     async def content(self, request: Request) -> Response:
-        job = self._view(await self._get(request.path_params["job_id"]), self._live())
-        if job["status"] != "completed":
-            why = f": {job['error']['message']}" if job["error"] else ""
-            raise APIError(409, f"job `{job['id']}` is {job['status']}, not completed{why}",
-                           param="job_id", code="job_not_completed")
-        data = await self.results.get(job["id"])
-        if data is None:
-            raise APIError(404, f"the result of job `{job['id']}` is gone from the result store",
-                           type="not_found_error", param="job_id")
+        job, data = await self.result(request.path_params["job_id"])
         return Response(data, media_type=job["content_type"])
 
     async def delete(self, request: Request) -> Response:
         job_id = request.path_params["job_id"]
-        await self._get(job_id)
+        await self.remove(job_id)
+        return JSONResponse({"id": job_id, "object": "omni.job.deleted", "deleted": True})
+
+    # ---- what the routes above (and the Videos API) read and change
+
+    async def records(self, endpoint: str | None = None) -> list[dict]:
+        """Every job's public record (of one endpoint), newest first."""
+        records = [json.loads(v) for v in (await self.kv.kv_list(NAMESPACE)).values()]
+        records = [r for r in records if endpoint is None or r.get("endpoint") == endpoint]
+        records.sort(key=lambda r: r.get("created_ns", 0), reverse=True)
+        live = self._live()
+        return [self._view(r, live) for r in records]
+
+    async def record(self, job_id: str, what: str = "job") -> dict:
+        return self._view(await self._get(job_id, what), self._live())
+
+    async def result(self, job_id: str, what: str = "job") -> tuple[dict, bytes]:
+        """A completed job's record and result bytes; 409 while it is not completed, 404 once gone."""
+        job = await self.record(job_id, what)
+        if job["status"] != "completed":
+            why = f": {job['error']['message']}" if job["error"] else ""
+            raise APIError(409, f"{what} `{job['id']}` is {job['status']}, not completed{why}",
+                           param=f"{what}_id", code=f"{what}_not_completed")
+        data = await self.results.get(job["id"])
+        if data is None:
+            raise APIError(404, f"the result of {what} `{job['id']}` is gone from the result store",
+                           type="not_found_error", param=f"{what}_id")
+        return job, data
+
+    async def remove(self, job_id: str, what: str = "job") -> None:
+        """Delete a job, its result and (running here) its work; one running elsewhere is cancelled by
+        its frontend's watcher."""
+        await self._get(job_id, what)
         await self.kv.kv_delete(NAMESPACE, job_id)
         task = self._tasks.get(job_id)
-        if task is not None:   # a job running elsewhere is cancelled by its frontend's watcher
+        if task is not None:
             task.cancel()
         await self.results.delete(job_id)
-        return JSONResponse({"id": job_id, "object": "omni.job.deleted", "deleted": True})
 
     async def close(self) -> None:
         """Cancel running jobs (a stopping frontend deregisters, so readers see them failed)."""
@@ -236,12 +263,12 @@ class Jobs:
 
     # ---- state
 
-    async def _get(self, job_id: str) -> dict:
+    async def _get(self, job_id: str, what: str = "job") -> dict:
         if not JOB_ID_RE.match(job_id):
-            raise _not_found(job_id)
+            raise _not_found(job_id, what)
         blob = await self.kv.kv_get(NAMESPACE, job_id)
         if blob is None:
-            raise _not_found(job_id)
+            raise _not_found(job_id, what)
         return json.loads(blob)
 
     async def _save(self, record: dict) -> None:
@@ -266,13 +293,15 @@ class Jobs:
 
     # ---- running
 
-    async def _run(self, record: dict, body: bytes) -> None:
+    async def _run(self, record: dict, work: Work) -> None:
         job_id = record["id"]
         try:
             try:
                 async with self._slots:
+                    if await self.kv.kv_get(NAMESPACE, job_id) is None:
+                        return     # deleted (through any frontend) before it started: it stays deleted
                     await self._save({**record, "status": "in_progress"})
-                    final = await self._execute(record["endpoint"], job_id, body)
+                    final = await self._execute(record["endpoint"], job_id, work)
             except asyncio.CancelledError:
                 await self.results.delete(job_id)
                 raise
@@ -284,8 +313,8 @@ class Jobs:
             self._tasks.pop(job_id, None)
             self._mine.discard(job_id)
 
-    async def _execute(self, endpoint: str, job_id: str, body: bytes) -> dict:
-        status, ctype, content = await self._call(endpoint, body)
+    async def _execute(self, endpoint: str, job_id: str, work: Work) -> dict:
+        status, ctype, content = await work()
         if status == 200:
             await self.results.put(job_id, content)
             return {"status": "completed", "content_type": ctype, "bytes": len(content)}

@@ -39,6 +39,7 @@ class Facts:
     builtin_voices: tuple[str, ...] = ()
     job_endpoints: tuple[str, ...] = ()
     images: Any = None                    # omni.config.ImageSettings: the image route's bounds
+    videos: Any = None                    # omni.config.VideoSettings: the Videos API's bounds
 
 
 def spec(routes, title: str, version: str, facts: Facts | None = None) -> dict:
@@ -87,7 +88,7 @@ def operation(r, body: dict | None) -> dict:
 def _path_schema(name: str) -> dict:
     from omni.api.jobs import JOB_ID_RE
 
-    patterns = {"job_id": JOB_ID_RE.pattern, "name": P.VOICE_NAME}
+    patterns = {"job_id": JOB_ID_RE.pattern, "name": P.VOICE_NAME, "video_id": r"^video_[0-9a-f]{32}$"}
     return {"type": "string", "pattern": patterns[name]}
 
 
@@ -118,7 +119,7 @@ def narrow(components: dict, f: Facts) -> None:
         return next((s for s in schema.get("anyOf", [schema]) if s.get("type") != "null"), schema)
 
     requests = ("ChatCompletionRequest", "CompletionRequest", "SpeechRequest", "TokenizeRequest",
-                "DetokenizeRequest", "ImageGenerationRequest")
+                "DetokenizeRequest", "ImageGenerationRequest", "VideoCreateRequest")
     for name in requests:
         s = prop(name, "model")
         if s is not None and f.models:
@@ -146,6 +147,12 @@ def narrow(components: dict, f: Facts) -> None:
         s = prop("ImageGenerationRequest", "prompt")
         if s is not None:
             s["maxLength"] = min(s.get("maxLength", f.images.max_prompt_chars), f.images.max_prompt_chars)
+    if f.videos is not None:
+        v = f.videos
+        for field, most in (("num_inference_steps", v.max_steps), ("num_frames", v.max_frames), ("fps", v.max_fps)):
+            s = prop("VideoCreateRequest", field)
+            if s is not None:
+                first(s)["maximum"] = min(first(s).get("maximum", most), most)
     s = prop("VoiceSpec", "base")
     if s is not None and f.builtin_voices:
         s["enum"] = sorted(f.builtin_voices)

@@ -146,6 +146,26 @@ class ImageGenerationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields
     negative_prompt: Annotated[str, msgspec.Meta(max_length=MAX_IMAGE_PROMPT_CHARS)] | None = None
 
 
+class VideoCreateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """OpenAI's POST /v1/videos (JSON or a multipart form), plus vllm-omni's diffusion knobs (width, height,
+    num_frames, fps, steps, guidance, negative prompt, seed). An unknown field is refused by name
+    (`input_reference`: text-to-video only; `guidance_scale_2`, `boundary_ratio`: fixed by the model).
+    The deployment's bounds (pipeline.videos) are checked in omni/api/videos.py."""
+    prompt: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_IMAGE_PROMPT_CHARS)]
+    model: str | None = None
+    size: Annotated[str, msgspec.Meta(pattern=r"^[0-9]{1,5}x[0-9]{1,5}$")] | None = None   # "WxH"
+    seconds: Annotated[float, msgspec.Meta(gt=0, le=3600)] | None = None   # OpenAI's ("4"): frames = seconds x fps
+    width: Annotated[int, msgspec.Meta(ge=1, le=16384)] | None = None
+    height: Annotated[int, msgspec.Meta(ge=1, le=16384)] | None = None
+    num_frames: Annotated[int, msgspec.Meta(ge=1, le=100000)] | None = None
+    fps: Annotated[int, msgspec.Meta(ge=1, le=1000)] | None = None
+    seed: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] | None = None
+    num_inference_steps: Annotated[int, msgspec.Meta(ge=1, le=1000)] | None = None
+    guidance_scale: Annotated[float, msgspec.Meta(ge=0.0, le=50.0)] | None = None
+    negative_prompt: Annotated[str, msgspec.Meta(max_length=MAX_IMAGE_PROMPT_CHARS)] | None = None
+    user: Annotated[str, msgspec.Meta(max_length=256)] | None = None
+
+
 class TokenizeRequest(msgspec.Struct, kw_only=True):
     """vLLM's /tokenize: `prompt` (raw text) or `messages` (through the chat template)."""
     model: str | None = None

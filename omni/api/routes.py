@@ -16,7 +16,7 @@ from omni.api.jobs import JobRequest
 class RouteSpec:
     path: str
     method: str
-    family: str                 # text | speech | images | voices | control | jobs | admin (see app.build_app)
+    family: str                 # text | speech | images | videos | voices | control | jobs | admin (see app.build_app)
     handler: str                # the method of that family's object
     body: type | None = None    # the msgspec type the JSON body decodes into (POST): the OpenAPI schema
     ok: tuple[str, ...] = ("application/json",)   # content types of a success
@@ -40,6 +40,16 @@ ROUTES: tuple[RouteSpec, ...] = (
               errors=GENERATION),
     RouteSpec("/v1/images/generations", "POST", "images", "generations", P.ImageGenerationRequest,
               errors=GENERATION),
+    # The Videos API: async, on the jobs' records (every frontend sees every video).
+    RouteSpec("/v1/videos", "POST", "videos", "create", P.VideoCreateRequest, errors=(404, 503)),
+    RouteSpec("/v1/videos", "GET", "videos", "list", errors=(400, 404, 503),
+              query=(("limit", {"type": "integer", "minimum": 1, "maximum": 100, "default": 20}),
+                     ("order", {"type": "string", "enum": ["asc", "desc"], "default": "desc"}),
+                     ("after", {"type": "string"}))),
+    RouteSpec("/v1/videos/{video_id}", "GET", "videos", "retrieve", errors=JOB),
+    RouteSpec("/v1/videos/{video_id}", "DELETE", "videos", "delete", errors=JOB),
+    RouteSpec("/v1/videos/{video_id}/content", "GET", "videos", "content", ok=("video/mp4",), errors=(*JOB, 400, 409),
+              query=(("variant", {"type": "string", "enum": ["video"], "default": "video"}),)),
     RouteSpec("/v1/audio/voices", "GET", "voices", "list", errors=(404, 503)),
     RouteSpec("/v1/audio/voices", "POST", "voices", "add", P.VoiceSpec, ok_status=201, errors=(404, 409, 415, 503)),
     RouteSpec("/v1/audio/voices/{name}", "DELETE", "voices", "delete", errors=(400, 404, 409, 503)),

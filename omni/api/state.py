@@ -65,6 +65,7 @@ class FrontendState:
         self.max_speech_chars = max_speech_chars
         self.job_endpoints: tuple[str, ...] = ()   # the endpoints a job may run here (set by build_app)
         self.images = None     # omni.config.ImageSettings of a pipeline that makes images (set by build_app)
+        self.videos = None     # omni.config.VideoSettings of a pipeline that makes videos (set by build_app)
         self.voices = voices if voices is not None or speech_entry_stage is None else InMemoryVoiceStore()
         # The prompt stage's deploy defaults, under the client's own values (vLLM's generation-config way).
         self.sampling_defaults = sampling_defaults or SamplingOverrides()

@@ -14,9 +14,10 @@ from omni.api.jobs import Jobs
 from omni.api.routes import ROUTES, openapi_spec
 from omni.api.speech import SpeechRoutes
 from omni.api.text import TextRoutes
+from omni.api.videos import VideoRoutes
 from omni.api.voices import VoiceRoutes
 
-FAMILIES = {"text": TextRoutes, "speech": SpeechRoutes, "images": ImageRoutes, "voices": VoiceRoutes,
+FAMILIES = {"text": TextRoutes, "speech": SpeechRoutes, "images": ImageRoutes, "videos": VideoRoutes, "voices": VoiceRoutes,
             "control": ControlRoutes, "jobs": Jobs}
 
 

@@ -1,0 +1,196 @@
+"""The Videos API (/v1/videos) against an in-memory fake orchestrator, two frontends over one KV store and
+one result directory: what the stage is asked for (defaults under the client's values), the video object,
+the MP4 (lossless: its frames are the stage's), every refusal naming its parameter, and a deleted video's
+404 on the other frontend."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import numpy as np
+import pytest
+
+from omni.api import build_app, mp4
+from omni.api.jobs import Jobs, LocalKv, Results
+from omni.config import VideoSettings
+from omni.errors import StageFailed
+from omni.orchestrator.types import PipelineOutput, PipelineRequest
+from tests.unit.test_jobs import settle
+
+pytestmark = pytest.mark.anyio
+SETTINGS = VideoSettings(default_size="48x32", max_pixels=64 * 64, default_steps=7, max_steps=20, default_frames=5,
+                         max_frames=9, default_fps=8, max_fps=30)
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+def frames_for(p) -> np.ndarray:
+    rng = np.random.default_rng(p.seed % 1000)
+    return rng.integers(0, 256, (p.n, p.num_frames, p.height, p.width, 3), dtype=np.uint8)
+
+
+class FakeVideos:
+    """Answers a video request with seeded noise frames of the asked shape."""
+
+    def __init__(self):
+        self.requests: list[PipelineRequest] = []
+        self.fail: Exception | None = None
+
+    async def generate(self, request: PipelineRequest):
+        self.requests.append(request)
+        if self.fail is not None:
+            raise self.fail
+        rows = frames_for(request.image)
+        yield PipelineOutput(request_id=request.request_id, stage_id=0, modality="video", finished=True,
+                             image=rows.tobytes(), image_shape=rows.shape)
+
+    def health(self):
+        return True, ""
+
+
+def frontend(kv, results, index=0, videos: VideoSettings | None = SETTINGS):
+    orch = FakeVideos()
+    jobs = Jobs(kv, Results(results), frontend_index=index, host=f"h{index}")
+    app = build_app(orch, None, served_model_name="wan", max_model_len=16, frontend_index=index, jobs=jobs,
+                    videos=videos)
+    return orch, jobs, httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+
+
+@pytest.fixture
+def two(tmp_path):
+    kv = LocalKv()
+    return frontend(kv, tmp_path, 0), frontend(kv, tmp_path, 1)
+
+
+async def test_a_video_made_on_one_frontend_is_listed_read_downloaded_and_deleted_on_the_other(two):
+    (orch, jobs0, c0), (_, _, c1) = two
+    r = await c0.post("/v1/videos", json={"prompt": "a cat", "seed": 5, "num_frames": 9, "fps": 12})
+    assert r.status_code == 200, r.text
+    v = r.json()
+    assert v["object"] == "video" and v["id"].startswith("video_") and v["status"] == "queued"
+    assert v["model"] == "wan" and v["size"] == "48x32" and v["seconds"] == "0.75" and v["progress"] == 0
+    await settle(jobs0)
+    p = orch.requests[0].image
+    assert orch.requests[0].modalities == ("video",) and orch.requests[0].text == "a cat"
+    assert (p.width, p.height, p.num_frames, p.num_inference_steps, p.guidance_scale, p.negative_prompt, p.seed) == \
+        (48, 32, 9, 7, 5.0, "", 5)
+    got = (await c1.get(f"/v1/videos/{v['id']}")).json()
+    assert got["status"] == "completed" and got["progress"] == 100 and got["completed_at"] is not None
+    listed = (await c1.get("/v1/videos")).json()
+    assert [x["id"] for x in listed["data"]] == [v["id"]] and listed["first_id"] == v["id"]
+    r = await c1.get(f"/v1/videos/{v['id']}/content")
+    assert r.status_code == 200 and r.headers["content-type"] == "video/mp4"
+    frames, fps = mp4.decode(r.content)
+    assert fps == 12 and np.array_equal(frames, frames_for(p)[0])      # lossless
+    d = await c1.delete(f"/v1/videos/{v['id']}")
+    assert d.json() == {"id": v["id"], "object": "video.deleted", "deleted": True}
+    for path in (f"/v1/videos/{v['id']}/content", f"/v1/videos/{v['id']}"):
+        r = await c0.get(path)
+        assert r.status_code == 404, r.text
+        assert r.json()["error"] == {"message": f"video `{v['id']}` does not exist", "type": "not_found_error",
+                                     "param": "video_id", "code": "video_not_found"}
+    assert (await c0.get("/v1/videos")).json()["data"] == []
+
+
+async def test_a_form_like_openais_sdk_sends_and_seconds_at_fps(two):
+    (orch, jobs0, c0), _ = two
+    r = await c0.post("/v1/videos", files={"prompt": (None, "a dog"), "seconds": (None, "1"), "size": (None, "32x32"),
+                                           "fps": (None, "8"), "seed": (None, "3")})
+    assert r.status_code == 200, r.text
+    await settle(jobs0)
+    p = orch.requests[0].image
+    assert (p.width, p.height, p.num_frames, p.seed) == (32, 32, 9, 3)     # 1 s x 8 fps -> 4k + 1 = 9
+    r = await c0.post("/v1/videos", files={"prompt": (None, "x"), "input_reference": ("a.png", b"png")})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input_reference"
+
+
+async def test_a_failed_video_reads_failed_and_its_content_is_409(two):
+    (orch, jobs0, c0), (_, _, c1) = two
+    orch.fail = StageFailed("dit", "denoise", "boom")
+    v = (await c0.post("/v1/videos", json={"prompt": "a cat"})).json()
+    await settle(jobs0)
+    got = (await c1.get(f"/v1/videos/{v['id']}")).json()
+    assert got["status"] == "failed" and "boom" in got["error"]["message"]
+    r = await c1.get(f"/v1/videos/{v['id']}/content")
+    assert r.status_code == 409 and r.json()["error"]["code"] == "video_not_completed"
+
+
+async def test_list_pages_with_limit_order_and_after(two):
+    (_, jobs0, c0), (_, _, c1) = two
+    ids = [(await c0.post("/v1/videos", json={"prompt": f"p{i}"})).json()["id"] for i in range(3)]
+    await settle(jobs0)
+    page = (await c1.get("/v1/videos", params={"limit": 2})).json()
+    assert [v["id"] for v in page["data"]] == ids[::-1][:2] and page["has_more"]
+    rest = (await c1.get("/v1/videos", params={"limit": 2, "after": page["last_id"]})).json()
+    assert [v["id"] for v in rest["data"]] == [ids[0]] and not rest["has_more"]
+    asc = (await c1.get("/v1/videos", params={"order": "asc"})).json()
+    assert [v["id"] for v in asc["data"]] == ids
+    # a generic job is no video, a video is a job
+    assert (await c1.get(f"/v1/omni/jobs/{ids[0]}")).json()["endpoint"] == "/v1/videos"
+
+
+@pytest.mark.parametrize("body, param, says", [
+    ({"prompt": "x", "size": "40x32"}, "size", "multiples of 16"),
+    ({"prompt": "x", "width": 128, "height": 128}, "width", "pixels; the limit is 4096"),
+    ({"prompt": "x", "width": 32}, "height", "come together"),
+    ({"prompt": "x", "size": "32x32", "width": 32, "height": 32}, "size", "not both"),
+    ({"prompt": "x", "num_frames": 6}, "num_frames", "1 more than a multiple of 4"),
+    ({"prompt": "x", "num_frames": 13}, "num_frames", "the limit is 9 (max_frames)"),
+    ({"prompt": "x", "seconds": 5}, "seconds", "the limit is 9"),
+    ({"prompt": "x", "seconds": 1, "num_frames": 5}, "seconds", "not both"),
+    ({"prompt": "x", "fps": 31}, "fps", "the limit is 30"),
+    ({"prompt": "x", "num_inference_steps": 21}, "num_inference_steps", "the limit is 20"),
+    ({"prompt": "x", "guidance_scale": 1.0, "negative_prompt": "y"}, "negative_prompt", "needs guidance"),
+    ({"prompt": " "}, "prompt", "some text"),
+    ({"prompt": "x", "model": "sora-2"}, "model", "does not exist"),
+    ({"prompt": "x", "guidance_scale_2": 3.0}, "guidance_scale_2", "unknown field"),
+    ({"prompt": "x", "input_reference": "a.png"}, "input_reference", "unknown field"),
+])
+async def test_bad_input_is_refused_naming_the_parameter(two, body, param, says):
+    (orch, _, c0), _ = two
+    r = await c0.post("/v1/videos", json=body)
+    assert r.status_code in (400, 404), r.text
+    e = r.json()["error"]
+    assert e["param"] == param and says in e["message"], e
+    assert orch.requests == [] and (await c0.get("/v1/videos")).json()["data"] == []
+
+
+async def test_no_video_stage_is_404_and_other_ids_are_no_videos(tmp_path):
+    _, _, c = frontend(LocalKv(), tmp_path, videos=None)
+    r = await c.post("/v1/videos", json={"prompt": "x"})
+    assert r.status_code == 404 and "makes no videos" in r.json()["error"]["message"]
+    _, _, c = frontend(LocalKv(), tmp_path)
+    for vid in ("job-" + "0" * 32, "video_nope", "video_" + "0" * 32):
+        assert (await c.get(f"/v1/videos/{vid}")).status_code == 404
+    assert (await c.get("/v1/videos/video_x/content", params={"variant": "thumbnail"})).status_code == 400
+
+
+async def test_deleting_a_running_video_cancels_it(two):
+    (orch, jobs0, c0), (_, _, c1) = two
+    started, gate = asyncio.Event(), asyncio.Event()
+
+    async def slow(request):
+        started.set()
+        await gate.wait()
+        yield  # pragma: no cover
+
+    orch.generate = slow
+    v = (await c0.post("/v1/videos", json={"prompt": "x"})).json()
+    task = jobs0._tasks[v["id"]]
+    await asyncio.wait_for(started.wait(), 10)
+    assert (await c1.get(f"/v1/videos/{v['id']}")).json()["status"] == "in_progress"
+    assert (await c1.delete(f"/v1/videos/{v['id']}")).status_code == 200
+    await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 10)   # the watcher cancels it
+    assert task.cancelled() and (await c0.get(f"/v1/videos/{v['id']}")).status_code == 404
+
+
+async def test_a_video_deleted_before_it_starts_stays_deleted(two):
+    (orch, jobs0, c0), (_, _, c1) = two
+    v = (await c0.post("/v1/videos", json={"prompt": "x"})).json()
+    assert (await c1.delete(f"/v1/videos/{v['id']}")).status_code == 200     # before its task first ran
+    await settle(jobs0)
+    assert orch.requests == [] and (await c0.get(f"/v1/videos/{v['id']}")).status_code == 404
