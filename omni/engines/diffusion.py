@@ -123,6 +123,43 @@ class DiffusionEngine(Engine):
         start = sum(j.params.n for j in batch[:i])
         return torch.arange(start, start + batch[i].params.n)
 
+    def vae_decode(self, lat: torch.Tensor) -> torch.Tensor:
+        """The VAE's decode of [b, z, frames, h, w] latents, un-normalised by its latents_mean / latents_std
+        as the Qwen-Image and Wan pipelines do (their VAEs share the layout)."""
+        vae = self.pipe.vae
+        lat = lat.to(vae.dtype)
+        z = vae.config.z_dim
+        mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(lat.device, lat.dtype)
+        scale = 1.0 / torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1).to(lat.device, lat.dtype)
+        return vae.decode(lat / scale + mean, return_dict=False)[0]
+
+    @staticmethod
+    def split(rows, jobs: list[Job]) -> list[torch.Tensor]:
+        """uint8 rows of a decode of `jobs` back into each job's n."""
+        out, at = [], 0
+        for j in jobs:
+            out.append(torch.from_numpy(rows[at:at + j.params.n]))
+            at += j.params.n
+        return out
+
+    def guided(self, batch: list[Job]) -> tuple[list[int], torch.Tensor | None]:
+        """The jobs with guidance (their places in the batch) and their rows, for the unconditional forward."""
+        which = [i for i, j in enumerate(batch) if j.cfg]
+        return which, torch.cat([self.rows(batch, i) for i in which]) if which else None
+
+    def scheduler_steps(self, batch: list[Job], cond: torch.Tensor, uncond: torch.Tensor | None, guide) -> None:
+        """Each job's prediction (its rows of `cond`, guided by its rows of `uncond`: `guide(cond, uncond,
+        scale)`) into its own scheduler's step."""
+        at = 0
+        for i, j in enumerate(batch):
+            pred = cond[self.rows(batch, i)]
+            if j.cfg:
+                neg = uncond[at:at + j.params.n]
+                at += j.params.n
+                pred = guide(pred, neg, j.params.guidance_scale)
+            j.latents = j.scheduler.step(pred, j.timesteps[j.done], j.latents, return_dict=False)[0]
+            j.done += 1
+
     # -- requests --------------------------------------------------------------------
 
     def add_request(self, request: EngineRequest) -> None:

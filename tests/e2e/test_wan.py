@@ -5,14 +5,12 @@ equal diffusers' WanPipeline's for the same arguments (the MP4 is lossless), and
 
 from __future__ import annotations
 
-import time
-
-import httpx
 import numpy as np
 import pytest
 
 from omni.api import mp4
 from tests.e2e.harness import OmniProcess, omni_env, omni_shm_entries, pinned
+from tests.e2e.test_api_servers import finished_job
 
 pytestmark = [pytest.mark.e2e]
 diffusers = pytest.importorskip("diffusers")
@@ -59,19 +57,6 @@ def clients(tiny):
         assert omni_shm_entries(p.stop(60)) == []
 
 
-def finished(client: httpx.Client, video_id: str, deadline_s: float = 120) -> dict:
-    """Poll a video until it is no longer queued or in progress, within a deadline."""
-    deadline = time.monotonic() + deadline_s
-    while True:
-        r = client.get(f"/v1/videos/{video_id}")
-        assert r.status_code == 200, r.text
-        video = r.json()
-        if video["status"] not in ("queued", "in_progress"):
-            return video
-        assert time.monotonic() < deadline, f"video still {video['status']} after {deadline_s} s: {video}"
-        time.sleep(0.2)   # poll pacing; the deadline bounds the wait
-
-
 def test_a_video_made_on_one_frontend_is_served_and_deleted_by_the_other(clients, want):
     a, b = clients
     r = a.post("/v1/videos", json=BODY)
@@ -79,7 +64,8 @@ def test_a_video_made_on_one_frontend_is_served_and_deleted_by_the_other(clients
     video = r.json()
     assert video["object"] == "video" and video["status"] == "queued" and video["model"] == NAME
     assert video["size"] == "32x32" and video["seconds"] == "0.625" and video["num_frames"] == 5
-    done = finished(b, video["id"])
+    assert finished_job(b, video["id"], 120)["status"] == "completed"     # a video is a job
+    done = b.get(f"/v1/videos/{video['id']}").json()
     assert done["status"] == "completed" and done["progress"] == 100, done
     assert video["id"] in [v["id"] for v in b.get("/v1/videos").json()["data"]]
     content = b.get(f"/v1/videos/{video['id']}/content")

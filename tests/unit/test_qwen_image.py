@@ -40,12 +40,15 @@ def pipe(folder, device):
     return p
 
 
+def digest(d) -> dict[str, str]:
+    """A folder's files and their hashes."""
+    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.rglob("*"))
+            if p.is_file()}
+
+
 def test_tiny_folder_is_a_diffusers_folder_byte_identical_per_seed(folder, tmp_path):
     from omni.models.qwen_image.tiny import build
 
-    def digest(d):
-        return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest()
-                for p in sorted(d.rglob("*")) if p.is_file()}
     first = digest(folder)
     assert first == digest(build(tmp_path / "again"))
     assert {"model_index.json", "transformer/diffusion_pytorch_model.safetensors", "vae/config.json",
@@ -60,6 +63,7 @@ def reference(pipe, prompt: str, p: ImageParams) -> np.ndarray:
 
 
 def run(engine, requests: dict[str, tuple[str, ImageParams]]) -> dict[str, np.ndarray]:
+    """Each request's output (an image or a video: the engine's `unit`), stepping until all are done."""
     for rid, (prompt, p) in requests.items():
         engine.add_request(EngineRequest(request_id=rid, text=prompt, image=p))
     out = {}
@@ -68,7 +72,7 @@ def run(engine, requests: dict[str, tuple[str, ImageParams]]) -> dict[str, np.nd
             break
         for o in engine.step():
             assert o.finished and o.error is None, o.error
-            out[o.request_id] = o.tensors["image"].numpy()
+            out[o.request_id] = o.tensors[engine.unit].numpy()
     return out
 
 

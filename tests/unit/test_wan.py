@@ -4,14 +4,13 @@ for bit (output_type "np", x 255 rounded to uint8); batched requests differ by f
 
 from __future__ import annotations
 
-import hashlib
-
 import msgspec
 import numpy as np
 import pytest
 import torch
 
 from omni.engines.base import EngineError, EngineRequest, ImageParams
+from tests.unit.test_qwen_image import digest, run
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -44,9 +43,6 @@ def pipe(folder, device):
 def test_tiny_folder_is_a_wan_folder_byte_identical_per_seed(folder, tmp_path):
     from omni.models.wan.tiny import build
 
-    def digest(d):
-        return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest()
-                for p in sorted(d.rglob("*")) if p.is_file()}
     first = digest(folder)
     assert first == digest(build(tmp_path / "again"))
     assert {"model_index.json", "transformer/diffusion_pytorch_model.safetensors", "vae/config.json",
@@ -60,19 +56,6 @@ def reference(pipe, prompt: str, p: ImageParams) -> np.ndarray:
                   width=p.width, num_frames=p.num_frames, num_inference_steps=p.num_inference_steps,
                   num_videos_per_prompt=p.n, generator=torch.Generator().manual_seed(p.seed), output_type="np").frames
     return to_uint8(frames)
-
-
-def run(engine, requests: dict[str, tuple[str, ImageParams]]) -> dict[str, np.ndarray]:
-    for rid, (prompt, p) in requests.items():
-        engine.add_request(EngineRequest(request_id=rid, text=prompt, image=p))
-    out = {}
-    for _ in range(1000):
-        if not engine.has_unfinished():
-            break
-        for o in engine.step():
-            assert o.finished and o.error is None, o.error
-            out[o.request_id] = o.tensors["video"].numpy()
-    return out
 
 
 @pytest.mark.parametrize("params", [

@@ -135,20 +135,11 @@ class QwenImageEngine(DiffusionEngine):
         latents = torch.cat([j.latents for j in batch])
         t = torch.cat([j.timesteps[j.done].expand(j.params.n) for j in batch]).to(latents.dtype)
         cond = self.forward(latents, t, [j.embeds for j in batch], shape, "cond")
-        guided = [i for i, j in enumerate(batch) if j.cfg]
+        guided, rows = self.guided(batch)
         uncond = None
         if guided:
-            rows = torch.cat([self.rows(batch, i) for i in guided])
             uncond = self.forward(latents[rows], t[rows], [batch[i].neg_embeds for i in guided], shape, "uncond")
-        at = 0
-        for i, j in enumerate(batch):
-            pred = cond[self.rows(batch, i)]
-            if j.cfg:
-                neg = uncond[at:at + j.params.n]
-                at += j.params.n
-                pred = guide(pred, neg, j.params.guidance_scale)
-            j.latents = j.scheduler.step(pred, j.timesteps[j.done], j.latents, return_dict=False)[0]
-            j.done += 1
+        self.scheduler_steps(batch, cond, uncond, guide)
 
     def forward(self, latents: torch.Tensor, t: torch.Tensor, embeds: list[torch.Tensor], shape: tuple,
                 context: str) -> torch.Tensor:
@@ -170,19 +161,10 @@ class QwenImageEngine(DiffusionEngine):
         """One VAE decode for the finished jobs (of one size): uint8 [n, height, width, 3] each, as the
         pipeline's PIL images hold them."""
         pipe, p = self.pipe, jobs[0].params
-        vae = pipe.vae
         latents = torch.cat([j.latents for j in jobs])
-        lat = pipe._unpack_latents(latents, p.height, p.width, pipe.vae_scale_factor).to(vae.dtype)
-        z = vae.config.z_dim
-        mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(lat.device, lat.dtype)
-        scale = 1.0 / torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1).to(lat.device, lat.dtype)
-        image = vae.decode(lat / scale + mean, return_dict=False)[0][:, :, 0]
+        image = self.vae_decode(pipe._unpack_latents(latents, p.height, p.width, pipe.vae_scale_factor))[:, :, 0]
         rows = np.stack([np.asarray(im) for im in pipe.image_processor.postprocess(image, output_type="pil")])
-        out, at = [], 0
-        for j in jobs:
-            out.append(torch.from_numpy(rows[at:at + j.params.n]))
-            at += j.params.n
-        return out
+        return self.split(rows, jobs)
 
 
 def guide(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:

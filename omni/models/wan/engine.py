@@ -132,39 +132,24 @@ class WanEngine(DiffusionEngine):
         with model.cache_context("cond"):
             cond = model(hidden_states=x, timestep=t, encoder_hidden_states=torch.cat([j.embeds for j in batch]),
                          attention_kwargs=None, return_dict=False)[0]
-        guided = [i for i, j in enumerate(batch) if j.cfg]
+        guided, rows = self.guided(batch)
         uncond = None
         if guided:
-            rows = torch.cat([self.rows(batch, i) for i in guided])
             with model.cache_context("uncond"):
                 uncond = model(hidden_states=x[rows], timestep=t[rows], attention_kwargs=None, return_dict=False,
                                encoder_hidden_states=torch.cat([batch[i].neg_embeds for i in guided]))[0]
-        at = 0
-        for i, j in enumerate(batch):
-            pred = cond[self.rows(batch, i)]
-            if j.cfg:
-                neg = uncond[at:at + j.params.n]
-                at += j.params.n
-                # Wan2.2's guidance_scale_2 defaults to guidance_scale in the pipeline: one scale here
-                pred = neg + j.params.guidance_scale * (pred - neg)
-            j.latents = j.scheduler.step(pred, j.timesteps[j.done], j.latents, return_dict=False)[0]
-            j.done += 1
+        self.scheduler_steps(batch, cond, uncond, guide)
 
     def decode(self, jobs: list[Job]) -> list[torch.Tensor]:
         """One VAE decode for the finished jobs (of one shape): uint8 [n, frames, height, width, 3] each."""
-        pipe = self.pipe
-        vae = pipe.vae
-        lat = torch.cat([j.latents for j in jobs]).to(vae.dtype)
-        z = vae.config.z_dim
-        mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(lat.device, lat.dtype)
-        scale = 1.0 / torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1).to(lat.device, lat.dtype)
-        video = vae.decode(lat / scale + mean, return_dict=False)[0]
-        frames = to_uint8(pipe.video_processor.postprocess_video(video, output_type="np"))
-        out, at = [], 0
-        for j in jobs:
-            out.append(torch.from_numpy(frames[at:at + j.params.n]))
-            at += j.params.n
-        return out
+        video = self.vae_decode(torch.cat([j.latents for j in jobs]))
+        return self.split(to_uint8(self.pipe.video_processor.postprocess_video(video, output_type="np")), jobs)
+
+
+def guide(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
+    """Classifier-free guidance as WanPipeline applies it (Wan2.2's guidance_scale_2 is the pipeline's
+    default there, guidance_scale: one scale for both transformers)."""
+    return uncond + scale * (cond - uncond)
 
 
 def to_uint8(frames):
