@@ -54,7 +54,7 @@ Work = Callable[[], Awaitable["tuple[int, str, bytes]"]]
 LiveFrontends = Callable[[], "set[tuple[str, int]] | None"]
 
 
-class JobRequest(msgspec.Struct):
+class JobRequest(msgspec.Struct, forbid_unknown_fields=True):
     endpoint: str
     body: dict[str, Any]
 

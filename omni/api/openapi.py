@@ -189,6 +189,6 @@ def _job_request(f: Facts, components: dict) -> dict:
         body = copy.deepcopy(components[name])
         if "stream" in body.get("properties", {}):
             body["properties"]["stream"] = {"const": False, "default": False}
-        alts.append({"type": "object", "required": ["endpoint", "body"],
+        alts.append({"type": "object", "required": ["endpoint", "body"], "additionalProperties": False,
                      "properties": {"endpoint": {"const": endpoint}, "body": body}})
     return {"title": "JobRequest", "oneOf": alts} if alts else components["JobRequest"]

@@ -107,6 +107,7 @@ async def test_list_is_newest_first_with_limit(tokenizer, tmp_path):
     ({"endpoint": "/v1/chat/completions", "body": chat_body(stream=True)}, "body.stream", "stream"),
     ({"endpoint": "/v1/audio/speech", "body": {"model": "tiny"}}, "body.input", "input"),
     ({"endpoint": "/v1/completions", "body": {"prompt": 5}}, "body.prompt", None),
+    ({"endpoint": "/v1/audio/speech", "body": SPEECH, "priority": 1}, "priority", "priority"),   # refused, not ignored
 ])
 async def test_bad_job_requests_are_400(tokenizer, tmp_path, body, param, contains):
     _, jobs, c = frontend(tokenizer, LocalKv(), tmp_path)
