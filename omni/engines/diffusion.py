@@ -1,10 +1,11 @@
 """What every diffusion stage engine shares (qwen_image, wan): requests as jobs stepped one denoising step
 at a time in batches of equal shape, abort between steps, progress gauges, and sleep.
 
-A family's engine subclasses `DiffusionEngine` and supplies the model's parts: `load` (the diffusers
-pipeline), `check` (what the model can make), `admit` (encode, draw the noise, set the schedule),
-`denoise` (one step of a batch), `decode` (finished jobs to uint8 frames) and `batch_key` (which jobs may
-share a forward). The loop, the bookkeeping and sleep live here once.
+A family's engine subclasses `DiffusionEngine` and supplies the model's parts: `pipeline_class` (the
+diffusers pipeline it loads), the bounds `check` enforces (`size_multiple`, `max_pixels`, `max_steps`; a
+family may check more), `admit` (encode, draw the noise, set the schedule), `denoise` (one step of a
+batch), `decode` (finished jobs to uint8 frames) and `batch_key` (which jobs may share a forward). The
+loop, the bookkeeping and sleep live here once.
 """
 
 from __future__ import annotations
@@ -74,11 +75,10 @@ class DiffusionEngine(Engine):
         self._report: dict[str, float] = {}    # load_extra(): replaced whole after each step
 
     # -- what a family supplies ----------------------------------------------------------
+    # Also set by a family's __init__: size_multiple, max_pixels, max_steps (what `check` bounds).
 
-    def load(self):
-        raise NotImplementedError
-
-    def check(self, p: ImageParams) -> None:
+    def pipeline_class(self) -> type:
+        """The diffusers pipeline class `load` reads a folder with."""
         raise NotImplementedError
 
     def make_job(self, request: EngineRequest) -> Job:
@@ -97,6 +97,23 @@ class DiffusionEngine(Engine):
         return (job.params.width, job.params.height)
 
     # -- shared parts --------------------------------------------------------------------
+
+    def load(self):
+        pipe = self.pipeline_class().from_pretrained(self.model_dir, dtype=self.dtype)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe.to(self.device)
+
+    def check(self, p: ImageParams) -> None:
+        """Refuse what the model cannot make, naming the parameter (the frontend checks first)."""
+        m = self.size_multiple
+        if p.width <= 0 or p.height <= 0 or p.width % m or p.height % m:
+            raise EngineError(f"size {p.width}x{p.height}: width and height must be positive multiples of {m}")
+        if p.width * p.height > self.max_pixels:
+            raise EngineError(f"size {p.width}x{p.height} is {p.width * p.height} pixels; the limit is {self.max_pixels}")
+        if not 1 <= p.num_inference_steps <= self.max_steps:
+            raise EngineError(f"num_inference_steps must be in [1, {self.max_steps}], got {p.num_inference_steps}")
+        if not 1 <= p.n <= self.max_batch_rows:
+            raise EngineError(f"n must be in [1, {self.max_batch_rows}] (max_batch_rows), got {p.n}")
 
     def move_to(self, device: torch.device) -> None:
         self.pipe.to(device)

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from omni.engines.base import EngineError, EngineRequest, ImageParams
+from omni.engines.base import EngineError, EngineRequest
 from omni.engines.diffusion import DiffusionEngine, Job
 
 
@@ -46,26 +46,12 @@ class QwenImageEngine(DiffusionEngine):
         # Sizes must be whole latent patches: the VAE's downsampling times the DiT's patch size.
         self.size_multiple = self.pipe.vae_scale_factor * self.pipe.transformer.config.patch_size
 
-    def load(self):
+    def pipeline_class(self) -> type:
         from diffusers import QwenImagePipeline
 
-        pipe = QwenImagePipeline.from_pretrained(self.model_dir, dtype=self.dtype)
-        pipe.set_progress_bar_config(disable=True)
-        return pipe.to(self.device)
+        return QwenImagePipeline
 
     # -- requests --------------------------------------------------------------------
-
-    def check(self, p: ImageParams) -> None:
-        """Refuse what the model cannot make, naming the parameter (the frontend checks first)."""
-        m = self.size_multiple
-        if p.width <= 0 or p.height <= 0 or p.width % m or p.height % m:
-            raise EngineError(f"size {p.width}x{p.height}: width and height must be positive multiples of {m}")
-        if p.width * p.height > self.max_pixels:
-            raise EngineError(f"size {p.width}x{p.height} is {p.width * p.height} pixels; the limit is {self.max_pixels}")
-        if not 1 <= p.num_inference_steps <= self.max_steps:
-            raise EngineError(f"num_inference_steps must be in [1, {self.max_steps}], got {p.num_inference_steps}")
-        if not 1 <= p.n <= self.max_batch_rows:
-            raise EngineError(f"n must be in [1, {self.max_batch_rows}] (max_batch_rows), got {p.n}")
 
     def make_job(self, request: EngineRequest) -> Job:
         if request.prompt_token_ids is None and request.text is None:

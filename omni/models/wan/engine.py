@@ -55,29 +55,19 @@ class WanEngine(DiffusionEngine):
         # Wan2.2 A14B: `transformer` above this timestep, `transformer_2` below (the pipeline's rule).
         self.boundary = None if ratio is None else ratio * pipe.scheduler.config.num_train_timesteps
 
-    def load(self):
+    def pipeline_class(self) -> type:
         from diffusers import WanPipeline
 
-        pipe = WanPipeline.from_pretrained(self.model_dir, dtype=self.dtype)
-        pipe.set_progress_bar_config(disable=True)
-        return pipe.to(self.device)
+        return WanPipeline
 
     # -- requests --------------------------------------------------------------------
 
     def check(self, p: ImageParams) -> None:
-        """Refuse what the model cannot make, naming the parameter (the frontend checks first)."""
-        m, f = self.size_multiple, self.frame_multiple
-        if p.width <= 0 or p.height <= 0 or p.width % m or p.height % m:
-            raise EngineError(f"size {p.width}x{p.height}: width and height must be positive multiples of {m}")
-        if p.width * p.height > self.max_pixels:
-            raise EngineError(f"size {p.width}x{p.height} is {p.width * p.height} pixels; the limit is {self.max_pixels}")
+        super().check(p)
+        f = self.frame_multiple
         if not 1 <= p.num_frames <= self.max_frames or (p.num_frames - 1) % f:
             raise EngineError(f"num_frames must be 1 more than a multiple of {f}, at most {self.max_frames}; "
                               f"got {p.num_frames}")
-        if not 1 <= p.num_inference_steps <= self.max_steps:
-            raise EngineError(f"num_inference_steps must be in [1, {self.max_steps}], got {p.num_inference_steps}")
-        if not 1 <= p.n <= self.max_batch_rows:
-            raise EngineError(f"n must be in [1, {self.max_batch_rows}] (max_batch_rows), got {p.n}")
 
     def make_job(self, request: EngineRequest) -> Job:
         if request.text is None:
