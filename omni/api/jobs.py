@@ -46,7 +46,7 @@ FINISH_S = 30.0    # how long the final status write is retried while the master
 MAX_RUNNING = 2
 
 Handler = Callable[[Request], Awaitable[Response]]
-# body -> None, or the APIError the route would answer before running anything (its own bounds)
+# body -> None, or the APIError the route would answer before running anything (it decodes the body itself)
 Check = Callable[[bytes], None]
 # -> (HTTP status, content type, body) of a job's work: a route's answer, or the Videos API's MP4
 Work = Callable[[], Awaitable["tuple[int, str, bytes]"]]
@@ -167,9 +167,11 @@ class Jobs:
                               param="body.stream")
         body = msgspec.json.encode(spec.body)
         try:  # wrong types, missing fields and a route's own bounds are refused now, not as a failed job later
-            P.decode_body(body, BODY_TYPES[spec.endpoint])
-            if spec.endpoint in self.checks:
-                self.checks[spec.endpoint](body)
+            check = self.checks.get(spec.endpoint)
+            if check is not None:
+                check(body)     # the route's own parse: the body's type, then its bounds
+            else:
+                P.decode_body(body, BODY_TYPES[spec.endpoint])
         except APIError as e:
             raise APIError(e.status, f"body: {e.message}", param=f"body.{e.param}" if e.param else "body") from None
         return JSONResponse(await self.submit(spec.endpoint, lambda: self._call(spec.endpoint, body)))
