@@ -18,6 +18,7 @@ import io
 import secrets
 import time
 import uuid
+from typing import AsyncIterator
 
 import anyio
 import numpy as np
@@ -31,7 +32,7 @@ from omni.api.http import until_disconnect
 from omni.api.state import OFFLOAD_CHARS, FrontendState
 from omni.config import ImageSettings, VideoSettings
 from omni.engines.base import ImageParams
-from omni.orchestrator.types import PipelineOutput, PipelineRequest
+from omni.orchestrator.types import OrchestratorLike, PipelineOutput, PipelineRequest
 
 ROUTE = "/v1/images/generations"
 
@@ -107,6 +108,19 @@ def png_b64(out: PipelineOutput) -> list[str]:
     return encoded
 
 
+async def media_outputs(orch: OrchestratorLike, preq: PipelineRequest, modality: str) -> AsyncIterator[PipelineOutput]:
+    """The request's outputs that carry its `modality`'s frames, as they come. The orchestrator's iterator
+    is closed at the end, shielded, so a disconnect's cancel still aborts the request in every stage."""
+    it = aiter(orch.generate(preq))
+    try:
+        async for out in it:
+            if out.modality == modality and out.image:
+                yield out
+    finally:
+        with anyio.CancelScope(shield=True):
+            await it.aclose()
+
+
 class ImageRoutes:
     def __init__(self, fe: FrontendState, settings: ImageSettings | None):
         self.fe = fe
@@ -132,22 +146,16 @@ class ImageRoutes:
         async def work() -> Response:
             if latency_trace.on():
                 latency_trace.mark("arrived", preq.request_id, at=t0)
-            it = aiter(self.fe.orch.generate(preq))
             images: list[str] = []
             revised: str | None = None
-            try:
-                async for out in it:
-                    if out.modality == "image" and out.image:
-                        revised = out.prompt
-                        self.fe.metrics.first_output(ROUTE, time.monotonic() - t0)
-                        if latency_trace.on():
-                            latency_trace.mark("image", preq.request_id, params.n)
-                        images += await anyio.to_thread.run_sync(png_b64, out)
-                        if latency_trace.on():
-                            latency_trace.mark("png", preq.request_id, params.n)
-            finally:
-                with anyio.CancelScope(shield=True):
-                    await it.aclose()
+            async for out in media_outputs(self.fe.orch, preq, "image"):
+                revised = out.prompt
+                self.fe.metrics.first_output(ROUTE, time.monotonic() - t0)
+                if latency_trace.on():
+                    latency_trace.mark("image", preq.request_id, params.n)
+                images += await anyio.to_thread.run_sync(png_b64, out)
+                if latency_trace.on():
+                    latency_trace.mark("png", preq.request_id, params.n)
             if len(images) != params.n:
                 raise APIError(500, f"the pipeline made {len(images)} of {params.n} images", type="stage_error")
             extra = {"revised_prompt": revised} if revised is not None else {}

@@ -25,7 +25,7 @@ from starlette.responses import JSONResponse, Response
 from omni.api import mp4
 from omni.api import protocol as P
 from omni.api.errors import APIError, bad_request
-from omni.api.images import check_prompt, check_size, denoising, parse_size
+from omni.api.images import check_prompt, check_size, denoising, media_outputs, parse_size
 from omni.api.jobs import Jobs
 from omni.api.state import FrontendState
 from omni.config import VideoSettings
@@ -140,15 +140,9 @@ class VideoRoutes:
 
     async def render(self, preq: PipelineRequest) -> np.ndarray:
         """The video stage's frames, uint8 [frames, height, width, 3]."""
-        it = aiter(self.fe.orch.generate(preq))
         frames = None
-        try:
-            async for out in it:
-                if out.modality == "video" and out.image:
-                    frames = np.frombuffer(out.image, dtype=np.uint8).reshape(out.image_shape)[0]
-        finally:
-            with anyio.CancelScope(shield=True):
-                await it.aclose()
+        async for out in media_outputs(self.fe.orch, preq, "video"):
+            frames = np.frombuffer(out.image, dtype=np.uint8).reshape(out.image_shape)[0]
         if frames is None:
             raise APIError(500, "the pipeline made no video", type="stage_error")
         return frames
