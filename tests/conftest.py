@@ -1,6 +1,7 @@
 """Session hygiene: omni processes that outlive the test session are orphans (a bug in shutdown
 or in a test's finalizer). They are listed loudly and killed, so one run never loads the next.
-Also the `device` fixture of the engine tests (cpu, then cuda where a GPU is present)."""
+Also the `device` fixture of the engine tests: cpu, cuda where a GPU is present, and "fake-cuda" (the
+CUDA device emulated on the CPU by tests/unit/fake_cuda.py, so the CUDA paths run on every machine)."""
 
 from __future__ import annotations
 
@@ -51,19 +52,50 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 
+_EMULATOR = pytest.StashKey()
+
+
+@pytest.fixture(autouse=True)
+def _emulator_only_for_its_tests(request):
+    """pytest groups a module's tests by the module-scoped `device`, but a test that does not take
+    `device` can run inside the fake-cuda group: it gets the real torch."""
+    emulator = request.config.stash.get(_EMULATOR, None)
+    callspec = getattr(request.node, "callspec", None)
+    uses = callspec is not None and callspec.params.get("device") == "fake-cuda"
+    if emulator is None or uses:
+        yield
+        return
+    with emulator.paused():
+        yield
+
+
+def _real_cuda() -> bool:
+    """A GPU is present (asked of the CUDA runtime, so an active emulator does not count)."""
+    import torch
+
+    return torch.backends.cuda.is_built() and torch._C._cuda_getDeviceCount() > 0
+
+
 def pytest_runtest_setup(item):
     """`cuda` tests need a CUDA GPU; here they skip (the engine tests run on both when one is present)."""
-    if item.get_closest_marker("cuda") is not None:
-        import torch
-
-        if not torch.cuda.is_available():
-            pytest.skip("needs a CUDA GPU")
+    if item.get_closest_marker("cuda") is not None and not _real_cuda():
+        pytest.skip("needs a CUDA GPU")
 
 
-@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda), "fake-cuda"])
 def device(request):
-    """An engine test's device, "cpu" then "cuda". On CUDA, float32 stays float32 (no TF32 in matmuls or
-    cuDNN convolutions), so a streamed and a whole decode on the device compare as on the CPU."""
+    """An engine test's device: "cpu", "cuda", then "cuda" emulated on the CPU. On CUDA, float32 stays
+    float32 (no TF32 in matmuls or cuDNN convolutions), so a streamed and a whole decode on the device
+    compare as on the CPU. The emulator is active for the tests of that parameter (module scope: the
+    engines built on it hold its tensors)."""
+    if request.param == "fake-cuda":
+        from tests.unit.fake_cuda import FakeCuda
+
+        with FakeCuda() as emulator:
+            request.config.stash[_EMULATOR] = emulator
+            yield "cuda"
+            request.config.stash[_EMULATOR] = None
+        return
     if request.param != "cuda":
         yield request.param
         return
