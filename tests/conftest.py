@@ -52,16 +52,15 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 
-_EMULATOR = pytest.StashKey()
-
-
 @pytest.fixture(autouse=True)
 def _emulator_only_for_its_tests(request):
     """pytest groups a module's tests by the module-scoped `device`, but a test that does not take
     `device` can run inside the fake-cuda group: it gets the real torch."""
-    emulator = request.config.stash.get(_EMULATOR, None)
+    from tests.unit.fake_cuda import EMULATOR
+
+    emulator = request.config.stash.get(EMULATOR, None)
     callspec = getattr(request.node, "callspec", None)
-    uses = callspec is not None and callspec.params.get("device") == "fake-cuda"
+    uses = callspec is not None and any(str(v).endswith("fake-cuda") for v in callspec.params.values())
     if emulator is None or uses:
         yield
         return
@@ -89,12 +88,12 @@ def device(request):
     compare as on the CPU. The emulator is active for the tests of that parameter (module scope: the
     engines built on it hold its tensors)."""
     if request.param == "fake-cuda":
-        from tests.unit.fake_cuda import FakeCuda
+        from tests.unit.fake_cuda import emulated_cuda
 
-        with FakeCuda() as emulator:
-            request.config.stash[_EMULATOR] = emulator
+        if _real_cuda():
+            pytest.skip("a GPU is here: the cuda parameter runs the real device")
+        with emulated_cuda(request.config):
             yield "cuda"
-            request.config.stash[_EMULATOR] = None
         return
     if request.param != "cuda":
         yield request.param
@@ -107,3 +106,17 @@ def device(request):
         yield request.param
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+@pytest.fixture(scope="module", params=[pytest.param("cuda", marks=pytest.mark.cuda), "fake-cuda"])
+def gpu(request):
+    """A test of a CUDA-only path: the real GPU where one is present, else the emulated one."""
+    if request.param == "cuda":
+        yield "cuda"
+        return
+    from tests.unit.fake_cuda import emulated_cuda
+
+    if _real_cuda():
+        pytest.skip("a GPU is here: the cuda parameter runs the real device")
+    with emulated_cuda(request.config):
+        yield "cuda"

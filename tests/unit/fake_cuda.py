@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 from typing import Callable
 
+import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -67,6 +68,21 @@ class DeviceTensor(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         return _emulator().function(func, args, kwargs or {})
+
+
+EMULATOR = pytest.StashKey()      # the emulator a module's fixture holds up, for conftest's pausing fixture
+
+
+@contextlib.contextmanager
+def emulated_cuda(config):
+    """A module-scoped fixture's emulator: up while the tests of its parameter (one whose value ends
+    in "fake-cuda") run; paused for any other test pytest runs meanwhile."""
+    with FakeCuda() as emulator:
+        config.stash[EMULATOR] = emulator
+        try:
+            yield emulator
+        finally:
+            config.stash[EMULATOR] = None
 
 
 def _emulator() -> "FakeCuda":
@@ -223,7 +239,8 @@ class FakeCuda:
             "current_stream": lambda *a, **k: _Stream(), "stream": lambda s=None: contextlib.nullcontext(),
             "Event": _Event, "CUDAGraph": _Graph, "graph_pool_handle": lambda: object(), "graph": self._graph,
             "get_device_capability": lambda *a, **k: (9, 0), "get_device_properties": lambda *a, **k: _PROPS,
-            "get_device_name": lambda *a, **k: _PROPS.name, "memory_allocated": lambda *a, **k: 0,
+            "get_device_name": lambda *a, **k: _PROPS.name, "memory_allocated": _allocated,
+            "max_memory_allocated": _allocated, "reset_peak_memory_stats": lambda *a, **k: None,
             "set_sync_debug_mode": self._sync_mode, "get_sync_debug_mode": lambda: int(self.sync_error) * 2,
         }
         for name, value in patches.items():
@@ -340,11 +357,12 @@ class FakeCuda:
         elif func is torch.Tensor.cuda:
             device, dtype = CUDA, None
         else:
-            device, dtype, _, _ = torch._C._nn._parse_to(*args[1:], **kwargs)
+            parse = {k: v for k, v in kwargs.items() if k != "copy"}
+            device, dtype, _, _ = torch._C._nn._parse_to(*args[1:], **parse)
         src = x.elem if isinstance(x, DeviceTensor) else x
         on_cuda = isinstance(x, DeviceTensor)
         to_cuda = on_cuda if device is None else device.type == "cuda"
-        if on_cuda == to_cuda and (dtype is None or dtype == x.dtype):
+        if on_cuda == to_cuda and (dtype is None or dtype == x.dtype) and not kwargs.get("copy"):
             return x
         if on_cuda and not to_cuda:
             self._read("copy to host")
@@ -440,6 +458,19 @@ def _sized_by_values(name: str, args, kwargs) -> bool:
     if name in ("__getitem__", "__setitem__", "index_put_", "index_put"):
         return any(t.dtype == torch.bool and t.dim() > 0 for t in _tensors(args[1]))
     return False
+
+
+def _allocated(*args, **kwargs) -> int:
+    """Bytes held by live device tensors (each storage once). Peaks are not tracked: the maximum is
+    the current figure."""
+    import gc
+
+    seen: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, DeviceTensor) and hasattr(obj, "elem"):
+            st = obj.elem.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
 
 
 def _histc_int(x, *args, **kwargs):

@@ -32,16 +32,29 @@ def ref(folder):
     return Reference(folder)
 
 
-@pytest.fixture(scope="module", params=["static", "eager"])
+@pytest.fixture(scope="module", params=["static", "eager", "graphed-fake-cuda"])
 def path(request):
-    return request.param
+    """The talker's decode path: static, eager, or static with CUDA graphs on the emulated device."""
+    if request.param != "graphed-fake-cuda":
+        yield request.param
+        return
+    from tests.unit.fake_cuda import emulated_cuda
+
+    with emulated_cuda(request.config):
+        yield "graphed"
+
+
+def path_args(path: str) -> dict:
+    if path == "graphed":
+        return {"device": "cuda", "dtype": "float32"}
+    return {"static_decode": path == "static"}
 
 
 @pytest.fixture(scope="module")
 def talker(folder, path):
     from omni.models.qwen25_omni.talker import Qwen25TalkerEngine
 
-    return Qwen25TalkerEngine(folder, static_decode=path == "static")
+    return Qwen25TalkerEngine(folder, **path_args(path))
 
 
 @pytest.fixture(scope="module")
@@ -109,8 +122,8 @@ def test_codes_equal_reference(talker, france, per_token):
 
 def test_pre_norm_rows_give_the_same_codes(talker, france):
     """The thinker may send its last layer before the final norm; the talker applies the norm."""
-    rows = talker.norm(france.last_layer)
-    assert torch.equal(rows, france.hidden)
+    rows = talker.norm(france.last_layer.to(talker.device))
+    assert torch.equal(rows.cpu(), france.hidden)
     outs = drive(talker, {"p": talker_pieces(france, "p", "chelsie", True, TALKER_TOKENS, pre_norm=True)})["p"]
     assert torch.equal(_codes(outs), france.codes)
 
@@ -189,7 +202,7 @@ def test_thinker_eos_ends_the_text(folder, ref, france, path):
     eos = france.generated[4]
     stopped = ref.run("What is the capital of France?", "Chelsie", talker_tokens=TALKER_TOKENS, eos=eos)
     assert stopped.generated[-1] == eos and len(stopped.generated) <= 5
-    engine = Qwen25TalkerEngine(folder, text_eos_token_ids=[eos], static_decode=path == "static")
+    engine = Qwen25TalkerEngine(folder, text_eos_token_ids=[eos], **path_args(path))
     pieces = talker_pieces(stopped, "e", "chelsie", True, TALKER_TOKENS)
     pieces[-1].final = False      # the EOS alone closes the text
     outs = drive(engine, {"e": pieces})["e"]

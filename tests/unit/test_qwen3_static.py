@@ -252,9 +252,8 @@ def test_bad_engine_args(folder):
                                          voice="bob"))
 
 
-@pytest.mark.cuda
-def test_cuda_graphs_equal_eager_on_the_device(folder, runs):
-    """On a GPU: the graphed static step = the eager static step = the eager path (float32, same device),
+def test_cuda_graphs_equal_eager_on_the_device(folder, runs, gpu):
+    """On a GPU (real or emulated): the graphed static step = the eager static step = the eager path (float32, same device),
     and a decode step makes no synchronising call beyond its one copy."""
     from omni.models.qwen3_omni.talker import Qwen3TalkerEngine
 
@@ -307,9 +306,8 @@ def test_sleep_cycle_rebuilds_the_static_state(folder, runs):
     _sleep_cycle_keeps_codes(Qwen3TalkerEngine(folder, max_num_seqs=2), runs)
 
 
-@pytest.mark.cuda
-def test_sleep_frees_the_device_and_graphs_replay_after_wake(folder, runs):
-    """On a GPU: sleep gives the talker's memory back and the graphs captured again after wake-up
+def test_sleep_frees_the_device_and_graphs_replay_after_wake(folder, runs, gpu):
+    """On a GPU (real or emulated): sleep gives the talker's memory back and the graphs captured again after wake-up
     give the same codes."""
     from omni.models.qwen3_omni.talker import Qwen3TalkerEngine
 

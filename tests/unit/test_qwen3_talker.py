@@ -31,16 +31,29 @@ def ref(folder):
     return Reference(folder)
 
 
-@pytest.fixture(scope="module", params=["static", "eager"])
+@pytest.fixture(scope="module", params=["static", "eager", "graphed-fake-cuda"])
 def path(request):
-    return request.param
+    """The talker's decode path: static, eager, or static with CUDA graphs on the emulated device."""
+    if request.param != "graphed-fake-cuda":
+        yield request.param
+        return
+    from tests.unit.fake_cuda import emulated_cuda
+
+    with emulated_cuda(request.config):
+        yield "graphed"
+
+
+def path_args(path: str) -> dict:
+    if path == "graphed":
+        return {"device": "cuda", "dtype": "float32"}
+    return {"static_decode": path == "static"}
 
 
 @pytest.fixture(scope="module")
 def talker(folder, path):
     from omni.models.qwen3_omni.talker import Qwen3TalkerEngine
 
-    return Qwen3TalkerEngine(folder, static_decode=path == "static")
+    return Qwen3TalkerEngine(folder, **path_args(path))
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +160,7 @@ def test_thinker_eos_ends_the_text(folder, ref, path):
     eos = probe.generated[3]      # pretend this id is the thinker's EOS: it stops there
     stopped = ref.run("What is the capital of France?", thinker_tokens=8, talker_tokens=TALKER_TOKENS, eos=eos)
     assert stopped.generated[-1] == eos and len(stopped.generated) < 8
-    engine = Qwen3TalkerEngine(folder, text_eos_token_ids=[eos], static_decode=path == "static")
+    engine = Qwen3TalkerEngine(folder, text_eos_token_ids=[eos], **path_args(path))
     pieces = talker_pieces(stopped, "e", "ethan", True, TALKER_TOKENS)
     pieces[-1].final = False     # the final mark comes later, empty: EOS alone ends the text
     pieces.append(EngineRequest(request_id="e", final=True))
@@ -188,8 +201,13 @@ def test_bad_requests(talker, france):
                                          voice="ethan"))
     with pytest.raises(EngineError, match="prompt_token_ids"):
         talker.add_request(EngineRequest(request_id="b", voice="ethan"))
-    with pytest.raises(EngineError, match="cannot sleep"):
+    if talker.device.type == "cpu":
+        with pytest.raises(EngineError, match="cannot sleep"):
+            talker.sleep()
+    else:                           # a GPU engine sleeps; wake it for the tests that follow
         talker.sleep()
+        assert talker.is_sleeping()
+        talker.wake_up()
     assert not talker.has_open_streams()
 
 
