@@ -388,6 +388,8 @@ class FakeCuda:
     # -- the dispatcher ----------------------------------------------------------------------
     def dispatch(self, func, args, kwargs):
         name = func._overloadpacket.__name__
+        if name == "_has_compatible_shallow_copy_type":
+            return isinstance(args[0], DeviceTensor) == isinstance(args[1], DeviceTensor)
         if name == "_local_scalar_dense" and isinstance(args[0], DeviceTensor):
             self._read("item")
             return func(args[0].elem)
@@ -467,7 +469,7 @@ def _allocated(*args, **kwargs) -> int:
 
     seen: dict[int, int] = {}
     for obj in gc.get_objects():
-        if isinstance(obj, DeviceTensor) and hasattr(obj, "elem"):
+        if type(obj) is DeviceTensor and hasattr(obj, "elem"):      # type(): isinstance wakes lazy modules
             st = obj.elem.untyped_storage()
             seen[st.data_ptr()] = st.nbytes()
     return sum(seen.values())
@@ -509,3 +511,26 @@ def _patched(obj, name: str, value):
             delattr(obj, name)
         else:
             setattr(obj, name, old)
+
+
+def main(argv: list[str]) -> None:
+    """python -m tests.unit.fake_cuda SCRIPT [ARGS...]: run a script (a benchmark's --device cuda
+    path) on the emulated device, to find device and graph mistakes before spending GPU time."""
+    import runpy
+    import sys
+
+    if not argv:
+        raise SystemExit("usage: python -m tests.unit.fake_cuda SCRIPT [ARGS...]")
+    sys.argv = list(argv)
+    with FakeCuda() as emulator:
+        try:
+            runpy.run_path(argv[0], run_name="__main__")
+        finally:
+            print(f"[fake_cuda] host reads: {len(emulator.syncs)}, graph replays: {emulator.replays}",
+                  file=sys.stderr)
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv[1:])
