@@ -310,6 +310,8 @@ class FakeCuda:
             if func in (torch.Tensor.pin_memory, torch.Tensor.requires_grad_):
                 return args[0]
             self._check(func, name, args, kwargs, tensors)
+            if func in (torch.tensor, torch.as_tensor, torch.asarray) and self.capture is not None:
+                raise CapturingError("host-to-device copy (torch.tensor) inside a capture")
             if _sized_by_values(name, args, kwargs):
                 self._read(name)
             a, k = tree_map(_unwrap, args), tree_map(_unwrap, kwargs)
