@@ -2,7 +2,7 @@
 # The one prepared device check (../shared/GPU.md): omni's `cuda` tests and the real-size speech-stage
 # benchmarks, each under its own time limit, outputs under $OUT (the device tool brings them back).
 # Here: `make gpu-wheels` (the wheels the GPU machine lacks, into .whl/). There, from the repo root,
-# with .whl carried:  bash benchmarks/gpu_check.sh   (about 7 minutes; a step that overruns is cut,
+# with .whl carried:  bash benchmarks/gpu_check.sh   (about 8 minutes; a step that overruns is cut,
 # the rest still run).
 set -uo pipefail
 OUT=${OUT:-/tmp/omni-gpu-check}
@@ -23,10 +23,13 @@ step() {    # step NAME SECONDS CMD...: CMD's output to $OUT/NAME.txt, its tail 
   tail -n 25 "$OUT/$name.txt"
 }
 
-# The engine tests that run on both devices (only these files: the others import the HTTP stack).
-step cuda_tests 240 python3 -m pytest -q -p no:cacheprovider -m cuda -o addopts="" \
+# The engine tests that run on both devices (only these files: the others import the HTTP stack);
+# the talker modules' `cuda` tests are the graphed path against transformers' codes. On CPU all of
+# these ran on the emulated device (tests/unit/fake_cuda.py) first.
+step cuda_tests 300 python3 -m pytest -q -p no:cacheprovider -m cuda -o addopts="" \
   tests/unit/test_qwen3_static.py tests/unit/test_streamed_vocoder.py tests/unit/test_qwen3_code2wav.py \
-  tests/unit/test_qwen25_token2wav.py tests/unit/test_cuda_ipc.py
+  tests/unit/test_qwen25_token2wav.py tests/unit/test_cuda_ipc.py tests/unit/test_qwen3_talker.py \
+  tests/unit/test_qwen25_omni.py
 step transport 90 python3 benchmarks/transport.py --device cuda --json
 step qwen3_stages 150 python3 benchmarks/qwen3_stages.py --real-size --device cuda --streams 1,4,16,64 --rounds 2 --json
 step qwen25_stages 90 python3 benchmarks/qwen3_stages.py --model qwen25 --real-size --device cuda --streams 1,16 --rounds 2 --json

@@ -69,10 +69,9 @@ def _emulator_only_for_its_tests(request):
 
 
 def _real_cuda() -> bool:
-    """A GPU is present (asked of the CUDA runtime, so an active emulator does not count)."""
-    import torch
+    from tests.unit.fake_cuda import real_cuda
 
-    return torch.backends.cuda.is_built() and torch._C._cuda_getDeviceCount() > 0
+    return real_cuda()
 
 
 def pytest_runtest_setup(item):

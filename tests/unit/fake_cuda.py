@@ -70,6 +70,17 @@ class DeviceTensor(torch.Tensor):
         return _emulator().function(func, args, kwargs or {})
 
 
+def real_cuda() -> bool:
+    """A GPU is present (asked of the CUDA runtime, so an active emulator does not count)."""
+    return torch.backends.cuda.is_built() and torch._C._cuda_getDeviceCount() > 0
+
+
+def cuda_path(name: str):
+    """A test parameter for a CUDA path: on a GPU machine the real device (marked `cuda`), elsewhere
+    the emulator (its value ends in "fake-cuda")."""
+    return pytest.param(f"{name}-cuda", marks=pytest.mark.cuda) if real_cuda() else f"{name}-fake-cuda"
+
+
 EMULATOR = pytest.StashKey()      # the emulator a module's fixture holds up, for conftest's pausing fixture
 
 

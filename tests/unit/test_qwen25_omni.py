@@ -12,6 +12,7 @@ import torch
 from omni.engines.base import EngineError, EngineRequest, SamplingParams
 from tests.unit.qwen25_ref import Reference, talker_pieces
 from tests.unit.qwen3_ref import drive
+from tests.unit.fake_cuda import cuda_path, emulated_cuda
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore:Passing `repetition_penalty`:UserWarning")
@@ -32,16 +33,17 @@ def ref(folder):
     return Reference(folder)
 
 
-@pytest.fixture(scope="module", params=["static", "eager", "graphed-fake-cuda"])
+@pytest.fixture(scope="module", params=["static", "eager", cuda_path("graphed")])
 def path(request):
-    """The talker's decode path: static, eager, or static with CUDA graphs on the emulated device."""
-    if request.param != "graphed-fake-cuda":
-        yield request.param
-        return
-    from tests.unit.fake_cuda import emulated_cuda
-
-    with emulated_cuda(request.config):
+    """The talker's decode path: static, eager, or static with CUDA graphs (on the GPU where one is
+    present, else on the emulated device)."""
+    if request.param == "graphed-cuda":
         yield "graphed"
+    elif request.param == "graphed-fake-cuda":
+        with emulated_cuda(request.config):
+            yield "graphed"
+    else:
+        yield request.param
 
 
 def path_args(path: str) -> dict:

@@ -11,6 +11,7 @@ import torch
 
 from omni.engines.base import EngineError, EngineRequest, SamplingOverrides
 from tests.unit.qwen3_ref import Reference, drive, talker_pieces
+from tests.unit.fake_cuda import cuda_path, emulated_cuda
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore:Passing `repetition_penalty`:UserWarning")
@@ -31,16 +32,17 @@ def ref(folder):
     return Reference(folder)
 
 
-@pytest.fixture(scope="module", params=["static", "eager", "graphed-fake-cuda"])
+@pytest.fixture(scope="module", params=["static", "eager", cuda_path("graphed")])
 def path(request):
-    """The talker's decode path: static, eager, or static with CUDA graphs on the emulated device."""
-    if request.param != "graphed-fake-cuda":
-        yield request.param
-        return
-    from tests.unit.fake_cuda import emulated_cuda
-
-    with emulated_cuda(request.config):
+    """The talker's decode path: static, eager, or static with CUDA graphs (on the GPU where one is
+    present, else on the emulated device)."""
+    if request.param == "graphed-cuda":
         yield "graphed"
+    elif request.param == "graphed-fake-cuda":
+        with emulated_cuda(request.config):
+            yield "graphed"
+    else:
+        yield request.param
 
 
 def path_args(path: str) -> dict:
