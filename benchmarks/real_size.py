@@ -34,7 +34,7 @@ QWEN3_THINKER_TEXT = dict(vocab_size=152064, hidden_size=2048)
 QWEN25_TALKER = dict(hidden_size=896, intermediate_size=18944, num_hidden_layers=24, num_attention_heads=12,
                      num_key_value_heads=4, head_dim=128, vocab_size=8448, embedding_size=3584,
                      rope_theta=1000000.0, rms_norm_eps=1e-6)
-QWEN25_THINKER_TEXT = dict(vocab_size=152064, hidden_size=3584)
+QWEN25_THINKER_TEXT = dict(vocab_size=152064, hidden_size=3584, eos_token_id=151645)   # <|im_end|>, as released
 
 
 def qwen3_config():
@@ -146,7 +146,7 @@ def prompt_ids(config, n_text: int, seed: int) -> list[int]:
     """A user turn of n_text random ids, then the assistant header, in the model's own ids."""
     g = torch.Generator().manual_seed(seed)
     text = torch.randint(1000, 20000, (n_text,), generator=g).tolist()
-    im_start = config.im_start_token_id
+    im_start = getattr(config, "im_start_token_id", None) or 151644     # Qwen2.5-Omni's config names none
     user = getattr(config, "user_token_id", None) or config.thinker_config.user_token_id
     assistant = getattr(config, "assistant_token_id", None) or 77091
     im_end = getattr(config, "im_end_token_id", None) or im_start + 1

@@ -359,6 +359,10 @@ class FakeCuda:
                                    f"devices, cuda:0 and cpu! ({name})")
             if self.capture is not None:
                 raise CapturingError(f"host-to-device copy ({name} with a CPU tensor) inside a capture")
+        if name in _INDEXING and self.capture is not None and len(args) > 1:
+            index = args[1] if isinstance(args[1], tuple) else (args[1],)
+            if any(isinstance(i, list) for i in index):     # a Python list index is uploaded per call
+                raise CapturingError(f"host-to-device copy ({name} with a list index) inside a capture")
         gen = kwargs.get("generator")
         if gen is not None and gen.device.type != "cuda":
             raise RuntimeError(f"Expected a 'cuda' device type for generator but found '{gen.device.type}' ({name})")

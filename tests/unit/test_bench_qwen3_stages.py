@@ -34,3 +34,4 @@ def test_released_sizes():
     assert round(rs.parameters(rs.qwen3_code2wav_parts("meta")[1]) / 1e6) == 216
     prompt = rs.prompt_ids(config, 5, 0)
     assert prompt[-3:] == [config.im_start_token_id, config.assistant_token_id, 198] and len(prompt) == 13
+    assert rs.prompt_ids(rs.qwen25_config(), 5, 0)[-3:] == [151644, 77091, 198]    # its config names no im_start

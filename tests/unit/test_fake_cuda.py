@@ -77,7 +77,7 @@ def test_graph_replay_reruns_the_kernels_on_the_captured_tensors(cuda):
 def test_capture_refuses_host_reads_and_host_copies(cuda):
     x = torch.ones(3, device="cuda")
     for bad in (lambda: x.sum().item(), lambda: x.cpu(), lambda: x + torch.ones(3).to("cuda"),
-                lambda: x[x > 0], lambda: torch.tensor([1.0], device="cuda")):
+                lambda: x[x > 0], lambda: torch.tensor([1.0], device="cuda"), lambda: x[[0, 2]]):
         with pytest.raises(CapturingError), torch.cuda.graph(torch.cuda.CUDAGraph()):
             bad()
 
