@@ -29,10 +29,7 @@ from torch.overrides import TorchFunctionMode
 CUDA = torch.device("cuda", 0)
 CPU = torch.device("cpu")
 _ACTIVE: list["FakeCuda"] = []
-_VALUE_SIZED = {"nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive", "bincount",
-                "masked_scatter"}
-_COPIES = {"copy_", "_to_copy", "_copy_from", "_copy_from_and_resize"}
-_INDEXED = {"index", "index_put", "index_put_", "_index_put_impl_"}
+_VALUE_SIZED = {"nonzero", "masked_select", "unique", "unique_consecutive", "bincount", "masked_scatter"}
 _INDEXING = {"__getitem__", "__setitem__", "index_put_", "index_put"}     # torch functions taking CPU indices
 _READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "__repr__", "__format__", "__str__"}
 _METADATA = {"_has_compatible_shallow_copy_type", "is_same_size", "__len__", "dim", "size", "stride", "numel",
@@ -151,41 +148,14 @@ class _Props:
 _PROPS = _Props()
 
 
-class _Stream:
+class _Noop:
+    """A stream or an event of the one in-order stream: waits, records and synchronizes do nothing."""
+
     def __init__(self, *args, **kwargs):
         pass
 
-    def wait_stream(self, other) -> None:
-        pass
-
-    def wait_event(self, event) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-    def record_event(self, event=None):
-        return event or _Event()
-
-
-class _Event:
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def record(self, stream=None) -> None:
-        pass
-
-    def wait(self, stream=None) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: True if name == "query" else (_Noop() if name == "record_event" else None)
 
 
 class _Graph:
@@ -246,9 +216,9 @@ class FakeCuda:
         patches = {
             "_lazy_init": lambda: None, "is_available": lambda: True, "device_count": lambda: 1,
             "current_device": lambda: 0, "synchronize": lambda *a, **k: None, "empty_cache": lambda: None,
-            "set_per_process_memory_fraction": lambda *a, **k: None, "Stream": _Stream,
-            "current_stream": lambda *a, **k: _Stream(), "stream": lambda s=None: contextlib.nullcontext(),
-            "Event": _Event, "CUDAGraph": _Graph, "graph_pool_handle": lambda: object(), "graph": self._graph,
+            "set_per_process_memory_fraction": lambda *a, **k: None, "Stream": _Noop,
+            "current_stream": lambda *a, **k: _Noop(), "stream": lambda s=None: contextlib.nullcontext(),
+            "Event": _Noop, "CUDAGraph": _Graph, "graph_pool_handle": lambda: object(), "graph": self._graph,
             "get_device_capability": lambda *a, **k: (9, 0), "get_device_properties": lambda *a, **k: _PROPS,
             "get_device_name": lambda *a, **k: _PROPS.name, "memory_allocated": _allocated,
             "max_memory_allocated": _allocated, "reset_peak_memory_stats": lambda *a, **k: None,
@@ -288,10 +258,6 @@ class FakeCuda:
         if self.sync_error:
             raise RuntimeError(f"called a synchronizing CUDA operation ({what})")
         self.syncs.append(what)
-
-    def _record(self, op: Callable[[], None]) -> None:
-        if self.capture is not None:
-            self.capture.append(op)
 
     # -- torch functions (before the dispatcher) ---------------------------------------------
     def function(self, func, args, kwargs):
@@ -402,75 +368,37 @@ class FakeCuda:
             self.capture.append(lambda: d.copy_(s))
         return dst
 
-    # -- the dispatcher ----------------------------------------------------------------------
+    # -- the dispatcher: ops that reach a device tensor without passing `function` (C++ internals) --
     def dispatch(self, func, args, kwargs):
         name = func._overloadpacket.__name__
         if name == "_has_compatible_shallow_copy_type":
             return isinstance(args[0], DeviceTensor) == isinstance(args[1], DeviceTensor)
-        if name == "_local_scalar_dense" and isinstance(args[0], DeviceTensor):
+        if name == "_local_scalar_dense":
             self._read("item")
-            return func(args[0].elem)
-        if kwargs.get("pin_memory"):
-            kwargs = {**kwargs, "pin_memory": False}      # no pinned allocator without CUDA
-        named_cuda = _is_cuda(kwargs.get("device"))
-        tensors = _tensors((args, kwargs))
-        cuda = [t for t in tensors if isinstance(t, DeviceTensor)]
-        if not cuda and not named_cuda:
-            return func(*args, **kwargs)
-        if name in _COPIES:
-            return self._copy(func, name, args, kwargs)
-        host = [t for t in _tensors(args[1] if name in _INDEXED and len(args) > 1 else ())]
-        for t in tensors:
-            if not isinstance(t, DeviceTensor) and t.dim() > 0 and not any(t is h for h in host):
-                raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two "
-                                   f"devices, cuda:0 and cpu! ({func})")
-        gen = kwargs.get("generator")
-        if gen is not None and gen.device.type != "cuda":
-            raise RuntimeError(f"Expected a 'cuda' device type for generator but found '{gen.device.type}' ({func})")
-        if _value_sized(func, name, args, kwargs):
-            self._read(name)
-        a, k = tree_map(_unwrap, args), tree_map(_unwrap, kwargs)
-        if "pin_memory" in k:
-            k["pin_memory"] = False
-        out = func(*a, **k)
-        if self.capture is not None:
-            self._record(_replayer(func, a, k, out))
-        return tree_map(_wrap, out)
-
-    def _copy(self, func, name, args, kwargs):
-        if name == "_to_copy":
-            to_cuda = _is_cuda(kwargs.get("device")) or (kwargs.get("device") is None and isinstance(args[0], DeviceTensor))
-            crosses = to_cuda != isinstance(args[0], DeviceTensor)
-        else:
-            to_cuda = isinstance(args[0], DeviceTensor)
-            crosses = to_cuda != isinstance(args[1], DeviceTensor)
-        if crosses:
-            if not to_cuda:
+            return func(_unwrap(args[0]))
+        to_cuda = _is_cuda(kwargs.get("device")) or (isinstance(args[0], DeviceTensor) and "device" not in kwargs)
+        if name in ("copy_", "_to_copy"):
+            src = args[1] if name == "copy_" else args[0]
+            if isinstance(src, DeviceTensor) and not to_cuda:
                 self._read("copy to host")
-            elif self.capture is not None:
+            elif to_cuda and not isinstance(src, DeviceTensor) and self.capture is not None:
                 raise CapturingError("host-to-device copy inside a capture")
+        elif any(not isinstance(t, DeviceTensor) and t.dim() > 0 for t in _tensors((args, kwargs))):
+            raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
+                               f"cuda:0 and cpu! ({func})")
         a, k = tree_map(_unwrap, args), tree_map(_unwrap, kwargs)
         k.pop("pin_memory", None)
         out = func(*a, **k)
         if self.capture is not None:
-            self._record(_replayer(func, a, k, out))
-        if name == "_to_copy":
-            return DeviceTensor(out) if to_cuda else out
-        return args[0]
-
-
-def _value_sized(func, name, args, kwargs) -> bool:
-    """Ops whose output size depends on values: the host reads them before it can allocate."""
-    if name in _VALUE_SIZED:
-        return True
-    if name == "repeat_interleave":
-        return func._overloadname == "Tensor" and kwargs.get("output_size") is None
-    return name in _INDEXED and len(args) > 1 and any(t.dtype == torch.bool for t in _tensors(args[1]))
+            self.capture.append(_replayer(func, a, k, out))
+        if name == "copy_":
+            return args[0]
+        return tree_map(_wrap, out) if to_cuda or name != "_to_copy" else out
 
 
 def _sized_by_values(name: str, args, kwargs) -> bool:
     """A torch call whose output size depends on values: the host reads them to allocate it."""
-    if name in _VALUE_SIZED or name in ("unique", "masked_select"):
+    if name in _VALUE_SIZED:
         return True
     if name == "repeat_interleave":
         return kwargs.get("output_size") is None and len(args) > 1 and isinstance(args[1], torch.Tensor)

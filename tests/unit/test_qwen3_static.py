@@ -4,6 +4,8 @@ most one host read of device values per step (the step's codes)."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -314,9 +316,12 @@ def test_sleep_frees_the_device_and_graphs_replay_after_wake(folder, runs, gpu):
     engine = Qwen3TalkerEngine(folder, device="cuda", dtype="float32", max_num_seqs=4)
     france, _, _ = runs
     before = _codes(drive(engine, {"a": talker_pieces(france, "a", "ethan", True, TOKENS)})["a"])
+    weights = sum(p.nbytes for p in engine.talker.parameters())
+    gc.collect()            # earlier tests' engines (reference cycles) would otherwise still hold memory
     held = torch.cuda.memory_allocated()
     engine.sleep()
-    assert engine.is_sleeping() and torch.cuda.memory_allocated() < held / 2
+    # the process's figure, so measure what sleep gave back: at least the talker's weights
+    assert engine.is_sleeping() and held - torch.cuda.memory_allocated() >= weights
     with pytest.raises(EngineError, match="asleep"):
         engine.add_request(talker_pieces(france, "x", "ethan", True, TOKENS)[0])
     engine.wake_up()
