@@ -146,9 +146,12 @@ class Stack:
             q, k, v = self._qkv(layer, x, cos, sin)
             self.k[i].index_put_(at, k)
             self.v[i].index_put_(at, v)
-            attn = F.scaled_dot_product_attention(q[:, :, None], self.k[i][:b, :, :width], self.v[i][:b, :, :width],
-                                                  attn_mask=mask, enable_gqa=True)
-            x = self._out(layer, x, attn.view(b, -1))
+            # the query heads that share a KV head as that head's query rows: plain attention over the
+            # cache as stored (no GQA support needed, so CUDA's masked kernels serve it without copying
+            # k and v per query head); the same products and sums per head
+            attn = F.scaled_dot_product_attention(q.view(b, self.kv, -1, self.hd), self.k[i][:b, :, :width],
+                                                  self.v[i][:b, :, :width], attn_mask=mask)
+            x = self._out(layer, x, attn.reshape(b, -1))
         return rms_norm(x, self.norm, self.eps, self.width)
 
     def _views(self, b: int):
