@@ -79,6 +79,29 @@ def test_moe_equals_transformers(static, impl):
                 assert torch.allclose(got, want, rtol=0, atol=1e-8)
 
 
+def test_moe_default_is_probed_on_the_gpu(static, monkeypatch, caplog):
+    """On CUDA (emulated here) the grouped MoE is checked once beside dense/gather at start-up: kept
+    when it agrees, and a kernel that raises leaves the talker on the fallback, logged."""
+    import copy
+
+    from omni.models.qwen3_omni.moe import probed_impl
+    from tests.unit.fake_cuda import FakeCuda
+
+    assert probed_impl(static.talker.model.layers[0].mlp, torch.device("cpu"), torch.float32) == "grouped"
+    with FakeCuda(), torch.no_grad():
+        block = copy.deepcopy(static.talker.model.layers[0].mlp).to("cuda", torch.bfloat16)
+        cuda = torch.device("cuda")
+        assert probed_impl(block, cuda, torch.bfloat16) == "grouped"
+        assert probed_impl(block, cuda, torch.float32) == "dense"          # the GPU kernel is bf16 only
+
+        def refuse(*args, **kwargs):
+            raise RuntimeError("grouped gemm: offsets must be aligned")
+
+        monkeypatch.setattr(torch, "_grouped_mm", refuse)
+        assert probed_impl(block, cuda, torch.bfloat16) == "dense"
+    assert "torch._grouped_mm failed on this device (grouped gemm: offsets must be aligned); using dense" in caplog.text
+
+
 def test_residual_codes_equal_eager(static):
     """The code predictor over the static cache = the eager one over transformers' modules."""
     from omni.models.qwen3_omni.codes import residual_codes

@@ -18,10 +18,13 @@ the same in any order.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
 
 IMPLS = ("dense", "grouped", "gather")
 
@@ -114,3 +117,24 @@ def default_impl(device: torch.device, dtype: torch.dtype, num_experts: int) -> 
     if hasattr(torch, "_grouped_mm") and (device.type == "cpu" or dtype == torch.bfloat16):
         return "grouped"
     return "dense" if num_experts <= 16 else "gather"
+
+
+def probed_impl(block, device: torch.device, dtype: torch.dtype) -> str:
+    """The default impl, checked once on this device: `torch._grouped_mm`'s GPU kernel has layout and
+    alignment rules that vary by GPU and torch version, so on CUDA grouped runs a few rows beside the
+    gather formulation first; if it raises or disagrees, the talker keeps running on gather (logged)."""
+    impl = default_impl(device, dtype, block.experts.gate_up_proj.shape[0])
+    if impl != "grouped" or device.type != "cuda":
+        return impl
+    fallback = "dense" if block.experts.gate_up_proj.shape[0] <= 16 else "gather"
+    x = torch.randn(7, block.gate.weight.shape[1], generator=torch.Generator().manual_seed(0)).to(device, dtype)
+    try:
+        got, want = (Moe.from_block(block, i)(x).float().cpu() for i in ("grouped", fallback))
+    except RuntimeError as e:
+        logger.warning("talker MoE: torch._grouped_mm failed on this device (%s); using %s", e, fallback)
+        return fallback
+    if not torch.allclose(got, want, rtol=0.05, atol=0.05 * want.abs().max().item()):
+        logger.warning("talker MoE: torch._grouped_mm disagrees with %s here (max diff %.3g); using %s",
+                       fallback, (got - want).abs().max().item(), fallback)
+        return fallback
+    return impl

@@ -194,11 +194,11 @@ def with_graphs(runner: SlotRunner, enforce_eager: bool) -> SlotRunner:
 
 def static_runner(engine, slots: int, max_model_len: int, moe_impl: str | None, enforce_eager: bool) -> SlotRunner:
     """The Qwen3 talker's static step: device state, and CUDA graphs unless enforce_eager (or on CPU)."""
-    from omni.models.qwen3_omni.moe import IMPLS, default_impl
+    from omni.models.qwen3_omni.moe import IMPLS, probed_impl
 
     check_static_args(slots, max_model_len)
-    tc = engine.talker.config.text_config
-    impl = moe_impl or default_impl(engine.device, engine.embed.dtype, tc.num_experts)
+    with torch.no_grad():
+        impl = moe_impl or probed_impl(engine.talker.model.layers[0].mlp, engine.device, engine.embed.dtype)
     if impl not in IMPLS:
         raise ValueError(f"moe_impl must be one of {', '.join(IMPLS)}, got {impl!r}")
     with torch.no_grad():
