@@ -119,3 +119,24 @@ def gpu(request):
         pytest.skip("a GPU is here: the cuda parameter runs the real device")
     with emulated_cuda(request.config):
         yield "cuda"
+
+
+def _graphed_param():
+    from tests.unit.fake_cuda import cuda_path
+
+    return cuda_path("graphed")
+
+
+@pytest.fixture(scope="module", params=["static", "eager", _graphed_param()])
+def talker_path(request):
+    """The talker tests' decode path: static, eager, or static with CUDA graphs (on the GPU where one is
+    present, else on the emulated device; float32 either way, tests/unit/qwen3_ref.py `path_args`)."""
+    if request.param == "graphed-cuda":
+        yield "graphed"
+    elif request.param == "graphed-fake-cuda":
+        from tests.unit.fake_cuda import emulated_cuda
+
+        with emulated_cuda(request.config):
+            yield "graphed"
+    else:
+        yield request.param

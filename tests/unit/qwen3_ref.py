@@ -118,3 +118,10 @@ def drive(engine, feeds: dict[str, list[EngineRequest]], on_output=None, limit: 
         if all(o and o[-1].finished for o in outs.values()):
             return outs
     raise AssertionError(f"requests did not finish in {limit} steps")
+
+
+def path_args(path: str) -> dict:
+    """A talker engine's arguments for the `talker_path` fixture's decode path (tests/conftest.py)."""
+    if path == "graphed":
+        return {"device": "cuda", "dtype": "float32"}
+    return {"static_decode": path == "static"}

@@ -11,8 +11,7 @@ import torch
 
 from omni.engines.base import EngineError, EngineRequest, SamplingParams
 from tests.unit.qwen25_ref import Reference, talker_pieces
-from tests.unit.qwen3_ref import drive
-from tests.unit.fake_cuda import cuda_path, emulated_cuda
+from tests.unit.qwen3_ref import drive, path_args
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore:Passing `repetition_penalty`:UserWarning")
@@ -33,30 +32,11 @@ def ref(folder):
     return Reference(folder)
 
 
-@pytest.fixture(scope="module", params=["static", "eager", cuda_path("graphed")])
-def path(request):
-    """The talker's decode path: static, eager, or static with CUDA graphs (on the GPU where one is
-    present, else on the emulated device)."""
-    if request.param == "graphed-cuda":
-        yield "graphed"
-    elif request.param == "graphed-fake-cuda":
-        with emulated_cuda(request.config):
-            yield "graphed"
-    else:
-        yield request.param
-
-
-def path_args(path: str) -> dict:
-    if path == "graphed":
-        return {"device": "cuda", "dtype": "float32"}
-    return {"static_decode": path == "static"}
-
-
 @pytest.fixture(scope="module")
-def talker(folder, path):
+def talker(folder, talker_path):
     from omni.models.qwen25_omni.talker import Qwen25TalkerEngine
 
-    return Qwen25TalkerEngine(folder, **path_args(path))
+    return Qwen25TalkerEngine(folder, **path_args(talker_path))
 
 
 @pytest.fixture(scope="module")
@@ -197,14 +177,14 @@ def test_audio_input(ref, talker):
     assert torch.equal(_codes(outs), audio.codes)
 
 
-def test_thinker_eos_ends_the_text(folder, ref, france, path):
+def test_thinker_eos_ends_the_text(folder, ref, france, talker_path):
     """The thinker stopping on its EOS: that EOS is replaced by tts_eos, then tts_pad."""
     from omni.models.qwen25_omni.talker import Qwen25TalkerEngine
 
     eos = france.generated[4]
     stopped = ref.run("What is the capital of France?", "Chelsie", talker_tokens=TALKER_TOKENS, eos=eos)
     assert stopped.generated[-1] == eos and len(stopped.generated) <= 5
-    engine = Qwen25TalkerEngine(folder, text_eos_token_ids=[eos], **path_args(path))
+    engine = Qwen25TalkerEngine(folder, text_eos_token_ids=[eos], **path_args(talker_path))
     pieces = talker_pieces(stopped, "e", "chelsie", True, TALKER_TOKENS)
     pieces[-1].final = False      # the EOS alone closes the text
     outs = drive(engine, {"e": pieces})["e"]

@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from omni.engines.base import EngineError, EngineRequest, SamplingOverrides
-from tests.unit.qwen3_ref import Reference, drive, talker_pieces
-from tests.unit.fake_cuda import cuda_path, emulated_cuda
+from tests.unit.qwen3_ref import Reference, drive, path_args, talker_pieces
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore:Passing `repetition_penalty`:UserWarning")
@@ -32,30 +31,11 @@ def ref(folder):
     return Reference(folder)
 
 
-@pytest.fixture(scope="module", params=["static", "eager", cuda_path("graphed")])
-def path(request):
-    """The talker's decode path: static, eager, or static with CUDA graphs (on the GPU where one is
-    present, else on the emulated device)."""
-    if request.param == "graphed-cuda":
-        yield "graphed"
-    elif request.param == "graphed-fake-cuda":
-        with emulated_cuda(request.config):
-            yield "graphed"
-    else:
-        yield request.param
-
-
-def path_args(path: str) -> dict:
-    if path == "graphed":
-        return {"device": "cuda", "dtype": "float32"}
-    return {"static_decode": path == "static"}
-
-
 @pytest.fixture(scope="module")
-def talker(folder, path):
+def talker(folder, talker_path):
     from omni.models.qwen3_omni.talker import Qwen3TalkerEngine
 
-    return Qwen3TalkerEngine(folder, **path_args(path))
+    return Qwen3TalkerEngine(folder, **path_args(talker_path))
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +134,7 @@ def test_audio_input(ref, talker):
                                          voice="aiden"))
 
 
-def test_thinker_eos_ends_the_text(folder, ref, path):
+def test_thinker_eos_ends_the_text(folder, ref, talker_path):
     """The thinker stopping on its EOS: the talker feeds that EOS, then tts_eos, then tts_pad."""
     from omni.models.qwen3_omni.talker import Qwen3TalkerEngine
 
@@ -162,7 +142,7 @@ def test_thinker_eos_ends_the_text(folder, ref, path):
     eos = probe.generated[3]      # pretend this id is the thinker's EOS: it stops there
     stopped = ref.run("What is the capital of France?", thinker_tokens=8, talker_tokens=TALKER_TOKENS, eos=eos)
     assert stopped.generated[-1] == eos and len(stopped.generated) < 8
-    engine = Qwen3TalkerEngine(folder, text_eos_token_ids=[eos], **path_args(path))
+    engine = Qwen3TalkerEngine(folder, text_eos_token_ids=[eos], **path_args(talker_path))
     pieces = talker_pieces(stopped, "e", "ethan", True, TALKER_TOKENS)
     pieces[-1].final = False     # the final mark comes later, empty: EOS alone ends the text
     pieces.append(EngineRequest(request_id="e", final=True))
