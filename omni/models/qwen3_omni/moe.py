@@ -116,17 +116,22 @@ def default_impl(device: torch.device, dtype: torch.dtype, num_experts: int) -> 
     dtype); else dense for few experts, gather for many."""
     if hasattr(torch, "_grouped_mm") and (device.type == "cpu" or dtype == torch.bfloat16):
         return "grouped"
+    return _ungrouped(num_experts)
+
+
+def _ungrouped(num_experts: int) -> str:
     return "dense" if num_experts <= 16 else "gather"
 
 
 def probed_impl(block, device: torch.device, dtype: torch.dtype) -> str:
     """The default impl, checked once on this device: `torch._grouped_mm`'s GPU kernel has layout and
     alignment rules that vary by GPU and torch version, so on CUDA grouped runs a few rows beside the
-    gather formulation first; if it raises or disagrees, the talker keeps running on gather (logged)."""
-    impl = default_impl(device, dtype, block.experts.gate_up_proj.shape[0])
+    ungrouped formulation first; if it raises or disagrees, the talker keeps running on that one (logged)."""
+    experts = block.experts.gate_up_proj.shape[0]
+    impl = default_impl(device, dtype, experts)
     if impl != "grouped" or device.type != "cuda":
         return impl
-    fallback = "dense" if block.experts.gate_up_proj.shape[0] <= 16 else "gather"
+    fallback = _ungrouped(experts)
     x = torch.randn(7, block.gate.weight.shape[1], generator=torch.Generator().manual_seed(0)).to(device, dtype)
     try:
         got, want = (Moe.from_block(block, i)(x).float().cpu() for i in ("grouped", fallback))

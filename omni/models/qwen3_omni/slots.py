@@ -192,16 +192,14 @@ def with_graphs(runner: SlotRunner, enforce_eager: bool) -> SlotRunner:
     return runner
 
 
-def static_runner(engine, slots: int, max_model_len: int, moe_impl: str | None, enforce_eager: bool) -> SlotRunner:
+def static_runner(engine, slots: int, max_model_len: int, moe_impl: str, enforce_eager: bool) -> SlotRunner:
     """The Qwen3 talker's static step: device state, and CUDA graphs unless enforce_eager (or on CPU)."""
-    from omni.models.qwen3_omni.moe import IMPLS, probed_impl
+    from omni.models.qwen3_omni.moe import IMPLS
 
     check_static_args(slots, max_model_len)
-    with torch.no_grad():
-        impl = moe_impl or probed_impl(engine.talker.model.layers[0].mlp, engine.device, engine.embed.dtype)
-    if impl not in IMPLS:
-        raise ValueError(f"moe_impl must be one of {', '.join(IMPLS)}, got {impl!r}")
+    if moe_impl not in IMPLS:
+        raise ValueError(f"moe_impl must be one of {', '.join(IMPLS)}, got {moe_impl!r}")
     with torch.no_grad():
         dev = StaticTalker(engine.talker, engine.embed, engine._suppress, engine.ids.codec_eos, slots=slots,
-                           max_model_len=max_model_len, moe_impl=impl)
+                           max_model_len=max_model_len, moe_impl=moe_impl)
     return with_graphs(SlotRunner(engine, dev), enforce_eager)

@@ -48,6 +48,7 @@ from omni.engines.base import EngineError, EngineOutput, EngineRequest, StreamEn
 from omni.engines.offload import IdleOffload
 from omni.models.qwen3_omni import edges
 from omni.models.qwen3_omni.codes import Pick, pick, repetition_penalty, residual_codes, suppress_mask
+from omni.models.qwen3_omni.moe import probed_impl
 from omni.models.qwen3_omni.sampling import Uniforms
 from omni.models.qwen3_omni.slots import SlotRunner, static_runner
 from omni.models.qwen3_omni.weights import load_talker
@@ -115,6 +116,8 @@ class Qwen3TalkerEngine(StreamEngine):
         self._suppress = suppress_mask(vocab, self.ids.codec_eos, self.device)
         with torch.no_grad():
             self._tts = edges.tts_rows(self.talker, self.embed, self.ids)
+            if static_decode and moe_impl is None:      # chosen once: a wake-up's rebuild keeps it
+                moe_impl = probed_impl(self.talker.model.layers[0].mlp, self.device, self.embed.dtype)
         self._init_static((max_num_seqs, max_model_len, moe_impl, enforce_eager) if static_decode else None)
 
     def _init_common(self, device: str, first_chunk_frames: int, chunk_frames: int, repetition_penalty: float,
