@@ -1,14 +1,17 @@
 """Session hygiene: omni processes that outlive the test session are orphans (a bug in shutdown
 or in a test's finalizer). They are listed loudly and killed, so one run never loads the next.
-Also the `device` fixture of the engine tests: cpu, cuda where a GPU is present, and "fake-cuda" (the
-CUDA device emulated on the CPU by tests/unit/fake_cuda.py, so the CUDA paths run on every machine)."""
+Also the fixtures of the engine tests' devices: cpu, and cuda where a GPU is present, else "fake-cuda"
+(the CUDA device emulated on the CPU by tests/unit/fake_cuda.py, so the CUDA paths run on every machine)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 
 import pytest
+
+from tests.unit.fake_cuda import cuda_path
 
 # Every process this session starts inherits the tag, so the sweep below touches only ours,
 # never another test run's (or a deployment's) on the same machine.
@@ -68,75 +71,58 @@ def _emulator_only_for_its_tests(request):
         yield
 
 
-def _real_cuda() -> bool:
-    from tests.unit.fake_cuda import real_cuda
-
-    return real_cuda()
-
-
 def pytest_runtest_setup(item):
     """`cuda` tests need a CUDA GPU; here they skip (the engine tests run on both when one is present)."""
-    if item.get_closest_marker("cuda") is not None and not _real_cuda():
+    from tests.unit.fake_cuda import real_cuda
+
+    if item.get_closest_marker("cuda") is not None and not real_cuda():
         pytest.skip("needs a CUDA GPU")
 
 
-@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda), "fake-cuda"])
-def device(request):
-    """An engine test's device: "cpu", "cuda", then "cuda" emulated on the CPU. On CUDA, float32 stays
-    float32 (no TF32 in matmuls or cuDNN convolutions), so a streamed and a whole decode on the device
-    compare as on the CPU. The emulator is active for the tests of that parameter (module scope: the
-    engines built on it hold its tensors)."""
-    if request.param == "fake-cuda":
+@contextlib.contextmanager
+def _on_cuda(request):
+    """A `cuda_path` parameter's device: the emulator, or the real GPU with float32 kept float32 (no
+    TF32 in matmuls or cuDNN convolutions), so results compare with the CPU's as they would there."""
+    if request.param.endswith("fake-cuda"):
         from tests.unit.fake_cuda import emulated_cuda
 
-        if _real_cuda():
-            pytest.skip("a GPU is here: the cuda parameter runs the real device")
         with emulated_cuda(request.config):
-            yield "cuda"
-        return
-    if request.param != "cuda":
-        yield request.param
+            yield
         return
     import torch
 
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     try:
-        yield request.param
+        yield
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
-@pytest.fixture(scope="module", params=[pytest.param("cuda", marks=pytest.mark.cuda), "fake-cuda"])
+@pytest.fixture(scope="module", params=["cpu", cuda_path()])
+def device(request):
+    """An engine test's device: "cpu", then "cuda" (the GPU where one is present, else the emulator;
+    the engines a module builds on it hold its tensors, hence module scope)."""
+    if request.param == "cpu":
+        yield "cpu"
+        return
+    with _on_cuda(request):
+        yield "cuda"
+
+
+@pytest.fixture(scope="module", params=[cuda_path()])
 def gpu(request):
     """A test of a CUDA-only path: the real GPU where one is present, else the emulated one."""
-    if request.param == "cuda":
-        yield "cuda"
-        return
-    from tests.unit.fake_cuda import emulated_cuda
-
-    if _real_cuda():
-        pytest.skip("a GPU is here: the cuda parameter runs the real device")
-    with emulated_cuda(request.config):
+    with _on_cuda(request):
         yield "cuda"
 
 
-def _graphed_param():
-    from tests.unit.fake_cuda import cuda_path
-
-    return cuda_path("graphed")
-
-
-@pytest.fixture(scope="module", params=["static", "eager", _graphed_param()])
+@pytest.fixture(scope="module", params=["static", "eager", cuda_path("graphed-")])
 def talker_path(request):
     """The talker tests' decode path: static, eager, or static with CUDA graphs (on the GPU where one is
     present, else on the emulated device; float32 either way, tests/unit/qwen3_ref.py `path_args`)."""
-    if request.param == "graphed-cuda":
-        yield "graphed"
-    elif request.param == "graphed-fake-cuda":
-        from tests.unit.fake_cuda import emulated_cuda
-
-        with emulated_cuda(request.config):
-            yield "graphed"
-    else:
+    if not request.param.startswith("graphed"):
         yield request.param
+        return
+    with _on_cuda(request):
+        yield "graphed"

@@ -72,10 +72,10 @@ def real_cuda() -> bool:
     return torch.backends.cuda.is_built() and torch._C._cuda_getDeviceCount() > 0
 
 
-def cuda_path(name: str):
+def cuda_path(prefix: str = ""):
     """A test parameter for a CUDA path: on a GPU machine the real device (marked `cuda`), elsewhere
     the emulator (its value ends in "fake-cuda")."""
-    return pytest.param(f"{name}-cuda", marks=pytest.mark.cuda) if real_cuda() else f"{name}-fake-cuda"
+    return pytest.param(f"{prefix}cuda", marks=pytest.mark.cuda) if real_cuda() else f"{prefix}fake-cuda"
 
 
 EMULATOR = pytest.StashKey()      # the emulator a module's fixture holds up, for conftest's pausing fixture
@@ -212,7 +212,8 @@ class FakeCuda:
     def _install(self) -> None:
         import torch.cuda as tc
 
-        stack = contextlib.ExitStack()
+        stack, patch = contextlib.ExitStack(), pytest.MonkeyPatch()
+        stack.callback(patch.undo)
         patches = {
             "_lazy_init": lambda: None, "is_available": lambda: True, "device_count": lambda: 1,
             "current_device": lambda: 0, "synchronize": lambda *a, **k: None, "empty_cache": lambda: None,
@@ -225,7 +226,7 @@ class FakeCuda:
             "set_sync_debug_mode": self._sync_mode, "get_sync_debug_mode": lambda: int(self.sync_error) * 2,
         }
         for name, value in patches.items():
-            stack.enter_context(_patched(tc, name, value))
+            patch.setattr(tc, name, value, raising=False)
         # Module.to swaps each parameter for its moved copy (the default re-points `.data`, which
         # would leave a plain Parameter claiming cuda with no values behind it)
         swap = torch.__future__.get_swap_module_params_on_conversion()
@@ -251,6 +252,14 @@ class FakeCuda:
             self.capture = None
 
     # -- checks ----------------------------------------------------------------------------
+    def _crossing(self, from_device: bool, to_device: bool) -> None:
+        """A copy between host and device: reading back waits for the device; an upload cannot
+        be captured (the graph would read host memory that is gone by replay)."""
+        if from_device and not to_device:
+            self._read("copy to host")
+        elif to_device and not from_device and self.capture is not None:
+            raise CapturingError("host-to-device copy inside a capture")
+
     def _read(self, what: str) -> None:
         """The host waits for the device here."""
         if self.capture is not None:
@@ -347,21 +356,15 @@ class FakeCuda:
         to_cuda = on_cuda if device is None else device.type == "cuda"
         if on_cuda == to_cuda and (dtype is None or dtype == x.dtype) and not kwargs.get("copy"):
             return x
-        if on_cuda and not to_cuda:
-            self._read("copy to host")
-        elif to_cuda and not on_cuda and self.capture is not None:
-            raise CapturingError("host-to-device copy inside a capture")
+        self._crossing(on_cuda, to_cuda)
         out = src.to(dtype=dtype or x.dtype, copy=True)
         if to_cuda and on_cuda and self.capture is not None:
             self.capture.append(lambda: out.copy_(src))
         return DeviceTensor(out) if to_cuda else out
 
     def _copy_into(self, dst, src):
-        on, into = isinstance(src, DeviceTensor), isinstance(dst, DeviceTensor)
-        if on and not into:
-            self._read("copy to host")
-        elif into and not on and self.capture is not None:
-            raise CapturingError("host-to-device copy inside a capture")
+        into = isinstance(dst, DeviceTensor)
+        self._crossing(isinstance(src, DeviceTensor), into)
         d, s = _unwrap(dst), _unwrap(src)
         d.copy_(s)
         if into and self.capture is not None:
@@ -378,11 +381,7 @@ class FakeCuda:
             return func(_unwrap(args[0]))
         to_cuda = _is_cuda(kwargs.get("device")) or (isinstance(args[0], DeviceTensor) and "device" not in kwargs)
         if name in ("copy_", "_to_copy"):
-            src = args[1] if name == "copy_" else args[0]
-            if isinstance(src, DeviceTensor) and not to_cuda:
-                self._read("copy to host")
-            elif to_cuda and not isinstance(src, DeviceTensor) and self.capture is not None:
-                raise CapturingError("host-to-device copy inside a capture")
+            self._crossing(isinstance(args[1] if name == "copy_" else args[0], DeviceTensor), to_cuda)
         elif any(not isinstance(t, DeviceTensor) and t.dim() > 0 for t in _tensors((args, kwargs))):
             raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
                                f"cuda:0 and cpu! ({func})")
@@ -402,7 +401,7 @@ def _sized_by_values(name: str, args, kwargs) -> bool:
         return True
     if name == "repeat_interleave":
         return kwargs.get("output_size") is None and len(args) > 1 and isinstance(args[1], torch.Tensor)
-    if name in ("__getitem__", "__setitem__", "index_put_", "index_put"):
+    if name in _INDEXING:
         return any(t.dtype == torch.bool and t.dim() > 0 for t in _tensors(args[1]))
     return False
 
@@ -442,20 +441,6 @@ def _replayer(func, args, kwargs, out) -> Callable[[], None]:
         for old, new in zip(outs, fresh):
             old.copy_(new)
     return replay
-
-
-@contextlib.contextmanager
-def _patched(obj, name: str, value):
-    missing = object()
-    old = getattr(obj, name, missing)
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        if old is missing:
-            delattr(obj, name)
-        else:
-            setattr(obj, name, old)
 
 
 def main(argv: list[str]) -> None:
