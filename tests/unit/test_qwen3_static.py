@@ -60,6 +60,30 @@ def test_stack_prefill_equals_transformers(static, runs):
     assert torch.allclose(got, want, rtol=0, atol=1e-6), (got - want).abs().max()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_equals_transformers(static, gpu, dtype):
+    """The static step's RMSNorm = transformers' (the stack's final norm, and q_norm per head): bit for
+    bit on the CPU; on CUDA through torch's fused kernel, the same roundings in another order (bit for
+    bit on the emulator, whose kernel is the CPU's; within a unit in the last place on a GPU)."""
+    import copy
+
+    from omni.models.qwen3_omni.layers import Norm
+    from tests.unit.fake_cuda import real_cuda
+
+    model = static.talker.model
+    x = torch.randn(5, 3, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(dtype)
+    heads = x.view(5, -1, model.layers[0].self_attn.head_dim)
+    close = {torch.float32: 1e-6, torch.bfloat16: 2 ** -7}[dtype] if real_cuda() else 0.0
+    for module, rows in ((model.norm, x), (model.layers[0].self_attn.q_norm, heads)):
+        module = copy.deepcopy(module).to(dtype)
+        with torch.no_grad():
+            want = module(rows)
+            assert torch.equal(Norm(module.weight, module.variance_epsilon)(rows), want)
+            on = copy.deepcopy(module).to(gpu)
+            got = Norm(on.weight, on.variance_epsilon)(rows.to(gpu)).cpu()
+        assert torch.allclose(got.float(), want.float(), rtol=close, atol=0), (got.float() - want.float()).abs().max()
+
+
 @pytest.mark.parametrize("impl", ["grouped", "dense", "gather"])
 def test_moe_equals_transformers(static, impl):
     """Every MoE formulation = transformers' experts loop: exactly for one row, and for several
