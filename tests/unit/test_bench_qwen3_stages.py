@@ -1,9 +1,12 @@
 """The pure parts of benchmarks/qwen3_stages.py and benchmarks/real_size.py: a row's figures, the paths
-per device, and the released sizes (built on the meta device: no memory, no weights)."""
+per device, and the released sizes (built on the meta device: no memory, no weights); and
+benchmarks/talker_frame.py run on the tiny model."""
 
 from __future__ import annotations
 
 import pytest
+
+from tests.unit.test_qwen3_talker import folder  # noqa: F401 (the tiny model, shared)
 
 pytest.importorskip("transformers")
 
@@ -35,3 +38,22 @@ def test_released_sizes():
     prompt = rs.prompt_ids(config, 5, 0)
     assert prompt[-3:] == [config.im_start_token_id, config.assistant_token_id, 198] and len(prompt) == 13
     assert rs.prompt_ids(rs.qwen25_config(), 5, 0)[-3:] == [151644, 77091, 198]    # its config names no im_start
+
+
+def test_frame_taken_apart(folder, gpu):
+    """benchmarks/talker_frame.py on the tiny model: the frame launched op by op on the CPU; on the
+    device also replayed from its graphs (one per bucket), and the kernels in it on a real GPU."""
+    from benchmarks.qwen3_stages import Source
+    from benchmarks.talker_frame import bench
+    from tests.unit.fake_cuda import real_cuda
+
+    cpu = bench(Source("qwen3", folder, "cpu", False), [1, 2], 2)
+    assert [r["batch"] for r in cpu["rows"]] == [1, 2] and cpu["capture_seconds"] is None
+    assert all(r["launched_ms"] > 0 and "replayed_ms" not in r for r in cpu["rows"])
+    doc = bench(Source("qwen3", folder, gpu, False), [1, 3], 2)
+    assert doc["graph_sizes"] == [1, 2, 3] and doc["capture_seconds"] > 0
+    for r in doc["rows"]:
+        assert r["launched_ms"] > 0 and r["replayed_ms"] > 0
+        assert ("kernels" in r) == real_cuda()
+        if real_cuda():
+            assert r["kernels"] > 100 and 0 < r["busy_ms"] and r["top"]

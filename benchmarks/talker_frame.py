@@ -1,0 +1,139 @@
+"""One talker frame taken apart: where a decode step's time goes (Qwen3-Omni or Qwen2.5-Omni talker).
+
+Per batch size, the frame the CUDA graphs hold (talker step, code 0, for Qwen3 the 15 residual
+codes, sampling and end detection, over the whole cache width):
+  replayed ms   one graph replay (on a CPU: not there);
+  launched ms   the same frame run op by op (the static step with enforce_eager);
+  kernels       the GPU kernels one replay runs (torch.profiler), and `busy ms`, their summed time.
+busy / replayed near 1: the GPU's own work bounds the frame (fewer bytes or FLOPs would help); well
+below 1: the gaps between kernels do (fewer kernels would: fusion). The kernels that take the most
+time are listed. The engine is built as the benchmarks' stage worker builds it (benchmarks/
+qwen3_stages.py): `--real-size` for the released sizes with random weights in memory, else the tiny
+model on the CPU (launched ms only; it runs in seconds).
+
+    .venv/bin/python benchmarks/talker_frame.py [--model qwen3|qwen25] [--batch 1,16] [--frames 50]
+        [--real-size] [--device cpu|cuda] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.qwen3_stages import Source  # noqa: E402
+
+
+def _sync(cuda: bool) -> None:
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def per_frame_ms(fn, frames: int, cuda: bool) -> float:
+    for _ in range(3):
+        fn()
+    _sync(cuda)
+    t0 = time.perf_counter()
+    for _ in range(frames):
+        fn()
+    _sync(cuda)
+    return (time.perf_counter() - t0) / frames * 1000
+
+
+def kernels(fn) -> tuple[int, float, list[dict]]:
+    """One call of fn under torch.profiler -> (kernels, their summed GPU ms, the top 5 by time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    times: dict[str, list[float]] = collections.defaultdict(list)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            times[e.name].append(e.device_time / 1000)
+    top = sorted(times.items(), key=lambda kv: -sum(kv[1]))[:5]
+    return (sum(len(t) for t in times.values()), sum(sum(t) for t in times.values()),
+            [{"kernel": k[:70], "count": len(t), "ms": round(sum(t), 3)} for k, t in top])
+
+
+def measure(runner, b: int, frames: int, cuda: bool) -> dict:
+    dev = runner.dev
+    dev.load_inputs([[0] * b for _ in range(dev.inputs.shape[0])])     # no row steps: the state stays
+    row = {"batch": b, "launched_ms": round(per_frame_ms(lambda: dev.decode(b, dev.length, True, True), frames, cuda), 3)}
+    if runner.graphs is None:
+        return row
+    replay = functools.partial(runner.graphs.run, b)
+    row["replayed_ms"] = round(per_frame_ms(replay, frames, cuda), 3)
+    if torch.backends.cuda.is_built():         # not on the emulator (tests/unit/fake_cuda.py): no kernels there
+        n, busy, top = kernels(replay)
+        row.update(kernels=n, busy_ms=round(busy, 3), busy_fraction=round(busy / row["replayed_ms"], 2), top=top)
+    return row
+
+
+def bench(source: Source, batches: list[int], frames: int) -> dict:
+    cuda = source.device.startswith("cuda")
+    runner = source.talker("graphed" if cuda else "static", max(batches))._static
+    with torch.no_grad():
+        rows = [measure(runner, b, frames, cuda) for b in batches]
+    graphs = runner.graphs
+    return {"rows": rows, "capture_seconds": round(graphs.seconds, 2) if graphs is not None else None,
+            "graph_sizes": graphs.sizes if graphs is not None else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=["qwen3", "qwen25"], default="qwen3")
+    ap.add_argument("--batch", default="1,16", help="comma-separated batch sizes")
+    ap.add_argument("--frames", type=int, default=50, help="frames timed per batch size")
+    ap.add_argument("--real-size", action="store_true", help="the released sizes, random weights, in memory")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--json", action="store_true", help="print one JSON document")
+    args = ap.parse_args()
+    try:
+        batches = sorted({int(b) for b in args.batch.split(",")})
+    except ValueError:
+        ap.error(f"--batch must be comma-separated integers, got {args.batch!r}")
+    if min(batches) < 1 or args.frames < 1:
+        ap.error("every --batch entry and --frames must be >= 1")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device here")
+    if not args.device.startswith("cuda"):
+        torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = None
+        if not args.real_size:
+            if args.model == "qwen3":
+                from omni.models.qwen3_omni import tiny
+            else:
+                from omni.models.qwen25_omni import tiny
+            folder = tiny.build(Path(tmp) / "tiny")
+        doc = bench(Source(args.model, folder, args.device, args.real_size), batches, args.frames)
+    doc.update({"model": args.model, "weights": "real size, random" if args.real_size else "tiny",
+                "device": args.device, "seconds": round(time.perf_counter() - t0, 1)})
+    if args.json:
+        print(json.dumps(doc, indent=1))
+        return
+    print(f"{'batch':>5} {'launched ms':>11} {'replayed ms':>11} {'kernels':>7} {'busy ms':>8} {'busy/replayed':>13}")
+    for r in doc["rows"]:
+        cells = [f"{r[k]:>{w}}" if k in r else f"{'-':>{w}}"
+                 for k, w in (("replayed_ms", 11), ("kernels", 7), ("busy_ms", 8), ("busy_fraction", 13))]
+        print(f"{r['batch']:>5} {r['launched_ms']:>11} " + " ".join(cells))
+        for t in r.get("top", []):
+            print(f"      {t['ms']:>8.3f} ms {t['count']:>5}x {t['kernel']}")
+    if doc["capture_seconds"] is not None:
+        print(f"CUDA graphs {doc['graph_sizes']} captured in {doc['capture_seconds']} s")
+    print(f"{doc['model']}, {doc['weights']} weights, {doc['device']}; {doc['seconds']} s")
+
+
+if __name__ == "__main__":
+    main()
