@@ -64,7 +64,7 @@ def test_stack_prefill_equals_transformers(static, runs):
 def test_norm_equals_transformers(static, gpu, dtype):
     """The static step's RMSNorm = transformers' (the stack's final norm, and q_norm per head): bit for
     bit on the CPU; on CUDA through torch's fused kernel, the same roundings in another order (bit for
-    bit on the emulator, whose kernel is the CPU's; within a unit in the last place on a GPU)."""
+    bit on the emulator, whose kernel is the CPU's; within a few units in the last place on a GPU)."""
     import copy
 
     from omni.models.qwen3_omni.layers import Norm
@@ -73,7 +73,7 @@ def test_norm_equals_transformers(static, gpu, dtype):
     model = static.talker.model
     x = torch.randn(5, 3, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(dtype)
     heads = x.view(5, -1, model.layers[0].self_attn.head_dim)
-    close = {torch.float32: 1e-6, torch.bfloat16: 2 ** -7}[dtype] if real_cuda() else 0.0
+    close = {torch.float32: 1e-6, torch.bfloat16: 2 ** -6}[dtype] if real_cuda() else 0.0
     for module, rows in ((model.norm, x), (model.layers[0].self_attn.q_norm, heads)):
         module = copy.deepcopy(module).to(dtype)
         with torch.no_grad():
@@ -302,8 +302,9 @@ def test_bad_engine_args(folder):
 
 
 def test_cuda_graphs_equal_eager_on_the_device(folder, runs, gpu):
-    """On a GPU (real or emulated): the graphed static step = the eager static step = the eager path (float32, same device),
-    and a decode step makes no synchronising call beyond its one copy."""
+    """On a GPU (real or emulated): the graphed static step (decode frames and first frames replayed) = the
+    eager static step = the eager path (float32, same device), and a decode step makes no synchronising
+    call beyond its one copy."""
     from omni.models.qwen3_omni.talker import Qwen3TalkerEngine
 
     graphed = Qwen3TalkerEngine(folder, device="cuda", dtype="float32", max_num_seqs=4)
@@ -322,7 +323,8 @@ def test_cuda_graphs_equal_eager_on_the_device(folder, runs, gpu):
     for rid in a:
         assert torch.equal(_codes(a[rid]), _codes(b[rid])), rid
         assert torch.equal(_codes(b[rid]), _codes(c[rid])), rid
-    assert graphed.stats()["graph_replays"] > 0
+    assert graphed.stats()["graph_replays"] > 0 and graphed.stats()["first_frame_replays"] >= 2    # c joins late
+    assert "graph_replays" not in plain.stats() and "first_frame_replays" not in plain.stats()
     for piece in talker_pieces(france, "y", "ethan", False, TOKENS):
         graphed.add_request(piece)
     graphed.step()

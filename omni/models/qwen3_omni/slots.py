@@ -89,8 +89,7 @@ class SlotRunner:
                 first.append(r)
                 hidden.append(h)
         if first:
-            sampled = any(r.uniforms is not None for r in first)
-            outs.append(dev.first_frames(torch.stack(hidden), [r.slot for r in first], sampled))
+            outs.append(self._first_frames(first, torch.stack(hidden)))
             rows.extend(first)
         if outs:
             codes = dev.to_host(torch.cat(outs) if len(outs) > 1 else outs[0])
@@ -120,6 +119,14 @@ class SlotRunner:
         masked = any(r.pos != width - 1 for r in decode)
         sampled = any(r.uniforms is not None for r in decode)
         return self.dev.decode(n, width, masked, sampled)
+
+    def _first_frames(self, first: list, hidden: torch.Tensor) -> torch.Tensor:
+        slots = [r.slot for r in first]
+        out = None if self.graphs is None else self.graphs.first(hidden, slots)
+        if out is not None:
+            self.engine._stats["first_frame_replays"] += 1
+            return out
+        return self.dev.first_frames(hidden, slots, any(r.uniforms is not None for r in first))
 
     def _prefill(self, r) -> torch.Tensor | None:
         try:
