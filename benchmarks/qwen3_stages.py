@@ -186,16 +186,46 @@ def bench(source: Source, streams: list[int], frames: int, rounds: int) -> dict:
     return doc
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def source_args(ap: argparse.ArgumentParser) -> None:
+    """The arguments saying which talker and where (shared with benchmarks/talker_frame.py)."""
     ap.add_argument("folder", nargs="?", help="model folder (default: build the tiny one)")
     ap.add_argument("--model", choices=["qwen3", "qwen25"], default="qwen3")
-    ap.add_argument("--streams", default="1,4,16,64", help="comma-separated stream counts")
-    ap.add_argument("--frames", type=int, default=40, help="talker frames per request")
-    ap.add_argument("--rounds", type=int, default=3, help="paired rounds per stream count")
     ap.add_argument("--real-size", action="store_true", help="the released sizes, random weights, in memory")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--json", action="store_true", help="print one JSON document")
+
+
+def check_source_args(ap: argparse.ArgumentParser, args) -> None:
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device here")
+    if args.real_size and args.folder:
+        ap.error("--real-size builds the model: give no folder")
+    if not args.device.startswith("cuda"):
+        torch.set_num_threads(1)
+
+
+def open_source(args, tmp: str) -> Source:
+    """The weights `args` name: a folder, the released sizes in memory, or the tiny model built in tmp."""
+    folder = Path(args.folder) if args.folder else None
+    if folder is None and not args.real_size:
+        if args.model == "qwen3":
+            from omni.models.qwen3_omni import tiny
+        else:
+            from omni.models.qwen25_omni import tiny
+        folder = tiny.build(Path(tmp) / "tiny")
+    return Source(args.model, folder, args.device, args.real_size)
+
+
+def weights(args) -> str:
+    return "real size, random" if args.real_size else (args.folder or "tiny")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    source_args(ap)
+    ap.add_argument("--streams", default="1,4,16,64", help="comma-separated stream counts")
+    ap.add_argument("--frames", type=int, default=40, help="talker frames per request")
+    ap.add_argument("--rounds", type=int, default=3, help="paired rounds per stream count")
     args = ap.parse_args()
     try:
         streams = [int(s) for s in args.streams.split(",")]
@@ -203,26 +233,13 @@ def main() -> None:
         ap.error(f"--streams must be comma-separated integers, got {args.streams!r}")
     if args.frames < 6 or args.rounds < 1 or min(streams) < 1:
         ap.error("--frames must be >= 6, --rounds >= 1 and every --streams entry >= 1")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        ap.error("--device cuda: no CUDA device here")
-    if args.real_size and args.folder:
-        ap.error("--real-size builds the model: give no folder")
+    check_source_args(ap, args)
     t0 = time.perf_counter()
-    if not args.device.startswith("cuda"):
-        torch.set_num_threads(1)
     load_start = [round(x, 2) for x in os.getloadavg()]
     with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(args.folder) if args.folder else None
-        if folder is None and not args.real_size:
-            if args.model == "qwen3":
-                from omni.models.qwen3_omni import tiny
-            else:
-                from omni.models.qwen25_omni import tiny
-            folder = tiny.build(Path(tmp) / "tiny")
-        source = Source(args.model, folder, args.device, args.real_size)
-        doc = bench(source, streams, args.frames, args.rounds)
-    doc.update({"model": args.model, "weights": "real size, random" if args.real_size else (args.folder or "tiny"),
-                "device": args.device, "frames": args.frames, "seconds": round(time.perf_counter() - t0, 1),
+        doc = bench(open_source(args, tmp), streams, args.frames, args.rounds)
+    doc.update({"model": args.model, "weights": weights(args), "device": args.device, "frames": args.frames,
+                "seconds": round(time.perf_counter() - t0, 1),
                 "loadavg_start": load_start, "loadavg_end": [round(x, 2) for x in os.getloadavg()]})
     if args.json:
         print(json.dumps(doc, indent=1))

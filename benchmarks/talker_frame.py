@@ -11,8 +11,8 @@ time are listed. The engine is built as the benchmarks' stage worker builds it (
 qwen3_stages.py): `--real-size` for the released sizes with random weights in memory, else the tiny
 model on the CPU (launched ms only; it runs in seconds).
 
-    .venv/bin/python benchmarks/talker_frame.py [--model qwen3|qwen25] [--batch 1,16] [--frames 50]
-        [--real-size] [--device cpu|cuda] [--json]
+    .venv/bin/python benchmarks/talker_frame.py [MODEL_DIR] [--model qwen3|qwen25] [--batch 1,16]
+        [--frames 50] [--real-size] [--device cpu|cuda] [--json]
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import qwen3_stages  # noqa: E402
 from benchmarks.qwen3_stages import Source  # noqa: E402
 
 
@@ -91,12 +92,9 @@ def bench(source: Source, batches: list[int], frames: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", choices=["qwen3", "qwen25"], default="qwen3")
+    qwen3_stages.source_args(ap)
     ap.add_argument("--batch", default="1,16", help="comma-separated batch sizes")
     ap.add_argument("--frames", type=int, default=50, help="frames timed per batch size")
-    ap.add_argument("--real-size", action="store_true", help="the released sizes, random weights, in memory")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--json", action="store_true", help="print one JSON document")
     args = ap.parse_args()
     try:
         batches = sorted({int(b) for b in args.batch.split(",")})
@@ -104,22 +102,12 @@ def main() -> None:
         ap.error(f"--batch must be comma-separated integers, got {args.batch!r}")
     if min(batches) < 1 or args.frames < 1:
         ap.error("every --batch entry and --frames must be >= 1")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        ap.error("--device cuda: no CUDA device here")
-    if not args.device.startswith("cuda"):
-        torch.set_num_threads(1)
+    qwen3_stages.check_source_args(ap, args)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        folder = None
-        if not args.real_size:
-            if args.model == "qwen3":
-                from omni.models.qwen3_omni import tiny
-            else:
-                from omni.models.qwen25_omni import tiny
-            folder = tiny.build(Path(tmp) / "tiny")
-        doc = bench(Source(args.model, folder, args.device, args.real_size), batches, args.frames)
-    doc.update({"model": args.model, "weights": "real size, random" if args.real_size else "tiny",
-                "device": args.device, "seconds": round(time.perf_counter() - t0, 1)})
+        doc = bench(qwen3_stages.open_source(args, tmp), batches, args.frames)
+    doc.update({"model": args.model, "weights": qwen3_stages.weights(args), "device": args.device,
+                "seconds": round(time.perf_counter() - t0, 1)})
     if args.json:
         print(json.dumps(doc, indent=1))
         return
