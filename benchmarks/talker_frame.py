@@ -31,22 +31,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import qwen3_stages  # noqa: E402
-from benchmarks.qwen3_stages import Source  # noqa: E402
 
 
-def _sync(cuda: bool) -> None:
-    if cuda:
-        torch.cuda.synchronize()
-
-
-def per_frame_ms(fn, frames: int, cuda: bool) -> float:
+def per_frame_ms(fn, frames: int, device: str) -> float:
     for _ in range(3):
         fn()
-    _sync(cuda)
+    qwen3_stages._sync(device)
     t0 = time.perf_counter()
     for _ in range(frames):
         fn()
-    _sync(cuda)
+    qwen3_stages._sync(device)
     return (time.perf_counter() - t0) / frames * 1000
 
 
@@ -66,25 +60,24 @@ def kernels(fn) -> tuple[int, float, list[dict]]:
             [{"kernel": k[:70], "count": len(t), "ms": round(sum(t), 3)} for k, t in top])
 
 
-def measure(runner, b: int, frames: int, cuda: bool) -> dict:
+def measure(runner, b: int, frames: int, device: str) -> dict:
     dev = runner.dev
     dev.load_inputs([[0] * b for _ in range(dev.inputs.shape[0])])     # no row steps: the state stays
-    row = {"batch": b, "launched_ms": round(per_frame_ms(lambda: dev.decode(b, dev.length, True, True), frames, cuda), 3)}
+    row = {"batch": b, "launched_ms": round(per_frame_ms(lambda: dev.decode(b, dev.length, True, True), frames, device), 3)}
     if runner.graphs is None:
         return row
     replay = functools.partial(runner.graphs.run, b)
-    row["replayed_ms"] = round(per_frame_ms(replay, frames, cuda), 3)
+    row["replayed_ms"] = round(per_frame_ms(replay, frames, device), 3)
     if torch.backends.cuda.is_built():         # not on the emulator (tests/unit/fake_cuda.py): no kernels there
         n, busy, top = kernels(replay)
         row.update(kernels=n, busy_ms=round(busy, 3), busy_fraction=round(busy / row["replayed_ms"], 2), top=top)
     return row
 
 
-def bench(source: Source, batches: list[int], frames: int) -> dict:
-    cuda = source.device.startswith("cuda")
-    runner = source.talker("graphed" if cuda else "static", max(batches))._static
+def bench(source: qwen3_stages.Source, batches: list[int], frames: int) -> dict:
+    runner = source.talker("graphed" if source.device.startswith("cuda") else "static", max(batches))._static
     with torch.no_grad():
-        rows = [measure(runner, b, frames, cuda) for b in batches]
+        rows = [measure(runner, b, frames, source.device) for b in batches]
     graphs = runner.graphs
     return {"rows": rows, "capture_seconds": round(graphs.seconds, 2) if graphs is not None else None,
             "graph_sizes": graphs.sizes if graphs is not None else None}
