@@ -14,7 +14,9 @@ quality); `--real-size` builds the released sizes with random weights in memory 
 real_size.py), `--device cuda` for a GPU. Greedy, one thread on CPU.
 
     .venv/bin/python benchmarks/qwen3_stages.py [MODEL_DIR] [--model qwen3|qwen25] [--streams 1,4,16,64]
-        [--frames 40] [--rounds 3] [--real-size] [--device cpu|cuda] [--json]
+        [--frames 40] [--rounds 3] [--modes eager,static,graphed] [--real-size] [--device cpu|cuda] [--json]
+
+Each stream count's rows also go to stderr as they finish.
 """
 
 from __future__ import annotations
@@ -153,14 +155,20 @@ def modes_for(model: str, device: str) -> list[str]:
     return modes
 
 
-def bench(source: Source, streams: list[int], frames: int, rounds: int) -> dict:
-    modes = modes_for(source.model, source.device)
+def progress(text: str, name: str = "qwen3_stages") -> None:
+    """A line on stderr as each part finishes: a run cut off by a time limit still leaves its figures."""
+    print(f"{name}: {text}", file=sys.stderr, flush=True)
+
+
+def bench(source: Source, streams: list[int], frames: int, rounds: int, modes: list[str] | None = None) -> dict:
+    modes = modes or modes_for(source.model, source.device)
     engines, capture = {}, {}
     for mode in modes:
         engines[mode] = source.talker(mode, max(streams))
         graphs = getattr(getattr(engines[mode], "_static", None), "graphs", None)
         if graphs is not None:
             capture[mode] = round(graphs.seconds, 2)
+    progress(f"engines built ({', '.join(modes)}); CUDA graph capture {capture or '-'} s")
     for e in engines.values():                  # warm-up: first calls allocate
         run_talker(e, source, 1, 6)
     rows, codes = [], {}
@@ -176,8 +184,11 @@ def bench(source: Source, streams: list[int], frames: int, rounds: int) -> dict:
                 codes[mode] = r["codes"]
                 if source.device.startswith("cuda"):
                     peak[mode] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-        rows += [talker_row(source.model, m, n, runs[m], peak.get(m)) for m in modes]
-    same = all(torch.equal(codes[m], codes["eager"]) for m in modes) if not source.real else None
+        done = [talker_row(source.model, m, n, runs[m], peak.get(m)) for m in modes]
+        for r in done:
+            progress(f"{r['mode']} {n} streams: {r['talker_ms_per_step']} ms/step, first audio {r['first_audio_ms']} ms")
+        rows += done
+    same = all(torch.equal(codes[m], codes[modes[0]]) for m in modes) if not source.real and len(modes) > 1 else None
     doc = {"rows": rows, "capture_seconds": capture, "codes_equal_across_paths": same,
            "talker_ms_per_frame": {r["mode"]: r["talker_ms_per_frame"] for r in rows if r["streams"] == 1}}
     if source.model == "qwen3":
@@ -226,6 +237,7 @@ def main() -> None:
     ap.add_argument("--streams", default="1,4,16,64", help="comma-separated stream counts")
     ap.add_argument("--frames", type=int, default=40, help="talker frames per request")
     ap.add_argument("--rounds", type=int, default=3, help="paired rounds per stream count")
+    ap.add_argument("--modes", help="comma-separated decode paths (default: eager,static, and graphed on CUDA)")
     args = ap.parse_args()
     try:
         streams = [int(s) for s in args.streams.split(",")]
@@ -234,10 +246,16 @@ def main() -> None:
     if args.frames < 6 or args.rounds < 1 or min(streams) < 1:
         ap.error("--frames must be >= 6, --rounds >= 1 and every --streams entry >= 1")
     check_source_args(ap, args)
+    modes = modes_for(args.model, args.device)
+    if args.modes:
+        wanted = args.modes.split(",")
+        if not wanted or set(wanted) - set(modes):
+            ap.error(f"--modes: the paths on {args.device} are {','.join(modes)}; got {args.modes!r}")
+        modes = [m for m in modes if m in wanted]
     t0 = time.perf_counter()
     load_start = [round(x, 2) for x in os.getloadavg()]
     with tempfile.TemporaryDirectory() as tmp:
-        doc = bench(open_source(args, tmp), streams, args.frames, args.rounds)
+        doc = bench(open_source(args, tmp), streams, args.frames, args.rounds, modes)
     doc.update({"model": args.model, "weights": weights(args), "device": args.device, "frames": args.frames,
                 "seconds": round(time.perf_counter() - t0, 1),
                 "loadavg_start": load_start, "loadavg_end": [round(x, 2) for x in os.getloadavg()]})

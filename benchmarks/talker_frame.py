@@ -76,8 +76,11 @@ def measure(runner, b: int, frames: int, device: str) -> dict:
 
 def bench(source: qwen3_stages.Source, batches: list[int], frames: int) -> dict:
     runner = source.talker("graphed" if source.device.startswith("cuda") else "static", max(batches))._static
+    rows = []
     with torch.no_grad():
-        rows = [measure(runner, b, frames, source.device) for b in batches]
+        for b in batches:
+            rows.append(measure(runner, b, frames, source.device))
+            qwen3_stages.progress(json.dumps(rows[-1]), "talker_frame")
     graphs = runner.graphs
     return {"rows": rows, "capture_seconds": round(graphs.seconds, 2) if graphs is not None else None,
             "graph_sizes": graphs.sizes if graphs is not None else None}

@@ -28,6 +28,17 @@ def test_paths_per_device():
     assert modes_for("qwen3", "cuda") == ["eager", "static", "graphed"]
 
 
+@pytest.mark.parametrize("modes", ["graphed", "static,eagr", ","])
+def test_modes_refused_by_name(modes, monkeypatch, capsys):
+    """--modes names paths this device has; anything else is an argument error naming them."""
+    from benchmarks.qwen3_stages import main
+
+    monkeypatch.setattr("sys.argv", ["qwen3_stages.py", "--modes", modes])
+    with pytest.raises(SystemExit) as e:
+        main()
+    assert e.value.code == 2 and "--modes: the paths on cpu are eager,static" in capsys.readouterr().err
+
+
 def test_released_sizes():
     from benchmarks import real_size as rs
 

@@ -1,0 +1,53 @@
+"""benchmarks/gpu_check.sh's plumbing, with `python3` and `nvidia-smi` replaced by shims that only
+record their arguments: step names checked, the whole call kept to its budget, outputs under $OUT."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.sh"
+
+
+def run(tmp_path: Path, *steps: str, budget: str = "420", step_seconds: int = 0):
+    shims = tmp_path / "bin"
+    shims.mkdir(exist_ok=True)
+    (shims / "python3").write_text(f'#!/bin/bash\ncase "$*" in *pip*|-c*) exit 0;; esac\necho "ran $*"\n'
+                                   f'sleep {step_seconds}\n')
+    (shims / "nvidia-smi").write_text("#!/bin/bash\necho H200\n")
+    for f in shims.iterdir():
+        f.chmod(0o755)
+    env = dict(os.environ, PATH=f"{shims}:{os.environ['PATH']}", OUT=str(tmp_path / "out"), GPU_CHECK_SECONDS=budget)
+    return subprocess.run(["bash", str(SCRIPT), *steps], env=env, cwd=SCRIPT.parents[1], capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_unknown_step_and_budget_refused(tmp_path):
+    r = run(tmp_path, "frame", "qwen3_stage")
+    assert r.returncode == 2 and "no step 'qwen3_stage'" in r.stdout and "qwen3_stages" in r.stdout
+    r = run(tmp_path, budget="7m")
+    assert r.returncode == 2 and "GPU_CHECK_SECONDS" in r.stdout
+    assert not (tmp_path / "out").exists()
+
+
+def test_steps_in_order_each_to_its_file(tmp_path):
+    r = run(tmp_path, "transport", "qwen3_stages")
+    assert r.returncode == 0, r.stdout + r.stderr
+    order = [line.split()[1] for line in r.stdout.splitlines() if line.startswith("== ")]
+    assert order == ["qwen3_stages", "transport"]                  # the script's order, not the caller's
+    stages = (tmp_path / "out" / "qwen3_stages.txt").read_text()
+    assert "--real-size --device cuda --streams 1,16" in stages and "exit 0 after" in stages
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["gpu.txt", "qwen3_stages.txt", "transport.txt"]
+
+
+def test_budget_cuts_the_last_steps(tmp_path):
+    """A 32 s budget and steps of 2 s each: the first steps run under what is left, then under 30 s
+    remain and the rest are skipped by name."""
+    r = run(tmp_path, budget="32", step_seconds=2)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "== qwen3_stages (limit 32s" in r.stdout
+    skipped = [line.split()[1].rstrip(":") for line in r.stdout.splitlines() if "skipped" in line]
+    assert skipped and skipped[-1] == "qwen3_wide" and "qwen3_stages" not in skipped
+    ran = {p.stem for p in (tmp_path / "out").iterdir()} - {"gpu"}
+    assert ran and not ran & set(skipped)
