@@ -28,6 +28,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -160,36 +161,58 @@ def progress(text: str, name: str = "qwen3_stages") -> None:
     print(f"{name}: {text}", file=sys.stderr, flush=True)
 
 
+def attempt(errors: dict, mode: str, what: str, fn, *args):
+    """fn(*args)'s result, or None with the path's failure recorded: on a GPU, one path that breaks (a graph
+    that will not capture, say) must not cost the figures of the others. Reported, not hidden: the
+    JSON's "errors", stderr and the table."""
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001
+        errors[mode] = f"{what}: {type(e).__name__}: {e}"[:2000]
+        progress(f"{mode} failed {errors[mode]}")
+        traceback.print_exc()
+        return None
+
+
 def bench(source: Source, streams: list[int], frames: int, rounds: int, modes: list[str] | None = None) -> dict:
-    modes = modes or modes_for(source.model, source.device)
-    engines, capture = {}, {}
-    for mode in modes:
-        engines[mode] = source.talker(mode, max(streams))
-        graphs = getattr(getattr(engines[mode], "_static", None), "graphs", None)
+    engines, capture, errors = {}, {}, {}
+    for mode in modes or modes_for(source.model, source.device):
+        engine = attempt(errors, mode, "building", source.talker, mode, max(streams))
+        if engine is None:
+            continue
+        engines[mode] = engine
+        graphs = getattr(getattr(engine, "_static", None), "graphs", None)
         if graphs is not None:
             capture[mode] = round(graphs.seconds, 2)
-    progress(f"engines built ({', '.join(modes)}); CUDA graph capture {capture or '-'} s")
-    for e in engines.values():                  # warm-up: first calls allocate
-        run_talker(e, source, 1, 6)
+    progress(f"engines built ({', '.join(engines)}); CUDA graph capture {capture or '-'} s")
+    for mode in list(engines):                  # warm-up: first calls allocate
+        if attempt(errors, mode, "warm-up", run_talker, engines[mode], source, 1, 6) is None:
+            del engines[mode]
     rows, codes = [], {}
     for n in streams:
-        runs: dict[str, list] = {m: [] for m in modes}
+        runs: dict[str, list] = {m: [] for m in engines}
         peak: dict[str, float] = {}
         for _ in range(rounds):
-            for mode in modes:
+            for mode in list(engines):
                 if source.device.startswith("cuda"):
                     torch.cuda.reset_peak_memory_stats()
-                r = run_talker(engines[mode], source, n, frames)
+                r = attempt(errors, mode, f"{n} streams", run_talker, engines[mode], source, n, frames)
+                if r is None:
+                    del engines[mode], runs[mode]
+                    continue
                 runs[mode].append(r)
                 codes[mode] = r["codes"]
                 if source.device.startswith("cuda"):
                     peak[mode] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-        done = [talker_row(source.model, m, n, runs[m], peak.get(m)) for m in modes]
+        done = [talker_row(source.model, m, n, runs[m], peak.get(m)) for m in runs]
         for r in done:
             progress(f"{r['mode']} {n} streams: {r['talker_ms_per_step']} ms/step, first audio {r['first_audio_ms']} ms")
         rows += done
+    if not engines:
+        raise SystemExit(f"qwen3_stages: every path failed: {errors}")
+    modes = list(engines)
     same = all(torch.equal(codes[m], codes[modes[0]]) for m in modes) if not source.real and len(modes) > 1 else None
-    doc = {"rows": rows, "capture_seconds": capture, "codes_equal_across_paths": same,
+    doc = {"rows": rows, "capture_seconds": capture, "codes_equal_across_paths": same, "errors": errors,
            "talker_ms_per_frame": {r["mode"]: r["talker_ms_per_frame"] for r in rows if r["streams"] == 1}}
     if source.model == "qwen3":
         c2w = source.code2wav()
@@ -270,6 +293,8 @@ def main() -> None:
               f"{r['gpu_mem_gib'] if r['gpu_mem_gib'] is not None else '-':>8}")
     for c in doc.get("code2wav", []):
         print(f"code2wav {c['streams']} streams: RTF {c['rtf']:.3f}")
+    for mode, error in doc["errors"].items():
+        print(f"{mode} FAILED, {error}")
     if doc["capture_seconds"]:
         print(f"CUDA graph capture: {doc['capture_seconds']} s")
     print(f"codes equal across paths: {doc['codes_equal_across_paths']}; {doc['seconds']} s; "

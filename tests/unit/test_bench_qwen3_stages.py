@@ -68,3 +68,27 @@ def test_frame_taken_apart(folder, gpu):
         assert ("kernels" in r) == real_cuda()
         if real_cuda():
             assert r["kernels"] > 100 and 0 < r["busy_ms"] and r["top"]
+
+
+@pytest.mark.parametrize("where", ["building", "warm-up"])
+def test_a_failing_path_keeps_the_others(folder, monkeypatch, where):
+    """On a GPU one path that breaks (a graph that will not capture) must not cost the others' figures:
+    its error is reported by name and the other path's rows are all there."""
+    from benchmarks import qwen3_stages as qs
+
+    build = qs.Source.talker
+
+    def talker(self, mode, slots):
+        if mode == "static" and where == "building":
+            raise RuntimeError("operation not permitted when stream is capturing")
+        engine = build(self, mode, slots)
+        if mode == "static":
+            engine.step = lambda: (_ for _ in ()).throw(RuntimeError("illegal memory access"))
+        return engine
+
+    monkeypatch.setattr(qs.Source, "talker", talker)
+    doc = qs.bench(qs.Source("qwen3", folder, "cpu", False), [1, 2], 6, 1)
+    assert [(r["mode"], r["streams"]) for r in doc["rows"]] == [("eager", 1), ("eager", 2)]
+    want = "operation not permitted" if where == "building" else "illegal memory access"
+    assert doc["errors"]["static"].startswith(where) and want in doc["errors"]["static"]
+    assert doc["codes_equal_across_paths"] is None and doc["talker_ms_per_frame"].keys() == {"eager"}
