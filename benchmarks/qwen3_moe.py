@@ -3,7 +3,7 @@ transformers' own block: time per call and max |difference| (float32, one thread
 model's size (4 experts, top 2) and the released size (128 experts, top 6, hidden 1024), for 1 to 64
 rows (a decode step's batch). vLLM's CPU fused-MoE kernel is measured too where it imports.
 
-    .venv/bin/python benchmarks/qwen3_moe.py [--rows 1,4,16,64] [--no-vllm] [--json]
+    .venv/bin/python benchmarks/qwen3_moe.py [--quick | --full] [--rows 1,4,16,64] [--no-vllm] [--json]
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def block(size: str):
     return b.eval().requires_grad_(False)
 
 
-def timed(fn, budget_s: float = 0.6) -> float:
+def timed(fn, budget_s: float) -> float:
     """Median microseconds per call over ~budget_s."""
     fn()
     times = []
@@ -74,20 +74,20 @@ def vllm_cpu(b):
 
 
 @torch.no_grad()
-def measure(b, size: str, n: int, fused) -> dict:
+def measure(b, size: str, n: int, fused, budget: float) -> dict:
     x = torch.randn(n, SIZES[size]["hidden_size"], generator=torch.Generator().manual_seed(n))
     want = b(x[None])[0]
-    row = {"size": size, "rows": n, "transformers_us": round(timed(lambda: b(x[None])), 1)}
+    row = {"size": size, "rows": n, "transformers_us": round(timed(lambda: b(x[None]), budget), 1)}
     for impl in IMPLS:
         if impl == "dense" and size == "real" and n > 4:
             continue          # every expert on every row: seconds a call at this size
         m = Moe.from_block(b, impl)
-        row[f"{impl}_us"] = round(timed(lambda m=m: m(x)), 1)
+        row[f"{impl}_us"] = round(timed(lambda m=m: m(x), budget), 1)
         row[f"{impl}_max_diff"] = float((m(x) - want).abs().max())
     if callable(fused):       # routed experts only (timed with the routing), then the whole block's diff
         m = Moe.from_block(b, "grouped")
         try:
-            row["vllm_cpu_us"] = round(timed(lambda: fused(x, *m.route(x))), 1)
+            row["vllm_cpu_us"] = round(timed(lambda: fused(x, *m.route(x)), budget), 1)
             row["vllm_cpu_max_diff"] = float((m.shared_out(x) + fused(x, *m.route(x)) - want).abs().max())
         except Exception as e:     # noqa: BLE001
             row["vllm_cpu"] = f"{type(e).__name__}: {e}"[:200]
@@ -100,9 +100,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,4,16,64")
     ap.add_argument("--no-vllm", action="store_true", help="skip vLLM's kernel (its import takes seconds)")
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--json", action="store_true", help="print one JSON document")
+    length = ap.add_mutually_exclusive_group()
+    length.add_argument("--quick", action="store_true", help="the default: ~0.6 s of calls per figure (< 2 min)")
+    length.add_argument("--full", action="store_true", help="~3 s of calls per figure")
     args = ap.parse_args()
-    rows_list = [int(r) for r in args.rows.split(",")]
+    try:
+        rows_list = [int(r) for r in args.rows.split(",")]
+    except ValueError:
+        ap.error(f"--rows must be comma-separated integers, got {args.rows!r}")
+    if min(rows_list) < 1:
+        ap.error("every --rows entry must be >= 1")
+    budget = 3.0 if args.full else 0.6
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     load = [round(x, 2) for x in os.getloadavg()]
@@ -110,7 +119,7 @@ def main() -> None:
     for size in SIZES:
         b = block(size)
         fused = None if args.no_vllm else vllm_cpu(b)
-        out += [measure(b, size, n, fused) for n in rows_list]
+        out += [measure(b, size, n, fused, budget) for n in rows_list]
     doc = {"rows": out, "seconds": round(time.perf_counter() - t0, 1), "loadavg_start": load,
            "loadavg_end": [round(x, 2) for x in os.getloadavg()]}
     if args.json:

@@ -14,7 +14,7 @@ quality); `--real-size` builds the released sizes with random weights in memory 
 real_size.py), `--device cuda` for a GPU. Greedy, one thread on CPU.
 
     .venv/bin/python benchmarks/qwen3_stages.py [MODEL_DIR] [--model qwen3|qwen25] [--streams 1,4,16,64]
-        [--frames 40] [--rounds 3] [--modes eager,static,graphed] [--real-size] [--device cpu|cuda] [--json]
+        [--quick | --full] [--frames 40] [--rounds 3] [--modes eager,static,graphed] [--real-size] [--device cpu|cuda] [--json]
 
 Each stream count's rows also go to stderr as they finish.
 """
@@ -227,6 +227,9 @@ def source_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--real-size", action="store_true", help="the released sizes, random weights, in memory")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--json", action="store_true", help="print one JSON document")
+    length = ap.add_mutually_exclusive_group()
+    length.add_argument("--quick", action="store_true", help="the default: a short run (< 2 min on the tiny model)")
+    length.add_argument("--full", action="store_true", help="longer runs (more frames and rounds)")
 
 
 def check_source_args(ap: argparse.ArgumentParser, args) -> None:
@@ -258,10 +261,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source_args(ap)
     ap.add_argument("--streams", default="1,4,16,64", help="comma-separated stream counts")
-    ap.add_argument("--frames", type=int, default=40, help="talker frames per request")
-    ap.add_argument("--rounds", type=int, default=3, help="paired rounds per stream count")
+    ap.add_argument("--frames", type=int, help="talker frames per request (--quick 40, --full 120)")
+    ap.add_argument("--rounds", type=int, help="paired rounds per stream count (--quick 3, --full 5)")
     ap.add_argument("--modes", help="comma-separated decode paths (default: eager,static, and graphed on CUDA)")
     args = ap.parse_args()
+    args.frames = (120 if args.full else 40) if args.frames is None else args.frames
+    args.rounds = (5 if args.full else 3) if args.rounds is None else args.rounds
     try:
         streams = [int(s) for s in args.streams.split(",")]
     except ValueError:

@@ -12,7 +12,7 @@ qwen3_stages.py): `--real-size` for the released sizes with random weights in me
 model on the CPU (launched ms only; it runs in seconds).
 
     .venv/bin/python benchmarks/talker_frame.py [MODEL_DIR] [--model qwen3|qwen25] [--batch 1,16]
-        [--frames 50] [--real-size] [--device cpu|cuda] [--json]
+        [--quick | --full] [--frames 50] [--real-size] [--device cpu|cuda] [--json]
 """
 
 from __future__ import annotations
@@ -90,8 +90,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     qwen3_stages.source_args(ap)
     ap.add_argument("--batch", default="1,16", help="comma-separated batch sizes")
-    ap.add_argument("--frames", type=int, default=50, help="frames timed per batch size")
+    ap.add_argument("--frames", type=int, help="frames timed per batch size (--quick 50, --full 300)")
     args = ap.parse_args()
+    args.frames = (300 if args.full else 50) if args.frames is None else args.frames
     try:
         batches = sorted({int(b) for b in args.batch.split(",")})
     except ValueError:

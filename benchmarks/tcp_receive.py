@@ -17,7 +17,7 @@ iperf-style: one TCP stream over 127.0.0.1 into a reused 16 MiB buffer
 and 3 after the rounds. The same with 64 MiB buffers on both ends (a tensor's size, so
 neither end's buffer stays in cache) is printed for comparison.
 
-    .venv/bin/python benchmarks/tcp_receive.py [--rounds N] [--json]
+    .venv/bin/python benchmarks/tcp_receive.py [--quick | --full] [--rounds N] [--json]
 """
 
 from __future__ import annotations
@@ -119,9 +119,15 @@ def variants(ref: TensorRef):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--rounds", type=int, help="rounds (--quick 7, --full 21)")
+    length = ap.add_mutually_exclusive_group()
+    length.add_argument("--quick", action="store_true", help="the default: a short run")
+    length.add_argument("--full", action="store_true", help="more rounds")
     ap.add_argument("--json", action="store_true", help="print one JSON document and nothing else")
     args = ap.parse_args()
+    args.rounds = (21 if args.full else 7) if args.rounds is None else args.rounds
+    if args.rounds < 1:
+        ap.error("--rounds must be >= 1")
     torch.set_num_threads(1)
     load = [os.getloadavg()[0]]
     ctx = mp.get_context("spawn")

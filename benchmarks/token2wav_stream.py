@@ -10,7 +10,7 @@ errors measure the method on those weights, not on trained ones); `--real-size` 
 transformers' default token2wav config (Qwen2.5-Omni-7B's sizes: DiT 1024 x 22 layers, BigVGAN 1536
 channels) in memory with random weights, nothing on disk.
 
-    .venv/bin/python benchmarks/token2wav_stream.py [--codes 125] [--runs 3] [--sweep] [--json]
+    .venv/bin/python benchmarks/token2wav_stream.py [--quick | --full] [--codes 125] [--runs 3] [--sweep] [--json]
     python benchmarks/token2wav_stream.py --real-size --device cuda --codes 250
 """
 
@@ -98,14 +98,19 @@ def errors(got: torch.Tensor, want: torch.Tensor) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--codes", type=int, default=125, help="codes per request (50 per second of audio)")
-    ap.add_argument("--runs", type=int, default=3, help="interleaved runs of each mode (medians)")
+    ap.add_argument("--runs", type=int, help="interleaved runs of each mode, medians (--quick 3, --full 7)")
     ap.add_argument("--streams", type=int, default=1, help="concurrent requests")
     ap.add_argument("--sweep", action="store_true", help="also the error of other block sizes and contexts")
     ap.add_argument("--real-size", action="store_true", help="Qwen2.5-Omni-7B's token2wav, random weights")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", action="store_true", help="print one JSON document")
+    length = ap.add_mutually_exclusive_group()
+    length.add_argument("--quick", action="store_true", help="the default: a short run (< 2 min)")
+    length.add_argument("--full", action="store_true", help="more runs, and the --sweep")
     args = ap.parse_args()
+    args.runs = (7 if args.full else 3) if args.runs is None else args.runs
+    args.sweep = args.sweep or args.full
     if args.codes < 1 or args.runs < 1 or args.streams < 1:
         ap.error("--codes, --runs and --streams must be >= 1")
     torch.set_num_threads(args.threads)
@@ -116,7 +121,7 @@ def main() -> None:
     if args.real_size:
         source = real_size_parts(args.device)
     else:
-        from omni.models import qwen25_omni_tiny
+        from omni.models.qwen25_omni import tiny as qwen25_omni_tiny
 
         tmp = tempfile.TemporaryDirectory()
         source = qwen25_omni_tiny.build(Path(tmp.name) / "tiny")

@@ -1,0 +1,33 @@
+"""benchmarks/token2wav_stream.py's default run on the tiny Qwen2.5 token2wav, shortened: it builds
+its model and prints one JSON document whose whole decode is the reference of the streamed one."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+
+
+def test_tiny_run_prints_its_figures(monkeypatch, capsys):
+    from benchmarks import token2wav_stream
+
+    monkeypatch.setattr("sys.argv", ["token2wav_stream.py", "--codes", "30", "--runs", "1", "--json"])
+    token2wav_stream.main()
+    doc = json.loads(capsys.readouterr().out)
+    rows = {r["mode"]: r for r in doc["rows"]}
+    assert rows.keys() == {"whole", "streamed"} and doc["runs"] == 1 and doc["sweep"] == []
+    assert rows["whole"]["max_abs_err"] == 0 and rows["streamed"]["rms_rel_err"] < 1e-3
+    assert 0 < rows["streamed"]["first_audio_ms"] and 0 < rows["whole"]["rtf"]
+
+
+@pytest.mark.parametrize("argv, message", [(["--quick", "--full"], "not allowed with"),
+                                           (["--runs", "0"], "--codes, --runs and --streams must be >= 1")])
+def test_bad_arguments_refused(monkeypatch, capsys, argv, message):
+    from benchmarks import token2wav_stream
+
+    monkeypatch.setattr("sys.argv", ["token2wav_stream.py", *argv])
+    with pytest.raises(SystemExit) as e:
+        token2wav_stream.main()
+    assert e.value.code == 2 and message in capsys.readouterr().err
