@@ -54,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import audio_reference as ref  # noqa: E402
 from benchmarks.raw_http import RawClient  # noqa: E402
+from omni.models.piper.processors import SENTENCE_END  # noqa: E402
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 RATE = 22050
@@ -136,8 +137,6 @@ async def one_speech_raw(client: RawClient, text: str) -> dict:
 
 
 async def one_chat(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> dict:
-    from omni.processors import _SENTENCE_END
-
     t0 = time.perf_counter()
     first = sentence = None
     text = ""
@@ -156,7 +155,7 @@ async def one_chat(client: httpx.AsyncClient, url: str, prompt: str, max_tokens:
             for c in chunk["choices"]:
                 text += c["delta"].get("content") or ""
                 # The talker starts on a sentence once its end is seen (omni.models.piper.processors.thinker_to_talker).
-                if sentence is None and _SENTENCE_END.search(text):
+                if sentence is None and SENTENCE_END.search(text):
                     sentence = time.perf_counter() - t0
                 data = (c["delta"].get("audio") or {}).get("data")
                 if data:

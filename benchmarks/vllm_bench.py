@@ -90,7 +90,7 @@ def omni_argv(out_dir: str, whole: bool = False) -> list[str]:
            "pipeline": {"name": f"{p.name}-text", "request_timeout_s": p.request_timeout_s,
                         "startup_timeout_s": p.startup_timeout_s, "lease_ttl_s": p.lease_ttl_s},
            "stages": [{"stage_id": 0, "name": s.name, "engine": s.engine, "model": s.model,
-                       "engine_args": dict(s.engine_args), "default_sampling_params": dict(s.default_sampling_params),
+                       "engine_args": dict(s.engine_args), "default_sampling_params": s.default_sampling_params.set(),
                        "inputs": ["prompt"], "final_output": True, "final_output_type": "text"}]}
     path = os.path.join(out_dir, "omni-text.yaml")
     with open(path, "w") as f:

@@ -54,3 +54,18 @@ def test_trace_report_joins_hops_per_request(tmp_path):
     assert d["gc_pauses_ms"]["stage0 gen2"]["max"] == 5.0
     assert abs(d["hops_ms"]["request in -> entry stage added"]["max"] - 10.0) < 1e-6
     assert abs(d["hops_ms"]["request in -> first text"]["max"] - 62.0) < 1e-6   # 1.002 - 0.94
+
+
+def test_text_only_deploy_loads_as_the_stage_it_copies(tmp_path):
+    """omni_argv's deploy YAML (the thinker stage alone) is a valid omni config with the stage's own
+    engine args and sampling defaults."""
+    from benchmarks.vllm_bench import OMNI_MODEL, omni_argv
+    from omni import config
+
+    argv = omni_argv(str(tmp_path))
+    assert argv[-2] == "--deploy-config"
+    want = config.load(OMNI_MODEL).stage(0)
+    got = config.load(OMNI_MODEL, deploy_config=argv[-1])
+    assert len(got.stages) == 1 and got.pipeline.name.endswith("-text")
+    assert got.stage(0).engine_args == want.engine_args
+    assert got.stage(0).default_sampling_params == want.default_sampling_params

@@ -12,7 +12,7 @@ import re
 from omni.processors import Context, StageInput
 from omni.stage.messages import Output
 
-_SENTENCE_END = re.compile(r"[.!?;:\n]+[\"')\]]*\s+")
+SENTENCE_END = re.compile(r"[.!?;:\n]+[\"')\]]*\s+")
 
 
 def thinker_to_talker(ctx: Context, state: dict, out: Output) -> list[StageInput]:
@@ -24,7 +24,7 @@ def thinker_to_talker(ctx: Context, state: dict, out: Output) -> list[StageInput
     pieces = []
     pending = text[sent:]
     while True:
-        match = _SENTENCE_END.search(pending)
+        match = SENTENCE_END.search(pending)
         if not match:
             break
         pieces.append(pending[: match.end()])
