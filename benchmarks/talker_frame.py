@@ -4,7 +4,8 @@ Per batch size, the frame the CUDA graphs hold (talker step, code 0, for Qwen3 t
 codes, sampling and end detection, over the whole cache width):
   replayed ms   one graph replay (on a CPU: not there);
   launched ms   the same frame run op by op (the static step with enforce_eager);
-  kernels       the GPU kernels one replay runs (torch.profiler), and `busy ms`, their summed time.
+  kernels       the GPU kernels one replay runs (torch.profiler), and `busy ms`, their summed time;
+                also by kind (matmul, attention, sort, reduce, index, copy, elementwise: KINDS).
 busy / replayed near 1: the GPU's own work bounds the frame (fewer bytes or FLOPs would help); well
 below 1: the gaps between kernels do (fewer kernels would: fusion). The kernels that take the most
 time are listed. The engine is built as the benchmarks' stage worker builds it (benchmarks/
@@ -44,8 +45,25 @@ def per_frame_ms(fn, frames: int, device: str) -> float:
     return (time.perf_counter() - t0) / frames * 1000
 
 
-def kernels(fn) -> tuple[int, float, list[dict]]:
-    """One call of fn under torch.profiler -> (kernels, their summed GPU ms, the top 5 by time)."""
+# Kernel kinds by name (CUDA's and torch's kernel names), first match wins: where a frame's kernels go
+# says what to fuse (many small elementwise or index kernels) or what bounds it (matmul time).
+KINDS = (("attention", ("fmha", "flash", "attention", "efficient")),
+         ("matmul", ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas", "grouped_mm", "splitk")),
+         ("sort", ("sort", "radix")),
+         ("reduce", ("reduce", "softmax", "scan", "cumsum", "norm")),
+         ("index", ("index", "gather", "scatter", "embedding")),
+         ("copy", ("copy", "memcpy", "memset", "fill")),
+         ("elementwise", ("elementwise", "vectorized", "unrolled")))
+
+
+def kind(kernel: str) -> str:
+    low = kernel.lower()
+    return next((name for name, keys in KINDS if any(k in low for k in keys)), "other")
+
+
+def kernels(fn) -> tuple[int, float, list[dict], dict]:
+    """One call of fn under torch.profiler -> (kernels, their summed GPU ms, the top 5 by time, count
+    and ms per kind)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -55,9 +73,23 @@ def kernels(fn) -> tuple[int, float, list[dict]]:
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             times[e.name].append(e.device_time / 1000)
-    top = sorted(times.items(), key=lambda kv: -sum(kv[1]))[:5]
-    return (sum(len(t) for t in times.values()), sum(sum(t) for t in times.values()),
-            [{"kernel": k[:70], "count": len(t), "ms": round(sum(t), 3)} for k, t in top])
+    return (sum(len(t) for t in times.values()), sum(sum(t) for t in times.values()), top_kernels(times),
+            by_kind(times))
+
+
+def top_kernels(times: dict[str, list[float]], n: int = 5) -> list[dict]:
+    top = sorted(times.items(), key=lambda kv: -sum(kv[1]))[:n]
+    return [{"kernel": k[:70], "count": len(t), "ms": round(sum(t), 3)} for k, t in top]
+
+
+def by_kind(times: dict[str, list[float]]) -> dict[str, dict]:
+    kinds: dict[str, dict] = {}
+    for name, t in times.items():
+        k = kinds.setdefault(kind(name), {"count": 0, "ms": 0.0})
+        k["count"] += len(t)
+        k["ms"] += sum(t)
+    return {k: {"count": v["count"], "ms": round(v["ms"], 3)}
+            for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]["count"])}
 
 
 def measure(runner, b: int, frames: int, device: str) -> dict:
@@ -69,8 +101,9 @@ def measure(runner, b: int, frames: int, device: str) -> dict:
     replay = functools.partial(runner.graphs.run, b)
     row["replayed_ms"] = round(per_frame_ms(replay, frames, device), 3)
     if torch.backends.cuda.is_built():         # not on the emulator (tests/unit/fake_cuda.py): no kernels there
-        n, busy, top = kernels(replay)
-        row.update(kernels=n, busy_ms=round(busy, 3), busy_fraction=round(busy / row["replayed_ms"], 2), top=top)
+        n, busy, top, kinds = kernels(replay)
+        row.update(kernels=n, busy_ms=round(busy, 3), busy_fraction=round(busy / row["replayed_ms"], 2), top=top,
+                   by_kind=kinds)
     return row
 
 
@@ -115,6 +148,8 @@ def main() -> None:
         print(f"{r['batch']:>5} {r['launched_ms']:>11} " + " ".join(cells))
         for t in r.get("top", []):
             print(f"      {t['ms']:>8.3f} ms {t['count']:>5}x {t['kernel']}")
+        if "by_kind" in r:
+            print("      by kind: " + ", ".join(f"{k} {v['count']}x {v['ms']} ms" for k, v in r["by_kind"].items()))
     if doc["capture_seconds"] is not None:
         print(f"CUDA graphs {doc['graph_sizes']} captured in {doc['capture_seconds']} s")
     print(f"{doc['model']}, {doc['weights']} weights, {doc['device']}; {doc['seconds']} s")

@@ -92,3 +92,21 @@ def test_a_failing_path_keeps_the_others(folder, monkeypatch, where):
     want = "operation not permitted" if where == "building" else "illegal memory access"
     assert doc["errors"]["static"].startswith(where) and want in doc["errors"]["static"]
     assert doc["codes_equal_across_paths"] is None and doc["talker_ms_per_frame"].keys() == {"eager"}
+
+
+def test_kernels_sorted_by_kind():
+    """talker_frame's kernel kinds, from the names CUDA kernels carry (count and summed ms per kind)."""
+    from benchmarks.talker_frame import by_kind, kind
+
+    assert kind("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64") == "matmul"
+    assert kind("nvjet_tst_64x8_64x16_4x1_v_bz_TNT") == "matmul"
+    assert kind("fmha_cutlassF_bf16_aligned_64x64_rf_sm80") == "attention"     # a cutlass kernel, but attention
+    assert kind("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float>") == "reduce"
+    assert kind("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>") == "elementwise"
+    assert kind("void at::native::index_elementwise_kernel<128, 4>") == "index"
+    assert kind("void at::native::bitonicSortKVInPlace<float, long>") == "sort"
+    assert kind("Memcpy DtoD (Device -> Device)") == "copy"
+    assert kind("void something_new()") == "other"
+    times = {"ampere_gemm": [0.01, 0.02], "vectorized_elementwise_kernel<mul>": [0.001] * 3, "x": [0.5]}
+    assert by_kind(times) == {"elementwise": {"count": 3, "ms": 0.003}, "matmul": {"count": 2, "ms": 0.03},
+                              "other": {"count": 1, "ms": 0.5}}
