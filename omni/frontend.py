@@ -147,10 +147,14 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
     smaster = MasterClient(master_address, token=token or None)
     # This host as peers see it (--host 0.0.0.0 is not an address): status and transport choice.
     advertise = advertised_host(host, master_address)
-    reg = await asyncio.to_thread(
-        smaster.register, "FRONTEND", -1, config_hash=config.config_hash(),
-        pipeline_config=config.to_dict(), endpoints={"http": f"{advertise}:{port}"},
-        host=advertise, pid=os.getpid(), wait_s=30.0)
+    logger.info("frontend %d: registering with the omni master at %s", index, master_address)
+    reg = await register_unless_stopped(
+        smaster, stop, 30.0, role="FRONTEND", config_hash=config.config_hash(), pipeline_config=config.to_dict(),
+        endpoints={"http": f"{advertise}:{port}"}, host=advertise, pid=os.getpid())
+    if reg is None:                 # stopped while the master was away: nothing to undo
+        smaster.close()
+        await amaster.close()
+        return
     frontend_id = f"{reg.replica_id}-{os.getpid()}"
     orch = Orchestrator(config, frontend_id=frontend_id, topology=topology, detokenize=detokenize,
                         consumer=MultiConsumer(token=token), token=token, host=advertise, master=amaster)
@@ -165,54 +169,60 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
     synced = asyncio.Event()
     topology.on_change(lambda r, kind: synced.set())
     watcher = asyncio.create_task(follow_topology(amaster, topology, stop))
-    # Take connections only once the topology is known, so none is answered 503.
+    jobs = publisher = None
     try:
-        async with asyncio.timeout(60):
-            await synced.wait()
-    except TimeoutError:
-        raise OmniError(f"no topology from the omni master at {master_address} within 60 s") from None
-    # Accept from the launcher's listener (inherited fd) once the topology is known; alone: our own.
-    sock = socket.socket(fileno=listen_fd) if listen_fd is not None else \
-        bind_socket(host, port, backlog=limits.backlog)
+        # Take connections only once the topology is known, so none is answered 503; a stop request
+        # meanwhile (the launcher gone: PR_SET_PDEATHSIG) ends the start-up at once.
+        try:
+            async with asyncio.timeout(60):
+                await first_set(synced, stop)
+        except TimeoutError:
+            raise OmniError(f"no topology from the omni master at {master_address} within 60 s") from None
+        if stop.is_set():
+            return
+        # Accept from the launcher's listener (inherited fd) once the topology is known; alone: our own.
+        sock = socket.socket(fileno=listen_fd) if listen_fd is not None else \
+            bind_socket(host, port, backlog=limits.backlog)
 
-    def live_frontends():
-        # Job owners are named by (host, pid): a re-registration may change the replica id.
-        if not topology.synced:
-            return None
-        return {(r.host, r.pid) for r in topology.replicas.values() if r.role == "FRONTEND" and r.state != "DEAD"}
+        def live_frontends():
+            # Job owners are named by (host, pid): a re-registration may change the replica id.
+            if not topology.synced:
+                return None
+            return {(r.host, r.pid) for r in topology.replicas.values() if r.role == "FRONTEND" and r.state != "DEAD"}
 
-    # host as registered, so owners match the topology's entries
-    jobs = Jobs(amaster, Results(jobs_dir), frontend_index=index, host=advertise, live_frontends=live_frontends)
-    app = build_app(
-        orch, tokenizer,
-        served_model_name=served_model_name,
-        model_aliases=list(config.aliases) + [config.model],
-        frontend_index=index,
-        max_model_len=_max_model_len(config),
-        speech_entry_stage=config.pipeline.speech_entry_stage,
-        audio_out=config.final_stage("audio") is not None,
-        speakers=tuple(config.pipeline.voices), default_voice=config.pipeline.default_voice,
-        max_tokens_limit=config.pipeline.max_tokens_limit, max_speech_chars=config.pipeline.max_speech_chars,
-        images=config.pipeline.images if config.final_stage("image") is not None else None,
-        videos=config.pipeline.videos if config.final_stage("video") is not None else None,
-        voices=MasterVoiceStore(amaster) if config.pipeline.speech_entry_stage is not None else None,
-        api_key=api_key,
-        control_api_key=control_api_key,
-        control_routes=control_routes,
-        jobs=jobs,
-        limits=limits,
-        **_sampling_defaults(config),
-    )
-    publisher = asyncio.create_task(publish_metrics(app, amaster, topology, index, stop))
-    freeze_after_startup()
-    latency_trace.enable(f"frontend{index}")
-    try:
+        # host as registered, so owners match the topology's entries
+        jobs = Jobs(amaster, Results(jobs_dir), frontend_index=index, host=advertise, live_frontends=live_frontends)
+        app = build_app(
+            orch, tokenizer,
+            served_model_name=served_model_name,
+            model_aliases=list(config.aliases) + [config.model],
+            frontend_index=index,
+            max_model_len=_max_model_len(config),
+            speech_entry_stage=config.pipeline.speech_entry_stage,
+            audio_out=config.final_stage("audio") is not None,
+            speakers=tuple(config.pipeline.voices), default_voice=config.pipeline.default_voice,
+            max_tokens_limit=config.pipeline.max_tokens_limit, max_speech_chars=config.pipeline.max_speech_chars,
+            images=config.pipeline.images if config.final_stage("image") is not None else None,
+            videos=config.pipeline.videos if config.final_stage("video") is not None else None,
+            voices=MasterVoiceStore(amaster) if config.pipeline.speech_entry_stage is not None else None,
+            api_key=api_key,
+            control_api_key=control_api_key,
+            control_routes=control_routes,
+            jobs=jobs,
+            limits=limits,
+            **_sampling_defaults(config),
+        )
+        publisher = asyncio.create_task(publish_metrics(app, amaster, topology, index, stop))
+        freeze_after_startup()
+        latency_trace.enable(f"frontend{index}")
         await serve(app, sock=sock, shutdown_event=stop, limits=limits)
     finally:
         stop.set()
         watcher.cancel()
-        publisher.cancel()
-        await jobs.close()
+        if publisher is not None:
+            publisher.cancel()
+        if jobs is not None:
+            await jobs.close()
         await orch.close()
         try:
             await asyncio.to_thread(smaster.deregister)
@@ -220,6 +230,32 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
             logger.info("frontend deregister failed: %s", e)
         smaster.close()
         await amaster.close()
+
+
+async def register_unless_stopped(smaster, stop: asyncio.Event, wait_s: float, role: str, **kw):
+    """Register with the master, waiting up to wait_s for it to come up, in slices of a second so that
+    a stop request during the wait ends it within one -> the registration, or None if stopped first."""
+    from omni.errors import Unavailable
+
+    deadline = time.monotonic() + wait_s
+    while not stop.is_set():
+        left = deadline - time.monotonic()
+        try:
+            return await asyncio.to_thread(smaster.register, role, -1, **kw, wait_s=max(0.05, min(1.0, left)))
+        except Unavailable:
+            if left <= 1.0:
+                raise
+    return None
+
+
+async def first_set(*events: asyncio.Event) -> None:
+    """Return once any of `events` is set."""
+    waits = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
 
 
 def run_loop(main) -> None:

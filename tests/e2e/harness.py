@@ -31,9 +31,10 @@ def omni_env(**extra: str) -> dict:
 class OmniProcess:
     """One `omni ...` command in its own process group."""
 
-    def __init__(self, *args: str, env: dict | None = None, prefix: tuple[str, ...] = ()):
-        # prefix: a command that runs the rest, e.g. ("ip", "netns", "exec", NAME).
-        self.argv = [*prefix, sys.executable, "-m", "omni.cli", *args]
+    def __init__(self, *args: str, env: dict | None = None, prefix: tuple[str, ...] = (), module: str = "omni.cli"):
+        # prefix: a command that runs the rest, e.g. ("ip", "netns", "exec", NAME); module: the
+        # entry point (omni.children for a launcher's child alone)
+        self.argv = [*prefix, sys.executable, "-m", module, *args]
         self.proc = subprocess.Popen(
             self.argv, cwd=REPO, env=env or omni_env(), stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True,

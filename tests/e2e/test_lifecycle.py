@@ -10,9 +10,11 @@ ancestor survives" is "no live process is left in its session".
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
+import socket
 import threading
 import time
 
@@ -357,6 +359,27 @@ def test_ctrl_c_of_a_serving_vllm_deployment_is_quiet_and_complete():
         assert not [line for line in stopping if "Traceback" in line], "\n".join(stopping)
         assert session_left(sid, 10) == []
         assert stop_s < 30, stop_s
+
+
+def test_a_frontend_stopped_while_its_master_is_away_stops_at_once(tmp_path):
+    """A frontend waits up to 30 s for its master to come up. SIGTERM meanwhile (its launcher gone:
+    PR_SET_PDEATHSIG sends it) ends the wait within a second or so, quietly, instead of at the end."""
+    from omni import config
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(config.load("HuggingFaceTB/SmolLM2-135M-Instruct").to_dict()))
+    with socket.socket() as s:          # a port nothing listens on once closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    p = OmniProcess("frontend", "--config", str(cfg), "--master", f"127.0.0.1:{port}", "--log-level", "INFO",
+                    module="omni.children")
+    try:
+        p.wait_for(re.compile("registering with the omni master"), 120)
+        p.proc.send_signal(signal.SIGTERM)
+        assert p.proc.wait(10) == 0, p.output()       # before: the whole 30 s wait, then an error
+    finally:
+        p.kill()
+    assert "Traceback" not in p.output() and "failed" not in p.output(), p.output()
 
 
 @pytest.mark.slow
