@@ -148,9 +148,9 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
     # This host as peers see it (--host 0.0.0.0 is not an address): status and transport choice.
     advertise = advertised_host(host, master_address)
     logger.info("frontend %d: registering with the omni master at %s", index, master_address)
-    reg = await register_unless_stopped(
-        smaster, stop, 30.0, role="FRONTEND", config_hash=config.config_hash(), pipeline_config=config.to_dict(),
-        endpoints={"http": f"{advertise}:{port}"}, host=advertise, pid=os.getpid())
+    reg = await asyncio.to_thread(
+        smaster.register, "FRONTEND", -1, config_hash=config.config_hash(), pipeline_config=config.to_dict(),
+        endpoints={"http": f"{advertise}:{port}"}, host=advertise, pid=os.getpid(), wait_s=30.0, stop=stop)
     if reg is None:                 # stopped while the master was away: nothing to undo
         smaster.close()
         await amaster.close()
@@ -230,22 +230,6 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
             logger.info("frontend deregister failed: %s", e)
         smaster.close()
         await amaster.close()
-
-
-async def register_unless_stopped(smaster, stop: asyncio.Event, wait_s: float, role: str, **kw):
-    """Register with the master, waiting up to wait_s for it to come up, in slices of a second so that
-    a stop request during the wait ends it within one -> the registration, or None if stopped first."""
-    from omni.errors import Unavailable
-
-    deadline = time.monotonic() + wait_s
-    while not stop.is_set():
-        left = deadline - time.monotonic()
-        try:
-            return await asyncio.to_thread(smaster.register, role, -1, **kw, wait_s=max(0.05, min(1.0, left)))
-        except Unavailable:
-            if left <= 1.0:
-                raise
-    return None
 
 
 async def first_set(*events: asyncio.Event) -> None:

@@ -17,7 +17,7 @@ import grpc
 
 from omni._proto import master_pb2 as pb
 from omni._proto import master_pb2_grpc as pb_grpc
-from omni.errors import BadRequest, OmniError
+from omni.errors import BadRequest, OmniError, Unavailable
 from omni.master import wire
 from omni.master.auth import TlsFiles, call_metadata
 from omni.master.errors import from_rpc_error
@@ -151,16 +151,44 @@ class MasterClient:
                  pipeline_config: dict | None = None, endpoints: dict[str, str] | None = None,
                  replica_hint: int = -1, host: str | None = None, pid: int | None = None,
                  version: str | None = None, capabilities: dict | None = None,
-                 wait_s: float | None = None) -> Registration:
-        """Register; `wait_s` waits that long for the master to come up instead of failing at once."""
+                 wait_s: float | None = None, stop=None) -> Registration | None:
+        """Register; `wait_s` waits that long for the master to come up instead of failing at once.
+        `stop` (anything with is_set(): a stop request, an asyncio.Event) ends that wait within a
+        second of being set -> None (Ctrl-C or a launcher's death must not wait out the 30-120 s)."""
         req = _register_request(role, stage_id, host, pid, replica_hint, endpoints, config_hash, pipeline_config,
                                 version, capabilities)
-        resp = self._unary(self._stub.Register, req, timeout=wait_s, wait_for_ready=bool(wait_s) or None)
+        resp = self._wait_register(req, wait_s, stop)
+        if resp is None:
+            return None
         reg = wire.registration_from_pb(resp)
         with self._lock:
             self._reg_request, self._registration = req, reg
             self.registrations += 1
         return reg
+
+    def _wait_register(self, req, wait_s: float | None, stop):
+        if not wait_s or stop is None:
+            return self._unary(self._stub.Register, req, timeout=wait_s, wait_for_ready=bool(wait_s) or None)
+        # Wait for the connection in 1 s slices, looking at `stop` between them; the call itself then
+        # gets the rest of the time (a retried call could register twice if the master is only slow).
+        deadline = time.monotonic() + wait_s
+        ready = grpc.channel_ready_future(self._channel)
+        try:
+            while not ready.done():
+                if stop.is_set():
+                    return None
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise Unavailable(f"cannot reach the omni master at {self.address}: "
+                                      f"no answer within {wait_s:g} s")
+                try:
+                    ready.result(timeout=min(1.0, left))
+                except grpc.FutureTimeoutError:
+                    pass
+        finally:
+            ready.cancel()
+        return self._unary(self._stub.Register, req, timeout=max(1.0, deadline - time.monotonic()),
+                           wait_for_ready=True)
 
     @property
     def registration(self) -> Registration | None:

@@ -196,6 +196,7 @@ def _run_stage(config: DeployConfig, stage_id: int, opts: StageOptions, engine_f
         return 0
 
     client = MasterClient(opts.master_address, token=opts.token or None)
+    progress(f"{label}: registering with the omni master at {opts.master_address} ...")
     try:
         reg = client.register(
             "STAGE", stage.stage_id,
@@ -209,11 +210,17 @@ def _run_stage(config: DeployConfig, stage_id: int, opts: StageOptions, engine_f
             capabilities={"can_sleep": "true" if engine.can_sleep() else "false",
                           "engine": stage.engine, **replica_limits(engine)},
             wait_s=opts.register_wait_s,
+            stop=stop,
         )
     except OmniError as e:
         progress(f"{label}: registration refused: {e}")
         worker.close()
         return 1
+    if reg is None:
+        progress(f"{label}: stopped while waiting for the omni master at {opts.master_address}")
+        worker.close()
+        client.close()
+        return 0
     worker.replica_id = reg.replica_id
 
     def on_registration(r):

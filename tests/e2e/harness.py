@@ -40,6 +40,7 @@ class OmniProcess:
             stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True,
         )
         self.lines: list[str] = []
+        self._eof = False            # the pump has read all the output
         self._cond = threading.Condition()
         threading.Thread(target=self._pump, daemon=True).start()
 
@@ -49,12 +50,14 @@ class OmniProcess:
                 self.lines.append(line.rstrip("\n"))
                 self._cond.notify_all()
         with self._cond:
+            self._eof = True
             self._cond.notify_all()
 
     def wait_for(self, pattern: re.Pattern, timeout: float = 180.0) -> re.Match:
-        """The first output line matching pattern; fails at once if the process exits."""
+        """The first output line matching pattern; fails once the process has exited and its output is read."""
         deadline = time.monotonic() + timeout
         seen = 0
+        exited = None
         with self._cond:
             while True:
                 for line in self.lines[seen:]:
@@ -62,7 +65,11 @@ class OmniProcess:
                     if m:
                         return m
                 seen = len(self.lines)
-                if self.proc.poll() is not None and seen == len(self.lines):
+                if self.proc.poll() is not None:
+                    # its last lines may still be in the pipe: fail once the pump has read them all
+                    # (or 2 s on, if a child of it still holds the pipe open)
+                    exited = exited or time.monotonic()
+                if exited is not None and (self._eof or time.monotonic() - exited > 2.0):
                     raise AssertionError(f"{self.argv} exited with {self.proc.returncode} before "
                                          f"{pattern.pattern!r}:\n" + self.output())
                 remaining = deadline - time.monotonic()

@@ -382,6 +382,24 @@ def test_a_frontend_stopped_while_its_master_is_away_stops_at_once(tmp_path):
     assert "Traceback" not in p.output() and "failed" not in p.output(), p.output()
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_headless_stage_waiting_for_its_master_stops_on_a_signal(sig):
+    """A headless stage waits up to 120 s for the master to come up; SIGINT or SIGTERM to its process
+    (a supervisor's stop) ends the wait within a second or so, and nothing is left of it."""
+    with socket.socket() as s:          # a master port nothing listens on once closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    p = OmniProcess("serve", "HuggingFaceTB/SmolLM2-135M-Instruct", "--stage-id", "1", "--headless",
+                    "--omni-master-address", "127.0.0.1", "--omni-master-port", str(port))
+    with own_session(p) as sid:
+        p.wait_for(re.compile(r"registering with the omni master"), 120)
+        p.proc.send_signal(sig)
+        assert p.proc.wait(10) == 0, p.output()       # before: the whole 120 s wait, then an error
+        assert session_left(sid, 10) == []
+    p.wait_for(re.compile(r"stopped while waiting for the omni master"), 5)
+    assert "Traceback" not in p.output() and "refused" not in p.output(), p.output()
+
+
 @pytest.mark.slow
 def test_a_sigkilled_launcher_takes_its_stages_and_frontends_with_it():
     """Steady state, torch engines, two frontends: SIGKILL of `omni serve` leaves nothing of it
