@@ -95,11 +95,20 @@ class OmniProcess:
         return self.proc.wait(timeout)
 
     def kill(self) -> None:
+        """SIGKILL the launcher's group and every process it started (its children run in their own
+        groups: left to their PR_SET_PDEATHSIG, they would finish a graceful stop under the next test)."""
+        import psutil
+
+        tree = [q for q in map(_process, descendants(self.proc.pid)) if q is not None]
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        for q in tree:
+            with contextlib.suppress(psutil.Error):
+                q.kill()
         self.proc.wait(10)
+        psutil.wait_procs(tree, timeout=10)
 
     def stop(self, timeout: float = 60.0) -> list[int]:
         """Stop as a user would (Ctrl-C), then wait until the launcher and every process it had
