@@ -474,3 +474,36 @@ def test_drain_cli_refuses_the_last_replica_without_force_and_undrain_takes_it_b
     nothing = _cli("undrain", "--master", master.address, "--stage", "1")
     assert nothing.returncode == 2 and "no live stage replica matched" in nothing.stderr
     watch.close()
+
+
+def test_register_waits_for_a_late_master_and_a_stop_ends_the_wait():
+    """register(wait_s, stop): with no master, setting `stop` ends the wait at once (None) and the
+    wait's end is an Unavailable naming it; a master that comes up during the wait gets exactly one
+    registration (the connection is awaited in slices, the Register call made once)."""
+    import socket
+
+    with socket.socket() as s:          # a port nothing listens on, until the master below
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = f"127.0.0.1:{port}"
+    kw = dict(config_hash=HASH, pipeline_config=CFG)
+    with MasterClient(address) as c:
+        stop, out = threading.Event(), queue.Queue()
+        t = threading.Thread(target=lambda: out.put(c.register("STAGE", 0, wait_s=60, stop=stop, **kw)))
+        t.start()
+        stop.set()
+        t.join(5)
+        assert not t.is_alive() and out.get_nowait() is None
+        with pytest.raises(Unavailable, match="no answer within 1.5 s"):
+            c.register("STAGE", 0, wait_s=1.5, stop=threading.Event(), **kw)
+        t = threading.Thread(target=lambda: out.put(c.register("STAGE", 0, wait_s=60, stop=threading.Event(), **kw)))
+        t.start()
+        server = MasterServer(CFG, HASH, port=port, lease_ttl_s=5.0)
+        server.start()
+        try:
+            t.join(30)
+            reg = out.get_nowait()
+            assert reg is not None and reg.lease_ttl_s == 5.0
+            assert [r.replica_id for r in c.get_status().replicas] == [reg.replica_id]
+        finally:
+            server.stop(grace=0.2)
