@@ -169,24 +169,21 @@ class MasterClient:
     def _wait_register(self, req, wait_s: float | None, stop):
         if not wait_s or stop is None:
             return self._unary(self._stub.Register, req, timeout=wait_s, wait_for_ready=bool(wait_s) or None)
-        # Wait for the connection in 1 s slices, looking at `stop` between them; the call itself then
-        # gets the rest of the time (a retried call could register twice if the master is only slow).
+        # Wait for the master in 1 s slices of an idempotent call (GetStatus), looking at `stop` between
+        # them; Register itself is called once (retried, it could register twice with a master that is
+        # only slow). No connectivity watcher: its thread outlives a quick close() with a traceback.
         deadline = time.monotonic() + wait_s
-        ready = grpc.channel_ready_future(self._channel)
-        try:
-            while not ready.done():
-                if stop.is_set():
-                    return None
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise Unavailable(f"cannot reach the omni master at {self.address}: "
-                                      f"no answer within {wait_s:g} s")
-                try:
-                    ready.result(timeout=min(1.0, left))
-                except grpc.FutureTimeoutError:
-                    pass
-        finally:
-            ready.cancel()
+        while True:
+            if stop.is_set():
+                return None
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise Unavailable(f"cannot reach the omni master at {self.address}: no answer within {wait_s:g} s")
+            try:
+                self._unary(self._stub.GetStatus, pb.GetStatusRequest(), timeout=min(1.0, left), wait_for_ready=True)
+                break
+            except Unavailable:
+                pass
         return self._unary(self._stub.Register, req, timeout=max(1.0, deadline - time.monotonic()),
                            wait_for_ready=True)
 
