@@ -42,11 +42,11 @@ def test_steps_in_order_each_to_its_file(tmp_path):
 
 
 def test_budget_cuts_the_last_steps(tmp_path):
-    """A 32 s budget and steps of 2 s each: the first steps run under what is left, then under 30 s
+    """A 32 s budget and steps of 2 s each: the first step runs under what is left, then under 30 s
     remain and the rest are skipped by name."""
     r = run(tmp_path, budget="32", step_seconds=2)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "== qwen3_stages (limit 32s" in r.stdout
+    assert "== qwen3_stages (limit 3" in r.stdout          # 32 s, or 31 if a second turned meanwhile
     skipped = [line.split()[1].rstrip(":") for line in r.stdout.splitlines() if "skipped" in line]
     assert skipped and skipped[-1] == "qwen3_wide" and "qwen3_stages" not in skipped
     ran = {p.stem for p in (tmp_path / "out").iterdir()} - {"gpu"}
