@@ -277,7 +277,7 @@ def main() -> None:
     modes = modes_for(args.model, args.device)
     if args.modes:
         wanted = args.modes.split(",")
-        if not wanted or set(wanted) - set(modes):
+        if set(wanted) - set(modes):
             ap.error(f"--modes: the paths on {args.device} are {','.join(modes)}; got {args.modes!r}")
         modes = [m for m in modes if m in wanted]
     t0 = time.perf_counter()
