@@ -8,6 +8,7 @@ import contextlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -99,7 +100,7 @@ class OmniProcess:
         groups: left to their PR_SET_PDEATHSIG, they would finish a graceful stop under the next test)."""
         import psutil
 
-        tree = [q for q in map(_process, descendants(self.proc.pid)) if q is not None]
+        tree = processes_under(self.proc.pid)
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -117,7 +118,7 @@ class OmniProcess:
         Returns the pids of that tree (for checks on what they left, e.g. in /dev/shm)."""
         import psutil
 
-        tree = [q for q in map(_process, descendants(self.proc.pid)) if q is not None]
+        tree = processes_under(self.proc.pid)
         pids = [self.proc.pid, *(p.pid for p in tree)]
         deadline = time.monotonic() + timeout
         if self.proc.poll() is None:
@@ -177,6 +178,21 @@ def wait_gone(procs: list, timeout: float) -> list:
         if not left or time.monotonic() >= deadline:
             return left
         threading.Event().wait(0.1)   # polling other processes, bounded by the deadline
+
+
+def processes_under(pid: int) -> list:
+    """The live descendants of pid (psutil processes)."""
+    return [q for q in map(_process, descendants(pid)) if q is not None]
+
+
+def unused_port() -> int:
+    """A loopback port nothing listens on (picked, then closed): for a master that is not there yet
+    (a process started before its master, or one that must wait for it). The master refuses to
+    share a port (so_reuseport off), so it cannot be held; were it taken meanwhile, the master's
+    bind fails loudly."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def descendants(pid: int) -> list[int]:

@@ -14,14 +14,13 @@ import json
 import os
 import re
 import signal
-import socket
 import threading
 import time
 
 import psutil
 import pytest
 
-from tests.e2e.harness import READY, OmniProcess, wait_until
+from tests.e2e.harness import READY, OmniProcess, unused_port, wait_until
 
 try:
     import vllm  # noqa: F401
@@ -368,9 +367,7 @@ def test_a_frontend_stopped_while_its_master_is_away_stops_at_once(tmp_path):
 
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(config.load("HuggingFaceTB/SmolLM2-135M-Instruct").to_dict()))
-    with socket.socket() as s:          # a port nothing listens on once closed
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = unused_port()
     p = OmniProcess("frontend", "--config", str(cfg), "--master", f"127.0.0.1:{port}", "--log-level", "INFO",
                     module="omni.children")
     try:
@@ -386,9 +383,7 @@ def test_a_frontend_stopped_while_its_master_is_away_stops_at_once(tmp_path):
 def test_a_headless_stage_waiting_for_its_master_stops_on_a_signal(sig):
     """A headless stage waits up to 120 s for the master to come up; SIGINT or SIGTERM to its process
     (a supervisor's stop) ends the wait within a second or so, and nothing is left of it."""
-    with socket.socket() as s:          # a master port nothing listens on once closed
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = unused_port()
     p = OmniProcess("serve", "HuggingFaceTB/SmolLM2-135M-Instruct", "--stage-id", "1", "--headless",
                     "--omni-master-address", "127.0.0.1", "--omni-master-port", str(port))
     with own_session(p) as sid:

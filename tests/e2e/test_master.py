@@ -21,6 +21,7 @@ from omni.master.client import AsyncMasterClient, MasterClient
 from omni.master.configdiff import hash_config
 from omni.master.errors import Unauthenticated
 from omni.master.server import MasterServer
+from tests.e2e.harness import unused_port
 
 pytestmark = pytest.mark.e2e
 
@@ -480,11 +481,7 @@ def test_register_waits_for_a_late_master_and_a_stop_ends_the_wait():
     """register(wait_s, stop): with no master, setting `stop` ends the wait at once (None) and the
     wait's end is an Unavailable naming it; a master that comes up during the wait gets exactly one
     registration (the connection is awaited in slices, the Register call made once)."""
-    import socket
-
-    with socket.socket() as s:          # a port nothing listens on, until the master below
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = unused_port()                # nothing listens on it until the master below
     address = f"127.0.0.1:{port}"
     kw = dict(config_hash=HASH, pipeline_config=CFG)
     with MasterClient(address) as c:

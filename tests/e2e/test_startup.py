@@ -5,14 +5,13 @@ stage whose pipeline config differs from the head's is refused with the differen
 from __future__ import annotations
 
 import re
-import socket
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
 
-from tests.e2e.harness import REPO, OmniProcess
+from tests.e2e.harness import REPO, OmniProcess, unused_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -26,15 +25,6 @@ def deploy_file(tmp_path: Path, name: str, **pipeline) -> str:
     path = tmp_path / name
     path.write_text(yaml.safe_dump(raw))
     return str(path)
-
-
-def unused_port() -> int:
-    # The one pick-then-close in the suite: the stages must know the master's port before
-    # the head exists, and the master refuses to share a port (so_reuseport off), so it
-    # cannot be held for it. If the port were taken meanwhile the head fails to bind, loudly.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def headless(stage: int, port: int, config: str) -> OmniProcess:
