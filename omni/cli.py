@@ -112,6 +112,7 @@ def serve(
     ctx: typer.Context,
     model: str = typer.Argument(..., help="Model id (e.g. HuggingFaceTB/SmolLM2-135M-Instruct) or a local folder."),
     deploy_config: Optional[str] = typer.Option(None, "--deploy-config", help="Deploy YAML to use instead of the bundled one for MODEL."),
+    stage_configs_path: Optional[str] = typer.Option(None, "--stage-configs-path", help="vllm-omni's legacy stage config YAML (stage_args), read as a deploy overlay on MODEL's pipeline."),
     stage_overrides: Optional[str] = typer.Option(None, "--stage-overrides", help='JSON patch per stage, e.g. \'{"0": {"max_model_len": 1024}}\' (also --stage-overrides.0.max_model_len 1024). Single-command mode.'),
     stage_id: Optional[int] = typer.Option(None, "--stage-id", help="Run only this stage (stage mode). 0 is the head: master + orchestrator + HTTP."),
     headless: bool = typer.Option(False, "--headless", help="Run the stage given by --stage-id without HTTP; connects to the master."),
@@ -136,6 +137,7 @@ def serve(
     trust_remote_code: Optional[bool] = typer.Option(None, "--trust-remote-code", help="Engine flag (vLLM stages; omni's own engines run no remote code)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the resolved deploy config (JSON) and the per-stage engine flags, then exit."),
     omni: bool = typer.Option(False, "--omni", help="Accepted for vllm-omni compatibility; omni serve is always omni."),
+    async_chunk: Optional[bool] = typer.Option(None, "--async-chunk/--no-async-chunk", help="vllm-omni's switch for streaming between stages: omni always streams (--no-async-chunk is refused)."),
     engine_args: Optional[str] = typer.Option(None, "--engine-args", help='Per-stage engine args as JSON (also --engine-args.key value).'),
     state_dir: Optional[str] = typer.Option(None, "--state-dir", help="Where the master persists shared state (voices, jobs)."),
     log_level: str = typer.Option("WARNING", "--log-level", help="Python log level of omni's processes."),
@@ -176,6 +178,13 @@ def serve(
         print(f"omni: warning: --omni-master-address {omni_master_address} is a wildcard, so this process "
               "advertises 127.0.0.1 to its peers; stages on other hosts cannot reach it. Pass "
               "--omni-replica-address with this host's address.", file=sys.stderr)
+    if stage_configs_path is not None:
+        if deploy_config is not None:
+            raise ConfigError("--deploy-config and --stage-configs-path both name the deploy; pass one")
+        deploy_config = stage_configs_path
+    if async_chunk is False:
+        raise ConfigError("--no-async-chunk is not supported: omni streams each stage's output to the next as it "
+                          "comes (vllm-omni's async_chunk: true)")
     if headless and stage_id is None:
         raise ConfigError("--headless needs --stage-id K (which stage to run)")
     if stage_id is not None and (omni_master_address is None or omni_master_port is None):

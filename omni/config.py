@@ -22,6 +22,7 @@ from typing import Any
 import msgspec
 import yaml
 
+from omni import config_vllm_omni as vllm_omni
 from omni.errors import ConfigError
 # The config types of the image and video routes, kept where the rest of the deploy config is found.
 from omni.media_settings import ImageSettings, PromptExpansion, VideoSettings, validate_images  # noqa: F401
@@ -261,13 +262,15 @@ def _load_raw(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     path = path.resolve()
     if path in seen:
         raise ConfigError(f"{path}: base_config cycle: {' -> '.join(map(str, seen + (path,)))}")
-    data = nest_flat_engine_args(_read_yaml(path))
+    data = nest_flat_engine_args(vllm_omni.translate(_read_yaml(path), str(path)))
     base = data.get("base_config")
     if base:
         base_path = Path(base)
         if not base_path.is_absolute():
             candidate = path.parent / base_path
             base_path = candidate if candidate.exists() else DEPLOY_DIR / base_path
+        if not base_path.exists():
+            base_path = vllm_omni.bundled_path(base_path) or base_path    # vllm-omni's qwen3_omni_moe.yaml
         parent = _load_raw(base_path, seen + (path,))
         data = merge_configs(parent, data)
     return data
@@ -442,11 +445,41 @@ def load(
     stage_overrides: dict[str, Any] | None = None,
 ) -> DeployConfig:
     path = deploy_config_path(deploy_config) if deploy_config else default_config_path(model)
-    data = apply_platform(_load_raw(path), current_platform(), str(path))
+    data = _load_raw(path)
+    if "model" not in data and not any(isinstance(s, dict) and "engine" in s for s in data.get("stages") or []):
+        data = merge_configs(_load_raw(_pipeline_of(model, path)), data)
+    roles = data.pop(vllm_omni.LEGACY_ROLES, None)
+    if roles is not None:
+        vllm_omni.check_roles(data.get("stages") or [], roles, str(path))
+    data = apply_platform(data, current_platform(), str(path))
+    _spread_vllm_omni_args(data)
     data["model"] = model   # the CLI's MODEL names the weights; the YAML the shape
     if stage_overrides:
         data = apply_stage_overrides(data, stage_overrides)
     return parse(data, source=str(path))
+
+
+def _pipeline_of(model: str, path: Path) -> Path:
+    """A deploy that names no model and whose stages name no engine (vllm-omni's deploy schema)
+    overlays MODEL's bundled deploy, as vllm-omni's overlays the pipeline its model registers."""
+    try:
+        return default_config_path(model)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: its stages name no engine, so it overlays the bundled deploy of the model, "
+                          f"and {e}") from None
+
+
+def _spread_vllm_omni_args(data: dict[str, Any]) -> None:
+    """vllm-omni's pipeline-wide engine args go to every stage, its connectors' codec args to the
+    receiving stage that makes audio; a stage's own engine args win."""
+    wide = data.pop(vllm_omni.EVERY_STAGE, None) or {}
+    codec = data.pop(vllm_omni.CODEC_ARGS, None) or {}
+    for stage in data.get("stages") or []:
+        if not isinstance(stage, dict) or not isinstance(stage.setdefault("engine_args", {}), dict):
+            continue
+        own = {**wide, **(codec.get(stage.get("stage_id"), {}) if stage.get("final_output_type") == "audio" else {})}
+        for key, value in own.items():
+            stage["engine_args"].setdefault(key, value)
 
 
 def loads_json(blob: str | bytes) -> DeployConfig:

@@ -251,11 +251,22 @@ def test_speech_route_says_why_it_is_not_there(server):
 
 def test_head_and_headless_stages_equal_the_reference(tiny, reference, tmp_path):
     want_text, want_wav = reference("What is the capital of France?")
-    # Stage mode takes no --stage-overrides: every process reads one deploy file with a greedy talker.
+    # Stage mode takes no --stage-overrides: every process reads one deploy file with a greedy talker,
+    # written in vllm-omni's deploy schema as its users pass it to each stage's command (no engines: it
+    # overlays the folder's bundled pipeline; the connector's codec keys at code2wav's defaults).
     deploy = tmp_path / "greedy.yaml"
-    deploy.write_text("base_config: qwen3-omni-moe.yaml\nstages:\n  - stage_id: 0\n    engine_args: {dtype: float32}\n"
-                      "  - stage_id: 1\n    default_sampling_params: "
-                      f"{{temperature: 0, max_tokens: {TALKER_TOKENS}}}\n")
+    deploy.write_text(f"""
+async_chunk: true
+dtype: float32
+connectors:
+  shm: {{name: SharedMemoryConnector, extra: {{codec_chunk_frames: 25, codec_left_context_frames: 25}}}}
+stages:
+  - stage_id: 1
+    input_connectors: {{from_stage_0: shm}}
+    default_sampling_params: {{temperature: 0, max_tokens: {TALKER_TOKENS}}}
+  - stage_id: 2
+    input_connectors: {{from_stage_1: shm}}
+""")
     common = ("--deploy-config", str(deploy))
     head = OmniProcess("serve", str(tiny), *common, "--stage-id", "0", "--omni-master-address", "127.0.0.1",
                        "--omni-master-port", "0", "--port", "0", "--served-model-name", NAME, env=env())

@@ -1,0 +1,338 @@
+"""vllm-omni's deploy YAML, read as an omni deploy overlay.
+
+vllm-omni pairs a deploy YAML with the pipeline its model registers: the file names no engines and
+no processors, only per-stage placement, sizes and sampling (engine args flat on the stage),
+connectors between stages and a few pipeline-wide keys. omni's bundled deploy for MODEL plays the
+registered pipeline's part: a file that names no model and whose stages name no engine is merged
+over it (config.load).
+
+`translate` turns the keys only vllm-omni's schema has into omni's, before the flat engine args are
+nested under `engine_args`:
+  async_chunk: true    omni streams every stage's output to the next as it comes (false is refused)
+  pipeline: NAME       a structural variant (qwen3_omni_moe_thinker_only): omni's bundled file for it
+  connectors, input_connectors / output_connectors
+                       the edge's transport: SharedMemoryConnector -> auto (shared memory between
+                       processes on one host, CUDA IPC for CUDA tensors, TCP or NCCL between hosts);
+                       its `extra` codec keys -> the receiving code2wav's engine args
+  engine_extras        the stage's engine args (a key set on the stage itself wins)
+  trust_remote_code, dtype, ... (pipeline-wide)
+                       every stage's engine arg unless the stage sets it (spread by config.load)
+vllm-omni's bundled file names in `base_config` (qwen3_omni_moe.yaml) resolve to omni's. A key that
+picks vllm-omni's own implementation (model_runner) is named and dropped; a key with no meaning in
+omni (edges, duplex sessions, other connector classes, a voice directory) is refused by name.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+from typing import Any
+
+from omni.errors import ConfigError
+
+# vllm-omni's bundled deploy names (its `pipeline:` keys, its deploy file stems) -> omni's bundled deploy.
+BUNDLED = {"qwen3_omni_moe": "qwen3-omni-moe", "qwen3_omni_moe_thinker_only": "qwen3-omni-moe-thinker-only",
+           "qwen2_5_omni": "qwen2.5-omni-7b"}
+PIPELINE_WIDE = ("trust_remote_code", "distributed_executor_backend", "dtype", "quantization",
+                 "enable_prefix_caching", "enable_chunked_prefill", "data_parallel_size", "pipeline_parallel_size")
+# Carry the pipeline-wide engine args and the connectors' codec args through base_config merges;
+# config.load applies and removes them.
+EVERY_STAGE = "every_stage_engine_args"
+CODEC_ARGS = "codec_engine_args"        # receiving stage id -> engine args
+CONNECTOR_TRANSPORTS = {"SharedMemoryConnector": "auto"}
+# A connector's `extra` codec keys -> engine args of omni's Qwen3 code2wav: they shape the codec stream
+# into the stage that makes audio, and mean nothing on the other edges (as in vllm-omni).
+CONNECTOR_EXTRAS = {"codec_chunk_frames": "chunk_frames", "codec_left_context_frames": "context_frames"}
+DROPPED = {"model_runner": "vllm-omni's model runner (omni's stages run omni's engines)"}
+REFUSED = {
+    "edges": "omni derives the edges from each stage's inputs",
+    "duplex_session": "omni serves turn-based sessions only",
+    "custom_voice_dir": "voices are uploaded through /v1/audio/voices and kept by the master (--state-dir)",
+}
+_printed: set[str] = set()
+
+
+def bundled_path(name: str | Path) -> Path | None:
+    """omni's bundled deploy for one of vllm-omni's bundled names (a path to vllm-omni's file too)."""
+    from omni.config import DEPLOY_DIR
+
+    stem = Path(name).stem
+    return DEPLOY_DIR / f"{BUNDLED[stem]}.yaml" if stem in BUNDLED else None
+
+
+def note(source: str, text: str) -> None:
+    """One line on stderr, once per process (the CLI loads the config more than once)."""
+    line = f"omni: {source}: {text}"
+    if line not in _printed:
+        _printed.add(line)
+        print(line, file=sys.stderr, flush=True)
+
+
+def translate(data: dict[str, Any], source: str) -> dict[str, Any]:
+    """One YAML file's keys in omni's shape (a file in omni's own shape comes back unchanged)."""
+    data = copy.deepcopy(data)
+    if "stage_args" in data:
+        data = from_stage_args(data, source)
+    _top_level(data, source)
+    connectors = _connectors(data.pop("connectors", None), source)
+    sections = [("", data)] + [(f"platforms.{k}.", v) for k, v in (data.get("platforms") or {}).items()
+                               if isinstance(v, dict)]
+    for prefix, section in sections:
+        if isinstance(section.get("stages"), list):
+            codec = _stages(section["stages"], connectors, f"{source}: {prefix}stages")
+            if codec:
+                section[CODEC_ARGS] = codec
+    return data
+
+
+def _top_level(data: dict[str, Any], source: str) -> None:
+    if "async_chunk" in data:
+        value = data.pop("async_chunk")
+        if value is not True:
+            raise ConfigError(f"{source}: async_chunk: {value!r} is not supported: omni streams each stage's "
+                              "output to the next as it comes (remove the key, or set it to true)")
+    pipeline = data.get("pipeline")
+    if isinstance(pipeline, str):
+        del data["pipeline"]
+        path = bundled_path(pipeline)
+        if path is None:
+            raise ConfigError(f"{source}: pipeline: {pipeline!r} is not a pipeline omni has (known: "
+                              f"{', '.join(sorted(BUNDLED))}; omni's own variants: --deploy-config NAME)")
+        if data.get("base_config"):
+            raise ConfigError(f"{source}: `pipeline` and `base_config` both pick the pipeline; keep one")
+        data["base_config"] = str(path)
+    if data.get("session_mode", "turn") != "turn":
+        raise ConfigError(f"{source}: session_mode: {data['session_mode']!r} is not supported: "
+                          "omni serves turn-based sessions only")
+    data.pop("session_mode", None)
+    if data.get("active_stream_window", 0) != 0:
+        raise ConfigError(f"{source}: active_stream_window: {data['active_stream_window']!r} is not supported "
+                          "(omni steps every active stream)")
+    data.pop("active_stream_window", None)
+    for key, why in REFUSED.items():
+        if key in data:
+            raise ConfigError(f"{source}: `{key}` is not supported: {why}")
+    for key, what in DROPPED.items():
+        if key in data:
+            note(source, f"{key}: {data.pop(key)!r} ignored: {what}")
+    if data.get("distributed_executor_backend") == "ray":
+        raise ConfigError(f"{source}: distributed_executor_backend: 'ray' is not supported: omni runs without "
+                          "Ray (each stage replica is its own process; use 'mp' or leave it out)")
+    wide = {k: data.pop(k) for k in PIPELINE_WIDE if k in data}
+    if wide:
+        data[EVERY_STAGE] = {**wide, **(data.get(EVERY_STAGE) or {})}
+
+
+def _connectors(raw: Any, source: str) -> dict[str, tuple[str, dict[str, Any]]]:
+    """`connectors:` name -> (omni transport, engine args for the receiving stage)."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: connectors must be a mapping of name -> {{name, extra}}")
+    out = {}
+    for name, spec in raw.items():
+        where = f"{source}: connectors.{name}"
+        if not isinstance(spec, dict) or "name" not in spec:
+            raise ConfigError(f"{where}: needs `name`, the connector class (SharedMemoryConnector)")
+        unknown = sorted(set(spec) - {"name", "extra"})
+        if unknown:
+            raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)} (a connector has name and extra)")
+        cls = spec["name"]
+        if cls not in CONNECTOR_TRANSPORTS:
+            raise ConfigError(f"{where}.name: {cls!r} is not supported: omni moves tensors itself (shared memory "
+                              "or CUDA IPC on one host, TCP or NCCL between hosts), so SharedMemoryConnector or "
+                              "no connector serves every placement")
+        extra = spec.get("extra") or {}
+        if not isinstance(extra, dict):
+            raise ConfigError(f"{where}.extra must be a mapping")
+        args = {}
+        for key, value in extra.items():
+            if key not in CONNECTOR_EXTRAS:
+                raise ConfigError(f"{where}.extra.{key} is not supported (omni takes "
+                                  f"{', '.join(CONNECTOR_EXTRAS)})")
+            args[CONNECTOR_EXTRAS[key]] = value
+        out[name] = (CONNECTOR_TRANSPORTS[cls], args)
+    return out
+
+
+def _stages(stages: list, connectors: dict[str, tuple[str, dict[str, Any]]], where: str) -> dict[int, dict]:
+    """Rewrites the stages in place; returns the codec args per receiving stage id."""
+    from omni.config import _STAGE_FIELDS
+
+    codec: dict[int, dict[str, Any]] = {}
+    by_id = {s.get("stage_id"): s for s in stages if isinstance(s, dict)}
+
+    def entry(stage_id: int) -> dict[str, Any]:
+        if stage_id not in by_id:
+            by_id[stage_id] = {"stage_id": stage_id}
+            stages.append(by_id[stage_id])
+        return by_id[stage_id]
+
+    for s in [s for s in stages if isinstance(s, dict)]:
+        sid = s.get("stage_id")
+        here = f"{where}[stage_id {sid}]"
+        extras = s.pop("engine_extras", None)
+        if extras is not None:
+            if not isinstance(extras, dict):
+                raise ConfigError(f"{here}.engine_extras must be a mapping")
+            for key, value in extras.items():
+                if key in _STAGE_FIELDS:
+                    raise ConfigError(f"{here}.engine_extras.{key}: a stage field, not an engine arg; "
+                                      "set it on the stage")
+                s.setdefault(key, value)        # flat: an engine arg, nested by config; the stage's own wins
+        for key, what in DROPPED.items():
+            if key in s:
+                note(where.split(":")[0], f"stage {sid}: {key}: {s.pop(key)!r} ignored: {what}")
+        for key, prefix in (("input_connectors", "from_stage_"), ("output_connectors", "to_stage_")):
+            edges = s.pop(key, None)
+            if edges is None:
+                continue
+            if not isinstance(edges, dict):
+                raise ConfigError(f"{here}.{key} must be a mapping of {prefix}N -> connector name")
+            for edge, name in edges.items():
+                other = _edge_stage(str(edge), prefix, f"{here}.{key}")
+                if name not in connectors:
+                    raise ConfigError(f"{here}.{key}.{edge}: no connector named {name!r} under `connectors` "
+                                      f"(defined: {', '.join(map(str, connectors)) or 'none'})")
+                transport, args = connectors[name]
+                up, down = (other, sid) if key == "input_connectors" else (sid, other)
+                edge_map = entry(up).setdefault("connectors", {})
+                if isinstance(edge_map, dict):
+                    edge_map[str(down)] = {"transport": transport}
+                if args:
+                    codec[down] = {**args, **codec.get(down, {})}
+    return codec
+
+
+def _edge_stage(edge: str, prefix: str, where: str) -> int:
+    if not edge.startswith(prefix) or not edge[len(prefix):].isdigit():
+        raise ConfigError(f"{where}: {edge!r} must be {prefix}N (N a stage id)")
+    return int(edge[len(prefix):])
+
+
+# ---------------------------------------------------------------- legacy stage configs
+
+# vllm-omni's legacy stage configs (`stage_args:`, its --stage-configs-path): each entry names vllm-omni's
+# classes for the stage; omni runs its own engine and processor for it, so these are named and dropped.
+LEGACY_INTERNALS = ("model_arch", "worker_cls", "scheduler_cls", "engine_output_type", "hf_config_name",
+                    "custom_process_next_stage_input_func", "stage_type", "is_comprehension", "detokenize")
+# Checked against omni's pipeline after the merge (config.load), then removed.
+LEGACY_ROLES = "legacy_stage_roles"
+# omni's names of the stages vllm-omni's legacy files call by another (Qwen2.5's code2wav is token2wav).
+STAGE_NAMES = {"thinker": ("thinker",), "talker": ("talker",), "code2wav": ("code2wav", "token2wav")}
+
+
+def from_stage_args(data: dict[str, Any], source: str) -> dict[str, Any]:
+    """A legacy stage config (`stage_args`) as a deploy overlay: runtime.devices -> devices,
+    runtime.max_batch_size -> max_num_seqs, engine_args and default_sampling_params as they are; the
+    topology it states (model_stage, engine_input_source, final_output) must be omni's pipeline's."""
+    unknown = sorted(set(data) - {"stage_args", "async_chunk"})
+    if unknown:
+        raise ConfigError(f"{source}: unknown top-level key(s) {', '.join(unknown)} in a stage config "
+                          "(it has stage_args and async_chunk)")
+    entries = data["stage_args"]
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise ConfigError(f"{source}: stage_args must be a list of stages")
+    out: dict[str, Any] = {k: v for k, v in data.items() if k != "stage_args"}
+    stages, roles, dropped = [], {}, set()
+    for e in entries:
+        sid = e.get("stage_id")
+        here = f"{source}: stage_args[stage_id {sid}]"
+        if not isinstance(sid, int):
+            raise ConfigError(f"{source}: every stage_args entry needs an integer stage_id")
+        stage, role = {"stage_id": sid}, {}
+        for key, value in e.items():
+            if key == "runtime":
+                for k, v in _runtime(value, f"{here}.runtime").items():
+                    stage[k] = {**v, **stage.get(k, {})} if isinstance(v, dict) else v   # engine_args win
+            elif key == "engine_args":
+                if not isinstance(value, dict):
+                    raise ConfigError(f"{here}.engine_args must be a mapping")
+                args = dict(value)
+                if "model_stage" in args:
+                    role["model_stage"] = args.pop("model_stage")
+                dropped |= {k for k in LEGACY_INTERNALS if args.pop(k, None) is not None}
+                stage["engine_args"] = {**stage.get("engine_args", {}), **args}
+            elif key == "engine_input_source":
+                role["inputs"] = value
+            elif key in ("final_output", "final_output_type"):
+                role[key] = value
+            elif key == "custom_process_input_func":
+                if not str(value).startswith("vllm_omni."):
+                    raise ConfigError(f"{here}.custom_process_input_func: {value!r} is not supported: omni runs "
+                                      "its own processor for each stage of its pipelines")
+                dropped.add(key)
+            elif key == "default_sampling_params":
+                stage[key] = value
+            elif key in LEGACY_INTERNALS:
+                dropped.add(key)
+            elif key != "stage_id":
+                raise ConfigError(f"{here}: unknown key {key!r}")
+        if "default_sampling_params" in stage:
+            stage["default_sampling_params"] = _legacy_sampling(stage["default_sampling_params"], role, here, dropped)
+        stages.append(stage)
+        roles[sid] = role
+    if dropped:
+        note(source, f"{', '.join(sorted(dropped))}: vllm-omni's own classes and output kinds, ignored "
+                     "(omni runs its own engine and processor for each stage)")
+    out["stages"] = stages
+    out[LEGACY_ROLES] = roles
+    return out
+
+
+def _runtime(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where} must be a mapping")
+    out: dict[str, Any] = {}
+    for key, v in value.items():
+        if key == "devices":
+            out["devices"] = str(v)
+        elif key == "max_batch_size":
+            out["engine_args"] = {"max_num_seqs": v}
+        elif key == "process" and v is True:
+            pass                    # every omni stage is its own process
+        else:
+            raise ConfigError(f"{where}.{key}: {v!r} is not supported (omni reads devices, max_batch_size and "
+                              "process: true)")
+    return out
+
+
+def _legacy_sampling(value: Any, role: dict, where: str, dropped: set) -> Any:
+    """vllm-omni's talker entries carry their codec's end id as stop_token_ids; omni's talkers stop at it
+    by themselves. Anywhere else a deploy's stop_token_ids is refused by name (send it with the request)."""
+    if not isinstance(value, dict):
+        return value                # validation names it
+    value = dict(value)
+    if value.pop("detokenize", None) is not None:
+        dropped.add("detokenize")
+    if "stop_token_ids" in value and role.get("model_stage") == "talker":
+        source, stage = where.split(": ", 1)
+        note(source, f"{stage}: stop_token_ids {value.pop('stop_token_ids')} ignored: omni's talkers stop at "
+                     "their codec's end token (the talker config's codec_eos_token_id)")
+    return value
+
+
+def check_roles(stages: list, roles: dict[int, dict], source: str) -> None:
+    """A legacy stage config states the topology; it must be omni's pipeline for the model."""
+    ours = {s.get("stage_id"): s for s in stages if isinstance(s, dict)}
+    if sorted(roles) != sorted(ours):
+        names = ", ".join(f"{i} {ours[i].get('name', '')}".strip() for i in sorted(ours))
+        raise ConfigError(f"{source}: stage_args lists stages {sorted(roles)}; omni's pipeline for this model has "
+                          f"{names}: list every one (a thinker alone: --deploy-config NAME-thinker-only)")
+    for sid, role in roles.items():
+        s, here = ours[sid], f"{source}: stage_args[stage_id {sid}]"
+        name = s.get("name", "")
+        want = role.get("model_stage")
+        if want in STAGE_NAMES and name not in STAGE_NAMES[want]:
+            raise ConfigError(f"{here}.engine_args.model_stage: {want!r}, but stage {sid} of omni's pipeline is "
+                              f"{name!r}")
+        upstream = [i for i in s.get("inputs", ["prompt"]) if isinstance(i, int)]
+        if list(role.get("inputs") or []) != upstream:
+            raise ConfigError(f"{here}.engine_input_source: {role.get('inputs') or []}, but omni's {name or sid} "
+                              f"takes {upstream or 'the prompt'}")
+        final = bool(role.get("final_output", False))
+        if final != bool(s.get("final_output", False)) or \
+                (final and role.get("final_output_type") != s.get("final_output_type")):
+            raise ConfigError(f"{here}: final_output {final} {role.get('final_output_type')!r}, but omni's "
+                              f"{name or sid} has {bool(s.get('final_output'))} {s.get('final_output_type')!r}")
