@@ -137,7 +137,7 @@ def serve(
     trust_remote_code: Optional[bool] = typer.Option(None, "--trust-remote-code", help="Engine flag (vLLM stages; omni's own engines run no remote code)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the resolved deploy config (JSON) and the per-stage engine flags, then exit."),
     omni: bool = typer.Option(False, "--omni", help="Accepted for vllm-omni compatibility; omni serve is always omni."),
-    async_chunk: Optional[bool] = typer.Option(None, "--async-chunk/--no-async-chunk", help="vllm-omni's switch for streaming between stages: omni always streams (--no-async-chunk is refused)."),
+    async_chunk: Optional[bool] = typer.Option(None, "--async-chunk/--no-async-chunk", help="vllm-omni's streaming switch: --no-async-chunk makes the audio stage decode each utterance whole (its engine's stream: false); unset: the deploy YAML's async_chunk."),
     engine_args: Optional[str] = typer.Option(None, "--engine-args", help='Per-stage engine args as JSON (also --engine-args.key value).'),
     state_dir: Optional[str] = typer.Option(None, "--state-dir", help="Where the master persists shared state (voices, jobs)."),
     log_level: str = typer.Option("WARNING", "--log-level", help="Python log level of omni's processes."),
@@ -182,9 +182,6 @@ def serve(
         if deploy_config is not None:
             raise ConfigError("--deploy-config and --stage-configs-path both name the deploy; pass one")
         deploy_config = stage_configs_path
-    if async_chunk is False:
-        raise ConfigError("--no-async-chunk is not supported: omni streams each stage's output to the next as it "
-                          "comes (vllm-omni's async_chunk: true)")
     if headless and stage_id is None:
         raise ConfigError("--headless needs --stage-id K (which stage to run)")
     if stage_id is not None and (omni_master_address is None or omni_master_port is None):
@@ -201,10 +198,11 @@ def serve(
     flags.update(_json_flag("--engine-args", engine_args) or {})
     flags = {k: v for k, v in flags.items() if v is not None}
     user_overrides = _json_flag("--stage-overrides", stage_overrides)
-    config = cfg.load(model, deploy_config, user_overrides)
+    config = cfg.load(model, deploy_config, user_overrides, async_chunk)
     if flags and stage_id is None:
         # Single-command mode: each flag goes to every stage whose engine takes it (hashed).
-        config = cfg.load(model, deploy_config, merge_overrides(spread_flags(config, flags), user_overrides))
+        config = cfg.load(model, deploy_config, merge_overrides(spread_flags(config, flags), user_overrides),
+                          async_chunk)
         flags = {}
     if stage_id is not None:
         config.stage(stage_id)   # names the valid range when out of it

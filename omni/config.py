@@ -443,6 +443,7 @@ def load(
     model: str,
     deploy_config: str | None = None,
     stage_overrides: dict[str, Any] | None = None,
+    async_chunk: bool | None = None,
 ) -> DeployConfig:
     path = deploy_config_path(deploy_config) if deploy_config else default_config_path(model)
     data = _load_raw(path)
@@ -452,7 +453,7 @@ def load(
     if roles is not None:
         vllm_omni.check_roles(data.get("stages") or [], roles, str(path))
     data = apply_platform(data, current_platform(), str(path))
-    _spread_vllm_omni_args(data)
+    vllm_omni.apply_carried(data, async_chunk)
     data["model"] = model   # the CLI's MODEL names the weights; the YAML the shape
     if stage_overrides:
         data = apply_stage_overrides(data, stage_overrides)
@@ -467,19 +468,6 @@ def _pipeline_of(model: str, path: Path) -> Path:
     except ConfigError as e:
         raise ConfigError(f"{path}: its stages name no engine, so it overlays the bundled deploy of the model, "
                           f"and {e}") from None
-
-
-def _spread_vllm_omni_args(data: dict[str, Any]) -> None:
-    """vllm-omni's pipeline-wide engine args go to every stage, its connectors' codec args to the
-    receiving stage that makes audio; a stage's own engine args win."""
-    wide = data.pop(vllm_omni.EVERY_STAGE, None) or {}
-    codec = data.pop(vllm_omni.CODEC_ARGS, None) or {}
-    for stage in data.get("stages") or []:
-        if not isinstance(stage, dict) or not isinstance(stage.setdefault("engine_args", {}), dict):
-            continue
-        own = {**wide, **(codec.get(stage.get("stage_id"), {}) if stage.get("final_output_type") == "audio" else {})}
-        for key, value in own.items():
-            stage["engine_args"].setdefault(key, value)
 
 
 def loads_json(blob: str | bytes) -> DeployConfig:

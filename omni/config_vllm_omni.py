@@ -8,7 +8,9 @@ over it (config.load).
 
 `translate` turns the keys only vllm-omni's schema has into omni's, before the flat engine args are
 nested under `engine_args`:
-  async_chunk: true    omni streams every stage's output to the next as it comes (false is refused)
+  async_chunk          false: the stage that makes audio decodes each utterance whole (its engine's
+                       `stream: false`); the stages before still hand over pieces as they come, which
+                       gives the same text and codes as whole outputs would
   pipeline: NAME       a structural variant (qwen3_omni_moe_thinker_only): omni's bundled file for it
   connectors, input_connectors / output_connectors
                        the edge's transport: SharedMemoryConnector -> auto (shared memory between
@@ -40,6 +42,7 @@ PIPELINE_WIDE = ("trust_remote_code", "distributed_executor_backend", "dtype", "
 # config.load applies and removes them.
 EVERY_STAGE = "every_stage_engine_args"
 CODEC_ARGS = "codec_engine_args"        # receiving stage id -> engine args
+WHOLE = "whole_utterances"              # async_chunk: false
 CONNECTOR_TRANSPORTS = {"SharedMemoryConnector": "auto"}
 # A connector's `extra` codec keys -> engine args of omni's Qwen3 code2wav: they shape the codec stream
 # into the stage that makes audio, and mean nothing on the other edges (as in vllm-omni).
@@ -89,9 +92,9 @@ def translate(data: dict[str, Any], source: str) -> dict[str, Any]:
 def _top_level(data: dict[str, Any], source: str) -> None:
     if "async_chunk" in data:
         value = data.pop("async_chunk")
-        if value is not True:
-            raise ConfigError(f"{source}: async_chunk: {value!r} is not supported: omni streams each stage's "
-                              "output to the next as it comes (remove the key, or set it to true)")
+        if not isinstance(value, bool):
+            raise ConfigError(f"{source}: async_chunk must be true or false, got {value!r}")
+        data[WHOLE] = not value
     pipeline = data.get("pipeline")
     if isinstance(pipeline, str):
         del data["pipeline"]
@@ -203,6 +206,38 @@ def _stages(stages: list, connectors: dict[str, tuple[str, dict[str, Any]]], whe
                 if args:
                     codec[down] = {**args, **codec.get(down, {})}
     return codec
+
+
+def apply_carried(data: dict[str, Any], async_chunk: bool | None) -> None:
+    """After the merges (config.load): vllm-omni's pipeline-wide engine args go to every stage, its
+    connectors' codec args to the stage that makes audio (a stage's own engine args win), and
+    async_chunk: false to that stage as `stream: false` (--no-async-chunk sets it over the stage's own,
+    --async-chunk undoes the YAML's async_chunk)."""
+    wide = data.pop(EVERY_STAGE, None) or {}
+    codec = data.pop(CODEC_ARGS, None) or {}
+    whole = data.pop(WHOLE, False)
+    whole = whole if async_chunk is None else not async_chunk
+    for stage in data.get("stages") or []:
+        if not isinstance(stage, dict) or not isinstance(stage.setdefault("engine_args", {}), dict):
+            continue
+        audio = stage.get("final_output_type") == "audio"
+        if audio and whole:
+            _check_whole_decode(stage)
+        own = {**wide, **(codec.get(stage.get("stage_id"), {}) if audio else {}),
+               **({"stream": False} if audio and whole else {})}
+        for key, value in own.items():
+            stage["engine_args"].setdefault(key, value)
+        if audio and async_chunk is False:
+            stage["engine_args"]["stream"] = False
+
+
+def _check_whole_decode(stage: dict[str, Any]) -> None:
+    from omni.engines.factory import accepted_args     # only here: it imports the engines
+
+    accepted = accepted_args(str(stage.get("engine")))
+    if accepted is not None and "stream" not in accepted:
+        raise ConfigError(f"async_chunk: false (--no-async-chunk): stage {stage.get('stage_id')}'s engine "
+                          f"{stage.get('engine')} has no whole-utterance decode (it makes audio as its input comes)")
 
 
 def _edge_stage(edge: str, prefix: str, where: str) -> int:

@@ -14,6 +14,7 @@ from omni.errors import ConfigError
 from tests.e2e.harness import REPO
 
 QWEN3 = "Qwen/Qwen3-Omni-30B-A3B-Instruct"
+QWEN25 = "Qwen/Qwen2.5-Omni-7B"
 # A deploy in vllm-omni's schema, shaped as its bundled qwen3_omni_moe deploy (values changed where a
 # test must tell the file's value from the bundled one).
 VLLM_OMNI_QWEN3 = """
@@ -112,7 +113,7 @@ def test_a_dropped_key_is_named(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("text, message", [
-    ("async_chunk: false\n", "async_chunk: False is not supported"),
+    ("async_chunk: 'no'\n", "async_chunk must be true or false, got 'no'"),
     ("connectors:\n  m: {name: MooncakeStoreConnector, extra: {host: h}}\n", "connectors.m.name: 'MooncakeStoreConnector'"),
     ("connectors:\n  s: {name: SharedMemoryConnector, extra: {segment: 1}}\n", "connectors.s.extra.segment is not supported"),
     ("connectors:\n  s: {extra: {}}\n", "connectors.s: needs `name`"),
@@ -138,15 +139,48 @@ def test_a_deploy_without_engines_needs_a_model_with_a_bundled_pipeline(tmp_path
         cfg.load("some/unknown-model", write(tmp_path, "stages:\n  - {stage_id: 0, max_num_seqs: 4}\n"))
 
 
-def test_the_cli_serves_a_vllm_omni_deploy_and_refuses_no_async_chunk(tmp_path):
-    path = write(tmp_path, VLLM_OMNI_QWEN3)
-    run = [sys.executable, "-m", "omni.cli", "serve", QWEN3, "--omni", "--deploy-config", path, "--dry-run"]
-    env = {"PATH": "/usr/bin:/bin", "OMNI_PLATFORM": "cuda"}
-    r = subprocess.run(run + ["--async-chunk"], cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+def test_the_cli_serves_a_vllm_omni_deploy(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "omni.cli", "serve", QWEN3, "--omni", "--deploy-config",
+                        write(tmp_path, VLLM_OMNI_QWEN3), "--dry-run"], cwd=REPO, capture_output=True, text=True,
+                       timeout=120, env={"PATH": "/usr/bin:/bin", "OMNI_PLATFORM": "cuda"})
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["config"]["stages"][2]["engine_args"]["chunk_frames"] == 20
-    r = subprocess.run(run + ["--no-async-chunk"], cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
-    assert r.returncode == 2 and "--no-async-chunk is not supported" in r.stderr and "Traceback" not in r.stderr
+
+
+# vllm-omni's Qwen2.5-Omni deploy runs its stages end to end (async_chunk: false).
+VLLM_OMNI_QWEN25 = """
+async_chunk: false
+stages:
+  - {stage_id: 0, max_num_seqs: 1, enforce_eager: true, mm_processor_cache_gb: 0, devices: "0"}
+  - {stage_id: 1, max_num_seqs: 1, devices: "1"}
+  - {stage_id: 2, max_num_seqs: 1, enable_flashinfer_autotune: false, devices: "0"}
+"""
+
+
+def streams(config) -> list:
+    return [s.engine_args.get("stream") for s in config.stages]
+
+
+def test_async_chunk_false_decodes_each_utterance_whole(tmp_path):
+    path = write(tmp_path, VLLM_OMNI_QWEN25)
+    assert streams(cfg.load(QWEN25, path)) == [None, None, False]       # token2wav's whole decode
+    assert streams(cfg.load(QWEN25, path, async_chunk=True)) == [None, None, None]
+    assert streams(cfg.load(QWEN25)) == [None, None, None]              # omni's own deploy streams
+    assert streams(cfg.load(QWEN25, async_chunk=False)) == [None, None, False]
+    assert streams(cfg.load(QWEN3, async_chunk=False)) == [None, None, False]   # Qwen3's code2wav too
+
+
+def test_no_async_chunk_on_the_cli(tmp_path):
+    def dry_run(*args):
+        return subprocess.run([sys.executable, "-m", "omni.cli", "serve", *args, "--dry-run"], cwd=REPO,
+                              capture_output=True, text=True, timeout=120)
+
+    r = dry_run(QWEN25, "--no-async-chunk")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["config"]["stages"][2]["engine_args"]["stream"] is False
+    r = dry_run("smollm2", "--no-async-chunk")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "stage 2's engine piper_code2wav has no whole-utterance decode" in r.stderr
 
 
 # vllm-omni's legacy stage config (--stage-configs-path), shaped as its qwen2_5_omni stage config.
@@ -178,7 +212,6 @@ stage_args:
     final_output: true
     final_output_type: audio
 """
-QWEN25 = "Qwen/Qwen2.5-Omni-7B"
 
 
 def test_a_legacy_stage_config_overlays_the_pipeline(tmp_path, capsys):

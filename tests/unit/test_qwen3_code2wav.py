@@ -91,6 +91,16 @@ def test_one_piece_is_exactly_the_whole_decode(engine, codes, whole):
     assert torch.equal(audio, whole)
 
 
+def test_stream_false_decodes_each_utterance_whole_at_its_end(folder, device, codes, whole):
+    """vllm-omni's async_chunk: false: one decode of the whole utterance (longer than max_frames too)."""
+    from omni.models.qwen3_omni.code2wav import Qwen3Code2WavEngine
+
+    engine = Qwen3Code2WavEngine(folder, device=device, stream=False, max_frames=50)
+    outs = drive(engine, {"w": _pieces("w", codes, [4, 25, 25, 66])})["w"]
+    assert [o.tensors["audio"].numel() > 0 for o in outs] == [True]
+    assert torch.equal(_audio(outs), _decode(engine, codes)) and torch.equal(_audio(outs), whole)
+
+
 def test_concurrent_streams_batch(engine, codes, whole):
     other = torch.flip(codes, dims=[1])
     other_whole = _decode(engine, other)

@@ -14,6 +14,8 @@ the attention's truncated history). transformers' `chunked_decode` (and vllm-omn
 instead cut at frame boundaries and lose `lost` samples at every chunk edge. A stream
 decoded in one piece (final, nothing emitted yet, <= `max_frames`) is exactly a
 whole decode. Streams whose next windows have the same length decode in one batch.
+`stream: false` (vllm-omni's `async_chunk: false`) decodes each utterance whole once its last
+codes are in: exactly transformers' decode, the first audio only at the end.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ class Qwen3Code2WavEngine(StreamedVocoder):
     def __init__(self, model_dir: str | Path, *, dtype: str = "auto", device: str = "cpu",
                  first_chunk_frames: int = 4, chunk_frames: int = 25, context_frames: int = 25,
                  max_frames: int = 300, threads: int | None = None, max_num_seqs: int = 64,
-                 parts: tuple | None = None):
+                 stream: bool = True, parts: tuple | None = None):
         if min(first_chunk_frames, chunk_frames) < 1 or context_frames < 0 or max_frames < chunk_frames:
             raise ValueError(f"need first_chunk_frames, chunk_frames >= 1, context_frames >= 0 and "
                              f"max_frames >= chunk_frames; got {first_chunk_frames}, {chunk_frames}, "
@@ -53,6 +55,7 @@ class Qwen3Code2WavEngine(StreamedVocoder):
         self.chunk_frames = chunk_frames
         self.context_frames = context_frames
         self.max_frames = max_frames
+        self.stream = stream
         self.lost = self._measure_lost()
 
     @torch.no_grad()
@@ -73,13 +76,13 @@ class Qwen3Code2WavEngine(StreamedVocoder):
 
     def ready(self, s: VocoderStream) -> bool:
         want = self.first_chunk_frames if s.done == 0 else self.chunk_frames
-        return s.final or s.total - s.done >= want
+        return s.final or (self.stream and s.total - s.done >= want)
 
     def keep_from(self, s: VocoderStream) -> int:
-        return max(0, s.done - self.context_frames)
+        return max(0, s.done - self.context_frames) if self.stream else 0
 
     def window(self, s: VocoderStream) -> Window:
-        end = min(s.total, s.done + self.max_frames)
+        end = min(s.total, s.done + self.max_frames) if self.stream else s.total
         lo = self.keep_from(s)
         return Window(lo, end, end, key=(end - lo,))
 
