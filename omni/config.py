@@ -465,9 +465,11 @@ def _pipeline_of(model: str, path: Path) -> Path:
     overlays MODEL's bundled deploy, as vllm-omni's overlays the pipeline its model registers."""
     try:
         return default_config_path(model)
-    except ConfigError as e:
-        raise ConfigError(f"{path}: its stages name no engine, so it overlays the bundled deploy of the model, "
-                          f"and {e}") from None
+    except ConfigError:
+        known = ", ".join(sorted({p.stem for p in bundled_configs().values()}))
+        raise ConfigError(f"{path}: it names no model and its stages no engine (vllm-omni's deploy schema), so it "
+                          f"overlays omni's bundled deploy for the model, and omni has none for {model!r} (bundled: "
+                          f"{known}); name each stage's engine, or base_config: one of those") from None
 
 
 def loads_json(blob: str | bytes) -> DeployConfig:

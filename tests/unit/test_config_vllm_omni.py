@@ -135,7 +135,8 @@ def test_what_omni_cannot_do_is_refused_by_name(tmp_path, text, message):
 
 
 def test_a_deploy_without_engines_needs_a_model_with_a_bundled_pipeline(tmp_path):
-    with pytest.raises(ConfigError, match="its stages name no engine, so it overlays the bundled deploy"):
+    with pytest.raises(ConfigError, match=r"vllm-omni's deploy schema\), so it overlays omni's bundled deploy for "
+                                          r"the model, and omni has none for 'some/unknown-model' \(bundled: "):
         cfg.load("some/unknown-model", write(tmp_path, "stages:\n  - {stage_id: 0, max_num_seqs: 4}\n"))
 
 
