@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -116,10 +117,10 @@ def serve(
     stage_overrides: Optional[str] = typer.Option(None, "--stage-overrides", help='JSON patch per stage, e.g. \'{"0": {"max_model_len": 1024}}\' (also --stage-overrides.0.max_model_len 1024). Single-command mode.'),
     stage_id: Optional[int] = typer.Option(None, "--stage-id", help="Run only this stage (stage mode). 0 is the head: master + orchestrator + HTTP."),
     headless: bool = typer.Option(False, "--headless", help="Run the stage given by --stage-id without HTTP; connects to the master."),
-    omni_master_address: Optional[str] = typer.Option(None, "--omni-master-address", help="Address of the omni master (the head hosts it)."),
-    omni_master_port: Optional[int] = typer.Option(None, "--omni-master-port", help="Port of the omni master."),
+    omni_master_address: Optional[str] = typer.Option(None, "--omni-master-address", "-oma", help="Address of the omni master (the head hosts it)."),
+    omni_master_port: Optional[int] = typer.Option(None, "--omni-master-port", "-omp", help="Port of the omni master."),
     omni_token: Optional[str] = typer.Option(None, "--omni-token", envvar="OMNI_TOKEN", help="Shared token for the master and the data plane."),
-    omni_replica_address: Optional[str] = typer.Option(None, "--omni-replica-address", help="Address this replica advertises to peers (default: the local address that routes to the master)."),
+    omni_replica_address: Optional[str] = typer.Option(None, "--omni-replica-address", "-ora", help="Address this replica advertises to peers (default: the local address that routes to the master)."),
     host: str = typer.Option("127.0.0.1", "--host", help="HTTP listen address."),
     port: int = typer.Option(8091, "--port", help="HTTP port; 0 picks a free one (printed)."),
     api_server_count: int = typer.Option(1, "--api-server-count", help="Number of API frontend processes sharing the stage engines."),
@@ -151,6 +152,7 @@ def serve(
     Any other vLLM engine flag (--max-num-batched-tokens 4096, --enable-prefix-caching ...) is passed
     to the stages whose engine takes it."""
     from omni import config as cfg
+    from omni import vllm_omni_flags
     from omni.engine_flags import merge_overrides, parse_extra_flags, spread_flags
 
     if api_server_count < 1:
@@ -195,6 +197,7 @@ def serve(
              "gpu_memory_utilization": gpu_memory_utilization, "enforce_eager": enforce_eager,
              "tensor_parallel_size": tensor_parallel_size, "trust_remote_code": trust_remote_code}
     flags.update(parse_extra_flags(list(ctx.args)))
+    orchestration = vllm_omni_flags.take(flags)     # vllm-omni's own options with a meaning here
     flags.update(_json_flag("--engine-args", engine_args) or {})
     flags = {k: v for k, v in flags.items() if v is not None}
     user_overrides = _json_flag("--stage-overrides", stage_overrides)
@@ -207,7 +210,8 @@ def serve(
     if stage_id is not None:
         config.stage(stage_id)   # names the valid range when out of it
     if dry_run:
-        print(json.dumps({"config": config.to_dict(), "engine_flags": flags, "num_replicas": num_replicas}, indent=1))
+        print(json.dumps({"config": config.to_dict(), "engine_flags": flags, "num_replicas": num_replicas,
+                          "orchestration": dataclasses.asdict(orchestration)}, indent=1))
         raise typer.Exit(0)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     token = omni_token or ""
@@ -217,6 +221,7 @@ def serve(
 
         opts = StageOptions(master_address=f"{omni_master_address}:{omni_master_port}", token=token,
                             replica_address=omni_replica_address)
+        vllm_omni_flags.head_only(orchestration)
         raise typer.Exit(run_stage(config, stage_id, opts, engine_flags=flags))
 
     from omni.launcher import LaunchPlan, Launcher
@@ -225,7 +230,8 @@ def serve(
         plan = LaunchPlan(config, stages=[stage_id], master_host=omni_master_address,
                           master_port=omni_master_port, host_master=False, api_server_count=0,
                           token=token, replica_address=omni_replica_address, num_replicas=num_replicas,
-                          engine_flags=flags, log_level=log_level)
+                          engine_flags=flags, log_level=log_level, orchestration=orchestration)
+        vllm_omni_flags.head_only(orchestration)
     elif stage_id is not None:
         if stage_id != 0:
             raise ConfigError(f"--stage-id {stage_id} without --headless: only stage 0 hosts the master "
@@ -237,14 +243,16 @@ def serve(
                           api_key=api_key, served_model_name=served_model_name,
                           control_api_key=control_api_key, control_routes=not disable_control_routes,
                           replica_address=omni_replica_address, num_replicas=num_replicas or None,
-                          engine_flags=flags, log_level=log_level, state_dir=state_dir, http_limits=http_limits)
+                          engine_flags=flags, log_level=log_level, state_dir=state_dir, http_limits=http_limits,
+                          orchestration=orchestration)
     else:
         plan = LaunchPlan(config, stages=[s.stage_id for s in config.stages],
                           master_host=omni_master_address or "127.0.0.1", master_port=omni_master_port or 0,
                           api_server_count=api_server_count, host=host, port=port, token=token,
                           api_key=api_key, served_model_name=served_model_name, log_level=log_level,
                           control_api_key=control_api_key, control_routes=not disable_control_routes,
-                          state_dir=state_dir, http_limits=http_limits, num_replicas=num_replicas)
+                          state_dir=state_dir, http_limits=http_limits, num_replicas=num_replicas,
+                          orchestration=orchestration)
     raise typer.Exit(Launcher(plan).run())
 
 

@@ -8,6 +8,7 @@ import json
 import sys
 from typing import Any
 
+from omni import vllm_omni_flags
 from omni.config import DeployConfig
 from omni.errors import ConfigError
 
@@ -61,11 +62,12 @@ def spread_flags(config: DeployConfig, flags: dict[str, Any]) -> dict[str, dict[
                   if (s.engine == "vllm" if accepted[s.engine] is None
                       else takes(s.engine, key, value, accepted[s.engine]))]
         if not takers:
-            if key in DEVICE_ONLY_ARGS:
+            if key in DEVICE_ONLY_ARGS or key == "enable_sleep_mode":   # omni's own engines sleep without it
                 print(f"omni: {flag_name(key)}: no stage of this pipeline takes it ({_describe(config)}); "
                       "ignored", file=sys.stderr, flush=True)
                 continue
-            raise ConfigError(f"{flag_name(key)}: no stage of this pipeline takes it ({_describe(config)})")
+            raise ConfigError(vllm_omni_flags.refusal(key)
+                              or f"{flag_name(key)}: no stage of this pipeline takes it ({_describe(config)})")
         others = [s.label for s in config.stages if s not in takers]
         if others:
             print(f"omni: {flag_name(key)} applies to {', '.join(s.label for s in takers)}; "

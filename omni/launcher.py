@@ -28,6 +28,7 @@ from omni.config import DeployConfig
 from omni.deathsig import pid_exists
 from omni.errors import OmniError
 from omni.signals import StopRequest
+from omni.vllm_omni_flags import Orchestration
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +154,7 @@ class LaunchPlan:
     log_level: str = "WARNING"
     state_dir: str | None = None
     http_limits: HttpLimits = field(default_factory=HttpLimits)   # the frontends' body cap, timeouts, backlog
+    orchestration: Orchestration = field(default_factory=Orchestration)   # vllm-omni's timeouts, over the config's
 
 
 class Launcher:
@@ -240,7 +242,8 @@ class Launcher:
         p = self.plan
         self.master = MasterServer(p.config.to_dict(), p.config.config_hash(), host=p.master_host,
                                    port=p.master_port, token=p.token or None,
-                                   lease_ttl_s=p.config.pipeline.lease_ttl_s, state_dir=p.state_dir)
+                                   lease_ttl_s=p.orchestration.lease_ttl_s or p.config.pipeline.lease_ttl_s,
+                                   state_dir=p.state_dir)
         port = self.master.start()
         self.master_address = f"{p.master_host}:{port}"
         progress(f"master listening on {self.master_address}")
@@ -287,7 +290,8 @@ class Launcher:
 
     def _wait_ready(self) -> bool:
         """Every stage has a READY replica, or the deadline passes, or a child dies."""
-        deadline = time.monotonic() + self.plan.config.pipeline.startup_timeout_s
+        deadline = time.monotonic() + (self.plan.orchestration.startup_timeout_s
+                                       or self.plan.config.pipeline.startup_timeout_s)
         last_report = 0.0
         while not self._stop.is_set():
             for child in self.children:
