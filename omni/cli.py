@@ -150,7 +150,8 @@ def serve(
     """Serve MODEL's pipeline: everything on this host, the head (--stage-id 0), or one headless stage.
 
     Any other vLLM engine flag (--max-num-batched-tokens 4096, --enable-prefix-caching ...) is passed
-    to the stages whose engine takes it."""
+    to the stages whose engine takes it. vllm-omni's --init-timeout, --stage-init-timeout and
+    --omni-heartbeat-timeout set omni's start-up bound and lease."""
     from omni import config as cfg
     from omni import vllm_omni_flags
     from omni.engine_flags import merge_overrides, parse_extra_flags, spread_flags
