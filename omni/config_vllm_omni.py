@@ -305,7 +305,7 @@ def from_stage_args(data: dict[str, Any], source: str) -> dict[str, Any]:
             elif key != "stage_id":
                 raise ConfigError(f"{here}: unknown key {key!r}")
         if "default_sampling_params" in stage:
-            stage["default_sampling_params"] = _legacy_sampling(stage["default_sampling_params"], role, here, dropped)
+            stage["default_sampling_params"] = _legacy_sampling(stage["default_sampling_params"], dropped)
         stages.append(stage)
         roles[sid] = role
     if dropped:
@@ -333,18 +333,13 @@ def _runtime(value: Any, where: str) -> dict[str, Any]:
     return out
 
 
-def _legacy_sampling(value: Any, role: dict, where: str, dropped: set) -> Any:
-    """vllm-omni's talker entries carry their codec's end id as stop_token_ids; omni's talkers stop at it
-    by themselves. Anywhere else a deploy's stop_token_ids is refused by name (send it with the request)."""
+def _legacy_sampling(value: Any, dropped: set) -> Any:
+    """`detokenize` is what omni does anyway (text out of the thinker, codes and audio out of the others)."""
     if not isinstance(value, dict):
         return value                # validation names it
     value = dict(value)
     if value.pop("detokenize", None) is not None:
         dropped.add("detokenize")
-    if "stop_token_ids" in value and role.get("model_stage") == "talker":
-        source, stage = where.split(": ", 1)
-        note(source, f"{stage}: stop_token_ids {value.pop('stop_token_ids')} ignored: omni's talkers stop at "
-                     "their codec's end token (the talker config's codec_eos_token_id)")
     return value
 
 

@@ -49,6 +49,8 @@ class SamplingOverrides(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
     frequency_penalty: float | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None
+    # A talker takes only its codec's end id (it stops there anyway); the stage taking the prompt, any.
+    stop_token_ids: tuple[int, ...] | None = None
     # Piper (VITS) priors: the phoneme-duration and latent noise scales.
     noise_scale: float | None = None
     noise_w_scale: float | None = None

@@ -95,6 +95,7 @@ class AdminRoutes:
                       max_tokens=fe.max_tokens_limit or max(1, fe.max_model_len - 1),
                       max_speech_chars=fe.max_speech_chars, audio_in=fe.audio_token_id is not None,
                       audio_out=fe.audio_out, builtin_voices=builtin, job_endpoints=fe.job_endpoints,
-                      images=fe.images, videos=fe.videos)
+                      images=fe.images, videos=fe.videos, num_stages=fe.num_stages,
+                      stage_max_tokens=fe.max_tokens_limit)
         return JSONResponse(openapi_spec(fe.model, facts))
 

@@ -38,7 +38,8 @@ def build_app(orchestrator: OrchestratorLike, tokenizer: Any, *, served_model_na
               control_api_key: str | None = None, control_routes: bool = True, audio_out: bool | None = None,
               speakers: tuple[str, ...] = (), default_voice: str | None = None,
               limits: HttpLimits | None = None, max_speech_chars: int = 4096,
-              images: ImageSettings | None = None, videos: VideoSettings | None = None) -> Starlette:
+              images: ImageSettings | None = None, videos: VideoSettings | None = None,
+              num_stages: int | None = None) -> Starlette:
     """`jobs`: the async job routes' state (master KV + shared result dir); in memory when None.
     `limits`: request body cap and body timeout (the defaults when None). `images`: the image
     route's defaults and bounds, None when the pipeline makes no images; `videos` the same for the
@@ -67,6 +68,7 @@ def build_app(orchestrator: OrchestratorLike, tokenizer: Any, *, served_model_na
     fe.job_endpoints = tuple(jobs.handlers)
     fe.images = images
     fe.videos = videos
+    fe.num_stages = num_stages
     routes = [Route(path, by_method(methods)) for path, methods in by_path.items()]
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error},
                     middleware=[Middleware(FrontendMiddleware, frontend_index=frontend_index, api_key=api_key,

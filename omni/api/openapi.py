@@ -40,6 +40,8 @@ class Facts:
     job_endpoints: tuple[str, ...] = ()
     images: Any = None                    # omni.config.ImageSettings: the image route's bounds
     videos: Any = None                    # omni.config.VideoSettings: the Videos API's bounds
+    num_stages: int | None = None         # sampling_params_list's most entries
+    stage_max_tokens: int | None = None   # the server's max_tokens limit, on every sampling_params_list entry
 
 
 def spec(routes, title: str, version: str, facts: Facts | None = None) -> dict:
@@ -153,6 +155,12 @@ def narrow(components: dict, f: Facts) -> None:
             s = prop("VideoCreateRequest", field)
             if s is not None:
                 first(s)["maximum"] = min(first(s).get("maximum", most), most)
+    s = prop("ChatCompletionRequest", "sampling_params_list")
+    if s is not None and f.num_stages is not None:
+        first(s)["maxItems"] = min(first(s).get("maxItems", f.num_stages), f.num_stages)
+    s = prop("StageSampling", "max_tokens")
+    if s is not None and f.stage_max_tokens is not None:
+        first(s)["maximum"] = f.stage_max_tokens
     s = prop("VoiceSpec", "base")
     if s is not None and f.builtin_voices:
         s["enum"] = sorted(f.builtin_voices)

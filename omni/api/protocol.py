@@ -96,8 +96,32 @@ def no_client_sampling() -> _Sampling:
     return _Sampling()
 
 
+class StageSampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One stage's entry of vllm-omni's `sampling_params_list`: that stage's sampling, whole (vLLM's
+    SamplingParams defaults for what it leaves out, as vllm-omni builds it). A key omni does not take
+    is refused by name. `detokenize` is taken as what omni does anyway (text out of the stage taking
+    the prompt, codes and audio out of the others). max_tokens: None is vLLM's 16 (FrontendState)."""
+    max_tokens: MaxTokens | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, msgspec.Meta(ge=-1)] = 0                       # -1 and 0: off
+    seed: Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)] | None = None
+    stop_token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=64)] = []
+    ignore_eos: bool = False
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=2.0)] = 1.0
+    min_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    detokenize: bool = True
+
+
+MAX_STAGES = 16
+
+
 class ChatCompletionRequest(_Sampling, kw_only=True):
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
+    # extension (vllm-omni): entry i is stage i's sampling; entry 0 replaces the request's own fields
+    sampling_params_list: Annotated[list[StageSampling], msgspec.Meta(max_length=MAX_STAGES)] | None = None
     max_completion_tokens: MaxTokens | None = None
     modalities: list[Literal["text", "audio"]] | None = None
     audio: AudioOptions | None = None

@@ -30,6 +30,8 @@ from omni.stage.messages import InlineTensor
 # the event loop keeps serving other streams. Measured with the SmolLM2 tokenizer: template +
 # encode ~0.3 ms at 100 chars, ~3 ms at 2 k, ~56 ms at 20 k; a thread hop costs ~0.13 ms.
 OFFLOAD_CHARS = 1024
+# vLLM's SamplingParams max_tokens: what a sampling_params_list entry that names none gets (as in vllm-omni).
+VLLM_MAX_TOKENS = 16
 # The thinker's audio tower takes 16 kHz; longer audio is refused before decoding work piles up.
 AUDIO_IN_RATE = 16000
 MAX_AUDIO_SECONDS = 600
@@ -66,6 +68,7 @@ class FrontendState:
         self.job_endpoints: tuple[str, ...] = ()   # the endpoints a job may run here (set by build_app)
         self.images = None     # omni.config.ImageSettings of a pipeline that makes images (set by build_app)
         self.videos = None     # omni.config.VideoSettings of a pipeline that makes videos (set by build_app)
+        self.num_stages: int | None = None    # the pipeline's stages: sampling_params_list's most entries
         self.voices = voices if voices is not None or speech_entry_stage is None else InMemoryVoiceStore()
         # The prompt stage's deploy defaults, under the client's own values (vLLM's generation-config way).
         self.sampling_defaults = sampling_defaults or SamplingOverrides()
@@ -144,7 +147,7 @@ class FrontendState:
             raise APIError(404, f"The model `{shown}` does not exist.", param="model",
                            code="model_not_found")
 
-    def max_tokens(self, requested: int | None, n_prompt: int, param: str, what: str) -> int:
+    def max_tokens(self, requested: int | None, n_prompt: int, param: str, what: str, default: int | None = None) -> int:
         room = self.max_model_len - n_prompt
         if requested is None:
             if room < 1:
@@ -152,7 +155,7 @@ class FrontendState:
                                   f"the {what} take {n_prompt} tokens, leaving no room for a completion.",
                                   param=what)
             limit = self.max_tokens_limit or room
-            return max(1, min(self.default_max_tokens, room, limit))
+            return max(1, min(default or self.default_max_tokens, room, limit))
         if requested < 1:
             raise bad_request(f"{param}={requested} must be at least 1", param=param)
         if self.max_tokens_limit is not None and requested > self.max_tokens_limit:
@@ -182,13 +185,42 @@ class FrontendState:
             temperature=pick(req.temperature, d.temperature, 1.0),   # vLLM's default
             top_p=pick(req.top_p, d.top_p, 1.0),
             top_k=0 if top_k < 0 else top_k,
-            seed=pick(req.seed, d.seed, None), stop_token_ids=tuple(req.stop_token_ids or ()),
+            seed=pick(req.seed, d.seed, None), stop_token_ids=tuple(pick(req.stop_token_ids, d.stop_token_ids, ())),
             ignore_eos=req.ignore_eos or bool(d.ignore_eos),
             presence_penalty=pick(req.presence_penalty, d.presence_penalty, 0.0),
             frequency_penalty=pick(req.frequency_penalty, d.frequency_penalty, 0.0),
             repetition_penalty=pick(req.repetition_penalty, d.repetition_penalty, 1.0),
             logit_bias=bias, min_tokens=min(req.min_tokens or d.min_tokens or 0, max_tokens),   # max_tokens ends it first
             logprobs=logprobs)
+
+    def listed_sampling(self, entries: list, sampling: SamplingParams, n_prompt: int
+                        ) -> tuple[SamplingParams, dict[int, SamplingOverrides]]:
+        """vllm-omni's sampling_params_list: entry 0 is the prompt stage's sampling, in place of the
+        request's own fields (vllm-omni's rule; logprobs stay the request's); entry i > 0 is stage i's,
+        in place of its deploy defaults. Each entry is whole: what it leaves out is vLLM's default (an
+        omitted max_tokens is 16, within the room and the server's limit, which caps every entry)."""
+        if self.num_stages is not None and len(entries) > self.num_stages:
+            raise bad_request(f"sampling_params_list has {len(entries)} entries; this pipeline has "
+                              f"{self.num_stages} stages", param="sampling_params_list")
+        stages: dict[int, SamplingOverrides] = {}
+        cap = self.max_tokens_limit
+        for i, e in enumerate(entries):
+            where = f"sampling_params_list[{i}]"
+            common = dict(temperature=e.temperature, top_p=e.top_p, top_k=max(e.top_k, 0), seed=e.seed,
+                          presence_penalty=e.presence_penalty, frequency_penalty=e.frequency_penalty,
+                          repetition_penalty=e.repetition_penalty, ignore_eos=e.ignore_eos,
+                          stop_token_ids=tuple(e.stop_token_ids))
+            if i > 0:
+                if cap is not None and e.max_tokens is not None and e.max_tokens > cap:
+                    raise bad_request(f"{where}.max_tokens={e.max_tokens} is above this server's limit of {cap}",
+                                      param=f"{where}.max_tokens")
+                mt = e.max_tokens or min(VLLM_MAX_TOKENS, cap or VLLM_MAX_TOKENS)
+                stages[i] = SamplingOverrides(max_tokens=mt, min_tokens=e.min_tokens, **common)
+                continue
+            mt = self.max_tokens(e.max_tokens, n_prompt, f"{where}.max_tokens", "messages", default=VLLM_MAX_TOKENS)
+            sampling = SamplingParams(max_tokens=mt, min_tokens=min(e.min_tokens, mt), logprobs=sampling.logprobs,
+                                      **common)
+        return sampling, stages
 
     async def voice(self, name: str | None, speed: float = 1.0) -> tuple[str, float | None]:
         """Resolve a voice (maybe a preset) to what the speech stage needs: a base voice and speed

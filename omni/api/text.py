@@ -101,8 +101,11 @@ class TextRoutes:
             mt = self.fe.max_tokens(req.max_completion_tokens, len(prompt_ids), "max_completion_tokens", "messages")
         else:
             mt = self.fe.max_tokens(req.max_tokens, len(prompt_ids), "max_tokens", "messages")
+        sampling, stages = self.fe.sampling(req, mt, logprobs), {}
+        if req.sampling_params_list is not None:
+            sampling, stages = self.fe.listed_sampling(req.sampling_params_list, sampling, len(prompt_ids))
         preq = PipelineRequest(request_id=f"chatcmpl-{uuid.uuid4().hex}", prompt_token_ids=prompt_ids,
-                               sampling=self.fe.sampling(req, mt, logprobs), modalities=modalities, voice=voice, speed=speed,
+                               sampling=sampling, stage_overrides=stages, modalities=modalities, voice=voice, speed=speed,
                                # stages that feed a talker capture what it needs only then
                                audio_out="audio" in modalities, num_audio_inputs=len(inputs), inputs=inputs)
         gen = Generation(self.fe.orch, preq, decode=self.fe.decode, prompt_ids=prompt_ids,

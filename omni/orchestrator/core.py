@@ -68,6 +68,10 @@ class OrchestratorCore:
         """Admit a request and send the entry stage its input. Raises BadRequest/Unavailable
         (nothing was sent then)."""
         needed = self.needed_stages(req)
+        extra = sorted(set(req.stage_overrides) - {s.stage_id for s in self.config.stages if s.stage_id != req.entry_stage})
+        if extra:
+            raise BadRequest(f"sampling_params_list: entry {extra[0]} names no later stage of this pipeline "
+                             f"(stages 0..{len(self.config.stages) - 1}, {req.entry_stage} takes the request's own)")
         if req.request_id in self.requests:
             raise BadRequest(f"request id {req.request_id!r} is already in flight")
         state = RequestState(req, needed, self.clock())
@@ -331,7 +335,7 @@ class OrchestratorCore:
             replica = st.replica = self.pick(s, state.req)
         # The stage's own sampling (the talker's temperature, piper's noise scales) over the request's;
         # the stage that takes the client's prompt had its defaults folded in by the frontend.
-        overrides = self._overrides[s]
+        overrides = state.req.stage_overrides.get(s, self._overrides[s])
         out_transport, out_tensors, out_devices = self._out_route(state, stage)
         # Held after its first output while the final output it feeds has not started.
         finals = self._hold_for.get(s, ())

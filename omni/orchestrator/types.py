@@ -6,7 +6,7 @@ from typing import AsyncIterator, Protocol
 
 import msgspec
 
-from omni.engines.base import ImageParams, SamplingParams
+from omni.engines.base import ImageParams, SamplingOverrides, SamplingParams
 from omni.engines.logprobs import Logprobs
 from omni.stage.messages import InlineTensor
 
@@ -18,6 +18,8 @@ class PipelineRequest(msgspec.Struct, kw_only=True):
     # Text input for pipelines that start past the thinker (/v1/audio/speech).
     text: str | None = None
     sampling: SamplingParams = SamplingParams()
+    # A later stage's sampling from the request (vllm-omni's sampling_params_list), instead of its deploy's.
+    stage_overrides: dict[int, SamplingOverrides] = {}
     # Which outputs the client wants; the pipeline stops at the last stage needed.
     modalities: tuple[str, ...] = ("text",)
     # Stage the request enters at (0 for chat; the talker for speech).

@@ -141,6 +141,29 @@ def test_chat_with_audio_equals_the_reference_waveform(server, reference, tiny):
     assert np.abs(got.astype(int) - want).max() <= 1          # int16 rounding of the same waveform
 
 
+def test_vllm_omnis_sampling_params_list_equals_the_reference(server, reference, tiny):
+    """vllm-omni's per-stage sampling, in its example request's shape: the greedy thinker and talker come
+    from the list (entry 0 in place of the request's own fields), the talker's stop id is its codec's end."""
+    eos = json.loads((tiny / "config.json").read_text())["talker_config"]["codec_eos_token_id"]
+    want_text, want_wav = reference("What is the capital of France?")
+    stages = [{"temperature": 0.0, "max_tokens": THINKER_TOKENS, "detokenize": True},
+              {"temperature": 0.0, "top_k": 50, "max_tokens": TALKER_TOKENS, "repetition_penalty": 1.05,
+               "stop_token_ids": [eos], "detokenize": False},
+              {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "max_tokens": 65536, "repetition_penalty": 1.1}]
+    m = client(server).chat.completions.create(
+        model=NAME, messages=[SYSTEM, {"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=2, temperature=1.5, modalities=["text", "audio"], audio={"voice": "Ethan", "format": "wav"},
+        extra_body={"sampling_params_list": stages}).choices[0].message
+    assert m.content == want_text
+    _, got = wav_samples(base64.b64decode(m.audio.data))
+    assert got.shape == int16(want_wav).shape and np.abs(got.astype(int) - int16(want_wav)).max() <= 1
+    bad = dict(stages[1], stop_token_ids=[eos, 5])          # a code the talker never stops at
+    r = httpx.post(server + "/v1/chat/completions", timeout=120, json={
+        "model": NAME, "messages": [{"role": "user", "content": "Hi"}], "modalities": ["text", "audio"],
+        "sampling_params_list": [stages[0], bad]})
+    assert r.status_code == 400 and f"stop_token_ids [{eos}, 5]" in r.text, r.text
+
+
 def test_streamed_chat_audio_is_within_1e_3_of_the_reference(server, reference):
     want_text, want_wav = reference("Tell me about the sea.", speaker="Chelsie")
     stream = client(server).chat.completions.create(

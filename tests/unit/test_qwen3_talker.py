@@ -213,6 +213,12 @@ def test_bad_options_and_ids(talker, france):
         talker.add_request(EngineRequest(**base, overrides=SamplingOverrides(top_p=0.0)))
     with pytest.raises(EngineError, match="max_tokens >= 1"):
         talker.add_request(EngineRequest(**base, overrides=SamplingOverrides(max_tokens=0)))
+    eos = talker.ids.codec_eos          # vllm-omni's talker sampling names it as stop_token_ids
+    with pytest.raises(EngineError, match=rf"stop_token_ids \[{eos}, 7\]: the talker stops at its codec's end \[{eos}\]"):
+        talker.add_request(EngineRequest(**base, overrides=SamplingOverrides(stop_token_ids=(eos, 7))))
+    talker.add_request(EngineRequest(request_id="o2", prompt_token_ids=france.prompt, final=False,
+                                     overrides=SamplingOverrides(stop_token_ids=(eos,))))
+    talker.abort("o2")
     with pytest.raises(EngineError, match=r"outside the thinker's vocabulary \[0, 1024\)"):
         talker.add_request(EngineRequest(**base, generated_ids=[5000]))
     talker.add_request(EngineRequest(**base, final=False))    # speaker defaults to ethan

@@ -73,7 +73,7 @@ class Qwen25TalkerEngine(Qwen3TalkerEngine):
         self.ids = edges.TalkerIds.from_config(self.config)
         self.codec_rows = codec_rows
         self.text_eos = set(text_eos_token_ids or [self.config.thinker_config.text_config.eos_token_id])
-        self.stop_codes = {self.ids.codec_eos, self.ids.codec_pad}
+        self.stop_codes = self.codec_stops = {self.ids.codec_eos, self.ids.codec_pad}
         self._suppress = torch.zeros(self.talker.codebook_size, dtype=torch.bool, device=self.device)
         self._suppress[self.ids.codec_bos] = True
         with torch.no_grad():

@@ -16,19 +16,18 @@ same request_id; `final` (default True) marks the last piece.
 Sampling: `request.overrides` (the stage's defaults) over `request.sampling` (temperature
 <= 0 is greedy; top_k, top_p, seed -> the request's own uniforms; max_tokens = the talker's max
 new tokens, as transformers' `talker_max_new_tokens`: at most max_tokens - 1 frames);
-repetition_penalty from the overrides, else the engine's (1.05). Residual codes: greedy when code 0 is, else top_k 50 / top_p 0.8.
+repetition_penalty from the overrides, else the engine's (1.05); stop_token_ids only the codec's end.
+Residual codes: greedy when code 0 is, else top_k 50 / top_p 0.8.
 Output: `tensors["codes"]` int64 [16, n] per chunk (first `first_chunk_frames`, then
 `chunk_frames`); finished at codec EOS ("stop") or max_tokens ("length").
 
-The talker prefills once it has the first generated id and then takes one trailing
-text row per step; a request whose next id has not arrived (stream not final)
-skips the step while others go on. Sleep moves the weights to host memory when idle;
-on CPU there is no device memory to free, so it refuses.
+The talker prefills once it has the first generated id and then takes one trailing text row per step; a
+request whose next id has not arrived (stream not final) skips the step while others go on. Sleep moves
+the weights to host memory when idle; on CPU there is no device memory to free, so it refuses.
 
-Decode paths: the static step (default; omni/models/qwen3_omni/slots.py, static_step.py:
-`max_num_seqs` slots of `max_model_len` positions, CUDA graphs unless `enforce_eager`, MoE
-formulation `moe_impl`) or, with `static_decode: false`, transformers' modules with a
-DynamicCache per request (the reference it is tested against).
+Decode paths: the static step (default; omni/models/qwen3_omni/slots.py, static_step.py: `max_num_seqs`
+slots of `max_model_len` positions, CUDA graphs unless `enforce_eager`, MoE formulation `moe_impl`) or,
+with `static_decode: false`, transformers' modules with a DynamicCache per request (the reference).
 """
 
 from __future__ import annotations
@@ -113,6 +112,7 @@ class Qwen3TalkerEngine(StreamEngine):
         self.ids = edges.TalkerIds.from_config(self.config)
         self.text_eos = set(text_eos_token_ids or [self.config.im_end_token_id])
         vocab = self.config.talker_config.text_config.vocab_size
+        self.codec_stops = {self.ids.codec_eos}     # the codes a request may name as stop_token_ids
         self._suppress = suppress_mask(vocab, self.ids.codec_eos, self.device)
         with torch.no_grad():
             self._tts = edges.tts_rows(self.talker, self.embed, self.ids)
@@ -213,6 +213,9 @@ class Qwen3TalkerEngine(StreamEngine):
         temperature, top_k, top_p, max_tokens, seed = s.temperature, s.top_k, s.top_p, s.max_tokens, s.seed
         penalty = req.overrides.repetition_penalty
         penalty = self.repetition_penalty if penalty is None else penalty
+        if not set(req.overrides.stop_token_ids or ()) <= self.codec_stops:
+            raise EngineError(f"request {rid}: stop_token_ids {list(req.overrides.stop_token_ids)}: the talker "
+                              f"stops at its codec's end {sorted(self.codec_stops)} and at no other code")
         if not (math.isfinite(temperature) and top_k >= 0 and 0 < top_p <= 1 and max_tokens >= 1
                 and math.isfinite(penalty) and penalty > 0):
             raise EngineError(f"request {rid}: sampling needs a finite temperature, top_k >= 0, "

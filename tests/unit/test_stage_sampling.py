@@ -1,0 +1,93 @@
+"""vllm-omni's `sampling_params_list` on /v1/chat/completions: one sampling per stage, from the request."""
+
+from __future__ import annotations
+
+import pytest
+
+from omni.errors import BadRequest
+from omni.orchestrator import events as ev
+from omni.orchestrator.types import PipelineRequest
+from omni.sampling import SamplingOverrides
+from tests.unit.test_api import assert_error, chat_body, make, tokenizer  # noqa: F401 (a fixture)
+from tests.unit.test_orchestrator_core import ALL, chat, ids, make_core, of, output
+
+pytestmark = pytest.mark.anyio
+
+# vllm-omni's example request for Qwen3-Omni (examples/online_serving/qwen3_omni): thinker, talker, code2wav.
+EXAMPLE = [{"temperature": 0.4, "top_p": 0.9, "top_k": 1, "max_tokens": 50, "seed": 42, "repetition_penalty": 1.05,
+            "stop_token_ids": [7]},
+           {"temperature": 0.9, "top_k": 50, "max_tokens": 4096, "seed": 42, "detokenize": False,
+            "repetition_penalty": 1.05, "stop_token_ids": [2150]},
+           {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "max_tokens": 65536, "seed": 42, "detokenize": True,
+            "repetition_penalty": 1.1}]
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+async def test_each_entry_is_its_stages_sampling_and_entry_0_the_requests(tokenizer):
+    orch, c = make(tokenizer)
+    r = await c.post("/v1/chat/completions", json=chat_body(temperature=1.5, max_tokens=9,
+                                                           sampling_params_list=EXAMPLE))
+    assert r.status_code == 200, r.text
+    req = orch.requests[0]
+    s = req.sampling            # entry 0 in place of the request's own temperature and max_tokens
+    assert (s.temperature, s.top_p, s.top_k, s.max_tokens, s.seed, s.repetition_penalty, s.stop_token_ids) == \
+        (0.4, 0.9, 1, 50, 42, 1.05, (7,))
+    talker, code2wav = req.stage_overrides[1], req.stage_overrides[2]
+    assert talker == SamplingOverrides(temperature=0.9, top_p=1.0, top_k=50, max_tokens=4096, seed=42,
+                                       repetition_penalty=1.05, stop_token_ids=(2150,), presence_penalty=0.0,
+                                       frequency_penalty=0.0, min_tokens=0, ignore_eos=False)
+    assert code2wav.top_k == 0 and code2wav.max_tokens == 65536      # -1: off, as 0
+
+
+async def test_what_an_entry_leaves_out_is_vllms_default_and_later_stages_keep_their_own(tokenizer):
+    orch, c = make(tokenizer)
+    r = await c.post("/v1/chat/completions", json=chat_body(sampling_params_list=[{"seed": 3}]))
+    assert r.status_code == 200, r.text
+    s = orch.requests[0].sampling
+    assert (s.temperature, s.max_tokens, s.seed, s.top_k) == (1.0, 16, 3, 0)     # SamplingParams(**entry)
+    assert orch.requests[0].stage_overrides == {}
+
+
+@pytest.mark.parametrize("entries, param, contains", [
+    ([{}, {"min_p": 0.1}], "sampling_params_list[1]", "unknown field `min_p`"),
+    ([{"temperature": 3}], "sampling_params_list[0].temperature", "<= 2.0"),
+    ([{"max_tokens": 120}, {}, {}], "sampling_params_list[0].max_tokens", "maximum context length is 128"),
+    ({"0": {}}, "sampling_params_list", "Expected `array | null`, got `object`"),
+    ([{}] * 4, "sampling_params_list", "sampling_params_list has 4 entries; this pipeline has 3 stages"),
+    ([{}, {"max_tokens": 4096}], "sampling_params_list[1].max_tokens", "above this server's limit of 120"),
+    ([{"max_tokens": 121}], "sampling_params_list[0].max_tokens", "above this server's limit of 120"),
+])
+async def test_a_bad_entry_is_a_400_naming_it(tokenizer, entries, param, contains):
+    orch, c = make(tokenizer, num_stages=3, max_tokens_limit=120)
+    r = await c.post("/v1/chat/completions", json=chat_body(sampling_params_list=entries))
+    assert_error(r, 400, param=param, contains=contains)
+    assert orch.requests == []
+
+
+async def test_the_spec_states_the_entries_and_the_servers_limit_on_each(tokenizer):
+    _, c = make(tokenizer, num_stages=3, max_tokens_limit=100)
+    schemas = (await c.get("/openapi.json")).json()["components"]["schemas"]
+    listed = schemas["ChatCompletionRequest"]["properties"]["sampling_params_list"]["anyOf"][0]
+    assert listed["maxItems"] == 3 and listed["items"] == {"$ref": "#/components/schemas/StageSampling"}
+    entry = schemas["StageSampling"]
+    assert entry["additionalProperties"] is False
+    assert entry["properties"]["max_tokens"]["anyOf"][0]["maximum"] == 100
+    r = await c.post("/v1/chat/completions", json=chat_body(sampling_params_list=[{}, {}]))
+    assert r.status_code == 200, r.text      # an omitted max_tokens is vLLM's 16, within the limit
+
+
+def test_the_orchestrator_sends_a_listed_stage_its_entry_and_refuses_a_stage_it_lacks():
+    core = make_core(*ALL)
+    listed = SamplingOverrides(temperature=0.0, max_tokens=5, noise_scale=None)
+    req = chat()
+    core.submit(PipelineRequest(**{**{f: getattr(req, f) for f in req.__struct_fields__}, "stage_overrides": {1: listed}}))
+    (talk,) = of(core.handle(output("s0r0", 0, "r1", token_ids=ids("Hi. "))), ev.Send)
+    assert talk.message.overrides == listed          # in place of the deploy's noise_scale 0.0
+    with pytest.raises(BadRequest, match="sampling_params_list: entry 3 names no later stage"):
+        core.submit(PipelineRequest(request_id="r2", prompt_token_ids=[1], stage_overrides={3: listed}))
+    with pytest.raises(BadRequest, match="entry 0 names no later stage"):
+        core.submit(PipelineRequest(request_id="r3", prompt_token_ids=[1], stage_overrides={0: listed}))
