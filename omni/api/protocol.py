@@ -31,12 +31,25 @@ class AudioPart(msgspec.Struct, tag_field="type", tag="input_audio"):
     input_audio: InputAudio
 
 
+# vLLM's `audio_url` part (what vllm-omni's example clients send): a data URL of WAV audio. omni fetches no
+# URL (a server that fetches what clients name reaches whatever they name).
+AUDIO_DATA_URL = r"^data:audio/(wav|x-wav|wave|vnd\.wave);base64,"
+
+
+class AudioUrl(msgspec.Struct):
+    url: Annotated[str, msgspec.Meta(pattern=AUDIO_DATA_URL)]
+
+
+class AudioUrlPart(msgspec.Struct, tag_field="type", tag="audio_url"):
+    audio_url: AudioUrl
+
+
 ROLES = ("system", "user", "assistant", "developer", "tool")
 
 
 class ChatMessage(msgspec.Struct):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[TextPart | AudioPart] | None = None
+    content: str | list[TextPart | AudioPart | AudioUrlPart] | None = None
     name: str | None = None
 
 
@@ -242,6 +255,8 @@ def decode_body(body: bytes, type_: type) -> Any:
         if param is None and ("missing required field" in msg or "unknown field" in msg):
             f = re.search(r"`([^`]+)`", msg)
             param = f.group(1) if f else None
+        if param is not None and param.endswith("audio_url.url"):
+            msg += " (a data URL of WAV audio, data:audio/wav;base64,...: omni fetches no URL)"
         raise bad_request(f"invalid request: {msg}", param=param) from None
     except msgspec.DecodeError as e:
         raise bad_request(f"malformed JSON body: {e}") from None
@@ -326,6 +341,10 @@ def stop_list(stop: str | list[str] | None) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop)
 
 
+def _tag(part) -> str:
+    return type(part).__struct_config__.tag
+
+
 def chat_messages(req: ChatCompletionRequest, audios: list | None = None) -> list[dict]:
     """The messages as plain dicts for the chat template (text parts joined). `input_audio` parts
     become `{"type": "audio"}` parts in place (the template draws the placeholder) and their
@@ -342,11 +361,14 @@ def chat_messages(req: ChatCompletionRequest, audios: list | None = None) -> lis
             parts, has_audio = [], False
             for j, p in enumerate(m.content):
                 where = f"messages[{i}].content[{j}]"
-                if isinstance(p, AudioPart):
+                if isinstance(p, (AudioPart, AudioUrlPart)):
                     if audios is None:
-                        raise bad_request(f"{where}.type `input_audio` is not supported; only text parts",
+                        raise bad_request(f"{where}.type `{_tag(p)}` is not supported; only text parts",
                                           param=f"{where}.type")
-                    audios.append((f"{where}.input_audio", p.input_audio))
+                    if isinstance(p, AudioPart):
+                        audios.append((f"{where}.input_audio", p.input_audio))
+                    else:   # the pattern held: the payload follows the first comma
+                        audios.append((f"{where}.audio_url.url", InputAudio(p.audio_url.url.split(",", 1)[1])))
                     parts.append({"type": "audio"})
                     has_audio = True
                     continue

@@ -252,7 +252,7 @@ class FrontendState:
 
     def need_audio_in(self) -> None:
         if self.audio_token_id is None:
-            raise bad_request("input_audio parts are not supported: this model takes no audio input",
+            raise bad_request("audio parts (input_audio, audio_url) are not supported: this model takes no audio input",
                               param="messages")
 
     def audio_inputs(self, audios: list) -> dict:
@@ -260,21 +260,22 @@ class FrontendState:
         16 kHz. Runs on the tokenizer thread (decoding and resampling are CPU work)."""
         inputs = {}
         for i, (where, ia) in enumerate(audios):
+            data = where if where.endswith(".url") else f"{where}.data"     # audio_url: the data URL itself
             if ia.format.lower() != "wav":
                 raise bad_request(f"{where}.format `{ia.format}` is not supported (wav)", param=f"{where}.format")
             try:
                 raw = base64.b64decode(ia.data, validate=True)
             except (binascii.Error, ValueError):
-                raise bad_request(f"{where}.data is not valid base64", param=f"{where}.data") from None
+                raise bad_request(f"{data} is not valid base64", param=data) from None
             try:
                 samples, rate = audio.read_wav(raw)
             except (ValueError, struct.error) as e:
-                raise bad_request(f"{where}.data is not decodable audio: {e}", param=f"{where}.data") from None
+                raise bad_request(f"{data} is not decodable audio: {e}", param=data) from None
             if samples.size == 0:
-                raise bad_request(f"{where}.data holds no samples", param=f"{where}.data")
+                raise bad_request(f"{data} holds no samples", param=data)
             if samples.size / rate > MAX_AUDIO_SECONDS:
                 raise bad_request(f"{where} is {samples.size / rate:.0f} s long; the limit is {MAX_AUDIO_SECONDS} s",
-                                  param=f"{where}.data")
+                                  param=data)
             pcm = audio.resample(samples, rate, AUDIO_IN_RATE)
             inputs[f"audio_{i}"] = InlineTensor("float32", (int(pcm.size),), pcm.astype("<f4").tobytes())
         return inputs
@@ -282,7 +283,7 @@ class FrontendState:
     def check_audio_placeholders(self, prompt_ids: list[int], n: int) -> None:
         found = sum(1 for t in prompt_ids if t == self.audio_token_id)
         if found != n:
-            raise bad_request(f"the chat template placed {found} audio placeholder(s) for {n} input_audio part(s)",
+            raise bad_request(f"the chat template placed {found} audio placeholder(s) for {n} audio part(s)",
                               param="messages")
 
     def t0(self, request: Request) -> float:

@@ -109,12 +109,13 @@ def float_wav(samples: np.ndarray, rate: int = 16000) -> bytes:
             struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack("<I", len(data)) + data)
 
 
-def chat(url: str, text: str, voice: str = "Ethan", audio_in: bool = False, **kw):
+def chat(url: str, text: str, voice: str = "Ethan", audio_in: bool | str = False, **kw):
     content = text
     if audio_in:
         b64 = base64.b64encode(float_wav(tone(0))).decode()
-        content = [{"type": "input_audio", "input_audio": {"data": b64, "format": "wav"}},
-                   {"type": "text", "text": text}]
+        part = ({"type": "audio_url", "audio_url": {"url": f"data:audio/wav;base64,{b64}"}} if audio_in == "audio_url"
+                else {"type": "input_audio", "input_audio": {"data": b64, "format": "wav"}})
+        content = [part, {"type": "text", "text": text}]
     return client(url).chat.completions.create(
         model=NAME, messages=[SYSTEM, {"role": "user", "content": content}],
         max_tokens=THINKER_TOKENS, temperature=0, modalities=["text", "audio"],
@@ -241,9 +242,11 @@ def test_two_concurrent_requests_each_equal_their_reference(server, reference):
         assert np.abs(got.astype(int) - int16(want_wav)).max() <= 1
 
 
-def test_audio_input_reaches_the_thinker_and_the_talker(server, reference):
+@pytest.mark.parametrize("part", ["input_audio", "audio_url"])
+def test_audio_input_reaches_the_thinker_and_the_talker(server, reference, part):
+    """OpenAI's input_audio part, and vLLM's audio_url with a data URL (vllm-omni's example clients)."""
     want_text, want_wav = reference("What do you hear?", audio=True)
-    m = chat(server, "What do you hear?", audio_in=True).choices[0].message
+    m = chat(server, "What do you hear?", audio_in=part).choices[0].message
     assert m.content == want_text
     _, got = wav_samples(base64.b64decode(m.audio.data))
     assert np.abs(got.astype(int) - int16(want_wav)).max() <= 1
@@ -258,6 +261,12 @@ def test_audio_input_reaches_the_thinker_and_the_talker(server, reference):
     ({"messages": [{"role": "user", "content": [
         {"type": "input_audio", "input_audio": {"data": "%%%", "format": "wav"}}]}]},
      "messages[0].content[0].input_audio.data"),
+    ({"messages": [{"role": "user", "content": [
+        {"type": "audio_url", "audio_url": {"url": "https://example.com/mary_had_lamb.ogg"}}]}]},
+     "messages[0].content[0].audio_url.url"),
+    ({"messages": [{"role": "user", "content": [
+        {"type": "audio_url", "audio_url": {"url": "data:audio/wav;base64,%%%"}}]}]},
+     "messages[0].content[0].audio_url.url"),
 ])
 def test_bad_audio_requests_are_4xx_naming_the_parameter(server, body, param):
     req = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "modalities": ["text", "audio"],
