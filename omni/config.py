@@ -89,6 +89,8 @@ class PipelineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     max_tokens_limit: int | None = None
     # The longest /v1/audio/speech input, in characters (at most 4096).
     max_speech_chars: int = 4096
+    # What a chat that names no `modalities` gets: OpenAI's ("text"), or vllm-omni's every output.
+    default_modalities: tuple[str, ...] = ("text",)
     images: ImageSettings = ImageSettings()
     videos: VideoSettings = VideoSettings()
 
@@ -417,6 +419,10 @@ def validate(config: DeployConfig, source: str = "deploy config") -> None:
     for key in ("request_timeout_s", "startup_timeout_s", "lease_ttl_s", "stall_timeout_s"):
         if getattr(config.pipeline, key) <= 0:
             raise ConfigError(f"{source}: pipeline.{key} must be > 0, got {getattr(config.pipeline, key)}")
+    dm = config.pipeline.default_modalities
+    if not dm or not set(dm) <= {"text", "audio"} or ("audio" in dm and config.final_stage("audio") is None):
+        raise ConfigError(f"{source}: pipeline.default_modalities must be text and/or audio (audio only with an "
+                          f"audio stage), got {list(dm)}")
     entry = config.pipeline.speech_entry_stage
     if entry is not None and entry not in ids:
         raise ConfigError(f"{source}: pipeline.speech_entry_stage {entry} is not a stage id")

@@ -198,6 +198,7 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
             model_aliases=list(config.aliases) + [config.model],
             frontend_index=index,
             max_model_len=_max_model_len(config), num_stages=len(config.stages),
+            default_modalities=config.pipeline.default_modalities,
             speech_entry_stage=config.pipeline.speech_entry_stage,
             audio_out=config.final_stage("audio") is not None,
             speakers=tuple(config.pipeline.voices), default_voice=config.pipeline.default_voice,

@@ -39,7 +39,7 @@ def build_app(orchestrator: OrchestratorLike, tokenizer: Any, *, served_model_na
               speakers: tuple[str, ...] = (), default_voice: str | None = None,
               limits: HttpLimits | None = None, max_speech_chars: int = 4096,
               images: ImageSettings | None = None, videos: VideoSettings | None = None,
-              num_stages: int | None = None) -> Starlette:
+              num_stages: int | None = None, default_modalities: tuple[str, ...] = ("text",)) -> Starlette:
     """`jobs`: the async job routes' state (master KV + shared result dir); in memory when None.
     `limits`: request body cap and body timeout (the defaults when None). `images`: the image
     route's defaults and bounds, None when the pipeline makes no images; `videos` the same for the
@@ -69,6 +69,7 @@ def build_app(orchestrator: OrchestratorLike, tokenizer: Any, *, served_model_na
     fe.images = images
     fe.videos = videos
     fe.num_stages = num_stages
+    fe.default_modalities = tuple(default_modalities)
     routes = [Route(path, by_method(methods)) for path, methods in by_path.items()]
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error},
                     middleware=[Middleware(FrontendMiddleware, frontend_index=frontend_index, api_key=api_key,

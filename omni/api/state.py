@@ -69,6 +69,7 @@ class FrontendState:
         self.images = None     # omni.config.ImageSettings of a pipeline that makes images (set by build_app)
         self.videos = None     # omni.config.VideoSettings of a pipeline that makes videos (set by build_app)
         self.num_stages: int | None = None    # the pipeline's stages: sampling_params_list's most entries
+        self.default_modalities: tuple[str, ...] = ("text",)   # a chat naming no modalities (set by build_app)
         self.voices = voices if voices is not None or speech_entry_stage is None else InMemoryVoiceStore()
         # The prompt stage's deploy defaults, under the client's own values (vLLM's generation-config way).
         self.sampling_defaults = sampling_defaults or SamplingOverrides()

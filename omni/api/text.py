@@ -72,7 +72,7 @@ class TextRoutes:
         logprobs = P.check_sampling(req)
         audios: list = []
         messages = P.chat_messages(req, audios)
-        modalities = tuple(req.modalities or ("text",))
+        modalities = tuple(req.modalities or self.fe.default_modalities)
         for m in modalities:
             if m not in ("text", "audio"):
                 raise bad_request(f"modality `{m}` is not supported (text, audio)", param="modalities")

@@ -140,7 +140,7 @@ def test_text_only_chat_equals_generate_text(server, reference):
     want, _, _ = reference("What is the capital of France?")
     r = client(server).chat.completions.create(
         model=NAME, messages=[SYSTEM, {"role": "user", "content": "What is the capital of France?"}],
-        max_tokens=THINKER_TOKENS, temperature=0)
+        max_tokens=THINKER_TOKENS, temperature=0, modalities=["text"])
     assert r.choices[0].message.content == want and r.choices[0].message.audio is None
 
 

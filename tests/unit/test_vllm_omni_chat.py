@@ -1,10 +1,12 @@
-"""vllm-omni's `sampling_params_list` on /v1/chat/completions: one sampling per stage, from the request."""
+"""vllm-omni's chat request on /v1/chat/completions: `sampling_params_list` (one sampling per stage, from
+the request) and its default modalities (a chat that names none gets every output, where the deploy says so)."""
 
 from __future__ import annotations
 
 import pytest
 
-from omni.errors import BadRequest
+from omni import config as cfg
+from omni.errors import BadRequest, ConfigError
 from omni.orchestrator import events as ev
 from omni.orchestrator.types import PipelineRequest
 from omni.sampling import SamplingOverrides
@@ -91,3 +93,35 @@ def test_the_orchestrator_sends_a_listed_stage_its_entry_and_refuses_a_stage_it_
         core.submit(PipelineRequest(request_id="r2", prompt_token_ids=[1], stage_overrides={3: listed}))
     with pytest.raises(BadRequest, match="entry 0 names no later stage"):
         core.submit(PipelineRequest(request_id="r3", prompt_token_ids=[1], stage_overrides={0: listed}))
+
+
+async def test_a_chat_naming_no_modalities_gets_the_deploys_default(tokenizer):
+    orch, c = make(tokenizer, audio_out=True, speakers=("ethan",), default_modalities=("text", "audio"))
+    orch.audio_chunks = 1
+    r = await c.post("/v1/chat/completions", json=chat_body())
+    assert r.status_code == 200, r.text
+    assert orch.requests[0].modalities == ("text", "audio") and orch.requests[0].audio_out
+    assert r.json()["choices"][0]["message"]["audio"]["data"]
+    orch.audio_chunks = 0                                           # the pipeline stops at the thinker
+    r = await c.post("/v1/chat/completions", json=chat_body(modalities=["text"]))
+    assert orch.requests[1].modalities == ("text",) and not orch.requests[1].audio_out
+    assert r.json()["choices"][0]["message"].get("audio") is None
+    orch, c = make(tokenizer, audio_out=True, speakers=("ethan",))   # OpenAI's default otherwise
+    await c.post("/v1/chat/completions", json=chat_body())
+    assert orch.requests[0].modalities == ("text",)
+
+
+def test_the_qwen_omni_deploys_default_to_text_and_audio_as_vllm_omni():
+    assert cfg.load("Qwen/Qwen3-Omni-30B-A3B-Instruct").pipeline.default_modalities == ("text", "audio")
+    assert cfg.load("Qwen/Qwen2.5-Omni-3B").pipeline.default_modalities == ("text", "audio")   # inherited
+    assert cfg.load("Qwen/Qwen3-Omni-30B-A3B-Thinking").pipeline.default_modalities == ("text",)
+    assert cfg.load("HuggingFaceTB/SmolLM2-135M-Instruct").pipeline.default_modalities == ("text",)
+
+
+@pytest.mark.parametrize("base, value", [("qwen3-omni-moe-thinker-only", "[text, audio]"),
+                                         ("smollm2-135m-instruct", "[]"), ("smollm2-135m-instruct", "[image]")])
+def test_a_default_modality_the_pipeline_lacks_is_refused(tmp_path, base, value):
+    path = tmp_path / "d.yaml"
+    path.write_text(f"base_config: {base}.yaml\npipeline: {{default_modalities: {value}}}\n")
+    with pytest.raises(ConfigError, match=r"pipeline.default_modalities must be text and/or audio"):
+        cfg.load("m", str(path))
