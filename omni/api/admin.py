@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse, Response
 from omni.api.metrics_merge import merge
 from omni.api.openapi import Facts
 from omni.api.routes import openapi_spec
-from omni.api.state import FrontendState
+from omni.api.state import RENDER_PARAMS, FrontendState
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +96,7 @@ class AdminRoutes:
                       max_speech_chars=fe.max_speech_chars, audio_in=fe.audio_token_id is not None,
                       audio_out=fe.audio_out, builtin_voices=builtin, job_endpoints=fe.job_endpoints,
                       images=fe.images, videos=fe.videos, num_stages=fe.num_stages,
-                      stage_max_tokens=fe.max_tokens_limit)
+                      stage_max_tokens=fe.max_tokens_limit,
+                      template_kwargs=None if fe.template_vars is None else tuple(sorted(fe.template_vars - RENDER_PARAMS)))
         return JSONResponse(openapi_spec(fe.model, facts))
 

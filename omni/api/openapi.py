@@ -42,6 +42,7 @@ class Facts:
     videos: Any = None                    # omni.config.VideoSettings: the Videos API's bounds
     num_stages: int | None = None         # sampling_params_list's most entries
     stage_max_tokens: int | None = None   # the server's max_tokens limit, on every sampling_params_list entry
+    template_kwargs: tuple[str, ...] | None = None   # chat_template_kwargs' keys (None: not known)
 
 
 def spec(routes, title: str, version: str, facts: Facts | None = None) -> dict:
@@ -161,6 +162,11 @@ def narrow(components: dict, f: Facts) -> None:
     s = prop("StageSampling", "max_tokens")
     if s is not None and f.stage_max_tokens is not None:
         first(s)["maximum"] = f.stage_max_tokens
+    for name in ("ChatCompletionRequest", "TokenizeRequest"):
+        s = prop(name, "chat_template_kwargs")
+        if s is not None and f.template_kwargs is not None:
+            first(s).update({"propertyNames": {"enum": list(f.template_kwargs)}} if f.template_kwargs
+                            else {"maxProperties": 0})
     s = prop("VoiceSpec", "base")
     if s is not None and f.builtin_voices:
         s["enum"] = sorted(f.builtin_voices)

@@ -129,10 +129,13 @@ class StageSampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 MAX_STAGES = 16
+# extension (vLLM): variables for the chat template (`enable_thinking`, vllm-omni's `use_tts_template`)
+TemplateKwargs = Annotated[dict[Annotated[str, msgspec.Meta(max_length=64)], Any], msgspec.Meta(max_length=32)]
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
+    chat_template_kwargs: TemplateKwargs | None = None
     # extension (vllm-omni): entry i is stage i's sampling; entry 0 replaces the request's own fields
     sampling_params_list: Annotated[list[StageSampling], msgspec.Meta(max_length=MAX_STAGES)] | None = None
     max_completion_tokens: MaxTokens | None = None
@@ -209,6 +212,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)] | None = None
     add_special_tokens: bool = True       # with `prompt`; the chat template decides for `messages`
+    chat_template_kwargs: TemplateKwargs | None = None
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):

@@ -49,6 +49,26 @@ def _background_priority() -> None:
         pass
 
 
+# apply_chat_template's own parameters: never template variables from a client.
+RENDER_PARAMS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                           "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+                           "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def template_variables(tokenizer) -> frozenset[str] | None:
+    """The variables the tokenizer's chat template reads (None: not known, any key passes)."""
+    source = getattr(tokenizer, "chat_template", None)
+    if not isinstance(source, str):
+        return None
+    import jinja2
+    import jinja2.meta
+
+    try:
+        return frozenset(jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(source)))
+    except jinja2.TemplateError:
+        return None
+
+
 class FrontendState:
     def __init__(self, orchestrator: OrchestratorLike, tokenizer: Any, *, served_model_name: str,
                  model_aliases, frontend_index: int, max_model_len: int, default_max_tokens: int,
@@ -109,6 +129,7 @@ class FrontendState:
         self.tok_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="omni-tokenize",
                                                               initializer=_background_priority)
         self.created = int(time.time())
+        self.template_vars = template_variables(tokenizer)
 
 
     async def offload(self, heavy: bool, fn, *args):
@@ -124,9 +145,22 @@ class FrontendState:
                               f"the {what} contain {chars} characters (more than {bound}, the most that "
                               f"{self.max_model_len} tokens can hold). Reduce the {what}.", param=param)
 
-    def render_chat(self, messages: list[dict]) -> list[int]:
+    def template_kwargs(self, kwargs: dict | None) -> dict:
+        """vLLM's chat_template_kwargs, checked: a key the template does not read, or one that is a
+        parameter of the rendering itself (tokenize, tools, ...), is refused by name."""
+        if not kwargs:
+            return {}
+        for key in kwargs:
+            if key in RENDER_PARAMS or (self.template_vars is not None and key not in self.template_vars):
+                why = ("a parameter of the rendering, not a template variable" if key in RENDER_PARAMS else
+                       "the chat template does not read it")
+                raise bad_request(f"chat_template_kwargs.{key}: {why}", param=f"chat_template_kwargs.{key}")
+        return dict(kwargs)
+
+    def render_chat(self, messages: list[dict], kwargs: dict | None = None) -> list[int]:
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                      **(kwargs or {}))
         except Exception as e:
             raise bad_request(f"the chat template could not render these messages: {e}",
                               param="messages") from None

@@ -94,7 +94,8 @@ class TextRoutes:
             inputs = await self.fe.offload(True, self.fe.audio_inputs, audios)   # decode + resample
         chars = content_chars(messages)
         self.fe.check_prompt_chars(chars, "messages", "messages")
-        prompt_ids = await self.fe.offload(chars > OFFLOAD_CHARS, self.fe.render_chat, messages)
+        kwargs = self.fe.template_kwargs(req.chat_template_kwargs)
+        prompt_ids = await self.fe.offload(chars > OFFLOAD_CHARS, self.fe.render_chat, messages, kwargs)
         if audios:
             self.fe.check_audio_placeholders(prompt_ids, len(audios))
         if req.max_completion_tokens is not None:
@@ -241,7 +242,8 @@ class TextRoutes:
             messages = P.chat_messages(req)
             chars = content_chars(messages)
             self.fe.check_prompt_chars(chars, "messages", "messages")
-            ids = await self.fe.offload(chars > OFFLOAD_CHARS, self.fe.render_chat, messages)
+            kwargs = self.fe.template_kwargs(req.chat_template_kwargs)
+            ids = await self.fe.offload(chars > OFFLOAD_CHARS, self.fe.render_chat, messages, kwargs)
         else:
             self.fe.check_prompt_chars(len(req.prompt), "prompt", "prompt")
             ids = list(await self.fe.offload(len(req.prompt) > OFFLOAD_CHARS, self.fe.encode, req.prompt,

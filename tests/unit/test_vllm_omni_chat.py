@@ -125,3 +125,35 @@ def test_a_default_modality_the_pipeline_lacks_is_refused(tmp_path, base, value)
     path.write_text(f"base_config: {base}.yaml\npipeline: {{default_modalities: {value}}}\n")
     with pytest.raises(ConfigError, match=r"pipeline.default_modalities must be text and/or audio"):
         cfg.load("m", str(path))
+
+
+THINKING = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n"
+            "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+
+
+async def test_chat_template_kwargs_reach_the_template_and_unknown_ones_are_named(tokenizer):
+    import copy
+
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = THINKING
+    orch, c = make(tok)
+    r = await c.post("/v1/chat/completions", json=chat_body(chat_template_kwargs={"enable_thinking": False}))
+    assert r.status_code == 200, r.text
+    assert tok.decode(orch.requests[0].prompt_token_ids).endswith("assistant\n<think>\n\n</think>\n\n")
+    r = await c.post("/tokenize", json={"messages": chat_body()["messages"],
+                                        "chat_template_kwargs": {"enable_thinking": False}})
+    assert r.json()["tokens"] == orch.requests[0].prompt_token_ids
+    await c.post("/v1/chat/completions", json=chat_body())
+    assert "<think>" not in tok.decode(orch.requests[1].prompt_token_ids)
+    r = await c.post("/v1/chat/completions", json=chat_body(chat_template_kwargs={"use_tts_template": True}))
+    assert_error(r, 400, param="chat_template_kwargs.use_tts_template", contains="the chat template does not read it")
+    r = await c.post("/v1/chat/completions", json=chat_body(chat_template_kwargs={"tokenize": True}))
+    assert_error(r, 400, param="chat_template_kwargs.tokenize", contains="a parameter of the rendering")
+    assert len(orch.requests) == 2
+    spec = (await c.get("/openapi.json")).json()["components"]["schemas"]
+    for name in ("ChatCompletionRequest", "TokenizeRequest"):
+        assert spec[name]["properties"]["chat_template_kwargs"]["anyOf"][0]["propertyNames"] == {"enum": ["enable_thinking"]}
+    _, plain = make(tokenizer)             # a template that reads nothing but the messages: no key passes
+    spec = (await plain.get("/openapi.json")).json()["components"]["schemas"]
+    assert spec["ChatCompletionRequest"]["properties"]["chat_template_kwargs"]["anyOf"][0]["maxProperties"] == 0
