@@ -136,6 +136,9 @@ TemplateKwargs = Annotated[dict[Annotated[str, msgspec.Meta(max_length=64)], Any
 class ChatCompletionRequest(_Sampling, kw_only=True):
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
     chat_template_kwargs: TemplateKwargs | None = None
+    # extension (vllm-omni): the voice at the top level, where OpenAI's clients put it in `audio`
+    voice: Annotated[str, msgspec.Meta(max_length=128)] | None = None
+    speaker: Annotated[str, msgspec.Meta(max_length=128)] | None = None
     # extension (vllm-omni): entry i is stage i's sampling; entry 0 replaces the request's own fields
     sampling_params_list: Annotated[list[StageSampling], msgspec.Meta(max_length=MAX_STAGES)] | None = None
     max_completion_tokens: MaxTokens | None = None
@@ -343,6 +346,17 @@ def stop_list(stop: str | list[str] | None) -> list[str]:
     if stop is None:
         return []
     return [stop] if isinstance(stop, str) else list(stop)
+
+
+def chat_voice(req: ChatCompletionRequest) -> str | None:
+    """The voice a chat asks for: OpenAI's `audio.voice`, or vllm-omni's top-level `voice` / `speaker`;
+    two that differ are a 400 naming them."""
+    named = {k: v for k, v in (("audio.voice", req.audio.voice if req.audio else None), ("voice", req.voice),
+                                ("speaker", req.speaker)) if v}
+    if len({v.strip().lower() for v in named.values()}) > 1:
+        raise bad_request(f"{' and '.join(named)} name different voices ({', '.join(map(repr, named.values()))})",
+                          param=next(iter(named)))
+    return next((v.strip() for v in named.values()), None)
 
 
 def _tag(part) -> str:

@@ -85,8 +85,9 @@ class TextRoutes:
             fmt = req.audio.format if req.audio else "wav"
             if fmt not in ("wav", "pcm16"):
                 raise bad_request(f"audio.format `{fmt}` is not supported (wav, pcm16)", param="audio.format")
-            voice, speed = await self.fe.voice(req.audio.voice if req.audio else None)
-            audio = AudioStream(self.fe.metrics.audio, self.fe.model, (req.audio.voice if req.audio else None) or voice,
+            asked = P.chat_voice(req)
+            voice, speed = await self.fe.voice(asked)
+            audio = AudioStream(self.fe.metrics.audio, self.fe.model, asked or voice,
                                 self.fe.t0(request), streamed=bool(req.stream))
         inputs = {}
         if audios:

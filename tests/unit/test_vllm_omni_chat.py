@@ -157,3 +157,17 @@ async def test_chat_template_kwargs_reach_the_template_and_unknown_ones_are_name
     _, plain = make(tokenizer)             # a template that reads nothing but the messages: no key passes
     spec = (await plain.get("/openapi.json")).json()["components"]["schemas"]
     assert spec["ChatCompletionRequest"]["properties"]["chat_template_kwargs"]["anyOf"][0]["maxProperties"] == 0
+
+
+async def test_the_voice_at_the_top_level_as_vllm_omni_takes_it(tokenizer):
+    orch, c = make(tokenizer, audio_out=True, speakers=("ethan", "chelsie"), default_modalities=("text", "audio"))
+    orch.audio_chunks = 1
+    for body, voice in (({"speaker": "Chelsie"}, "chelsie"), ({"voice": " ethan "}, "ethan"),
+                        ({"audio": {"voice": "chelsie"}, "speaker": "CHELSIE"}, "chelsie"), ({}, "ethan")):
+        r = await c.post("/v1/chat/completions", json=chat_body(**body))
+        assert r.status_code == 200, r.text
+        assert orch.requests[-1].voice == voice
+    r = await c.post("/v1/chat/completions", json=chat_body(audio={"voice": "ethan"}, speaker="chelsie"))
+    assert_error(r, 400, param="audio.voice", contains="audio.voice and speaker name different voices")
+    r = await c.post("/v1/chat/completions", json=chat_body(speaker="uncle_fu"))
+    assert_error(r, 404, contains="voice `uncle_fu` does not exist; available: ethan, chelsie")
