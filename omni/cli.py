@@ -33,6 +33,11 @@ def _scalar(text: str) -> Any:
         return text
 
 
+# vllm-omni's short forms, spelled out before parsing (as options they would crowd the long names
+# out of --help's column).
+SHORT_FLAGS = {"-oma": "--omni-master-address", "-omp": "--omni-master-port", "-ora": "--omni-replica-address"}
+
+
 def fold_dotted_args(argv: list[str], flags: tuple[str, ...] = JSON_FLAGS) -> list[str]:
     """Turn `--x '{"a":1}' --x.b.c 2` into one `--x '{"a":1,"b":{"c":2}}'`."""
     merged: dict[str, dict] = {}
@@ -117,10 +122,10 @@ def serve(
     stage_overrides: Optional[str] = typer.Option(None, "--stage-overrides", help='JSON patch per stage, e.g. \'{"0": {"max_model_len": 1024}}\' (also --stage-overrides.0.max_model_len 1024). Single-command mode.'),
     stage_id: Optional[int] = typer.Option(None, "--stage-id", help="Run only this stage (stage mode). 0 is the head: master + orchestrator + HTTP."),
     headless: bool = typer.Option(False, "--headless", help="Run the stage given by --stage-id without HTTP; connects to the master."),
-    omni_master_address: Optional[str] = typer.Option(None, "--omni-master-address", "-oma", help="Address of the omni master (the head hosts it)."),
-    omni_master_port: Optional[int] = typer.Option(None, "--omni-master-port", "-omp", help="Port of the omni master."),
+    omni_master_address: Optional[str] = typer.Option(None, "--omni-master-address", help="Address of the omni master (the head hosts it)."),
+    omni_master_port: Optional[int] = typer.Option(None, "--omni-master-port", help="Port of the omni master."),
     omni_token: Optional[str] = typer.Option(None, "--omni-token", envvar="OMNI_TOKEN", help="Shared token for the master and the data plane."),
-    omni_replica_address: Optional[str] = typer.Option(None, "--omni-replica-address", "-ora", help="Address this replica advertises to peers (default: the local address that routes to the master)."),
+    omni_replica_address: Optional[str] = typer.Option(None, "--omni-replica-address", help="Address this replica advertises to peers (default: the local address that routes to the master)."),
     host: str = typer.Option("127.0.0.1", "--host", help="HTTP listen address."),
     port: int = typer.Option(8091, "--port", help="HTTP port; 0 picks a free one (printed)."),
     api_server_count: int = typer.Option(1, "--api-server-count", help="Number of API frontend processes sharing the stage engines."),
@@ -138,7 +143,6 @@ def serve(
     trust_remote_code: Optional[bool] = typer.Option(None, "--trust-remote-code", help="Engine flag (vLLM stages; omni's own engines run no remote code)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the resolved deploy config (JSON) and the per-stage engine flags, then exit."),
     omni: bool = typer.Option(False, "--omni", help="Accepted for vllm-omni compatibility; omni serve is always omni."),
-    async_chunk: Optional[bool] = typer.Option(None, "--async-chunk/--no-async-chunk", help="vllm-omni's streaming switch: --no-async-chunk makes the audio stage decode each utterance whole (its engine's stream: false); unset: the deploy YAML's async_chunk."),
     engine_args: Optional[str] = typer.Option(None, "--engine-args", help='Per-stage engine args as JSON (also --engine-args.key value).'),
     state_dir: Optional[str] = typer.Option(None, "--state-dir", help="Where the master persists shared state (voices, jobs)."),
     log_level: str = typer.Option("WARNING", "--log-level", help="Python log level of omni's processes."),
@@ -151,7 +155,8 @@ def serve(
 
     Any other vLLM engine flag (--max-num-batched-tokens 4096, --enable-prefix-caching ...) is passed
     to the stages whose engine takes it. vllm-omni's --init-timeout, --stage-init-timeout and
-    --omni-heartbeat-timeout set omni's start-up bound and lease."""
+    --omni-heartbeat-timeout set omni's start-up bound and lease; --no-async-chunk makes the audio
+    stage decode each utterance whole (--async-chunk: stream, whatever the deploy YAML says)."""
     from omni import config as cfg
     from omni import vllm_omni_flags
     from omni.engine_flags import merge_overrides, parse_extra_flags, spread_flags
@@ -199,6 +204,9 @@ def serve(
              "tensor_parallel_size": tensor_parallel_size, "trust_remote_code": trust_remote_code}
     flags.update(parse_extra_flags(list(ctx.args)))
     orchestration = vllm_omni_flags.take(flags)     # vllm-omni's own options with a meaning here
+    async_chunk = flags.pop("async_chunk", None)
+    if async_chunk is not None and not isinstance(async_chunk, bool):
+        raise ConfigError(f"--async-chunk takes no value (or --no-async-chunk), got {async_chunk!r}")
     flags.update(_json_flag("--engine-args", engine_args) or {})
     flags = {k: v for k, v in flags.items() if v is not None}
     user_overrides = _json_flag("--stage-overrides", stage_overrides)
@@ -325,7 +333,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     _mask_process_title(argv)
     try:
-        argv = fold_dotted_args(argv)
+        argv = fold_dotted_args([SHORT_FLAGS.get(a, a) for a in argv])
         app(args=argv, prog_name="omni", standalone_mode=True)
     except OmniError as e:
         print(f"omni: error: {e}", file=sys.stderr)

@@ -6,6 +6,8 @@ import torch
 
 from omni.engines.base import SamplingParams
 
+SAMPLING_EPS = 1e-5     # vLLM's: a temperature below it samples greedily
+
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
            history: list[tuple[list[int], list[int]]] | None = None, eos_ids: frozenset[int] = frozenset()
@@ -19,7 +21,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
                 shape_logits(logits[row], p, *history[row], eos_ids)
     out = logits.argmax(dim=-1).tolist()          # greedy rows keep this
     for row, (p, gen) in enumerate(zip(params, generators)):
-        if p.temperature > 0:
+        if p.temperature >= SAMPLING_EPS:
             out[row] = _sample_row(logits[row], p, gen)
     return out
 
@@ -48,6 +50,12 @@ def shape_logits(row: torch.Tensor, p: SamplingParams, prompt: list[int], output
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
     scores = logits / p.temperature
+    if torch.isposinf(scores).any() or torch.isnan(scores).any():
+        # A tiny repetition penalty (any float > 0 is valid) overflowed the logits, and inf - inf is NaN
+        # in the softmax: the gaps to the top instead (the overflowed tokens share the draw).
+        finite = torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max,
+                                  neginf=float("-inf"))
+        scores = (finite - finite.max()) / p.temperature
     if p.top_k > 0 and p.top_k < scores.shape[-1]:
         kth = torch.topk(scores, p.top_k).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))

@@ -190,3 +190,19 @@ def test_overrides_replace_only_what_the_stage_sets():
     got = SamplingOverrides(temperature=0.9, max_tokens=100, noise_scale=0.0).over(base)
     assert (got.temperature, got.max_tokens, got.seed, got.top_k) == (0.9, 100, 5, 3)
     assert SamplingOverrides().over(base) is base
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, repetition_penalty=5e-324),
+                                    SamplingParams(temperature=5e-324),
+                                    SamplingParams(temperature=1.0, repetition_penalty=5e-324, top_k=3, top_p=0.5)],
+                         ids=["penalty", "temperature", "penalty-top-k-p"])
+def test_a_tiny_temperature_or_penalty_samples_a_top_token_not_nan(params):
+    """Found by Schemathesis: repetition_penalty 5e-324 (valid: > 0) overflowed the logits to inf, the
+    softmax gave NaN and torch.multinomial failed the engine step (a 500, and the step of every request
+    batched with it)."""
+    from omni.engines.torch_lm_sampling import sample
+
+    logits = torch.tensor([[1.0, 3.0, 2.0, -1.0, 0.5]])
+    got = sample(logits, [params], [torch.Generator().manual_seed(0)], history=[([1, 2], [4])])
+    # a tiny temperature: the top token; a tiny penalty: one of the seen tokens it pushed to the top
+    assert got == [1] if params.repetition_penalty == 1.0 else got[0] in (1, 2)
