@@ -64,6 +64,7 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) -
         probs = sorted_scores.softmax(dim=-1)
         # Drop a token when the mass before it already reaches top_p; the first always stays.
         drop = (probs.cumsum(dim=-1) - probs) >= p.top_p
+        drop[0] = False                 # a top_p below float32's range is 0: every mass reaches it
         sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
         scores = torch.full_like(scores, float("-inf")).scatter(0, order, sorted_scores)
     probs = scores.softmax(dim=-1)

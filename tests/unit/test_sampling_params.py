@@ -194,12 +194,13 @@ def test_overrides_replace_only_what_the_stage_sets():
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, repetition_penalty=5e-324),
                                     SamplingParams(temperature=5e-324),
-                                    SamplingParams(temperature=1.0, repetition_penalty=5e-324, top_k=3, top_p=0.5)],
-                         ids=["penalty", "temperature", "penalty-top-k-p"])
-def test_a_tiny_temperature_or_penalty_samples_a_top_token_not_nan(params):
+                                    SamplingParams(temperature=1.0, repetition_penalty=5e-324, top_k=3, top_p=0.5),
+                                    SamplingParams(temperature=1.0, top_p=5e-324)],
+                         ids=["penalty", "temperature", "penalty-top-k-p", "top-p"])
+def test_a_tiny_temperature_penalty_or_top_p_samples_a_top_token_not_nan(params):
     """Found by Schemathesis: repetition_penalty 5e-324 (valid: > 0) overflowed the logits to inf, the
     softmax gave NaN and torch.multinomial failed the engine step (a 500, and the step of every request
-    batched with it)."""
+    batched with it); top_p 5e-324 is 0 in float32 and dropped every token."""
     from omni.engines.torch_lm_sampling import sample
 
     logits = torch.tensor([[1.0, 3.0, 2.0, -1.0, 0.5]])
