@@ -164,9 +164,41 @@ class SpeechRequest(msgspec.Struct, kw_only=True):
     input: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_SPEECH_CHARS,
                                        extra_json_schema={"pattern": r"^[^\x00]*[^\s\x00][^\x00]*$"})]
     model: str | None = None
-    voice: str = "joe"
+    voice: Annotated[str, msgspec.Meta(max_length=128)] | VoiceId | None = None   # None: the default voice
+    speaker: Annotated[str, msgspec.Meta(max_length=128)] | None = None            # vllm-omni's name for it
     response_format: Literal["wav", "pcm"] = "wav"
     speed: Speed = 1.0
+    # OpenAI's / vllm-omni's streaming: "sse" (speech.audio.delta events; `stream: true` alone picks it),
+    # "audio" (the raw bytes as made: pcm only, a WAV header needs the length)
+    stream: bool = False
+    stream_format: Literal["sse", "audio"] | None = None
+    # Declared so that they are refused by name (SPEECH_REFUSED), never silently ignored.
+    instructions: Annotated[str | None, _refused(["", None])] = None
+    language: Annotated[str | None, _refused([None])] = None
+    task_type: Annotated[str | None, _refused([None])] = None
+    ref_audio: Annotated[str | list | None, _refused([None])] = None
+    ref_text: Annotated[str | None, _refused([None])] = None
+    sample_rate: Annotated[int | None, _refused([None])] = None
+    seed: Annotated[int | None, _refused([None])] = None
+    max_new_tokens: Annotated[int | None, _refused([None])] = None
+
+
+class VoiceId(msgspec.Struct):
+    """OpenAI's voice object: `{"id": "..."}`."""
+    id: Annotated[str, msgspec.Meta(max_length=128)]
+
+
+# Why each refused /v1/audio/speech field is not taken (speech.py names the first one set).
+SPEECH_REFUSED = {
+    "instructions": "this pipeline's voices take no style instructions",
+    "language": "this pipeline's speech stage picks no language",
+    "task_type": "vllm-omni's Qwen3-TTS option; this pipeline's speech stage has no tasks",
+    "ref_audio": "voice cloning: upload a voice through /v1/audio/voices instead",
+    "ref_text": "voice cloning: upload a voice through /v1/audio/voices instead",
+    "sample_rate": "the audio comes at the model's own rate (the WAV header, X-Sample-Rate)",
+    "seed": "this pipeline's speech is not sampled from a seed",
+    "max_new_tokens": "the speech ends with its text",
+}
 
 
 MAX_IMAGE_PROMPT_CHARS = 4000

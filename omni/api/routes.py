@@ -36,8 +36,8 @@ ROUTES: tuple[RouteSpec, ...] = (
               ok=("application/json", "text/event-stream"), errors=GENERATION),
     RouteSpec("/tokenize", "POST", "text", "tokenize", P.TokenizeRequest, errors=(404,)),
     RouteSpec("/detokenize", "POST", "text", "detokenize", P.DetokenizeRequest, errors=(404,)),
-    RouteSpec("/v1/audio/speech", "POST", "speech", "speech", P.SpeechRequest, ok=("audio/wav", "audio/pcm"),
-              errors=GENERATION),
+    RouteSpec("/v1/audio/speech", "POST", "speech", "speech", P.SpeechRequest,
+              ok=("audio/wav", "audio/pcm", "text/event-stream"), errors=GENERATION),
     RouteSpec("/v1/images/generations", "POST", "images", "generations", P.ImageGenerationRequest,
               errors=GENERATION),
     # The Videos API: async, on the jobs' records (every frontend sees every video).

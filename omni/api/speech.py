@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import base64
 import uuid
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from omni.api import protocol as P
+from omni.api import sse
 from omni.api.audio_metrics import AudioStream
 from omni.api.errors import APIError, bad_request
 from omni.api.generation import Generation
 from omni.api.http import ClosingStream, until_disconnect
 from omni.api.state import FrontendState
-from omni.api.wav import pcm16, wav_bytes
+from omni.api.wav import pcm16, streaming_wav_header, wav_bytes
 from omni.orchestrator.types import PipelineRequest
 
 
@@ -36,11 +38,19 @@ class SpeechRoutes:
             raise bad_request(f"response_format `{req.response_format}` is not supported (wav, pcm)",
                               param="response_format")
         P.check_speed(req.speed)
-        voice, speed = await self.fe.voice(req.voice, req.speed)
+        refused = next((k for k in P.SPEECH_REFUSED if getattr(req, k) not in (None, "")), None)
+        if refused is not None:
+            raise bad_request(f"{refused} is not supported: {P.SPEECH_REFUSED[refused]}", param=refused)
+        as_sse = req.stream_format == "sse" or (req.stream and req.stream_format is None)
+        named = req.voice.id if isinstance(req.voice, P.VoiceId) else req.voice
+        if named and req.speaker and named.lower() != req.speaker.lower():
+            raise bad_request(f"voice and speaker name different voices ({named!r}, {req.speaker!r})", param="voice")
+        asked = named or req.speaker
+        voice, speed = await self.fe.voice(asked, req.speed)
         preq = PipelineRequest(request_id=f"speech-{uuid.uuid4().hex}", text=req.input,
                                entry_stage=self.fe.speech_stage, modalities=("audio",), voice=voice, speed=speed)
-        audio = AudioStream(self.fe.metrics.audio, self.fe.model, req.voice or voice,
-                            self.fe.t0(request), streamed=req.response_format == "pcm")
+        audio = AudioStream(self.fe.metrics.audio, self.fe.model, asked or voice,
+                            self.fe.t0(request), streamed=as_sse or req.response_format == "pcm")
         gen = Generation(self.fe.orch, preq, decode=self.fe.decode, prompt_ids=[], stops=[], metrics=self.fe.metrics,
                          route="/v1/audio/speech", t0=self.fe.t0(request), audio=audio)
 
@@ -53,13 +63,31 @@ class SpeechRoutes:
                 raise APIError(500, "the pipeline finished without producing audio", type="stage_error")
 
             async def body():
+                if req.response_format == "wav":      # stream_format "audio" with wav: a header of unknown length
+                    yield streaming_wav_header(gen.first_sample_rate)
                 async for ev in gen.events():
                     if ev[0] == "audio":
                         yield pcm16(ev[1])
-            return ClosingStream(body(), media_type="audio/pcm",
+            return ClosingStream(body(), media_type=f"audio/{req.response_format}",
                                   headers={"X-Sample-Rate": str(gen.first_sample_rate)})
 
-        if req.response_format == "pcm":
+        async def stream_sse() -> Response:
+            # OpenAI's stream_format "sse": speech.audio.delta events (base64 of the chunk: s16le for
+            # pcm, a whole WAV file each for wav), then speech.audio.done.
+            await gen.start()
+
+            async def body():
+                async for ev in gen.events():
+                    if ev[0] == "audio" and ev[1]:
+                        chunk = pcm16(ev[1]) if req.response_format == "pcm" else wav_bytes(ev[1], gen.sample_rate)
+                        yield sse.event({"type": "speech.audio.delta", "audio": base64.b64encode(chunk).decode()})
+                yield sse.event({"type": "speech.audio.done"})
+            return ClosingStream(body(), media_type="text/event-stream",
+                                 headers={**sse.HEADERS, "X-Sample-Rate": str(gen.first_sample_rate or "")})
+
+        if as_sse:
+            return await until_disconnect(request, stream_sse)
+        if req.response_format == "pcm" or req.stream_format == "audio":
             return await until_disconnect(request, stream_pcm)
 
         async def work() -> Response:

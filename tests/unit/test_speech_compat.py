@@ -1,0 +1,78 @@
+"""/v1/audio/speech as OpenAI's and vllm-omni's clients send it: `stream` / `stream_format` (SSE events
+or the raw bytes), the voice as `speaker` or `{"id": ...}`, and their other fields refused by name."""
+
+import base64
+import json
+
+import pytest
+
+from tests.unit.test_api import _wav_info, assert_error, make, tokenizer  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+def events(body: str) -> list[dict]:
+    frames = [f for f in body.split("\n\n") if f]
+    assert all(f.startswith("data: ") for f in frames), frames
+    return [json.loads(f[6:]) for f in frames]
+
+
+@pytest.mark.parametrize("body", [{"stream": True, "response_format": "pcm"}, {"stream_format": "sse", "response_format": "pcm"}])
+async def test_sse_streams_speech_audio_delta_events_then_done(tokenizer, body):
+    orch, c = make(tokenizer, speech_entry_stage=1)
+    orch.audio_chunks = 3
+    r = await c.post("/v1/audio/speech", json={"input": "hi there", **body})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"), r.text
+    evs = events(r.text)
+    assert [e["type"] for e in evs] == ["speech.audio.delta"] * 3 + ["speech.audio.done"]
+    pcm = b"".join(base64.b64decode(e["audio"]) for e in evs[:3])
+    raw = await c.post("/v1/audio/speech", json={"input": "hi there", "response_format": "pcm", "stream_format": "audio"})
+    assert pcm == raw.content and len(pcm) == 600            # the same s16le as the raw stream
+
+
+async def test_sse_with_wav_sends_a_whole_wav_per_chunk(tokenizer):
+    orch, c = make(tokenizer, speech_entry_stage=1)
+    orch.audio_chunks = 2
+    evs = events((await c.post("/v1/audio/speech", json={"input": "hi", "stream": True})).text)
+    assert [_wav_info(base64.b64decode(e["audio"])) for e in evs[:-1]] == [(1, 22050, 16, 200)] * 2   # 100 samples, s16le
+
+
+async def test_the_voice_as_speaker_or_an_id_object(tokenizer):
+    orch, c = make(tokenizer, speech_entry_stage=1)
+    orch.audio_chunks = 1
+    for body in ({"speaker": "joe"}, {"voice": {"id": "joe"}}, {"voice": "joe", "speaker": "JOE"}, {}):
+        r = await c.post("/v1/audio/speech", json={"input": "hi", **body})
+        assert r.status_code == 200, r.text
+        assert orch.requests[-1].voice == "joe"
+    assert_error(await c.post("/v1/audio/speech", json={"input": "hi", "voice": "joe", "speaker": "amy"}), 400,
+                 "voice", "voice and speaker name different voices")
+    assert_error(await c.post("/v1/audio/speech", json={"input": "hi", "speaker": "nobody"}), 404, "voice")
+
+
+@pytest.mark.parametrize("field, value, contains", [
+    ("instructions", "Speak cheerfully", "voices take no style instructions"),
+    ("task_type", "Base", "vllm-omni's Qwen3-TTS option"),
+    ("ref_audio", "data:audio/wav;base64,AAAA", "upload a voice through /v1/audio/voices"),
+    ("sample_rate", 16000, "the audio comes at the model's own rate"),
+    ("seed", 3, "not sampled from a seed"),
+])
+async def test_fields_this_speech_stage_cannot_honour_are_refused_by_name(tokenizer, field, value, contains):
+    orch, c = make(tokenizer, speech_entry_stage=1)
+    r = await c.post("/v1/audio/speech", json={"input": "hi", field: value})
+    assert_error(r, 400, field, contains)
+    assert orch.requests == []
+
+
+async def test_raw_streaming_of_wav_sends_a_header_of_unknown_length_then_the_samples(tokenizer):
+    orch, c = make(tokenizer, speech_entry_stage=1)
+    orch.audio_chunks = 3
+    r = await c.post("/v1/audio/speech", json={"input": "hi", "stream_format": "audio"})
+    assert r.status_code == 200 and r.headers["content-type"] == "audio/wav"
+    whole = await c.post("/v1/audio/speech", json={"input": "hi"})
+    assert r.content[44:] == whole.content[44:] and r.content[:4] == b"RIFF" and r.content[40:44] == b"\xff" * 4
+    assert r.content[8:40] == whole.content[8:40]          # the same format chunk
