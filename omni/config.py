@@ -257,6 +257,13 @@ def _read_yaml(path: Path) -> dict[str, Any]:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
+    platforms = data.get("platforms")
+    if platforms is not None and not isinstance(platforms, dict):
+        raise ConfigError(f"{path}: `platforms` must be a mapping of platform -> overrides")
+    sections = [("", data)] + [(f"platforms.{k}.", v) for k, v in (platforms or {}).items() if isinstance(v, dict)]
+    for where, section in sections:    # the shape every step after this walks
+        if section.get("stages") is not None and not isinstance(section["stages"], list):
+            raise ConfigError(f"{path}: `{where}stages` must be a list of stages, got {type(section['stages']).__name__}")
     return data
 
 

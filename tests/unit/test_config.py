@@ -96,6 +96,9 @@ stages:
      "got `str` - at `stages\\[0\\].default_sampling_params.max_tokens`"),
     ("- a list", "mapping"),
     ("model: [unclosed", "not valid YAML"),
+    ("model: m\nplatforms: [cpu]\nstages: []", "`platforms` must be a mapping"),      # were tracebacks
+    ("model: m\nstages: 5", "`stages` must be a list of stages, got int"),
+    ("model: m\nstages: []\nplatforms: {cpu: {stages: {stage_id: 0}}}", "`platforms.cpu.stages` must be a list"),
 ])
 def test_bad_yaml_names_the_key(tmp_path, yaml_text, match):
     path = write(tmp_path, "bad.yaml", yaml_text)
