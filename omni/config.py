@@ -228,11 +228,18 @@ def apply_platform(data: dict[str, Any], platform: str, source: str) -> dict[str
     return merge_configs(data, section)
 
 
+def yaml_sections(data: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The parts of a deploy YAML that hold `stages`, with their key prefix: the top level and each
+    `platforms.<name>` section."""
+    platforms = data.get("platforms")
+    return [("", data)] + [(f"platforms.{k}.", v) for k, v in (platforms if isinstance(platforms, dict) else {}).items()
+                           if isinstance(v, dict)]
+
+
 def nest_flat_engine_args(data: dict[str, Any]) -> dict[str, Any]:
     """vllm-omni's YAML puts engine args on the stage itself (flat); omni keeps them under
     `engine_args`. Stage keys that are not stage fields move there (`engine_args` wins)."""
-    sections = [data] + [v for v in (data.get("platforms") or {}).values() if isinstance(v, dict)]
-    for section in sections:
+    for _, section in yaml_sections(data):
         for stage in section.get("stages") or []:
             if not isinstance(stage, dict):
                 continue
@@ -260,8 +267,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     platforms = data.get("platforms")
     if platforms is not None and not isinstance(platforms, dict):
         raise ConfigError(f"{path}: `platforms` must be a mapping of platform -> overrides")
-    sections = [("", data)] + [(f"platforms.{k}.", v) for k, v in (platforms or {}).items() if isinstance(v, dict)]
-    for where, section in sections:    # the shape every step after this walks
+    for where, section in yaml_sections(data):    # the shape every step after this walks
         if section.get("stages") is not None and not isinstance(section["stages"], list):
             raise ConfigError(f"{path}: `{where}stages` must be a list of stages, got {type(section['stages']).__name__}")
     return data

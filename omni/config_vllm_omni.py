@@ -78,12 +78,12 @@ def translate(data: dict[str, Any], source: str) -> dict[str, Any]:
     if "stage_args" in data:
         data = from_stage_args(data, source)
     _top_level(data, source)
+    from omni.config import yaml_sections
+
     connectors = _connectors(data.pop("connectors", None), source)
-    sections = [("", data)] + [(f"platforms.{k}.", v) for k, v in (data.get("platforms") or {}).items()
-                               if isinstance(v, dict)]
-    for prefix, section in sections:
+    for prefix, section in yaml_sections(data):
         if isinstance(section.get("stages"), list):
-            codec = _stages(section["stages"], connectors, f"{source}: {prefix}stages")
+            codec = _stages(section["stages"], connectors, source, f"{prefix}stages")
             if codec:
                 section[CODEC_ARGS] = codec
     return data
@@ -159,8 +159,10 @@ def _connectors(raw: Any, source: str) -> dict[str, tuple[str, dict[str, Any]]]:
     return out
 
 
-def _stages(stages: list, connectors: dict[str, tuple[str, dict[str, Any]]], where: str) -> dict[int, dict]:
-    """Rewrites the stages in place; returns the codec args per receiving stage id."""
+def _stages(stages: list, connectors: dict[str, tuple[str, dict[str, Any]]], source: str,
+            key_path: str) -> dict[int, dict]:
+    """Rewrites the stages in place (`key_path`: where they sit in the file); returns the codec args
+    per receiving stage id."""
     from omni.config import _STAGE_FIELDS
 
     codec: dict[int, dict[str, Any]] = {}
@@ -174,7 +176,7 @@ def _stages(stages: list, connectors: dict[str, tuple[str, dict[str, Any]]], whe
 
     for s in [s for s in stages if isinstance(s, dict)]:
         sid = s.get("stage_id")
-        here = f"{where}[stage_id {sid}]"
+        here = f"{source}: {key_path}[stage_id {sid}]"
         extras = s.pop("engine_extras", None)
         if extras is not None:
             if not isinstance(extras, dict):
@@ -186,7 +188,7 @@ def _stages(stages: list, connectors: dict[str, tuple[str, dict[str, Any]]], whe
                 s.setdefault(key, value)        # flat: an engine arg, nested by config; the stage's own wins
         for key, what in DROPPED.items():
             if key in s:
-                note(where.split(":")[0], f"stage {sid}: {key}: {s.pop(key)!r} ignored: {what}")
+                note(source, f"stage {sid}: {key}: {s.pop(key)!r} ignored: {what}")
         for key, prefix in (("input_connectors", "from_stage_"), ("output_connectors", "to_stage_")):
             edges = s.pop(key, None)
             if edges is None:

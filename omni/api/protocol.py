@@ -169,7 +169,7 @@ class SpeechRequest(msgspec.Struct, kw_only=True):
     response_format: Literal["wav", "pcm"] = "wav"
     speed: Speed = 1.0
     # OpenAI's / vllm-omni's streaming: "sse" (speech.audio.delta events; `stream: true` alone picks it),
-    # "audio" (the raw bytes as made: pcm only, a WAV header needs the length)
+    # "audio" (the raw bytes as made; wav behind a header of unknown length)
     stream: bool = False
     stream_format: Literal["sse", "audio"] | None = None
     # Declared so that they are refused by name (SPEECH_REFUSED), never silently ignored.

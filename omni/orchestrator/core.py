@@ -68,7 +68,8 @@ class OrchestratorCore:
         """Admit a request and send the entry stage its input. Raises BadRequest/Unavailable
         (nothing was sent then)."""
         needed = self.needed_stages(req)
-        extra = sorted(set(req.stage_overrides) - {s.stage_id for s in self.config.stages if s.stage_id != req.entry_stage})
+        extra = req.stage_overrides and sorted(
+            set(req.stage_overrides) - {s.stage_id for s in self.config.stages if s.stage_id != req.entry_stage})
         if extra:
             raise BadRequest(f"sampling_params_list: entry {extra[0]} names no later stage of this pipeline "
                              f"(stages 0..{len(self.config.stages) - 1}, {req.entry_stage} takes the request's own)")
