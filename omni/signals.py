@@ -4,6 +4,13 @@ A Python signal handler runs on the main thread between two bytecodes, possibly 
 thread holds a lock (a threading.Event's condition, a socket lock). A handler that takes the
 same lock again waits for itself forever: a stage process hung that way when SIGTERM came
 twice. Here the handler only sets a flag and writes a byte to a pipe; waiters select on it.
+
+A signal sent to the process may land on any thread (grpc's, zmq's). The C-level handler then
+runs there and only marks the signal pending: the Python handler waits for the main thread's
+next bytecode, and a main thread blocked in select() for good never gets one (`omni master`
+hung so on SIGTERM). So waits are sliced, and pollers of fileno() need a timeout too.
+(The process's wakeup fd would wake them at once, but any other handled signal writes to it
+as well, which would leave the pipe readable with no stop requested.)
 """
 
 from __future__ import annotations
@@ -11,6 +18,9 @@ from __future__ import annotations
 import os
 import select
 import signal
+import time
+
+_SLICE_S = 0.1   # a wait returns to bytecode this often, so a pending handler runs
 
 
 class StopRequest:
@@ -33,9 +43,13 @@ class StopRequest:
 
     def wait(self, timeout: float | None = None) -> bool:
         """True once a stop was requested; waits up to `timeout` seconds (None: for good)."""
-        if not self.requested:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.requested:
+            left = _SLICE_S if deadline is None else min(_SLICE_S, deadline - time.monotonic())
+            if left <= 0:
+                break
             try:
-                select.select([self._r], [], [], timeout)
+                select.select([self._r], [], [], left)
             except InterruptedError:
                 pass
         return self.requested
