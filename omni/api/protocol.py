@@ -381,10 +381,15 @@ def stop_list(stop: str | list[str] | None) -> list[str]:
 
 
 def chat_voice(req: ChatCompletionRequest) -> str | None:
-    """The voice a chat asks for: OpenAI's `audio.voice`, or vllm-omni's top-level `voice` / `speaker`;
-    two that differ are a 400 naming them."""
-    named = {k: v for k, v in (("audio.voice", req.audio.voice if req.audio else None), ("voice", req.voice),
-                                ("speaker", req.speaker)) if v}
+    """The voice a chat asks for: OpenAI's `audio.voice`, or vllm-omni's top-level `voice` / `speaker`."""
+    return one_voice({"audio.voice": req.audio.voice if req.audio else None, "voice": req.voice,
+                      "speaker": req.speaker})
+
+
+def one_voice(named: dict[str, str | None]) -> str | None:
+    """The voice the fields name (stripped), None when none does; two that differ (case and
+    surrounding blanks aside) are a 400 naming them. Chat and speech share it."""
+    named = {k: v for k, v in named.items() if v and v.strip()}
     if len({v.strip().lower() for v in named.values()}) > 1:
         raise bad_request(f"{' and '.join(named)} name different voices ({', '.join(map(repr, named.values()))})",
                           param=next(iter(named)))

@@ -42,10 +42,8 @@ class SpeechRoutes:
         if refused is not None:
             raise bad_request(f"{refused} is not supported: {P.SPEECH_REFUSED[refused]}", param=refused)
         as_sse = req.stream_format == "sse" or (req.stream and req.stream_format is None)
-        named = req.voice.id if isinstance(req.voice, P.VoiceId) else req.voice
-        if named and req.speaker and named.lower() != req.speaker.lower():
-            raise bad_request(f"voice and speaker name different voices ({named!r}, {req.speaker!r})", param="voice")
-        asked = named or req.speaker
+        asked = P.one_voice({"voice": req.voice.id if isinstance(req.voice, P.VoiceId) else req.voice,
+                             "speaker": req.speaker})
         voice, speed = await self.fe.voice(asked, req.speed)
         preq = PipelineRequest(request_id=f"speech-{uuid.uuid4().hex}", text=req.input,
                                entry_stage=self.fe.speech_stage, modalities=("audio",), voice=voice, speed=speed)
@@ -75,6 +73,9 @@ class SpeechRoutes:
             # OpenAI's stream_format "sse": speech.audio.delta events (base64 of the chunk: s16le for
             # pcm, a whole WAV file each for wav), then speech.audio.done.
             await gen.start()
+            if not gen.first_sample_rate:   # as the raw stream and the whole answer: no audio is a 500
+                await gen.close()
+                raise APIError(500, "the pipeline finished without producing audio", type="stage_error")
 
             async def body():
                 async for ev in gen.events():

@@ -45,13 +45,22 @@ async def test_sse_with_wav_sends_a_whole_wav_per_chunk(tokenizer):
 async def test_the_voice_as_speaker_or_an_id_object(tokenizer):
     orch, c = make(tokenizer, speech_entry_stage=1)
     orch.audio_chunks = 1
-    for body in ({"speaker": "joe"}, {"voice": {"id": "joe"}}, {"voice": "joe", "speaker": "JOE"}, {}):
+    for body in ({"speaker": "joe"}, {"voice": {"id": "joe"}}, {"voice": "joe", "speaker": "JOE"},
+                 {"voice": "joe", "speaker": " joe "}, {}):   # blanks aside, as a chat's voice fields
         r = await c.post("/v1/audio/speech", json={"input": "hi", **body})
         assert r.status_code == 200, r.text
         assert orch.requests[-1].voice == "joe"
     assert_error(await c.post("/v1/audio/speech", json={"input": "hi", "voice": "joe", "speaker": "amy"}), 400,
                  "voice", "voice and speaker name different voices")
     assert_error(await c.post("/v1/audio/speech", json={"input": "hi", "speaker": "nobody"}), 404, "voice")
+
+
+@pytest.mark.parametrize("body", [{"stream": True}, {"stream_format": "audio", "response_format": "pcm"}, {}])
+async def test_a_pipeline_that_makes_no_audio_is_a_500_on_every_speech_answer(tokenizer, body):
+    orch, c = make(tokenizer, speech_entry_stage=1)
+    orch.audio_chunks = 0   # the pipeline ends without an audio output
+    assert_error(await c.post("/v1/audio/speech", json={"input": "hi", **body}), 500, None,
+                 "the pipeline finished without producing audio")   # SSE ended with only its done event
 
 
 @pytest.mark.parametrize("field, value, contains", [
