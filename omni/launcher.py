@@ -39,7 +39,10 @@ OWNER_FILE = "launcher.pid"   # in the launcher's temp dir: whose it is, so a de
 
 
 def progress(msg: str) -> None:
-    print(f"omni: {msg}", file=sys.stderr, flush=True)
+    try:
+        print(f"omni: {msg}", file=sys.stderr, flush=True)
+    except OSError:
+        pass   # our stderr is gone (a closed pipe): shutdown must still run to its end
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -91,17 +94,28 @@ class Child:
         # stops the children in order. No preexec_fn, so no fork() under gRPC's threads.
         self.proc = subprocess.Popen(
             self.argv + ["--parent-pid", str(os.getpid())], stderr=subprocess.PIPE, env=self.env,
-            process_group=0, text=True, bufsize=1, pass_fds=self.pass_fds,
+            process_group=0, text=True, errors="replace", bufsize=1, pass_fds=self.pass_fds,
         )
         threading.Thread(target=self._pump, args=(self.proc,), daemon=True,
                          name=f"omni-log-{self.name}").start()
 
     def _pump(self, proc: subprocess.Popen) -> None:
+        # Reads to EOF whatever happens to our stderr: a child whose pipe nobody drains
+        # blocks in its next log write once the pipe is full.
+        echo = True
         for line in proc.stderr:
             if not ENGINE_LINE.match(line):   # the cause quoted for this child is its own words
                 self.tail.append(line.rstrip())
-            sys.stderr.write(f"[{self.name}] {line}")
-        sys.stderr.flush()
+            if echo:
+                try:
+                    sys.stderr.write(f"[{self.name}] {line}")
+                except (OSError, ValueError):   # broken pipe, closed stream: drop the output
+                    echo = False
+        if echo:
+            try:
+                sys.stderr.flush()
+            except (OSError, ValueError):
+                pass
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

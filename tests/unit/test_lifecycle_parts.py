@@ -5,6 +5,8 @@ import subprocess
 import sys
 import threading
 
+import pytest
+
 from omni.launcher import OWNER_FILE, sweep_stale_tmp
 
 
@@ -72,3 +74,52 @@ def test_the_cause_quoted_for_a_dead_child_is_its_own():
     killed = _child("import os, signal, sys; print('omni: stage 0: ready', file=sys.stderr, flush=True); "
                     "os.kill(os.getpid(), signal.SIGKILL)")
     assert killed.exit_cause() == "was killed by SIGKILL"   # not its stale "ready" line
+
+
+class _BrokenStderr:
+    """A launcher stderr whose reader is gone (`omni serve 2>&1 | head` after head exits)."""
+
+    def write(self, s):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self):
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+class _Stderr:
+    def __init__(self):
+        self.parts = []
+
+    def write(self, s):
+        self.parts.append(s)
+
+    def flush(self):
+        pass
+
+
+# Over 128 KiB of log, twice what a pipe holds: it ends only while someone drains the pipe.
+LOUD = "import sys\n{first}for i in range(3000): sys.stderr.write('x' * 60 + '\\n')\nsys.stderr.flush()\n"
+
+
+@pytest.mark.parametrize("stderr, first", [
+    (_BrokenStderr, ""),
+    (_Stderr, "sys.stderr.buffer.write(b'\\xff\\n'); sys.stderr.flush()\n"),
+], ids=["broken-stderr", "non-utf8"])
+def test_a_child_log_is_drained_to_its_end_whatever_befalls_the_launcher_stderr(monkeypatch, stderr, first):
+    from omni import launcher
+
+    out = stderr()
+    monkeypatch.setattr(sys, "stderr", out)
+    c = launcher.Child("loud", "stage", [sys.executable, "-c", LOUD.format(first=first)])
+    c.start()
+    try:
+        assert c.proc.wait(20) == 0
+    finally:
+        c.proc.kill()
+        c.proc.wait()
+    launcher.progress("shutting down")   # a broken stderr is no error here either
+    if isinstance(out, _Stderr):
+        for t in threading.enumerate():
+            if t.name == "omni-log-loud":
+                t.join(10)
+        assert "\ufffd" in "".join(out.parts)
