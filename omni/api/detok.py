@@ -66,34 +66,48 @@ class IncrementalDetokenizer:
 
 
 class StopMatcher:
-    """Finds stop strings in streamed text, holding back a tail that could start one."""
+    """Finds stop strings in streamed text, holding back a tail that could start one.
 
-    def __init__(self, stops: list[str]):
+    As vLLM: with `include` the stop string stays at the end of the text; text fed while not
+    `armed` (the request's min_tokens not yet passed) cannot complete a match, though a stop
+    string that starts there and ends in later text does."""
+
+    def __init__(self, stops: list[str], include: bool = False):
         self._stops = [s for s in stops if s]
+        self._include = include
         self._hold = max((len(s) for s in self._stops), default=1) - 1
         self._pending = ""
+        self._armed_at = 0        # where in _pending the text fed while armed starts
         self.stopped = False
         self.matched: str | None = None   # the stop string found (vLLM's stop_reason)
 
-    def feed(self, delta: str) -> str:
+    def feed(self, delta: str, armed: bool = True) -> str:
         """Return the text safe to emit now; sets `stopped` when a stop string appeared."""
         if not self._stops:
             return delta
         if self.stopped:
             return ""
+        if not armed:
+            self._armed_at = len(self._pending) + len(delta)
         self._pending += delta
-        found = [(i, s) for s in self._stops if (i := self._pending.find(s)) >= 0]
+        found = [(i, s) for s in self._stops if (i := self._find(s)) >= 0]
         cut = min(found, key=lambda f: f[0])[0] if found else -1   # the earliest; the first listed on a tie
         if cut >= 0:
             self.stopped = True
             self.matched = next(s for i, s in found if i == cut)
-            out, self._pending = self._pending[:cut], ""
+            end = cut + len(self.matched) if self._include else cut
+            out, self._pending = self._pending[:end], ""
             return out
         if len(self._pending) <= self._hold:
             return ""
         out = self._pending[:len(self._pending) - self._hold]
         self._pending = self._pending[len(out):]
+        self._armed_at = max(0, self._armed_at - len(out))
         return out
+
+    def _find(self, stop: str) -> int:
+        """The first match that ends in text fed while armed, or -1."""
+        return self._pending.find(stop, max(0, self._armed_at - len(stop) + 1))
 
     def flush(self) -> str:
         out, self._pending = ("" if self.stopped else self._pending), ""

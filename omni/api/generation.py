@@ -31,7 +31,7 @@ from omni.orchestrator.types import OrchestratorLike, PipelineOutput, PipelineRe
 class Generation:
     def __init__(self, orchestrator: OrchestratorLike, request: PipelineRequest, *,
                  decode: Callable[[list[int]], str], prompt_ids: list[int], stops: list[str],
-                 metrics: FrontendMetrics, route: str, t0: float, eos_token_id: int | None = None,
+                 include_stop: bool = False, metrics: FrontendMetrics, route: str, t0: float, eos_token_id: int | None = None,
                  audio: AudioStream | None = None):
         self.request = request
         self.audio = audio          # set when the request asked for audio: its figures and usage
@@ -45,7 +45,8 @@ class Generation:
         self.sample_rate = 0
         self._orch = orchestrator
         self._detok = IncrementalDetokenizer(decode, prompt_ids)
-        self._stop = StopMatcher(stops)
+        self._stop = StopMatcher(stops, include_stop)
+        self._min_tokens = request.sampling.min_tokens   # stop strings count only past it (vLLM)
         self._metrics, self._route, self._t0 = metrics, route, t0
         self._it: AsyncIterator[PipelineOutput] | None = None
         self._first: PipelineOutput | None = None
@@ -95,7 +96,7 @@ class Generation:
                     out = await anext(self._it)
                 except StopAsyncIteration:
                     out = None
-            tail = self._stop.feed(self._detok.flush())
+            tail = self._stop.feed(self._detok.flush(), self.completion_tokens > self._min_tokens)
             tail += self._stop.flush()
             self.text += tail
             if self._stop.stopped or self.finish_reason is None:
@@ -117,7 +118,7 @@ class Generation:
             ids = out.token_ids
             if out.finished and isinstance(out.stop_reason, int) and ids[-1] == out.stop_reason:
                 ids = ids[:-1]   # as vLLM: the token a stop finish stopped on adds no text
-            text = self._stop.feed(self._detok.push(ids))
+            text = self._stop.feed(self._detok.push(ids), self.completion_tokens > self._min_tokens)
             if latency_trace.on():
                 latency_trace.mark("text" if text else "no_text", self.request.request_id, len(out.token_ids))
             self.text += text

@@ -136,9 +136,10 @@ def narrow(components: dict, f: Facts) -> None:
         if s is not None and f.vocab_size:
             first(s)["propertyNames"] = {"pattern": below(f.vocab_size)}
     if f.vocab_size:
-        for s in (prop("DetokenizeRequest", "tokens"), _token_list(prop("CompletionRequest", "prompt"))):
-            if s is not None:
-                s["items"]["maximum"] = f.vocab_size - 1
+        s = prop("DetokenizeRequest", "tokens")
+        if s is not None:
+            s["items"]["maximum"] = f.vocab_size - 1
+        _cap_token_ids(prop("CompletionRequest", "prompt"), f.vocab_size - 1)
     s = prop("SpeechRequest", "input")
     if s is not None and f.max_speech_chars is not None:
         s["maxLength"] = min(s.get("maxLength", f.max_speech_chars), f.max_speech_chars)
@@ -187,10 +188,16 @@ def narrow(components: dict, f: Facts) -> None:
         components["JobRequest"] = _job_request(f, components)
 
 
-def _token_list(prompt: dict | None) -> dict | None:
-    if prompt is None:
-        return None
-    return next((s for s in prompt.get("anyOf", []) if s.get("type") == "array"), None)
+def _cap_token_ids(schema, top: int) -> None:
+    """Every token id the prompt's schema allows (flat, or nested in a list), at most `top`."""
+    if isinstance(schema, dict):
+        if schema.get("type") == "integer":
+            schema["maximum"] = top
+        for v in schema.values():
+            _cap_token_ids(v, top)
+    elif isinstance(schema, list):
+        for v in schema:
+            _cap_token_ids(v, top)
 
 
 def _job_request(f: Facts, components: dict) -> dict:

@@ -15,6 +15,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from omni.api.errors import bad_request
+from omni.api.refused import RefusedParams, first_refused
+from omni.api.refused import refused as _refused
 from omni.engines.logprobs import MAX_LOGPROBS
 
 
@@ -51,6 +53,9 @@ class ChatMessage(msgspec.Struct):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart | AudioPart | AudioUrlPart] | None = None
     name: str | None = None
+    # A tool call history: refused by name (chat_messages), as `tools` is.
+    tool_calls: Annotated[list | None, _refused([None, []])] = None
+    tool_call_id: Annotated[str | None, _refused([None])] = None
 
 
 class StreamOptions(msgspec.Struct):
@@ -63,11 +68,6 @@ class AudioOptions(msgspec.Struct):
     format: Literal["wav", "pcm16"] = "wav"
 
 
-def _refused(allowed: list) -> msgspec.Meta:
-    """A parameter omni refuses by name unless it is one of `allowed` (check_sampling says so)."""
-    return msgspec.Meta(extra_json_schema={"enum": allowed})
-
-
 Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
 MaxTokens = Annotated[int, msgspec.Meta(ge=1)]
 TokenId = Annotated[int, msgspec.Meta(ge=0)]
@@ -75,7 +75,7 @@ StopString = Annotated[str, msgspec.Meta(min_length=1)]
 MAX_STOP_STRINGS = 16
 
 
-class _Sampling(msgspec.Struct, kw_only=True):
+class _Sampling(RefusedParams, kw_only=True):
     model: str | None = None
     max_tokens: MaxTokens | None = None
     temperature: Annotated[float, msgspec.Meta(ge=0.0, le=2.0)] | None = None
@@ -86,9 +86,10 @@ class _Sampling(msgspec.Struct, kw_only=True):
     stop: StopString | Annotated[list[StopString], msgspec.Meta(max_length=MAX_STOP_STRINGS)] | None = None
     stop_token_ids: list[TokenId] | None = None  # extension
     ignore_eos: bool = False               # extension
-    stream: bool = False
+    stream: bool | None = False            # null: OpenAI's default, as for the others
     stream_options: StreamOptions | None = None
-    n: Annotated[int, msgspec.Meta(ge=1, le=1)] = 1
+    n: Annotated[int, msgspec.Meta(ge=1, le=1)] | None = 1
+    include_stop_str_in_output: bool | None = False   # extension (vLLM): the stop string stays in the text
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=2.0)] | None = None   # extension (vLLM)
@@ -136,6 +137,10 @@ TemplateKwargs = Annotated[dict[Annotated[str, msgspec.Meta(max_length=64)], Any
 class ChatCompletionRequest(_Sampling, kw_only=True):
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
     chat_template_kwargs: TemplateKwargs | None = None
+    # extension (vLLM): null is "unless continue_final_message"; both true is a 400
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = False   # extension (vLLM): the model continues the last message
+    echo: Annotated[bool | None, _refused([False, None])] = None
     # extension (vllm-omni): the voice at the top level, where OpenAI's clients put it in `audio`
     voice: Annotated[str, msgspec.Meta(max_length=128)] | None = None
     speaker: Annotated[str, msgspec.Meta(max_length=128)] | None = None
@@ -148,9 +153,17 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None   # needs logprobs: true
 
 
+_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+_PROMPT_LISTS = {"anyOf": [_IDS, {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1},
+                           {"type": "array", "items": _IDS, "minItems": 1, "maxItems": 1}]}
+
+
 class CompletionRequest(_Sampling, kw_only=True):
-    prompt: Annotated[str, msgspec.Meta(min_length=1)] | Annotated[list[TokenId], msgspec.Meta(min_length=1)]
-    echo: Annotated[bool, _refused([False])] = False
+    # OpenAI's four forms: text, token ids, and one prompt in a list of either (one_prompt checks
+    # the list's shape, which the schema states; a batch would need one choice per prompt)
+    prompt: (Annotated[str, msgspec.Meta(min_length=1)]
+             | Annotated[list[TokenId | str | list[TokenId]], msgspec.Meta(min_length=1, extra_json_schema=_PROMPT_LISTS)])
+    echo: Annotated[bool | None, _refused([False, None])] = False
     # top-k per token, 0..20 (vLLM's max_logprobs)
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None
 
@@ -248,6 +261,9 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)] | None = None
     add_special_tokens: bool = True       # with `prompt`; the chat template decides for `messages`
     chat_template_kwargs: TemplateKwargs | None = None
+    add_generation_prompt: bool | None = None     # with `messages`, as chat's
+    continue_final_message: bool | None = False
+    return_token_strs: bool | None = False        # extension (vLLM): `token_strs`, the tokens' own strings
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
@@ -269,10 +285,21 @@ class VoiceSpec(msgspec.Struct, kw_only=True):
 
 
 # What a type cannot say about itself, merged into its schema (openapi.py): /tokenize takes
-# exactly one of `prompt` and `messages`.
-SCHEMA_EXTRA = {"TokenizeRequest": {"oneOf": [
-    {"required": ["prompt"], "properties": {"prompt": {"type": "string"}, "messages": {"type": "null"}}},
-    {"required": ["messages"], "properties": {"messages": {"type": "array"}, "prompt": {"type": "null"}}}]}}
+# exactly one of `prompt` and `messages`; stream_options needs stream: true; add_generation_prompt
+# and continue_final_message are not both true.
+_STREAM_OPTIONS = {"if": {"required": ["stream_options"], "properties": {"stream_options": {"type": "object"}}},
+                   "then": {"required": ["stream"], "properties": {"stream": {"const": True}}}}
+_ONE_ENDING = {"not": {"required": ["add_generation_prompt", "continue_final_message"],
+                       "properties": {"add_generation_prompt": {"const": True},
+                                      "continue_final_message": {"const": True}}}}
+SCHEMA_EXTRA = {
+    "TokenizeRequest": {"oneOf": [
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}, "messages": {"type": "null"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}, "prompt": {"type": "null"}}}],
+        "allOf": [_ONE_ENDING]},
+    "ChatCompletionRequest": {"allOf": [_STREAM_OPTIONS, _ONE_ENDING]},
+    "CompletionRequest": {"allOf": [_STREAM_OPTIONS]},
+}
 
 
 _PATH_RE = re.compile(r"\$\.?([A-Za-z_][A-Za-z0-9_]*(?:\[\d+\]|\.[A-Za-z_][A-Za-z0-9_]*)*)")
@@ -321,11 +348,16 @@ def _unsupported(req: _Sampling) -> str | None:
 def check_sampling(req: _Sampling) -> int | None:
     """Range checks shared by chat and completions (max_tokens is checked later, with the prompt);
     returns the request's logprobs k (logprobs_k), for FrontendState.sampling."""
-    if req.n != 1:
+    if req.n not in (None, 1):
         raise bad_request(f"n={req.n} is not supported; only n=1", param="n")
     name = _unsupported(req)
     if name is not None:
         raise bad_request(f"{name} is not supported by this server yet", param=name)
+    named = first_refused(req)
+    if named is not None:
+        raise bad_request(f"{named[0]}: {named[1]}", param=named[0])
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options needs stream: true", param="stream_options")   # vLLM's rule
     for name in ("presence_penalty", "frequency_penalty"):
         v = getattr(req, name)
         if v is not None and not -2.0 <= v <= 2.0:
@@ -374,6 +406,22 @@ def logprobs_k(req: _Sampling) -> int | None:
     return k
 
 
+def one_prompt(prompt: str | list) -> str | list[int]:
+    """A completion's prompt as text or token ids. OpenAI's list forms hold one prompt here:
+    token ids, [text] or [[ids]]; a batch of prompts is a 400 (one choice per request)."""
+    if isinstance(prompt, str) or all(isinstance(t, int) for t in prompt):
+        return prompt
+    if len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise bad_request(f"prompt holds {len(prompt)} prompts; this server takes one prompt per request",
+                          param="prompt")
+    if len(prompt) != 1:
+        raise bad_request("prompt must be text, token ids, or one prompt as [text] or [[ids]]", param="prompt")
+    one = prompt[0]
+    if isinstance(one, list) and not one:
+        raise bad_request("prompt must not be empty", param="prompt")
+    return one
+
+
 def stop_list(stop: str | list[str] | None) -> list[str]:
     if stop is None:
         return []
@@ -408,6 +456,10 @@ def chat_messages(req: ChatCompletionRequest, audios: list | None = None) -> lis
         raise bad_request("messages must not be empty", param="messages")
     out = []
     for i, m in enumerate(req.messages):
+        if m.tool_calls or m.tool_call_id is not None:   # a tool's history: tools are refused too
+            name = "tool_calls" if m.tool_calls else "tool_call_id"
+            raise bad_request(f"messages[{i}].{name}: tool calls are not supported by this server",
+                              param=f"messages[{i}].{name}")
         if m.content is None:
             text = ""
         elif isinstance(m.content, str):
@@ -434,6 +486,16 @@ def chat_messages(req: ChatCompletionRequest, audios: list | None = None) -> lis
             d["name"] = m.name
         out.append(d)
     return out
+
+
+def chat_ending(req: ChatCompletionRequest | TokenizeRequest) -> tuple[bool, bool]:
+    """(add_generation_prompt, continue_final_message) as vLLM takes them; the first defaults to
+    "unless the second" (vLLM makes a client say false), both true is a 400."""
+    cont = bool(req.continue_final_message)
+    if cont and req.add_generation_prompt:
+        raise bad_request("add_generation_prompt and continue_final_message cannot both be true",
+                          param="continue_final_message")
+    return (not cont if req.add_generation_prompt is None else req.add_generation_prompt), cont
 
 
 def check_voice_spec(spec: VoiceSpec, builtin: list[str]) -> None:

@@ -157,9 +157,13 @@ class FrontendState:
                 raise bad_request(f"chat_template_kwargs.{key}: {why}", param=f"chat_template_kwargs.{key}")
         return dict(kwargs)
 
-    def render_chat(self, messages: list[dict], kwargs: dict | None = None) -> list[int]:
+    def render_chat(self, messages: list[dict], kwargs: dict | None = None,
+                    ending: tuple[bool, bool] = (True, False)) -> list[int]:
+        """`ending`: (add_generation_prompt, continue_final_message), protocol.chat_ending."""
+        if ending[1]:
+            kwargs = {**(kwargs or {}), "continue_final_message": True}
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=ending[0], tokenize=False,
                                                       **(kwargs or {}))
         except Exception as e:
             raise bad_request(f"the chat template could not render these messages: {e}",

@@ -96,7 +96,8 @@ class TextRoutes:
         chars = content_chars(messages)
         self.fe.check_prompt_chars(chars, "messages", "messages")
         kwargs = self.fe.template_kwargs(req.chat_template_kwargs)
-        prompt_ids = await self.fe.offload(chars > OFFLOAD_CHARS, self.fe.render_chat, messages, kwargs)
+        prompt_ids = await self.fe.offload(chars > OFFLOAD_CHARS, self.fe.render_chat, messages, kwargs,
+                                           P.chat_ending(req))
         if audios:
             self.fe.check_audio_placeholders(prompt_ids, len(audios))
         if req.max_completion_tokens is not None:
@@ -111,7 +112,8 @@ class TextRoutes:
                                # stages that feed a talker capture what it needs only then
                                audio_out="audio" in modalities, num_audio_inputs=len(inputs), inputs=inputs)
         gen = Generation(self.fe.orch, preq, decode=self.fe.decode, prompt_ids=prompt_ids,
-                         stops=P.stop_list(req.stop), metrics=self.fe.metrics, route="/v1/chat/completions",
+                         stops=P.stop_list(req.stop), include_stop=bool(req.include_stop_str_in_output),
+                         metrics=self.fe.metrics, route="/v1/chat/completions",
                          t0=self.fe.t0(request), eos_token_id=self.fe.tokenizer.eos_token_id, audio=audio)
         if req.stream:
             body = functools.partial(self._chat_stream, wav_chunks=req.audio is None)
@@ -208,22 +210,25 @@ class TextRoutes:
         req = P.decode_body(await request.body(), P.CompletionRequest)
         self.fe.check_model(req.model)
         logprobs = P.check_sampling(req)
-        if isinstance(req.prompt, str):
-            if not req.prompt:
+        prompt = P.one_prompt(req.prompt)
+        if isinstance(prompt, str):
+            if not prompt:
                 raise bad_request("prompt must not be empty", param="prompt")
-            self.fe.check_prompt_chars(len(req.prompt), "prompt", "prompt")
-            prompt_ids = list(await self.fe.offload(len(req.prompt) > OFFLOAD_CHARS, self.fe.encode, req.prompt, True))
+            self.fe.check_prompt_chars(len(prompt), "prompt", "prompt")
+            prompt_ids = list(await self.fe.offload(len(prompt) > OFFLOAD_CHARS, self.fe.encode, prompt, True))
         else:
-            prompt_ids = list(req.prompt)
+            prompt_ids = list(prompt)
             if not prompt_ids:
                 raise bad_request("prompt must not be empty", param="prompt")
-        mt = self.fe.max_tokens(req.max_tokens, len(prompt_ids), "max_tokens", "prompt")   # length first
-        if not isinstance(req.prompt, str):
+        # vLLM's and OpenAI's default for completions is 16 tokens (chat's is the deploy's)
+        mt = self.fe.max_tokens(req.max_tokens, len(prompt_ids), "max_tokens", "prompt", default=16)   # length first
+        if not isinstance(prompt, str):
             self.fe.check_token_ids(prompt_ids, "prompt token id", "prompt")
         preq = PipelineRequest(request_id=f"cmpl-{uuid.uuid4().hex}", prompt_token_ids=prompt_ids,
                                sampling=self.fe.sampling(req, mt, logprobs))
         gen = Generation(self.fe.orch, preq, decode=self.fe.decode, prompt_ids=prompt_ids,
-                         stops=P.stop_list(req.stop), metrics=self.fe.metrics, route="/v1/completions",
+                         stops=P.stop_list(req.stop), include_stop=bool(req.include_stop_str_in_output),
+                         metrics=self.fe.metrics, route="/v1/completions",
                          t0=self.fe.t0(request), eos_token_id=self.fe.tokenizer.eos_token_id)
         if req.stream:
             return await until_disconnect(
@@ -244,14 +249,16 @@ class TextRoutes:
             chars = content_chars(messages)
             self.fe.check_prompt_chars(chars, "messages", "messages")
             kwargs = self.fe.template_kwargs(req.chat_template_kwargs)
-            ids = await self.fe.offload(chars > OFFLOAD_CHARS, self.fe.render_chat, messages, kwargs)
+            ids = await self.fe.offload(chars > OFFLOAD_CHARS, self.fe.render_chat, messages, kwargs,
+                                        P.chat_ending(req))
         else:
             self.fe.check_prompt_chars(len(req.prompt), "prompt", "prompt")
             ids = list(await self.fe.offload(len(req.prompt) > OFFLOAD_CHARS, self.fe.encode, req.prompt,
                                            req.add_special_tokens))
+        body = {"count": len(ids), "max_model_len": self.fe.max_model_len, "tokens": ids,
+                "token_strs": self.fe.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None}
         # msgspec: json.dumps of 150k ids holds the loop for ~0.1 s
-        return Response(msgspec.json.encode({"count": len(ids), "max_model_len": self.fe.max_model_len,
-                                             "tokens": ids}), media_type="application/json")
+        return Response(msgspec.json.encode(body), media_type="application/json")
 
     async def detokenize(self, request: Request) -> Response:
         self.fe.need_text()

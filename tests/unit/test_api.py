@@ -297,7 +297,7 @@ async def test_multibyte_stream_has_no_replacement_chars(tokenizer):
     tokens = [e for e in sse_events(r.text) if e["choices"] and "content" in e["choices"][0]["delta"]
               and "role" not in e["choices"][0]["delta"]]
     assert len(tokens) == len(ids) + 1 and any(e["choices"][0]["delta"]["content"] == "" for e in tokens)
-    r = await c.post("/v1/completions", json={"prompt": "x", "stream": True})
+    r = await c.post("/v1/completions", json={"prompt": "x", "stream": True, "max_tokens": 64})
     chunks = [e for e in sse_events(r.text) if e["choices"]]
     assert len(chunks) == len(ids) + 1 and "".join(e["choices"][0]["text"] for e in chunks) == reply
     # The EOS token's chunk is the last one: no text, and it carries the finish.
