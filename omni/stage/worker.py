@@ -126,8 +126,9 @@ class StageWorker:
         watching = False   # the fd is in the poller (not while output is held: it stays readable)
         busy_timeout = 0 if ready_fd is None else int(STEP_IDLE_S * 1000)
         last_step = time.monotonic()
-        if self._stop_request is not None:
-            poller.register(self._stop_request.fileno())
+        stop_fd = self._stop_request.fileno() if self._stop_request is not None else None
+        if stop_fd is not None:
+            poller.register(stop_fd)
         stop_deadline: float | None = None
         while True:
             busy = self.engine.has_unfinished() and not self.engine.is_sleeping()
@@ -153,6 +154,9 @@ class StageWorker:
                 self.control.run_pending()
             if self._stop_request is not None and self._stop_request.is_set():
                 self._stopping.set()
+                if stop_fd is not None:   # never drained: it would end every later poll at once
+                    poller.unregister(stop_fd)
+                    stop_fd = None
             if self._held:
                 self._flush_held()
             if self._stopping.is_set():
