@@ -328,7 +328,9 @@ class OrchestratorCore:
         stage = self.config.stage(s)
         replica = st.replica
         live = self.topology.replicas.get(replica.replica_id) if replica is not None else None
-        if live is None or live.state != "READY":
+        # A draining replica finishes what it began (a stream's next piece, the next sentence),
+        # it only takes nothing new.
+        if live is None or live.state not in (("READY", "DRAINING") if st.started else ("READY",)):
             if st.started:
                 raise StageFailed(s, replica.replica_id if replica else "?", "replica is gone", errors.UNAVAILABLE)
             if replica is not None:

@@ -29,7 +29,7 @@ from omni.stage import messages as m
 from omni.stage.control import StageControl
 from omni.stage.local_link import CLOSED, LocalPeers
 from omni.stage.loop_poll import LoopPoller
-from omni.stage.worker_state import HeldOutput, InFlight, WorkerStats, load_report
+from omni.stage.worker_state import HeldOutput, InFlight, RecentBases, WorkerStats, load_report
 from omni.stage.curve import secure_server
 from omni.stage.producers import OutputProducers
 from omni.transport.base import ProducerFull, TensorProducer, TransportError
@@ -66,6 +66,7 @@ class StageWorker:
         self._producers = OutputProducers(make_producer, stage.devices, stage.label)
         self._consumer = consumer
         self._reqs: dict[str, InFlight] = {}
+        self._recent = RecentBases()   # requests taken lately: draining refuses only others
         # Backpressure: while anything is held, the engine is not stepped, so memory
         # stays bounded by the producers' limits plus one step's output.
         self._held: deque[HeldOutput] = deque()
@@ -235,7 +236,10 @@ class StageWorker:
 
     def _add(self, ident: bytes, msg: m.AddRequest) -> None:
         rid = msg.request_id
-        if self.draining or self._stopping.is_set() or self.engine.is_sleeping():
+        # Draining or stopping refuses new work only; asleep, the engine can serve nothing (it
+        # refused to sleep with work open, or dropped it).
+        if self.engine.is_sleeping() or ((self.draining or self._stopping.is_set())
+                                         and rid not in self._reqs and rid not in self._recent):
             # The frontend's answer is 503: the stage is there, just not taking requests (how to undo it).
             how = ("asleep; `omni wakeup --stage {s}` or POST /v1/omni/wakeup wakes it" if self.engine.is_sleeping()
                    else "draining; `omni undrain --replica {r}` takes it back" if self.draining else "stopping")
@@ -268,6 +272,7 @@ class StageWorker:
             kind = "internal" if isinstance(e, TransportError) else "client"   # the engine refused it
             self._send(ident, self._error(rid, f"{type(e).__name__}: {e}", kind))
             return
+        self._recent.add(rid)
         if rid not in self._reqs:
             self.stats.requests_total += 1
             self._reqs[rid] = InFlight(ident, time.monotonic(), msg.out_transport or self.default_transport,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +20,26 @@ class InFlight:
     started: bool = False
     hold_s: float = 0.0      # held this long after the first output (AddRequest.hold_ms)
     out_devices: str = ""    # AddRequest.out_devices
+
+
+class RecentBases:
+    """The base ids ("r1" of "r1/s2") of the latest `cap` requests taken. A draining stage still
+    takes the later parts of requests it began: a stream's next piece, or the next sentence of a
+    request whose previous one it finished (so nothing of it is in flight at that moment)."""
+
+    def __init__(self, cap: int = 4096):
+        self.cap = cap
+        self._ids: OrderedDict[str, None] = OrderedDict()
+
+    def add(self, rid: str) -> None:
+        base = rid.split("/", 1)[0]
+        self._ids[base] = None
+        self._ids.move_to_end(base)
+        if len(self._ids) > self.cap:
+            self._ids.popitem(last=False)
+
+    def __contains__(self, rid: str) -> bool:
+        return rid.split("/", 1)[0] in self._ids
 
 
 @dataclass

@@ -175,6 +175,30 @@ def test_entry_replica_dies_before_any_output_the_request_is_replayed():
     assert of(acts, ev.Finished)[0].outcome == "ok"
 
 
+def test_a_draining_replica_gets_the_rest_of_what_it_began_and_nothing_new():
+    core = make_core(*ALL)
+    core.submit(chat())
+    core.handle(output("s0r0", 0, "r1", token_ids=ids("Hi. Yo")))                          # the talker got "Hi."
+    core.handle(output("s1r0", 1, "r1/s1", tensors={"latents": ref(1)}, finished=True))   # code2wav got its latents
+    core.topology.apply(TopologyEvent("UPDATED", [replica(1, "s1r0", state="DRAINING"),
+                                                  replica(2, "s2r0", state="DRAINING")], 2))
+    acts = core.handle(output("s0r0", 0, "r1", token_ids=ids("!"), finished=True, finish_reason="stop"))
+    assert sends(acts) == [("s1r0", "r1/s2", True)] and not of(acts, ev.Fail)     # the next sentence
+    acts = core.handle(output("s1r0", 1, "r1/s2", tensors={"latents": ref(2)}, finished=True))
+    assert sends(acts) == [("s2r0", "r1", False), ("s2r0", "r1", True)]           # the stream's rest
+    acts = core.handle(output("s2r0", 2, "r1", tensors={"audio": ref(7, "s2r0")}, sample_rate=24000, finished=True))
+    assert of(acts, ev.Finished)[0].outcome == "ok"
+    with pytest.raises(Unavailable, match="stage 1"):                              # nothing new goes there
+        core.submit(chat("r2"))
+    # A replica that is gone (SUSPECT) still fails the started stage at its next send.
+    core = make_core(*ALL)
+    core.submit(chat())
+    core.handle(output("s0r0", 0, "r1", token_ids=ids("Hi. Yo")))
+    core.topology.apply(TopologyEvent("UPDATED", [replica(1, "s1r0", state="SUSPECT")], 2))
+    acts = core.handle(output("s0r0", 0, "r1", token_ids=ids("!"), finished=True))
+    assert not of(acts, ev.Send) and "stage 1 replica s1r0: replica is gone" in str(of(acts, ev.Fail)[0].error)
+
+
 def speech_with_code2wav_on(*code2wav: ReplicaInfo) -> tuple[OrchestratorCore, list]:
     """A speech request whose talker finished (its shm latents all sent to code2wav); then
     the code2wav replica it went to dies. -> (core, actions of that death)."""

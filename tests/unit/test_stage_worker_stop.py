@@ -6,20 +6,22 @@ import os
 import threading
 
 from omni.config import StageConfig
-from omni.engines.base import SamplingParams
+from omni.engines.base import EngineOutput, SamplingParams
 from omni.signals import StopRequest
 from omni.stage import messages as m
 from omni.stage.worker import StageWorker
-from tests.unit.test_stage_worker import ReadyFdEngine, dealer, enc, hello, recv
+from tests.unit.test_stage_worker import ReadyFdEngine, dealer, enc, hello, recv, running
 
 
 class AddedReadyFdEngine(ReadyFdEngine):
     def __init__(self):
         super().__init__()
         self.added = threading.Event()
+        self.ids: list[str] = []
 
     def add_request(self, r) -> None:
         super().add_request(r)
+        self.ids.append(r.request_id)
         self.added.set()
 
 
@@ -55,3 +57,42 @@ def test_a_stop_request_ends_one_wait_of_the_loop_not_every_wait_of_the_grace():
     assert not t.is_alive()
     # The stop pipe is never read: left in the poller, every poll of the grace returned at once.
     assert len(polls_with_stop) <= 1, len(polls_with_stop)
+
+
+def test_a_draining_stage_takes_the_later_parts_of_what_it_holds_and_nothing_new():
+    gen = running(StageConfig(stage_id=1, engine="ready", name="talker"), AddedReadyFdEngine())
+    w, engine = next(gen)
+    try:
+        s = dealer(w.endpoint)
+        assert hello(s).ok
+
+        def add(rid):
+            s.send(enc.encode(m.AddRequest(request_id=rid, prompt_token_ids=[1], final=False)))
+
+        def until_ping(call_id):
+            s.send(enc.encode(m.Utility(call_id, "ping")))
+            got = []
+            while not isinstance(msg := recv(s), m.UtilityResult):
+                got.append(msg)
+            return got
+
+        add("r1")                                   # a stream's first piece
+        add("sp/s1")                                # a request's first sentence, finished before the drain
+        assert until_ping(1) == []
+        engine.push(EngineOutput(request_id="sp/s1", token_ids=[2], finished=True))
+        assert recv(s).finished
+        assert w.command("DRAIN") == (True, "draining")
+        add("r1")                                   # its next piece
+        add("sp/s2")                                # its next sentence: nothing of "sp" is in flight now
+        add("new")
+        refused = until_ping(2)
+        assert [(e.request_id, type(e)) for e in refused] == [("new", m.RequestError)]
+        assert "draining" in refused[0].message
+        assert engine.ids == ["r1", "sp/s1", "r1", "sp/s2"]
+        for rid in ("r1", "sp/s2"):                 # and they finish there
+            engine.push(EngineOutput(request_id=rid, token_ids=[3], finished=True))
+            out = recv(s)
+            assert out.request_id == rid and out.finished
+        s.close()
+    finally:
+        next(gen, None)
