@@ -92,7 +92,18 @@ class Results:
         if self._dir is None:
             self._mem[job_id] = data
         else:
-            await asyncio.to_thread(self._write, job_id, data)
+            # Not abandoned when the job is cancelled: the cancel's delete comes after the file
+            # lands, or the write would leave an orphan result behind it.
+            write = asyncio.ensure_future(asyncio.to_thread(self._write, job_id, data))
+            cancelled = False
+            while not write.done():
+                try:
+                    await asyncio.shield(write)
+                except asyncio.CancelledError:
+                    cancelled = True
+            if cancelled:
+                raise asyncio.CancelledError
+            write.result()
 
     def _write(self, job_id: str, data: bytes) -> None:
         atomic_write(self._dir / job_id, data)   # a reader sees the whole result or none

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import threading
 
 import httpx
 import pytest
@@ -176,6 +177,34 @@ async def test_delete_on_the_owner_cancels_at_once(tokenizer, tmp_path):
     await c.delete(f"/v1/omni/jobs/{job['id']}")
     await settle(jobs)
     assert orch.closed == [orch.requests[0].request_id] and jobs._tasks == {}
+
+
+async def test_a_job_deleted_while_its_result_is_written_leaves_no_result_file(tmp_path, monkeypatch):
+    entered, release, wrote = threading.Event(), threading.Event(), threading.Event()
+    real_write = Results._write
+
+    def write(self, job_id, data):
+        entered.set()
+        try:
+            assert release.wait(10)
+            real_write(self, job_id, data)
+        finally:
+            wrote.set()
+    monkeypatch.setattr(Results, "_write", write)
+    jobs = Jobs(LocalKv(), Results(tmp_path))
+
+    async def work():
+        return 200, "audio/wav", b"RIFF"
+    job = await jobs.submit("/v1/audio/speech", work)
+    task = jobs._tasks[job["id"]]
+    assert await asyncio.to_thread(entered.wait, 10)
+    await jobs.remove(job["id"])          # cancels the job while its result file is being written
+    release.set()
+    assert await asyncio.to_thread(wrote.wait, 10)
+    await asyncio.wait([task], timeout=10)
+    assert task.cancelled()
+    assert os.listdir(tmp_path) == [] and await jobs.kv.kv_get("jobs", job["id"]) is None
+    await jobs.close()
 
 
 async def test_a_frontend_runs_at_most_max_running_jobs_at_once(tokenizer, tmp_path):
