@@ -13,6 +13,10 @@ LIVE = ("READY",)
 GONE = ("SUSPECT", "DEAD")
 
 
+def _restarted(before: ReplicaInfo, now: ReplicaInfo) -> bool:
+    return (before.pid, before.host, before.endpoints) != (now.pid, now.host, now.endpoints)
+
+
 class Topology:
     def __init__(self) -> None:
         self.replicas: dict[str, ReplicaInfo] = {}
@@ -28,11 +32,14 @@ class Topology:
             old = self.replicas
             self.replicas = {r.replica_id: r for r in event.replicas}
             self.synced = True
+            # A replica that restarted under the same id while the watch was down is another
+            # process: the old one is REMOVED (what it held fails or moves), the new one ADDED.
             for rid, r in old.items():
-                if rid not in self.replicas:
+                if rid not in self.replicas or _restarted(r, self.replicas[rid]):
                     self._notify(r, "REMOVED")
             for r in event.replicas:
-                self._notify(r, "UPDATED")
+                prev = old.get(r.replica_id)
+                self._notify(r, "ADDED" if prev is not None and _restarted(prev, r) else "UPDATED")
             return
         for r in event.replicas:
             if event.kind == "REMOVED":

@@ -199,6 +199,28 @@ def test_a_draining_replica_gets_the_rest_of_what_it_began_and_nothing_new():
     assert not of(acts, ev.Send) and "stage 1 replica s1r0: replica is gone" in str(of(acts, ev.Fail)[0].error)
 
 
+def test_a_replica_restarted_under_its_id_while_the_watch_was_down_fails_what_the_old_one_held():
+    import msgspec
+
+    core = make_core(*ALL)
+    seen, acts = [], []
+
+    def on_change(r, kind):   # as the executor: a stage replica REMOVED is gone for the core
+        seen.append((r.replica_id, r.pid, kind))
+        if kind == "REMOVED":
+            acts.extend(core.handle(ev.ReplicaGone(r, "gone")))
+    core.topology.on_change(on_change)
+    core.submit(chat(modalities=("text",)))
+    core.handle(output("s0r0", 0, "r1", token_ids=ids("Hi")))           # past its first output: no replay
+    # The watch stream comes back with a snapshot: s0r0 is another process now, the others as they were.
+    restarted = msgspec.structs.replace(replica(0, "s0r0"), pid=2, endpoints={"channel": "tcp://h1:2"})
+    core.topology.apply(TopologyEvent("SNAPSHOT", [restarted, replica(1, "s1r0"), replica(2, "s2r0")], 5))
+    assert seen == [("s0r0", 1, "REMOVED"), ("s0r0", 2, "ADDED"), ("s1r0", 1, "UPDATED"), ("s2r0", 1, "UPDATED")]
+    fail = of(acts, ev.Fail)[0].error
+    assert isinstance(fail, StageFailed) and "stage 0 replica s0r0: replica is gone" in str(fail)
+    assert of(acts, ev.Finished)[0].outcome == "failed" and core.topology.replicas["s0r0"].pid == 2
+
+
 def speech_with_code2wav_on(*code2wav: ReplicaInfo) -> tuple[OrchestratorCore, list]:
     """A speech request whose talker finished (its shm latents all sent to code2wav); then
     the code2wav replica it went to dies. -> (core, actions of that death)."""
