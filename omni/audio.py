@@ -57,6 +57,11 @@ def wav_bytes(pcm_f32: Any, sample_rate: int) -> bytes:
 # ---------------------------------------------------------------- decoding (audio input)
 
 _PCM, _FLOAT, _EXTENSIBLE = 1, 3, 0xFFFE
+# Sample rates taken: a header's rate is any u32, and resampling from 4 GHz costs millions of taps
+# per output sample (gigabytes for one request).
+MIN_RATE, MAX_RATE = 1000, 384000
+# Filter-matrix elements per resampling block (a few MB per working array at any ratio).
+BLOCK_ELEMS = 1 << 20
 
 
 def read_wav(data: bytes) -> tuple[np.ndarray, int]:
@@ -87,6 +92,8 @@ def read_wav(data: bytes) -> tuple[np.ndarray, int]:
 def _decode_samples(body: bytes, tag: int, channels: int, rate: int, bits: int) -> tuple[np.ndarray, int]:
     if channels < 1 or rate < 1:
         raise ValueError(f"WAV header says {channels} channels at {rate} Hz")
+    if not MIN_RATE <= rate <= MAX_RATE:
+        raise ValueError(f"WAV sample rate {rate} Hz is outside {MIN_RATE}..{MAX_RATE} Hz")
     width = bits // 8
     usable = len(body) - len(body) % (width * channels) if width else 0
     body = body[:usable]
@@ -114,14 +121,18 @@ def resample(x: np.ndarray, rate_in: int, rate_out: int, half_taps: int = 16) ->
     directly at each output instant; blocks keep the working memory small."""
     if rate_in == rate_out or x.size == 0:
         return x.astype(np.float32, copy=False)
+    for r in (rate_in, rate_out):   # the filter's width grows with rate_in / rate_out
+        if not MIN_RATE <= r <= MAX_RATE:
+            raise ValueError(f"sample rate {r} Hz is outside {MIN_RATE}..{MAX_RATE} Hz")
     ratio = rate_out / rate_in
     cutoff = min(1.0, ratio) * 0.97
     width = int(np.ceil(half_taps / cutoff))
     offs = np.arange(-width + 1, width + 1)
     n_out = int(round(x.size * ratio))
     out = np.empty(n_out, np.float32)
-    for start in range(0, n_out, 16384):
-        t = np.arange(start, min(n_out, start + 16384)) / ratio      # instants in input samples
+    rows = max(1, BLOCK_ELEMS // offs.size)
+    for start in range(0, n_out, rows):
+        t = np.arange(start, min(n_out, start + rows)) / ratio      # instants in input samples
         idx = np.floor(t).astype(np.int64)[:, None] + offs[None, :]
         d = t[:, None] - idx
         w = cutoff * np.sinc(cutoff * d) * (0.5 + 0.5 * np.cos(np.pi * np.clip(d / width, -1.0, 1.0)))

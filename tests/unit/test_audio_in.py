@@ -2,6 +2,7 @@
 
 import io
 import struct
+import tracemalloc
 import wave
 
 import numpy as np
@@ -98,3 +99,31 @@ def test_inline_tensor_round_trips_through_the_stage_codec():
         m.inline_tensor(m.InlineTensor("float32", (3,), b"\x00" * 8))
     with pytest.raises(ValueError, match="not a torch dtype"):
         m.inline_tensor(m.InlineTensor("nonsense", (1,), b"\x00"))
+
+
+def with_rate(data: bytes, rate: int) -> bytes:
+    return data[:24] + struct.pack("<I", rate) + data[28:]      # the fmt chunk's sample rate
+
+
+@pytest.mark.parametrize("rate", [0xFFFFFFFF, 384001, 999])
+def test_a_sample_rate_outside_the_taken_range_is_refused_naming_it(rate):
+    with pytest.raises(ValueError, match=f"sample rate {rate} Hz is outside"):
+        audio.read_wav(with_rate(pcm_wav(SIG, 16000, 1), rate))
+    with pytest.raises(ValueError, match=f"{rate} Hz"):      # the resampler's own guard
+        audio.resample(np.zeros(1000, np.float32), rate, 16000)
+    for ok in (1000, 384000):
+        assert audio.read_wav(with_rate(pcm_wav(SIG, 16000, 1), ok))[1] == ok
+
+
+def test_resampling_from_the_highest_rate_works_in_bounded_blocks():
+    rate_in = 384000
+    x = (0.5 * np.sin(2 * np.pi * 440 * np.arange(rate_in) / rate_in)).astype(np.float32)
+    tracemalloc.start()     # numpy reports its buffers to it
+    try:
+        y = audio.resample(x, rate_in, 16000)       # 792 taps per output sample
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 128 << 20, f"{peak >> 20} MiB"    # 16384-row blocks took 580 MiB
+    want = 0.5 * np.sin(2 * np.pi * 440 * np.arange(16000) / 16000)
+    assert y.size == 16000 and np.abs(y[400:-400] - want[400:-400]).max() < 1e-3

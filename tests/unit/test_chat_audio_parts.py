@@ -3,10 +3,14 @@ example clients send); a URL to fetch is refused by name."""
 
 import base64
 
+import httpx
 import pytest
 
+from omni.api import build_app
 from omni.api import protocol as P
 from omni.api.errors import APIError
+from tests.unit.test_api import FakeOrchestrator, assert_error, chat_body, tokenizer  # noqa: F401 (fixture)
+from tests.unit.test_audio_in import SIG, pcm_wav, with_rate
 
 WAV = base64.b64encode(b"RIFF....WAVEfmt ").decode()
 
@@ -41,3 +45,19 @@ def test_where_audio_is_not_taken_the_part_type_is_named():
     with pytest.raises(APIError) as e:
         P.chat_messages(decode([{"type": "audio_url", "audio_url": {"url": f"data:audio/wav;base64,{WAV}"}}]))
     assert e.value.param == "messages[0].content[0].type" and "`audio_url` is not supported" in str(e.value)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_an_input_audio_wav_at_an_absurd_sample_rate_is_a_400_naming_the_part(tokenizer, anyio_backend):
+    """A 4 GHz header made resampling cost gigabytes; it is refused before any decoding work."""
+    orch = FakeOrchestrator(tokenizer)
+    app = build_app(orch, tokenizer, served_model_name="tiny", max_model_len=128)
+    app.state.frontend.audio_token_id = tokenizer.convert_tokens_to_ids("<|im_start|>")   # takes audio
+    wav = with_rate(pcm_wav(SIG[:100], 16000, 1), 0xFFFFFFFF)   # short: cheap on the old code too
+    body = chat_body(messages=[{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"}}]}])
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        r = await client.post("/v1/chat/completions", json=body)
+    assert_error(r, 400, param="messages[0].content[0].input_audio.data", contains="4294967295 Hz")
+    assert orch.requests == []
