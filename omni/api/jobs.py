@@ -44,6 +44,9 @@ FINISH_S = 30.0    # how long the final status write is retried while the master
 # Jobs one frontend runs at once; the others wait "queued". Unbounded, a burst of jobs filled the
 # stages' queues and a synchronous request behind them waited over a minute (Schemathesis run).
 MAX_RUNNING = 2
+# Jobs one frontend holds waiting besides those: each keeps its request body (up to the body cap) until it
+# runs, so an unbounded queue let a client pin gigabytes. More get a 429 naming the limit.
+MAX_QUEUED = 64
 
 Handler = Callable[[Request], Awaitable[Response]]
 # body -> None, or the APIError the route would answer before running anything (it decodes the body itself)
@@ -185,11 +188,16 @@ class Jobs:
                 P.decode_body(body, BODY_TYPES[spec.endpoint])
         except APIError as e:
             raise APIError(e.status, f"body: {e.message}", param=f"body.{e.param}" if e.param else "body") from None
-        return JSONResponse(await self.submit(spec.endpoint, lambda: self._call(spec.endpoint, body)))
+        endpoint = spec.endpoint    # the closure keeps the encoded body only, not the decoded one too
+        return JSONResponse(await self.submit(endpoint, lambda: self._call(endpoint, body)))
 
     async def submit(self, endpoint: str, work: Work, *, prefix: str = "job-", extra: dict | None = None) -> dict:
         """Store a queued job and start `work` in the background; its public record. `extra`: fields the
         record keeps for its reader (the Videos API's parameters)."""
+        if len(self._mine) >= MAX_RUNNING + MAX_QUEUED:
+            raise APIError(429, f"this frontend holds {len(self._mine)} unfinished jobs, its limit ({MAX_RUNNING} "
+                           f"running, {MAX_QUEUED} queued); retry once some finish or delete some",
+                           type="rate_limit_error", code="too_many_jobs")
         now = time.time_ns()
         record = {"id": f"{prefix}{uuid.uuid4().hex}", "object": "omni.job", "endpoint": endpoint,
                   "status": "queued", "created_at": now // 10**9, "completed_at": None,
@@ -201,7 +209,8 @@ class Jobs:
         except BaseException:
             self._mine.discard(record["id"])
             raise
-        self._tasks[record["id"]] = asyncio.create_task(self._run(record, work), name=record["id"])
+        task = self._tasks[record["id"]] = asyncio.create_task(self._run(record, work), name=record["id"])
+        task.add_done_callback(lambda _, job_id=record["id"]: self._ended(job_id))
         if self._watcher is None or self._watcher.done():
             self._watcher = asyncio.create_task(self._watch_deletions())
         return _public(record)
@@ -309,22 +318,24 @@ class Jobs:
     async def _run(self, record: dict, work: Work) -> None:
         job_id = record["id"]
         try:
-            try:
-                async with self._slots:
-                    if await self.kv.kv_get(NAMESPACE, job_id) is None:
-                        return     # deleted (through any frontend) before it started: it stays deleted
-                    await self._save({**record, "status": "in_progress"})
-                    final = await self._execute(record["endpoint"], job_id, work)
-            except asyncio.CancelledError:
-                await self.results.delete(job_id)
-                raise
-            except Exception as e:
-                err = to_api_error(e)
-                final = {"status": "failed", "error": _error(err.message, err.type, err.param, err.code)}
-            await self._finish({**record, **final, "completed_at": int(time.time())})
-        finally:
-            self._tasks.pop(job_id, None)
-            self._mine.discard(job_id)
+            async with self._slots:
+                if await self.kv.kv_get(NAMESPACE, job_id) is None:
+                    return     # deleted (through any frontend) before it started: it stays deleted
+                await self._save({**record, "status": "in_progress"})
+                final = await self._execute(record["endpoint"], job_id, work)
+        except asyncio.CancelledError:
+            await self.results.delete(job_id)
+            raise
+        except Exception as e:
+            err = to_api_error(e)
+            final = {"status": "failed", "error": _error(err.message, err.type, err.param, err.code)}
+        await self._finish({**record, **final, "completed_at": int(time.time())})
+
+    def _ended(self, job_id: str) -> None:
+        # A done callback, not a `finally`: a task cancelled before its first step never runs its body,
+        # and would hold one of MAX_QUEUED places for good.
+        self._tasks.pop(job_id, None)
+        self._mine.discard(job_id)
 
     async def _execute(self, endpoint: str, job_id: str, work: Work) -> dict:
         status, ctype, content = await work()

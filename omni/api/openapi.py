@@ -23,6 +23,7 @@ REASONS = {400: "Bad request: the message names the parameter", 401: "Missing or
            403: "Control routes are disabled on this server", 404: "Not found (the message says what)",
            408: "The request body did not arrive in time", 409: "Conflicts with the state of what it names",
            413: "Request body too large", 415: "Unsupported content type",
+           429: "Too many unfinished jobs on this frontend (the message names the limit)",
            500: "Internal error (a stage failed)", 503: "No READY replica, asleep, or the master is unreachable",
            504: "The request timed out in the pipeline"}
 GUARDED = ("/v1", "/tokenize", "/detokenize")   # --api-key (omni/api/http.py)

@@ -29,6 +29,7 @@ class RouteSpec:
 
 GENERATION = (404, 500, 503, 504)     # unknown model or voice; a stage failed; no replica or asleep; timeout
 JOB = (404, 503)                       # no such job; the master is unreachable
+NEW_JOB = (404, 429, 503)              # unknown model; too many unfinished jobs here; the master is unreachable
 ROUTES: tuple[RouteSpec, ...] = (
     RouteSpec("/v1/chat/completions", "POST", "text", "chat", P.ChatCompletionRequest,
               ok=("application/json", "text/event-stream"), errors=GENERATION),
@@ -41,7 +42,7 @@ ROUTES: tuple[RouteSpec, ...] = (
     RouteSpec("/v1/images/generations", "POST", "images", "generations", P.ImageGenerationRequest,
               errors=GENERATION),
     # The Videos API: async, on the jobs' records (every frontend sees every video).
-    RouteSpec("/v1/videos", "POST", "videos", "create", P.VideoCreateRequest, errors=(404, 503)),
+    RouteSpec("/v1/videos", "POST", "videos", "create", P.VideoCreateRequest, errors=NEW_JOB),
     RouteSpec("/v1/videos", "GET", "videos", "list", errors=(400, 404, 503),
               query=(("limit", {"type": "integer", "minimum": 1, "maximum": 100, "default": 20}),
                      ("order", {"type": "string", "enum": ["asc", "desc"], "default": "desc"}),
@@ -57,7 +58,7 @@ ROUTES: tuple[RouteSpec, ...] = (
               errors=(503,)),
     RouteSpec("/v1/omni/wakeup", "POST", "control", "wake_up", control=True, errors=(503,)),
     RouteSpec("/v1/omni/is_sleeping", "GET", "control", "is_sleeping", errors=(503,)),
-    RouteSpec("/v1/omni/jobs", "POST", "jobs", "create", JobRequest, errors=JOB),
+    RouteSpec("/v1/omni/jobs", "POST", "jobs", "create", JobRequest, errors=NEW_JOB),
     RouteSpec("/v1/omni/jobs", "GET", "jobs", "list", errors=(400, 503),
               query=(("limit", {"type": "integer", "minimum": 1, "maximum": 100, "default": 20}),)),
     RouteSpec("/v1/omni/jobs/{job_id}", "GET", "jobs", "retrieve", errors=JOB),

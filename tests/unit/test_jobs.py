@@ -229,6 +229,29 @@ async def test_a_frontend_runs_at_most_max_running_jobs_at_once(tokenizer, tmp_p
     await asyncio.wait_for(started(MAX_RUNNING + 1), 5)
     await jobs.close()
 
+
+async def test_a_frontend_holds_at_most_max_queued_waiting_jobs(tokenizer, tmp_path):
+    """Each waiting job keeps its body: past the bound a job is a 429 naming it, until one ends."""
+    from omni.api.jobs import MAX_QUEUED, MAX_RUNNING
+
+    orch, jobs, c = frontend(tokenizer, LocalKv(), tmp_path)
+    orch.hang_after = 0       # the handler never returns
+    job = {"endpoint": "/v1/completions", "body": {"model": "tiny", "prompt": "hi"}}
+    ids = []
+    for _ in range(MAX_RUNNING + MAX_QUEUED):
+        r = await c.post("/v1/omni/jobs", json=job)
+        assert r.status_code == 200, r.text
+        ids.append(r.json()["id"])
+    err = assert_error(await c.post("/v1/omni/jobs", json=job), 429, contains=f"{MAX_QUEUED} queued")
+    assert err["code"] == "too_many_jobs" and len(jobs._tasks) == MAX_RUNNING + MAX_QUEUED
+    queued = jobs._tasks[ids[-1]]
+    assert (await c.delete(f"/v1/omni/jobs/{ids[-1]}")).status_code == 200
+    await asyncio.wait([queued], timeout=5)
+    assert queued.done()
+    assert (await c.post("/v1/omni/jobs", json=job)).status_code == 200     # room again
+    await jobs.close()
+
+
 class DownKv(LocalKv):
     async def kv_put(self, *a):
         raise Unavailable("cannot reach the omni master at 127.0.0.1:1: connection refused")
