@@ -192,6 +192,7 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
 
         # host as registered, so owners match the topology's entries
         jobs = Jobs(amaster, Results(jobs_dir), frontend_index=index, host=advertise, live_frontends=live_frontends)
+        await jobs.start()
         app = build_app(
             orch, tokenizer,
             served_model_name=served_model_name,

@@ -47,6 +47,9 @@ MAX_RUNNING = 2
 # Jobs one frontend holds waiting besides those: each keeps its request body (up to the body cap) until it
 # runs, so an unbounded queue let a client pin gigabytes. More get a 429 naming the limit.
 MAX_QUEUED = 64
+# How often a frontend removes results whose record is gone: the master expires job records
+# (omni/master/kv.py), and nothing else deletes their files.
+SWEEP_S = 3600.0
 
 Handler = Callable[[Request], Awaitable[Response]]
 # body -> None, or the APIError the route would answer before running anything (it decodes the body itself)
@@ -119,6 +122,12 @@ class Results:
         except FileNotFoundError:
             return None
 
+    async def ids(self) -> list[str]:
+        """The jobs that have a result here (temp files of writes under way are not results)."""
+        if self._dir is None:
+            return list(self._mem)
+        return await asyncio.to_thread(lambda: [p.name for p in self._dir.iterdir() if JOB_ID_RE.match(p.name)])
+
     async def delete(self, job_id: str) -> None:
         if self._dir is None:
             self._mem.pop(job_id, None)
@@ -161,6 +170,7 @@ class Jobs:
         self._tasks: dict[str, asyncio.Task] = {}
         self._mine: set[str] = set()   # accepted here and not finished: ours even before the task exists
         self._watcher: asyncio.Task | None = None
+        self._sweeper: asyncio.Task | None = None
         self._slots = asyncio.Semaphore(MAX_RUNNING)
 
     def bind(self, handlers: dict[str, Handler], checks: dict[str, Check] | None = None) -> None:
@@ -274,11 +284,39 @@ class Jobs:
             task.cancel()
         await self.results.delete(job_id)
 
+    async def start(self) -> None:
+        """Sweep results left without a record now, and every SWEEP_S while the frontend runs."""
+        await self._sweep_once()
+        self._sweeper = asyncio.create_task(self._sweep_forever())
+
+    async def sweep(self) -> list[str]:
+        """Delete the results whose job has no record (expired, or deleted while this frontend was down)."""
+        held = await self.results.ids()   # first: a result made after this has its record in the list below
+        if not held:
+            return []
+        present = await self.kv.kv_list(NAMESPACE)
+        gone = [i for i in held if i not in present and i not in self._mine]
+        for job_id in gone:
+            await self.results.delete(job_id)
+        if gone:
+            log.info("removed %d job results whose records are gone", len(gone))
+        return gone
+
+    async def _sweep_once(self) -> None:
+        try:
+            await self.sweep()
+        except Exception as e:    # the master away: the next sweep
+            log.info("job result sweep: %s", e)
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_S)   # pacing, not synchronisation
+            await self._sweep_once()
+
     async def close(self) -> None:
         """Cancel running jobs (a stopping frontend deregisters, so readers see them failed)."""
         tasks = list(self._tasks.values())
-        if self._watcher is not None:
-            tasks.append(self._watcher)
+        tasks += [t for t in (self._watcher, self._sweeper) if t is not None]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

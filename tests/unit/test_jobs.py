@@ -252,6 +252,35 @@ async def test_a_frontend_holds_at_most_max_queued_waiting_jobs(tokenizer, tmp_p
     await jobs.close()
 
 
+async def test_results_whose_records_are_gone_are_swept(tokenizer, tmp_path):
+    """The master expires job records after 7 days; their result files went nowhere."""
+    kv = LocalKv()
+    _, jobs, c = frontend(tokenizer, kv, tmp_path)
+    ids = [(await c.post("/v1/omni/jobs", json={"endpoint": "/v1/audio/speech", "body": SPEECH})).json()["id"]
+           for _ in range(2)]
+    await settle(jobs)
+    await kv.kv_delete("jobs", ids[0])            # as the master's expiry does
+    orphan = "job-" + "e" * 32
+    (tmp_path / orphan).write_bytes(b"left by a frontend that was down at its delete")
+    (tmp_path / ".job-x.tmp").write_bytes(b"a write under way")
+    assert sorted(await jobs.sweep()) == sorted([ids[0], orphan])
+    assert sorted(os.listdir(tmp_path)) == [".job-x.tmp", ids[1]]
+    assert (await c.get(f"/v1/omni/jobs/{ids[1]}/content")).status_code == 200
+
+
+@pytest.mark.parametrize("on_disk", [True, False])
+async def test_a_starting_frontend_sweeps_results_without_records(tmp_path, on_disk):
+    kv, results = LocalKv(), Results(tmp_path if on_disk else None)
+    kept, orphan = "job-" + "a" * 32, "video_" + "b" * 32
+    await kv.kv_put("jobs", kept, b"{}")
+    for job_id in (kept, orphan):
+        await results.put(job_id, b"bytes")
+    jobs = Jobs(kv, results)
+    await jobs.start()
+    assert await results.ids() == [kept] and await results.get(orphan) is None
+    await jobs.close()
+
+
 class DownKv(LocalKv):
     async def kv_put(self, *a):
         raise Unavailable("cannot reach the omni master at 127.0.0.1:1: connection refused")
