@@ -1,0 +1,124 @@
+"""Request bodies of the speech, image, video and voice routes (omni/api/protocol.py has the
+text routes' and the shared decoding; it re-exports these, so the routes name them P.*)."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal
+
+import msgspec
+
+from omni.api.errors import bad_request
+from omni.api.refused import refused as _refused
+
+MAX_SPEECH_CHARS = 4096
+Speed = Annotated[float, msgspec.Meta(ge=0.25, le=4.0)]
+
+
+class SpeechRequest(msgspec.Struct, kw_only=True):
+    # Something to say (not only whitespace) and no NUL: checked in speech.py for the message.
+    input: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_SPEECH_CHARS,
+                                       extra_json_schema={"pattern": r"^[^\x00]*[^\s\x00][^\x00]*$"})]
+    model: str | None = None
+    voice: Annotated[str, msgspec.Meta(max_length=128)] | VoiceId | None = None   # None: the default voice
+    speaker: Annotated[str, msgspec.Meta(max_length=128)] | None = None            # vllm-omni's name for it
+    response_format: Literal["wav", "pcm"] = "wav"
+    speed: Speed = 1.0
+    # OpenAI's / vllm-omni's streaming: "sse" (speech.audio.delta events; `stream: true` alone picks it),
+    # "audio" (the raw bytes as made; wav behind a header of unknown length)
+    stream: bool = False
+    stream_format: Literal["sse", "audio"] | None = None
+    # Declared so that they are refused by name (SPEECH_REFUSED), never silently ignored.
+    instructions: Annotated[str | None, _refused(["", None])] = None
+    language: Annotated[str | None, _refused([None])] = None
+    task_type: Annotated[str | None, _refused([None])] = None
+    ref_audio: Annotated[str | list | None, _refused([None])] = None
+    ref_text: Annotated[str | None, _refused([None])] = None
+    sample_rate: Annotated[int | None, _refused([None])] = None
+    seed: Annotated[int | None, _refused([None])] = None
+    max_new_tokens: Annotated[int | None, _refused([None])] = None
+
+
+class VoiceId(msgspec.Struct):
+    """OpenAI's voice object: `{"id": "..."}`."""
+    id: Annotated[str, msgspec.Meta(max_length=128)]
+
+
+# Why each refused /v1/audio/speech field is not taken (speech.py names the first one set).
+SPEECH_REFUSED = {
+    "instructions": "this pipeline's voices take no style instructions",
+    "language": "this pipeline's speech stage picks no language",
+    "task_type": "vllm-omni's Qwen3-TTS option; this pipeline's speech stage has no tasks",
+    "ref_audio": "voice cloning: upload a voice through /v1/audio/voices instead",
+    "ref_text": "voice cloning: upload a voice through /v1/audio/voices instead",
+    "sample_rate": "the audio comes at the model's own rate (the WAV header, X-Sample-Rate)",
+    "seed": "this pipeline's speech is not sampled from a seed",
+    "max_new_tokens": "the speech ends with its text",
+}
+
+
+MAX_IMAGE_PROMPT_CHARS = 4000
+
+
+class ImageGenerationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """OpenAI's /v1/images/generations, plus diffusion's own knobs. Unlike the text routes an unknown
+    field is refused by name (`quality`, `style`: nothing here would honour them). The deployment's
+    bounds (pipeline.images: size multiple, pixels, steps, n) are checked in omni/api/images.py."""
+    prompt: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_IMAGE_PROMPT_CHARS)]
+    model: str | None = None
+    n: Annotated[int, msgspec.Meta(ge=1, le=16)] | None = None
+    size: Annotated[str, msgspec.Meta(pattern=r"^[0-9]{1,5}x[0-9]{1,5}$")] | None = None   # "WxH"
+    response_format: Annotated[str, _refused(["b64_json"])] = "b64_json"
+    user: Annotated[str, msgspec.Meta(max_length=256)] | None = None      # OpenAI's end-user label
+    seed: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] | None = None
+    num_inference_steps: Annotated[int, msgspec.Meta(ge=1, le=1000)] | None = None
+    # Qwen-Image's true classifier-free guidance scale (diffusers' true_cfg_scale); <= 1: none.
+    guidance_scale: Annotated[float, msgspec.Meta(ge=0.0, le=50.0)] | None = None
+    negative_prompt: Annotated[str, msgspec.Meta(max_length=MAX_IMAGE_PROMPT_CHARS)] | None = None
+
+
+class VideoCreateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """OpenAI's POST /v1/videos (JSON or a multipart form), plus vllm-omni's diffusion knobs (width, height,
+    num_frames, fps, steps, guidance, negative prompt, seed). An unknown field is refused by name
+    (`input_reference`: text-to-video only; `guidance_scale_2`, `boundary_ratio`: fixed by the model).
+    The deployment's bounds (pipeline.videos) are checked in omni/api/videos.py."""
+    prompt: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_IMAGE_PROMPT_CHARS)]
+    model: str | None = None
+    size: Annotated[str, msgspec.Meta(pattern=r"^[0-9]{1,5}x[0-9]{1,5}$")] | None = None   # "WxH"
+    seconds: Annotated[float, msgspec.Meta(gt=0, le=3600)] | None = None   # OpenAI's ("4"): frames = seconds x fps
+    width: Annotated[int, msgspec.Meta(ge=1, le=16384)] | None = None
+    height: Annotated[int, msgspec.Meta(ge=1, le=16384)] | None = None
+    num_frames: Annotated[int, msgspec.Meta(ge=1, le=100000)] | None = None
+    fps: Annotated[int, msgspec.Meta(ge=1, le=1000)] | None = None
+    seed: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] | None = None
+    num_inference_steps: Annotated[int, msgspec.Meta(ge=1, le=1000)] | None = None
+    guidance_scale: Annotated[float, msgspec.Meta(ge=0.0, le=50.0)] | None = None
+    negative_prompt: Annotated[str, msgspec.Meta(max_length=MAX_IMAGE_PROMPT_CHARS)] | None = None
+    user: Annotated[str, msgspec.Meta(max_length=256)] | None = None
+
+
+VOICE_NAME = r"^[A-Za-z0-9_-]{1,64}$"
+
+
+class VoiceSpec(msgspec.Struct, kw_only=True):
+    name: Annotated[str, msgspec.Meta(pattern=VOICE_NAME)]
+    base: str = "joe"
+    speed: Speed = 1.0
+
+
+VOICE_NAME_RE = re.compile(VOICE_NAME)
+
+
+def check_voice_spec(spec: VoiceSpec, builtin: list[str]) -> None:
+    if not VOICE_NAME_RE.match(spec.name):
+        raise bad_request(f"voice name `{spec.name}` must be 1-64 letters, digits, '_' or '-'",
+                          param="name")
+    if spec.base not in builtin:
+        raise bad_request(f"base voice `{spec.base}` is not a built-in voice ({', '.join(builtin)})",
+                          param="base")
+    check_speed(spec.speed)
+
+
+def check_speed(speed: float) -> None:
+    if not 0.25 <= speed <= 4.0:
+        raise bad_request(f"speed={speed} must be in [0.25, 4.0]", param="speed")
