@@ -68,16 +68,11 @@ RefusedParams = msgspec.defstruct(
     kw_only=True)
 
 
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, bool) or isinstance(b, bool):   # True == 1: a flag is not a number
-        return a is b
-    return a == b
-
-
 def first_refused(req: Any) -> tuple[str, str] | None:
     """(name, why) of the first refused parameter set to something other than a no-op value."""
     for name, (ok, why) in REFUSED.items():
         value = getattr(req, name, None)
-        if value is not None and not any(_same(value, v) for v in ok):
+        # Python's equality, as schema-driven clients read the enum: false is 0, 1.0 is 1
+        if value is not None and not any(value == v for v in ok):
             return name, why
     return None
