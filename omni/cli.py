@@ -112,6 +112,13 @@ def _log_level(value: str) -> str:
     return value.upper()
 
 
+def _refuse_empty_key(flag: str, env: str, value: str | None) -> None:
+    # An empty key would mean "no auth": fail closed, as a mistyped secret is the likely cause.
+    if value == "" or (value is None and os.environ.get(env) == ""):
+        source = flag if value == "" else f"{env} (the environment's {flag})"
+        raise ConfigError(f"{source} is empty; give a key, or leave it unset for no auth")
+
+
 @app.command(context_settings={"help_option_names": ["-h", "--help"], "allow_extra_args": True,
                                 "ignore_unknown_options": True})
 def serve(
@@ -129,7 +136,7 @@ def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="HTTP listen address."),
     port: int = typer.Option(8091, "--port", help="HTTP port; 0 picks a free one (printed)."),
     api_server_count: int = typer.Option(1, "--api-server-count", help="Number of API frontend processes sharing the stage engines."),
-    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="OMNI_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1 routes."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar=["OMNI_API_KEY", "VLLM_API_KEY"], help="Require 'Authorization: Bearer KEY' on /v1 routes (env OMNI_API_KEY, else vLLM's VLLM_API_KEY)."),
     control_api_key: Optional[str] = typer.Option(None, "--control-api-key", envvar="OMNI_CONTROL_API_KEY", help="Require 'Authorization: Bearer KEY' with this key (not --api-key) on the control routes /v1/omni/sleep and /v1/omni/wakeup."),
     disable_control_routes: bool = typer.Option(False, "--disable-control-routes", help="Answer 403 on /v1/omni/sleep and /v1/omni/wakeup (the master's `omni sleep`/`omni wakeup` still work)."),
     served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="Model name the API reports (default: MODEL)."),
@@ -167,6 +174,8 @@ def serve(
         if value is not None and not 0 <= value <= 65535:
             raise ConfigError(f"{flag} must be a TCP port, 0-65535 (0: any free one), got {value}")
     log_level = _log_level(log_level)
+    _refuse_empty_key("--api-key", "OMNI_API_KEY", api_key)
+    _refuse_empty_key("--control-api-key", "OMNI_CONTROL_API_KEY", control_api_key)
     envs.OMNI_SPIN_US   # noqa: B018 -- a bad value is refused here, not later in each stage
     from omni.api.limits import HttpLimits
 

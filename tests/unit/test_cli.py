@@ -1,5 +1,6 @@
 """The CLI refuses bad flag combinations with a message naming the flag, fast."""
 
+import os
 import subprocess
 import sys
 
@@ -33,6 +34,8 @@ def omni(*args: str) -> subprocess.CompletedProcess:
       "--omni-master-port", "70000"], "--omni-master-port must be a TCP port"),
     (["master", "--port", "99999"], "--port must be a TCP port"),
     (["serve", "smollm2", "--max-request-bytes", "10"], "--max-request-bytes must be at least 1024"),
+    (["serve", "smollm2", "--api-key", ""], "--api-key is empty"),
+    (["serve", "smollm2", "--control-api-key="], "--control-api-key is empty"),
 ])
 def test_bad_flags_exit_2_naming_the_flag(args, message):
     r = omni(*args)
@@ -63,3 +66,36 @@ def test_secrets_on_the_command_line_are_masked_with_a_warning(capsys):
     err = capsys.readouterr().err
     assert "OMNI_TOKEN" in err and "OMNI_API_KEY" in err and "t0k" not in err
     assert hide_secrets(["serve", "m"]) == ["serve", "m"]
+
+
+def test_an_empty_api_key_in_the_environment_is_refused():
+    env = {k: v for k, v in os.environ.items() if not k.endswith("API_KEY")}
+    r = subprocess.run([sys.executable, "-m", "omni.cli", "serve", "smollm2", "--dry-run"], cwd=REPO,
+                       capture_output=True, text=True, timeout=60, env={**env, "OMNI_API_KEY": ""})
+    assert r.returncode == 2 and "OMNI_API_KEY (the environment's --api-key) is empty" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("env, key", [({"VLLM_API_KEY": "vk"}, "vk"),
+                                      ({"VLLM_API_KEY": "vk", "OMNI_API_KEY": "ok"}, "ok")])
+def test_vllm_api_key_guards_the_frontends_like_vllm_serve(monkeypatch, env, key):
+    """vllm serve turns auth on from VLLM_API_KEY; a vLLM user's environment must not give an open /v1."""
+    from typer.testing import CliRunner
+
+    from omni.cli import app
+    from omni.launcher import Launcher
+
+    frontend_envs = []
+
+    def plan_only(self):
+        self._plan_children()
+        frontend_envs.extend(c.env for c in self.children if c.kind == "frontend")
+        self.shutdown()
+        return 0
+
+    monkeypatch.setattr(Launcher, "run", plan_only)
+    for name in ("OMNI_API_KEY", "VLLM_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    r = CliRunner().invoke(app, ["serve", "smollm2", "--port", "0"], env=env)
+    assert r.exit_code == 0, r.output
+    assert frontend_envs and all(e["OMNI_API_KEY"] == key for e in frontend_envs)
