@@ -23,6 +23,7 @@ import msgspec
 import yaml
 
 from omni import config_vllm_omni as vllm_omni
+from omni.config_checks import check_pipeline
 from omni.errors import ConfigError
 # The config types of the image and video routes, kept where the rest of the deploy config is found.
 from omni.media_settings import ImageSettings, PromptExpansion, VideoSettings, validate_images  # noqa: F401
@@ -429,9 +430,7 @@ def validate(config: DeployConfig, source: str = "deploy config") -> None:
                 raise ConfigError(f"{where}.connectors.{edge}.arena_bytes must be >= 4096, got {conn.arena_bytes}")
     if not any(s.final_output for s in config.stages):
         raise ConfigError(f"{source}: no stage has final_output: true")
-    for key in ("request_timeout_s", "startup_timeout_s", "lease_ttl_s", "stall_timeout_s"):
-        if getattr(config.pipeline, key) <= 0:
-            raise ConfigError(f"{source}: pipeline.{key} must be > 0, got {getattr(config.pipeline, key)}")
+    check_pipeline(config.pipeline, source)
     dm = config.pipeline.default_modalities
     if not dm or not set(dm) <= {"text", "audio"} or ("audio" in dm and config.final_stage("audio") is None):
         raise ConfigError(f"{source}: pipeline.default_modalities must be text and/or audio (audio only with an "
