@@ -264,12 +264,13 @@ class OrchestratorCore:
                 continue
             ctx = ProcessorContext(self.detokenize, state.req)
             for inp in self._processors[t](ctx, state.stages[t].proc_state, out):
-                forwarded.update(ref_id(r) for r in inp.tensors.values())
-                self._route(state, t, inp)
+                if self._route(state, t, inp):
+                    forwarded.update(ref_id(r) for r in inp.tensors.values())
         # What no consumer took (the emitted tensor too: the executor read it already).
         self._free(state.origin.get, [r for r in out.tensors.values() if ref_id(r) not in forwarded])
         if out.finished:
             st.open.discard(out.request_id)
+            st.ended.add(out.request_id)
             st.sent.pop(out.request_id, None)
             self._release_inputs(state, s, out.request_id)
             if out.finish_reason and stage.final_output_type == "text":
@@ -304,8 +305,11 @@ class OrchestratorCore:
             self.metrics.first_output(state.first_output_at - state.started_at)
         self._out.append(ev.Emit(state.rid, po, ref))
 
-    def _route(self, state: RequestState, t: int, inp: procs.StageInput) -> None:
+    def _route(self, state: RequestState, t: int, inp: procs.StageInput) -> bool:
+        """Send or hold `inp` for stage t; False (dropped) when t already ended the request's stream."""
         st = state.stages[t]
+        if inp.sub_id is None and state.rid in st.ended:   # early: max_tokens, a full KV cache, codec EOS
+            return False
         for ref in inp.tensors.values():
             self.metrics.tensor_bytes(ref.nbytes, ref.transport)
         if inp.sub_id is not None:
@@ -320,6 +324,7 @@ class OrchestratorCore:
             self._send(state, t, state.rid, prev, final=False)
         else:
             st.pending = inp
+        return True
 
     # ------------------------------------------------------------ sends
 
@@ -403,8 +408,10 @@ class OrchestratorCore:
                 continue
             if all(self._stage_done(state, u) for u in self.config.stage(t).upstream() if u in state.stages):
                 ts.inputs_closed = True
-                if ts.pending is not None:
-                    inp, ts.pending = ts.pending, None
+                inp, ts.pending = ts.pending, None
+                if state.rid in ts.ended:     # it ended early: no final piece, a held one is freed
+                    self._free(state.origin.get, list(inp.tensors.values()) if inp else [])
+                elif inp is not None:
                     self._send(state, t, state.rid, inp, final=True)
                 elif ts.streamed:
                     self._send(state, t, state.rid, procs.StageInput(), final=True)

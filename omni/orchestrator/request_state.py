@@ -41,6 +41,7 @@ class StageState:
     sub_buffer: dict[str, list] = field(default_factory=dict)
     first_output_at: float | None = None
     streamed: bool = False                             # pieces went out at once; close with an empty final
+    ended: set[str] = field(default_factory=set)       # engine request ids it finished: nothing more goes there
     # Inputs sent per engine request id, kept until it finishes, so a replica that dies before
     # any output can be replaced by sending them again (descriptors only; producers keep the bytes).
     sent: dict[str, list] = field(default_factory=dict)

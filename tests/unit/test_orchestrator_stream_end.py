@@ -1,0 +1,54 @@
+"""The orchestrator core when a stage ends its part of a request early, or a replica goes
+after its stage is done: the Qwen3-Omni shape, thinker -> talker (streamed pieces) -> code2wav."""
+
+from __future__ import annotations
+
+from omni.config import parse
+from omni.orchestrator import events as ev
+from tests.unit.test_orchestrator_core import ALL, chat, make_core, of, output, ref, sends
+
+Q3 = parse({"model": "m", "stages": [
+    {"stage_id": 0, "name": "thinker", "engine": "count", "final_output": True, "final_output_type": "text"},
+    {"stage_id": 1, "name": "talker", "engine": "count", "inputs": [0],
+     "processor": "omni.models.qwen3_omni.processors:thinker_to_talker"},
+    {"stage_id": 2, "name": "code2wav", "engine": "count", "inputs": [1],
+     "processor": "omni.models.qwen3_omni.processors:talker_to_code2wav", "final_output": True,
+     "final_output_type": "audio"},
+]}, source="test")
+
+
+def test_a_talker_that_ends_its_stream_early_gets_no_more_pieces_and_the_request_ends_ok():
+    core = make_core(*ALL, config=Q3)
+    core.submit(chat())
+    acts = core.handle(output("s0r0", 0, "r1", token_ids=[5, 6], tensors={"prompt_token_ids": ref(3, "s0r0")}))
+    assert sends(acts) == [("s1r0", "r1", False)]
+    # max_tokens (or a full KV cache, a codec EOS) ends the talker's request while the thinker goes on.
+    acts = core.handle(output("s1r0", 1, "r1", tensors={"codes": ref(1)}, finished=True, finish_reason="length"))
+    assert sends(acts) == [("s2r0", "r1", False)] and ev.Free("s0r0", "shm", (3,)) in acts
+    acts = core.handle(output("s0r0", 0, "r1", token_ids=[7]))
+    assert not of(acts, ev.Send) and of(acts, ev.Emit)[0].output.token_ids == [7]
+    acts = core.handle(output("s0r0", 0, "r1", token_ids=[8], finished=True, finish_reason="stop"))
+    assert sends(acts) == [("s2r0", "r1", True)]              # code2wav's stream closes as usual
+    acts = core.handle(output("s2r0", 2, "r1", tensors={"audio": ref(9, "s2r0")}, sample_rate=24000,
+                              finished=True))
+    assert not of(acts, ev.Fail) and not of(acts, ev.AbortStage)
+    assert of(acts, ev.Finished)[0].outcome == "ok" and not core.requests and not core.by_replica
+
+
+HELD = parse({"model": "m", "stages": [
+    {"stage_id": 0, "name": "a", "engine": "count"},
+    {"stage_id": 1, "name": "b", "engine": "count", "inputs": [0], "final_output": True, "final_output_type": "text"},
+]}, source="test")
+
+
+def test_a_held_back_piece_for_a_stage_that_ended_is_freed_not_sent():
+    core = make_core(*ALL[:2], config=HELD)
+    core.submit(chat(modalities=("text",)))
+    core.handle(output("s0r0", 0, "r1", token_ids=[5], tensors={"h": ref(1, "s0r0")}))   # held back by one
+    acts = core.handle(output("s0r0", 0, "r1", token_ids=[6], tensors={"h": ref(2, "s0r0")}))
+    assert sends(acts) == [("s1r0", "r1", False)]
+    acts = core.handle(output("s1r0", 1, "r1", token_ids=[9], finished=True, finish_reason="length"))
+    assert ev.Free("s0r0", "shm", (1,)) in acts and not of(acts, ev.Finished)
+    acts = core.handle(output("s0r0", 0, "r1", token_ids=[7], tensors={"h": ref(3, "s0r0")}, finished=True))
+    assert not of(acts, ev.Send) and ev.Free("s0r0", "shm", (3,)) in acts and ev.Free("s0r0", "shm", (2,)) in acts
+    assert of(acts, ev.Finished)[0].outcome == "ok"
