@@ -170,26 +170,25 @@ class OrchestratorCore:
             state = self.requests.get(rid)
             if state is None:
                 continue
-            held = [st for st in state.stages.values()
-                    if st.replica is not None and st.replica.replica_id == dead.replica_id]
+            # A stage done with the request needs its replica no more (a finished thinker's).
+            held = [s for s, st in state.stages.items() if st.replica is not None
+                    and st.replica.replica_id == dead.replica_id and not self._stage_done(state, s)]
             if not held:
                 continue
-            if not any(st.started for st in held):
-                for st in held:    # nothing sent there yet: pick another replica at the first send
-                    st.replica = None
+            if not any(state.stages[s].started for s in held):
+                for s in held:    # nothing sent there yet: pick another replica at the first send
+                    state.stages[s].replica = None
                 continue
-            if not self._replay(state, dead):
+            if not self._replay(state, dead, held):
                 self._fail(state, StageFailed(dead.stage_id, dead.replica_id, f"replica is {e.why}",
                                               errors.UNAVAILABLE))
 
-    def _replay(self, state: RequestState, dead: ReplicaInfo) -> bool:
+    def _replay(self, state: RequestState, dead: ReplicaInfo, held: list[int]) -> bool:
         """Move a stage's part of the request to another replica when the dead one had produced
         nothing for it yet: nothing of it was seen, so sending the same inputs again (in order)
         is safe. A stage still receiving inputs moves too: the inputs sent so far go first and
         every later one follows them (sends are made in order, here). Shared-memory inputs
         need a replica on the dead one's host."""
-        held = [s for s, st in state.stages.items()
-                if st.replica is not None and st.replica.replica_id == dead.replica_id]
         if len(held) != 1:
             return False
         s = held[0]
@@ -402,6 +401,8 @@ class OrchestratorCore:
         """Cascade: a stage whose inputs are closed and that holds nothing is done."""
         if not self._stage_done(state, s):
             return
+        if state.stages[s].replica is not None:    # it holds nothing there now (load, ReplicaGone)
+            self._unhold(state.stages[s].replica.replica_id, state.rid)
         for t in self.config.downstream(s):
             ts = state.stages.get(t)
             if ts is None or ts.inputs_closed:

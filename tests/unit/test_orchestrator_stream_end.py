@@ -52,3 +52,17 @@ def test_a_held_back_piece_for_a_stage_that_ended_is_freed_not_sent():
     acts = core.handle(output("s0r0", 0, "r1", token_ids=[7], tensors={"h": ref(3, "s0r0")}, finished=True))
     assert not of(acts, ev.Send) and ev.Free("s0r0", "shm", (3,)) in acts and ev.Free("s0r0", "shm", (2,)) in acts
     assert of(acts, ev.Finished)[0].outcome == "ok"
+
+
+def test_losing_the_thinkers_replica_after_it_finished_the_request_does_not_fail_it():
+    core = make_core(*ALL, config=Q3)
+    core.submit(chat())
+    core.handle(output("s0r0", 0, "r1", token_ids=[5, 6]))
+    core.handle(output("s0r0", 0, "r1", token_ids=[7], finished=True, finish_reason="stop"))
+    assert core.load(ALL[0])[0] == 0                       # finished work there counts as load no more
+    assert sends(core.handle(output("s1r0", 1, "r1", tensors={"codes": ref(1)}))) == [("s2r0", "r1", False)]
+    assert core.handle(ev.ReplicaGone(ALL[0], "suspect")) == []
+    core.handle(output("s1r0", 1, "r1", tensors={"codes": ref(2)}, finished=True))
+    acts = core.handle(output("s2r0", 2, "r1", tensors={"audio": ref(9, "s2r0")}, sample_rate=24000,
+                              finished=True))
+    assert not of(acts, ev.Fail) and of(acts, ev.Finished)[0].outcome == "ok"
