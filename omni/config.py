@@ -23,7 +23,7 @@ import msgspec
 import yaml
 
 from omni import config_vllm_omni as vllm_omni
-from omni.config_checks import check_pipeline
+from omni.config_checks import check_pipeline, check_yaml_shape, yaml_sections
 from omni.errors import ConfigError
 # The config types of the image and video routes, kept where the rest of the deploy config is found.
 from omni.media_settings import ImageSettings, PromptExpansion, VideoSettings, validate_images  # noqa: F401
@@ -229,14 +229,6 @@ def apply_platform(data: dict[str, Any], platform: str, source: str) -> dict[str
     return merge_configs(data, section)
 
 
-def yaml_sections(data: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    """The parts of a deploy YAML that hold `stages`, with their key prefix: the top level and each
-    `platforms.<name>` section."""
-    platforms = data.get("platforms")
-    return [("", data)] + [(f"platforms.{k}.", v) for k, v in (platforms if isinstance(platforms, dict) else {}).items()
-                           if isinstance(v, dict)]
-
-
 def nest_flat_engine_args(data: dict[str, Any]) -> dict[str, Any]:
     """vllm-omni's YAML puts engine args on the stage itself (flat); omni keeps them under
     `engine_args`. Stage keys that are not stage fields move there (`engine_args` wins)."""
@@ -255,23 +247,17 @@ def nest_flat_engine_args(data: dict[str, Any]) -> dict[str, Any]:
 
 def _read_yaml(path: Path) -> dict[str, Any]:
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f)
     except FileNotFoundError:
         raise ConfigError(f"--deploy-config: file not found: {path}") from None
+    except OSError as e:   # a directory, no permission ...
+        raise ConfigError(f"{path}: cannot read the deploy config: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}); a deploy config is YAML") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
-    platforms = data.get("platforms")
-    if platforms is not None and not isinstance(platforms, dict):
-        raise ConfigError(f"{path}: `platforms` must be a mapping of platform -> overrides")
-    for where, section in yaml_sections(data):    # the shape every step after this walks
-        if section.get("stages") is not None and not isinstance(section["stages"], list):
-            raise ConfigError(f"{path}: `{where}stages` must be a list of stages, got {type(section['stages']).__name__}")
-    return data
+    return check_yaml_shape({} if data is None else data, path)
 
 
 def _load_raw(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
@@ -280,6 +266,8 @@ def _load_raw(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
         raise ConfigError(f"{path}: base_config cycle: {' -> '.join(map(str, seen + (path,)))}")
     data = nest_flat_engine_args(vllm_omni.translate(_read_yaml(path), str(path)))
     base = data.get("base_config")
+    if base is not None and not isinstance(base, str):
+        raise ConfigError(f"{path}: base_config must be a deploy YAML's path, got {base!r}")
     if base:
         base_path = Path(base)
         if not base_path.is_absolute():

@@ -1,4 +1,5 @@
-"""Range checks of the deploy config's numbers (omni/config.py validates the rest).
+"""Checks of a deploy YAML's raw shape (before merging) and of the config's numbers; omni/config.py
+validates the rest.
 
 `v <= 0` is False for NaN, so every bound here is written to refuse NaN (and inf where a
 finite number is meant): a NaN timeout fires at once or never."""
@@ -10,6 +11,8 @@ from typing import Any
 
 from omni.errors import ConfigError
 
+__all__ = ["PIPELINE_SECONDS", "check_pipeline", "check_yaml_shape", "yaml_sections"]
+
 # Seconds the pipeline waits on something; each must be a finite number > 0.
 PIPELINE_SECONDS = ("request_timeout_s", "startup_timeout_s", "lease_ttl_s", "stall_timeout_s")
 
@@ -19,3 +22,30 @@ def check_pipeline(pipeline: Any, source: str) -> None:
         v = getattr(pipeline, key)
         if not math.isfinite(v) or v <= 0:
             raise ConfigError(f"{source}: pipeline.{key} must be > 0 and finite (seconds), got {v}")
+
+
+def yaml_sections(data: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The parts of a deploy YAML that hold `stages`, with their key prefix: the top level and each
+    `platforms.<name>` section."""
+    platforms = data.get("platforms")
+    return [("", data)] + [(f"platforms.{k}.", v) for k, v in (platforms if isinstance(platforms, dict) else {}).items()
+                           if isinstance(v, dict)]
+
+
+def check_yaml_shape(data: Any, path: Any) -> dict[str, Any]:
+    """The shape every loading step walks: a mapping whose `stages` are lists, with integer stage ids
+    (merging sorts and matches stages by id before the typed check could name a bad one)."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
+    platforms = data.get("platforms")
+    if platforms is not None and not isinstance(platforms, dict):
+        raise ConfigError(f"{path}: `platforms` must be a mapping of platform -> overrides")
+    for where, section in yaml_sections(data):
+        stages = section.get("stages")
+        if stages is not None and not isinstance(stages, list):
+            raise ConfigError(f"{path}: `{where}stages` must be a list of stages, got {type(stages).__name__}")
+        for i, stage in enumerate(stages or []):
+            sid = stage.get("stage_id", 0) if isinstance(stage, dict) else 0
+            if not isinstance(sid, int) or isinstance(sid, bool):
+                raise ConfigError(f"{path}: `{where}stages[{i}].stage_id` must be an integer, got {sid!r}")
+    return data

@@ -7,6 +7,7 @@ from omni.cli import fold_dotted_args
 from omni.errors import ConfigError
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+BASE = "model: m\nstages: [{stage_id: 0, engine: torch_lm, final_output: true, final_output_type: text}]\n"
 
 
 def write(tmp_path, name, text):
@@ -72,7 +73,7 @@ stages:
     # A flat stage key is an engine arg (vllm-omni's YAML shape): tests/unit/test_cli_compat.py.
     ("model: m\nstages: [{stage_id: 0, engine: torch_lm, final_output: true, final_output_type: text, "
      "engine_args: [1]}]", "Expected `object`, got `array` - at `stages\\[0\\].engine_args`"),
-    ("model: m\nstages: [{stage_id: zero, engine: torch_lm}]", "Expected `int`, got `str` - at `stages\\[0\\].stage_id`"),
+    ("model: m\nstages: [{stage_id: zero, engine: torch_lm}]", "`stages\\[0\\].stage_id` must be an integer, got 'zero'"),
     ("model: m\nstages: [{stage_id: 0, engine: a, final_output: true, final_output_type: text}, {stage_id: 2, engine: b}]",
      "contiguous"),
     ("model: m\nstages: [{stage_id: 0, engine: a, inputs: [1], final_output: true, final_output_type: text}]",
@@ -99,11 +100,32 @@ stages:
     ("model: m\nplatforms: [cpu]\nstages: []", "`platforms` must be a mapping"),      # were tracebacks
     ("model: m\nstages: 5", "`stages` must be a list of stages, got int"),
     ("model: m\nstages: []\nplatforms: {cpu: {stages: {stage_id: 0}}}", "`platforms.cpu.stages` must be a list"),
+    # Each of these was a traceback (a TypeError in the merge, or reading the file).
+    ("base_config: 5", "base_config must be a deploy YAML's path, got 5"),
+    ("base_config: [a]", "base_config must be a deploy YAML's path, got \\['a'\\]"),
+    ("base_config: {tmp}", "{tmp}: cannot read the deploy config: Is a directory"),
+    ("base_config: {tmp}/base.yaml\nstages: [{stage_id: '0', engine: x}]",
+     "`stages\\[0\\].stage_id` must be an integer, got '0'"),
+    ("base_config: {tmp}/base.yaml\nstages: [{stage_id: null, engine: x}]",
+     "`stages\\[0\\].stage_id` must be an integer, got None"),
+    (BASE + "platforms: {cpu: {stages: [{stage_id: '0'}]}}",
+     "`platforms.cpu.stages\\[0\\].stage_id` must be an integer, got '0'"),
 ])
 def test_bad_yaml_names_the_key(tmp_path, yaml_text, match):
-    path = write(tmp_path, "bad.yaml", yaml_text)
-    with pytest.raises(ConfigError, match=match):
+    write(tmp_path, "base.yaml", BASE)
+    path = write(tmp_path, "bad.yaml", yaml_text.replace("{tmp}", str(tmp_path)))
+    with pytest.raises(ConfigError, match=match.replace("{tmp}", str(tmp_path))):
         cfg.load("m", path)
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda d: d, "cannot read the deploy config: Is a directory"),
+    (lambda d: (d / "x.yaml").write_bytes(b"model: m\n\xff\xfe: 1\n") and d / "x.yaml", "not UTF-8 text"),
+])
+def test_an_unreadable_deploy_file_is_one_line_naming_it(tmp_path, make, match):
+    path = make(tmp_path)
+    with pytest.raises(ConfigError, match=f"{path}: {match}"):
+        cfg.load("m", str(path))
 
 
 def test_base_config_cycle(tmp_path):
