@@ -32,6 +32,7 @@ from omni.stage.loop_poll import LoopPoller
 from omni.stage.worker_state import HeldOutput, InFlight, RecentBases, WorkerStats, load_report
 from omni.stage.curve import secure_server
 from omni.stage.producers import OutputProducers
+from omni.stage.published import Published
 from omni.transport.base import ProducerFull, TensorProducer, TransportError
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ class StageWorker:
         self._producers = OutputProducers(make_producer, stage.devices, stage.label)
         self._consumer = consumer
         self._reqs: dict[str, InFlight] = {}
+        self._published = Published()   # sent tensors not freed yet, also of requests done here
         self._recent = RecentBases()   # requests taken lately: draining refuses only others
         # Backpressure: while anything is held, the engine is not stepped, so memory
         # stays bounded by the producers' limits plus one step's output.
@@ -223,7 +225,7 @@ class StageWorker:
             for rid in msg.request_ids:
                 if self._reqs.pop(rid, None) is not None:
                     self.engine.abort(rid)
-                    self._free_owner(rid)
+                self._free_owner(rid)     # a request done here may still own tensors the frontend got
         elif isinstance(msg, m.Release):
             for rid in msg.request_ids:
                 self.engine.release(rid)
@@ -231,6 +233,7 @@ class StageWorker:
             producer = self._producers.get(msg.transport)
             if producer is not None:
                 producer.free(msg.keys)
+                self._published.freed(msg.transport, msg.keys)
         elif isinstance(msg, m.Utility):
             self._utility(ident, msg)
 
@@ -334,6 +337,7 @@ class StageWorker:
             self.engine.abort(out.request_id)
             self._fail(out.request_id, f"could not publish output tensors: {e}")
             return True
+        self._published.add(req.frontend, out.request_id, refs.values())
         for r in refs.values():
             self.stats.tensor_bytes_out += r.nbytes
             self.stats.count(f"tensor_bytes_out.{r.transport}", r.nbytes)
@@ -397,9 +401,12 @@ class StageWorker:
         if rid in self._reqs:
             self.engine.abort(rid)
             self._fail(rid, message)
+        elif rid:
+            self._free_owner(rid)   # done here: its dropped output's tensors reach no one
 
     def _free_owner(self, rid: str) -> None:
         self._producers.free_owner(rid)
+        self._published.forget(rid)
 
     def _fail(self, rid: str, message: str, kind: str = "internal") -> None:
         req = self._reqs.pop(rid, None)
@@ -467,6 +474,8 @@ class StageWorker:
                 self._reqs.pop(rid)
                 self.engine.abort(rid)
                 self._free_owner(rid)
+        for rid in self._published.of_frontend(ident):   # done here, their tensors unfreed
+            self._free_owner(rid)
 
     def _utility(self, ident: bytes, msg: m.Utility) -> None:
         try:

@@ -1,0 +1,112 @@
+"""A stage's published tensors of requests it finished: freed when their frontend goes, when
+the request is aborted later, or when the finishing output is dropped unsent."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from omni.config import StageConfig
+from omni.engines.base import Engine, EngineOutput
+from omni.stage import messages as m
+from omni.stage.worker import StageWorker
+from omni.transport.base import TensorRef
+
+
+class Producer:
+    """Slots by key, with their owner, as the arena producers keep them."""
+
+    def __init__(self):
+        self.slots: dict[int, str] = {}
+        self.n = 0
+
+    def put(self, t, owner=""):
+        self.n += 1
+        self.slots[self.n] = owner
+        return TensorRef(transport="shm", endpoint="x", key=self.n, dtype="float32", shape=tuple(t.shape),
+                         nbytes=t.numel() * 4)
+
+    def free(self, keys):
+        for k in keys:
+            self.slots.pop(k, None)
+
+    def free_owner(self, owner):
+        for k in [k for k, o in self.slots.items() if o == owner]:
+            del self.slots[k]
+
+    def close(self):
+        pass
+
+
+class OneShot(Engine):
+    """Each request finishes at its first step with one tensor."""
+
+    def __init__(self):
+        self.reqs: list[str] = []
+
+    def add_request(self, r):
+        self.reqs.append(r.request_id)
+
+    def abort(self, rid):
+        pass
+
+    def step(self):
+        out = [EngineOutput(request_id=r, tensors={"h": torch.zeros(4)}, finished=True, finish_reason="stop")
+               for r in self.reqs]
+        self.reqs = []
+        return out
+
+    def has_unfinished(self):
+        return bool(self.reqs)
+
+
+@pytest.fixture
+def setup():
+    prod = Producer()
+    w = StageWorker(StageConfig(stage_id=0, engine="count", name="thinker"), OneShot(), make_producer=lambda k: prod)
+    w._frontends.update({b"fe", b"fe2"})
+    sent: list[tuple[bytes, bytes]] = []
+    w._send_frame = lambda ident, frame: sent.append((ident, frame)) or True
+    yield w, prod, sent
+    w.close()
+
+
+def finish(w: StageWorker, rid: str, ident: bytes = b"fe") -> None:
+    w._handle(ident, m.AddRequest(request_id=rid, prompt_token_ids=[1], out_transport="shm", out_tensors=True))
+    w._step()
+
+
+def test_a_gone_frontend_frees_the_tensors_of_requests_finished_here(setup):
+    w, prod, _ = setup
+    finish(w, "r1")
+    finish(w, "r2", b"fe2")
+    assert sorted(prod.slots.values()) == ["r1", "r2"] and not w._reqs
+    w._frontend_gone(b"fe", "closed")
+    assert list(prod.slots.values()) == ["r2"]           # the other frontend's are still read
+
+
+def test_an_abort_after_the_finish_frees_what_the_frontend_did_not(setup):
+    w, prod, _ = setup
+    finish(w, "r1")
+    w._handle(b"fe", m.Abort(["r1"]))
+    assert prod.slots == {}
+
+
+def test_tensors_the_frontend_freed_are_forgotten(setup):
+    w, prod, _ = setup
+    finish(w, "r1")
+    w._handle(b"fe", m.FreeTensors([1], "shm"))
+    assert prod.slots == {} and len(w._published) == 0
+    finish(w, "r2")                                       # slot 2: freed by owner when fe goes
+    w._frontend_gone(b"fe", "closed")
+    assert prod.slots == {} and len(w._published) == 0
+
+
+def test_a_finishing_output_dropped_unsent_frees_its_tensors(setup):
+    w, prod, _ = setup
+    w._send_frame = lambda ident, frame: False            # the frontend reads nothing
+    w.stall_timeout_s = -1.0
+    finish(w, "r1")
+    assert prod.slots == {1: "r1"} and w._held and not w._reqs
+    w._flush_held()
+    assert not w._held and prod.slots == {}
