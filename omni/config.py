@@ -23,7 +23,7 @@ import msgspec
 import yaml
 
 from omni import config_vllm_omni as vllm_omni
-from omni.config_checks import check_pipeline, check_yaml_shape, yaml_sections
+from omni.config_checks import check_pipeline, check_sampling, check_yaml_shape, yaml_sections
 from omni.errors import ConfigError
 # The config types of the image and video routes, kept where the rest of the deploy config is found.
 from omni.media_settings import ImageSettings, PromptExpansion, VideoSettings, validate_images  # noqa: F401
@@ -387,6 +387,7 @@ def validate(config: DeployConfig, source: str = "deploy config") -> None:
         where = f"{source}: stages[{s.stage_id}]"
         if s.num_replicas < 1:
             raise ConfigError(f"{where}.num_replicas must be >= 1, got {s.num_replicas}")
+        check_sampling(s.default_sampling_params, where)
         for i in s.inputs:
             if isinstance(i, int):
                 if not 0 <= i < s.stage_id:

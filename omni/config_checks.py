@@ -11,10 +11,27 @@ from typing import Any
 
 from omni.errors import ConfigError
 
-__all__ = ["PIPELINE_SECONDS", "check_pipeline", "check_yaml_shape", "yaml_sections"]
+__all__ = ["PIPELINE_SECONDS", "SAMPLING_RANGES", "check_pipeline", "check_sampling", "check_yaml_shape",
+           "yaml_sections"]
 
 # Seconds the pipeline waits on something; each must be a finite number > 0.
 PIPELINE_SECONDS = ("request_timeout_s", "startup_timeout_s", "lease_ttl_s", "stall_timeout_s")
+MAX_SPEECH_CHARS = 4096     # OpenAI's limit on /v1/audio/speech input
+# A stage's default_sampling_params: the ranges a request's own values get (omni/api/protocol.py
+# check_sampling); the Piper noise scales: any finite value >= 0. NaN fails every one of these.
+SAMPLING_RANGES = {
+    "max_tokens": (lambda v: v >= 1, ">= 1"),
+    "temperature": (lambda v: 0.0 <= v <= 2.0, "in [0, 2]"),
+    "top_p": (lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
+    "top_k": (lambda v: v >= -1, "-1, 0 (off) or positive"),
+    "seed": (lambda v: -(2**63) <= v < 2**64, "a 64-bit integer"),
+    "repetition_penalty": (lambda v: 0.0 < v <= 2.0, "in (0, 2]"),
+    "presence_penalty": (lambda v: -2.0 <= v <= 2.0, "in [-2, 2]"),
+    "frequency_penalty": (lambda v: -2.0 <= v <= 2.0, "in [-2, 2]"),
+    "min_tokens": (lambda v: v >= 0, ">= 0"),
+    "noise_scale": (lambda v: 0.0 <= v < math.inf, "finite and >= 0"),
+    "noise_w_scale": (lambda v: 0.0 <= v < math.inf, "finite and >= 0"),
+}
 
 
 def check_pipeline(pipeline: Any, source: str) -> None:
@@ -22,6 +39,23 @@ def check_pipeline(pipeline: Any, source: str) -> None:
         v = getattr(pipeline, key)
         if not math.isfinite(v) or v <= 0:
             raise ConfigError(f"{source}: pipeline.{key} must be > 0 and finite (seconds), got {v}")
+    if pipeline.max_tokens_limit is not None and pipeline.max_tokens_limit < 1:
+        raise ConfigError(f"{source}: pipeline.max_tokens_limit must be >= 1 (or unset: the context), "
+                          f"got {pipeline.max_tokens_limit}")
+    if not 1 <= pipeline.max_speech_chars <= MAX_SPEECH_CHARS:
+        raise ConfigError(f"{source}: pipeline.max_speech_chars must be in [1, {MAX_SPEECH_CHARS}], "
+                          f"got {pipeline.max_speech_chars}")
+
+
+def check_sampling(overrides: Any, where: str) -> None:
+    """A stage's default_sampling_params, range-checked as a request's own values are."""
+    for key, v in overrides.set().items():
+        ok, wanted = SAMPLING_RANGES.get(key, (None, ""))
+        if ok is not None and not ok(v):
+            raise ConfigError(f"{where}.default_sampling_params.{key} must be {wanted}, got {v}")
+    if any(t < 0 for t in overrides.stop_token_ids or ()):
+        raise ConfigError(f"{where}.default_sampling_params.stop_token_ids must be non-negative, "
+                          f"got {list(overrides.stop_token_ids)}")
 
 
 def yaml_sections(data: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:

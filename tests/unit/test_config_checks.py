@@ -21,3 +21,29 @@ def test_pipeline_seconds_must_be_finite_and_positive(tmp_path, key, value):
     """A NaN request timeout failed every request at once; a NaN lease never expired a dead replica."""
     with pytest.raises(ConfigError, match=rf"pipeline\.{key} must be > 0 and finite \(seconds\), got"):
         load(tmp_path, f"pipeline: {{{key}: {value}}}\n" + STAGES)
+
+
+@pytest.mark.parametrize("pipeline, match", [
+    ("max_tokens_limit: 0", r"pipeline\.max_tokens_limit must be >= 1 \(or unset: the context\), got 0"),
+    ("max_speech_chars: 0", r"pipeline\.max_speech_chars must be in \[1, 4096\], got 0"),
+    ("max_speech_chars: 5000", r"pipeline\.max_speech_chars must be in \[1, 4096\], got 5000"),
+])
+def test_pipeline_sizes_are_range_checked(tmp_path, pipeline, match):
+    with pytest.raises(ConfigError, match=match):
+        load(tmp_path, f"pipeline: {{{pipeline}}}\n" + STAGES)
+
+
+@pytest.mark.parametrize("key, value, wanted", [
+    ("max_tokens", "0", ">= 1"), ("max_tokens", "-5", ">= 1"),
+    ("top_p", ".nan", r"in \(0, 1\]"), ("top_p", "0", r"in \(0, 1\]"), ("top_p", "1.5", r"in \(0, 1\]"),
+    ("repetition_penalty", "0", r"in \(0, 2\]"), ("repetition_penalty", "-1", r"in \(0, 2\]"),
+    ("temperature", "-0.1", r"in \[0, 2\]"), ("temperature", ".nan", r"in \[0, 2\]"),
+    ("temperature", ".inf", r"in \[0, 2\]"), ("presence_penalty", "3", r"in \[-2, 2\]"),
+    ("top_k", "-2", "-1, 0 \\(off\\) or positive"), ("min_tokens", "-1", ">= 0"),
+    ("noise_scale", ".inf", "finite and >= 0"), ("stop_token_ids", "[-1]", "non-negative"),
+])
+def test_stage_sampling_defaults_get_the_apis_ranges(tmp_path, key, value, wanted):
+    stages = STAGES.replace("final_output: true", f"default_sampling_params: {{{key}: {value}}}, final_output: true")
+    with pytest.raises(ConfigError, match=rf"stages\[0\]\.default_sampling_params\.{key} must be {wanted}"):
+        load(tmp_path, stages)
+
