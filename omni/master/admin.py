@@ -17,10 +17,12 @@ import typer
 from omni.errors import OmniError
 from omni.master import DEFAULT_PORT
 from omni.master.auth import tls_from_options
-from omni.master.commands import EXIT_NOT_READY, EXIT_OK, EXIT_UNREACHABLE, _one_line, _table
+from omni.master.commands import EXIT_NOT_READY, EXIT_OK, EXIT_UNREACHABLE, _local_master, _one_line, _table
 
 # Shared option declarations (typer reads them from each command's signature).
-_MASTER = typer.Option(f"127.0.0.1:{DEFAULT_PORT}", "--master", "-m", help="The omni master's HOST:PORT.")
+# Default: the `omni serve` on this host, found as `omni status` finds it (its master port is random).
+_MASTER = typer.Option(None, "--master", "-m", help="The omni master's HOST:PORT. Default: the `omni serve` "
+                       f"running on this host, else 127.0.0.1:{DEFAULT_PORT}.")
 _STAGE = typer.Option(None, "--stage", help="Only these stage ids (repeat the flag); default: every stage.")
 _REPLICA = typer.Option(None, "--replica", help="Only these replica ids, as `omni status` lists them (repeat it).")
 _JSON = typer.Option(False, "--json", help="Print one JSON document.")
@@ -31,11 +33,13 @@ _CA = typer.Option(None, "--tls-ca", help="PEM CA to verify the master (enables 
 _FORCE = typer.Option(False, "--force", help="Also when it takes the last READY replica of a stage out of service.")
 
 
-def _run(kind: str, master: str, stage: list[int] | None, replica: list[str] | None, args: dict,
+def _run(kind: str, master: str | None, stage: list[int] | None, replica: list[str] | None, args: dict,
          timeout: float, json_: bool, omni_token: str | None, tls: tuple, force: bool = False) -> None:
     from omni.master.client import MasterClient
 
     verb = kind.lower().replace("_", "")
+    if master is None:
+        master = _local_master(verb)
     try:
         with MasterClient(master, token=omni_token, tls=tls_from_options(*tls), timeout_s=5.0) as client:
             st = client.get_status()
@@ -72,7 +76,7 @@ def _run(kind: str, master: str, stage: list[int] | None, replica: list[str] | N
 
 
 def drain(
-    master: str = _MASTER, stage: list[int] = _STAGE, replica: list[str] = _REPLICA,
+    master: str | None = _MASTER, stage: list[int] = _STAGE, replica: list[str] = _REPLICA,
     timeout: float = typer.Option(10.0, "--timeout", min=0.1, help="Seconds to wait for the acks."),
     json_: bool = _JSON, omni_token: str | None = _TOKEN,
     tls_cert: str | None = _CERT, tls_key: str | None = _KEY, tls_ca: str | None = _CA, force: bool = _FORCE,
@@ -82,7 +86,7 @@ def drain(
 
 
 def undrain(
-    master: str = _MASTER, stage: list[int] = _STAGE, replica: list[str] = _REPLICA,
+    master: str | None = _MASTER, stage: list[int] = _STAGE, replica: list[str] = _REPLICA,
     timeout: float = typer.Option(10.0, "--timeout", min=0.1, help="Seconds to wait for the acks."),
     json_: bool = _JSON, omni_token: str | None = _TOKEN,
     tls_cert: str | None = _CERT, tls_key: str | None = _KEY, tls_ca: str | None = _CA,
@@ -108,7 +112,7 @@ def _what_stops(st, stage: list[int] | None, replica: list[str] | None) -> list[
 
 
 def sleep(
-    master: str = _MASTER, stage: list[int] = _STAGE, replica: list[str] = _REPLICA,
+    master: str | None = _MASTER, stage: list[int] = _STAGE, replica: list[str] = _REPLICA,
     level: int = typer.Option(1, "--level", min=1, max=2, help="1: free the KV cache; 2: also drop weights."),
     timeout: float = typer.Option(60.0, "--timeout", min=0.1, help="Seconds to wait for the acks."),
     json_: bool = _JSON, omni_token: str | None = _TOKEN,
@@ -120,7 +124,7 @@ def sleep(
 
 
 def wakeup(
-    master: str = _MASTER, stage: list[int] = _STAGE, replica: list[str] = _REPLICA,
+    master: str | None = _MASTER, stage: list[int] = _STAGE, replica: list[str] = _REPLICA,
     timeout: float = typer.Option(60.0, "--timeout", min=0.1, help="Seconds to wait for the acks."),
     json_: bool = _JSON, omni_token: str | None = _TOKEN,
     tls_cert: str | None = _CERT, tls_key: str | None = _KEY, tls_ca: str | None = _CA,

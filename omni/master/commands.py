@@ -109,7 +109,7 @@ def status(
     raise typer.Exit(EXIT_NOT_READY if problems else EXIT_OK)
 
 
-def _local_master() -> str:
+def _local_master(verb: str = "status") -> str:
     """The master of the `omni serve` started on this host (its run file); says which it picked."""
     from omni import runfile
 
@@ -118,7 +118,7 @@ def _local_master() -> str:
         return f"127.0.0.1:{DEFAULT_PORT}"
     run = runs[0]
     more = f" (the newest of {len(runs)} on this host; --master picks another)" if len(runs) > 1 else ""
-    typer.echo(f"omni status: found `omni serve {run.get('model')}` (pid {run['pid']}), master "
+    typer.echo(f"omni {verb}: found `omni serve {run.get('model')}` (pid {run['pid']}), master "
                f"{run['master']}{more}", err=True)
     return str(run["master"])
 

@@ -1,0 +1,37 @@
+"""`omni drain/undrain/sleep/wakeup` find this host's `omni serve` as `omni status` does (its run file):
+single-command serve's master port is random, and the worker's 503 tells users to run `omni wakeup`."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from omni import runfile
+from omni.cli import app
+from omni.master.configdiff import hash_config
+from omni.master.server import MasterServer
+
+CFG = {"model": "m", "stages": [{"stage_id": 0, "engine_args": {}}]}
+
+
+@pytest.fixture
+def served(tmp_path, monkeypatch):
+    folder = tmp_path / "run"
+    folder.mkdir(mode=0o700)
+    folder.chmod(0o700)
+    monkeypatch.setenv("OMNI_RUN_DIR", str(folder))
+    monkeypatch.delenv("OMNI_TOKEN", raising=False)
+    server = MasterServer(CFG, hash_config(CFG))
+    server.start()
+    path = runfile.write(server.address, "m", None)
+    yield server
+    runfile.remove(path)
+    server.stop(grace=0.2)
+
+
+@pytest.mark.parametrize("command", ["drain", "undrain", "sleep", "wakeup"])
+def test_admin_commands_target_the_local_serve_without_master(served, command):
+    r = CliRunner().invoke(app, [command, "--stage", "0", "--timeout", "1"])
+    # The master answered: stage 0 is known there, with no replica registered yet.
+    assert f"omni {command}: found `omni serve m`" in r.output and served.address in r.output, r.output
+    assert f"omni {command}: no live stage replica matched" in r.output, r.output
