@@ -116,8 +116,9 @@ class Generation:
             if self.want_logprobs and out.logprobs is not None:
                 self._logprobs.extend((t, lp, top) for t, (lp, top) in zip(out.token_ids, out.logprobs.rows()))
             ids = out.token_ids
-            if out.finished and isinstance(out.stop_reason, int) and ids[-1] == out.stop_reason:
-                ids = ids[:-1]   # as vLLM: the token a stop finish stopped on adds no text
+            # As vLLM: the token a stop finish stopped on adds no text (also when audio follows the text).
+            if isinstance(out.stop_reason, int) and ids[-1] == out.stop_reason:
+                ids = ids[:-1]
             text = self._stop.feed(self._detok.push(ids), self.completion_tokens > self._min_tokens)
             if latency_trace.on():
                 latency_trace.mark("text" if text else "no_text", self.request.request_id, len(out.token_ids))

@@ -285,7 +285,7 @@ class OrchestratorCore:
             if not out.token_ids:
                 return
             po.token_ids = list(out.token_ids)
-            po.logprobs = out.logprobs
+            po.logprobs, po.stop_reason = out.logprobs, out.stop_reason   # its stop token: no text (Generation)
         else:
             ref = next(iter(out.tensors.values()), None)
             if ref is None:

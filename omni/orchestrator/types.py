@@ -49,7 +49,8 @@ class PipelineOutput(msgspec.Struct, kw_only=True):
     num_prompt_tokens: int | None = None
     embedding: list[float] | None = None   # modality "embedding"
     logprobs: Logprobs | None = None   # modality "text": one row per token id, when asked for
-    stop_reason: int | str | None = None   # on the finishing output: the stop token id that ended it
+    # On the finishing output, and on the text stage's last one: the stop token id that ended it.
+    stop_reason: int | str | None = None
     # modality "image": uint8 RGB rows of `image_shape` [n, height, width, 3]; "video": [n, frames, height, width, 3]
     image: bytes = b""
     image_shape: tuple[int, ...] = ()
