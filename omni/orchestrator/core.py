@@ -23,8 +23,8 @@ from omni.master.types import ReplicaInfo
 from omni.orchestrator import events as ev
 from omni.orchestrator.limits import RecentFailures, fitting
 from omni.orchestrator.metrics import OrchestratorMetrics
-from omni.orchestrator.request_state import (ProcessorContext, RequestState, finals_below, load_processor,
-                                             needed_stages, ref_id)
+from omni.orchestrator.request_state import (ProcessorContext, RequestState, finals_below, free_actions, input_host,
+                                             load_processor, needed_stages, ref_id)
 from omni.orchestrator.topology import Topology
 from omni.orchestrator.types import PipelineOutput, PipelineRequest
 from omni.sampling import SamplingOverrides
@@ -111,10 +111,11 @@ class OrchestratorCore:
     def needed_stages(self, req: PipelineRequest) -> list[int]:
         return needed_stages(self.config, req)
 
-    def pick(self, stage_id: int, req: PipelineRequest | None = None) -> ReplicaInfo:
-        replicas = self.topology.stage_replicas(stage_id)
+    def pick(self, stage_id: int, req: PipelineRequest | None = None, host: str | None = None) -> ReplicaInfo:
+        replicas = [r for r in self.topology.stage_replicas(stage_id) if host is None or r.host == host]
         if not replicas:
-            raise Unavailable(f"{self.config.stage(stage_id).label} has no READY replica")
+            raise Unavailable(f"{self.config.stage(stage_id).label} has no READY replica"
+                              + (f" on {host}, where its input's shared-memory tensors are" if host else ""))
         return min(fitting(self.config.stage(stage_id), replicas, req), key=self.load)
 
     def load(self, r: ReplicaInfo) -> tuple[int, str]:
@@ -339,7 +340,9 @@ class OrchestratorCore:
                 raise StageFailed(s, replica.replica_id if replica else "?", "replica is gone", errors.UNAVAILABLE)
             if replica is not None:
                 self._unhold(replica.replica_id, state.rid)
-            replica = st.replica = self.pick(s, state.req)
+            # Shared-memory inputs were put for the old pick's host: their producer's.
+            host = input_host(inp, state.origin, self.topology.replicas, stage.label)
+            replica = st.replica = self.pick(s, state.req, host)
         # The stage's own sampling (the talker's temperature, piper's noise scales) over the request's;
         # the stage that takes the client's prompt had its defaults folded in by the frontend.
         overrides = state.req.stage_overrides.get(s, self._overrides[s])
@@ -473,11 +476,4 @@ class OrchestratorCore:
             self._free(producer, refs)
 
     def _free(self, producer: str | Callable, refs: list[TensorRef]) -> None:
-        """Free `refs` at their producer (a replica id, or a lookup from a ref's id to one)."""
-        groups: dict[tuple[str, str], list[int]] = {}
-        for ref in refs:
-            rep = producer(ref_id(ref), "") if callable(producer) else producer
-            if rep:
-                groups.setdefault((rep, ref.transport), []).append(ref.key)
-        for (rep, transport), keys in groups.items():
-            self._out.append(ev.Free(rep, transport, tuple(keys)))
+        self._out.extend(free_actions(producer, refs))

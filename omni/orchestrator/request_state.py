@@ -8,10 +8,11 @@ from typing import Callable
 
 from omni import processors as procs
 from omni.config import DeployConfig
-from omni.errors import BadRequest, OmniError
+from omni.errors import BadRequest, OmniError, Unavailable
 from omni.master.types import ReplicaInfo
+from omni.orchestrator import events as ev
 from omni.orchestrator.types import PipelineRequest
-from omni.transport.base import TensorRef
+from omni.transport.base import SAME_HOST_ONLY, TensorRef
 
 
 def load_processor(path: str | None) -> Callable:
@@ -101,3 +102,24 @@ def finals_below(config: DeployConfig, s: int) -> frozenset[int]:
             below.add(t)
             todo.extend(config.downstream(t))
     return frozenset(t for t in below if config.stage(t).final_output)
+
+
+def free_actions(producer: str | Callable, refs: list[TensorRef]) -> list[ev.Free]:
+    """Free `refs` at their producer (a replica id, or a lookup from a ref's id to one)."""
+    groups: dict[tuple[str, str], list[int]] = {}
+    for ref in refs:
+        rep = producer(ref_id(ref), "") if callable(producer) else producer
+        if rep:
+            groups.setdefault((rep, ref.transport), []).append(ref.key)
+    return [ev.Free(rep, transport, tuple(keys)) for (rep, transport), keys in groups.items()]
+
+
+def input_host(inp: procs.StageInput, origin: dict, replicas: dict[str, ReplicaInfo], label: str) -> str | None:
+    """The host whose replicas can read `inp` (its shm / cuda_ipc tensors' producer's), None: any."""
+    for ref in inp.tensors.values():
+        if ref.transport in SAME_HOST_ONLY:
+            producer = replicas.get(origin.get(ref_id(ref), ""))
+            if producer is None:
+                raise Unavailable(f"{label}: the replica holding its input's {ref.transport} tensors is gone")
+            return producer.host
+    return None

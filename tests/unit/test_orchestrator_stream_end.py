@@ -4,8 +4,9 @@ after its stage is done: the Qwen3-Omni shape, thinker -> talker (streamed piece
 from __future__ import annotations
 
 from omni.config import parse
+from omni.errors import Unavailable
 from omni.orchestrator import events as ev
-from tests.unit.test_orchestrator_core import ALL, chat, make_core, of, output, ref, sends
+from tests.unit.test_orchestrator_core import ALL, chat, make_core, of, output, ref, replica, sends
 
 Q3 = parse({"model": "m", "stages": [
     {"stage_id": 0, "name": "thinker", "engine": "count", "final_output": True, "final_output_type": "text"},
@@ -66,3 +67,23 @@ def test_losing_the_thinkers_replica_after_it_finished_the_request_does_not_fail
     acts = core.handle(output("s2r0", 2, "r1", tensors={"audio": ref(9, "s2r0")}, sample_rate=24000,
                               finished=True))
     assert not of(acts, ev.Fail) and of(acts, ev.Finished)[0].outcome == "ok"
+
+
+def talker_gone_before_its_first_piece(*talkers):
+    """The talker picked at admission ("s1a", on h1 as the thinker) goes before anything was sent
+    to it; then the thinker's first output (its expanded prompt, in shm) is routed. -> (core, actions)."""
+    core = make_core(replica(0, "s0r0"), replica(1, "s1a"), *talkers, replica(2, "s2r0"), config=Q3)
+    core.submit(chat())
+    assert core.requests["r1"].stages[1].replica.replica_id == "s1a"
+    core.handle(ev.ReplicaGone(replica(1, "s1a"), "suspect"))
+    core.topology.replicas.pop("s1a")
+    return core, core.handle(output("s0r0", 0, "r1", token_ids=[5], tensors={"prompt_token_ids": ref(3, "s0r0")}))
+
+
+def test_a_stage_picked_again_takes_a_replica_on_the_host_of_its_shared_memory_input():
+    _, acts = talker_gone_before_its_first_piece(replica(1, "s1b", "h2"), replica(1, "s1c", "h1"))
+    assert sends(acts) == [("s1c", "r1", False)]
+    _, acts = talker_gone_before_its_first_piece(replica(1, "s1b", "h2"))
+    assert not of(acts, ev.Send) and of(acts, ev.Finished)[0].outcome == "failed"
+    err = of(acts, ev.Fail)[0].error
+    assert isinstance(err, Unavailable) and "stage 1 (talker) has no READY replica on h1" in str(err)
