@@ -171,9 +171,10 @@ class OrchestratorCore:
             state = self.requests.get(rid)
             if state is None:
                 continue
-            # A stage done with the request needs its replica no more (a finished thinker's).
+            # A stage done with the request, or that ended its stream early, needs its replica no more.
             held = [s for s, st in state.stages.items() if st.replica is not None
-                    and st.replica.replica_id == dead.replica_id and not self._stage_done(state, s)]
+                    and st.replica.replica_id == dead.replica_id and not self._stage_done(state, s)
+                    and not (state.rid in st.ended and not st.open)]
             if not held:
                 continue
             if not any(state.stages[s].started for s in held):

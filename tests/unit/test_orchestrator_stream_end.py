@@ -87,3 +87,15 @@ def test_a_stage_picked_again_takes_a_replica_on_the_host_of_its_shared_memory_i
     assert not of(acts, ev.Send) and of(acts, ev.Finished)[0].outcome == "failed"
     err = of(acts, ev.Fail)[0].error
     assert isinstance(err, Unavailable) and "stage 1 (talker) has no READY replica on h1" in str(err)
+
+
+def test_losing_the_replica_of_a_talker_that_ended_early_does_not_fail_the_request():
+    core = make_core(*ALL, config=Q3)
+    core.submit(chat())
+    core.handle(output("s0r0", 0, "r1", token_ids=[5, 6]))
+    core.handle(output("s1r0", 1, "r1", tensors={"codes": ref(1)}, finished=True, finish_reason="length"))
+    assert core.handle(ev.ReplicaGone(ALL[1], "dead")) == []       # the thinker still streams
+    assert sends(core.handle(output("s0r0", 0, "r1", token_ids=[7], finished=True))) == [("s2r0", "r1", True)]
+    acts = core.handle(output("s2r0", 2, "r1", tensors={"audio": ref(9, "s2r0")}, sample_rate=24000,
+                              finished=True))
+    assert not of(acts, ev.Fail) and of(acts, ev.Finished)[0].outcome == "ok"
