@@ -165,7 +165,7 @@ def serve(
     --omni-heartbeat-timeout set omni's start-up bound and lease; --no-async-chunk makes the audio
     stage decode each utterance whole (--async-chunk: stream, whatever the deploy YAML says)."""
     from omni import config as cfg
-    from omni import vllm_omni_flags
+    from omni import vllm_omni_flags, vllm_serve_flags
     from omni.engine_flags import merge_overrides, parse_extra_flags, spread_flags
 
     if api_server_count < 1:
@@ -212,6 +212,7 @@ def serve(
              "gpu_memory_utilization": gpu_memory_utilization, "enforce_eager": enforce_eager,
              "tensor_parallel_size": tensor_parallel_size, "trust_remote_code": trust_remote_code}
     flags.update(parse_extra_flags(list(ctx.args)))
+    vllm_serve_flags.take(flags)                    # vLLM's HTTP-server options: no-ops or refused
     orchestration = vllm_omni_flags.take(flags)     # vllm-omni's own options with a meaning here
     async_chunk = flags.pop("async_chunk", None)
     if async_chunk is not None and not isinstance(async_chunk, bool):
