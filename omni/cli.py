@@ -339,10 +339,25 @@ def _mask_process_title(argv: list[str]) -> None:
     setproctitle.setproctitle(" ".join(["omni", *masked]))
 
 
+# vLLM's nargs="+" flags that omni takes once: `--api-key k1 k2` would end in "unexpected argument 'k2'".
+ONE_VALUE = {"--served-model-name": "one name (the API also answers to MODEL and its deploy aliases)",
+             "--api-key": "one key"}
+
+
+def _refuse_several_values(argv: list[str]) -> None:
+    """Only with MODEL right after `serve` (then a bare word after a flag's value can only be another value)."""
+    if len(argv) < 2 or argv[0] != "serve" or argv[1].startswith("-"):
+        return
+    for i, arg in enumerate(argv[:-2]):
+        if arg in ONE_VALUE and not argv[i + 2].startswith("-"):
+            raise ConfigError(f"{arg} takes {ONE_VALUE[arg]}, got several values")   # never echo a key
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     _mask_process_title(argv)
     try:
+        _refuse_several_values(argv)
         argv = fold_dotted_args([SHORT_FLAGS.get(a, a) for a in argv])
         app(args=argv, prog_name="omni", standalone_mode=True)
     except OmniError as e:

@@ -36,6 +36,8 @@ def omni(*args: str) -> subprocess.CompletedProcess:
     (["serve", "smollm2", "--max-request-bytes", "10"], "--max-request-bytes must be at least 1024"),
     (["serve", "smollm2", "--api-key", ""], "--api-key is empty"),
     (["serve", "smollm2", "--control-api-key="], "--control-api-key is empty"),
+    (["serve", "smollm2", "--served-model-name", "a", "b"], "--served-model-name takes one name"),
+    (["serve", "smollm2", "--api-key", "k1", "k2", "--port", "0"], "--api-key takes one key, got several values"),
 ])
 def test_bad_flags_exit_2_naming_the_flag(args, message):
     r = omni(*args)
