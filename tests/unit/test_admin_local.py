@@ -10,16 +10,13 @@ from omni import runfile
 from omni.cli import app
 from omni.master.configdiff import hash_config
 from omni.master.server import MasterServer
+from tests.unit.test_runfile import run_dir  # noqa: F401 (a fixture: a private OMNI_RUN_DIR)
 
 CFG = {"model": "m", "stages": [{"stage_id": 0, "engine_args": {}}]}
 
 
 @pytest.fixture
-def served(tmp_path, monkeypatch):
-    folder = tmp_path / "run"
-    folder.mkdir(mode=0o700)
-    folder.chmod(0o700)
-    monkeypatch.setenv("OMNI_RUN_DIR", str(folder))
+def served(run_dir, monkeypatch):
     monkeypatch.delenv("OMNI_TOKEN", raising=False)
     server = MasterServer(CFG, hash_config(CFG))
     server.start()
