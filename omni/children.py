@@ -13,7 +13,7 @@ import sys
 from omni import envs
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="omni.children")
     ap.add_argument("role", choices=["stage", "frontend"])
     ap.add_argument("--config", required=True)
@@ -30,8 +30,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--served-model-name", default="")
     ap.add_argument("--jobs-dir")
     ap.add_argument("--http-limits")   # JSON of omni.api.limits.HttpLimits
+    ap.add_argument("--max-model-len", type=int)   # the head's --max-model-len (stage mode): unhashed
     ap.add_argument("--parent-pid", type=int)
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
     if a.parent_pid:
         from omni.launcher import die_with_parent
 
@@ -57,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
                           # Secrets come by environment, never argv (world-readable in ps).
                           api_key=envs.OMNI_API_KEY, served_model_name=a.served_model_name, log_level=a.log_level,
                           jobs_dir=a.jobs_dir, http_limits=json.loads(a.http_limits) if a.http_limits else None,
+                          max_model_len=a.max_model_len,
                           # Like the token, the control key comes by environment, not argv.
                           control_api_key=envs.OMNI_CONTROL_API_KEY, control_routes=envs.OMNI_CONTROL_ROUTES)
 

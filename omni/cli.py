@@ -141,7 +141,7 @@ def serve(
     disable_control_routes: bool = typer.Option(False, "--disable-control-routes", help="Answer 403 on /v1/omni/sleep and /v1/omni/wakeup (the master's `omni sleep`/`omni wakeup` still work)."),
     served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="Model name the API reports (default: MODEL)."),
     num_replicas: Optional[int] = typer.Option(None, "--num-replicas", "--omni-dp-size-local", help="Replicas of the stage(s) run here. 0 with --stage-id 0 (the head): only the master and the HTTP frontends run here; stage 0 runs headless on other hosts."),
-    max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Per-stage engine flag (stage mode): context length."),
+    max_model_len: Optional[str] = typer.Option(None, "--max-model-len", help="Engine flag: context length (2048, 32k, 32K); in stage mode this replica's (and the head's frontends')."),
     max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs", help="Per-stage engine flag: max concurrent sequences."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Per-stage engine flag: bfloat16 | float32."),
     gpu_memory_utilization: Optional[float] = typer.Option(None, "--gpu-memory-utilization", help="Per-stage engine flag (vLLM stages)."),
@@ -166,7 +166,7 @@ def serve(
     stage decode each utterance whole (--async-chunk: stream, whatever the deploy YAML says)."""
     from omni import config as cfg
     from omni import vllm_omni_flags, vllm_serve_flags
-    from omni.engine_flags import merge_overrides, parse_extra_flags, spread_flags
+    from omni.engine_flags import context_length, merge_overrides, parse_extra_flags, spread_flags
 
     if api_server_count < 1:
         raise ConfigError(f"--api-server-count must be >= 1, got {api_server_count}")
@@ -208,7 +208,7 @@ def serve(
                           "(--max-model-len, --engine-args ...)")
     if stage_id == 0 and headless:
         pass  # a headless stage 0 replica: allowed (extra thinker capacity)
-    flags = {"max_model_len": max_model_len, "max_num_seqs": max_num_seqs, "dtype": dtype,
+    flags = {"max_model_len": context_length(max_model_len), "max_num_seqs": max_num_seqs, "dtype": dtype,
              "gpu_memory_utilization": gpu_memory_utilization, "enforce_eager": enforce_eager,
              "tensor_parallel_size": tensor_parallel_size, "trust_remote_code": trust_remote_code}
     flags.update(parse_extra_flags(list(ctx.args)))

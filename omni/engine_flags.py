@@ -5,12 +5,35 @@ mode, spread over the stages whose engine takes them."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 from typing import Any
 
 from omni import vllm_omni_flags
 from omni.config import DeployConfig
 from omni.errors import ConfigError
+
+
+_SIZE = re.compile(r"^(?:(\d+)([KMG]?)|(\d+(?:\.\d+)?)([kmg]))$")
+
+
+def context_length(value: str | None) -> int | None:
+    """--max-model-len as vLLM reads it: 2048, 32k (32000), 32K (32768); "auto" / -1 (the most the
+    engine fits) is refused by name, as omni's engines take a number."""
+    if value is None:
+        return None
+    m = _SIZE.match(value.strip())
+    if m is None:
+        why = ("vLLM's auto (the most that fits) needs a number here" if value.strip() in ("auto", "-1")
+               else "takes a token count: 2048, 32k (32000) or 32K (32768)")
+        raise ConfigError(f"--max-model-len {value}: {why}")
+    if m.group(1) is not None:
+        n = int(m.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[m.group(2)]
+    else:
+        n = int(float(m.group(3)) * {"k": 10**3, "m": 10**6, "g": 10**9}[m.group(4)])
+    if n < 1:
+        raise ConfigError(f"--max-model-len {value}: must be at least 1")
+    return n
 
 
 def flag_name(key: str) -> str:

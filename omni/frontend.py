@@ -105,7 +105,8 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
                          host: str, port: int, api_key: str | None, served_model_name: str,
                          listen_fd: int | None = None, jobs_dir: str | None = None,
                          control_api_key: str | None = None, control_routes: bool = True,
-                         limits=None) -> None:
+                         limits=None, max_model_len: int | None = None) -> None:
+    """`max_model_len`: the head's own --max-model-len (stage mode), over the deploy's."""
     from transformers import AutoTokenizer
 
     from omni.api.app import build_app
@@ -198,7 +199,7 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
             served_model_name=served_model_name,
             model_aliases=list(config.aliases) + [config.model],
             frontend_index=index,
-            max_model_len=_max_model_len(config), num_stages=len(config.stages),
+            max_model_len=max_model_len or _max_model_len(config), num_stages=len(config.stages),
             default_modalities=config.pipeline.default_modalities,
             speech_entry_stage=config.pipeline.speech_entry_stage,
             audio_out=config.final_stage("audio") is not None,
@@ -263,7 +264,8 @@ def main_from_args(config_json: str, *, index: int, master_address: str, token: 
                    port: int, api_key: str | None, served_model_name: str, log_level: str = "INFO",
                    listen_fd: int | None = None,
                    jobs_dir: str | None = None, control_api_key: str | None = None,
-                   control_routes: bool = True, http_limits: dict | None = None) -> int:
+                   control_routes: bool = True, http_limits: dict | None = None,
+                   max_model_len: int | None = None) -> int:
     from omni.api.limits import HttpLimits
     from omni.config import loads_json
 
@@ -274,7 +276,7 @@ def main_from_args(config_json: str, *, index: int, master_address: str, token: 
                                    host=host, port=port, api_key=api_key, listen_fd=listen_fd,
                                    served_model_name=served_model_name, jobs_dir=jobs_dir,
                                    control_api_key=control_api_key, control_routes=control_routes,
-                                   limits=HttpLimits.from_dict(http_limits)))
+                                   limits=HttpLimits.from_dict(http_limits), max_model_len=max_model_len))
     except OSError as e:
         print(f"omni: frontend {index} cannot serve on {host}:{port}: {e}", file=sys.stderr, flush=True)
         return 1

@@ -231,6 +231,8 @@ class Launcher:
                         "--served-model-name", p.served_model_name or p.config.model, "--jobs-dir", jobs_dir,
                         "--listen-fd", str(self._listener.fileno()),
                         "--http-limits", json.dumps(p.http_limits.to_dict())]
+                if p.engine_flags.get("max_model_len"):   # the head's stage 0 context, not the deploy's
+                    args += ["--max-model-len", str(p.engine_flags["max_model_len"])]
                 self.children.append(Child(f"api{i}", "frontend", self._child_argv("frontend", *args),
                                            index=i, env=fenv, pass_fds=(self._listener.fileno(),)))
 
