@@ -10,8 +10,7 @@ import msgspec
 
 from omni.api.errors import bad_request
 from omni.api.refused import refused as _refused
-
-MAX_SPEECH_CHARS = 4096
+from omni.config_checks import MAX_SPEECH_CHARS
 Speed = Annotated[float, msgspec.Meta(ge=0.25, le=4.0)]
 
 
@@ -44,8 +43,9 @@ class VoiceId(msgspec.Struct):
     id: Annotated[str, msgspec.Meta(max_length=128)]
 
 
-# Why each refused /v1/audio/speech field is not taken (speech.py names the first one set).
-SPEECH_REFUSED = {
+# Why each refused /v1/audio/speech field is not taken (speech.py names the first one set), in
+# refused.first_refused's form: unset or "" does nothing.
+SPEECH_REFUSED = {name: ([None, ""], why) for name, why in {
     "instructions": "this pipeline's voices take no style instructions",
     "language": "this pipeline's speech stage picks no language",
     "task_type": "vllm-omni's Qwen3-TTS option; this pipeline's speech stage has no tasks",
@@ -54,7 +54,7 @@ SPEECH_REFUSED = {
     "sample_rate": "the audio comes at the model's own rate (the WAV header, X-Sample-Rate)",
     "seed": "this pipeline's speech is not sampled from a seed",
     "max_new_tokens": "the speech ends with its text",
-}
+}.items()}
 
 
 MAX_IMAGE_PROMPT_CHARS = 4000

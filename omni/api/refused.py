@@ -68,9 +68,9 @@ RefusedParams = msgspec.defstruct(
     kw_only=True)
 
 
-def first_refused(req: Any) -> tuple[str, str] | None:
-    """(name, why) of the first refused parameter set to something other than a no-op value."""
-    for name, (ok, why) in REFUSED.items():
+def first_refused(req: Any, table: dict[str, tuple[list, str]] = REFUSED) -> tuple[str, str] | None:
+    """(name, why) of the first parameter of `table` set to something other than a no-op value."""
+    for name, (ok, why) in table.items():
         value = getattr(req, name, None)
         # Python's equality, as schema-driven clients read the enum: false is 0, 1.0 is 1
         if value is not None and not any(value == v for v in ok):

@@ -14,6 +14,7 @@ from omni.api.audio_metrics import AudioStream
 from omni.api.errors import APIError, bad_request
 from omni.api.generation import Generation
 from omni.api.http import ClosingStream, until_disconnect
+from omni.api.refused import first_refused
 from omni.api.state import FrontendState
 from omni.api.wav import pcm16, streaming_wav_header, wav_bytes
 from omni.orchestrator.types import PipelineRequest
@@ -38,9 +39,9 @@ class SpeechRoutes:
             raise bad_request(f"response_format `{req.response_format}` is not supported (wav, pcm)",
                               param="response_format")
         P.check_speed(req.speed)
-        refused = next((k for k in P.SPEECH_REFUSED if getattr(req, k) not in (None, "")), None)
+        refused = first_refused(req, P.SPEECH_REFUSED)
         if refused is not None:
-            raise bad_request(f"{refused} is not supported: {P.SPEECH_REFUSED[refused]}", param=refused)
+            raise bad_request(f"{refused[0]} is not supported: {refused[1]}", param=refused[0])
         as_sse = req.stream_format == "sse" or (req.stream and req.stream_format is None)
         asked = P.one_voice({"voice": req.voice.id if isinstance(req.voice, P.VoiceId) else req.voice,
                              "speaker": req.speaker})
