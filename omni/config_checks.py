@@ -17,8 +17,8 @@ __all__ = ["PIPELINE_SECONDS", "SAMPLING_RANGES", "check_pipeline", "check_sampl
 # Seconds the pipeline waits on something; each must be a finite number > 0.
 PIPELINE_SECONDS = ("request_timeout_s", "startup_timeout_s", "lease_ttl_s", "stall_timeout_s")
 MAX_SPEECH_CHARS = 4096     # OpenAI's limit on /v1/audio/speech input
-# A stage's default_sampling_params: the ranges a request's own values get (omni/api/protocol.py
-# check_sampling); the Piper noise scales: any finite value >= 0. NaN fails every one of these.
+# The sampling ranges of a request (omni/api/protocol.py check_sampling) and of a stage's
+# default_sampling_params; the Piper noise scales: any finite value >= 0. NaN fails every one of these.
 SAMPLING_RANGES = {
     "max_tokens": (lambda v: v >= 1, ">= 1"),
     "temperature": (lambda v: 0.0 <= v <= 2.0, "in [0, 2]"),

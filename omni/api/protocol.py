@@ -32,6 +32,7 @@ from omni.api.protocol_media import (  # noqa: F401 (re-exported: the routes nam
 )
 from omni.api.refused import RefusedParams, first_refused
 from omni.api.refused import refused as _refused
+from omni.config_checks import SAMPLING_RANGES
 from omni.engines.logprobs import MAX_LOGPROBS
 
 
@@ -264,6 +265,10 @@ def _unsupported(req: _Sampling) -> str | None:
     return None
 
 
+RANGED = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "temperature", "top_p",
+          "top_k", "seed")
+
+
 def check_sampling(req: _Sampling) -> int | None:
     """Range checks shared by chat and completions (max_tokens is checked later, with the prompt);
     returns the request's logprobs k (logprobs_k), for FrontendState.sampling."""
@@ -277,27 +282,16 @@ def check_sampling(req: _Sampling) -> int | None:
         raise bad_request(f"{named[0]}: {named[1]}", param=named[0])
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options needs stream: true", param="stream_options")   # vLLM's rule
-    for name in ("presence_penalty", "frequency_penalty"):
+    for name in RANGED:   # the ranges a deploy's default_sampling_params get too
         v = getattr(req, name)
-        if v is not None and not -2.0 <= v <= 2.0:
-            raise bad_request(f"{name}={v} must be in [-2, 2]", param=name)
-    if req.repetition_penalty is not None and not 0.0 < req.repetition_penalty <= 2.0:
-        raise bad_request(f"repetition_penalty={req.repetition_penalty} must be in (0, 2]", param="repetition_penalty")
+        ok, wanted = SAMPLING_RANGES[name]
+        if v is not None and not ok(v):
+            raise bad_request(f"{name}={v} must be {wanted}", param=name)
     for k, v in (req.logit_bias or {}).items():
         if not k.isdigit():
             raise bad_request(f"logit_bias keys must be token ids, got {k!r}", param="logit_bias")
         if not -100.0 <= v <= 100.0:
             raise bad_request(f"logit_bias[{k}]={v} must be in [-100, 100]", param="logit_bias")
-    if req.min_tokens < 0:
-        raise bad_request(f"min_tokens={req.min_tokens} must be >= 0", param="min_tokens")
-    if req.temperature is not None and not 0.0 <= req.temperature <= 2.0:
-        raise bad_request(f"temperature={req.temperature} must be in [0, 2]", param="temperature")
-    if req.top_p is not None and not 0.0 < req.top_p <= 1.0:
-        raise bad_request(f"top_p={req.top_p} must be in (0, 1]", param="top_p")
-    if req.top_k is not None and req.top_k < -1:
-        raise bad_request(f"top_k={req.top_k} must be -1, 0 (off) or positive", param="top_k")
-    if req.seed is not None and not -(2**63) <= req.seed < 2**64:
-        raise bad_request(f"seed={req.seed} is out of range", param="seed")
     for s in stop_list(req.stop):
         if not s:
             raise bad_request("stop strings must not be empty", param="stop")
