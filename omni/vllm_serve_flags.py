@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from omni.engine_flags import flag_name
 from omni.errors import ConfigError
 
 _NO_REQUEST_LOG = "omni logs no requests (their counts and latencies are on /metrics)"
@@ -49,16 +50,12 @@ REFUSED = {
 }
 
 
-def flag(key: str) -> str:
-    return "--" + key.replace("_", "-")
-
-
 def take(flags: dict[str, Any]) -> None:
     """Remove vLLM's frontend options from the parsed extra flags: a no-op is named on stderr, the first
     one omni lacks is refused (one line, naming it and why)."""
     refused = next((k for k in flags if k in REFUSED), None)
     if refused is not None:
-        raise ConfigError(f"{flag(refused)}: vLLM's serve option, not supported: {REFUSED[refused]}")
+        raise ConfigError(f"{flag_name(refused)}: vLLM's serve option, not supported: {REFUSED[refused]}")
     for key in [k for k in flags if k in NO_OPS]:
-        print(f"omni: {flag(key)}: ignored: {NO_OPS[key]}", file=sys.stderr, flush=True)
+        print(f"omni: {flag_name(key)}: ignored: {NO_OPS[key]}", file=sys.stderr, flush=True)
         del flags[key]
