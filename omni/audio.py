@@ -90,7 +90,7 @@ def read_wav(data: bytes) -> tuple[np.ndarray, int]:
 
 
 def _decode_samples(body: bytes, tag: int, channels: int, rate: int, bits: int) -> tuple[np.ndarray, int]:
-    if channels < 1 or rate < 1:
+    if channels < 1:
         raise ValueError(f"WAV header says {channels} channels at {rate} Hz")
     if not MIN_RATE <= rate <= MAX_RATE:
         raise ValueError(f"WAV sample rate {rate} Hz is outside {MIN_RATE}..{MAX_RATE} Hz")
