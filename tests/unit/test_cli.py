@@ -78,26 +78,33 @@ def test_an_empty_api_key_in_the_environment_is_refused():
     assert "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize("env, key", [({"VLLM_API_KEY": "vk"}, "vk"),
-                                      ({"VLLM_API_KEY": "vk", "OMNI_API_KEY": "ok"}, "ok")])
-def test_vllm_api_key_guards_the_frontends_like_vllm_serve(monkeypatch, env, key):
-    """vllm serve turns auth on from VLLM_API_KEY; a vLLM user's environment must not give an open /v1."""
-    from typer.testing import CliRunner
-
-    from omni.cli import app
+@pytest.fixture
+def planned_frontends(monkeypatch) -> list:
+    """`omni serve` only plans its children: the frontends it would start (their argv and env) land here."""
     from omni.launcher import Launcher
 
-    frontend_envs = []
+    frontends = []
 
     def plan_only(self):
         self._plan_children()
-        frontend_envs.extend(c.env for c in self.children if c.kind == "frontend")
+        frontends.extend(c for c in self.children if c.kind == "frontend")
         self.shutdown()
         return 0
 
     monkeypatch.setattr(Launcher, "run", plan_only)
+    return frontends
+
+
+@pytest.mark.parametrize("env, key", [({"VLLM_API_KEY": "vk"}, "vk"),
+                                      ({"VLLM_API_KEY": "vk", "OMNI_API_KEY": "ok"}, "ok")])
+def test_vllm_api_key_guards_the_frontends_like_vllm_serve(monkeypatch, planned_frontends, env, key):
+    """vllm serve turns auth on from VLLM_API_KEY; a vLLM user's environment must not give an open /v1."""
+    from typer.testing import CliRunner
+
+    from omni.cli import app
+
     for name in ("OMNI_API_KEY", "VLLM_API_KEY"):
         monkeypatch.delenv(name, raising=False)
     r = CliRunner().invoke(app, ["serve", "smollm2", "--port", "0"], env=env)
     assert r.exit_code == 0, r.output
-    assert frontend_envs and all(e["OMNI_API_KEY"] == key for e in frontend_envs)
+    assert planned_frontends and all(c.env["OMNI_API_KEY"] == key for c in planned_frontends)

@@ -7,7 +7,7 @@ from typer.testing import CliRunner
 from omni.cli import app
 from omni.engine_flags import context_length
 from omni.errors import ConfigError
-from omni.launcher import Launcher
+from tests.unit.test_cli import planned_frontends  # noqa: F401 (a fixture)
 
 
 @pytest.mark.parametrize("value, n", [("2048", 2048), ("32k", 32000), ("32K", 32768), ("1.5k", 1500), ("1M", 1 << 20)])
@@ -22,24 +22,16 @@ def test_what_is_not_a_context_length_is_refused_naming_the_flag(value, why):
         context_length(value)
 
 
-def test_a_stage_mode_heads_context_reaches_its_frontends(monkeypatch):
-    argvs = []
-
-    def plan_only(self):
-        self._plan_children()
-        argvs.extend(c.argv for c in self.children if c.kind == "frontend")
-        self.shutdown()
-        return 0
-
-    monkeypatch.setattr(Launcher, "run", plan_only)
+def test_a_stage_mode_heads_context_reaches_its_frontends(planned_frontends):
     head = ["serve", "smollm2", "--stage-id", "0", "--omni-master-address", "127.0.0.1", "--omni-master-port", "0",
             "--port", "0", "--num-replicas", "0"]
     r = CliRunner().invoke(app, [*head, "--max-model-len", "4k"])
     assert r.exit_code == 0, r.output
+    argvs = [c.argv for c in planned_frontends]
     assert argvs and all(a[a.index("--max-model-len") + 1] == "4000" for a in argvs)
-    argvs.clear()
+    planned_frontends.clear()
     assert CliRunner().invoke(app, head).exit_code == 0
-    assert argvs and all("--max-model-len" not in a for a in argvs)   # the deploy's, from its config
+    assert planned_frontends and all("--max-model-len" not in c.argv for c in planned_frontends)   # the deploy's, from its config
 
 
 def test_a_frontend_child_takes_the_heads_context():
