@@ -27,7 +27,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--listen-fd", type=int)
-    ap.add_argument("--served-model-name", default="")
+    ap.add_argument("--served-model-name", action="append", default=[])   # once per name (--x=NAME), first reported
     ap.add_argument("--jobs-dir")
     ap.add_argument("--http-limits")   # JSON of omni.api.limits.HttpLimits
     ap.add_argument("--max-model-len", type=int)   # the head's --max-model-len (stage mode): unhashed
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     return main_from_args(config_json, index=a.index, master_address=a.master, token=token,
                           host=a.host, port=a.port, listen_fd=a.listen_fd,
                           # Secrets come by environment, never argv (world-readable in ps).
-                          api_key=envs.OMNI_API_KEY, served_model_name=a.served_model_name, log_level=a.log_level,
+                          api_key=envs.OMNI_API_KEYS, served_model_name=a.served_model_name, log_level=a.log_level,
                           jobs_dir=a.jobs_dir, http_limits=json.loads(a.http_limits) if a.http_limits else None,
                           max_model_len=a.max_model_len,
                           # Like the token, the control key comes by environment, not argv.

@@ -7,7 +7,7 @@ import json
 import logging
 import os
 import sys
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 import typer
 
@@ -112,6 +112,24 @@ def _log_level(value: str) -> str:
     return value.upper()
 
 
+def _api_keys(given: list[str] | None) -> list[str]:
+    """vLLM's way: the --api-key values (any one is accepted), else ONE key from the environment,
+    OMNI_API_KEY before vLLM's VLLM_API_KEY (a key there may hold spaces: it is not split)."""
+    if given:
+        if "" in given:
+            _refuse_empty_key("--api-key", "OMNI_API_KEY", "")
+        return list(dict.fromkeys(given))
+    key = os.environ.get("OMNI_API_KEY") or os.environ.get("VLLM_API_KEY") or None
+    _refuse_empty_key("--api-key", "OMNI_API_KEY", key)
+    return [key] if key else []
+
+
+def _served_names(given: list[str] | None) -> list[str]:
+    if given and "" in given:
+        raise ConfigError("--served-model-name: a name is empty")
+    return list(dict.fromkeys(given or ()))
+
+
 def _refuse_empty_key(flag: str, env: str, value: str | None) -> None:
     # An empty key would mean "no auth": fail closed, as a mistyped secret is the likely cause.
     if value == "" or (value is None and os.environ.get(env) == ""):
@@ -136,10 +154,10 @@ def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="HTTP listen address."),
     port: int = typer.Option(8091, "--port", help="HTTP port; 0 picks a free one (printed)."),
     api_server_count: int = typer.Option(1, "--api-server-count", help="Number of API frontend processes sharing the stage engines."),
-    api_key: Optional[str] = typer.Option(None, "--api-key", envvar=["OMNI_API_KEY", "VLLM_API_KEY"], help="Require 'Authorization: Bearer KEY' on /v1 routes (env OMNI_API_KEY, else vLLM's VLLM_API_KEY)."),
+    api_keys: Optional[List[str]] = typer.Option(None, "--api-key", help="Require 'Authorization: Bearer KEY' on /v1 routes; takes several keys (--api-key K1 K2), any one of them is accepted. Unset: one key from env OMNI_API_KEY, else vLLM's VLLM_API_KEY."),  # noqa: B008 (typer's list option)
     control_api_key: Optional[str] = typer.Option(None, "--control-api-key", envvar="OMNI_CONTROL_API_KEY", help="Require 'Authorization: Bearer KEY' with this key (not --api-key) on the control routes /v1/omni/sleep and /v1/omni/wakeup."),
     disable_control_routes: bool = typer.Option(False, "--disable-control-routes", help="Answer 403 on /v1/omni/sleep and /v1/omni/wakeup (the master's `omni sleep`/`omni wakeup` still work)."),
-    served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="Model name the API reports (default: MODEL)."),
+    served_model_names: Optional[List[str]] = typer.Option(None, "--served-model-name", help="Model name(s) the API answers to; takes several (--served-model-name A B), the first is the one it reports (default: MODEL). MODEL and the deploy's aliases are answered to as well."),  # noqa: B008 (typer's list option)
     num_replicas: Optional[int] = typer.Option(None, "--num-replicas", "--omni-dp-size-local", help="Replicas of the stage(s) run here. 0 with --stage-id 0 (the head): only the master and the HTTP frontends run here; stage 0 runs headless on other hosts."),
     max_model_len: Optional[str] = typer.Option(None, "--max-model-len", help="Engine flag: context length (2048, 32k, 32K); in stage mode this replica's (and the head's frontends')."),
     max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs", help="Per-stage engine flag: max concurrent sequences."),
@@ -174,7 +192,8 @@ def serve(
         if value is not None and not 0 <= value <= 65535:
             raise ConfigError(f"{flag} must be a TCP port, 0-65535 (0: any free one), got {value}")
     log_level = _log_level(log_level)
-    _refuse_empty_key("--api-key", "OMNI_API_KEY", api_key)
+    api_keys = _api_keys(api_keys)
+    served_model_names = _served_names(served_model_names)
     _refuse_empty_key("--control-api-key", "OMNI_CONTROL_API_KEY", control_api_key)
     envs.OMNI_SPIN_US   # noqa: B018 -- a bad value is refused here, not later in each stage
     from omni.api.limits import HttpLimits
@@ -259,7 +278,7 @@ def serve(
         plan = LaunchPlan(config, stages=[0] if num_replicas != 0 else [], master_host=omni_master_address,
                           master_port=omni_master_port,
                           api_server_count=api_server_count, host=host, port=port, token=token,
-                          api_key=api_key, served_model_name=served_model_name,
+                          api_keys=api_keys, served_model_names=served_model_names,
                           control_api_key=control_api_key, control_routes=not disable_control_routes,
                           replica_address=omni_replica_address, num_replicas=num_replicas or None,
                           engine_flags=flags, log_level=log_level, state_dir=state_dir, http_limits=http_limits,
@@ -268,7 +287,7 @@ def serve(
         plan = LaunchPlan(config, stages=[s.stage_id for s in config.stages],
                           master_host=omni_master_address or "127.0.0.1", master_port=omni_master_port or 0,
                           api_server_count=api_server_count, host=host, port=port, token=token,
-                          api_key=api_key, served_model_name=served_model_name, log_level=log_level,
+                          api_keys=api_keys, served_model_names=served_model_names, log_level=log_level,
                           control_api_key=control_api_key, control_routes=not disable_control_routes,
                           state_dir=state_dir, http_limits=http_limits, num_replicas=num_replicas,
                           orchestration=orchestration)
@@ -312,15 +331,17 @@ SECRET_FLAGS = {"--omni-token": "OMNI_TOKEN", "--api-key": "OMNI_API_KEY",
 def hide_secrets(argv: list[str]) -> list[str]:
     """argv with secret values masked; warns about each secret given on the command line,
     where every user on the host can read it (/proc/PID/cmdline)."""
-    out, hide = [], False
+    out, hide, warned = [], False, set()
     for arg in argv:
         name, eq, _ = arg.partition("=")
         if hide:
             out.append("***")
             hide = False
         elif name in SECRET_FLAGS:
-            print(f"omni: warning: {name} on the command line is visible to every user of this host (ps); "
-                  f"set {SECRET_FLAGS[name]} in the environment instead", file=sys.stderr)
+            if name not in warned:
+                warned.add(name)
+                print(f"omni: warning: {name} on the command line is visible to every user of this host (ps); "
+                      f"set {SECRET_FLAGS[name]} in the environment instead", file=sys.stderr)
             out.append(f"{name}=***" if eq else arg)
             hide = not eq
         else:
@@ -339,25 +360,38 @@ def _mask_process_title(argv: list[str]) -> None:
     setproctitle.setproctitle(" ".join(["omni", *masked]))
 
 
-# vLLM's nargs="+" flags that omni takes once: `--api-key k1 k2` would end in "unexpected argument 'k2'".
-ONE_VALUE = {"--served-model-name": "one name (the API also answers to MODEL and its deploy aliases)",
-             "--api-key": "one key"}
+# vLLM's nargs="+" flags: typer takes a list option once per value, so `--api-key K1 K2` is
+# spelled `--api-key K1 --api-key K2` before parsing.
+SEVERAL_VALUES = ("--served-model-name", "--api-key")
 
 
-def _refuse_several_values(argv: list[str]) -> None:
-    """Only with MODEL right after `serve` (then a bare word after a flag's value can only be another value)."""
+def spread_several_values(argv: list[str]) -> list[str]:
+    """`serve MODEL --api-key K1 K2` -> `serve MODEL --api-key K1 --api-key K2` (also `--api-key=K1 K2`):
+    the values run up to the next token that starts with "-". Only with MODEL right after `serve`
+    (else `--served-model-name a MODEL` would swallow MODEL): then a flag takes one value, as typer does."""
     if len(argv) < 2 or argv[0] != "serve" or argv[1].startswith("-"):
-        return
-    for i, arg in enumerate(argv[:-2]):
-        if arg in ONE_VALUE and not argv[i + 2].startswith("-"):
-            raise ConfigError(f"{arg} takes {ONE_VALUE[arg]}, got several values")   # never echo a key
+        return argv
+    out, i = argv[:2], 2
+    while i < len(argv):
+        arg = argv[i]
+        out.append(arg)
+        i += 1
+        name, eq, _ = arg.partition("=")
+        if name not in SEVERAL_VALUES:
+            continue
+        if not eq and i < len(argv):   # its first value, whatever it looks like (as typer reads it)
+            out.append(argv[i])
+            i += 1
+        while i < len(argv) and not argv[i].startswith("-"):
+            out += [name, argv[i]]
+            i += 1
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    _mask_process_title(argv)
+    argv = spread_several_values(list(sys.argv[1:] if argv is None else argv))
+    _mask_process_title(argv)   # after the spread: each of several keys is masked
     try:
-        _refuse_several_values(argv)
         argv = fold_dotted_args([SHORT_FLAGS.get(a, a) for a in argv])
         app(args=argv, prog_name="omni", standalone_mode=True)
     except OmniError as e:

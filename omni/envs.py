@@ -1,12 +1,14 @@
 """Every environment variable omni reads, in one place (the model is vLLM's envs.py).
 
 Read lazily as attributes, so a value set after import (a test, a parent process) counts:
-`from omni import envs; envs.OMNI_CACHE_DIR`. The CLI's typer options name the same
-variables as fallbacks for their flags (`envvar=`): OMNI_TOKEN, OMNI_API_KEY, OMNI_CONTROL_API_KEY.
+`from omni import envs; envs.OMNI_CACHE_DIR`. The CLI reads some of the same variables as
+fallbacks for its flags: OMNI_TOKEN, OMNI_CONTROL_API_KEY (typer's `envvar=`), OMNI_API_KEY
+(omni/cli.py's _api_keys, one key, as vLLM reads VLLM_API_KEY).
 """
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any, Callable
 
@@ -15,8 +17,11 @@ from omni.errors import ConfigError
 environment_variables: dict[str, Callable[[], Any]] = {
     # Shared secret of the master and the data plane; children get it by environment, never argv.
     "OMNI_TOKEN": lambda: os.environ.get("OMNI_TOKEN", ""),
-    # Bearer key the /v1 routes require (--api-key).
+    # Bearer key the /v1 routes require (--api-key); one key, as vLLM reads VLLM_API_KEY.
     "OMNI_API_KEY": lambda: os.environ.get("OMNI_API_KEY") or None,
+    # The keys a frontend accepts (any one), a JSON list of strings: the launcher sets it for its
+    # frontends from --api-key's values; unset, OMNI_API_KEY's one key (or none).
+    "OMNI_API_KEYS": lambda: _api_keys(os.environ.get("OMNI_API_KEYS")),
     # Bearer key of the control routes (--control-api-key); the launcher hands it to frontends.
     "OMNI_CONTROL_API_KEY": lambda: os.environ.get("OMNI_CONTROL_API_KEY") or None,
     # "off": the control routes answer 403 (--disable-control-routes, set by the launcher).
@@ -39,6 +44,20 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # sleeps: a message landing meanwhile skips the wake-up of a halted vCPU. 0 turns it off.
     "OMNI_SPIN_US": lambda: _spin_us(os.environ.get("OMNI_SPIN_US", "50")),
 }
+
+
+def _api_keys(value: str | None) -> list[str]:
+    if value is None:
+        key = os.environ.get("OMNI_API_KEY")
+        return [key] if key else []
+    try:
+        keys = json.loads(value)
+    except json.JSONDecodeError:
+        keys = None
+    if not isinstance(keys, list) or not all(isinstance(k, str) and k for k in keys):
+        # never echo the value: it holds keys
+        raise ConfigError("OMNI_API_KEYS: expected a JSON list of non-empty strings (the API keys)")
+    return keys
 
 
 def _spin_us(value: str) -> int:

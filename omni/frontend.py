@@ -14,6 +14,7 @@ import signal
 import socket
 import sys
 import time
+from typing import Sequence
 
 from omni import latency_trace
 from omni.config import DeployConfig
@@ -102,7 +103,8 @@ async def publish_metrics(app, amaster, topology, index: int, stop: asyncio.Even
 
 
 async def serve_frontend(config: DeployConfig, *, index: int, master_address: str, token: str,
-                         host: str, port: int, api_key: str | None, served_model_name: str,
+                         host: str, port: int, api_key: str | Sequence[str] | None,
+                         served_model_name: str | Sequence[str],
                          listen_fd: int | None = None, jobs_dir: str | None = None,
                          control_api_key: str | None = None, control_routes: bool = True,
                          limits=None, max_model_len: int | None = None) -> None:
@@ -196,7 +198,7 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
         await jobs.start()
         app = build_app(
             orch, tokenizer,
-            served_model_name=served_model_name,
+            served_model_name=served_model_name or config.model,
             model_aliases=list(config.aliases) + [config.model],
             frontend_index=index,
             max_model_len=max_model_len or _max_model_len(config), num_stages=len(config.stages),
@@ -261,7 +263,8 @@ def run_loop(main) -> None:
 
 
 def main_from_args(config_json: str, *, index: int, master_address: str, token: str, host: str,
-                   port: int, api_key: str | None, served_model_name: str, log_level: str = "INFO",
+                   port: int, api_key: str | Sequence[str] | None, served_model_name: str | Sequence[str],
+                   log_level: str = "INFO",
                    listen_fd: int | None = None,
                    jobs_dir: str | None = None, control_api_key: str | None = None,
                    control_routes: bool = True, http_limits: dict | None = None,

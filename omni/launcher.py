@@ -158,10 +158,10 @@ class LaunchPlan:
     host: str = "127.0.0.1"
     port: int = 8091
     token: str = ""
-    api_key: str | None = None
+    api_keys: list[str] = field(default_factory=list)   # --api-key: any one of them opens /v1
     control_api_key: str | None = None     # guards /v1/omni/sleep and /wakeup with a key of their own
     control_routes: bool = True            # False: those routes answer 403
-    served_model_name: str | None = None
+    served_model_names: list[str] = field(default_factory=list)   # the first is reported; none: the model
     replica_address: str | None = None
     num_replicas: int | None = None        # override for the local stages
     engine_flags: dict = field(default_factory=dict)
@@ -223,12 +223,13 @@ class Launcher:
             fenv = {**(env or os.environ), "OMNI_CONTROL_ROUTES": "on" if p.control_routes else "off"}
             if p.control_api_key:
                 fenv["OMNI_CONTROL_API_KEY"] = p.control_api_key
-            if p.api_key:
-                fenv["OMNI_API_KEY"] = p.api_key   # secrets by environment, never argv
+            # Secrets by environment, never argv; a JSON list holds any key (spaces, newlines) unchanged.
+            fenv["OMNI_API_KEYS"] = json.dumps(p.api_keys)
             os.makedirs(jobs_dir, exist_ok=True)
             for i in range(p.api_server_count):
                 args = ["--index", str(i), "--host", p.host, "--port", str(self.http_port),
-                        "--served-model-name", p.served_model_name or p.config.model, "--jobs-dir", jobs_dir,
+                        *(f"--served-model-name={n}" for n in p.served_model_names or [p.config.model]),
+                        "--jobs-dir", jobs_dir,
                         "--listen-fd", str(self._listener.fileno()),
                         "--http-limits", json.dumps(p.http_limits.to_dict())]
                 if p.engine_flags.get("max_model_len"):   # the head's stage 0 context, not the deploy's
@@ -288,7 +289,7 @@ class Launcher:
             if self.plan.api_server_count and not self._wait_frontends():
                 return 1
             if self.http_port is not None:
-                progress(f"serving {self.plan.served_model_name or self.plan.config.model} on "
+                progress(f"serving {(self.plan.served_model_names or [self.plan.config.model])[0]} on "
                          f"http://{self.plan.host}:{self.http_port} "
                          f"({self.plan.api_server_count} API frontend(s)); Ctrl-C stops")
             return self._supervise()

@@ -23,10 +23,11 @@ _HEALTHY = b'{"status":"ok"}'
 class AdminRoutes:
     def __init__(self, fe: FrontendState):
         self.fe = fe
-        # The model list never changes while the frontend runs: encoded once.
+        # The model list never changes while the frontend runs: encoded once. As vLLM's: a card per
+        # served name, in --served-model-name's order; then the other names answered to (aliases).
         data = [{"id": n, "object": "model", "created": fe.created, "owned_by": "omni", "root": fe.model,
                  "parent": None, "max_model_len": fe.max_model_len}
-                for n in [fe.model, *sorted(fe.names - {fe.model})]]
+                for n in [*fe.served_names, *sorted(fe.names - set(fe.served_names))]]
         self._models = msgspec.json.encode({"object": "list", "data": data})
 
     def fast(self) -> dict[tuple[str, str], Callable[[], tuple[int, bytes]]]:

@@ -7,7 +7,7 @@ table (omni/api/routes.py) binds paths to them.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -31,16 +31,18 @@ from omni.orchestrator.types import OrchestratorLike
 from omni.sampling import SamplingOverrides
 
 
-def build_app(orchestrator: OrchestratorLike, tokenizer: Any, *, served_model_name: str,
+def build_app(orchestrator: OrchestratorLike, tokenizer: Any, *, served_model_name: str | Sequence[str],
               model_aliases=(), frontend_index: int = 0, max_model_len: int, default_max_tokens: int = 256,
               max_tokens_limit: int | None = None, speech_entry_stage: int | None = None, voices=None,
-              api_key: str | None = None, sampling_defaults: SamplingOverrides | None = None, jobs: Jobs | None = None,
+              api_key: str | Sequence[str] | None = None, sampling_defaults: SamplingOverrides | None = None,
+              jobs: Jobs | None = None,
               control_api_key: str | None = None, control_routes: bool = True, audio_out: bool | None = None,
               speakers: tuple[str, ...] = (), default_voice: str | None = None,
               limits: HttpLimits | None = None, max_speech_chars: int = 4096,
               images: ImageSettings | None = None, videos: VideoSettings | None = None,
               num_stages: int | None = None, default_modalities: tuple[str, ...] = ("text",)) -> Starlette:
-    """`jobs`: the async job routes' state (master KV + shared result dir); in memory when None.
+    """`served_model_name`: one name or several (the first reported); `api_key`: one key or several
+    (any one accepted). `jobs`: the async job routes' state (master KV + shared result dir); in memory when None.
     `limits`: request body cap and body timeout (the defaults when None). `images`: the image
     route's defaults and bounds, None when the pipeline makes no images; `videos` the same for the
     Videos API (its videos are jobs of `jobs`)."""

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import hmac
 import logging
 import time
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Sequence
 
 import anyio
 from starlette.exceptions import HTTPException
@@ -29,14 +30,14 @@ class FrontendMiddleware:
     body, past auth, without Starlette's routing and the limits layer (nothing is read): health
     probes and model lists come often, and each layer costs a few percent of a request's time."""
 
-    def __init__(self, app, *, frontend_index: int, api_key: str | None, metrics: FrontendMetrics,
+    def __init__(self, app, *, frontend_index: int, api_key: str | Sequence[str] | None, metrics: FrontendMetrics,
                  control_api_key: str | None = None, control_routes: bool = True,
                  fast: dict[tuple[str, str], Callable[[], tuple[int, bytes]]] | None = None):
         self.app = app
         self.fast = fast or {}
         self.header = (b"x-omni-frontend", str(frontend_index).encode())
-        self.key = f"Bearer {api_key}".encode() if api_key else None
-        self.control_key = f"Bearer {control_api_key}".encode() if control_api_key else None
+        self.key = _bearer_digests(api_key)            # None: no key, /v1 is open
+        self.control_key = _bearer_digests(control_api_key)
         self.control_routes = control_routes
         self.metrics = metrics
 
@@ -99,11 +100,24 @@ class FrontendMiddleware:
         return None
 
     @staticmethod
-    def _authorized(scope, key: bytes) -> bool:
+    def _authorized(scope, keys: tuple[bytes, ...]) -> bool:
+        """Constant time: the header's digest is compared with every key's (no early exit, and equal
+        lengths, so neither which key matched nor a key's length shows in the timing)."""
         for k, v in scope["headers"]:
             if k == b"authorization":
-                return hmac.compare_digest(v, key)
+                digest = hashlib.sha256(v).digest()
+                ok = False
+                for key in keys:
+                    ok |= hmac.compare_digest(digest, key)
+                return ok
         return False
+
+
+def _bearer_digests(keys: str | Sequence[str] | None) -> tuple[bytes, ...] | None:
+    """SHA-256 of each key's `Bearer KEY` header value (empty keys dropped); None when none is left."""
+    keys = [keys] if isinstance(keys, str) else list(keys or ())
+    digests = tuple(hashlib.sha256(f"Bearer {k}".encode()).digest() for k in keys if k)
+    return digests or None
 
 
 def _has_body(scope) -> bool:

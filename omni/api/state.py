@@ -11,7 +11,7 @@ import os
 import struct
 import threading
 import time
-from typing import Any
+from typing import Any, Sequence
 
 from starlette.requests import Request
 
@@ -70,15 +70,18 @@ def template_variables(tokenizer) -> frozenset[str] | None:
 
 
 class FrontendState:
-    def __init__(self, orchestrator: OrchestratorLike, tokenizer: Any, *, served_model_name: str,
+    def __init__(self, orchestrator: OrchestratorLike, tokenizer: Any, *, served_model_name: str | Sequence[str],
                  model_aliases, frontend_index: int, max_model_len: int, default_max_tokens: int,
                  max_tokens_limit: int | None, speech_entry_stage: int | None, voices,
                  sampling_defaults: SamplingOverrides | None, audio_out: bool | None = None, speakers: tuple[str, ...] = (),
                  default_voice: str | None = None, max_speech_chars: int = 4096):
         self.orch = orchestrator
         self.tokenizer = tokenizer
-        self.model = served_model_name
-        self.names = {served_model_name, *model_aliases}
+        # --served-model-name's names (vLLM's list): each answered to, the first reported.
+        self.served_names = ((served_model_name,) if isinstance(served_model_name, str)
+                             else tuple(dict.fromkeys(served_model_name)))
+        self.model = self.served_names[0]
+        self.names = {*self.served_names, *model_aliases}
         self.frontend_index = frontend_index
         self.max_model_len = max_model_len
         self.default_max_tokens = default_max_tokens
@@ -104,7 +107,7 @@ class FrontendState:
             self.default_voice = default_voice or "joe"
         token = getattr(tokenizer, "audio_token", None) if tokenizer is not None else None
         self.audio_token_id = tokenizer.convert_tokens_to_ids(token) if token else None
-        self.metrics = FrontendMetrics(frontend_index, served_model_name)
+        self.metrics = FrontendMetrics(frontend_index, self.model)
         # async () -> the other live frontends' published metrics texts (set by omni/frontend.py)
         self.peer_metrics = None
         # tokenizer None: a pipeline without a text model (speech only); text routes answer 404.

@@ -9,6 +9,7 @@ Every wait has a deadline.
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import os
 import signal
 import socket
@@ -148,6 +149,33 @@ def test_no_secret_on_a_command_line_or_in_the_output(served):
         for pid, cmd in cmdlines.items():
             assert secret not in cmd, f"process {pid} shows a secret in ps: {cmd}"
         assert secret not in "\n".join(served.proc.lines)
+
+
+def test_several_api_keys_and_names_from_the_command_line_stay_off_every_command_line(tmp_path):
+    """vLLM's `--served-model-name a b --api-key K1 K2`: either key opens /v1, both names are served
+    (a reported); the keys reach the frontend by environment, and the launcher's own title is masked."""
+    keys = ("several-key-one", "several key two")
+    p = OmniProcess("serve", model_path(), "--deploy-config", str(write_deploy(tmp_path, lease_ttl_s=3.0)),
+                    "--port", "0", "--served-model-name", "a", "b", "--api-key", *keys, env=omni_env(OMNI_TOKEN=TOKEN))
+    try:
+        url = p.http(300)
+        for key in keys:
+            headers = {"authorization": f"Bearer {key}"}
+            assert [m["id"] for m in httpx.get(f"{url}/v1/models", headers=headers, timeout=30).json()["data"]][:2] == \
+                ["a", "b"]
+            r = httpx.post(f"{url}/v1/chat/completions", headers=headers, timeout=90, json={
+                "model": "b", "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 2})
+            assert r.status_code == 200 and r.json()["model"] == "a", r.text
+        r = httpx.get(f"{url}/v1/models", headers={"authorization": "Bearer several-key"}, timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        root = psutil.Process(p.proc.pid)
+        # The launcher's own argv is masked by setproctitle (installed with vLLM, not an omni dependency).
+        masked = importlib.util.find_spec("setproctitle") is not None
+        for proc in [root] * masked + root.children(recursive=True):
+            cmd = " ".join(proc.cmdline())
+            assert not any(k in cmd for k in keys), f"process {proc.pid} shows a key in ps: {cmd}"
+    finally:
+        p.kill()
 
 
 def test_listeners_are_on_loopback_only(served):

@@ -496,6 +496,25 @@ async def test_api_key(tokenizer):
     assert (await c.get("/metrics")).status_code == 200
 
 
+async def test_several_served_names_and_api_keys_like_vllm(tokenizer):
+    """--served-model-name a b / --api-key k1 k2: both names are answered to and listed (a first, the
+    one reported), either key opens /v1, any other key is a 401 in OpenAI's error shape."""
+    _, c = make(tokenizer, served_model_name=["a", "b"], model_aliases=["z"], api_key=["k1", "k2"])
+    for key in ("k1", "k2"):
+        auth = {"Authorization": f"Bearer {key}"}
+        models = (await c.get("/v1/models", headers=auth)).json()["data"]
+        assert [m["id"] for m in models] == ["a", "b", "z"]
+        for name in ("a", "b", "z"):
+            r = await c.post("/v1/chat/completions", json=chat_body(model=name), headers=auth)
+            assert r.status_code == 200 and r.json()["model"] == "a", r.text
+    for auth in ({"Authorization": "Bearer k3"}, {"Authorization": "Bearer k1k2"}, {}):
+        err = assert_error(await c.post("/v1/chat/completions", json=chat_body(model="a"), headers=auth), 401)
+        assert err["code"] == "invalid_api_key" and err["type"] == "invalid_request_error"
+    assert_error(await c.post("/v1/chat/completions", json=chat_body(model="c"),
+                              headers={"Authorization": "Bearer k2"}), 404, "model")
+    assert 'model_name="a"' in (await c.get("/metrics")).text
+
+
 async def test_control_routes_take_their_own_key(tokenizer):
     orch, c = make(tokenizer, api_key="user", control_api_key="admin")
     user, admin = {"Authorization": "Bearer user"}, {"Authorization": "Bearer admin"}

@@ -1,5 +1,6 @@
 """The CLI refuses bad flag combinations with a message naming the flag, fast."""
 
+import json
 import os
 import subprocess
 import sys
@@ -36,8 +37,8 @@ def omni(*args: str) -> subprocess.CompletedProcess:
     (["serve", "smollm2", "--max-request-bytes", "10"], "--max-request-bytes must be at least 1024"),
     (["serve", "smollm2", "--api-key", ""], "--api-key is empty"),
     (["serve", "smollm2", "--control-api-key="], "--control-api-key is empty"),
-    (["serve", "smollm2", "--served-model-name", "a", "b"], "--served-model-name takes one name"),
-    (["serve", "smollm2", "--api-key", "k1", "k2", "--port", "0"], "--api-key takes one key, got several values"),
+    (["serve", "smollm2", "--api-key", "k1", "", "--port", "0"], "--api-key is empty"),
+    (["serve", "smollm2", "--served-model-name", "a", ""], "--served-model-name: a name is empty"),
 ])
 def test_bad_flags_exit_2_naming_the_flag(args, message):
     r = omni(*args)
@@ -107,4 +108,56 @@ def test_vllm_api_key_guards_the_frontends_like_vllm_serve(monkeypatch, planned_
         monkeypatch.delenv(name, raising=False)
     r = CliRunner().invoke(app, ["serve", "smollm2", "--port", "0"], env=env)
     assert r.exit_code == 0, r.output
-    assert planned_frontends and all(c.env["OMNI_API_KEY"] == key for c in planned_frontends)
+    assert planned_frontends and all(json.loads(c.env["OMNI_API_KEYS"]) == [key] for c in planned_frontends)
+
+
+@pytest.mark.parametrize("flags", [
+    ["--served-model-name", "a", "b", "--api-key", "k 1", "k\n2,3", "--port", "0"],
+    ["--served-model-name", "a", "--served-model-name", "b", "--api-key", "k 1", "--api-key=k\n2,3", "--port", "0"],
+    ["--served-model-name=a", "b", "--port", "0", "--api-key=k 1", "k\n2,3"],
+])
+def test_several_names_and_keys_reach_the_frontends_keys_by_environment_only(monkeypatch, planned_frontends, flags):
+    """vLLM's nargs="+": `--served-model-name a b` answers to both (a reported), `--api-key K1 K2`
+    accepts either; the keys reach each frontend child as a JSON list in its environment, never argv."""
+    from typer.testing import CliRunner
+
+    from omni import children, envs
+    from omni.cli import app, spread_several_values
+
+    for name in ("OMNI_API_KEY", "VLLM_API_KEY", "OMNI_API_KEYS"):
+        monkeypatch.delenv(name, raising=False)
+    r = CliRunner().invoke(app, spread_several_values(["serve", "smollm2", *flags]))
+    assert r.exit_code == 0, r.output
+    assert len(planned_frontends) == 1
+    child = planned_frontends[0]
+    assert child.argv[1:3] == ["-m", "omni.children"]
+    assert children.parser().parse_args(child.argv[3:]).served_model_name == ["a", "b"]
+    assert not any("k 1" in a or "k\n2" in a for a in child.argv)
+    monkeypatch.setenv("OMNI_API_KEYS", child.env["OMNI_API_KEYS"])
+    assert envs.OMNI_API_KEYS == ["k 1", "k\n2,3"]   # what children.main hands the frontend
+
+
+def test_several_values_spread_up_to_the_next_flag_without_taking_model():
+    from omni.cli import spread_several_values
+
+    assert spread_several_values(["serve", "m", "--api-key", "k1", "k2", "--port", "0", "--served-model-name", "a"]) == \
+        ["serve", "m", "--api-key", "k1", "--api-key", "k2", "--port", "0", "--served-model-name", "a"]
+    assert spread_several_values(["serve", "m", "--api-key", "-k1", "k2"]) == \
+        ["serve", "m", "--api-key", "-k1", "--api-key", "k2"]   # the first value is taken whatever it is
+    # MODEL not right after `serve`: a bare word may be MODEL, so each flag keeps its one value.
+    argv = ["serve", "--served-model-name", "a", "m"]
+    assert spread_several_values(argv) == argv
+
+
+def test_several_keys_on_the_command_line_are_all_masked(capsys):
+    from omni.cli import hide_secrets, spread_several_values
+
+    masked = hide_secrets(spread_several_values(["serve", "m", "--api-key", "k1", "k2", "--port", "1"]))
+    assert masked == ["serve", "m", "--api-key", "***", "--api-key", "***", "--port", "1"]
+    assert capsys.readouterr().err.count("warning") == 1
+
+
+def test_several_names_and_keys_pass_the_command_line():
+    r = omni("serve", "smollm2", "--served-model-name", "a", "b", "--api-key", "k1", "k2", "--dry-run")
+    assert r.returncode == 0, r.stderr
+    assert "k1" not in r.stdout + r.stderr and "k2" not in r.stdout + r.stderr

@@ -37,3 +37,22 @@ def test_spin_us_defaults_to_50_and_a_bad_value_names_the_variable(monkeypatch):
         monkeypatch.setenv("OMNI_SPIN_US", bad)
         with pytest.raises(ConfigError, match=f"OMNI_SPIN_US='{bad}'"):
             envs.OMNI_SPIN_US  # noqa: B018
+
+
+def test_api_keys_come_as_a_json_list_else_one_key(monkeypatch):
+    from omni.errors import ConfigError
+
+    monkeypatch.delenv("OMNI_API_KEYS", raising=False)
+    monkeypatch.delenv("OMNI_API_KEY", raising=False)
+    assert envs.OMNI_API_KEYS == []
+    monkeypatch.setenv("OMNI_API_KEY", "one key, not split")
+    assert envs.OMNI_API_KEYS == ["one key, not split"]
+    monkeypatch.setenv("OMNI_API_KEYS", '["a b", "c\\nd", "[e]"]')
+    assert envs.OMNI_API_KEYS == ["a b", "c\nd", "[e]"]          # the launcher's list wins
+    monkeypatch.setenv("OMNI_API_KEYS", "[]")
+    assert envs.OMNI_API_KEYS == []
+    for bad in ("s3cret", '["s3cret", ""]', '{"k": "s3cret"}', '[1]'):
+        monkeypatch.setenv("OMNI_API_KEYS", bad)
+        with pytest.raises(ConfigError, match="OMNI_API_KEYS: expected a JSON list") as e:
+            envs.OMNI_API_KEYS  # noqa: B018
+        assert "s3cret" not in str(e.value)
