@@ -24,6 +24,7 @@ import yaml
 
 from omni import config_vllm_omni as vllm_omni
 from omni.config_checks import check_pipeline, check_sampling, check_yaml_shape, yaml_sections
+from omni.config_stage_checks import check_connector_edge, normalise_stage_devices, unused_engine_arg
 from omni.errors import ConfigError
 # The config types of the image and video routes, kept where the rest of the deploy config is found.
 from omni.media_settings import ImageSettings, PromptExpansion, VideoSettings, validate_images  # noqa: F401
@@ -351,6 +352,9 @@ def apply_engine_flags(config: DeployConfig, stage_id: int, flags: dict[str, Any
     flags = {k: v for k, v in flags.items() if v is not None}
     if not flags:
         return config
+    unused = unused_engine_arg(flags)
+    if unused:
+        raise ConfigError(f"stage {stage_id}'s engine flags: {unused}")
     stages = []
     for s in config.stages:
         if s.stage_id == stage_id:
@@ -362,6 +366,7 @@ def apply_engine_flags(config: DeployConfig, stage_id: int, flags: dict[str, Any
 def parse(data: dict[str, Any], source: str = "deploy config") -> DeployConfig:
     data = dict(data)
     data.pop("base_config", None)
+    normalise_stage_devices(data, source)
     try:
         config = msgspec.convert(data, DeployConfig)
     except msgspec.ValidationError as e:
@@ -388,6 +393,9 @@ def validate(config: DeployConfig, source: str = "deploy config") -> None:
         if s.num_replicas < 1:
             raise ConfigError(f"{where}.num_replicas must be >= 1, got {s.num_replicas}")
         check_sampling(s.default_sampling_params, where)
+        unused = unused_engine_arg(s.engine_args)
+        if unused:
+            raise ConfigError(f"{where}.engine_args.{unused}")
         for i in s.inputs:
             if isinstance(i, int):
                 if not 0 <= i < s.stage_id:
@@ -410,6 +418,7 @@ def validate(config: DeployConfig, source: str = "deploy config") -> None:
         for edge, conn in s.connectors.items():
             if not edge.isdigit() or int(edge) not in ids:
                 raise ConfigError(f"{where}.connectors: {edge!r} is not a stage id")
+            check_connector_edge(config, s, edge, where)
             if conn.transport not in TRANSPORTS:
                 raise ConfigError(
                     f"{where}.connectors.{edge}.transport must be one of {list(TRANSPORTS)}, "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from omni.config_stage_checks import SERVING_ONLY_ARGS
 from omni.engine_flags import flag_name
 from omni.errors import ConfigError
 
@@ -40,12 +41,8 @@ REFUSED = {
     "middleware": "omni takes no extra ASGI middleware",
     "return_tokens_as_token_ids": "omni's logprobs name tokens as text only",
     "lora_modules": "omni serves no LoRA adapters",
-    # EngineArgs fields, but only vLLM's serving layer reads them.
-    "tokenizer": "omni's frontend tokenizes with MODEL's own tokenizer and the stages take token ids; "
-                 "another tokenizer is not supported",
-    "tokenizer_revision": "omni loads MODEL as it is on disk: serve a folder holding the revision you want",
-    "revision": "omni loads MODEL as it is on disk: serve a folder holding the revision you want",
-    "generation_config": "omni's sampling defaults are each stage's default_sampling_params in the deploy YAML",
+    # EngineArgs fields, but only vLLM's serving layer reads them (a deploy's engine_args are refused too).
+    **SERVING_ONLY_ARGS,
     "reasoning_parser": "omni does not split reasoning out of model output (it stays in the content)",
 }
 

@@ -79,8 +79,9 @@ stages:
     ("model: m\nstages: [{stage_id: 0, engine: a, inputs: [1], final_output: true, final_output_type: text}]",
      "not an earlier stage"),
     ("model: m\nstages: [{stage_id: 0, engine: a, final_output: true, final_output_type: hologram}]", "final_output_type"),
-    ("model: m\nstages: [{stage_id: 0, engine: a, final_output: true, final_output_type: text, connectors: {'0': {transport: pigeon}}}]",
-     "transport must be one of"),
+    ("model: m\nstages: [{stage_id: 0, engine: a, connectors: {'1': {transport: pigeon}}}, "
+     "{stage_id: 1, engine: b, inputs: [0], final_output: true, final_output_type: text}]",
+     "stages\\[0\\].connectors.1.transport must be one of"),
     ("model: m\nstages: []", "empty"),
     ("model: m\nstages: [{stage_id: 0, engine: a, first_output_hold_ms: -1}, {stage_id: 1, engine: b, inputs: [0], "
      "final_output: true, final_output_type: audio}]",
