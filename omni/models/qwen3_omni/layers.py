@@ -149,8 +149,11 @@ class Stack:
         Attention reads the first `width` cached positions of each slot; `mask` [B, 1, 1, width]
         bool (None: every slot attends all `width`, i.e. all are at position width - 1)."""
         b = x.shape[0]
+        # A full slot that waits for text still rides along in the batch (its row is not used):
+        # its position is kept in bounds for the rotary tables and the cache write.
+        pos = pos.clamp(max=self.length - 1)
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]
-        at = (self._rows[:b], self._heads, pos.clamp(max=self.length - 1)[:, None])   # a full slot writes nowhere new
+        at = (self._rows[:b], self._heads, pos[:, None])
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, cos, sin)
             self.k[i].index_put_(at, k)
