@@ -121,6 +121,16 @@ def test_moe_default_is_probed_on_the_gpu(static, monkeypatch, caplog):
         def refuse(*args, **kwargs):
             raise RuntimeError("grouped gemm: offsets must be aligned")
 
+        grouped_mm = torch._grouped_mm
+
+        def reads_offsets(*args, offs=None, **kwargs):   # the slow fallback some GPUs get: offsets to the host
+            offs.cpu()
+            return grouped_mm(*args, offs=offs, **kwargs)
+
+        monkeypatch.setattr(torch, "_grouped_mm", reads_offsets)
+        assert probed_impl(block, cuda, torch.bfloat16) == "dense"
+        assert "called a synchronizing CUDA operation" in caplog.text
+        assert torch.cuda.get_sync_debug_mode() == 0          # the probe left the mode as it found it
         monkeypatch.setattr(torch, "_grouped_mm", refuse)
         assert probed_impl(block, cuda, torch.bfloat16) == "dense"
     assert "torch._grouped_mm failed on this device (grouped gemm: offsets must be aligned); using dense" in caplog.text

@@ -126,7 +126,8 @@ def _ungrouped(num_experts: int) -> str:
 def probed_impl(block, device: torch.device, dtype: torch.dtype) -> str:
     """The default impl, checked once on this device: `torch._grouped_mm`'s GPU kernel has layout and
     alignment rules that vary by GPU and torch version, so on CUDA grouped runs a few rows beside the
-    ungrouped formulation first; if it raises or disagrees, the talker keeps running on that one (logged)."""
+    ungrouped formulation first; if it raises, reads device values back (a sync a CUDA graph cannot hold)
+    or disagrees, the talker keeps running on that one (logged)."""
     experts = block.experts.gate_up_proj.shape[0]
     impl = default_impl(device, dtype, experts)
     if impl != "grouped" or device.type != "cuda":
@@ -134,7 +135,8 @@ def probed_impl(block, device: torch.device, dtype: torch.dtype) -> str:
     fallback = _ungrouped(experts)
     x = torch.randn(7, block.gate.weight.shape[1], generator=torch.Generator().manual_seed(0)).to(device, dtype)
     try:
-        got, want = (Moe.from_block(block, i)(x).float().cpu() for i in ("grouped", fallback))
+        got = _without_host_reads(lambda: Moe.from_block(block, "grouped")(x)).float().cpu()
+        want = Moe.from_block(block, fallback)(x).float().cpu()
     except RuntimeError as e:
         logger.warning("talker MoE: torch._grouped_mm failed on this device (%s); using %s", e, fallback)
         return fallback
@@ -143,3 +145,15 @@ def probed_impl(block, device: torch.device, dtype: torch.dtype) -> str:
                        fallback, (got - want).abs().max().item(), fallback)
         return fallback
     return impl
+
+
+def _without_host_reads(fn):
+    """fn() with any device-to-host sync an error: where the grouped GEMM has no fast kernel (GPUs
+    other than sm90/sm100 in torch 2.10), its fallback reads the offsets back, which works eagerly
+    but cannot be captured in a CUDA graph and stalls every MoE layer of every frame."""
+    mode = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        return fn()
+    finally:
+        torch.cuda.set_sync_debug_mode(mode)
