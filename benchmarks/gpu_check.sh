@@ -50,7 +50,9 @@ step frame 60 python3 benchmarks/talker_frame.py --real-size --device cuda --bat
 # The engine tests that run on both devices (only these files: the others import the HTTP stack);
 # the talker modules' `cuda` tests are the graphed path against transformers' codes. On CPU all of
 # these ran on the emulated device (tests/unit/fake_cuda.py) first.
-step cuda_tests 200 python3 -m pytest -q -p no:cacheprovider -m cuda -o addopts="" \
+# -v: each test's name and result is printed as it ends, so a step cut at its limit still names the
+# ones that passed and failed (pytest-timeout is not on that machine: the ini's timeout is ignored).
+step cuda_tests 200 python3 -m pytest -v -rfE -p no:cacheprovider -m cuda -o addopts="" \
   tests/unit/test_qwen3_static.py tests/unit/test_streamed_vocoder.py tests/unit/test_qwen3_code2wav.py \
   tests/unit/test_qwen25_token2wav.py tests/unit/test_cuda_ipc.py tests/unit/test_qwen3_talker.py \
   tests/unit/test_qwen25_omni.py
