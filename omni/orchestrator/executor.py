@@ -15,7 +15,6 @@ import time
 from typing import Any, AsyncIterator, Callable
 
 import msgspec
-import numpy as np
 import zmq.asyncio
 
 from omni.config import DeployConfig
@@ -26,15 +25,21 @@ from omni.orchestrator import events as ev
 from omni.orchestrator.channel import BaseChannel, StageChannel
 from omni.orchestrator.local_channel import LocalStageChannel
 from omni.orchestrator.core import OrchestratorCore, load_processor
+from omni.orchestrator.fetch import Fetcher, fill, is_local
 from omni.orchestrator.metrics import OrchestratorMetrics, render_engine_steps
 from omni.orchestrator.topology import GONE, Topology
 from omni.orchestrator.types import PipelineOutput, PipelineRequest
 from omni.stage import messages as m
 from omni.stage.local_link import local_enabled, same_host_name
+from omni.transport.base import TensorRef
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["Orchestrator", "load_processor"]
+
+
+def as_error(e: BaseException) -> OmniError:
+    return e if isinstance(e, OmniError) else OmniError(f"{type(e).__name__}: {e}")
 
 
 class _Sink:
@@ -74,6 +79,7 @@ class Orchestrator:
         self._channels: dict[str, BaseChannel] = {}
         self._local = local_enabled()     # OMNI_STAGE_CHANNEL: same-host replicas over LocalChannel
         self._sinks: dict[str, _Sink] = {}
+        self._fetch = Fetcher()           # remote output tensors are read off the loop
         self._apply_handlers = {ev.Send: self._do_send, ev.Free: self._do_free, ev.AbortStage: self._do_abort,
                                 ev.ReleaseHold: self._do_release,
                                 ev.Emit: self._do_emit, ev.Fail: self._do_fail, ev.Finished: self._do_finished}
@@ -130,8 +136,7 @@ class Orchestrator:
                 if rid is None:
                     logger.warning("%s failed: %s: %s", type(a).__name__, type(e).__name__, e)
                     continue
-                err = e if isinstance(e, OmniError) else OmniError(f"{type(e).__name__}: {e}")
-                failed.append(ev.Cancel(rid, err))
+                failed.append(ev.Cancel(rid, as_error(e)))
         for c in failed:    # the core ignores requests that already ended
             self._apply(self.core.handle(c))
 
@@ -170,9 +175,10 @@ class Orchestrator:
         return ch if ch is not None and not ch.closed else None   # gone: its arena went with it
 
     def _do_free(self, a: ev.Free) -> None:
+        keys = self._fetch.hold(a.replica_id, a.transport, a.keys)    # a tensor being read is freed after it
         ch = self._live_channel(a.replica_id)
-        if ch is not None:
-            ch.post(m.FreeTensors(list(a.keys), a.transport))
+        if ch is not None and keys:
+            ch.post(m.FreeTensors(list(keys), a.transport))
 
     def _do_abort(self, a: ev.AbortStage) -> None:
         ch = self._live_channel(a.replica_id)
@@ -188,17 +194,37 @@ class Orchestrator:
         sink = self._sinks.get(a.request_id)
         if sink is None:
             return
-        out = a.output
-        if a.tensor is not None and out.modality in ("image", "video"):
-            tensor = self.consumer.get(a.tensor)
-            out.image, out.image_shape = tensor.numpy().tobytes(), tuple(tensor.shape)
-        elif a.tensor is not None:
-            tensor = self.consumer.get(a.tensor).float()
-            if out.modality == "audio":
-                out.audio_pcm = tensor.numpy().astype(np.float32).tobytes()
-            else:
-                out.embedding = tensor.flatten().tolist()
-        sink.queue.put_nowait(out)
+        if a.tensor is None:
+            sink.queue.put_nowait(a.output)
+        elif is_local(a.tensor):         # shared memory: a memcpy, cheaper here than on a thread
+            try:
+                sink.queue.put_nowait(fill(self.consumer, a.output, a.tensor))
+            except Exception as e:
+                sink.queue.put_nowait(as_error(e))   # in its place, also when it was the request's last output
+                raise
+        else:                            # another host's: a network read, off the loop (omni/orchestrator/fetch.py)
+            fut = asyncio.get_running_loop().create_future()
+            sink.queue.put_nowait(fut)
+            self._fetch.read(self.consumer, a.output, a.tensor,
+                             lambda result: self._fetched(a.request_id, sink, fut, a.tensor, result))
+
+    def _fetched(self, rid: str, sink: _Sink, fut: asyncio.Future, ref: TensorRef,
+                 result: PipelineOutput | BaseException) -> None:
+        """A remote read ended (on the loop): its producer may free the tensor now, and the output
+        (or the read's error, the request's) takes its place in the request's queue."""
+        for replica_id, transport, keys in self._fetch.released(ref):
+            self._do_free(ev.Free(replica_id, transport, keys))
+        if fut.done():                   # the request's generator is gone (client left, timed out)
+            return
+        if self._sinks.get(rid) is not sink:
+            fut.cancel()
+        elif isinstance(result, PipelineOutput):
+            fut.set_result(result)
+        else:
+            err = Unavailable("frontend is shutting down") if isinstance(result, asyncio.CancelledError) \
+                else as_error(result)
+            fut.set_exception(err)
+            self._apply(self.core.handle(ev.Cancel(rid, err)))
 
     def _do_fail(self, a: ev.Fail) -> None:
         sink = self._sinks.get(a.request_id)
@@ -226,9 +252,8 @@ class Orchestrator:
         try:
             self._apply(actions)
             while True:
-                try:
-                    item = sink.queue.get_nowait()
-                except asyncio.QueueEmpty:
+                item = sink.queue.get_nowait() if not sink.queue.empty() else None
+                if item is None or (isinstance(item, asyncio.Future) and not item.done()):
                     remaining = deadline - time.monotonic()
                     try:
                         if remaining <= 0:
@@ -236,13 +261,18 @@ class Orchestrator:
                         # Not wait_for: 3.11's returns an item that lands with a cancel and drops
                         # the cancel, and a client's disconnect then never stops the stream.
                         async with asyncio.timeout(remaining):
-                            item = await sink.queue.get()
+                            if item is None:
+                                item = await sink.queue.get()
+                            if isinstance(item, asyncio.Future):   # a remote read: its output, in its place
+                                await asyncio.wait((item,))
                     except TimeoutError:
                         error = RequestTimeout(f"request {req.request_id} timed out after {timeout:g} s")
                         self._apply(self.core.handle(ev.Cancel(req.request_id, error)))
-                        if sink.queue.empty():
+                        if sink.queue.empty() or isinstance(item, asyncio.Future):
                             raise error from None
                         continue
+                if isinstance(item, asyncio.Future):
+                    item = item.exception() or item.result()
                 if isinstance(item, BaseException):
                     raise item
                 yield item
@@ -252,6 +282,10 @@ class Orchestrator:
             if not sink.finished:         # the client left (or a stop string ended it) first
                 self._apply(self.core.handle(ev.Cancel(req.request_id)))
             self._sinks.pop(req.request_id, None)
+            while not sink.queue.empty():     # reads still running: their outputs go nowhere
+                left = sink.queue.get_nowait()
+                if isinstance(left, asyncio.Future) and not left.cancel() and not left.cancelled():
+                    left.exception()          # read: no "exception was never retrieved" at collection
 
     # ------------------------------------------------------------ health and control
 
@@ -324,4 +358,5 @@ class Orchestrator:
         for ch in self._channels.values():
             ch.close()
         self._channels.clear()
+        self._fetch.close()
         self._ctx.term()

@@ -1,0 +1,229 @@
+"""The frontend reads a final output's tensor from another host (tcp) off its event loop: one
+request's slow read must not stall the frontend's other requests, its outputs still reach the
+client in order, a request that leaves or fails while its read runs releases what it holds,
+and a read's error is that request's. Shared-memory reads stay on the loop (a memcpy).
+
+In-memory stage channels; a tensor consumer whose reads of chosen keys wait on a
+threading.Event (with a deadline: on a loop-blocking frontend the test fails, it does not hang)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from omni.config import parse
+from omni.engines.base import SamplingParams
+from omni.errors import OmniError, RequestTimeout
+from omni.master.types import TopologyEvent
+from omni.orchestrator.executor import Orchestrator
+from omni.orchestrator.topology import Topology
+from omni.orchestrator.types import PipelineRequest
+from omni.stage import messages as m
+from omni.transport.base import TensorRef, TransportError
+from tests.unit.test_orchestrator_core import replica
+
+pytestmark = pytest.mark.anyio
+
+CONFIG = parse({"model": "m", "stages": [{"stage_id": 0, "engine": "count", "final_output": True,
+                                          "final_output_type": "audio"}]}, source="test")
+BLOCK_S = 3.0           # how long a blocked read waits for its release before it gives up
+WAIT_S = 10.0           # the test's deadline for anything it waits on
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+class Consumer:
+    """Reads return a tensor full of the ref's key; keys in `blocked` wait for `release`,
+    keys in `fail` raise."""
+
+    def __init__(self, blocked=(), fail=()):
+        self.blocked, self.fail = set(blocked), set(fail)
+        self.release = threading.Event()
+        self.entered = {k: threading.Event() for k in self.blocked}
+        self.read = {}                  # key -> threading.Event, set when its read returned
+        self.gave_up = False
+        self.threads: dict[int, int] = {}
+
+    def get(self, ref: TensorRef) -> torch.Tensor:
+        self.threads[ref.key] = threading.get_ident()
+        if ref.key in self.fail:
+            raise TransportError(f"tcp producer {ref.endpoint}: transfer of key {ref.key} failed")
+        if ref.key in self.blocked:
+            self.entered[ref.key].set()
+            if not self.release.wait(BLOCK_S):
+                self.gave_up = True
+                raise TransportError("the read was never released")
+        try:
+            return torch.full(ref.shape, float(ref.key))
+        finally:
+            self.read.setdefault(ref.key, threading.Event()).set()
+
+
+class FakeChannel:
+    kind = "zmq"
+
+    def __init__(self, r):
+        self.replica_id, self.stage_id, self.closed = r.replica_id, r.stage_id, False
+        self.posted: list = []
+        self.changed = asyncio.Event()
+
+    def post(self, msg) -> None:
+        self.posted.append(msg)
+        self.changed.set()
+
+    def close(self) -> None:
+        self.closed = True
+
+    def freed(self) -> list[int]:
+        return [k for msg in self.posted if isinstance(msg, m.FreeTensors) for k in msg.keys]
+
+    def added(self) -> list[str]:
+        return [msg.request_id for msg in self.posted if isinstance(msg, m.AddRequest)]
+
+    async def until(self, check) -> None:
+        async with asyncio.timeout(WAIT_S):
+            while not check():
+                self.changed.clear()
+                await self.changed.wait()
+
+
+def make(consumer: Consumer) -> tuple[Orchestrator, FakeChannel]:
+    topo = Topology()
+    topo.apply(TopologyEvent("SNAPSHOT", [replica(0, "s0r0")], 1))
+    orch = Orchestrator(CONFIG, frontend_id="fe", topology=topo, detokenize=lambda ids: "", consumer=consumer)
+    ch = FakeChannel(replica(0, "s0r0"))
+
+    def channel(r):
+        orch._channels[r.replica_id] = ch
+        return ch
+    orch._channel = channel
+    return orch, ch
+
+
+async def started(orch: Orchestrator, ch: FakeChannel, rid: str):
+    """The request's output iterator, once its AddRequest reached the stage."""
+    it = aiter(orch.generate(PipelineRequest(request_id=rid, prompt_token_ids=[1], modalities=("audio",),
+                                             sampling=SamplingParams(max_tokens=4), timeout_s=60)))
+    first = asyncio.ensure_future(anext(it))
+    await ch.until(lambda: rid in ch.added())
+    return it, first
+
+
+def chunk(orch: Orchestrator, ch: FakeChannel, rid: str, key: int, transport: str = "tcp", **kw) -> None:
+    """The stage sends an audio chunk of the request (as its channel's reader hands it over)."""
+    ref = TensorRef(transport=transport, endpoint="h2:7000" if transport == "tcp" else "seg", key=key,
+                    dtype="float32", shape=(2,), nbytes=8)
+    orch._on_stage_message(ch, m.Output(request_id=rid, tensors={"audio": ref}, sample_rate=24000, **kw))
+
+
+def samples(out) -> list[float]:
+    return torch.frombuffer(bytearray(out.audio_pcm), dtype=torch.float32).tolist() if out.audio_pcm else []
+
+
+async def test_a_slow_remote_read_leaves_the_other_requests_going_and_keeps_its_own_order():
+    consumer = Consumer(blocked={1})
+    orch, ch = make(consumer)
+    try:
+        a, a_first = await started(orch, ch, "a")
+        b, b_first = await started(orch, ch, "b")
+        chunk(orch, ch, "a", 1)                      # its read waits (a far host, a slow link)
+        assert consumer.entered[1].wait(WAIT_S)
+        chunk(orch, ch, "a", 3, finished=True)       # its next chunk's read ends first
+        chunk(orch, ch, "b", 2, finished=True)
+        out = await asyncio.wait_for(b_first, WAIT_S)
+        assert samples(out) == [2.0, 2.0] and out.finished
+        # b went all the way while a's read still waited: the loop was not blocked in it.
+        assert not consumer.gave_up and not consumer.release.is_set() and 2 in ch.freed()
+        assert await asyncio.to_thread(consumer.read.setdefault(3, threading.Event()).wait, WAIT_S)
+        assert not a_first.done()                     # chunk 3 is read, but chunk 1 comes first
+        assert 1 not in ch.freed() and 3 in ch.freed()   # a tensor being read is not freed under it
+        consumer.release.set()
+        first = await asyncio.wait_for(a_first, WAIT_S)
+        second = await asyncio.wait_for(anext(a), WAIT_S)
+        assert (samples(first), first.finished, samples(second), second.finished) == ([1.0] * 2, False,
+                                                                                       [3.0] * 2, True)
+        await ch.until(lambda: 1 in ch.freed())
+        assert orch.metrics.outcomes == {"ok": 2, "aborted": 0, "failed": 0}
+        await a.aclose(), await b.aclose()
+        assert not orch._sinks and not orch._fetch._reading and not orch._fetch._deferred
+    finally:
+        consumer.release.set()
+        await orch.close()
+
+
+async def test_a_request_that_leaves_while_its_read_runs_is_aborted_and_frees_the_tensor_after_the_read():
+    consumer = Consumer(blocked={5})
+    orch, ch = make(consumer)
+    try:
+        it, first = await started(orch, ch, "c")
+        chunk(orch, ch, "c", 5)
+        assert consumer.entered[5].wait(WAIT_S)
+        first.cancel()                               # the client leaves
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        await it.aclose()
+        assert [msg.request_ids for msg in ch.posted if isinstance(msg, m.Abort)] == [["c"]]
+        assert 5 not in ch.freed() and not orch._sinks and orch.metrics.outcomes["aborted"] == 1
+        consumer.release.set()
+        await ch.until(lambda: 5 in ch.freed())
+        assert not orch._fetch._reading and not orch._fetch._deferred
+    finally:
+        consumer.release.set()
+        await orch.close()
+
+
+async def test_a_request_that_times_out_while_its_read_runs_fails_with_the_timeout():
+    consumer = Consumer(blocked={6})
+    orch, ch = make(consumer)
+    try:
+        it = aiter(orch.generate(PipelineRequest(request_id="t", prompt_token_ids=[1], modalities=("audio",),
+                                                 sampling=SamplingParams(max_tokens=4), timeout_s=0.5)))
+        first = asyncio.ensure_future(anext(it))
+        await ch.until(lambda: "t" in ch.added())
+        chunk(orch, ch, "t", 6)
+        with pytest.raises(RequestTimeout):
+            await asyncio.wait_for(first, WAIT_S)
+        await it.aclose()
+        assert [msg.request_ids for msg in ch.posted if isinstance(msg, m.Abort)] == [["t"]]
+        consumer.release.set()
+        await ch.until(lambda: 6 in ch.freed())
+        assert not orch._sinks and not orch._fetch._reading and not orch._fetch._deferred
+    finally:
+        consumer.release.set()
+        await orch.close()
+
+
+async def test_a_failed_remote_read_fails_its_request_only():
+    consumer = Consumer(fail={7})
+    orch, ch = make(consumer)
+    try:
+        d, d_first = await started(orch, ch, "d")
+        e, e_first = await started(orch, ch, "e")
+        chunk(orch, ch, "d", 7, finished=True)      # the last output: the core has ended the request ok
+        chunk(orch, ch, "e", 8, finished=True)
+        with pytest.raises(OmniError, match="transfer of key 7 failed"):
+            await asyncio.wait_for(d_first, WAIT_S)
+        assert samples(await asyncio.wait_for(e_first, WAIT_S)) == [8.0, 8.0]
+        await ch.until(lambda: 7 in ch.freed())
+        await d.aclose(), await e.aclose()
+    finally:
+        await orch.close()
+
+
+async def test_a_shared_memory_read_is_made_on_the_loop_in_order():
+    consumer = Consumer()
+    orch, ch = make(consumer)
+    try:
+        it, first = await started(orch, ch, "f")
+        chunk(orch, ch, "f", 4, transport="shm", finished=True)
+        assert consumer.threads[4] == threading.get_ident() and 4 in ch.freed()   # read before it was freed
+        assert samples(await asyncio.wait_for(first, WAIT_S)) == [4.0, 4.0]
+        await it.aclose()
+    finally:
+        await orch.close()
