@@ -24,7 +24,7 @@ from omni.orchestrator import events as ev
 from omni.orchestrator.limits import RecentFailures, fitting
 from omni.orchestrator.metrics import OrchestratorMetrics
 from omni.orchestrator.request_state import (ProcessorContext, RequestState, finals_below, free_actions, input_host,
-                                             load_processor, needed_stages, ref_id)
+                                             load_processor, needed_stages, out_route, ref_id)
 from omni.orchestrator.topology import Topology
 from omni.orchestrator.types import PipelineOutput, PipelineRequest
 from omni.sampling import SamplingOverrides
@@ -32,9 +32,6 @@ from omni.stage import messages as m
 from omni.transport.base import SAME_HOST_ONLY, TensorRef
 
 logger = logging.getLogger(__name__)
-
-TENSOR_OUTPUTS = ("audio", "embedding", "image", "video")     # final outputs read from a tensor, not token ids
-
 
 class OrchestratorCore:
     def __init__(self, config: DeployConfig, *, topology: Topology, detokenize: Callable[[list[int]], str],
@@ -139,9 +136,10 @@ class OrchestratorCore:
         out = e.output
         state = self.requests.get(out.request_id.split("/", 1)[0])
         st = state.stages.get(e.stage_id) if state is not None else None
-        if st is None or st.replica is None or st.replica.replica_id != e.replica_id:
-            # Late output of a request that ended, of a stage it does not use, or from a replica
-            # it was moved away from (replayed): free what it published.
+        if (st is None or st.replica is None or st.replica.replica_id != e.replica_id
+                or out.request_id in st.ended):
+            # Late output of a request that ended, of a stage it does not use, from a replica it
+            # was moved away from (replayed), or of a stage aborted as unneeded: free what it published.
             self._free(e.replica_id, list(out.tensors.values()))
             return
         for ref in out.tensors.values():
@@ -276,6 +274,8 @@ class OrchestratorCore:
             self._release_inputs(state, s, out.request_id)
             if out.finish_reason and stage.final_output_type == "text":
                 state.finish_reason, state.stop_reason = out.finish_reason, out.stop_reason
+            if out.request_id == state.rid and not st.inputs_closed:    # its stream ended early
+                self._drop_unneeded(state, s)
             self._check_done(state, s)
 
     def _emit_final(self, state: RequestState, stage: StageConfig, out: m.Output) -> None:
@@ -347,7 +347,8 @@ class OrchestratorCore:
         # The stage's own sampling (the talker's temperature, piper's noise scales) over the request's;
         # the stage that takes the client's prompt had its defaults folded in by the frontend.
         overrides = state.req.stage_overrides.get(s, self._overrides[s])
-        out_transport, out_tensors, out_devices = self._out_route(state, stage)
+        out_transport, out_tensors, out_devices = out_route(self.config, state, stage, self.host,
+                                                            self._choose_transport)
         # Held after its first output while the final output it feeds has not started.
         finals = self._hold_for.get(s, ())
         hold_ms = stage.first_output_hold_ms if finals and not any(
@@ -375,35 +376,23 @@ class OrchestratorCore:
             if final in finals and st is not None and st.open and st.replica is not None:
                 self._out.append(ev.ReleaseHold(st.replica.replica_id, tuple(sorted(st.open))))
 
-    def _out_route(self, state: RequestState, stage: StageConfig) -> tuple[str, bool, str]:
-        """Where this stage's output tensors go for this request, if anyone reads them, and the
-        consuming stage's `devices` when `auto` picked shm for it: a CUDA tensor then takes
-        cuda_ipc if the consumer sees its GPU (the producing stage decides, per tensor:
-        omni.transport.factory.auto_transport)."""
-        me = state.stages[stage.stage_id].replica
-        my_host = me.host if me else self.host
-        for t in self.config.downstream(stage.stage_id):
-            if t in state.stages:
-                consumer = state.stages[t].replica
-                conn = stage.connectors.get(str(t))
-                configured = conn.transport if conn and conn.transport != "auto" else None
-                chosen = self._choose_transport(my_host, consumer.host if consumer else my_host, configured)
-                devices = self.config.stage(t).devices if configured is None and chosen == "shm" else ""
-                return chosen, True, devices
-        if stage.final_output and stage.final_output_type in TENSOR_OUTPUTS:
-            # the frontend wants host tensors: no devices, so no cuda_ipc
-            return self._choose_transport(my_host, self.host, None), True, ""
-        return "", False, ""
-
     # ------------------------------------------------------------ completion
 
     def _stage_done(self, state: RequestState, s: int) -> bool:
         st = state.stages[s]
         return st.inputs_closed and not st.open and st.pending is None
 
+    def _output_done(self, state: RequestState, s: int) -> bool:
+        """Stage s makes nothing more for the request: it is done, or it ended the request's
+        stream early (the talker at its codec's end or max_tokens) while its inputs still come."""
+        st = state.stages[s]
+        return self._stage_done(state, s) or (state.rid in st.ended and not st.open)
+
     def _check_done(self, state: RequestState, s: int) -> None:
-        """Cascade: a stage whose inputs are closed and that holds nothing is done."""
-        if not self._stage_done(state, s):
+        """Cascade: a stage whose inputs are closed and that holds nothing is done; a stage whose
+        upstream stages all make nothing more has its inputs closed (at once, not when the stages
+        before those finish: code2wav's last chunk does not wait for the thinker's last token)."""
+        if not self._output_done(state, s):
             return
         if state.stages[s].replica is not None:    # it holds nothing there now (load, ReplicaGone)
             self._unhold(state.stages[s].replica.replica_id, state.rid)
@@ -411,7 +400,7 @@ class OrchestratorCore:
             ts = state.stages.get(t)
             if ts is None or ts.inputs_closed:
                 continue
-            if all(self._stage_done(state, u) for u in self.config.stage(t).upstream() if u in state.stages):
+            if all(self._output_done(state, u) for u in self.config.stage(t).upstream() if u in state.stages):
                 ts.inputs_closed = True
                 inp, ts.pending = ts.pending, None
                 if state.rid in ts.ended:     # it ended early: no final piece, a held one is freed
@@ -435,6 +424,34 @@ class OrchestratorCore:
                     request_id=state.rid, stage_id=s, modality="text", finished=True,
                     finish_reason=reason, num_prompt_tokens=state.num_prompt_tokens, stop_reason=state.stop_reason)))
             self._end(state, "ok")
+
+    def _drop_unneeded(self, state: RequestState, s: int) -> None:
+        """Stage s ended the request's stream early. A stage before it that feeds only stages that
+        ended theirs, and whose own output the client did not ask for, now works for no one: it is
+        aborted there and counts as done (an audio-only chat whose talker stopped while the thinker
+        still writes). With text asked for, the thinker goes on: the answer needs all its text."""
+        for u in self.config.stage(s).upstream():
+            us, stage = state.stages.get(u), self.config.stage(u)
+            if (us is None or state.rid in us.ended or self._stage_done(state, u)
+                    or (stage.final_output and stage.final_output_type in state.req.modalities)
+                    or any(state.rid not in state.stages[t].ended for t in self.config.downstream(u)
+                           if t in state.stages)):
+                continue
+            ids = us.open | set(us.sub_order) | {state.rid}
+            if us.started and us.replica is not None:
+                self._out.append(ev.AbortStage(us.replica.replica_id, tuple(sorted(ids))))
+            us.ended |= ids            # what it sent before it took the Abort is only freed
+            us.open.clear()
+            us.sub_order.clear()
+            us.sent.clear()
+            for buffered in us.sub_buffer.values():
+                for b in buffered:
+                    self._free(state.origin.get, list(b.tensors.values()))
+            us.sub_buffer.clear()
+            for erid in list(us.refs_in):
+                self._release_inputs(state, u, erid)
+            self._drop_unneeded(state, u)
+            self._check_done(state, u)
 
     def _fail(self, state: RequestState, error: OmniError) -> None:
         if state.rid in self.requests:

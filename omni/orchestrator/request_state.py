@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from omni import processors as procs
-from omni.config import DeployConfig
+from omni.config import DeployConfig, StageConfig
 from omni.errors import BadRequest, OmniError, Unavailable
 from omni.master.types import ReplicaInfo
 from omni.orchestrator import events as ev
@@ -123,3 +123,28 @@ def input_host(inp: procs.StageInput, origin: dict, replicas: dict[str, ReplicaI
                 raise Unavailable(f"{label}: the replica holding its input's {ref.transport} tensors is gone")
             return producer.host
     return None
+
+
+TENSOR_OUTPUTS = ("audio", "embedding", "image", "video")     # final outputs read from a tensor, not token ids
+
+
+def out_route(config: DeployConfig, state: RequestState, stage: StageConfig, host: str,
+              choose_transport: Callable[[str, str, str | None], str]) -> tuple[str, bool, str]:
+    """Where this stage's output tensors go for this request, if anyone reads them, and the
+    consuming stage's `devices` when `auto` picked shm for it: a CUDA tensor then takes
+    cuda_ipc if the consumer sees its GPU (the producing stage decides, per tensor:
+    omni.transport.factory.auto_transport). `host` is the frontend's."""
+    me = state.stages[stage.stage_id].replica
+    my_host = me.host if me else host
+    for t in config.downstream(stage.stage_id):
+        if t in state.stages:
+            consumer = state.stages[t].replica
+            conn = stage.connectors.get(str(t))
+            configured = conn.transport if conn and conn.transport != "auto" else None
+            chosen = choose_transport(my_host, consumer.host if consumer else my_host, configured)
+            devices = config.stage(t).devices if configured is None and chosen == "shm" else ""
+            return chosen, True, devices
+    if stage.final_output and stage.final_output_type in TENSOR_OUTPUTS:
+        # the frontend wants host tensors: no devices, so no cuda_ipc
+        return choose_transport(my_host, host, None), True, ""
+    return "", False, ""

@@ -239,6 +239,8 @@ class StageWorker:
 
     def _add(self, ident: bytes, msg: m.AddRequest) -> None:
         rid = msg.request_id
+        if self._recent.ended(rid):   # crossed its stream's end here on the way: nothing takes it (worker_state)
+            return
         # Draining or stopping refuses new work only; asleep, the engine can serve nothing (it
         # refused to sleep with work open, or dropped it).
         if self.engine.is_sleeping() or ((self.draining or self._stopping.is_set())
@@ -311,6 +313,8 @@ class StageWorker:
             self._emit(out, dt)
 
     def _emit(self, out: EngineOutput, step_s: float) -> None:
+        if out.finished:
+            self._recent.end(out.request_id)
         # Nothing overtakes held output, so while anything is held this output waits too.
         if self._held or not self._publish(out, step_s):
             req = self._reqs.get(out.request_id)

@@ -25,11 +25,24 @@ class InFlight:
 class RecentBases:
     """The base ids ("r1" of "r1/s2") of the latest `cap` requests taken. A draining stage still
     takes the later parts of requests it began: a stream's next piece, or the next sentence of a
-    request whose previous one it finished (so nothing of it is in flight at that moment)."""
+    request whose previous one it finished (so nothing of it is in flight at that moment).
+    Also the exact ids of the latest `cap` requests the engine finished (`end`, `ended`): a piece
+    of a stream that arrives after the stage ended it (the talker at max_tokens or its codec's end
+    while the thinker still streams, before the frontend heard of the end) is a late piece, never a
+    new request (request ids are unique)."""
 
     def __init__(self, cap: int = 4096):
         self.cap = cap
         self._ids: OrderedDict[str, None] = OrderedDict()
+        self._ended: OrderedDict[str, None] = OrderedDict()
+
+    def end(self, rid: str) -> None:
+        self._ended[rid] = None
+        if len(self._ended) > self.cap:
+            self._ended.popitem(last=False)
+
+    def ended(self, rid: str) -> bool:
+        return rid in self._ended
 
     def add(self, rid: str) -> None:
         base = rid.split("/", 1)[0]

@@ -74,10 +74,11 @@ def reference(tiny):
     ref = Reference(tiny)
     cache: dict = {}
 
-    def run(text: str, speaker: str = "Ethan", audio: bool = False):
-        key = (text, speaker.lower(), audio)
+    def run(text: str, speaker: str = "Ethan", audio: bool = False, talker_tokens: int = TALKER_TOKENS,
+            thinker_tokens: int = THINKER_TOKENS):
+        key = (text, speaker.lower(), audio, talker_tokens, thinker_tokens)
         if key not in cache:
-            r = ref.run(text, speaker=speaker, thinker_tokens=THINKER_TOKENS, talker_tokens=TALKER_TOKENS,
+            r = ref.run(text, speaker=speaker, thinker_tokens=thinker_tokens, talker_tokens=talker_tokens,
                         audio=audio)
             text_out = ref.tok.decode(r.generated, skip_special_tokens=True)
             cache[key] = (text_out, r.wav.numpy())
@@ -169,6 +170,24 @@ def test_vllm_omnis_sampling_params_list_equals_the_reference(server, reference,
         "model": NAME, "messages": [{"role": "user", "content": "Hi"}], "modalities": ["text", "audio"],
         "sampling_params_list": [stages[0], bad]})
     assert r.status_code == 400 and f"stop_token_ids [{eos}, 5]" in r.text, r.text
+
+
+@pytest.mark.parametrize("modalities", [["text", "audio"], ["audio"]])
+def test_a_talker_that_stops_first_still_gives_the_whole_answer(server, reference, tiny, modalities):
+    """The talker's max_tokens (3) ends its codes while the thinker still writes (48 tokens): code2wav's
+    input closes then, the thinker's pieces already on their way to the talker are dropped there, the
+    thinker goes on for the text (or, with only audio asked for, is stopped); the answer is the
+    reference's, text and audio."""
+    eos = json.loads((tiny / "config.json").read_text())["talker_config"]["codec_eos_token_id"]
+    want_text, want_wav = reference("Tell me about the sea.", talker_tokens=3, thinker_tokens=48)
+    stages = [{"temperature": 0.0, "max_tokens": 48},
+              {"temperature": 0.0, "top_k": 50, "max_tokens": 3, "repetition_penalty": 1.05, "stop_token_ids": [eos]}]
+    m = client(server).chat.completions.create(
+        model=NAME, messages=[SYSTEM, {"role": "user", "content": "Tell me about the sea."}], modalities=modalities,
+        audio={"voice": "Ethan", "format": "wav"}, extra_body={"sampling_params_list": stages}).choices[0].message
+    assert m.content == want_text if "text" in modalities else not m.content
+    _, got = wav_samples(base64.b64decode(m.audio.data))
+    assert got.shape == int16(want_wav).shape and np.abs(got.astype(int) - int16(want_wav)).max() <= 1
 
 
 def test_streamed_chat_audio_is_within_1e_3_of_the_reference(server, reference):

@@ -18,22 +18,48 @@ Q3 = parse({"model": "m", "stages": [
 ]}, source="test")
 
 
-def test_a_talker_that_ends_its_stream_early_gets_no_more_pieces_and_the_request_ends_ok():
+def test_a_talker_that_ends_its_stream_early_closes_code2wavs_input_at_once_and_the_request_ends_ok():
     core = make_core(*ALL, config=Q3)
     core.submit(chat())
     acts = core.handle(output("s0r0", 0, "r1", token_ids=[5, 6], tensors={"prompt_token_ids": ref(3, "s0r0")}))
     assert sends(acts) == [("s1r0", "r1", False)]
-    # max_tokens (or a full KV cache, a codec EOS) ends the talker's request while the thinker goes on.
+    # max_tokens (or a full KV cache, a codec EOS) ends the talker's request while the thinker goes on:
+    # code2wav gets its last piece and its closing one now, not when the thinker finishes.
     acts = core.handle(output("s1r0", 1, "r1", tensors={"codes": ref(1)}, finished=True, finish_reason="length"))
-    assert sends(acts) == [("s2r0", "r1", False)] and ev.Free("s0r0", "shm", (3,)) in acts
+    assert sends(acts) == [("s2r0", "r1", False), ("s2r0", "r1", True)] and ev.Free("s0r0", "shm", (3,)) in acts
+    assert not of(acts, ev.AbortStage)                        # text was asked for: the thinker goes on
+    assert core.load(ALL[1])[0] == 0                          # the talker holds nothing of it now
+    acts = core.handle(output("s2r0", 2, "r1", tensors={"audio": ref(9, "s2r0")}, sample_rate=24000,
+                              finished=True))
+    assert not of(acts, ev.Emit)[0].output.finished and not of(acts, ev.Finished)   # the text is not done
     acts = core.handle(output("s0r0", 0, "r1", token_ids=[7]))
     assert not of(acts, ev.Send) and of(acts, ev.Emit)[0].output.token_ids == [7]
     acts = core.handle(output("s0r0", 0, "r1", token_ids=[8], finished=True, finish_reason="stop"))
-    assert sends(acts) == [("s2r0", "r1", True)]              # code2wav's stream closes as usual
+    assert not of(acts, ev.Send) and not of(acts, ev.Fail) and not of(acts, ev.AbortStage)
+    last = of(acts, ev.Emit)[-1].output
+    assert last.token_ids == [8] and last.finished and last.finish_reason == "stop"
+    assert of(acts, ev.Finished)[0].outcome == "ok" and not core.requests and not core.by_replica
+
+
+def test_an_audio_only_request_whose_talker_ended_early_aborts_the_thinker_and_ends_with_code2wav():
+    core = make_core(*ALL, config=Q3)
+    core.submit(chat(modalities=("audio",)))
+    core.handle(output("s0r0", 0, "r1", token_ids=[5, 6], tensors={"prompt_token_ids": ref(3, "s0r0")}))
+    acts = core.handle(output("s1r0", 1, "r1", tensors={"codes": ref(1)}, finished=True, finish_reason="stop"))
+    # No one reads the thinker's further text: it is stopped there, its tensors freed.
+    assert sends(acts) == [("s2r0", "r1", False), ("s2r0", "r1", True)]
+    assert of(acts, ev.AbortStage) == [ev.AbortStage("s0r0", ("r1",))] and ev.Free("s0r0", "shm", (3,)) in acts
+    assert core.load(ALL[0])[0] == 0 and core.load(ALL[1])[0] == 0
+    # An output the thinker sent before it took the Abort is only freed.
+    acts = core.handle(output("s0r0", 0, "r1", token_ids=[7], tensors={"h": ref(4, "s0r0")}))
+    assert acts == [ev.Free("s0r0", "shm", (4,))]
     acts = core.handle(output("s2r0", 2, "r1", tensors={"audio": ref(9, "s2r0")}, sample_rate=24000,
                               finished=True))
-    assert not of(acts, ev.Fail) and not of(acts, ev.AbortStage)
-    assert of(acts, ev.Finished)[0].outcome == "ok" and not core.requests and not core.by_replica
+    emit = of(acts, ev.Emit)[0]
+    assert emit.output.modality == "audio" and emit.output.finished and emit.output.finish_reason == "stop"
+    assert of(acts, ev.Finished)[0].outcome == "ok" and not of(acts, ev.AbortStage)
+    assert not core.requests and not core.by_replica
+    assert core.handle(output("s0r0", 0, "r1", token_ids=[8], finished=True)) == []
 
 
 HELD = parse({"model": "m", "stages": [
@@ -42,17 +68,19 @@ HELD = parse({"model": "m", "stages": [
 ]}, source="test")
 
 
-def test_a_held_back_piece_for_a_stage_that_ended_is_freed_not_sent():
+def test_a_held_back_piece_for_a_stage_that_ended_is_freed_not_sent_and_its_feeder_stopped():
     core = make_core(*ALL[:2], config=HELD)
     core.submit(chat(modalities=("text",)))
     core.handle(output("s0r0", 0, "r1", token_ids=[5], tensors={"h": ref(1, "s0r0")}))   # held back by one
     acts = core.handle(output("s0r0", 0, "r1", token_ids=[6], tensors={"h": ref(2, "s0r0")}))
     assert sends(acts) == [("s1r0", "r1", False)]
+    # b ends its stream (max_tokens): a's output went to b only, so a works for no one now.
     acts = core.handle(output("s1r0", 1, "r1", token_ids=[9], finished=True, finish_reason="length"))
-    assert ev.Free("s0r0", "shm", (1,)) in acts and not of(acts, ev.Finished)
+    assert not of(acts, ev.Send) and ev.Free("s0r0", "shm", (1,)) in acts and ev.Free("s0r0", "shm", (2,)) in acts
+    assert of(acts, ev.AbortStage) == [ev.AbortStage("s0r0", ("r1",))]
+    assert of(acts, ev.Emit)[0].output.finish_reason == "length" and of(acts, ev.Finished)[0].outcome == "ok"
     acts = core.handle(output("s0r0", 0, "r1", token_ids=[7], tensors={"h": ref(3, "s0r0")}, finished=True))
-    assert not of(acts, ev.Send) and ev.Free("s0r0", "shm", (3,)) in acts and ev.Free("s0r0", "shm", (2,)) in acts
-    assert of(acts, ev.Finished)[0].outcome == "ok"
+    assert acts == [ev.Free("s0r0", "shm", (3,))]
 
 
 def test_losing_the_thinkers_replica_after_it_finished_the_request_does_not_fail_it():
@@ -95,7 +123,8 @@ def test_losing_the_replica_of_a_talker_that_ended_early_does_not_fail_the_reque
     core.handle(output("s0r0", 0, "r1", token_ids=[5, 6]))
     core.handle(output("s1r0", 1, "r1", tensors={"codes": ref(1)}, finished=True, finish_reason="length"))
     assert core.handle(ev.ReplicaGone(ALL[1], "dead")) == []       # the thinker still streams
-    assert sends(core.handle(output("s0r0", 0, "r1", token_ids=[7], finished=True))) == [("s2r0", "r1", True)]
+    acts = core.handle(output("s0r0", 0, "r1", token_ids=[7], finished=True))
+    assert not of(acts, ev.Send) and not of(acts, ev.Finished)       # code2wav's input closed already
     acts = core.handle(output("s2r0", 2, "r1", tensors={"audio": ref(9, "s2r0")}, sample_rate=24000,
                               finished=True))
     assert not of(acts, ev.Fail) and of(acts, ev.Finished)[0].outcome == "ok"

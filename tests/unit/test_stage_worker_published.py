@@ -110,3 +110,19 @@ def test_a_finishing_output_dropped_unsent_frees_its_tensors(setup):
     assert prod.slots == {1: "r1"} and w._held and not w._reqs
     w._flush_held()
     assert not w._held and prod.slots == {}
+
+
+def test_a_piece_that_reaches_a_stage_after_it_ended_the_stream_is_dropped(setup):
+    """The talker ends its stream (max_tokens, its codec's end) while the thinker's next pieces are on
+    their way to it: those are late pieces, not a new request (the talker refused one as a request
+    without a prompt, a 400 that failed the whole chat)."""
+    w, prod, sent = setup
+    finish(w, "r1")
+    n = len(sent)
+    w._handle(b"fe", m.AddRequest(request_id="r1", generated_ids=[5], final=False))
+    w._handle(b"fe", m.AddRequest(request_id="r1", final=True))
+    assert w.engine.reqs == [] and not w._reqs and len(sent) == n
+    w._step()
+    assert len(sent) == n
+    finish(w, "r2")                       # other requests go on
+    assert len(sent) == n + 1 and not w._reqs
