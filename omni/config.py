@@ -24,7 +24,7 @@ import yaml
 
 from omni import config_vllm_omni as vllm_omni
 from omni.config_checks import check_pipeline, check_sampling, check_yaml_shape, yaml_sections
-from omni.config_stage_checks import check_connector_edge, normalise_stage_devices, unused_engine_arg
+from omni.config_stage_checks import check_connector_edge, check_engine_args, normalise_stages, unused_engine_arg
 from omni.errors import ConfigError
 # The config types of the image and video routes, kept where the rest of the deploy config is found.
 from omni.media_settings import ImageSettings, PromptExpansion, VideoSettings, validate_images  # noqa: F401
@@ -46,6 +46,7 @@ class StageConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     name: str = ""
     model: str | None = None            # defaults to the pipeline's model
     devices: str = "cpu"
+    env: dict[str, str] = {}            # the stage process's environment variables (config_stage_checks)
     num_replicas: int = 1
     engine_args: dict[str, Any] = {}
     # The stage's own sampling; a key it does not know is refused by name (omni.sampling).
@@ -366,7 +367,7 @@ def apply_engine_flags(config: DeployConfig, stage_id: int, flags: dict[str, Any
 def parse(data: dict[str, Any], source: str = "deploy config") -> DeployConfig:
     data = dict(data)
     data.pop("base_config", None)
-    normalise_stage_devices(data, source)
+    normalise_stages(data, source)
     try:
         config = msgspec.convert(data, DeployConfig)
     except msgspec.ValidationError as e:
@@ -393,9 +394,7 @@ def validate(config: DeployConfig, source: str = "deploy config") -> None:
         if s.num_replicas < 1:
             raise ConfigError(f"{where}.num_replicas must be >= 1, got {s.num_replicas}")
         check_sampling(s.default_sampling_params, where)
-        unused = unused_engine_arg(s.engine_args)
-        if unused:
-            raise ConfigError(f"{where}.engine_args.{unused}")
+        check_engine_args(s.engine_args, s.engine, f"{where}.engine_args")
         for i in s.inputs:
             if isinstance(i, int):
                 if not 0 <= i < s.stage_id:
@@ -469,7 +468,7 @@ def load(
     if roles is not None:
         vllm_omni.check_roles(data.get("stages") or [], roles, str(path))
     data = apply_platform(data, current_platform(), str(path))
-    vllm_omni.apply_carried(data, async_chunk)
+    vllm_omni.apply_carried(data, async_chunk, str(path))
     data["model"] = model   # the CLI's MODEL names the weights; the YAML the shape
     if stage_overrides:
         data = apply_stage_overrides(data, stage_overrides)

@@ -12,15 +12,24 @@ taken and do nothing (omni/config.py calls them while it validates the stages).
 - `engine_args`: EngineArgs fields only vLLM's serving layer reads (omni's frontend tokenizes,
   samples and names the model itself) are refused as `omni serve --tokenizer` ... are
   (omni.vllm_serve_flags): a vllm stage would take them and change nothing.
+  `subtalker_sampling_params` (vllm-omni's: the code predictor's do_sample / temperature / top_k /
+  top_p) is taken by the engines that have Qwen3's code predictor and refused on any other.
+- `env` (vllm-omni's): variable -> text, set in the stage's process before its engine loads
+  (omni.stage.main.run_stage; the launcher starts the process with it too). Numbers become text; a
+  boolean, null or nested value is refused (write the text the variable expects), and so are the
+  variables omni sets itself (CUDA_VISIBLE_DEVICES: use `devices`) or that hold its secrets: the
+  resolved config, env included, reaches every process, the master and `--dry-run`'s output.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from omni.config_checks import SAMPLING_RANGES
 from omni.errors import ConfigError
 
-__all__ = ["SERVING_ONLY_ARGS", "check_connector_edge", "normalise_devices", "normalise_stage_devices",
+__all__ = ["RESERVED_ENV", "SERVING_ONLY_ARGS", "SUBTALKER", "SUBTALKER_ENGINES", "check_connector_edge",
+           "check_engine_args", "check_subtalker", "normalise_devices", "normalise_env", "normalise_stages",
            "unused_engine_arg"]
 
 DEVICE_FORMS = "'cpu' or GPU indices into the visible GPUs: \"0\", \"0,1\" (or \"cuda:0,cuda:1\")"
@@ -39,6 +48,20 @@ SERVING_ONLY_ARGS = {
 }
 # Engine args only: `omni serve` has the flag of its own.
 _ENGINE_ARGS_ONLY = {"served_model_name": "the API's model name is `omni serve --served-model-name`"}
+# vllm-omni's sampling of Qwen3's code predictor (the 15 residual codes of a frame), and the engines that have one
+# (tests/unit/test_config_stage_keys.py checks this against the engines' own arguments).
+SUBTALKER = "subtalker_sampling_params"
+SUBTALKER_KEYS = ("do_sample", "temperature", "top_k", "top_p")
+SUBTALKER_ENGINES = ("qwen3_talker",)
+_SECRET = ("it holds a secret, and the resolved config, env included, reaches every process, the master and "
+           "--dry-run's output; `omni serve` passes it to the processes that need it")
+# Variables a stage's `env` may not set: omni sets them itself, or they hold its secrets (omni/envs.py).
+RESERVED_ENV = {
+    "CUDA_VISIBLE_DEVICES": "omni sets it from the stage's `devices` (GPU indices into the visible GPUs): "
+                            "use `devices`",
+    **{k: _SECRET for k in ("OMNI_TOKEN", "OMNI_API_KEY", "OMNI_API_KEYS", "OMNI_CONTROL_API_KEY", "VLLM_API_KEY")},
+    "OMNI_DIE_WITH_PARENT": "omni sets it while it starts processes that must die with it (omni/deathsig.py)",
+}
 
 
 def normalise_devices(value: Any, where: str) -> str:
@@ -65,17 +88,43 @@ def normalise_devices(value: Any, where: str) -> str:
     return ",".join(out)
 
 
-def normalise_stage_devices(data: dict[str, Any], source: str) -> None:
-    """Every stage's `devices` in a merged deploy mapping, normalised (before typing): `data` gets
-    a new `stages` list, the caller's stage mappings stay as they were."""
+def normalise_env(value: Any, where: str) -> dict[str, str]:
+    """A stage's `env` as omni keeps it: variable -> text (values are never echoed: they may be secret)."""
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}.env must be a mapping of variable -> value, got {type(value).__name__}")
+    out: dict[str, str] = {}
+    for key, v in value.items():
+        here = f"{where}.env.{key}"
+        if not isinstance(key, str) or not key or "=" in key or "\0" in key:
+            raise ConfigError(f"{here}: not a variable name (a non-empty string without '=')")
+        if key in RESERVED_ENV:
+            raise ConfigError(f"{here}: not supported: {RESERVED_ENV[key]}")
+        if isinstance(v, (dict, list)):
+            raise ConfigError(f"{here} must be text or a number, got a {'mapping' if isinstance(v, dict) else 'list'}")
+        if isinstance(v, bool) or not isinstance(v, (str, int, float)):
+            raise ConfigError(f"{here} must be text or a number, got {'null' if v is None else type(v).__name__} "
+                              "(write the text the variable expects, quoted: \"1\", \"true\" ...)")
+        if "\0" in str(v):
+            raise ConfigError(f"{here}: a value cannot hold a NUL character")
+        out[key] = str(v)
+    return out
+
+
+def normalise_stages(data: dict[str, Any], source: str) -> None:
+    """Every stage's `devices` and `env` in a merged deploy mapping, normalised (before typing): `data`
+    gets a new `stages` list, the caller's stage mappings stay as they were."""
     stages = data.get("stages")
     if not isinstance(stages, list):
         return
     data["stages"] = [dict(s) if isinstance(s, dict) else s for s in stages]
     for i, stage in enumerate(data["stages"]):
-        if isinstance(stage, dict) and "devices" in stage:
-            sid = stage.get("stage_id", i)
-            stage["devices"] = normalise_devices(stage["devices"], f"{source}: stages[{sid}]")
+        if not isinstance(stage, dict):
+            continue
+        where = f"{source}: stages[{stage.get('stage_id', i)}]"
+        if "devices" in stage:
+            stage["devices"] = normalise_devices(stage["devices"], where)
+        if "env" in stage:
+            stage["env"] = normalise_env(stage["env"], where)
 
 
 def check_connector_edge(config: Any, stage: Any, edge: str, where: str) -> None:
@@ -103,3 +152,38 @@ def unused_engine_arg(args: dict[str, Any]) -> str | None:
         if key in args:
             return f"{key}: not supported: {why}"
     return None
+
+
+def check_engine_args(args: dict[str, Any], engine: str, where: str) -> None:
+    """A stage's engine_args (`where`: their key path) no engine would act on, or `engine` would not, refused."""
+    unused = unused_engine_arg(args)
+    if unused:
+        raise ConfigError(f"{where}.{unused}")
+    if SUBTALKER in args:
+        if engine not in SUBTALKER_ENGINES:
+            raise ConfigError(f"{where}.{SUBTALKER}: not supported by engine {engine}: it samples Qwen3-Omni's code "
+                              f"predictor (a frame's residual codes), which only {', '.join(SUBTALKER_ENGINES)} has")
+        check_subtalker(args[SUBTALKER], f"{where}.{SUBTALKER}")
+
+
+def check_subtalker(value: Any, where: str) -> dict[str, Any]:
+    """vllm-omni's subtalker_sampling_params, checked as a request's sampling is; -> the keys set (null: unset)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where} must be a mapping of {' / '.join(SUBTALKER_KEYS)}, got {value!r}")
+    for key, v in value.items():
+        if key not in SUBTALKER_KEYS:
+            raise ConfigError(f"{where}.{key}: not supported (the code predictor takes {', '.join(SUBTALKER_KEYS)}, "
+                              "as vllm-omni's)")
+        if v is None:
+            continue
+        if key == "do_sample":
+            if not isinstance(v, bool):
+                raise ConfigError(f"{where}.do_sample must be true or false, got {v!r}")
+            continue
+        number = isinstance(v, int) if key == "top_k" else isinstance(v, (int, float))
+        ok, wanted = SAMPLING_RANGES[key]
+        if isinstance(v, bool) or not number or not ok(v):
+            raise ConfigError(f"{where}.{key} must be {'an integer ' if key == 'top_k' else ''}{wanted}, got {v!r}")
+    return {k: v for k, v in value.items() if v is not None}

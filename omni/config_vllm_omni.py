@@ -11,12 +11,20 @@ nested under `engine_args`:
   async_chunk          false: the stage that makes audio decodes each utterance whole (its engine's
                        `stream: false`); the stages before still hand over pieces as they come, which
                        gives the same text and codes as whole outputs would
+  stages[i].async_chunk
+                       false opts stage i out (true changes nothing, as in vllm-omni): the stage that
+                       makes audio alone decodes whole, as above; any other stage only with every stage
+                       it exchanges pieces with (vllm-omni refuses an edge chunked at one end only), which
+                       changes no text or codes here; else refused naming the stage and the edge
   pipeline: NAME       a structural variant (qwen3_omni_moe_thinker_only): omni's bundled file for it
   connectors, input_connectors / output_connectors
                        the edge's transport: SharedMemoryConnector -> auto (shared memory between
                        processes on one host, CUDA IPC for CUDA tensors, TCP or NCCL between hosts);
                        its `extra` codec keys -> the receiving code2wav's engine args
   engine_extras        the stage's engine args (a key set on the stage itself wins)
+  stages[i].env, stages[i].subtalker_sampling_params
+                       taken as they are: the stage process's environment (a stage field, checked in
+                       omni/config_stage_checks.py), the code predictor's sampling (qwen3_talker's engine arg)
   trust_remote_code, dtype, ... (pipeline-wide)
                        every stage's engine arg unless the stage sets it (spread by config.load)
 vllm-omni's bundled file names in `base_config` (qwen3_omni_moe.yaml) resolve to omni's. A key that
@@ -43,6 +51,7 @@ PIPELINE_WIDE = ("trust_remote_code", "distributed_executor_backend", "dtype", "
 EVERY_STAGE = "every_stage_engine_args"
 CODEC_ARGS = "codec_engine_args"        # receiving stage id -> engine args
 WHOLE = "whole_utterances"              # async_chunk: false
+STAGE_CHUNK = "stage_async_chunk"       # stage id -> that stage's own async_chunk
 CONNECTOR_TRANSPORTS = {"SharedMemoryConnector": "auto"}
 # A connector's `extra` codec keys -> engine args of omni's Qwen3 code2wav: they shape the codec stream
 # into the stage that makes audio, and mean nothing on the other edges (as in vllm-omni).
@@ -83,9 +92,11 @@ def translate(data: dict[str, Any], source: str) -> dict[str, Any]:
     connectors = _connectors(data.pop("connectors", None), source)
     for prefix, section in yaml_sections(data):
         if isinstance(section.get("stages"), list):
-            codec = _stages(section["stages"], connectors, source, f"{prefix}stages")
+            codec, chunk = _stages(section["stages"], connectors, source, f"{prefix}stages")
             if codec:
                 section[CODEC_ARGS] = codec
+            if chunk:
+                section[STAGE_CHUNK] = chunk
     return data
 
 
@@ -160,12 +171,13 @@ def _connectors(raw: Any, source: str) -> dict[str, tuple[str, dict[str, Any]]]:
 
 
 def _stages(stages: list, connectors: dict[str, tuple[str, dict[str, Any]]], source: str,
-            key_path: str) -> dict[int, dict]:
+            key_path: str) -> tuple[dict[int, dict], dict[int, bool]]:
     """Rewrites the stages in place (`key_path`: where they sit in the file); returns the codec args
-    per receiving stage id."""
+    per receiving stage id and the stages' own async_chunk."""
     from omni.config import _STAGE_FIELDS
 
     codec: dict[int, dict[str, Any]] = {}
+    chunk: dict[int, bool] = {}
     by_id = {s.get("stage_id"): s for s in stages if isinstance(s, dict)}
 
     def entry(stage_id: int) -> dict[str, Any]:
@@ -177,6 +189,10 @@ def _stages(stages: list, connectors: dict[str, tuple[str, dict[str, Any]]], sou
     for s in [s for s in stages if isinstance(s, dict)]:
         sid = s.get("stage_id")
         here = f"{source}: {key_path}[stage_id {sid}]"
+        if "async_chunk" in s:
+            chunk[sid] = s.pop("async_chunk")
+            if not isinstance(chunk[sid], bool):
+                raise ConfigError(f"{here}.async_chunk must be true or false, got {chunk[sid]!r}")
         extras = s.pop("engine_extras", None)
         if extras is not None:
             if not isinstance(extras, dict):
@@ -207,30 +223,64 @@ def _stages(stages: list, connectors: dict[str, tuple[str, dict[str, Any]]], sou
                     edge_map[str(down)] = {"transport": transport}
                 if args:
                     codec[down] = {**args, **codec.get(down, {})}
-    return codec
+    return codec, chunk
 
 
-def apply_carried(data: dict[str, Any], async_chunk: bool | None) -> None:
+def apply_carried(data: dict[str, Any], async_chunk: bool | None, source: str = "deploy config") -> None:
     """After the merges (config.load): vllm-omni's pipeline-wide engine args go to every stage, its
     connectors' codec args to the stage that makes audio (a stage's own engine args win), and
-    async_chunk: false to that stage as `stream: false` (--no-async-chunk sets it over the stage's own,
-    --async-chunk undoes the YAML's async_chunk)."""
+    async_chunk: false (pipeline-wide, or that stage's own) to that stage as `stream: false`
+    (--no-async-chunk sets it over the stage's own, --async-chunk undoes the YAML's async_chunk, the
+    stages' own too)."""
     wide = data.pop(EVERY_STAGE, None) or {}
     codec = data.pop(CODEC_ARGS, None) or {}
     whole = data.pop(WHOLE, False)
+    own_chunk = data.pop(STAGE_CHUNK, None) or {}
     whole = whole if async_chunk is None else not async_chunk
-    for stage in data.get("stages") or []:
-        if not isinstance(stage, dict) or not isinstance(stage.setdefault("engine_args", {}), dict):
+    stages = [s for s in data.get("stages") or [] if isinstance(s, dict)]
+    off = set() if async_chunk is not None else _opted_out(stages, own_chunk, whole, source)
+    for stage in stages:
+        if not isinstance(stage.setdefault("engine_args", {}), dict):
             continue
         audio = stage.get("final_output_type") == "audio"
-        if audio and whole:
+        decode_whole = audio and (whole or stage.get("stage_id") in off)
+        if decode_whole:
             _check_whole_decode(stage)
         own = {**wide, **(codec.get(stage.get("stage_id"), {}) if audio else {}),
-               **({"stream": False} if audio and whole else {})}
+               **({"stream": False} if decode_whole else {})}
         for key, value in own.items():
             stage["engine_args"].setdefault(key, value)
         if audio and async_chunk is False:
             stage["engine_args"]["stream"] = False
+
+
+def _opted_out(stages: list[dict], own: dict[int, bool], whole: bool, source: str) -> set[int]:
+    """The stages whose own async_chunk is false. vllm-omni chunks a stage when the pipeline does and the
+    stage does not opt out, and refuses an edge chunked at one end only; here the stage that makes audio may
+    opt out alone (its input still comes in pieces, it decodes each utterance whole)."""
+    off = {sid for sid, on in own.items() if on is False}
+    if whole or not off:
+        return off
+    ups = {s.get("stage_id"): [i for i in s.get("inputs") or [] if isinstance(i, int) and not isinstance(i, bool)]
+           for s in stages}
+    audio = {s.get("stage_id") for s in stages if s.get("final_output_type") == "audio"}
+    for x in sorted(off & set(ups)):
+        edges = [f"{u} -> {x}" for u in ups[x] if u not in off and x not in audio]
+        edges += [f"{x} -> {d}" for d, us in ups.items() if x in us and d not in off]
+        if edges:
+            group, todo = {x}, [x]      # the stages x exchanges pieces with, directly or through others
+            while todo:
+                n = todo.pop()
+                for m in [*ups.get(n, []), *(d for d, us in ups.items() if n in us)]:
+                    if m not in group:
+                        group.add(m)
+                        todo.append(m)
+            raise ConfigError(f"{source}: stages[{x}].async_chunk: false, but its edge(s) {', '.join(edges)} stay "
+                              "chunked at the other end: vllm-omni runs an edge chunked or whole at both ends "
+                              "(it refuses this too); set async_chunk: false on stage(s) "
+                              f"{', '.join(map(str, sorted(group - off)))} as well, or pipeline-wide (the stage "
+                              "that makes audio may opt out alone: it decodes each utterance whole)")
+    return off
 
 
 def _check_whole_decode(stage: dict[str, Any]) -> None:

@@ -213,8 +213,10 @@ class Launcher:
                 if p.engine_flags:
                     args += ["--engine-flags", json.dumps(p.engine_flags)]
                 name = f"stage{stage_id}" + (f".{r}" if count > 1 else "") + (f"-{stage.name}" if stage.name else "")
+                # The stage's `env` from the interpreter's start (run_stage sets it again, for --headless).
+                senv = {**(env or os.environ), **stage.env} if stage.env else env
                 self.children.append(Child(name, "stage", self._child_argv("stage", *args), stage_id=stage_id,
-                                           index=r, env=env))
+                                           index=r, env=senv))
         if p.api_server_count:
             if self._listener is None:
                 self._listener = self._bind_http()

@@ -83,6 +83,9 @@ def run_stage(config: DeployConfig, stage_id: int, opts: StageOptions,
               engine_flags: dict | None = None) -> int:
     """`config` is the hashed pipeline; `engine_flags` tune this replica's engine only.
     Every process the stage started (vLLM's EngineCore and Worker) is gone when it returns."""
+    # The stage's `env` first, before anything here imports torch or vLLM (they read some variables as they
+    # load) and before `devices` become CUDA_VISIBLE_DEVICES; the processes the engine starts inherit it.
+    os.environ.update(config.stage(stage_id).env)
     from omni import proctree
 
     # Grandchildren orphaned by a dying child (vLLM's Worker) come back to us, not PID 1.

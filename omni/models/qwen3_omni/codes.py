@@ -30,6 +30,16 @@ class Pick:
 RESIDUAL = Pick(1.0, 50, 0.8)     # the code predictor's options when the talker samples (transformers')
 
 
+def residual_pick(params: dict | None) -> Pick:
+    """The code predictor's options from vllm-omni's subtalker_sampling_params (do_sample, temperature, top_k,
+    top_p; checked as at config load) over RESIDUAL: do_sample false or temperature 0 is greedy, top_k -1 or 0 off."""
+    from omni.config_stage_checks import check_subtalker
+
+    p = check_subtalker(params, "subtalker_sampling_params")
+    temperature = 0.0 if p.get("do_sample") is False else float(p.get("temperature", RESIDUAL.temperature))
+    return Pick(temperature, max(0, int(p.get("top_k", RESIDUAL.top_k))), float(p.get("top_p", RESIDUAL.top_p)))
+
+
 def repetition_penalty(logits: torch.Tensor, history: list[int], penalty: float) -> torch.Tensor:
     """transformers' RepetitionPenaltyLogitsProcessor for one row: divide positive, multiply negative."""
     if penalty == 1.0 or not history:
@@ -59,12 +69,12 @@ def suppress_mask(vocab: int, eos: int, device=None) -> torch.Tensor:
 
 @torch.no_grad()
 def residual_codes(talker, hidden: torch.Tensor, code0: torch.Tensor, greedy: torch.Tensor,
-                   u: torch.Tensor | None = None):
+                   u: torch.Tensor | None = None, how: Pick = RESIDUAL):
     """The code predictor for a batch of frames.
 
     hidden [B, H]: the talker's last normed hidden that chose code 0; code0 [B]; greedy [B] bool:
-    rows whose residual codes are greedy (the others sample with RESIDUAL); u [B, G]: the rows'
-    uniforms for this frame (None when every row is greedy).
+    rows whose residual codes are greedy (the others sample with `how`, the engine's residual_pick;
+    greedy too when `how` is); u [B, G]: the rows' uniforms for this frame (None when every row is greedy).
     Returns (codes [B, G] int64 with code 0 first, codec embedding sum [B, H]: the
     codec part of the talker's next input).
     """
@@ -80,8 +90,8 @@ def residual_codes(talker, hidden: torch.Tensor, code0: torch.Tensor, greedy: to
     out = cp.model(inputs_embeds=x, past_key_values=cache, use_cache=True)
     for g in range(1, groups):
         logits = cp.lm_head[g - 1](out.last_hidden_state[:, -1]).float()
-        code = logits.argmax(-1) if u is None else sample(
-            logits, u[:, g], RESIDUAL.temperature, RESIDUAL.top_k, RESIDUAL.top_p, greedy)
+        code = logits.argmax(-1) if u is None or how.greedy else sample(
+            logits, u[:, g], how.temperature, how.top_k, how.top_p, greedy)
         codes.append(code)
         e = cp.model.get_input_embeddings()[g - 1](code)
         embeds.append(e)

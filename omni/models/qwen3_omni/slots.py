@@ -208,5 +208,5 @@ def static_runner(engine, slots: int, max_model_len: int, moe_impl: str, enforce
         raise ValueError(f"moe_impl must be one of {', '.join(IMPLS)}, got {moe_impl!r}")
     with torch.no_grad():
         dev = StaticTalker(engine.talker, engine.embed, engine._suppress, engine.ids.codec_eos, slots=slots,
-                           max_model_len=max_model_len, moe_impl=moe_impl)
+                           max_model_len=max_model_len, moe_impl=moe_impl, residual=engine.residual)
     return with_graphs(SlotRunner(engine, dev), enforce_eager)

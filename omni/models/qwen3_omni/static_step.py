@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from omni.models.qwen3_omni.codes import RESIDUAL
+from omni.models.qwen3_omni.codes import RESIDUAL, Pick
 from omni.models.qwen3_omni.layers import code_predictor_stack, talker_stack
 from omni.models.qwen3_omni.sampling import penalize, sample
 
@@ -133,7 +133,7 @@ class StaticTalker(SlotState):
     id whose text row the step consumes."""
 
     def __init__(self, talker, embed: torch.Tensor, suppress: torch.Tensor, eos: int, *, slots: int,
-                 max_model_len: int, moe_impl: str):
+                 max_model_len: int, moe_impl: str, residual: Pick = RESIDUAL):
         tc = talker.config.text_config
         acts = {tc.hidden_act, talker.config.code_predictor_config.hidden_act}
         if acts != {"silu"}:
@@ -150,6 +150,8 @@ class StaticTalker(SlotState):
         p = talker.text_projection
         self.text_proj = (p.linear_fc1.weight, p.linear_fc1.bias, p.linear_fc2.weight, p.linear_fc2.bias)
         self.embed = embed
+        # the code predictor's sampling (subtalker_sampling_params): constants of the step, captured as such
+        self.residual_how = residual
 
     def text_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """talker.text_projection(thinker embedding) of ids [B] -> [B, H]."""
@@ -176,13 +178,14 @@ class StaticTalker(SlotState):
 
     def residual(self, h: torch.Tensor, code0: torch.Tensor, u: torch.Tensor | None, greedy: torch.Tensor):
         """The code predictor: (codes [B, G] with code 0 first, the sum of their embeddings [B, H])."""
+        how = self.residual_how
         first = F.embedding(code0, self.codec_embed)
         codes, embeds = [code0], [first]
         hidden = self.cp.first(torch.stack([h, first], dim=1))
         for g in range(1, self.groups):
             logits = F.linear(hidden, self.cp_heads[g - 1]).float()
-            code = logits.argmax(-1) if u is None else sample(
-                logits, u[:, g], RESIDUAL.temperature, RESIDUAL.top_k, RESIDUAL.top_p, greedy)
+            code = logits.argmax(-1) if u is None or how.greedy else sample(
+                logits, u[:, g], how.temperature, how.top_k, how.top_p, greedy)
             e = F.embedding(code, self.cp_embed[g - 1])
             codes.append(code)
             embeds.append(e)

@@ -17,7 +17,7 @@ Sampling: `request.overrides` (the stage's defaults) over `request.sampling` (te
 <= 0 is greedy; top_k, top_p, seed -> the request's own uniforms; max_tokens = the talker's max
 new tokens, as transformers' `talker_max_new_tokens`: at most max_tokens - 1 frames);
 repetition_penalty from the overrides, else the engine's (1.05); stop_token_ids only the codec's end.
-Residual codes: greedy when code 0 is, else top_k 50 / top_p 0.8.
+Residual codes: greedy when code 0 is, else engine arg `subtalker_sampling_params` (vllm-omni's; default top_k 50, top_p 0.8).
 Output: `tensors["codes"]` int64 [16, n] per chunk (first `first_chunk_frames`, then
 `chunk_frames`); finished at codec EOS ("stop") or max_tokens ("length").
 
@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from omni.engines.base import EngineError, EngineOutput, EngineRequest, StreamEngine
 from omni.engines.offload import IdleOffload
 from omni.models.qwen3_omni import edges
-from omni.models.qwen3_omni.codes import Pick, pick, repetition_penalty, residual_codes, suppress_mask
+from omni.models.qwen3_omni.codes import Pick, pick, repetition_penalty, residual_codes, residual_pick, suppress_mask
 from omni.models.qwen3_omni.moe import probed_impl
 from omni.models.qwen3_omni.sampling import Uniforms
 from omni.models.qwen3_omni.slots import SlotRunner, static_runner
@@ -103,17 +103,17 @@ class Qwen3TalkerEngine(StreamEngine):
                  text_eos_token_ids: list[int] | None = None, batch_decode: bool = True,
                  threads: int | None = None, max_num_seqs: int = 64, static_decode: bool = True,
                  enforce_eager: bool = False, max_model_len: int = 4096, moe_impl: str | None = None,
-                 parts: tuple | None = None):
+                 parts: tuple | None = None, subtalker_sampling_params: dict | None = None):
         self._init_common(device, first_chunk_frames, chunk_frames, repetition_penalty, batch_decode, max_num_seqs,
                           static_decode, threads)
+        self.residual = residual_pick(subtalker_sampling_params)     # the code predictor's sampling (codes.py)
         # parts: (config, talker module, thinker embedding table) built in memory (benchmarks at real
         # size); model_dir is then unused
         self.config, self.talker, self.embed = parts or load_talker(model_dir, dtype=dtype, device=device)
         self.ids = edges.TalkerIds.from_config(self.config)
         self.text_eos = set(text_eos_token_ids or [self.config.im_end_token_id])
-        vocab = self.config.talker_config.text_config.vocab_size
         self.codec_stops = {self.ids.codec_eos}     # the codes a request may name as stop_token_ids
-        self._suppress = suppress_mask(vocab, self.ids.codec_eos, self.device)
+        self._suppress = suppress_mask(self.config.talker_config.text_config.vocab_size, self.ids.codec_eos, self.device)
         with torch.no_grad():
             self._tts = edges.tts_rows(self.talker, self.embed, self.ids)
             if static_decode and moe_impl is None:      # chosen once: a wake-up's rebuild keeps it
@@ -432,7 +432,7 @@ class Qwen3TalkerEngine(StreamEngine):
         u = None if all(r.uniforms is None for r in go) else torch.stack(
             [torch.zeros(self.config.talker_config.num_code_groups) if r.uniforms is None
              else r.uniforms.rows(len(r.history))[-1] for r in go]).to(self.device)
-        codes, codec = residual_codes(self.talker, torch.stack(go_hidden), code0, greedy, u)
+        codes, codec = residual_codes(self.talker, torch.stack(go_hidden), code0, greedy, u, self.residual)
         self._stats["frames"] += len(go)
         for i, r in enumerate(go):
             r.frames.append(codes[i])

@@ -1,0 +1,270 @@
+"""vllm-omni's per-stage `env`, `async_chunk` and `subtalker_sampling_params` do what they say in omni, or
+the deploy is refused at load naming the key (they used to land in the stage's engine_args and fail the
+stage after the processes had started)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from omni import config as cfg
+from omni.errors import ConfigError
+from tests.e2e.harness import REPO
+
+QWEN3 = "Qwen/Qwen3-Omni-30B-A3B-Instruct"
+QWEN25 = "Qwen/Qwen2.5-Omni-7B"
+SUBTALKER = "subtalker_sampling_params"
+
+
+@pytest.fixture(autouse=True)
+def cuda_platform(monkeypatch):
+    monkeypatch.setenv("OMNI_PLATFORM", "cuda")
+
+
+def load(tmp_path, text, model=QWEN3, **kw):
+    path = tmp_path / "overlay.yaml"
+    path.write_text(text)
+    return cfg.load(model, str(path), **kw)
+
+
+def streams(config) -> list:
+    return [s.engine_args.get("stream") for s in config.stages]
+
+
+# ---------------------------------------------------------------- env
+
+
+def test_the_reported_overlay_loads_each_key_where_it_acts(tmp_path):
+    """The overlay that failed at start ("engine_args for 'qwen3_talker': unexpected keyword argument
+    'env'"): env is the stage's, the subtalker's sampling the talker's engine arg, async_chunk off on the
+    audio stage its whole decode."""
+    c = load(tmp_path, "stages:\n  - {stage_id: 1, env: {FOO: '1', N: 2, X: 0.5}, "
+                       f"{SUBTALKER}: {{temperature: 0.5}}}}\n  - {{stage_id: 2, async_chunk: false}}\n")
+    talker = c.stages[1]
+    assert talker.env == {"FOO": "1", "N": "2", "X": "0.5"}
+    assert talker.engine_args[SUBTALKER] == {"temperature": 0.5}
+    assert not {"env", "async_chunk"} & set(talker.engine_args)
+    assert streams(c) == [None, None, False]
+    assert c.stages[0].env == {} and cfg.loads_json(json.dumps(c.to_dict())) == c
+
+
+def test_env_merges_over_the_base_and_the_platform_section(tmp_path, monkeypatch):
+    base = tmp_path / "base.yaml"
+    base.write_text("stages:\n  - {stage_id: 1, env: {A: a, B: b}}\n")
+    text = (f"base_config: {base}\nstages:\n  - {{stage_id: 1, env: {{B: B2}}}}\n"
+            "platforms:\n  cuda:\n    stages:\n      - {stage_id: 1, env: {C: c}}\n")
+    assert load(tmp_path, text).stages[1].env == {"A": "a", "B": "B2", "C": "c"}
+    c = cfg.load(QWEN3, stage_overrides={"1": {"env": {"D": 4}}})
+    assert c.stages[1].env == {"D": "4"}
+
+
+@pytest.mark.parametrize("env, message", [
+    ("{CUDA_VISIBLE_DEVICES: '0'}", "stages[1].env.CUDA_VISIBLE_DEVICES: not supported: omni sets it from the "
+                                    "stage's `devices`"),
+    ("{OMNI_TOKEN: x}", "stages[1].env.OMNI_TOKEN: not supported: it holds a secret"),
+    ("{OMNI_API_KEYS: '[\"k\"]'}", "stages[1].env.OMNI_API_KEYS: not supported: it holds a secret"),
+    ("{VLLM_API_KEY: k}", "stages[1].env.VLLM_API_KEY: not supported"),
+    ("{OMNI_DIE_WITH_PARENT: '1'}", "stages[1].env.OMNI_DIE_WITH_PARENT: not supported"),
+    ("{A: true}", "stages[1].env.A must be text or a number, got bool (write the text the variable expects"),
+    ("{A: null}", "stages[1].env.A must be text or a number, got null"),
+    ("{A: {B: 1}}", "stages[1].env.A must be text or a number, got a mapping"),
+    ("{A: [1]}", "stages[1].env.A must be text or a number, got a list"),
+    ("{1: x}", "stages[1].env.1: not a variable name"),
+    ("{'A=B': x}", "stages[1].env.A=B: not a variable name"),
+    ("[A]", "stages[1].env must be a mapping of variable -> value, got list"),
+    ("FOO=1", "stages[1].env must be a mapping of variable -> value, got str"),
+])
+def test_env_that_would_not_work_is_refused_at_load(tmp_path, env, message):
+    with pytest.raises(ConfigError) as e:
+        load(tmp_path, f"stages:\n  - {{stage_id: 1, env: {env}}}\n")
+    assert message in str(e.value)
+    assert "secret-value" not in str(e.value)
+
+
+def test_a_secret_value_is_never_echoed(tmp_path):
+    from omni.config_stage_checks import RESERVED_ENV
+
+    with pytest.raises(ConfigError) as e:
+        load(tmp_path, "stages:\n  - {stage_id: 1, env: {OMNI_CONTROL_API_KEY: secret-value}}\n")
+    assert "OMNI_CONTROL_API_KEY" in str(e.value) and "secret-value" not in str(e.value)
+    assert set(RESERVED_ENV) >= {"OMNI_TOKEN", "OMNI_API_KEY", "OMNI_API_KEYS", "OMNI_CONTROL_API_KEY"}
+
+
+STAGE_PROCESS = """
+import json, multiprocessing, os, sys
+from omni import proctree
+from omni.config import loads_json
+from omni.errors import OmniError
+from omni.stage import main as stage_main
+
+seen = {}
+subreaper = proctree.become_subreaper
+
+def first_thing_after_env():         # run_stage's first call once the env is set
+    seen["at_start"] = [os.environ.get("FOO"), "torch" in sys.modules, "vllm" in sys.modules]
+    from omni.engines import factory
+
+    factory.build_engine = build_engine
+    subreaper()
+
+def child(q):
+    q.put(os.environ.get("FOO"))
+
+def build_engine(config, stage):     # where the engine would load: devices are set, a spawned child inherits
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=child, args=(q,))
+    p.start()
+    seen["at_build"] = [os.environ.get("FOO"), os.environ.get("CUDA_VISIBLE_DEVICES"), q.get(timeout=60)]
+    p.join()
+    raise OmniError("stop here")
+
+if __name__ == "__main__":
+    proctree.become_subreaper = first_thing_after_env
+    config = loads_json(open(sys.argv[1]).read())
+    rc = stage_main.run_stage(config, 1, stage_main.StageOptions(master_address="127.0.0.1:9"))
+    print(json.dumps({"rc": rc, **seen}))
+"""
+
+
+def test_the_stage_process_sets_its_env_before_torch_and_its_devices(tmp_path, monkeypatch):
+    """run_stage sets the stage's env first thing (the launcher's child has imported neither torch nor
+    vLLM yet), then the stage's devices become CUDA_VISIBLE_DEVICES, and what the engine spawns inherits both."""
+    c = load(tmp_path, "stages:\n  - {stage_id: 1, devices: '1', env: {FOO: bar}}\n")
+    (tmp_path / "config.json").write_text(json.dumps(c.to_dict()))
+    (tmp_path / "stage.py").write_text(STAGE_PROCESS)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "4,5", "PYTHONPATH": str(REPO)}
+    env.pop("FOO", None)
+    r = subprocess.run([sys.executable, str(tmp_path / "stage.py"), str(tmp_path / "config.json")], cwd=REPO,
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    seen = json.loads(r.stdout.strip().splitlines()[-1])
+    assert seen["rc"] == 1 and "stop here" in r.stderr
+    assert seen["at_start"] == ["bar", False, False]
+    assert seen["at_build"] == ["bar", "5", "bar"]
+
+
+def test_the_launcher_starts_a_stage_with_its_env(tmp_path):
+    from omni.launcher import Launcher, LaunchPlan
+
+    c = load(tmp_path, "stages:\n  - {stage_id: 1, env: {FOO: bar}}\n")
+    launcher = Launcher(LaunchPlan(c, stages=[0, 1, 2], api_server_count=0, token="t"))
+    try:
+        launcher._plan_children()
+        envs = {ch.stage_id: ch.env for ch in launcher.children}
+    finally:
+        launcher.shutdown()
+    assert envs[1]["FOO"] == "bar" and envs[1]["OMNI_TOKEN"] == "t"
+    assert "FOO" not in envs[0] and "FOO" not in envs[2]
+
+
+# ---------------------------------------------------------------- subtalker_sampling_params
+
+
+def test_subtalker_sampling_params_is_the_qwen3_talkers_engine_arg(tmp_path):
+    from omni.engines.factory import accepted_args
+
+    assert SUBTALKER in accepted_args("qwen3_talker")         # the engine takes what the config leaves it
+    c = load(tmp_path, f"stages:\n  - {{stage_id: 1, {SUBTALKER}: {{do_sample: true, temperature: 0.7, top_k: 32, "
+                       "top_p: 0.95}}\n")
+    assert c.stages[1].engine_args[SUBTALKER] == {"do_sample": True, "temperature": 0.7, "top_k": 32, "top_p": 0.95}
+    # vllm-omni's engine_extras and --stage-overrides reach it too
+    c = load(tmp_path, f"stages:\n  - {{stage_id: 1, engine_extras: {{{SUBTALKER}: {{top_k: 0}}}}}}\n")
+    assert c.stages[1].engine_args[SUBTALKER] == {"top_k": 0}
+
+
+@pytest.mark.parametrize("model, stage, value, message", [
+    (QWEN3, 0, "{temperature: 0.5}", "stages[0].engine_args.subtalker_sampling_params: not supported by engine vllm"),
+    (QWEN3, 2, "{temperature: 0.5}", "stages[2].engine_args.subtalker_sampling_params: not supported by engine "
+                                     "qwen3_code2wav"),
+    (QWEN25, 1, "{temperature: 0.5}", "not supported by engine qwen25_talker: it samples Qwen3-Omni's code predictor"),
+    (QWEN3, 1, "{min_p: 0.1}", "stages[1].engine_args.subtalker_sampling_params.min_p: not supported (the code "
+                               "predictor takes do_sample, temperature, top_k, top_p"),
+    (QWEN3, 1, "{temperature: 2.5}", "subtalker_sampling_params.temperature must be in [0, 2], got 2.5"),
+    (QWEN3, 1, "{temperature: x}", "subtalker_sampling_params.temperature must be in [0, 2], got 'x'"),
+    (QWEN3, 1, "{top_k: 1.5}", "subtalker_sampling_params.top_k must be an integer -1, 0 (off) or positive"),
+    (QWEN3, 1, "{top_p: 0}", "subtalker_sampling_params.top_p must be in (0, 1], got 0"),
+    (QWEN3, 1, "{do_sample: 1}", "subtalker_sampling_params.do_sample must be true or false, got 1"),
+    (QWEN3, 1, "0.5", "subtalker_sampling_params must be a mapping of do_sample / temperature / top_k / top_p"),
+])
+def test_subtalker_sampling_params_that_would_not_act_is_refused_at_load(tmp_path, model, stage, value, message):
+    with pytest.raises(ConfigError) as e:
+        load(tmp_path, f"stages:\n  - {{stage_id: {stage}, {SUBTALKER}: {value}}}\n", model=model)
+    assert message in str(e.value)
+
+
+def test_the_engines_that_take_subtalker_sampling_params_are_the_ones_listed():
+    from omni.config_stage_checks import SUBTALKER_ENGINES
+    from omni.engines.factory import ENGINE_CLASSES, accepted_args
+
+    takers = {name for name in ENGINE_CLASSES if SUBTALKER in (accepted_args(name) or ())}
+    assert takers == set(SUBTALKER_ENGINES)
+
+
+# ---------------------------------------------------------------- async_chunk per stage
+
+
+@pytest.mark.parametrize("stages, expected", [
+    ("[{stage_id: 2, async_chunk: false}]", [None, None, False]),      # the audio stage alone: its whole decode
+    ("[{stage_id: 0, async_chunk: false}, {stage_id: 1, async_chunk: false}, {stage_id: 2, async_chunk: false}]",
+     [None, None, False]),                                              # every stage: as pipeline-wide
+    ("[{stage_id: 2, async_chunk: true}]", [None, None, None]),         # true changes nothing
+    ("[{stage_id: 1, async_chunk: true}, {stage_id: 2, async_chunk: true}]", [None, None, None]),
+])
+def test_a_stages_own_async_chunk(tmp_path, stages, expected):
+    c = load(tmp_path, f"stages: {stages}\n")
+    assert streams(c) == expected
+    assert not any("async_chunk" in s.engine_args for s in c.stages)    # no engine takes it
+
+
+def test_a_stage_opts_in_only_where_the_pipeline_chunks(tmp_path):
+    """vllm-omni: a stage chunks when the pipeline does and the stage does not opt out."""
+    c = load(tmp_path, "async_chunk: false\nstages: [{stage_id: 1, async_chunk: true}, {stage_id: 2, async_chunk: true}]\n")
+    assert streams(c) == [None, None, False]
+    assert not any("async_chunk" in s.engine_args for s in c.stages)
+
+
+@pytest.mark.parametrize("stages, message", [
+    ("[{stage_id: 1, async_chunk: false}]", "stages[1].async_chunk: false, but its edge(s) 0 -> 1, 1 -> 2 stay "
+                                            "chunked at the other end"),
+    ("[{stage_id: 0, async_chunk: false}]", "stages[0].async_chunk: false, but its edge(s) 0 -> 1 stay chunked"),
+    ("[{stage_id: 1, async_chunk: false}, {stage_id: 2, async_chunk: false}]", "stages[1].async_chunk: false, but "
+                                                                               "its edge(s) 0 -> 1 stay chunked"),
+    ("[{stage_id: 0, async_chunk: false}, {stage_id: 1, async_chunk: false}]", "stages[1].async_chunk: false, but "
+                                                                               "its edge(s) 1 -> 2 stay chunked"),
+])
+def test_an_edge_chunked_at_one_end_is_refused_naming_the_stage(tmp_path, stages, message):
+    """vllm-omni refuses these too (validate_stage_async_chunk_edges); only the audio stage may opt out alone."""
+    with pytest.raises(ConfigError) as e:
+        load(tmp_path, f"stages: {stages}\n")
+    assert message in str(e.value)
+    assert "set async_chunk: false on stage(s) " in str(e.value)
+
+
+def test_the_cli_flag_wins_over_the_stages_own(tmp_path):
+    assert streams(load(tmp_path, "stages: [{stage_id: 1, async_chunk: false}]\n", async_chunk=True)) == \
+        [None, None, None]
+    assert streams(load(tmp_path, "stages: [{stage_id: 2, async_chunk: true}]\n", async_chunk=False)) == \
+        [None, None, False]
+    # Qwen2.5's token2wav: its own whole decode too
+    assert streams(load(tmp_path, "stages: [{stage_id: 2, async_chunk: false}]\n", model=QWEN25)) == \
+        [None, None, False]
+
+
+def test_a_stages_own_async_chunk_must_be_a_boolean(tmp_path):
+    with pytest.raises(ConfigError, match=r"stages\[stage_id 2\]\.async_chunk must be true or false, got 'no'"):
+        load(tmp_path, "stages: [{stage_id: 2, async_chunk: 'no'}]\n")
+
+
+def test_the_dry_run_shows_the_overlay_resolved(tmp_path):
+    path = tmp_path / "overlay.yaml"
+    path.write_text(f"stages: [{{stage_id: 1, env: {{FOO: '1'}}, {SUBTALKER}: {{temperature: 0.5}}}}, "
+                    "{stage_id: 2, async_chunk: false}]\n")
+    r = subprocess.run([sys.executable, "-m", "omni.cli", "serve", QWEN3, "--deploy-config", str(path), "--dry-run"],
+                       cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, "OMNI_PLATFORM": "cpu"})
+    assert r.returncode == 0, r.stderr
+    stages = json.loads(r.stdout)["config"]["stages"]
+    assert stages[1]["env"] == {"FOO": "1"} and stages[1]["engine_args"][SUBTALKER] == {"temperature": 0.5}
+    assert stages[2]["engine_args"]["stream"] is False
