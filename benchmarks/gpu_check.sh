@@ -53,7 +53,7 @@ step frame 60 python3 benchmarks/talker_frame.py --real-size --device cuda --bat
 # -v: each test's name and result is printed as it ends, so a step cut at its limit still names the
 # ones that passed and failed (pytest-timeout is not on that machine: the ini's timeout is ignored).
 step cuda_tests 200 python3 -m pytest -v -rfE -p no:cacheprovider -m cuda -o addopts="" \
-  tests/unit/test_qwen3_static.py tests/unit/test_streamed_vocoder.py tests/unit/test_qwen3_code2wav.py \
+  tests/unit/test_qwen3_static.py tests/unit/test_qwen3_static_full.py tests/unit/test_streamed_vocoder.py tests/unit/test_qwen3_code2wav.py \
   tests/unit/test_qwen25_token2wav.py tests/unit/test_cuda_ipc.py tests/unit/test_qwen3_talker.py \
   tests/unit/test_qwen25_omni.py
 step qwen25_stages 90 python3 benchmarks/qwen3_stages.py --model qwen25 --real-size --device cuda --streams 1,16 --frames 24 --rounds 2 --json

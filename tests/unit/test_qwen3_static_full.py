@@ -40,3 +40,26 @@ def test_a_full_waiting_slot_does_not_break_the_others(folder, ref):
     for rid in ("a", "b"):
         assert outs[rid][-1].finish_reason == "length", (rid, outs[rid][-1])
         assert torch.equal(_codes(outs[rid]), run.codes[:, :frames]), rid
+
+
+def test_a_failed_graph_capture_leaves_the_talker_serving(folder, ref, gpu, monkeypatch, caplog):
+    """A capture that fails part way (out of memory, a kernel that refuses capture) leaves the talker on
+    its eager static frame, logged, with the same codes, instead of failing the stage."""
+    from omni.models.qwen3_omni.graphs import FrameGraphs
+    from omni.models.qwen3_omni.talker import Qwen3TalkerEngine
+
+    run = ref.run("What is the capital of France?", "Ethan", talker_tokens=TOKENS)
+    capture, calls = FrameGraphs._capture, []
+
+    def fails_second(fn, n, pool):
+        calls.append(n)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return capture(fn, n, pool)
+
+    monkeypatch.setattr(FrameGraphs, "_capture", staticmethod(fails_second))
+    engine = Qwen3TalkerEngine(folder, device="cuda", dtype="float32", max_num_seqs=4)
+    assert len(calls) == 2 and engine._static.graphs is None
+    assert "CUDA graph capture failed (CUDA out of memory. Tried to allocate 2.00 GiB)" in caplog.text
+    out = drive(engine, {"a": talker_pieces(run, "a", "ethan", True, TOKENS)})["a"]
+    assert torch.equal(_codes(out), run.codes)

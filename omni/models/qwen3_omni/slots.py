@@ -12,12 +12,15 @@ request ends before it gets a slot (`settle`) and what a copied row means (`appl
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
 
 from omni.models.qwen3_omni import edges
 from omni.models.qwen3_omni.static_step import LENGTH, STOP, StaticTalker
+
+logger = logging.getLogger(__name__)
 
 IN_SLOT = object()     # a request's cache and next input while they live in its slot
 
@@ -194,8 +197,13 @@ def with_graphs(runner: SlotRunner, enforce_eager: bool) -> SlotRunner:
     from omni.models.qwen3_omni.graphs import FrameGraphs, buckets
 
     if runner.dev.device.type == "cuda" and not enforce_eager:
-        with torch.no_grad():
-            runner.graphs = FrameGraphs(runner.dev, buckets(runner.dev.slots))
+        try:
+            with torch.no_grad():
+                runner.graphs = FrameGraphs(runner.dev, buckets(runner.dev.slots))
+        except RuntimeError as e:       # out of memory, a kernel capture refuses: serve, slower, and say so
+            logger.warning("talker: CUDA graph capture failed (%s); its frames run launched op by op, several "
+                           "times slower (enforce_eager: true skips the capture)", e)
+            torch.cuda.empty_cache()
     return runner
 
 
