@@ -151,7 +151,8 @@ class OrchestratorCore:
             self.failures.add(e.replica_id, self.clock())
         state = self.requests.get(e.error.request_id.split("/", 1)[0])
         st = state.stages.get(e.stage_id) if state is not None else None
-        if st is not None and st.replica is not None and st.replica.replica_id == e.replica_id:
+        if (st is not None and st.replica is not None and st.replica.replica_id == e.replica_id
+                and e.error.request_id not in st.ended):    # not of a stage done with it, or aborted as unneeded
             self._fail(state, StageFailed(e.stage_id, e.replica_id, e.error.message, e.error.kind))
 
     def _on_cancel(self, e: ev.Cancel) -> None:
@@ -304,7 +305,7 @@ class OrchestratorCore:
         if state.first_output_at is None:
             state.first_output_at = self.clock()
             self.metrics.first_output(state.first_output_at - state.started_at)
-        self._out.append(ev.Emit(state.rid, po, ref))
+        self._out.append(ev.Emit(state.rid, po, ref, state.origin.get(ref_id(ref), "") if ref else ""))
 
     def _route(self, state: RequestState, t: int, inp: procs.StageInput) -> bool:
         """Send or hold `inp` for stage t; False (dropped) when t already ended the request's stream."""

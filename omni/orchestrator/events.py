@@ -85,10 +85,12 @@ class ReleaseHold:
 @dataclass(frozen=True)
 class Emit:
     """Hand `output` to the client. With `tensor`, the executor reads it first (into
-    `audio_pcm` or `embedding`, by the output's modality)."""
+    `audio_pcm` or `embedding`, by the output's modality); `producer` is the replica that
+    published it (a `Free` of it names that replica: keys are unique per producer only)."""
     request_id: str
     output: PipelineOutput
     tensor: TensorRef | None = None
+    producer: str = ""
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ class _Sink:
     def __init__(self) -> None:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.finished = False
+        self.outcome: str | None = None     # the core's, once the request left it (Finished)
 
 
 class Orchestrator:
@@ -175,9 +176,11 @@ class Orchestrator:
         return ch if ch is not None and not ch.closed else None   # gone: its arena went with it
 
     def _do_free(self, a: ev.Free) -> None:
-        keys = self._fetch.hold(a.replica_id, a.transport, a.keys)    # a tensor being read is freed after it
         ch = self._live_channel(a.replica_id)
-        if ch is not None and keys:
+        if ch is None:
+            return
+        keys = self._fetch.hold(a.replica_id, a.transport, a.keys, ch)    # a tensor being read: after it
+        if keys:
             ch.post(m.FreeTensors(list(keys), a.transport))
 
     def _do_abort(self, a: ev.AbortStage) -> None:
@@ -196,27 +199,32 @@ class Orchestrator:
             return
         if a.tensor is None:
             sink.queue.put_nowait(a.output)
-        elif is_local(a.tensor):         # shared memory: a memcpy, cheaper here than on a thread
-            try:
-                sink.queue.put_nowait(fill(self.consumer, a.output, a.tensor))
-            except Exception as e:
-                sink.queue.put_nowait(as_error(e))   # in its place, also when it was the request's last output
-                raise
-        else:                            # another host's: a network read, off the loop (omni/orchestrator/fetch.py)
-            fut = asyncio.get_running_loop().create_future()
-            sink.queue.put_nowait(fut)
-            self._fetch.read(self.consumer, a.output, a.tensor,
-                             lambda result: self._fetched(a.request_id, sink, fut, a.tensor, result))
+            return
+        try:
+            if is_local(a.tensor):       # shared memory: a memcpy, cheaper here than on a thread
+                item = fill(self.consumer, a.output, a.tensor)
+            else:                        # another host's: a network read, off the loop (omni/orchestrator/fetch.py)
+                item = fut = asyncio.get_running_loop().create_future()
+                self._fetch.read(self.consumer, a.output, a.tensor, a.producer,     # closed: Unavailable
+                                 lambda result: self._fetched(a.request_id, sink, fut, a.tensor, a.producer, result))
+        except Exception as e:
+            sink.queue.put_nowait(as_error(e))   # in its place, also when it was the request's last output
+            raise
+        sink.queue.put_nowait(item)
 
-    def _fetched(self, rid: str, sink: _Sink, fut: asyncio.Future, ref: TensorRef,
+    def _fetched(self, rid: str, sink: _Sink, fut: asyncio.Future, ref: TensorRef, producer: str,
                  result: PipelineOutput | BaseException) -> None:
         """A remote read ended (on the loop): its producer may free the tensor now, and the output
         (or the read's error, the request's) takes its place in the request's queue."""
-        for replica_id, transport, keys in self._fetch.released(ref):
-            self._do_free(ev.Free(replica_id, transport, keys))
+        for ch in self._fetch.released(producer, ref):
+            if not ch.closed:            # closed: that replica went (or restarted: its keys are others')
+                ch.post(m.FreeTensors([ref.key], ref.transport))
         if fut.done():                   # the request's generator is gone (client left, timed out)
             return
-        if self._sinks.get(rid) is not sink:
+        if self._sinks.get(rid) is not sink or (sink.outcome not in (None, "ok")
+                                                and not isinstance(result, PipelineOutput)):
+            # Gone, or it failed meanwhile (its Fail is queued behind: that error is the client's,
+            # not the read's, which the stage's Abort made by freeing the tensor): nothing here.
             fut.cancel()
         elif isinstance(result, PipelineOutput):
             fut.set_result(result)
@@ -234,7 +242,7 @@ class Orchestrator:
     def _do_finished(self, a: ev.Finished) -> None:
         sink = self._sinks.get(a.request_id)
         if sink is not None:
-            sink.finished = True
+            sink.finished, sink.outcome = True, a.outcome
 
     # ------------------------------------------------------------ requests
 
@@ -272,6 +280,8 @@ class Orchestrator:
                             raise error from None
                         continue
                 if isinstance(item, asyncio.Future):
+                    if item.cancelled():      # a read of a request that failed meanwhile: its error follows
+                        continue
                     item = item.exception() or item.result()
                 if isinstance(item, BaseException):
                     raise item

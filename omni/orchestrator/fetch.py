@@ -3,21 +3,34 @@
 A shared-memory ref (shm, cuda_ipc: the producing stage is on this host) is a memcpy: it is
 read on the event loop, where it costs less than a hop to a thread and back. A ref of another
 host (tcp, gloo, nccl) is a network read that may wait up to the transport's timeout (30 s):
-it runs on a small thread pool, so the frontend's other requests go on meanwhile. Its output
-takes its place in the request's queue at once as a future, so the request's outputs reach
-the client in the order the core emitted them, whichever read ends first; a read's error is
-that future's (the request's error). A producer is told to free a tensor (`Free`) only after
-every read of it ended, also when the request was cancelled meanwhile.
+it runs on a small pool of daemon threads, so the frontend's other requests go on meanwhile
+(and a read stuck at shutdown does not hold up the process's exit). Its output takes its place
+in the request's queue at once as a future, so the request's outputs reach the client in the
+order the core emitted them, whichever read ends first; a read's error is that future's (the
+request's error), unless the request already failed: its own error is queued, and the
+placeholder is dropped.
+
+The orchestrator's `Free` of a tensor being read waits for the read, also when the request was
+cancelled meanwhile. A tensor is known by its producer (the replica id the core saw it from),
+transport and key: keys are only unique per producing process. A waiting Free goes to the
+channel it was meant for, and is dropped if that channel closed meanwhile (the replica went,
+or restarted under the same id: its keys start at 1 again and name other tensors). This holds
+for frees the frontend sends only: a stage frees on its own whatever a request owns when it
+takes the request's Abort or fails it (omni/stage/worker.py), so a read racing that ends in
+an unknown-key error; the request's own failure is what its client gets then.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import queue
+import threading
 from typing import Any, Callable
 
 import numpy as np
 
+from omni.errors import Unavailable
 from omni.orchestrator.types import PipelineOutput
 from omni.transport.base import SAME_HOST_ONLY, TensorRef
 
@@ -40,24 +53,69 @@ def is_local(ref: TensorRef) -> bool:
     return ref.transport in SAME_HOST_ONLY
 
 
+class _DaemonPool:
+    """A fixed pool of daemon threads (a ThreadPoolExecutor's are joined at interpreter exit: a
+    read stuck on a silent host would hold the frontend's exit up to the transport's timeout,
+    past the launcher's stop grace). Nothing a read leaves half done needs finishing."""
+
+    def __init__(self, threads: int):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._work, name=f"omni-fetch-{i}", daemon=True)
+                         for i in range(threads)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, fn: Callable, *args: Any) -> concurrent.futures.Future:
+        f: concurrent.futures.Future = concurrent.futures.Future()
+        self._jobs.put((f, fn, args))
+        return f
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            f, fn, args = job
+            if not f.set_running_or_notify_cancel():
+                continue
+            try:
+                f.set_result(fn(*args))
+            except BaseException as e:
+                f.set_exception(e)
+
+    def shutdown(self) -> None:
+        """Cancel the reads not started; the running ones end on their own (their threads then stop)."""
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job[0].cancel()
+        for _ in self._threads:
+            self._jobs.put(None)
+
+
 class Fetcher:
     """Remote reads off the event loop, and the frees that wait for them (all on the loop's thread,
     except the reads themselves)."""
 
     def __init__(self, threads: int = FETCH_THREADS):
         self._threads = threads
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._reading: dict[tuple[str, int], int] = {}             # (transport, key) -> reads running
-        self._deferred: dict[tuple[str, int], list[str]] = {}      # frees waiting for them: replica ids
+        self._pool: _DaemonPool | None = None
+        self._closed = False
+        # (producer replica, transport, key) -> reads running; frees waiting for them: where to send each
+        self._reading: dict[tuple[str, str, int], int] = {}
+        self._deferred: dict[tuple[str, str, int], list[Any]] = {}
 
-    def read(self, consumer: Any, out: PipelineOutput, ref: TensorRef,
+    def read(self, consumer: Any, out: PipelineOutput, ref: TensorRef, producer: str,
              done: Callable[[PipelineOutput | BaseException], None]) -> None:
-        """Start reading `ref` into `out` on the pool; `done` gets `out` or the error, on the loop."""
+        """Start reading `ref` (published by replica `producer`) into `out` on the pool; `done` gets
+        `out` or the error, on the loop. Refused (Unavailable) once closed."""
+        if self._closed:
+            raise Unavailable("frontend is shutting down: no more tensor reads")
         if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(self._threads, thread_name_prefix="omni-fetch")
-        k = (ref.transport, ref.key)
+            self._pool = _DaemonPool(self._threads)
+        k = (producer, ref.transport, ref.key)
+        fut = asyncio.wrap_future(self._pool.submit(fill, consumer, out, ref))
         self._reading[k] = self._reading.get(k, 0) + 1
-        fut = asyncio.get_running_loop().run_in_executor(self._pool, fill, consumer, out, ref)
 
         def finished(f: asyncio.Future) -> None:
             n = self._reading.pop(k) - 1
@@ -69,25 +127,26 @@ class Fetcher:
                 done(f.exception() or f.result())
         fut.add_done_callback(finished)
 
-    def hold(self, replica_id: str, transport: str, keys: tuple[int, ...]) -> tuple[int, ...]:
-        """The keys of a Free that no read is using (to free now); the others are kept until
-        their reads end (`released`)."""
+    def hold(self, producer: str, transport: str, keys: tuple[int, ...], target: Any) -> tuple[int, ...]:
+        """The keys of a Free that no read is using (to free now); the others are kept, with the
+        `target` (channel) to free them at, until their reads end (`released`)."""
         now = []
         for key in keys:
-            if (transport, key) in self._reading:
-                self._deferred.setdefault((transport, key), []).append(replica_id)
+            if (producer, transport, key) in self._reading:
+                self._deferred.setdefault((producer, transport, key), []).append(target)
             else:
                 now.append(key)
         return tuple(now)
 
-    def released(self, ref: TensorRef) -> list[tuple[str, str, tuple[int, ...]]]:
-        """The frees of `ref` that waited for its reads, once none is running: (replica, transport, keys)."""
-        k = (ref.transport, ref.key)
+    def released(self, producer: str, ref: TensorRef) -> list[Any]:
+        """Where the frees of `ref` that waited for its reads go, once none is running."""
+        k = (producer, ref.transport, ref.key)
         if k in self._reading:
             return []
-        return [(replica_id, ref.transport, (ref.key,)) for replica_id in self._deferred.pop(k, ())]
+        return self._deferred.pop(k, [])
 
     def close(self) -> None:
+        self._closed = True
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool.shutdown()
             self._pool = None

@@ -415,9 +415,9 @@ class StageWorker:
     def _fail(self, rid: str, message: str, kind: str = "internal") -> None:
         req = self._reqs.pop(rid, None)
         self.stats.errors_total += 1
-        self._free_owner(rid)
-        if req is not None:
+        if req is not None:     # first: a frontend's read of a tensor freed below then likely ends after it
             self._send(req.frontend, self._error(rid, message, kind))
+        self._free_owner(rid)
 
     def _error(self, rid: str, message: str, kind: str = "internal") -> m.RequestError:
         return m.RequestError(rid, message, self.stage.stage_id, self.replica_id, kind)

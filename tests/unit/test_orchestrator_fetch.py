@@ -1,7 +1,10 @@
 """The frontend reads a final output's tensor from another host (tcp) off its event loop: one
 request's slow read must not stall the frontend's other requests, its outputs still reach the
 client in order, a request that leaves or fails while its read runs releases what it holds,
-and a read's error is that request's. Shared-memory reads stay on the loop (a memcpy).
+and a read's error is that request's, unless the request failed first (its own error is the
+client's). The frontend's Free of a tensor being read waits for the read, and only for reads
+of that producer's tensor (keys are unique per producing process). Shared-memory reads stay on
+the loop (a memcpy). After close, no read starts.
 
 In-memory stage channels; a tensor consumer whose reads of chosen keys wait on a
 threading.Event (with a deadline: on a loop-blocking frontend the test fails, it does not hang)."""
@@ -11,12 +14,13 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import msgspec
 import pytest
 import torch
 
 from omni.config import parse
 from omni.engines.base import SamplingParams
-from omni.errors import OmniError, RequestTimeout
+from omni.errors import OmniError, RequestTimeout, StageFailed
 from omni.master.types import TopologyEvent
 from omni.orchestrator.executor import Orchestrator
 from omni.orchestrator.topology import Topology
@@ -158,6 +162,9 @@ async def test_a_slow_remote_read_leaves_the_other_requests_going_and_keeps_its_
 
 
 async def test_a_request_that_leaves_while_its_read_runs_is_aborted_and_frees_the_tensor_after_the_read():
+    # The frontend's FreeTensors waits for the read. The stage itself frees what the request owns
+    # when it takes the Abort (omni/stage/worker.py), read or not: a read that loses that race fails,
+    # and goes nowhere here (the client left).
     consumer = Consumer(blocked={5})
     orch, ch = make(consumer)
     try:
@@ -227,3 +234,149 @@ async def test_a_shared_memory_read_is_made_on_the_loop_in_order():
         await it.aclose()
     finally:
         await orch.close()
+
+
+def make_replicas(consumer: Consumer, *replicas) -> tuple[Orchestrator, list[FakeChannel]]:
+    """Channels made as the orchestrator asks for them: a new one for a replica whose last closed."""
+    topo = Topology()
+    topo.apply(TopologyEvent("SNAPSHOT", list(replicas), 1))
+    orch = Orchestrator(CONFIG, frontend_id="fe", topology=topo, detokenize=lambda ids: "", consumer=consumer)
+    made: list[FakeChannel] = []
+
+    def channel(r):
+        ch = orch._channels.get(r.replica_id)
+        if ch is None or ch.closed:
+            ch = orch._channels[r.replica_id] = FakeChannel(r)
+            made.append(ch)
+        return ch
+    orch._channel = channel
+    return orch, made
+
+
+def tcp_chunk(orch: Orchestrator, ch: FakeChannel, rid: str, key: int, endpoint: str, **kw) -> None:
+    ref = TensorRef(transport="tcp", endpoint=endpoint, key=key, dtype="float32", shape=(2,), nbytes=8)
+    orch._on_stage_message(ch, m.Output(request_id=rid, tensors={"audio": ref}, sample_rate=24000, **kw))
+
+
+class SlowHost(Consumer):
+    """Reads from `slow` (an endpoint) wait for `release`."""
+
+    def __init__(self, slow: str):
+        super().__init__()
+        self.slow, self.waiting = slow, threading.Event()
+
+    def get(self, ref: TensorRef) -> torch.Tensor:
+        if ref.endpoint == self.slow:
+            self.waiting.set()
+            if not self.release.wait(WAIT_S):
+                raise TransportError("the read was never released")
+        return torch.full(ref.shape, float(ref.key))
+
+
+async def test_a_free_waits_only_for_reads_of_its_own_producers_tensor_not_of_the_same_key_elsewhere():
+    consumer = SlowHost("h2:7000")
+    orch, made = make_replicas(consumer, replica(0, "s0r0", host="h2"), replica(0, "s0r1", host="h3"))
+    try:
+        a, a_first = await started_on(orch, made, "a")
+        b, b_first = await started_on(orch, made, "b")
+        ch_a, ch_b = made
+        assert (ch_a.replica_id, ch_b.replica_id) == ("s0r0", "s0r1")
+        tcp_chunk(orch, ch_a, "a", 1, "h2:7000", finished=True)     # s0r0's key 1: its read waits
+        assert await asyncio.to_thread(consumer.waiting.wait, WAIT_S)
+        tcp_chunk(orch, ch_b, "b", 1, "h3:7000", finished=True)     # s0r1's key 1: another tensor
+        assert samples(await asyncio.wait_for(b_first, WAIT_S)) == [1.0, 1.0]
+        assert ch_b.freed() == [1] and not consumer.release.is_set()   # not held behind s0r0's read
+        assert ch_a.freed() == []
+        consumer.release.set()
+        assert samples(await asyncio.wait_for(a_first, WAIT_S)) == [1.0, 1.0]
+        assert ch_a.freed() == [1] and ch_b.freed() == [1]
+        await a.aclose(), await b.aclose()
+        assert not orch._fetch._reading and not orch._fetch._deferred
+    finally:
+        consumer.release.set()
+        await orch.close()
+
+
+async def test_a_free_waiting_for_a_read_is_dropped_when_its_replica_restarted_under_the_same_id():
+    consumer = SlowHost("h2:7000")
+    old = replica(0, "s0r0", host="h2")
+    orch, made = make_replicas(consumer, old)
+    try:
+        a, a_first = await started_on(orch, made, "a")
+        tcp_chunk(orch, made[0], "a", 1, "h2:7000", finished=True)   # read waits; its Free waits for it
+        assert await asyncio.to_thread(consumer.waiting.wait, WAIT_S)
+        # The replica restarts under its id: its keys start at 1 again and name other requests' tensors.
+        orch.topology.apply(TopologyEvent("REMOVED", [old], 2))
+        orch.topology.apply(TopologyEvent("ADDED", [msgspec.structs.replace(old, pid=2)], 3))
+        assert made[0].closed
+        b, b_first = await started_on(orch, made, "b")
+        assert len(made) == 2 and made[1].replica_id == "s0r0"
+        consumer.release.set()
+        assert samples(await asyncio.wait_for(a_first, WAIT_S)) == [1.0, 1.0]
+        assert made[1].freed() == [] and made[0].freed() == []       # not the new process's key 1
+        assert not orch._fetch._reading and not orch._fetch._deferred
+        b_first.cancel()
+        await asyncio.wait((b_first,))
+        await a.aclose(), await b.aclose()
+    finally:
+        consumer.release.set()
+        await orch.close()
+
+
+async def test_a_request_that_fails_while_its_read_runs_gets_its_failure_not_the_reads_error():
+    class Freed(Consumer):
+        """What a tcp read gets once the stage's Abort freed the request's tensors."""
+
+        def get(self, ref):
+            self.entered.setdefault(ref.key, threading.Event()).set()
+            self.release.wait(WAIT_S)
+            raise TransportError(f"tcp producer {ref.endpoint} has no tensor with key {ref.key}")
+    consumer = Freed()
+    orch, ch = make(consumer)
+    try:
+        it, first = await started(orch, ch, "x")
+        chunk(orch, ch, "x", 5)
+        assert await asyncio.to_thread(lambda: consumer.entered.setdefault(5, threading.Event()).wait(WAIT_S))
+        orch._on_stage_message(ch, m.RequestError(request_id="x", message="engine step failed: CUDA OOM",
+                                                  stage_id=0, replica_id="s0r0", kind="internal"))
+        assert [msg.request_ids for msg in ch.posted if isinstance(msg, m.Abort)] == [["x"]]
+        consumer.release.set()
+        with pytest.raises(StageFailed, match="CUDA OOM"):
+            await asyncio.wait_for(first, WAIT_S)
+        await it.aclose()
+        assert orch.metrics.outcomes == {"ok": 0, "aborted": 0, "failed": 1}
+        await ch.until(lambda: 5 in ch.freed())
+        assert not orch._sinks and not orch._fetch._reading and not orch._fetch._deferred
+    finally:
+        consumer.release.set()
+        await orch.close()
+
+
+async def test_a_read_after_the_fetcher_closed_fails_its_request_and_reads_run_on_daemon_threads():
+    consumer = Consumer()
+    orch, ch = make(consumer)
+    try:
+        it, first = await started(orch, ch, "g")
+        chunk(orch, ch, "g", 2)
+        assert samples(await asyncio.wait_for(first, WAIT_S)) == [2.0, 2.0]
+        fetchers = [t for t in threading.enumerate() if t.name.startswith("omni-fetch")]
+        assert fetchers and all(t.daemon for t in fetchers)   # a stuck read does not hold up the exit
+        orch._fetch.close()                  # as the frontend's shutdown does
+        chunk(orch, ch, "g", 3, finished=True)
+        with pytest.raises(OmniError, match="shutting down"):
+            await asyncio.wait_for(anext(it), WAIT_S)
+        assert 3 not in consumer.threads and orch._fetch._pool is None
+        await it.aclose()
+    finally:
+        await orch.close()
+
+
+async def started_on(orch: Orchestrator, made: list[FakeChannel], rid: str):
+    """The request's output iterator, once its AddRequest reached a stage replica."""
+    it = aiter(orch.generate(PipelineRequest(request_id=rid, prompt_token_ids=[1], modalities=("audio",),
+                                             sampling=SamplingParams(max_tokens=4), timeout_s=60)))
+    first = asyncio.ensure_future(anext(it))
+    async with asyncio.timeout(WAIT_S):
+        while not any(rid in c.added() for c in made):
+            await asyncio.sleep(0.001)
+    return it, first

@@ -6,6 +6,7 @@ from __future__ import annotations
 from omni.config import parse
 from omni.errors import Unavailable
 from omni.orchestrator import events as ev
+from omni.stage import messages as m
 from tests.unit.test_orchestrator_core import ALL, chat, make_core, of, output, ref, replica, sends
 
 Q3 = parse({"model": "m", "stages": [
@@ -60,6 +61,21 @@ def test_an_audio_only_request_whose_talker_ended_early_aborts_the_thinker_and_e
     assert of(acts, ev.Finished)[0].outcome == "ok" and not of(acts, ev.AbortStage)
     assert not core.requests and not core.by_replica
     assert core.handle(output("s0r0", 0, "r1", token_ids=[8], finished=True)) == []
+
+
+def test_a_thinker_error_that_crosses_its_abort_as_unneeded_does_not_fail_an_audio_only_request():
+    core = make_core(*ALL, config=Q3)
+    core.submit(chat(modalities=("audio",)))
+    core.handle(output("s0r0", 0, "r1", token_ids=[5, 6], tensors={"prompt_token_ids": ref(3, "s0r0")}))
+    acts = core.handle(output("s1r0", 1, "r1", tensors={"codes": ref(1)}, finished=True, finish_reason="stop"))
+    assert of(acts, ev.AbortStage) == [ev.AbortStage("s0r0", ("r1",))]
+    # The thinker failed the request before it took the Abort: no one needs its output any more.
+    acts = core.handle(ev.StageError("s0r0", 0, m.RequestError("r1", "engine step failed: boom", 0, "s0r0")))
+    assert not of(acts, ev.Fail) and not of(acts, ev.Finished) and "r1" in core.requests
+    acts = core.handle(output("s2r0", 2, "r1", tensors={"audio": ref(9, "s2r0")}, sample_rate=24000,
+                              finished=True))
+    assert of(acts, ev.Emit)[0].output.finished and of(acts, ev.Finished)[0].outcome == "ok"
+    assert not of(acts, ev.Fail) and not core.requests
 
 
 HELD = parse({"model": "m", "stages": [

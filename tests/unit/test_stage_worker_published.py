@@ -126,3 +126,19 @@ def test_a_piece_that_reaches_a_stage_after_it_ended_the_stream_is_dropped(setup
     assert len(sent) == n
     finish(w, "r2")                       # other requests go on
     assert len(sent) == n + 1 and not w._reqs
+
+
+def test_a_request_failed_here_is_reported_before_its_tensors_are_freed(setup):
+    """A frontend may be reading the request's last output (a remote read on its pool): the stage's
+    error goes out first, so the frontend likely has the failure before that read finds its tensor
+    gone, and the client gets the stage's error rather than the read's."""
+    w, prod, sent = setup
+    held_at_send: list[dict] = []
+    w._send_frame = lambda ident, frame: held_at_send.append(dict(prod.slots)) or True
+    w._handle(b"fe", m.AddRequest(request_id="r1", prompt_token_ids=[1], out_transport="shm", out_tensors=True))
+    w.engine.step = lambda: [EngineOutput(request_id="r1", tensors={"h": torch.zeros(4)})]
+    w._step()
+    assert prod.slots == {1: "r1"}
+    w.engine.step = lambda: [EngineOutput(request_id="r1", error="boom")]
+    w._step()
+    assert held_at_send[-1] == {1: "r1"} and prod.slots == {} and not w._reqs
