@@ -22,6 +22,8 @@ nested under `engine_args`:
                        processes on one host, CUDA IPC for CUDA tensors, TCP or NCCL between hosts);
                        its `extra` codec keys -> the receiving code2wav's engine args
   engine_extras        the stage's engine args (a key set on the stage itself wins)
+  stages[i].runtime    devices, num_replicas, env, max_batch_size (max_num_seqs) as if set on the stage
+                       (a key set on the stage itself wins; env merges)
   stages[i].env, stages[i].subtalker_sampling_params
                        taken as they are: the stage process's environment (a stage field, checked in
                        omni/config_stage_checks.py), the code predictor's sampling (qwen3_talker's engine arg)
@@ -193,6 +195,15 @@ def _stages(stages: list, connectors: dict[str, tuple[str, dict[str, Any]]], sou
             chunk[sid] = s.pop("async_chunk")
             if not isinstance(chunk[sid], bool):
                 raise ConfigError(f"{here}.async_chunk must be true or false, got {chunk[sid]!r}")
+        if "runtime" in s:          # the same keys under `runtime:`; a key set on the stage itself wins
+            for key, value in _runtime(s.pop("runtime"), f"{here}.runtime").items():
+                if key == "engine_args":
+                    for k, v in value.items():
+                        s.setdefault(k, v)
+                elif key == "env" and isinstance(value, dict) and isinstance(s.get("env"), dict):
+                    s["env"] = {**value, **s["env"]}
+                else:
+                    s.setdefault(key, value)
         extras = s.pop("engine_extras", None)
         if extras is not None:
             if not isinstance(extras, dict):
@@ -374,14 +385,16 @@ def _runtime(value: Any, where: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, v in value.items():
         if key == "devices":
-            out["devices"] = str(v)
+            out["devices"] = v          # checked with the stage's own (normalise_stage_devices)
+        elif key in ("num_replicas", "env"):
+            out[key] = v
         elif key == "max_batch_size":
             out["engine_args"] = {"max_num_seqs": v}
         elif key == "process" and v is True:
             pass                    # every omni stage is its own process
         else:
-            raise ConfigError(f"{where}.{key}: {v!r} is not supported (omni reads devices, max_batch_size and "
-                              "process: true)")
+            raise ConfigError(f"{where}.{key}: {v!r} is not supported (omni reads devices, num_replicas, env, "
+                              "max_batch_size and process: true)")
     return out
 
 

@@ -50,6 +50,18 @@ def test_the_reported_overlay_loads_each_key_where_it_acts(tmp_path):
     assert c.stages[0].env == {} and cfg.loads_json(json.dumps(c.to_dict())) == c
 
 
+def test_a_stages_runtime_section_is_read_as_its_own_keys(tmp_path):
+    """vllm-omni's `runtime:` block on a deploy stage (devices, num_replicas, env, max_batch_size) sets
+    the same keys as written on the stage, whose own win; an unknown runtime key is named."""
+    c = load(tmp_path, "stages:\n  - stage_id: 1\n    max_num_seqs: 4\n    env: {FOO: own}\n    runtime:\n"
+                       "      {devices: 0, num_replicas: 2, env: {FOO: rt, BAR: 2}, max_batch_size: 8}\n")
+    talker = c.stages[1]
+    assert (talker.devices, talker.num_replicas, talker.env) == ("0", 2, {"FOO": "own", "BAR": "2"})
+    assert talker.engine_args["max_num_seqs"] == 4 and "runtime" not in talker.engine_args
+    with pytest.raises(ConfigError, match=r"stages\[stage_id 1\]\.runtime\.gpus: 2 is not supported"):
+        load(tmp_path, "stages:\n  - {stage_id: 1, runtime: {gpus: 2}}\n")
+
+
 def test_env_merges_over_the_base_and_the_platform_section(tmp_path, monkeypatch):
     base = tmp_path / "base.yaml"
     base.write_text("stages:\n  - {stage_id: 1, env: {A: a, B: b}}\n")
