@@ -39,6 +39,9 @@ class VideoSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     size_multiple: int = 16
     default_size: str = "832x480"
     max_pixels: int = 1280 * 720
+    # A frame's width or height: the DiT's rotary position table bounds each side (Wan: rope_max_seq_len
+    # 1024 positions x size_multiple 16 px); past it the stage's forward fails, so the frontend refuses it.
+    max_side: int = 16384
     default_steps: int = 50
     max_steps: int = 100
     default_guidance_scale: float = 5.0
@@ -52,15 +55,15 @@ class VideoSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
 
 
 def validate_images(s: ImageSettings | VideoSettings, where: str) -> None:
-    for key in ("size_multiple", "max_pixels", "default_steps", "max_steps", "max_n", "max_prompt_chars",
+    for key in ("size_multiple", "max_pixels", "max_side", "default_steps", "max_steps", "max_n", "max_prompt_chars",
                 "frame_multiple", "max_frames", "max_fps", "default_fps"):
         if getattr(s, key, 1) < 1:
             raise ConfigError(f"{where}.{key} must be >= 1, got {getattr(s, key)}")
     w, sep, h = s.default_size.partition("x")
     if not (sep and w.isdigit() and h.isdigit()) or int(w) % s.size_multiple or int(h) % s.size_multiple \
-            or int(w) * int(h) > s.max_pixels:
+            or int(w) * int(h) > s.max_pixels or max(int(w), int(h)) > getattr(s, "max_side", max(int(w), int(h))):
         raise ConfigError(f"{where}.default_size {s.default_size!r} must be WxH, multiples of size_multiple "
-                          f"{s.size_multiple}, at most max_pixels {s.max_pixels}")
+                          f"{s.size_multiple}, at most max_pixels {s.max_pixels} (and max_side a side)")
     if s.default_steps > s.max_steps:
         raise ConfigError(f"{where}.default_steps {s.default_steps} is over max_steps {s.max_steps}")
     if isinstance(s, VideoSettings) and ((s.default_frames - 1) % s.frame_multiple or s.default_frames > s.max_frames

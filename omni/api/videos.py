@@ -70,6 +70,9 @@ def video_params(req: P.VideoCreateRequest, s: VideoSettings) -> tuple[ImagePara
         width, height = parse_size(req.size or s.default_size)
         param = "size"
     check_size(width, height, s, param)
+    if max(width, height) > s.max_side:
+        raise bad_request(f"size {width}x{height}: a side is at most {s.max_side} pixels (max_side: the model's "
+                          "position table)", param=param)
     fps = req.fps if req.fps is not None else s.default_fps
     if fps > s.max_fps:
         raise bad_request(f"fps is {fps}; the limit is {s.max_fps}", param="fps")

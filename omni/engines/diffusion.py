@@ -228,7 +228,8 @@ class DiffusionEngine(Engine):
 
     @torch.no_grad()
     def step_batch(self) -> list[EngineOutput]:
-        """Admit new requests, take one denoising step of a batch, decode what finished."""
+        """Admit new requests, take one denoising step of a batch, decode what finished. A step that raises
+        fails its batch's requests only."""
         if not self._jobs:
             return []
         outputs = []
@@ -243,7 +244,17 @@ class DiffusionEngine(Engine):
             return outputs
         batch = self.pick()
         now = time.monotonic()
-        self.denoise(batch)
+        try:
+            self.denoise(batch)
+        except Exception as e:
+            if getattr(e, "fatal", False):
+                raise                # the engine is gone: the worker fails everything and stops
+            # This batch's failure (a shape the model refused, out of memory), not the other requests':
+            # its jobs are dropped, their steps half taken, and the stage serves on.
+            logger.exception("%s: a denoising step of %s failed", self.name, [j.request_id for j in batch])
+            for j in batch:
+                del self._jobs[j.request_id]
+            return outputs + [failed(j, f"denoising failed: {type(e).__name__}: {e}") for j in batch]
         self._stats["steps"] += 1
         self._stats["step_rows"] += sum(j.params.n for j in batch)
         self._stats["denoise_s"] += time.monotonic() - now

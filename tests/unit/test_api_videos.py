@@ -159,6 +159,25 @@ async def test_bad_input_is_refused_naming_the_parameter(two, body, param, says)
     assert orch.requests == [] and (await c0.get("/v1/videos")).json()["data"] == []
 
 
+async def test_a_side_past_the_models_position_table_is_a_400_naming_size(tmp_path):
+    """A side over max_side (the DiT's rotary table: Wan's 1024 positions x 16 px) is refused here: at the
+    stage its forward failed, and with it every video the stage held."""
+    orch, _, c = frontend(LocalKv(), tmp_path, videos=VideoSettings())     # the defaults: 16384 a side
+    r = await c.post("/v1/videos", json={"prompt": "x", "size": "16400x48"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "size", r.text
+    assert "a side is at most 16384 pixels" in r.json()["error"]["message"]
+    small = VideoSettings(default_size="32x32", max_pixels=1 << 20, max_side=1024, default_frames=5, max_frames=9)
+    orch, jobs, c = frontend(LocalKv(), tmp_path, videos=small)
+    r = await c.post("/v1/videos", json={"prompt": "x", "width": 16, "height": 1040})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "width", r.text
+    r = await c.post("/v1/videos", data={"prompt": "x", "size": "1040x16"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "size", r.text
+    assert orch.requests == []
+    assert (await c.post("/v1/videos", json={"prompt": "x", "size": "1024x16"})).status_code == 200
+    await settle(jobs)
+    assert (orch.requests[0].image.width, orch.requests[0].image.height) == (1024, 16)
+
+
 async def test_no_video_stage_is_404_and_other_ids_are_no_videos(tmp_path):
     _, _, c = frontend(LocalKv(), tmp_path, videos=None)
     r = await c.post("/v1/videos", json={"prompt": "x"})

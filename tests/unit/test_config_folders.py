@@ -172,6 +172,8 @@ def test_a_wan_folder_gets_the_wan_video_pipeline(tmp_path, monkeypatch):
     ({"default_frames": 10}, "1 more than a multiple of frame_multiple 4"),
     ({"default_frames": 85}, "at most max_frames 81"),
     ({"frame_multiple": 0}, "frame_multiple must be >= 1"),
+    ({"max_side": 512}, r"and max_side a side"),       # default_size 832x480
+    ({"max_side": 0}, "max_side must be >= 1"),
 ])
 def test_video_settings_are_checked_once(tmp_path, monkeypatch, videos, says):
     monkeypatch.setenv("OMNI_PLATFORM", "cuda")

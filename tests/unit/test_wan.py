@@ -122,6 +122,9 @@ def test_abort_between_steps_and_progress(engine):
     ({"num_frames": 85}, "at most 81"),
     ({"num_inference_steps": 0}, "num_inference_steps"),
     ({"n": 9}, "max_batch_rows"),
+    # the tiny DiT's rotary table has 64 positions a side: 64 x 16 px (the real one 1024: 16384 px)
+    ({"width": 1040, "height": 16}, "width is at most 1024 and the height at most 1024"),
+    ({"width": 16, "height": 1040}, "rotary table"),
 ])
 def test_what_the_model_cannot_make_is_refused_by_name(engine, change, message):
     with pytest.raises(EngineError, match=message):
@@ -130,6 +133,30 @@ def test_what_the_model_cannot_make_is_refused_by_name(engine, change, message):
         engine.add_request(EngineRequest(request_id="bad", text="a"))
     with pytest.raises(EngineError, match="has no text"):
         engine.add_request(EngineRequest(request_id="bad", prompt_token_ids=[1, 2, 3], image=PARAMS))
+
+
+def test_a_side_at_the_rotary_tables_bound_is_made(engine):
+    p = msgspec.structs.replace(PARAMS, width=1024, height=16, num_frames=1, num_inference_steps=1)
+    assert run(engine, {"wide": ("a", p)})["wide"].shape == (1, 1, 16, 1024, 3)
+
+
+def test_a_batch_whose_step_raises_fails_its_own_requests_only(engine, monkeypatch):
+    """A request past the checks that the transformer refuses (here: one the old check let through, wider
+    than the rotary table) fails alone; the request the stage holds beside it is still made."""
+    engine.add_request(EngineRequest(request_id="good", text="a cat", image=PARAMS))
+    engine.step()
+    monkeypatch.setattr(engine, "check", lambda p: None)
+    wide = msgspec.structs.replace(PARAMS, width=1040, height=16, num_frames=1)
+    engine.add_request(EngineRequest(request_id="wide", text="a dog", image=wide))
+    outs = []
+    for _ in range(20):
+        if not engine.has_unfinished():
+            break
+        outs += engine.step()
+    got = {o.request_id: o for o in outs}
+    assert got["wide"].finish_reason == "error" and "denoising failed" in got["wide"].error
+    assert got["good"].finish_reason == "stop" and got["good"].error is None
+    assert not engine.has_unfinished() and engine.progress() == {}
 
 
 def test_level_2_sleep_drops_the_weights_and_wake_up_reads_them_again(engine):

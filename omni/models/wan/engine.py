@@ -51,6 +51,12 @@ class WanEngine(DiffusionEngine):
         # Sizes must be whole latent patches, frames whole latent frames (plus the first).
         self.size_multiple = pipe.vae_scale_factor_spatial * max(patch[1], patch[2])
         self.frame_multiple = pipe.vae_scale_factor_temporal
+        # The transformer's rotary table has rope_max_seq_len positions per axis: a latent longer than that
+        # (in patches) fails the forward, and with it the whole batch.
+        self.rope_positions = pipe.transformer.config.rope_max_seq_len
+        self.max_width = self.rope_positions * pipe.vae_scale_factor_spatial * patch[2]
+        self.max_height = self.rope_positions * pipe.vae_scale_factor_spatial * patch[1]
+        self.rope_frames = self.rope_positions * patch[0]     # latent frames the table covers
         ratio = pipe.config.boundary_ratio
         # Wan2.2 A14B: `transformer` above this timestep, `transformer_2` below (the pipeline's rule).
         self.boundary = None if ratio is None else ratio * pipe.scheduler.config.num_train_timesteps
@@ -68,6 +74,13 @@ class WanEngine(DiffusionEngine):
         if not 1 <= p.num_frames <= self.max_frames or (p.num_frames - 1) % f:
             raise EngineError(f"num_frames must be 1 more than a multiple of {f}, at most {self.max_frames}; "
                               f"got {p.num_frames}")
+        if p.width > self.max_width or p.height > self.max_height:
+            raise EngineError(f"size {p.width}x{p.height}: the width is at most {self.max_width} and the height at "
+                              f"most {self.max_height} pixels (the transformer's rotary table: rope_max_seq_len "
+                              f"{self.rope_positions} positions a side)")
+        if (p.num_frames - 1) // f + 1 > self.rope_frames:
+            raise EngineError(f"num_frames {p.num_frames}: at most {(self.rope_frames - 1) * f + 1} (the "
+                              f"transformer's rotary table: rope_max_seq_len {self.rope_positions})")
 
     def make_job(self, request: EngineRequest) -> Job:
         if request.text is None:
