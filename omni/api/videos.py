@@ -19,6 +19,8 @@ import anyio
 import msgspec
 import numpy as np
 from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException
+from starlette.formparsers import MultiPartException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -111,16 +113,26 @@ class VideoRoutes:
         return vid
 
     async def body(self, request: Request) -> bytes:
-        """JSON as is; a form (OpenAI's SDK and vllm-omni's examples send one) as the same JSON object."""
+        """JSON as is; a form (OpenAI's SDK and vllm-omni's examples send one) as the same JSON object. A form
+        Starlette cannot read (no boundary, a part over 1 MB, over 1000 fields) is a 400 with its reason; a
+        field sent twice is refused (no field of a video takes a list: the last value won silently)."""
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if ctype not in FORMS:
             return await request.body()
-        fields = {}
-        async with request.form() as form:
-            for key, value in form.multi_items():
-                if isinstance(value, UploadFile):
-                    raise bad_request(f"`{key}` is a file; omni makes videos from text only", param=key)
-                fields[key] = value
+        fields: dict[str, str] = {}
+        try:
+            async with request.form() as form:
+                for key, value in form.multi_items():
+                    if isinstance(value, UploadFile):
+                        raise bad_request(f"`{key}` is a file; omni makes videos from text only", param=key)
+                    if key in fields:
+                        raise bad_request(f"`{key}` is sent twice; a video request takes one value of each field",
+                                          param=key)
+                    fields[key] = value
+        except HTTPException as e:         # Starlette's 400 for a form it cannot parse, in an app
+            raise bad_request(f"the form cannot be read: {e.detail}") from None
+        except MultiPartException as e:    # the same outside one
+            raise bad_request(f"the form cannot be read: {e.message}") from None
         return msgspec.json.encode(fields)
 
     async def create(self, request: Request) -> Response:

@@ -108,6 +108,32 @@ async def test_a_form_like_openais_sdk_sends_and_seconds_at_fps(two):
     assert r.status_code == 400 and r.json()["error"]["param"] == "input_reference"
 
 
+@pytest.mark.parametrize("send, says", [
+    ({"content": b"prompt", "headers": {"content-type": "multipart/form-data"}}, "Missing boundary"),
+    ({"files": {"prompt": (None, "a" * (1024 * 1024 + 1))}}, "Part exceeded maximum size"),
+    ({"content": "&".join(f"f{i}=1" for i in range(1001)).encode(),
+      "headers": {"content-type": "application/x-www-form-urlencoded"}}, "Too many fields"),
+], ids=["no-boundary", "part-over-1mb", "1001-fields"])
+async def test_a_form_starlette_cannot_read_is_a_400_with_its_reason(two, send, says):
+    (orch, _, c0), _ = two
+    r = await c0.post("/v1/videos", **send)
+    assert r.status_code == 400, r.text
+    e = r.json()["error"]
+    assert e["type"] == "invalid_request_error" and "the form cannot be read" in e["message"] and says in e["message"]
+    assert orch.requests == []
+
+
+@pytest.mark.parametrize("send", [
+    {"data": {"prompt": ["a cat", "a dog"], "seed": "1"}},
+    {"files": [("prompt", (None, "a cat")), ("prompt", (None, "a dog"))]},
+], ids=["urlencoded", "multipart"])
+async def test_a_form_field_sent_twice_is_refused_by_name(two, send):
+    (orch, _, c0), _ = two
+    r = await c0.post("/v1/videos", **send)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    assert "sent twice" in r.json()["error"]["message"] and orch.requests == []
+
+
 async def test_a_failed_video_reads_failed_and_its_content_is_409(two):
     (orch, jobs0, c0), (_, _, c1) = two
     orch.fail = StageFailed("dit", "denoise", "boom")
