@@ -6,6 +6,7 @@ the MP4 (lossless: its frames are the stage's), every refusal naming its paramet
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import numpy as np
@@ -14,7 +15,9 @@ import pytest
 from omni.api import build_app, mp4
 from omni.api.jobs import Jobs, LocalKv, Results
 from omni.config import VideoSettings
+from omni.api.protocol_media import MAX_IMAGE_PROMPT_CHARS
 from omni.errors import StageFailed
+from omni.master.kv import KvStore
 from omni.orchestrator.types import PipelineOutput, PipelineRequest
 from tests.unit.test_jobs import settle
 
@@ -50,6 +53,25 @@ class FakeVideos:
 
     def health(self):
         return True, ""
+
+
+class MasterKv(LocalKv):
+    """The master's own store behind the client's calls: its value cap and checks."""
+
+    def __init__(self):
+        self.store = KvStore()
+
+    async def kv_put(self, namespace, key, value):
+        self.store.put(namespace, key, value)
+
+    async def kv_get(self, namespace, key):
+        return self.store.get(namespace, key)
+
+    async def kv_list(self, namespace, prefix=""):
+        return self.store.list(namespace, prefix)[0]
+
+    async def kv_delete(self, namespace, key):
+        return self.store.delete(namespace, key)
 
 
 def frontend(kv, results, index=0, videos: VideoSettings | None = SETTINGS):
@@ -202,6 +224,27 @@ async def test_a_side_past_the_models_position_table_is_a_400_naming_size(tmp_pa
     assert (await c.post("/v1/videos", json={"prompt": "x", "size": "1024x16"})).status_code == 200
     await settle(jobs)
     assert (orch.requests[0].image.width, orch.requests[0].image.height) == (1024, 16)
+
+
+@pytest.mark.parametrize("char", ["\U0001F600", "\x01", "\u00e9"], ids=["emoji", "control", "accent"])
+async def test_the_largest_video_record_fits_the_kv_value_cap(tmp_path, char):
+    """The record keeps the prompt and negative prompt (MAX_IMAGE_PROMPT_CHARS each, whatever the deployment
+    says): stored as UTF-8 JSON a character takes at most 6 bytes (a control character's \\u00XX; 4 in UTF-8),
+    the rest of the record under 2 KB. ASCII-escaped an emoji took 12: 96 KB, a 400 naming the KV's limit."""
+    cap = KvStore().limits("jobs").max_value_bytes
+    assert 2 * MAX_IMAGE_PROMPT_CHARS * 6 + 2048 <= cap
+    kv = MasterKv()
+    orch, jobs, c = frontend(kv, tmp_path, videos=VideoSettings(max_prompt_chars=10**6, default_size="16x16",
+                                                                   default_frames=1, max_frames=1))
+    text = char * MAX_IMAGE_PROMPT_CHARS
+    r = await c.post("/v1/videos", json={"prompt": text, "negative_prompt": text, "model": "wan", "seed": 2**63 - 1,
+                                         "guidance_scale": 50.0, "num_inference_steps": 100, "fps": 60})
+    assert r.status_code == 200, r.text[:300]
+    await settle(jobs)
+    v = (await c.get(f"/v1/videos/{r.json()['id']}")).json()
+    assert v["status"] == "completed" and v["prompt"] == v["negative_prompt"] == text and orch.requests[0].text == text
+    blob = kv.store.get("jobs", v["id"])
+    assert len(blob) - 2 * len(json.dumps(text, ensure_ascii=False).encode()) < 2048
 
 
 async def test_no_video_stage_is_404_and_other_ids_are_no_videos(tmp_path):
