@@ -1,0 +1,96 @@
+"""Where async jobs (omni/api/jobs.py) keep things: records as the master's KV stores them (`encode_record`;
+`LocalKv`, the KV in memory for a frontend without a master), and result bytes (`Results`: files in the
+directory every frontend shares, or memory)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+from pathlib import Path
+
+from omni.fsutil import atomic_write
+
+JOB_ID_RE = re.compile(r"^(job-|video_)[0-9a-f]{32}$")   # video_: the Videos API's (omni/api/videos.py)
+
+
+class LocalKv:
+    """The master client's four KV calls, in memory: jobs of one frontend without a master (tests)."""
+
+    def __init__(self):
+        self._data: dict[str, dict[str, bytes]] = {}
+
+    async def kv_put(self, namespace: str, key: str, value: bytes) -> None:
+        self._data.setdefault(namespace, {})[key] = bytes(value)
+
+    async def kv_get(self, namespace: str, key: str) -> bytes | None:
+        return self._data.get(namespace, {}).get(key)
+
+    async def kv_list(self, namespace: str, prefix: str = "") -> dict[str, bytes]:
+        items = self._data.get(namespace, {})
+        return {k: items[k] for k in sorted(items) if k.startswith(prefix)}
+
+    async def kv_delete(self, namespace: str, key: str) -> bool:
+        return self._data.get(namespace, {}).pop(key, None) is not None
+
+
+class Results:
+    """Result bytes by job id: files in a directory the frontends share, or memory without one."""
+
+    def __init__(self, directory: str | os.PathLike | None = None):
+        self._dir = Path(directory) if directory else None
+        self._mem: dict[str, bytes] = {}
+        if self._dir is not None:
+            self._dir.mkdir(parents=True, exist_ok=True)
+
+    async def put(self, job_id: str, data: bytes) -> None:
+        if self._dir is None:
+            self._mem[job_id] = data
+        else:
+            # Not abandoned when the job is cancelled: the cancel's delete comes after the file
+            # lands, or the write would leave an orphan result behind it.
+            write = asyncio.ensure_future(asyncio.to_thread(self._write, job_id, data))
+            cancelled = False
+            while not write.done():
+                try:
+                    await asyncio.shield(write)
+                except asyncio.CancelledError:
+                    cancelled = True
+            if cancelled:
+                raise asyncio.CancelledError
+            write.result()
+
+    def _write(self, job_id: str, data: bytes) -> None:
+        atomic_write(self._dir / job_id, data)   # a reader sees the whole result or none
+
+    async def get(self, job_id: str) -> bytes | None:
+        if self._dir is None:
+            return self._mem.get(job_id)
+        try:
+            return await asyncio.to_thread((self._dir / job_id).read_bytes)
+        except FileNotFoundError:
+            return None
+
+    async def ids(self) -> list[str]:
+        """The jobs that have a result here (temp files of writes under way are not results)."""
+        if self._dir is None:
+            return list(self._mem)
+        return await asyncio.to_thread(lambda: [p.name for p in self._dir.iterdir() if JOB_ID_RE.match(p.name)])
+
+    async def delete(self, job_id: str) -> None:
+        if self._dir is None:
+            self._mem.pop(job_id, None)
+        else:
+            (self._dir / job_id).unlink(missing_ok=True)
+
+
+def encode_record(record: dict) -> bytes:
+    """A record as the KV stores it: UTF-8 JSON. ASCII-escaped, an emoji took 12 bytes, and a video's prompt
+    and negative prompt of 4000 each passed the KV's 64 KiB value cap; as UTF-8 a character takes at most 6
+    bytes (a control character's \\u00XX escape), and the largest video record fits
+    (tests/unit/test_api_videos.py)."""
+    try:
+        return json.dumps(record, ensure_ascii=False).encode()
+    except UnicodeEncodeError:     # a lone surrogate (no route lets one in): escaped, as before
+        return json.dumps(record).encode()
