@@ -96,6 +96,7 @@ class Jobs:
         self.checks: dict[str, Check] = {}
         self._tasks: dict[str, asyncio.Task] = {}
         self._mine: set[str] = set()   # accepted here and not finished: ours even before the task exists
+        self._running: set[str] = set()   # holding a slot: the jobs the watcher looks up
         self._watcher: asyncio.Task | None = None
         self._sweeper: asyncio.Task | None = None
         self._slots = asyncio.Semaphore(MAX_RUNNING)
@@ -286,8 +287,12 @@ class Jobs:
             async with self._slots:
                 if await self.kv.kv_get(NAMESPACE, job_id) is None:
                     return     # deleted (through any frontend) before it started: it stays deleted
-                await self._save({**record, "status": "in_progress"})
-                final = await self._execute(record["endpoint"], job_id, work)
+                self._running.add(job_id)
+                try:
+                    await self._save({**record, "status": "in_progress"})
+                    final = await self._execute(record["endpoint"], job_id, work)
+                finally:
+                    self._running.discard(job_id)
         except asyncio.CancelledError:
             await self.results.delete(job_id)
             raise
@@ -374,15 +379,17 @@ class Jobs:
                                           f"stored: {e}")}
 
     async def _watch_deletions(self) -> None:
-        """Cancel this frontend's jobs that were deleted through another frontend."""
+        """Cancel this frontend's running jobs that were deleted through another frontend: one kv_get per
+        running job (at most MAX_RUNNING) every WATCH_S, not the whole namespace; a queued job looks its
+        record up itself when it gets a slot."""
         while self._tasks:
             await asyncio.sleep(WATCH_S)
-            running = list(self._tasks.items())  # before the list call: jobs created after it are not judged
-            try:
-                present = await self.kv.kv_list(NAMESPACE)
-            except Exception as e:
-                log.debug("job watcher: %s", e)
-                continue
-            for job_id, task in running:
-                if job_id not in present:
+            for job_id in list(self._running):
+                try:
+                    gone = await self.kv.kv_get(NAMESPACE, job_id) is None
+                except Exception as e:
+                    log.debug("job watcher: %s", e)
+                    break
+                task = self._tasks.get(job_id)
+                if gone and task is not None and job_id in self._running:
                     task.cancel()

@@ -168,6 +168,45 @@ async def test_delete_through_another_frontend_cancels_the_running_job(tokenizer
     assert await kv.kv_get("jobs", job["id"]) is None and os.listdir(tmp_path) == []
 
 
+class CountingKv(LocalKv):
+    """LocalKv that notes each call: (method, key or namespace)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[str, str]] = []
+
+    async def kv_get(self, namespace, key):
+        self.calls.append(("kv_get", key))
+        return await super().kv_get(namespace, key)
+
+    async def kv_list(self, namespace, prefix=""):
+        self.calls.append(("kv_list", namespace))
+        return await super().kv_list(namespace, prefix)
+
+
+async def test_the_deletion_watcher_reads_its_running_jobs_records_only(tokenizer, tmp_path, monkeypatch):
+    """It listed the whole jobs namespace, values included, every 0.5 s (up to 64 MiB a frontend)."""
+    import omni.api.jobs as jobs_module
+
+    monkeypatch.setattr(jobs_module, "WATCH_S", 0.01)
+    kv = CountingKv()
+    for i in range(20):    # other frontends' jobs: none of the watcher's business
+        await kv.kv_put("jobs", f"job-{i:032x}", json.dumps({"id": f"job-{i:032x}", "status": "queued"}).encode())
+    orch0, jobs0, c0 = frontend(tokenizer, kv, tmp_path, 0, "h0")
+    _, _, c1 = frontend(tokenizer, kv, tmp_path, 1, "h1")
+    orch0.hang_after = 0
+    job = (await c0.post("/v1/omni/jobs", json={"endpoint": "/v1/completions",
+                                               "body": {"model": "tiny", "prompt": "hello"}})).json()
+    await asyncio.wait_for(orch0.started_event.wait(), 5)
+    kv.calls.clear()
+    await asyncio.sleep(0.1)
+    assert len(kv.calls) >= 3 and set(kv.calls) == {("kv_get", job["id"])}, kv.calls[:5]
+    assert (await c1.delete(f"/v1/omni/jobs/{job['id']}")).json()["deleted"] is True
+    await asyncio.wait_for(orch0.closed_event.wait(), 5)   # still seen, and cancelled
+    await settle(jobs0)
+    assert await kv.kv_get("jobs", job["id"]) is None
+
+
 async def test_delete_on_the_owner_cancels_at_once(tokenizer, tmp_path):
     orch, jobs, c = frontend(tokenizer, LocalKv(), tmp_path)
     orch.hang_after = 0
