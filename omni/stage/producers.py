@@ -1,6 +1,10 @@
 """A stage's tensor producers, one per transport kind, made on first use, and `auto`'s choice per
 tensor: a CUDA tensor whose GPU the consuming stage also sees takes cuda_ipc; should cuda_ipc fail,
-this process goes back to what the orchestrator sent, for that tensor and every later one."""
+this process goes back to what the orchestrator sent, for that tensor and every later one.
+
+gloo and nccl are one producer (a GlooProducer labels each ref by the tensor's device, "gloo" for
+CPU, "nccl" for CUDA, whichever name the connector gave): producers are kept by family, so a
+FreeTensors or a ref of either name reaches the producer that made it."""
 
 from __future__ import annotations
 
@@ -16,6 +20,11 @@ from omni.transport.factory import auto_transport
 logger = logging.getLogger(__name__)
 
 
+def family(kind: str) -> str:
+    """The producer that serves refs of transport `kind` ("nccl" refs come from the gloo producer)."""
+    return "gloo" if kind == "nccl" else kind
+
+
 class OutputProducers:
     def __init__(self, make_producer: Callable[[str], TensorProducer] | None, devices: str, label: str,
                  available: frozenset[str] | None = None):
@@ -26,14 +35,14 @@ class OutputProducers:
         self.available = available
 
     def get(self, kind: str) -> TensorProducer | None:
-        return self._by_kind.get(kind)
+        return self._by_kind.get(family(kind))
 
     def producer(self, kind: str) -> TensorProducer:
-        producer = self._by_kind.get(kind)
+        producer = self._by_kind.get(family(kind))
         if producer is None:
             if self._make is None:
                 raise TransportError("this stage has no tensor producer")
-            producer = self._by_kind[kind] = self._make(kind)
+            producer = self._by_kind[family(kind)] = self._make(kind)
         return producer
 
     def put(self, req: InFlight, tensor: Any, owner: str):
@@ -61,7 +70,9 @@ class OutputProducers:
 
     def free_refs(self, refs: dict) -> None:
         for r in refs.values():
-            self._by_kind[r.transport].free([r.key])
+            producer = self.get(r.transport)
+            if producer is not None:
+                producer.free([r.key])
 
     def free_owner(self, rid: str) -> None:
         for producer in self._by_kind.values():
