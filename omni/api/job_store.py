@@ -6,11 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import re
+import stat
 from pathlib import Path
 
+from starlette.responses import FileResponse, Response
+
 from omni.fsutil import atomic_write
+
+log = logging.getLogger(__name__)
 
 JOB_ID_RE = re.compile(r"^(job-|video_)[0-9a-f]{32}$")   # video_: the Videos API's (omni/api/videos.py)
 
@@ -71,6 +77,23 @@ class Results:
             return await asyncio.to_thread((self._dir / job_id).read_bytes)
         except FileNotFoundError:
             return None
+
+    async def response(self, job_id: str, media_type: str | None) -> Response | None:
+        """The result as an HTTP answer, None when it is gone: the file streamed from the folder (not read whole
+        into memory; Range requests served), or the bytes held in memory. Only a regular file in the folder is
+        a result: a symlink there is not followed."""
+        if self._dir is None:
+            data = self._mem.get(job_id)
+            return None if data is None else Response(data, media_type=media_type)
+        path = self._dir / job_id
+        try:
+            st = await asyncio.to_thread(os.lstat, path)
+        except FileNotFoundError:
+            return None
+        if not stat.S_ISREG(st.st_mode):
+            log.warning("job result %s is not a regular file; not served", path)
+            return None
+        return FileResponse(path, stat_result=st, media_type=media_type)
 
     async def ids(self) -> list[str]:
         """The jobs that have a result here (temp files of writes under way are not results)."""

@@ -168,8 +168,7 @@ class Jobs:
         return JSONResponse(await self.record(request.path_params["job_id"]))
 
     async def content(self, request: Request) -> Response:
-        job, data = await self.result(request.path_params["job_id"])
-        return Response(data, media_type=job["content_type"])
+        return await self.download(request.path_params["job_id"])
 
     async def delete(self, request: Request) -> Response:
         job_id = request.path_params["job_id"]
@@ -189,18 +188,19 @@ class Jobs:
     async def record(self, job_id: str, what: str = "job") -> dict:
         return self._view(await self._get(job_id, what), self._live())
 
-    async def result(self, job_id: str, what: str = "job") -> tuple[dict, bytes]:
-        """A completed job's record and result bytes; 409 while it is not completed, 404 once gone."""
+    async def download(self, job_id: str, what: str = "job", media_type: str | None = None) -> Response:
+        """A completed job's result as the answer (its file streamed from the result folder, `media_type` or the
+        job's content type); 409 while it is not completed, 404 once gone."""
         job = await self.record(job_id, what)
         if job["status"] != "completed":
             why = f": {job['error']['message']}" if job["error"] else ""
             raise APIError(409, f"{what} `{job['id']}` is {job['status']}, not completed{why}",
                            param=f"{what}_id", code=f"{what}_not_completed")
-        data = await self.results.get(job["id"])
-        if data is None:
+        response = await self.results.response(job["id"], media_type or job["content_type"])
+        if response is None:
             raise APIError(404, f"the result of {what} `{job['id']}` is gone from the result store",
                            type="not_found_error", param=f"{what}_id")
-        return job, data
+        return response
 
     async def remove(self, job_id: str, what: str = "job") -> None:
         """Delete a job, its result and (running here) its work; one running elsewhere is cancelled by

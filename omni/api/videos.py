@@ -194,8 +194,7 @@ class VideoRoutes:
         variant = request.query_params.get("variant", "video")
         if variant != "video":
             raise bad_request(f"variant `{variant}` is not kept: omni stores the video only", param="variant")
-        _, data = await self.jobs.result(self.video_id(request), "video")
-        return Response(data, media_type=mp4.CONTENT_TYPE)
+        return await self.jobs.download(self.video_id(request), "video", mp4.CONTENT_TYPE)
 
     async def delete(self, request: Request) -> Response:
         self.served()

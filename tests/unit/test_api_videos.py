@@ -156,6 +156,33 @@ async def test_a_form_field_sent_twice_is_refused_by_name(two, send):
     assert "sent twice" in r.json()["error"]["message"] and orch.requests == []
 
 
+async def test_a_download_streams_the_result_file_and_never_follows_a_symlink(two, tmp_path, monkeypatch):
+    """The MP4 is served from its file (FileResponse: Range requests work, nothing reads it whole); a result
+    replaced by a symlink (to a file outside the folder) or gone is a 404."""
+    (orch, jobs0, c0), (_, _, c1) = two
+    v = (await c0.post("/v1/videos", json={"prompt": "a cat", "num_frames": 9})).json()
+    await settle(jobs0)
+    whole = (tmp_path / v["id"]).read_bytes()
+
+    def no_whole_reads(*a, **k):
+        raise AssertionError("the result was read whole into memory")
+
+    monkeypatch.setattr(Results, "get", no_whole_reads)
+    r = await c1.get(f"/v1/videos/{v['id']}/content")
+    assert r.status_code == 200 and r.content == whole and r.headers["content-type"] == "video/mp4"
+    assert r.headers["content-length"] == str(len(whole)) and r.headers["accept-ranges"] == "bytes"
+    r = await c1.get(f"/v1/videos/{v['id']}/content", headers={"range": "bytes=4-11"})
+    assert r.status_code == 206 and r.content == whole[4:12]
+    outside = tmp_path.parent / f"{tmp_path.name}-secret"
+    outside.write_bytes(b"not a video of this folder")
+    (tmp_path / v["id"]).unlink()
+    (tmp_path / v["id"]).symlink_to(outside)
+    r = await c1.get(f"/v1/videos/{v['id']}/content")
+    assert r.status_code == 404 and b"not a video" not in r.content and "gone" in r.json()["error"]["message"]
+    (tmp_path / v["id"]).unlink()
+    assert (await c0.get(f"/v1/videos/{v['id']}/content")).status_code == 404
+
+
 async def test_a_failed_video_reads_failed_and_its_content_is_409(two):
     (orch, jobs0, c0), (_, _, c1) = two
     orch.fail = StageFailed("dit", "denoise", "boom")
