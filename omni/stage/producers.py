@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 
 from omni.stage.worker_state import InFlight
-from omni.transport.base import ProducerFull, TensorProducer, TransportError
+from omni.transport.base import ProducerFull, TensorProducer, TensorRef, TransportError
 from omni.transport.factory import auto_transport
 
 logger = logging.getLogger(__name__)
@@ -59,6 +59,18 @@ class OutputProducers:
                                req.out_transport, e)
                 self.available = frozenset()
         return self.producer(req.out_transport).put(tensor, owner=owner)
+
+    def put_all(self, req: InFlight, tensors: dict[str, Any], owner: str) -> dict[str, TensorRef]:
+        """Refs of all of an output's tensors, or none: should a put raise (ProducerFull, or any
+        error of a producer), the refs already made are freed and the error goes on."""
+        refs: dict[str, TensorRef] = {}
+        try:
+            for name, tensor in tensors.items():
+                refs[name] = self.put(req, tensor, owner)
+        except BaseException:
+            self.free_refs(refs)
+            raise
+        return refs
 
     def kind_for(self, req: InFlight, tensor: Any) -> str:
         """The request's transport, or cuda_ipc for a CUDA tensor where `auto` allows it."""

@@ -329,17 +329,15 @@ class StageWorker:
         if out.error:
             self._fail(out.request_id, out.error)
             return True
-        refs = {}
-        try:
-            for name, tensor in (out.tensors.items() if req.out_tensors else ()):
-                refs[name] = self._producers.put(req, tensor, out.request_id)
+        try:   # all of its tensors or none
+            refs = self._producers.put_all(req, out.tensors if req.out_tensors else {}, out.request_id)
         except ProducerFull:
-            self._producers.free_refs(refs)
             return False
-        except (TransportError, ValueError) as e:
-            self._producers.free_refs(refs)
+        except Exception as e:   # any error of a producer fails this request only
+            logger.warning("%s: publishing %s failed", self.stage.label, out.request_id,
+                           exc_info=not isinstance(e, TransportError))
             self.engine.abort(out.request_id)
-            self._fail(out.request_id, f"could not publish output tensors: {e}")
+            self._fail(out.request_id, f"could not publish output tensors: {type(e).__name__}: {e}")
             return True
         self._published.add(req.frontend, out.request_id, refs.values())
         for r in refs.values():

@@ -122,3 +122,33 @@ def test_a_partly_published_output_is_freed_under_the_refs_name(configured, labe
         assert prod.slots == {} and len(w._published) == 0
     finally:
         w.close()
+
+
+class Breaking(Labelled):
+    """Its `fail_at`-th put raises an error no transport names (a bug, a CUDA error torch raises)."""
+
+    def __init__(self, fail_at):
+        super().__init__("shm")
+        self.puts, self.fail_at = 0, fail_at
+
+    def put(self, t, owner=""):
+        self.puts += 1
+        if self.puts == self.fail_at:
+            raise RuntimeError("copy engine on fire")
+        return super().put(t, owner)
+
+
+def test_a_producer_error_fails_that_request_only_and_frees_what_it_put():
+    """An error other than TransportError/ValueError from a put went up through _step and killed the stage."""
+    prod = Breaking(fail_at=2)
+    w, sent = worker(OneShot(lambda: {"a": torch.zeros(4), "b": torch.zeros(4)}), lambda kind: prod)
+    try:
+        request(w, "r0", "shm")
+        err = sent[-1]
+        assert isinstance(err, m.RequestError) and err.request_id == "r0"
+        assert "RuntimeError" in err.message and "copy engine on fire" in err.message
+        assert prod.slots == {} and len(w._published) == 0 and not w._reqs and w.engine.aborted == ["r0"]
+        request(w, "r1", "shm")                    # the stage goes on
+        assert isinstance(sent[-1], m.Output) and set(sent[-1].tensors) == {"a", "b"}
+    finally:
+        w.close()
