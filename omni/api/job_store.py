@@ -10,6 +10,7 @@ import logging
 import os
 import re
 import stat
+import time
 from pathlib import Path
 
 from starlette.responses import FileResponse, Response
@@ -19,6 +20,10 @@ from omni.fsutil import atomic_write
 log = logging.getLogger(__name__)
 
 JOB_ID_RE = re.compile(r"^(job-|video_)[0-9a-f]{32}$")   # video_: the Videos API's (omni/api/videos.py)
+# A result write's temp file (omni/fsutil.py's atomic_write: ".<job id>.<random>.tmp"), with its job id.
+TEMP_RE = re.compile(r"^\.((?:job-|video_)[0-9a-f]{32})\.[^/]*\.tmp$")
+# A temp file this old is a write that never ended (its frontend killed mid-write): a write takes seconds.
+TEMP_MAX_AGE_S = 3600.0
 
 
 class LocalKv:
@@ -100,6 +105,32 @@ class Results:
         if self._dir is None:
             return list(self._mem)
         return await asyncio.to_thread(lambda: [p.name for p in self._dir.iterdir() if JOB_ID_RE.match(p.name)])
+
+    async def remove_stale_temps(self, keep: set[str] | frozenset[str] = frozenset(),
+                                 older_than_s: float = TEMP_MAX_AGE_S) -> list[str]:
+        """Remove the temp files of result writes last written over `older_than_s` ago, left by a frontend
+        killed while writing; never one of a job in `keep` (this frontend's unfinished jobs: maybe being
+        written now). Their names."""
+        if self._dir is None:
+            return []
+        keep = frozenset(keep)
+
+        def run() -> list[str]:
+            now, removed = time.time(), []
+            for p in self._dir.iterdir():
+                m = TEMP_RE.match(p.name)
+                if m is None or m.group(1) in keep:
+                    continue
+                try:
+                    st = p.lstat()
+                    if stat.S_ISREG(st.st_mode) and now - st.st_mtime > older_than_s:
+                        p.unlink()
+                        removed.append(p.name)
+                except FileNotFoundError:
+                    continue
+            return removed
+
+        return await asyncio.to_thread(run)
 
     async def delete(self, job_id: str) -> None:
         if self._dir is None:

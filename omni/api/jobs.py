@@ -218,7 +218,11 @@ class Jobs:
         self._sweeper = asyncio.create_task(self._sweep_forever())
 
     async def sweep(self) -> list[str]:
-        """Delete the results whose job has no record (expired, or deleted while this frontend was down)."""
+        """Delete the results whose job has no record (expired, or deleted while this frontend was down), and
+        temp files of result writes that never ended (a frontend killed mid-write), over an hour old."""
+        temps = await self.results.remove_stale_temps(keep=set(self._mine))
+        if temps:
+            log.info("removed %d temp files of result writes that never ended", len(temps))
         held = await self.results.ids()   # first: a result made after this has its record in the list below
         if not held:
             return []

@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import threading
+import time
 
 import httpx
 import pytest
@@ -305,6 +306,35 @@ async def test_results_whose_records_are_gone_are_swept(tokenizer, tmp_path):
     assert sorted(await jobs.sweep()) == sorted([ids[0], orphan])
     assert sorted(os.listdir(tmp_path)) == [".job-x.tmp", ids[1]]
     assert (await c.get(f"/v1/omni/jobs/{ids[1]}/content")).status_code == 200
+
+
+async def test_the_sweep_removes_temp_files_of_writes_that_never_ended(tmp_path, monkeypatch):
+    """A frontend killed while writing a result left `.<id>.<random>.tmp` for good. The sweep removes those
+    over an hour old, never a fresh one (a write under way elsewhere) nor one of a job this frontend holds."""
+    import omni.fsutil
+
+    kv, results = LocalKv(), Results(tmp_path)
+    jobs = Jobs(kv, results)
+    old, fresh, mine = ("job-" + c * 32 for c in "abc")
+    stale = tmp_path / f".{old}.x1y2.tmp"
+    stale_video = tmp_path / f".video_{'d' * 32}.q_9z.tmp"
+    for p in (stale, stale_video, tmp_path / f".{fresh}.k3.tmp", tmp_path / f".{mine}.k4.tmp",
+              tmp_path / ".other.tmp", tmp_path / "notes.tmp"):
+        p.write_bytes(b"half a result")
+    two_hours_ago = time.time() - 7200
+    for p in tmp_path.iterdir():
+        if p.name != f".{fresh}.k3.tmp":
+            os.utime(p, (two_hours_ago, two_hours_ago))
+    jobs._mine.add(mine)
+    await jobs.sweep()
+    assert sorted(os.listdir(tmp_path)) == sorted([f".{fresh}.k3.tmp", f".{mine}.k4.tmp", ".other.tmp", "notes.tmp"])
+    # the names atomic_write gives its temp files are the ones swept
+    from omni.api.job_store import TEMP_RE
+
+    made, real = [], omni.fsutil.tempfile.mkstemp
+    monkeypatch.setattr(omni.fsutil.tempfile, "mkstemp", lambda **kw: made.append(real(**kw)) or made[-1])
+    omni.fsutil.atomic_write(tmp_path / old, b"x")
+    assert TEMP_RE.match(os.path.basename(made[0][1])).group(1) == old
 
 
 @pytest.mark.parametrize("on_disk", [True, False])
