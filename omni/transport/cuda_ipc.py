@@ -49,7 +49,7 @@ from omni.transport.arena import ArenaProducer
 from omni.transport.base import TensorConsumer, TensorRef, TransportError
 from omni.transport.ipc_memory import MEMORY, ArenaMemory, Grant, Mapping, Segment, make_memory
 from omni.transport.server import connect_same_user, same_user_server
-from omni.transport.util import check_ref, dtype_name, flat_bytes
+from omni.transport.util import check_ref, dtype_name, flat_bytes, plain
 
 logger = logging.getLogger(__name__)
 
@@ -144,9 +144,7 @@ class CudaIpcProducer(ArenaProducer):
             raise TransportError(f"put() needs a torch.Tensor, got {type(tensor).__name__}")
         dtype = dtype_name(tensor.dtype)
         self.memory.check(tensor)
-        src = tensor.detach()
-        if not src.is_contiguous():
-            src = src.contiguous()
+        src = plain(tensor)   # conj/neg views resolved: the bytes are the values
         nbytes = src.numel() * src.element_size()
         if round_up(max(nbytes, 1), ALIGN) > self.arena_bytes:
             raise TransportError(f"tensor of {nbytes} bytes does not fit the cuda_ipc arena segment of "

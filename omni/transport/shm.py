@@ -27,7 +27,7 @@ from omni.transport.alloc import ALIGN, round_up
 from omni.transport.arena import ArenaProducer
 from omni.transport.base import TensorConsumer, TensorRef, TransportError
 from omni.transport.server import connect_same_user, same_user_server
-from omni.transport.util import check_ref, dtype_name, flat_bytes, recv_exact
+from omni.transport.util import check_ref, dtype_name, flat_bytes, plain, recv_exact
 
 logger = logging.getLogger(__name__)
 
@@ -103,9 +103,7 @@ class ShmProducer(ArenaProducer):
         staged = self._take_staged(tensor) if self._staged else None
         if staged is not None:
             return staged
-        src = tensor.detach()
-        if not src.is_contiguous():
-            src = src.contiguous()
+        src = plain(tensor)   # conj/neg views resolved: the bytes are the values
         nbytes = src.numel() * src.element_size()
         seg, off, key = self._reserve(nbytes, owner)
         try:

@@ -61,12 +61,19 @@ def as_memoryview(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat_bytes(tensor).numpy())
 
 
+def plain(tensor: torch.Tensor) -> torch.Tensor:
+    """Detached, contiguous, with its conjugate and negative bits resolved: what every producer
+    copies or keeps. (A lazy `conj()` view's memory holds the unconjugated values: sent as is, the
+    consumer got them; a byte view of it raises.) No copy for a plain contiguous tensor."""
+    return tensor.detach().resolve_conj().resolve_neg().contiguous()
+
+
 def prepare(tensor: torch.Tensor, device: str = "cpu") -> torch.Tensor:
-    """Detached, contiguous, on `device`: what a producer keeps or copies from."""
+    """`plain`, on `device`: what a keyed producer (tcp, gloo) keeps."""
     if not isinstance(tensor, torch.Tensor):
         raise TransportError(f"put() needs a torch.Tensor, got {type(tensor).__name__}")
     dtype_name(tensor.dtype)
-    return tensor.detach().to(device).contiguous()
+    return plain(tensor.detach().to(device))
 
 
 def recv_exact(sock: socket.socket, n: int, spin_s: float = 0.0) -> bytes:

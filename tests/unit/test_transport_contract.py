@@ -133,6 +133,21 @@ def test_dtypes_and_shapes(pair, dtype):
     assert ref.nbytes == x.numel() * x.element_size()
 
 
+def test_conjugate_and_negative_views_arrive_as_their_values(pair):
+    """A lazy conj() or negative-bit view's memory holds other values than the view: shm and cuda_ipc
+    raised on its byte view, tcp's server thread died at send time, gloo delivered them unconjugated."""
+    producer, consumer = pair
+    z = torch.randn((4, 3), dtype=torch.complex64, generator=torch.Generator().manual_seed(1))
+    r = torch.randn((4, 3), generator=torch.Generator().manual_seed(2))
+    views = {"conj": z.conj(), "conj_t": z.t().conj(), "neg": torch._neg_view(z), "neg_real": torch._neg_view(r),
+             "imag_of_conj": z.conj().imag}
+    for name, v in views.items():
+        _, y = roundtrip(producer, consumer, v)
+        want = v.resolve_conj().resolve_neg()
+        assert not y.is_conj() and not y.is_neg(), name
+        assert y.dtype == v.dtype and y.shape == v.shape and torch.equal(y, want), name
+
+
 @pytest.mark.parametrize("nbytes", [1 << 10, 1 << 20, 64 << 20], ids=["1KiB", "1MiB", "64MiB"])
 def test_sizes(pair, nbytes):
     producer, consumer = pair
