@@ -12,6 +12,7 @@ from typing import Any, List, Optional
 import typer
 
 from omni import envs
+from omni.cli_argv import SECRET_FLAGS, hide_secrets, spread_several_values  # noqa: F401 (omni.cli's API)
 from omni.errors import ConfigError, OmniError
 
 app = typer.Typer(
@@ -324,31 +325,6 @@ def _register_master_commands() -> None:
 _register_master_commands()
 
 
-SECRET_FLAGS = {"--omni-token": "OMNI_TOKEN", "--api-key": "OMNI_API_KEY",
-                "--control-api-key": "OMNI_CONTROL_API_KEY"}
-
-
-def hide_secrets(argv: list[str]) -> list[str]:
-    """argv with secret values masked; warns about each secret given on the command line,
-    where every user on the host can read it (/proc/PID/cmdline)."""
-    out, hide, warned = [], False, set()
-    for arg in argv:
-        name, eq, _ = arg.partition("=")
-        if hide:
-            out.append("***")
-            hide = False
-        elif name in SECRET_FLAGS:
-            if name not in warned:
-                warned.add(name)
-                print(f"omni: warning: {name} on the command line is visible to every user of this host (ps); "
-                      f"set {SECRET_FLAGS[name]} in the environment instead", file=sys.stderr)
-            out.append(f"{name}=***" if eq else arg)
-            hide = not eq
-        else:
-            out.append(arg)
-    return out
-
-
 def _mask_process_title(argv: list[str]) -> None:
     masked = hide_secrets(argv)
     if masked == argv:
@@ -358,34 +334,6 @@ def _mask_process_title(argv: list[str]) -> None:
     except ImportError:
         return
     setproctitle.setproctitle(" ".join(["omni", *masked]))
-
-
-# vLLM's nargs="+" flags: typer takes a list option once per value, so `--api-key K1 K2` is
-# spelled `--api-key K1 --api-key K2` before parsing.
-SEVERAL_VALUES = ("--served-model-name", "--api-key")
-
-
-def spread_several_values(argv: list[str]) -> list[str]:
-    """`serve MODEL --api-key K1 K2` -> `serve MODEL --api-key K1 --api-key K2` (also `--api-key=K1 K2`):
-    the values run up to the next token that starts with "-". Only with MODEL right after `serve`
-    (else `--served-model-name a MODEL` would swallow MODEL): then a flag takes one value, as typer does."""
-    if len(argv) < 2 or argv[0] != "serve" or argv[1].startswith("-"):
-        return argv
-    out, i = argv[:2], 2
-    while i < len(argv):
-        arg = argv[i]
-        out.append(arg)
-        i += 1
-        name, eq, _ = arg.partition("=")
-        if name not in SEVERAL_VALUES:
-            continue
-        if not eq and i < len(argv):   # its first value, whatever it looks like (as typer reads it)
-            out.append(argv[i])
-            i += 1
-        while i < len(argv) and not argv[i].startswith("-"):
-            out += [name, argv[i]]
-            i += 1
-    return out
 
 
 def main(argv: list[str] | None = None) -> None:

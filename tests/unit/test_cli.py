@@ -113,7 +113,9 @@ def test_vllm_api_key_guards_the_frontends_like_vllm_serve(monkeypatch, planned_
 
 @pytest.mark.parametrize("flags", [
     ["--served-model-name", "a", "b", "--api-key", "k 1", "k\n2,3", "--port", "0"],
-    ["--served-model-name", "a", "--served-model-name", "b", "--api-key", "k 1", "--api-key=k\n2,3", "--port", "0"],
+    # a flag given again replaces its values (vLLM's nargs="+"): x and old are gone
+    ["--served-model-name", "x", "--served-model-name", "a", "b", "--api-key", "old", "--api-key", "k 1", "k\n2,3",
+     "--port", "0"],
     ["--served-model-name=a", "b", "--port", "0", "--api-key=k 1", "k\n2,3"],
 ])
 def test_several_names_and_keys_reach_the_frontends_keys_by_environment_only(monkeypatch, planned_frontends, flags):
@@ -161,3 +163,52 @@ def test_several_names_and_keys_pass_the_command_line():
     r = omni("serve", "smollm2", "--served-model-name", "a", "b", "--api-key", "k1", "k2", "--dry-run")
     assert r.returncode == 0, r.stderr
     assert "k1" not in r.stdout + r.stderr and "k2" not in r.stdout + r.stderr
+
+
+PLAN = """
+import sys
+import omni.launcher as launcher
+class Launcher:
+    def __init__(self, plan):
+        print(repr((plan.api_keys, plan.served_model_names)))
+    def run(self):
+        return 0
+launcher.Launcher = Launcher
+from omni import cli
+cli.main(sys.argv[1:])
+"""
+
+
+def planned_keys_and_names(*args: str) -> tuple[list[str], list[str]]:
+    """The API keys and model names `omni serve ARGS` would hand its frontends (the launcher stubbed)."""
+    r = subprocess.run([sys.executable, "-c", PLAN, "serve", *args], cwd=REPO, capture_output=True, text=True,
+                       timeout=60, env={k: v for k, v in os.environ.items() if k not in ("OMNI_API_KEY", "VLLM_API_KEY")})
+    assert r.returncode == 0, r.stderr
+    return eval(r.stdout.strip().splitlines()[-1])   # noqa: S307 (our own repr)
+
+
+@pytest.mark.parametrize("args", [
+    ["smollm2", "--api-key", "OLD", "--served-model-name", "old", "--api-key", "NEW", "--served-model-name", "new"],
+    ["smollm2", "--api-key", "OLD", "O2", "--served-model-name", "old", "o2", "--api-key", "NEW",
+     "--served-model-name=new"],
+    # flags before MODEL take one value each; the last occurrence still wins
+    ["--api-key", "OLD", "--served-model-name", "old", "smollm2", "--api-key", "NEW", "--served-model-name", "new"],
+    ["--api-key=OLD", "--port", "0", "--served-model-name", "old", "--api-key", "NEW", "--served-model-name", "new",
+     "smollm2"],
+])
+def test_a_repeated_several_value_flag_keeps_its_last_values_only(args):
+    """vLLM's nargs="+" keeps the last --api-key's keys: a key replaced on the command line must stop working."""
+    assert planned_keys_and_names(*args) == (["NEW"], ["new"])
+
+
+def test_flags_before_model_still_spread_the_values_after_it():
+    assert planned_keys_and_names("--disable-control-routes", "--port", "0", "smollm2", "--api-key", "K1", "K2",
+                                  "--served-model-name", "a", "b")[0] == ["K1", "K2"]
+    from omni.cli import spread_several_values
+
+    assert spread_several_values(["serve", "--dry-run", "--port", "0", "m", "--api-key", "k1", "k2"]) == \
+        ["serve", "--dry-run", "--port", "0", "m", "--api-key", "k1", "--api-key", "k2"]
+    assert spread_several_values(["serve", "-oma", "h", "--api-key", "k0", "m", "--api-key", "k1", "k2"]) == \
+        ["serve", "-oma", "h", "m", "--api-key", "k1", "--api-key", "k2"]
+    argv = ["serve", "m", "--", "--api-key", "k1", "k2"]    # after `--`: left to typer
+    assert spread_several_values(argv) == argv

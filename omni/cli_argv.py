@@ -1,0 +1,108 @@
+"""`omni serve`'s argv before typer parses it: vLLM's several-value flags spread out (the last one
+given wins, as vLLM's nargs="+"), and the secrets masked for the process title."""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+__all__ = ["SECRET_FLAGS", "SEVERAL_VALUES", "hide_secrets", "spread_several_values"]
+
+SECRET_FLAGS = {"--omni-token": "OMNI_TOKEN", "--api-key": "OMNI_API_KEY",
+                "--control-api-key": "OMNI_CONTROL_API_KEY"}
+# vLLM's nargs="+" flags: typer takes a list option once per value, so `--api-key K1 K2` is
+# spelled `--api-key K1 --api-key K2` before parsing.
+SEVERAL_VALUES = ("--served-model-name", "--api-key")
+# Flags whose name is spelled out later (omni.cli.SHORT_FLAGS) or folded (omni.cli.JSON_FLAGS' dotted
+# forms): each takes one value.
+_VALUE_PREFIXES = ("--stage-overrides.", "--engine-args.")
+_SHORT_VALUE_FLAGS = ("-oma", "-omp", "-ora")
+
+
+def hide_secrets(argv: list[str]) -> list[str]:
+    """argv with secret values masked; warns about each secret given on the command line,
+    where every user on the host can read it (/proc/PID/cmdline)."""
+    out, hide, warned = [], False, set()
+    for arg in argv:
+        name, eq, _ = arg.partition("=")
+        if hide:
+            out.append("***")
+            hide = False
+        elif name in SECRET_FLAGS:
+            if name not in warned:
+                warned.add(name)
+                print(f"omni: warning: {name} on the command line is visible to every user of this host (ps); "
+                      f"set {SECRET_FLAGS[name]} in the environment instead", file=sys.stderr)
+            out.append(f"{name}=***" if eq else arg)
+            hide = not eq
+        else:
+            out.append(arg)
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _serve_options() -> tuple[frozenset[str], frozenset[str]]:
+    """(options of `omni serve` that take a value, its flags that take none), from typer's command."""
+    import typer
+
+    from omni.cli import app
+
+    command = typer.main.get_command(app).commands["serve"]
+    takes, flags = {*_SHORT_VALUE_FLAGS}, {"-h", "--help"}
+    for param in command.params:
+        if param.param_type_name == "option":
+            (flags if param.is_flag or param.count else takes).update([*param.opts, *param.secondary_opts])
+    return frozenset(takes), frozenset(flags)
+
+
+def spread_several_values(argv: list[str]) -> list[str]:
+    """`serve MODEL --api-key K1 K2` -> `serve MODEL --api-key K1 --api-key K2` (also `--api-key=K1 K2`): the
+    values run up to the next token that starts with "-". Before MODEL (`serve --dry-run MODEL ...`) each such
+    flag takes its one value, as typer does (the next bare word is MODEL). A flag given more than once keeps
+    its last values only, as vLLM's nargs="+" does: `--api-key OLD --api-key NEW` accepts NEW alone.
+
+    MODEL is found as typer finds it: the first token that is neither one of serve's options (with the value
+    an option takes) nor after `--`."""
+    if not argv or argv[0] != "serve":
+        return argv
+    takes, flags = _serve_options()
+    # Each item: a token to keep, or (flag, values) for one of SEVERAL_VALUES.
+    items: list[str | tuple[str, list[str]]] = ["serve"]
+    model_seen, i = False, 1
+    while i < len(argv):
+        arg = argv[i]
+        i += 1
+        if arg == "--":
+            items += argv[i - 1:]
+            break
+        name, eq, inline = arg.partition("=")
+        if name in SEVERAL_VALUES:
+            if eq:
+                values = [inline]
+            elif i < len(argv):       # its first value, whatever it looks like (as typer reads it)
+                values = [argv[i]]
+                i += 1
+            else:
+                items.append(arg)     # no value: typer names the flag
+                continue
+            while model_seen and i < len(argv) and not argv[i].startswith("-"):
+                values.append(argv[i])
+                i += 1
+            items.append((name, values))
+        else:
+            items.append(arg)
+            if name in takes or name.startswith(_VALUE_PREFIXES):
+                if not eq and i < len(argv):
+                    items.append(argv[i])
+                    i += 1
+            elif name not in flags and not model_seen:
+                model_seen = True     # typer's MODEL (an unknown option here would be taken as MODEL too)
+    last = {item[0]: n for n, item in enumerate(items) if isinstance(item, tuple)}
+    out: list[str] = []
+    for n, item in enumerate(items):
+        if isinstance(item, str):
+            out.append(item)
+        elif last[item[0]] == n:      # an earlier occurrence of the flag is dropped
+            for value in item[1]:
+                out += [item[0], value]
+    return out
