@@ -319,18 +319,22 @@ class SendCommandResponse(_message.Message):
     def __init__(self, command_id: _Optional[str] = ..., results: _Optional[_Iterable[_Union[CommandResult, _Mapping]]] = ...) -> None: ...
 
 class KvPutRequest(_message.Message):
-    __slots__ = ("namespace", "key", "value")
+    __slots__ = ("namespace", "key", "value", "only_if_exists")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
+    ONLY_IF_EXISTS_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     key: str
     value: bytes
-    def __init__(self, namespace: _Optional[str] = ..., key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
+    only_if_exists: bool
+    def __init__(self, namespace: _Optional[str] = ..., key: _Optional[str] = ..., value: _Optional[bytes] = ..., only_if_exists: _Optional[bool] = ...) -> None: ...
 
 class KvPutResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("absent",)
+    ABSENT_FIELD_NUMBER: _ClassVar[int]
+    absent: bool
+    def __init__(self, absent: _Optional[bool] = ...) -> None: ...
 
 class KvGetRequest(_message.Message):
     __slots__ = ("namespace", "key")

@@ -32,8 +32,12 @@ class LocalKv:
     def __init__(self):
         self._data: dict[str, dict[str, bytes]] = {}
 
-    async def kv_put(self, namespace: str, key: str, value: bytes) -> None:
+    async def kv_put(self, namespace: str, key: str, value: bytes, only_if_exists: bool = False) -> bool:
+        """Whether it wrote: `only_if_exists` writes only over a value the key holds now (the master's rule)."""
+        if only_if_exists and key not in self._data.get(namespace, {}):
+            return False
         self._data.setdefault(namespace, {})[key] = bytes(value)
+        return True
 
     async def kv_get(self, namespace: str, key: str) -> bytes | None:
         return self._data.get(namespace, {}).get(key)

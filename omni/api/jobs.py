@@ -263,8 +263,9 @@ class Jobs:
             raise _not_found(job_id, what)
         return json.loads(blob)
 
-    async def _save(self, record: dict) -> None:
-        await self.kv.kv_put(NAMESPACE, record["id"], encode_record(record))
+    async def _save(self, record: dict, only_if_exists: bool = False) -> bool:
+        """Store the record; whether it did (`only_if_exists`: not when the job was deleted)."""
+        return await self.kv.kv_put(NAMESPACE, record["id"], encode_record(record), only_if_exists=only_if_exists)
 
     def _live(self) -> set[tuple[str, int]] | None:
         return self.live_frontends() if self.live_frontends is not None else None
@@ -289,11 +290,12 @@ class Jobs:
         job_id = record["id"]
         try:
             async with self._slots:
-                if await self.kv.kv_get(NAMESPACE, job_id) is None:
-                    return     # deleted (through any frontend) before it started: it stays deleted
                 self._running.add(job_id)
                 try:
-                    await self._save({**record, "status": "in_progress"})
+                    # Only over the record: a job deleted (through any frontend) before it started, even
+                    # between a read and this write, stays deleted and never runs.
+                    if not await self._save({**record, "status": "in_progress"}, only_if_exists=True):
+                        return
                     final = await self._execute(record["endpoint"], job_id, work)
                 finally:
                     self._running.discard(job_id)
@@ -358,11 +360,10 @@ class Jobs:
         fallback = True
         while True:
             try:
-                # A job deleted (through any frontend) while it ran stays deleted.
-                if await self.kv.kv_get(NAMESPACE, record["id"]) is None:
+                # Only over the record: a job deleted (through any frontend) while it ran, even between
+                # a read and this write, stays deleted, and its result goes.
+                if not await self._save(record, only_if_exists=True):
                     await self.results.delete(record["id"])
-                    return
-                await self._save(record)
                 return
             except Unavailable as e:
                 if time.monotonic() > deadline:

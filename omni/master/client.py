@@ -340,8 +340,10 @@ class MasterClient:
         req = _send_command_request(kind, stage_ids, args, timeout_s, replica_ids, keep_serving)
         return wire.results_from_pb(self._unary(self._stub.SendCommand, req, timeout=timeout_s + 5))
 
-    def kv_put(self, namespace: str, key: str, value: bytes) -> None:
-        self._unary(self._stub.KvPut, pb.KvPutRequest(namespace=namespace, key=key, value=value))
+    def kv_put(self, namespace: str, key: str, value: bytes, only_if_exists: bool = False) -> bool:
+        """Whether it wrote: `only_if_exists` writes only over a value the key holds now."""
+        req = pb.KvPutRequest(namespace=namespace, key=key, value=value, only_if_exists=only_if_exists)
+        return not self._unary(self._stub.KvPut, req).absent
 
     def kv_get(self, namespace: str, key: str) -> bytes | None:
         resp = self._unary(self._stub.KvGet, pb.KvGetRequest(namespace=namespace, key=key))
@@ -420,8 +422,10 @@ class AsyncMasterClient:
         req = _send_command_request(kind, stage_ids, args, timeout_s, replica_ids, keep_serving)
         return wire.results_from_pb(await self._unary("SendCommand", req, timeout=timeout_s + 5))
 
-    async def kv_put(self, namespace: str, key: str, value: bytes) -> None:
-        await self._unary("KvPut", pb.KvPutRequest(namespace=namespace, key=key, value=value))
+    async def kv_put(self, namespace: str, key: str, value: bytes, only_if_exists: bool = False) -> bool:
+        """Whether it wrote: `only_if_exists` writes only over a value the key holds now."""
+        req = pb.KvPutRequest(namespace=namespace, key=key, value=value, only_if_exists=only_if_exists)
+        return not (await self._unary("KvPut", req)).absent
 
     async def kv_get(self, namespace: str, key: str) -> bytes | None:
         resp = await self._unary("KvGet", pb.KvGetRequest(namespace=namespace, key=key))

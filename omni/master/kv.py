@@ -96,7 +96,9 @@ class KvStore:
     def limits(self, namespace: str) -> Limits:
         return self._limits.get(namespace, DEFAULT_LIMITS)
 
-    def put(self, namespace: str, key: str, value: bytes) -> None:
+    def put(self, namespace: str, key: str, value: bytes, only_if_exists: bool = False) -> bool:
+        """Store `value` at namespace/key; whether it did. `only_if_exists`: only over a value the key holds
+        now (not expired), so an update cannot bring back what a delete removed; False when it held none."""
         _check(namespace, key)
         lim = self.limits(namespace)
         if len(value) > lim.max_value_bytes:
@@ -105,6 +107,8 @@ class KvStore:
         self._expire(namespace)
         if namespace not in self._data and len(self._data) >= MAX_NAMESPACES:
             raise KvFull(f"the kv store holds {MAX_NAMESPACES} namespaces, the limit")
+        if only_if_exists and key not in self._data.get(namespace, {}):
+            return False
         items = self._data.setdefault(namespace, {})
         if key not in items and len(items) >= lim.max_entries:
             raise KvFull(f"kv namespace {namespace!r} holds {lim.max_entries} entries, the limit; delete some")
@@ -115,6 +119,7 @@ class KvStore:
         items[key] = bytes(value)
         self._written.setdefault(namespace, {})[key] = self._clock()
         self._persist(namespace)
+        return True
 
     def get(self, namespace: str, key: str) -> bytes | None:
         _check(namespace, key)

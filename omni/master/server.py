@@ -318,8 +318,9 @@ class MasterServicer(pb_grpc.MasterServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
     async def KvPut(self, request, context):
-        await self._kv(context, self.kv.put, request.namespace, request.key, request.value)
-        return pb.KvPutResponse()
+        written = await self._kv(context, self.kv.put, request.namespace, request.key, request.value,
+                                 request.only_if_exists)
+        return pb.KvPutResponse(absent=not written)
 
     async def KvGet(self, request, context):
         value = await self._kv(context, self.kv.get, request.namespace, request.key)

@@ -123,10 +123,10 @@ class SmallKv(LocalKv):
         super().__init__()
         self.limit = limit
 
-    async def kv_put(self, namespace, key, value):
+    async def kv_put(self, namespace, key, value, only_if_exists=False):
         if len(value) > self.limit:
             raise BadRequest(f"value for {namespace}/{key} is {len(value)} bytes; the limit is {self.limit}")
-        await super().kv_put(namespace, key, value)
+        return await super().kv_put(namespace, key, value, only_if_exists)
 
 
 async def test_a_job_error_is_cut_to_fit_the_kv(tokenizer, tmp_path):
@@ -183,7 +183,7 @@ async def test_a_full_job_store_is_a_400_naming_the_limit(tokenizer, tmp_path):
             return "kv namespace 'jobs' holds 10000 entries, the limit; delete some"
 
     class FullKv(LocalKv):
-        async def kv_put(self, namespace, key, value):
+        async def kv_put(self, namespace, key, value, only_if_exists=False):
             raise from_rpc_error(Full(), "127.0.0.1:1")
 
     jobs = Jobs(FullKv(), Results(tmp_path))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 
 import httpx
 import numpy as np
@@ -61,8 +62,8 @@ class MasterKv(LocalKv):
     def __init__(self):
         self.store = KvStore()
 
-    async def kv_put(self, namespace, key, value):
-        self.store.put(namespace, key, value)
+    async def kv_put(self, namespace, key, value, only_if_exists=False):
+        return self.store.put(namespace, key, value, only_if_exists)
 
     async def kv_get(self, namespace, key):
         return self.store.get(namespace, key)
@@ -272,6 +273,41 @@ async def test_the_largest_video_record_fits_the_kv_value_cap(tmp_path, char):
     assert v["status"] == "completed" and v["prompt"] == v["negative_prompt"] == text and orch.requests[0].text == text
     blob = kv.store.get("jobs", v["id"])
     assert len(blob) - 2 * len(json.dumps(text, ensure_ascii=False).encode()) < 2048
+
+
+class GatedKv(LocalKv):
+    """Holds the write of a record of status `hold` until `gate` is set: a master round trip under load, while
+    another frontend's DELETE lands (the run had read the record, or checks nothing, before writing)."""
+
+    def __init__(self, hold: str):
+        super().__init__()
+        self.hold, self.held, self.gate = hold, asyncio.Event(), asyncio.Event()
+
+    async def kv_put(self, namespace, key, value, **kw):
+        if json.loads(value).get("status") == self.hold:
+            self.held.set()
+            await self.gate.wait()
+        return await super().kv_put(namespace, key, value, **kw)
+
+
+@pytest.mark.parametrize("hold", ["in_progress", "completed"])
+async def test_a_delete_between_a_runs_read_and_write_stays_deleted(tmp_path, hold):
+    """The master's KV had no conditional write: a DELETE landing while the run wrote `in_progress` (or its
+    final record) was undone by that write, and the video came back and ran to completion. Now both writes
+    are only-if-exists: the video stays deleted, never runs (in_progress) and leaves no result file."""
+    kv = GatedKv(hold)
+    orch, jobs0, c0 = frontend(kv, tmp_path, 0)
+    _, _, c1 = frontend(kv, tmp_path, 1)
+    v = (await c0.post("/v1/videos", json={"prompt": "a cat"})).json()
+    await asyncio.wait_for(kv.held.wait(), 10)
+    assert (await c1.delete(f"/v1/videos/{v['id']}")).status_code == 200
+    kv.gate.set()
+    await settle(jobs0)
+    for c in (c0, c1):
+        assert (await c.get(f"/v1/videos/{v['id']}")).status_code == 404
+        assert (await c.get("/v1/videos")).json()["data"] == []
+    assert len(orch.requests) == (0 if hold == "in_progress" else 1)
+    assert os.listdir(tmp_path) == [] and await kv.kv_get("jobs", v["id"]) is None
 
 
 async def test_no_video_stage_is_404_and_other_ids_are_no_videos(tmp_path):

@@ -351,7 +351,7 @@ async def test_a_starting_frontend_sweeps_results_without_records(tmp_path, on_d
 
 
 class DownKv(LocalKv):
-    async def kv_put(self, *a):
+    async def kv_put(self, *a, **kw):
         raise Unavailable("cannot reach the omni master at 127.0.0.1:1: connection refused")
 
     kv_get = kv_list = kv_delete = kv_put

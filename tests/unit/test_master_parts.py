@@ -154,3 +154,55 @@ def test_render_table_and_problems():
     empty = Status([], [], "", False, 5.0, {})
     assert empty.problems() == ["the master has no pipeline config yet (nothing has registered)"]
     assert json.loads(json.dumps(wire.command_kind("sleep"))) == 2
+
+
+def test_kv_put_only_if_exists_never_brings_back_a_deleted_key(tmp_path):
+    """A conditional write: an update (a job's status) that a delete in between must not undo."""
+    now = [1000.0]
+    kv = KvStore(tmp_path, limits={"jobs": Limits(ttl_s=60)}, clock=lambda: now[0])
+    assert kv.put("jobs", "j", b"queued") is True
+    assert kv.put("jobs", "j", b"running", only_if_exists=True) is True and kv.get("jobs", "j") == b"running"
+    assert kv.delete("jobs", "j")
+    assert kv.put("jobs", "j", b"done", only_if_exists=True) is False
+    assert kv.get("jobs", "j") is None and not (tmp_path / "kv" / "jobs.json").exists()
+    assert kv.put("other", "k", b"v", only_if_exists=True) is False and kv.list("other") == ({}, "")
+    kv.put("jobs", "old", b"queued")
+    now[0] += 61                                  # expired: as good as deleted
+    assert kv.put("jobs", "old", b"done", only_if_exists=True) is False and kv.get("jobs", "old") is None
+    with pytest.raises(KvError, match="bad kv namespace"):   # still checked first
+        kv.put("../x", "k", b"", only_if_exists=True)
+
+
+def test_kv_put_only_if_exists_over_grpc_sync_and_async():
+    import asyncio
+
+    from omni.master.client import AsyncMasterClient, MasterClient
+    from omni.master.configdiff import hash_config
+    from omni.master.server import MasterServer
+
+    cfg = {"model": "m", "stages": [{"stage_id": 0, "engine_args": {}}]}
+    server = MasterServer(cfg, hash_config(cfg))
+    server.start()
+    try:
+        client = MasterClient(server.address)
+        assert client.kv_put("jobs", "j", b"queued") is True
+        assert client.kv_put("jobs", "j", b"running", only_if_exists=True) is True
+        assert client.kv_get("jobs", "j") == b"running" and client.kv_delete("jobs", "j")
+        assert client.kv_put("jobs", "j", b"done", only_if_exists=True) is False
+        assert client.kv_get("jobs", "j") is None
+        client.close()
+
+        async def via_asyncio():
+            ac = AsyncMasterClient(server.address)
+            try:
+                made = await ac.kv_put("jobs", "a", b"queued")
+                updated = await ac.kv_put("jobs", "a", b"done", only_if_exists=True)
+                await ac.kv_delete("jobs", "a")
+                return made, updated, await ac.kv_put("jobs", "a", b"x", only_if_exists=True), \
+                    await ac.kv_get("jobs", "a")
+            finally:
+                await ac.close()
+
+        assert asyncio.run(via_asyncio()) == (True, True, False, None)
+    finally:
+        server.stop(grace=0.2)
