@@ -191,6 +191,7 @@ def _run_stage(config: DeployConfig, stage_id: int, opts: StageOptions, engine_f
         make_producer=lambda kind: make_producer(kind, host=bind_host, **producer_opts(kind)),
         consumer=MultiConsumer(token=opts.token),
         stall_timeout_s=config.pipeline.stall_timeout_s,
+        published_ttl_s=config.pipeline.request_timeout_s,
         stop_request=stop,
         local_channel=local_channel,
     )

@@ -6,11 +6,12 @@ Tensors never ride here: only TensorRef descriptors.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Union
 
 import msgspec
 
-from omni.engines.base import StageFacts
+from omni.engines.base import EngineOutput, StageFacts
 from omni.engines.logprobs import Logprobs
 from omni.sampling import SamplingParams
 from omni.transport.base import TensorRef
@@ -95,6 +96,14 @@ class Output(msgspec.Struct, frozen=True, tag="out", kw_only=True):
     sample_rate: int = 0                 # Hz of the audio tensor in `tensors` (audio outputs only)
     logprobs: Logprobs | None = None     # per token id of `token_ids`, when the request asked for them
     stop_reason: int | str | None = None  # the stop token id that finished it (vLLM's stop_reason)
+
+
+def output_of(out: EngineOutput, refs: dict[str, TensorRef], queue_s: float | None, step_s: float) -> Output:
+    """The message of an engine output whose tensors went out as `refs`."""
+    return Output(request_id=out.request_id, token_ids=out.token_ids, text=out.text, tensors=refs,
+                  finished=out.finished, finish_reason=out.finish_reason, num_prompt_tokens=out.num_prompt_tokens,
+                  queue_s=queue_s, step_s=step_s, sent_at=time.time(), sample_rate=out.sample_rate,
+                  logprobs=out.logprobs, stop_reason=out.stop_reason)
 
 
 class RequestError(msgspec.Struct, frozen=True, tag="err"):

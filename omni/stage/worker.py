@@ -56,6 +56,7 @@ class StageWorker:
         consumer: Any = None,
         replica_id: str = "",
         stall_timeout_s: float = 60.0,
+        published_ttl_s: float = 300.0,
         stop_request: StopRequest | None = None,
         local_channel: bool = False,
     ):
@@ -67,7 +68,8 @@ class StageWorker:
         self._producers = OutputProducers(make_producer, stage.devices, stage.label)
         self._consumer = consumer
         self._reqs: dict[str, InFlight] = {}
-        self._published = Published()   # sent tensors not freed yet, also of requests done here
+        # sent tensors not freed yet, also of requests done here (freed published_ttl_s after: published.py)
+        self._published = Published(published_ttl_s)
         self._recent = RecentBases()   # requests taken lately: draining refuses only others
         # Backpressure: while anything is held, the engine is not stepped, so memory
         # stays bounded by the producers' limits plus one step's output.
@@ -162,6 +164,9 @@ class StageWorker:
                     stop_fd = None
             if self._held:
                 self._flush_held()
+            stale = self._published.stale(self._reqs)
+            if stale:
+                self._free_stale(stale)
             if self._stopping.is_set():
                 if stop_deadline is None:
                     stop_deadline = time.monotonic() + grace_s
@@ -349,18 +354,7 @@ class StageWorker:
             queue_s = max(0.0, time.monotonic() - req.added_at - step_s)
             if req.hold_s and not out.finished:
                 self.engine.hold(out.request_id, time.monotonic() + req.hold_s)
-        msg = m.Output(
-            request_id=out.request_id,
-            token_ids=out.token_ids,
-            text=out.text,
-            tensors=refs,
-            finished=out.finished,
-            finish_reason=out.finish_reason,
-            num_prompt_tokens=out.num_prompt_tokens,
-            queue_s=queue_s,
-            step_s=step_s,
-            sent_at=time.time(), sample_rate=out.sample_rate, logprobs=out.logprobs, stop_reason=out.stop_reason,
-        )
+        msg = m.output_of(out, refs, queue_s, step_s)
         if out.finished:
             del self._reqs[out.request_id]
         self._send(req.frontend, msg)
@@ -409,6 +403,13 @@ class StageWorker:
     def _free_owner(self, rid: str) -> None:
         self._producers.free_owner(rid)
         self._published.forget(rid)
+
+    def _free_stale(self, rids: list[str]) -> None:
+        logger.warning("%s: freed the tensors of %d request(s) done here that no frontend freed within %.0f s "
+                       "(request_timeout_s; a frontend on ZMQ gone unseen?): %s", self.stage.label, len(rids),
+                       self._published.ttl_s, ", ".join(rids[:5]) + (", ..." if len(rids) > 5 else ""))
+        for rid in rids:
+            self._free_owner(rid)
 
     def _fail(self, rid: str, message: str, kind: str = "internal") -> None:
         req = self._reqs.pop(rid, None)

@@ -142,3 +142,70 @@ def test_a_request_failed_here_is_reported_before_its_tensors_are_freed(setup):
     w.engine.step = lambda: [EngineOutput(request_id="r1", error="boom")]
     w._step()
     assert held_at_send[-1] == {1: "r1"} and prod.slots == {} and not w._reqs
+
+
+def test_a_zmq_frontend_that_dies_after_the_finish_has_its_tensors_freed_after_the_ttl():
+    """A frontend on ZMQ (another host, or after a fallback from the local channel) that dies after a
+    request finished here, before its FreeTensors: nothing is sent to it again, so the stage never saw
+    it go and held those tensors until the replica restarted. They go published_ttl_s (the pipeline's
+    request_timeout_s) after their publish; before that, nothing is freed."""
+    import threading
+    import time
+
+    import msgspec
+
+    from tests.unit.test_stage_worker import dealer
+
+    prod = Producer()
+    w = StageWorker(StageConfig(stage_id=0, engine="count", name="thinker"), OneShot(), token="secret",
+                    make_producer=lambda k: prod, published_ttl_s=1.5)
+    t = threading.Thread(target=w.run, kwargs={"grace_s": 1.0}, daemon=True)
+    t.start()
+    try:
+        enc, dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(m.FromStage)
+        for i in range(2):
+            s = dealer(w.endpoint, ident=b"fe-%d" % i)
+            s.send(enc.encode(m.Hello(f"fe-{i}", "secret")))
+            assert dec.decode(s.recv()).ok
+            s.send(enc.encode(m.AddRequest(request_id=f"r{i}", prompt_token_ids=[1], out_transport="shm")))
+            out = dec.decode(s.recv())
+            assert out.finished and prod.slots[out.tensors["h"].key] == f"r{i}"
+            if i == 1:      # a live frontend frees its own
+                s.send(enc.encode(m.FreeTensors([out.tensors["h"].key], "shm")))
+            s.close(0)      # the other dies without a word
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline and prod.slots != {1: "r0"}:
+            time.sleep(0.01)
+        assert prod.slots == {1: "r0"}
+        time.sleep(0.5)
+        assert prod.slots == {1: "r0"}          # not before the ttl
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and prod.slots:
+            time.sleep(0.05)
+        assert prod.slots == {} and len(w._published) == 0
+    finally:
+        w.stop()
+        t.join(10)
+
+
+def test_only_requests_done_here_go_stale_and_only_after_the_ttl(monkeypatch):
+    from omni.stage import published
+
+    now = [100.0]
+    monkeypatch.setattr(published.time, "monotonic", lambda: now[0])
+    p = published.Published(ttl_s=10.0)
+    ref = lambda k: TensorRef(transport="shm", endpoint="x", key=k, dtype="float32", shape=(1,), nbytes=4)  # noqa: E731
+    p.add(b"fe", "old", [ref(1)])
+    p.add(b"fe", "live", [ref(2)])
+    now[0] = 105.0
+    p.add(b"fe", "new", [ref(3)])
+    p.add(b"fe", "none", [])                     # nothing published: nothing to free
+    now[0] = 110.0
+    assert p.stale({"live"}) == ["old"]
+    assert p.stale(set()) == []                  # looks once a SWEEP_S
+    now[0] = 111.5
+    p.add(b"fe", "old", [ref(4)])                # publishes again: its clock restarts
+    assert p.stale(set()) == ["live"]
+    p.freed("shm", [2])
+    now[0] = 130.0
+    assert p.stale(set()) == ["new", "old"]
