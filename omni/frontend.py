@@ -199,7 +199,7 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
         app = build_app(
             orch, tokenizer,
             served_model_name=served_model_name or config.model,
-            model_aliases=list(config.aliases) + [config.model],
+            model_aliases=list(config.aliases) + [config.model], model_path=config.model,
             frontend_index=index,
             max_model_len=max_model_len or _max_model_len(config), num_stages=len(config.stages),
             default_modalities=config.pipeline.default_modalities,

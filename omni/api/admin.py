@@ -25,7 +25,7 @@ class AdminRoutes:
         self.fe = fe
         # The model list never changes while the frontend runs: encoded once. As vLLM's: a card per
         # served name, in --served-model-name's order; then the other names answered to (aliases).
-        data = [{"id": n, "object": "model", "created": fe.created, "owned_by": "omni", "root": fe.model,
+        data = [{"id": n, "object": "model", "created": fe.created, "owned_by": "omni", "root": fe.model_path,
                  "parent": None, "max_model_len": fe.max_model_len}
                 for n in [*fe.served_names, *sorted(fe.names - set(fe.served_names))]]
         self._models = msgspec.json.encode({"object": "list", "data": data})

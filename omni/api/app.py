@@ -40,7 +40,8 @@ def build_app(orchestrator: OrchestratorLike, tokenizer: Any, *, served_model_na
               speakers: tuple[str, ...] = (), default_voice: str | None = None,
               limits: HttpLimits | None = None, max_speech_chars: int = 4096,
               images: ImageSettings | None = None, videos: VideoSettings | None = None,
-              num_stages: int | None = None, default_modalities: tuple[str, ...] = ("text",)) -> Starlette:
+              num_stages: int | None = None, default_modalities: tuple[str, ...] = ("text",),
+              model_path: str | None = None) -> Starlette:
     """`served_model_name`: one name or several (the first reported); `api_key`: one key or several
     (any one accepted). `jobs`: the async job routes' state (master KV + shared result dir); in memory when None.
     `limits`: request body cap and body timeout (the defaults when None). `images`: the image
@@ -51,7 +52,7 @@ def build_app(orchestrator: OrchestratorLike, tokenizer: Any, *, served_model_na
                        default_max_tokens=default_max_tokens, max_tokens_limit=max_tokens_limit,
                        speech_entry_stage=speech_entry_stage, voices=voices, sampling_defaults=sampling_defaults,
                        audio_out=audio_out, speakers=speakers, default_voice=default_voice,
-                       max_speech_chars=max_speech_chars)
+                       max_speech_chars=max_speech_chars, model_path=model_path)
     jobs = jobs if jobs is not None else Jobs(frontend_index=frontend_index)
     admin = AdminRoutes(fe)
     families = {"text": TextRoutes(fe), "speech": SpeechRoutes(fe), "images": ImageRoutes(fe, images),

@@ -74,13 +74,14 @@ class FrontendState:
                  model_aliases, frontend_index: int, max_model_len: int, default_max_tokens: int,
                  max_tokens_limit: int | None, speech_entry_stage: int | None, voices,
                  sampling_defaults: SamplingOverrides | None, audio_out: bool | None = None, speakers: tuple[str, ...] = (),
-                 default_voice: str | None = None, max_speech_chars: int = 4096):
+                 default_voice: str | None = None, max_speech_chars: int = 4096, model_path: str | None = None):
         self.orch = orchestrator
         self.tokenizer = tokenizer
         # --served-model-name's names (vLLM's list): each answered to, the first reported.
         self.served_names = ((served_model_name,) if isinstance(served_model_name, str)
                              else tuple(dict.fromkeys(served_model_name)))
         self.model = self.served_names[0]
+        self.model_path = model_path or self.model     # /v1/models' `root`, as vLLM's: MODEL as given
         self.names = {*self.served_names, *model_aliases}
         self.frontend_index = frontend_index
         self.max_model_len = max_model_len

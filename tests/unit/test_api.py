@@ -429,6 +429,9 @@ async def test_models(tokenizer):
     d = (await c.get("/v1/models")).json()
     assert d["object"] == "list" and [m["id"] for m in d["data"]] == ["tiny", "b"]
     assert all(m["owned_by"] == "omni" and m["object"] == "model" for m in d["data"])
+    assert [m["root"] for m in d["data"]] == ["tiny", "tiny"]      # no path given: the served name
+    _, c = make(tokenizer, served_model_name=["a", "b"], model_path="/models/Qwen3-Omni")
+    assert [m["root"] for m in (await c.get("/v1/models")).json()["data"]] == ["/models/Qwen3-Omni"] * 2  # vLLM's: MODEL
 
 
 async def test_health(tokenizer):
