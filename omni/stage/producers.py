@@ -67,10 +67,33 @@ class OutputProducers:
         try:
             for name, tensor in tensors.items():
                 refs[name] = self.put(req, tensor, owner)
+        except ProducerFull:
+            self.free_refs(refs)
+            self._check_fits(req, tensors, self.kind_for(req, tensor))
+            raise
         except BaseException:
             self.free_refs(refs)
             raise
         return refs
+
+    def _check_fits(self, req: InFlight, tensors: dict[str, Any], kind: str) -> None:
+        """After `kind`'s producer was full for this output (its refs freed again): TransportError if
+        the output can never fit there, so its request fails at once rather than holding the whole
+        stage for stall_timeout_s: the producer holds nothing else (first-fit into the same empty
+        arena fails the same way), or the output alone is over its capacity."""
+        producer = self.producer(kind)
+        mine = [t for t in tensors.values() if family(self.kind_for(req, t)) == family(kind)]
+        need = sum(t.numel() * t.element_size() for t in mine)
+        cap = producer.capacity_bytes()
+        if cap and need > cap:
+            why = f"{need} bytes > {cap}"
+        elif producer.bytes_in_use() == 0:
+            why = f"{need} bytes in {len(mine)} tensors, in aligned slots, do not fit {cap} even empty"
+        else:
+            return
+        where = "arena" if producer.limit_name == "arena_bytes" else "producer"
+        raise TransportError(f"output too large for the connector's {kind} {where} ({why}): raise "
+                             f"{producer.limit_name or 'its limit'}")
 
     def kind_for(self, req: InFlight, tensor: Any) -> str:
         """The request's transport, or cuda_ipc for a CUDA tensor where `auto` allows it."""

@@ -14,6 +14,7 @@ from omni.transport.base import ProducerFull, TensorProducer, TransportError
 
 class ArenaProducer(TensorProducer):
     transport = ""
+    limit_name = "arena_bytes"
 
     def __init__(self, arena_bytes: int, max_segments: int, align: int, name: str):
         self.arena_bytes = arena_bytes
@@ -68,6 +69,9 @@ class ArenaProducer(TensorProducer):
     def bytes_in_use(self) -> int:
         with self._lock:
             return self._book.bytes_in_use()
+
+    def capacity_bytes(self) -> int:
+        return self.arena_bytes * self.max_segments
 
     def close(self) -> None:
         with self._lock:

@@ -50,7 +50,14 @@ class TensorProducer(abc.ABC):
     @abc.abstractmethod
     def free_owner(self, owner: str) -> None: ...
 
+    # The setting that bounds what it holds unacked (named when an output can never fit).
+    limit_name = ""
+
     def bytes_in_use(self) -> int:
+        return 0
+
+    def capacity_bytes(self) -> int:
+        """The most bytes it holds unacked; 0: no bound."""
         return 0
 
     @abc.abstractmethod

@@ -55,6 +55,7 @@ class KeyedProducer(TensorProducer):
     change how the bytes travel (`_send_payload`) and what a connection sets up."""
 
     transport = "tcp"
+    limit_name = "max_bytes_held"
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
                  max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES, advertise_host: str | None = None,
@@ -180,6 +181,9 @@ class KeyedProducer(TensorProducer):
     def bytes_in_use(self) -> int:
         with self._lock:
             return self._bytes
+
+    def capacity_bytes(self) -> int:
+        return self.max_bytes_held
 
     def close(self) -> None:
         with self._lock:

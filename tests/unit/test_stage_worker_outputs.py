@@ -102,22 +102,30 @@ class Labelled:
         for k in [k for k, o in self.slots.items() if o == owner]:
             del self.slots[k]
 
+    def bytes_in_use(self):
+        return 16 * len(self.slots)
+
+    def capacity_bytes(self):
+        return 16 * self.room
+
     def close(self):
         pass
 
 
 @pytest.mark.parametrize("configured,label", [("gloo", "nccl"), ("nccl", "gloo")])
 def test_a_partly_published_output_is_freed_under_the_refs_name(configured, label):
-    """Room for one of an output's two tensors: the first is freed again and the output held.
-    free_refs looked the producer up by the ref's name: a KeyError that killed the stage."""
-    prod = Labelled(label, room=1)
+    """With another request's two tensors held, room for one of an output's two: the first is freed
+    again and the output held. free_refs looked the producer up by the ref's name: a KeyError that
+    killed the stage."""
+    prod = Labelled(label, room=3)
     w, sent = worker(OneShot(lambda: {"a": torch.zeros(4), "b": torch.zeros(4)}), lambda kind: prod)
     try:
         request(w, "r0", configured)
-        assert prod.slots == {} and w._held and not sent
-        prod.room = 2
+        request(w, "r1", configured)
+        assert list(prod.slots.values()) == ["r0", "r0"] and w._held and len(sent) == 1
+        w._handle(b"fe", m.FreeTensors([r.key for r in sent[0].tensors.values()], label))
         w._flush_held()
-        assert not w._held and set(sent[-1].tensors) == {"a", "b"}
+        assert not w._held and sent[-1].request_id == "r1" and set(sent[-1].tensors) == {"a", "b"}
         w._handle(b"fe", m.FreeTensors([r.key for r in sent[-1].tensors.values()], label))
         assert prod.slots == {} and len(w._published) == 0
     finally:
@@ -150,5 +158,55 @@ def test_a_producer_error_fails_that_request_only_and_frees_what_it_put():
         assert prod.slots == {} and len(w._published) == 0 and not w._reqs and w.engine.aborted == ["r0"]
         request(w, "r1", "shm")                    # the stage goes on
         assert isinstance(sent[-1], m.Output) and set(sent[-1].tensors) == {"a", "b"}
+    finally:
+        w.close()
+
+
+@pytest.mark.parametrize("kind,opts,floats,why", [
+    ("shm", {"arena_bytes": 4096, "max_segments": 1}, 600, "4800 bytes > 4096"),
+    ("shm", {"arena_bytes": 4096, "max_segments": 1}, 500, "4000 bytes in 2 tensors, in aligned slots, do not fit 4096"),
+    ("tcp", {"max_bytes_held": 3000}, 400, "3200 bytes > 3000"),
+])
+def test_an_output_that_can_never_fit_fails_its_request_at_once(kind, opts, floats, why):
+    """Each tensor fits the producer, the output does not, even with nothing else held: it was held,
+    the stage stepped nothing for stall_timeout_s (60 s), then the request failed saying consumers
+    must free tensors. Now it fails at once naming the setting; an output that fits goes on."""
+    made = []
+
+    def make(k):
+        made.append(make_producer(k, **opts))
+        return made[-1]
+
+    size = [floats]
+    w, sent = worker(OneShot(lambda: {"a": torch.ones(size[0]), "b": torch.ones(size[0])}), make)
+    w.stall_timeout_s = 3600.0
+    try:
+        request(w, "r0", kind)
+        err = sent[-1]
+        assert isinstance(err, m.RequestError) and err.request_id == "r0" and not w._held
+        limit = "arena_bytes" if kind == "shm" else "max_bytes_held"
+        assert f"too large for the connector's {kind}" in err.message and why in err.message
+        assert err.message.endswith(f"raise {limit}")
+        assert made[0].bytes_in_use() == 0 and not w._reqs
+        size[0] = 100
+        request(w, "r1", kind)
+        assert isinstance(sent[-1], m.Output) and set(sent[-1].tensors) == {"a", "b"}
+    finally:
+        w.close()
+
+
+def test_an_output_that_fits_once_others_are_freed_waits():
+    """Backpressure is unchanged: with another request's tensors held, an output that fits the
+    empty arena waits for them to be freed."""
+    w, sent = worker(OneShot(lambda: {"a": torch.ones(400)}),
+                     lambda k: make_producer(k, arena_bytes=4096, max_segments=1))
+    try:
+        request(w, "r0", "shm")
+        request(w, "r1", "shm")
+        request(w, "r2", "shm")                  # 3 x (1600 + 64) > 4096: held
+        assert len(sent) == 2 and w._held
+        w._handle(b"fe", m.FreeTensors([sent[0].tensors["a"].key], "shm"))
+        w._flush_held()
+        assert len(sent) == 3 and isinstance(sent[-1], m.Output) and not w._held
     finally:
         w.close()
