@@ -212,3 +212,23 @@ def test_flags_before_model_still_spread_the_values_after_it():
         ["serve", "-oma", "h", "m", "--api-key", "k1", "--api-key", "k2"]
     argv = ["serve", "m", "--", "--api-key", "k1", "k2"]    # after `--`: left to typer
     assert spread_several_values(argv) == argv
+
+
+def test_keys_before_model_spread_and_are_never_echoed():
+    """`serve --dry-run MODEL --api-key K1 K2` failed with "unexpected argument 'K2'", a key on stderr."""
+    r = omni("serve", "--dry-run", "smollm2", "--api-key", "K1zq", "K2zq")
+    assert r.returncode == 0, r.stderr
+    assert "zq" not in r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["smollm2", "--control-api-key", "K1zq", "K2zq"], "--control-api-key takes one value"),
+    (["smollm2", "--omni-token=K1zq", "K2zq"], "--omni-token takes one value"),
+    (["--api-key", "K1zq", "K2zq", "K3zq", "smollm2"], "put MODEL right after `serve`: omni serve MODEL"),
+    (["--api-key", "K1zq", "K2zq"], "no bundled deploy config for model '***'"),   # K2 taken as MODEL
+])
+def test_a_word_after_a_secret_flag_is_never_echoed(args, message):
+    r = omni("serve", *args, "--dry-run")
+    assert r.returncode == 2, r.stderr
+    assert message in r.stderr
+    assert "zq" not in r.stdout + r.stderr
