@@ -7,8 +7,10 @@ first-fit, freed on ack, as shm's; alloc.KeyedSlots); a consumer maps each segme
 interprocess event, the fence) and afterwards a TensorRef (segment, offset, dtype, shape) is
 all that travels. Tensors are never pickled.
 
-Ordering: `put` copies on the producer's copy stream and records the fence there; the
-consumer's copy stream waits on the fence on the GPU, so no host waits for the other's queue.
+Ordering: `put` copies on the producer's copy stream (after the caller's stream) and records the
+fence there; the caller's stream waits on the fence, so a later in-place write to the source comes
+after the copy; the consumer's copy stream waits on the fence on the GPU, so no host waits for the
+other's queue.
 `get` returns a copy that the consumer owns, complete when `get` returns: the slot may then be
 overwritten after the ack, whatever the consumer's own GPU queue still holds (a view read by a
 kernel queued before the ack would race the producer's next copy into the slot).

@@ -166,8 +166,9 @@ class HostMemory(ArenaMemory):
 class CudaMemory(ArenaMemory):
     """Device memory shared by CUDA IPC. The producer copies into a slot on its own copy stream
     (after the caller's stream, so the source is computed) and records one interprocess event
-    there; the consumer's copy stream waits on that event on the GPU, so neither host blocks for
-    the other's queue. One event serves every put: all are recorded on the one copy stream, so the
+    there, which the caller's stream then waits on (a later in-place write to the source comes after
+    the copy); the consumer's copy stream waits on that event on the GPU, so neither host blocks
+    for the other's queue. One event serves every put: all are recorded on the one copy stream, so the
     latest record comes after every copy before it."""
 
     kind = "cuda"
@@ -216,10 +217,14 @@ class CudaMemory(ArenaMemory):
 
     def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         stream, event = self._stream(self.device), self._fence()
-        stream.wait_stream(torch.cuda.current_stream(self.device))
+        current = torch.cuda.current_stream(self.device)
+        stream.wait_stream(current)    # the copy comes after the work that computed src
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
             event.record(stream)
+        # ... and the caller's later work (an in-place write into src) after the copy: on the GPU,
+        # no host wait. The event's record of this put is the one waited on.
+        current.wait_event(event)
         src.record_stream(stream)   # the caller may drop src before the copy has run
 
     def open(self, grant: Grant, fds: list[int]) -> Mapping:

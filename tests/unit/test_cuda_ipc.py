@@ -195,6 +195,38 @@ def test_cuda_memory_without_a_gpu_is_refused_by_name():
 
 
 # -- the real thing: two processes on one GPU (skipped without one) -----------------------------
+def test_the_copy_in_is_ordered_both_ways_with_the_callers_stream():
+    """On the CUDA emulator (streams recorded, not run): the copy stream waits for the caller's stream
+    (src is computed), records the fence after the copy, and the caller's stream then waits on that
+    fence, so the caller's later in-place write to src cannot overtake the copy. The last wait was
+    missing. (On a GPU: test_cuda_tensors_reach_a_consumer_process_in_order_of_the_fence.)"""
+    from omni.transport.ipc_memory import CudaMemory
+    from tests.unit.fake_cuda import FakeCuda
+
+    calls: list[tuple[str, str, list]] = []
+
+    class Rec:
+        def __init__(self, name):
+            self.name = name
+
+        def __getattr__(self, attr):
+            return lambda *a, **k: calls.append((self.name, attr, [getattr(x, "name", x) for x in a]))
+
+    with FakeCuda(), torch.no_grad():
+        current, copy, fence = Rec("current"), Rec("copy"), Rec("fence")
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(torch.cuda, "current_stream", lambda *a, **k: current)
+            mem = CudaMemory.__new__(CudaMemory)
+            mem.device, mem._streams, mem._event = torch.device("cuda", 0), {0: copy}, fence
+            dst = torch.zeros(8, dtype=torch.uint8, device="cuda")
+            src = torch.arange(8, dtype=torch.uint8, device="cuda")
+            src.record_stream = lambda s: calls.append(("src", "record_stream", [s.name]))
+            mem.copy_in(dst, src)
+        assert torch.equal(dst.cpu(), torch.arange(8, dtype=torch.uint8))
+    assert calls == [("copy", "wait_stream", ["current"]), ("fence", "record", ["copy"]),
+                     ("current", "wait_event", ["fence"]), ("src", "record_stream", ["copy"])]
+
+
 @pytest.mark.cuda
 def test_cuda_tensors_reach_a_consumer_process_in_order_of_the_fence():
     producer = make_producer("cuda_ipc", arena_bytes=64 << 20)
