@@ -12,7 +12,7 @@ from typing import Any, List, Optional
 import typer
 
 from omni import envs
-from omni.cli_argv import SECRET_FLAGS, hide_secrets, spread_several_values  # noqa: F401 (omni.cli's API)
+from omni.cli_argv import SECRET_FLAGS, hide_secrets, mask_in_message, spread_several_values  # noqa: F401 (omni.cli's API)
 from omni.errors import ConfigError, OmniError
 
 app = typer.Typer(
@@ -337,13 +337,14 @@ def _mask_process_title(argv: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = spread_several_values(list(sys.argv[1:] if argv is None else argv))
-    _mask_process_title(argv)   # after the spread: each of several keys is masked
+    argv = given = list(sys.argv[1:] if argv is None else argv)
     try:
+        argv = spread_several_values(argv)
+        _mask_process_title(argv)   # after the spread: each of several keys is masked
         argv = fold_dotted_args([SHORT_FLAGS.get(a, a) for a in argv])
         app(args=argv, prog_name="omni", standalone_mode=True)
     except OmniError as e:
-        print(f"omni: error: {e}", file=sys.stderr)
+        print(f"omni: error: {mask_in_message(str(e), given)}", file=sys.stderr)
         sys.exit(2)
 
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 import functools
 import sys
 
-__all__ = ["SECRET_FLAGS", "SEVERAL_VALUES", "hide_secrets", "spread_several_values"]
+from omni.errors import ConfigError
+
+__all__ = ["SECRET_FLAGS", "SEVERAL_VALUES", "hide_secrets", "mask_in_message", "spread_several_values"]
 
 SECRET_FLAGS = {"--omni-token": "OMNI_TOKEN", "--api-key": "OMNI_API_KEY",
                 "--control-api-key": "OMNI_CONTROL_API_KEY"}
@@ -88,6 +90,7 @@ def spread_several_values(argv: list[str]) -> list[str]:
             while model_seen and i < len(argv) and not argv[i].startswith("-"):
                 values.append(argv[i])
                 i += 1
+            _refuse_stray_secret(name, argv[i:i + 2], model_seen)
             items.append((name, values))
         else:
             items.append(arg)
@@ -95,6 +98,7 @@ def spread_several_values(argv: list[str]) -> list[str]:
                 if not eq and i < len(argv):
                     items.append(argv[i])
                     i += 1
+                _refuse_stray_secret(name, argv[i:i + 2], model_seen)
             elif name not in flags and not model_seen:
                 model_seen = True     # typer's MODEL (an unknown option here would be taken as MODEL too)
     last = {item[0]: n for n, item in enumerate(items) if isinstance(item, tuple)}
@@ -106,3 +110,40 @@ def spread_several_values(argv: list[str]) -> list[str]:
             for value in item[1]:
                 out += [item[0], value]
     return out
+
+
+def _refuse_stray_secret(name: str, following: list[str], model_seen: bool) -> None:
+    """A word after a secret flag's value(s) that typer could not place fails there as "unexpected argument
+    'WORD'": refused here instead, without echoing it (it may be a key). `following`: the next two tokens."""
+    if name not in SECRET_FLAGS:
+        return
+    bare = [not token.startswith("-") for token in following]
+    if model_seen and bare[:1] == [True]:       # after MODEL: --api-key took every bare word already
+        raise ConfigError(f"{name} takes one value; the word after it is unexpected (not shown: it may be a "
+                          "secret)")
+    if not model_seen and bare == [True, True]:  # the first would be MODEL, the second is unexpected
+        raise ConfigError(f"{name}: more words follow its value than MODEL (not shown: they may be secrets); put "
+                          f"MODEL right after `serve`: omni serve MODEL {name} VALUE ..."
+                          + (" (several keys: --api-key K1 K2)" if name == "--api-key" else ""))
+
+
+def mask_in_message(message: str, argv: list[str]) -> str:
+    """An error message with each word that follows a secret flag on the command line (its value, and the
+    bare words after it: more keys, or MODEL typed after a key) shown as '***' where it is quoted."""
+    words, i = set(), 0
+    while i < len(argv):
+        name, eq, inline = argv[i].partition("=")
+        i += 1
+        if name not in SECRET_FLAGS:
+            continue
+        if eq:
+            words.add(inline)
+        elif i < len(argv):
+            words.add(argv[i])
+            i += 1
+        while i < len(argv) and not argv[i].startswith("-"):
+            words.add(argv[i])
+            i += 1
+    for word in sorted(words - {""}, key=len, reverse=True):
+        message = message.replace(repr(word), "'***'")
+    return message
