@@ -234,10 +234,11 @@ def serve(
     flags.update(parse_extra_flags(list(ctx.args)))
     vllm_serve_flags.take(flags)                    # vLLM's HTTP-server options: no-ops or refused
     orchestration = vllm_omni_flags.take(flags)     # vllm-omni's own options with a meaning here
-    async_chunk = flags.pop("async_chunk", None)
-    if async_chunk is not None and not isinstance(async_chunk, bool):
-        raise ConfigError(f"--async-chunk takes no value (or --no-async-chunk), got {async_chunk!r}")
     flags.update(_json_flag("--engine-args", engine_args) or {})
+    async_chunk = flags.pop("async_chunk", None)    # also --engine-args' (vllm-omni's OmniEngineArgs field)
+    if async_chunk is not None and not isinstance(async_chunk, bool):
+        raise ConfigError(f"--async-chunk takes no value (or --no-async-chunk; async_chunk: true or false), "
+                          f"got {async_chunk!r}")
     flags = {k: v for k, v in flags.items() if v is not None}
     user_overrides = _json_flag("--stage-overrides", stage_overrides)
     config = cfg.load(model, deploy_config, user_overrides, async_chunk)

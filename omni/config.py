@@ -468,7 +468,10 @@ def load(
     if roles is not None:
         vllm_omni.check_roles(data.get("stages") or [], roles, str(path))
     data = apply_platform(data, current_platform(), str(path))
-    vllm_omni.apply_carried(data, async_chunk, str(path))
+    source = str(path)
+    if stage_overrides:
+        stage_overrides, source = vllm_omni.lift_override_chunk(data, stage_overrides, source)
+    vllm_omni.apply_carried(data, async_chunk, source)
     data["model"] = model   # the CLI's MODEL names the weights; the YAML the shape
     if stage_overrides:
         data = apply_stage_overrides(data, stage_overrides)

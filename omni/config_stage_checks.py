@@ -47,7 +47,10 @@ SERVING_ONLY_ARGS = {
     "override_generation_config": _GENERATION,
 }
 # Engine args only: `omni serve` has the flag of its own.
-_ENGINE_ARGS_ONLY = {"served_model_name": "the API's model name is `omni serve --served-model-name`"}
+_ENGINE_ARGS_ONLY = {"served_model_name": "the API's model name is `omni serve --served-model-name`",
+                     # lifted out of engine_args wherever omni reads them (config_vllm_omni.lift_chunk)
+                     "async_chunk": "it is the stage's own key (stages[i].async_chunk) or `omni serve "
+                                    "--async-chunk / --no-async-chunk`"}
 # vllm-omni's sampling of Qwen3's code predictor (the 15 residual codes of a frame), and the engines that have one
 # (tests/unit/test_config_stage_keys.py checks this against the engines' own arguments).
 SUBTALKER = "subtalker_sampling_params"

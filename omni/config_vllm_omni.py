@@ -15,7 +15,9 @@ nested under `engine_args`:
                        false opts stage i out (true changes nothing, as in vllm-omni): the stage that
                        makes audio alone decodes whole, as above; any other stage only with every stage
                        it exchanges pieces with (vllm-omni refuses an edge chunked at one end only), which
-                       changes no text or codes here; else refused naming the stage and the edge
+                       changes no text or codes here; else refused naming the stage and the edge. Also
+                       read from the stage's engine_args / engine_extras (vllm-omni's OmniEngineArgs field,
+                       a legacy stage_args entry's too) and --stage-overrides (lift_chunk): never an engine's
   pipeline: NAME       a structural variant (qwen3_omni_moe_thinker_only): omni's bundled file for it
   connectors, input_connectors / output_connectors
                        the edge's transport: SharedMemoryConnector -> auto (shared memory between
@@ -191,10 +193,6 @@ def _stages(stages: list, connectors: dict[str, tuple[str, dict[str, Any]]], sou
     for s in [s for s in stages if isinstance(s, dict)]:
         sid = s.get("stage_id")
         here = f"{source}: {key_path}[stage_id {sid}]"
-        if "async_chunk" in s:
-            chunk[sid] = s.pop("async_chunk")
-            if not isinstance(chunk[sid], bool):
-                raise ConfigError(f"{here}.async_chunk must be true or false, got {chunk[sid]!r}")
         if "runtime" in s:          # the same keys under `runtime:`; a key set on the stage itself wins
             for key, value in _runtime(s.pop("runtime"), f"{here}.runtime").items():
                 if key == "engine_args":
@@ -213,6 +211,9 @@ def _stages(stages: list, connectors: dict[str, tuple[str, dict[str, Any]]], sou
                     raise ConfigError(f"{here}.engine_extras.{key}: a stage field, not an engine arg; "
                                       "set it on the stage")
                 s.setdefault(key, value)        # flat: an engine arg, nested by config; the stage's own wins
+        own = lift_chunk(s, here)
+        if own is not None:
+            chunk[sid] = own
         for key, what in DROPPED.items():
             if key in s:
                 note(source, f"stage {sid}: {key}: {s.pop(key)!r} ignored: {what}")
@@ -235,6 +236,36 @@ def _stages(stages: list, connectors: dict[str, tuple[str, dict[str, Any]]], sou
                 if args:
                     codec[down] = {**args, **codec.get(down, {})}
     return codec, chunk
+
+
+def lift_chunk(stage: dict[str, Any], where: str) -> bool | None:
+    """The stage's own async_chunk taken out of it: flat on the stage or in its engine_args (vllm-omni's
+    OmniEngineArgs field; the engine_args' wins, as an engine arg does over a flat one); None: not set."""
+    found = {}
+    if "async_chunk" in stage:
+        found[where] = stage.pop("async_chunk")
+    args = stage.get("engine_args")
+    if isinstance(args, dict) and "async_chunk" in args:
+        stage["engine_args"] = {k: v for k, v in args.items() if k != "async_chunk"}
+        found[f"{where}.engine_args"] = args["async_chunk"]
+    for here, value in found.items():
+        if not isinstance(value, bool):
+            raise ConfigError(f"{here}.async_chunk must be true or false, got {value!r}")
+    return list(found.values())[-1] if found else None
+
+
+def lift_override_chunk(data: dict[str, Any], overrides: dict[str, Any], source: str) -> tuple[dict[str, Any], str]:
+    """--stage-overrides' async_chunk (on the stage or in its engine_args) as the stage's own async_chunk,
+    before apply_carried reads it (it wins over the YAML's); -> the overrides without it, and the source
+    apply_carried names."""
+    out = copy.deepcopy(overrides) if isinstance(overrides, dict) else overrides
+    for key, patch in (out.items() if isinstance(out, dict) else ()):
+        if isinstance(patch, dict) and isinstance(key, str) and key.strip().isdigit():
+            own = lift_chunk(patch, f"--stage-overrides: stages[{int(key)}]")
+            if own is not None:
+                data.setdefault(STAGE_CHUNK, {})[int(key)] = own
+                source = f"{source.removesuffix(' with --stage-overrides')} with --stage-overrides"
+    return out, source
 
 
 def apply_carried(data: dict[str, Any], async_chunk: bool | None, source: str = "deploy config") -> None:

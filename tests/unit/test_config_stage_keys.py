@@ -280,3 +280,55 @@ def test_the_dry_run_shows_the_overlay_resolved(tmp_path):
     stages = json.loads(r.stdout)["config"]["stages"]
     assert stages[1]["env"] == {"FOO": "1"} and stages[1]["engine_args"][SUBTALKER] == {"temperature": 0.5}
     assert stages[2]["engine_args"]["stream"] is False
+
+
+# async_chunk as an engine arg (vllm-omni's OmniEngineArgs field): it reached the engine, which failed at start
+# ("unexpected keyword argument 'async_chunk'"); it is the stage's own async_chunk wherever it is written.
+LEGACY_QWEN3 = """
+stage_args:
+  - {stage_id: 0, engine_args: {model_stage: thinker}, final_output: true, final_output_type: text}
+  - {stage_id: 1, engine_args: {model_stage: talker}, engine_input_source: [0]}
+  - stage_id: 2
+    engine_args: {model_stage: code2wav, async_chunk: false}
+    engine_input_source: [1]
+    final_output: true
+    final_output_type: audio
+"""
+
+
+@pytest.mark.parametrize("kw", [
+    {"text": "stages: [{stage_id: 2, engine_args: {async_chunk: false}}]\n"},
+    {"text": "stages: [{stage_id: 2, engine_extras: {async_chunk: false}}]\n"},
+    {"text": LEGACY_QWEN3},
+    {"text": "stages: []\n", "stage_overrides": {"2": {"async_chunk": False}}},
+    {"text": "stages: []\n", "stage_overrides": {"2": {"engine_args": {"async_chunk": False}}}},
+    # the override wins over the YAML's own
+    {"text": "stages: [{stage_id: 2, async_chunk: true}]\n", "stage_overrides": {"2": {"async_chunk": False}}},
+])
+def test_async_chunk_as_an_engine_arg_is_the_stages_own(tmp_path, kw):
+    c = load(tmp_path, kw.pop("text"), **kw)
+    assert streams(c) == [None, None, False]
+    assert not any("async_chunk" in s.engine_args for s in c.stages)
+
+
+def test_async_chunk_from_the_overrides_is_checked_as_the_stages_own(tmp_path):
+    with pytest.raises(ConfigError, match=r"--stage-overrides: stages\[2\]\.async_chunk must be true or false"):
+        load(tmp_path, "stages: []\n", stage_overrides={"2": {"async_chunk": "no"}})
+    with pytest.raises(ConfigError, match=r"with --stage-overrides: stages\[1\]\.async_chunk: false, but its edge"):
+        load(tmp_path, "stages: []\n", stage_overrides={"1": {"async_chunk": False}})
+    # the last resort: an engine arg nothing lifted (a replica's engine flags) is refused by name
+    with pytest.raises(ConfigError, match="async_chunk: not supported: it is the stage's own key"):
+        cfg.apply_engine_flags(load(tmp_path, "stages: []\n"), 2, {"async_chunk": False})
+
+
+def test_engine_args_async_chunk_on_the_command_line_is_the_flag():
+    for extra in (["--engine-args", '{"async_chunk": false}'],
+                  ["--stage-overrides", '{"2": {"async_chunk": false}}'],
+                  ["--stage-id", "2", "--headless", "--omni-master-address", "127.0.0.1", "--omni-master-port", "9",
+                   "--engine-args", '{"async_chunk": false}']):
+        r = subprocess.run([sys.executable, "-m", "omni.cli", "serve", QWEN3, *extra, "--dry-run"], cwd=REPO,
+                           capture_output=True, text=True, timeout=120, env={**os.environ, "OMNI_PLATFORM": "cuda"})
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        assert [s["engine_args"].get("stream") for s in out["config"]["stages"]] == [None, None, False], extra
+        assert "async_chunk" not in json.dumps(out["engine_flags"]) + json.dumps(out["config"])
