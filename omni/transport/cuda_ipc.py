@@ -51,6 +51,7 @@ from omni.transport.arena import ArenaProducer
 from omni.transport.base import TensorConsumer, TensorRef, TransportError
 from omni.transport.ipc_memory import MEMORY, ArenaMemory, Grant, Mapping, Segment, make_memory
 from omni.transport.server import connect_same_user, same_user_server
+from omni.transport.sweep import Sweep, listening
 from omni.transport.util import check_ref, dtype_name, flat_bytes, plain
 
 logger = logging.getLogger(__name__)
@@ -187,7 +188,8 @@ class _Opened:
 
 
 class CudaIpcConsumer(TensorConsumer):
-    """Maps each producer segment once; `get` copies the slot into a tensor of its own."""
+    """Maps each producer segment once, until that producer is found gone (sweep.py); `get` copies
+    the slot into a tensor of its own."""
 
     def __init__(self, connect_timeout: float = 10.0, token: str | None = None):
         self._timeout = connect_timeout
@@ -197,6 +199,7 @@ class CudaIpcConsumer(TensorConsumer):
         self._segments: dict[str, _Opened] = {}
         self._fences: dict[str, Any] = {}          # producer name -> its opened fence
         self._memory: dict[str, ArenaMemory] = {}  # "cuda" | "host" -> the consumer side of it
+        self._sweep = Sweep()
 
     def get(self, ref: TensorRef) -> torch.Tensor:
         dtype = check_ref(ref, ("cuda_ipc",))
@@ -222,10 +225,25 @@ class CudaIpcConsumer(TensorConsumer):
 
     def _segment(self, endpoint: str) -> _Opened:
         with self._lock:
+            if self._sweep.due() and self._segments:
+                self._forget_gone()
             seg = self._segments.get(endpoint)
             if seg is None:
                 seg = self._segments[endpoint] = self._open(endpoint)
             return seg
+
+    def _forget_gone(self) -> None:
+        """Unmap the segments (and fence) of producers that no longer listen: a dead producer's
+        device memory stays allocated while a consumer maps it."""
+        names = {_split(e)[1] for e in self._segments}
+        gone = {n for n in names if not listening(n, socket.SOCK_SEQPACKET)}
+        for endpoint in [e for e in self._segments if _split(e)[1] in gone]:
+            _release(self._segments.pop(endpoint))
+        for name in gone:
+            self._fences.pop(name, None)
+        if gone:
+            logger.info("cuda_ipc: unmapped the segments of %d gone producer(s): %s", len(gone),
+                        ", ".join(sorted(gone)))
 
     def _open(self, endpoint: str) -> _Opened:
         host, name, index = _split(endpoint)
@@ -273,7 +291,12 @@ class CudaIpcConsumer(TensorConsumer):
             segments, self._segments = self._segments, {}
             self._fences.clear()
         for seg in segments.values():
-            seg.table.close()
+            _release(seg)
+
+
+def _release(seg: _Opened) -> None:
+    seg.table.close()
+    seg.mapping.close()
 
 
 def _split(endpoint: str) -> tuple[str, str, int]:

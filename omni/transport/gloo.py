@@ -30,7 +30,8 @@ import torch.distributed as dist
 
 from omni.transport.base import TensorConsumer, TensorRef, TransportError
 from omni.transport.store import KeyValues, LocalStore, RemoteStore, StoreServer
-from omni.transport.tcp import DEFAULT_MAX_TENSOR_BYTES, KeyedProducer, REP, OK, connect, request
+from omni.transport.sweep import Sweep
+from omni.transport.tcp import DEFAULT_MAX_TENSOR_BYTES, KeyedProducer, REP, OK, connect, drop_closed, request
 from omni.transport.util import check_ref, prepare, recv_exact, split_endpoint
 
 logger = logging.getLogger(__name__)
@@ -154,6 +155,7 @@ class GlooConsumer(TensorConsumer):
         self._lock = threading.Lock()
         self._idle: dict[str, list[_Conn]] = {}
         self._closed = False
+        self._sweep = Sweep()
 
     def _open(self, endpoint: str) -> _Conn:
         sock = connect(endpoint, self._token, self._timeout)
@@ -181,6 +183,8 @@ class GlooConsumer(TensorConsumer):
         with self._lock:
             if self._closed:
                 raise TransportError("gloo consumer is closed")
+            if self._sweep.due():   # and the process groups with them
+                drop_closed(self._idle, lambda c: c.sock, _Conn.close)
             pool = self._idle.get(endpoint)
             if pool:
                 return pool.pop()

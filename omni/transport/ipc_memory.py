@@ -77,6 +77,16 @@ class Mapping:
     buf: torch.Tensor
     keep: Any = None
 
+    def close(self) -> None:
+        """Let go of the segment (its memory goes once the producer and every mapping have)."""
+        self.buf = torch.empty(0, dtype=torch.uint8)
+        keep, self.keep = self.keep, None
+        if isinstance(keep, mmap.mmap):
+            try:
+                keep.close()
+            except BufferError:
+                pass   # a view is still alive somewhere; the mapping goes with it
+
 
 class ArenaMemory(abc.ABC):
     kind: str

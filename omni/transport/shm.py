@@ -27,6 +27,7 @@ from omni.transport.alloc import ALIGN, round_up
 from omni.transport.arena import ArenaProducer
 from omni.transport.base import TensorConsumer, TensorRef, TransportError
 from omni.transport.server import connect_same_user, same_user_server
+from omni.transport.sweep import Sweep, listening
 from omni.transport.util import check_ref, dtype_name, flat_bytes, plain, recv_exact
 
 logger = logging.getLogger(__name__)
@@ -174,17 +175,25 @@ class ShmProducer(ArenaProducer):
 
 
 class ShmConsumer(TensorConsumer):
-    """Maps each producer segment once (fd fetched over the producer's unix socket)."""
+    """Maps each producer segment once (fd fetched over the producer's unix socket), until that
+    producer is found gone (sweep.py)."""
 
     def __init__(self, connect_timeout: float = 10.0, token: str | None = None):
         self._timeout = connect_timeout
         self._token = token
         self._lock = threading.Lock()
         self._maps: dict[str, mmap.mmap] = {}
+        self._sweep = Sweep()
 
     def get(self, ref: TensorRef) -> torch.Tensor:
         dtype = check_ref(ref, ("shm",))
         mm = self._segment(ref.endpoint)
+        try:
+            return self._view(ref, dtype, mm)
+        except ValueError as e:   # "mmap closed": a sweep on another thread found its producer gone
+            raise TransportError(f"shm ref key {ref.key}: producer of {ref.endpoint} is gone ({e})") from e
+
+    def _view(self, ref: TensorRef, dtype: torch.dtype, mm: mmap.mmap) -> torch.Tensor:
         off = ref.offset
         if off < 0 or off % ALIGN or off + HEADER + ref.nbytes > len(mm):
             raise TransportError(
@@ -205,10 +214,22 @@ class ShmConsumer(TensorConsumer):
 
     def _segment(self, endpoint: str) -> mmap.mmap:
         with self._lock:
+            if self._sweep.due() and self._maps:
+                self._forget_gone()
             mm = self._maps.get(endpoint)
             if mm is None:
                 mm = self._maps[endpoint] = self._fetch(endpoint)
             return mm
+
+    def _forget_gone(self) -> None:
+        """Unmap the segments of producers that no longer listen (their memory goes with the last
+        mapping; a tensor still viewing one keeps it)."""
+        names = {e.rpartition("/")[0] for e in self._maps}
+        gone = {n for n in names if not listening(n, socket.SOCK_STREAM)}
+        for endpoint in [e for e in self._maps if e.rpartition("/")[0] in gone]:
+            _unmap(self._maps.pop(endpoint))
+        if gone:
+            logger.info("shm: unmapped the segments of %d gone producer(s): %s", len(gone), ", ".join(sorted(gone)))
 
     def _fetch(self, endpoint: str) -> mmap.mmap:
         name, sep, index = endpoint.rpartition("/")
@@ -238,7 +259,11 @@ class ShmConsumer(TensorConsumer):
         with self._lock:
             maps, self._maps = self._maps, {}
         for mm in maps.values():
-            try:
-                mm.close()
-            except BufferError:
-                pass  # tensors still view it; the mapping is released with them
+            _unmap(mm)
+
+
+def _unmap(mm: mmap.mmap) -> None:
+    try:
+        mm.close()
+    except BufferError:
+        pass  # tensors still view it; the mapping is released with them

@@ -27,6 +27,7 @@ from omni import envs
 from omni.transport.base import ProducerFull, TensorConsumer, TensorProducer, TensorRef, TransportError
 from omni.transport.recvpool import DEFAULT_POOL_BYTES, RecvPool
 from omni.transport.server import SocketServer, client_hello, token_hello
+from omni.transport.sweep import Sweep, closed_by_peer
 from omni.transport.util import (
     as_memoryview, check_ref, dtype_name, prepare, recv_exact, recv_into_exact, split_endpoint,
 )
@@ -235,6 +236,21 @@ def request(sock: socket.socket, ref: TensorRef, spin_s: float = 0.0) -> int:
     return nbytes
 
 
+def drop_closed(idle: dict[str, list], sock_of, close) -> None:
+    """Close the idle connections whose producer closed them (it is gone: sweep.py)."""
+    for endpoint in list(idle):
+        keep = []
+        for conn in idle[endpoint]:
+            if closed_by_peer(sock_of(conn)):
+                close(conn)
+            else:
+                keep.append(conn)
+        if keep:
+            idle[endpoint] = keep
+        else:
+            del idle[endpoint]
+
+
 class TcpConsumer(TensorConsumer):
     def __init__(self, token: str | None = None, timeout: float = 30.0,
                  max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES, pool_bytes: int = DEFAULT_POOL_BYTES):
@@ -246,11 +262,14 @@ class TcpConsumer(TensorConsumer):
         self._closed = False
         self._pool = RecvPool(pool_bytes)
         self._spin_s = envs.OMNI_SPIN_US / 1e6
+        self._sweep = Sweep()
 
     def _take(self, endpoint: str) -> socket.socket:
         with self._lock:
             if self._closed:
                 raise TransportError("tcp consumer is closed")
+            if self._sweep.due():
+                drop_closed(self._idle, lambda s: s, socket.socket.close)
             pool = self._idle.get(endpoint)
             if pool:
                 return pool.pop()

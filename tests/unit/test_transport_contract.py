@@ -22,6 +22,7 @@ import torch
 from omni.transport.alloc import ALIGN, SlotAllocator
 from omni.transport.base import TensorConsumer, TensorProducer, TensorRef, TransportError
 from omni.transport.factory import MultiConsumer, choose_transport, make_consumer, make_producer
+from omni.transport.sweep import Sweep
 
 KINDS = ["shm", "tcp", "gloo", "cuda_ipc"]
 REPO = Path(__file__).resolve().parents[2]
@@ -281,7 +282,7 @@ def test_producer_sigkilled_leaves_nothing(kind):
         child.kill()
         assert omni_shm_names() <= before
         if kind in ("shm", "cuda_ipc"):
-            # the mapping outlives the producer; the memory goes when the consumer lets go
+            # the mapping outlives the producer until the consumer's next sweep (next test)
             assert torch.equal(first, child_sample(0))
             assert torch.equal(consumer.get(refs[1]), child_sample(1))
             shm_ref = msgspec.structs.replace(refs[1], endpoint=refs[1].endpoint.rsplit("/", 1)[0] + "/1")
@@ -296,6 +297,45 @@ def test_producer_sigkilled_leaves_nothing(kind):
         child.close()
         consumer.close()
     assert omni_shm_names() <= before
+
+
+def _held_for(consumer, kind: str) -> list[str]:
+    """What the consumer keeps for producers: mapped memfds (shm, cuda_ipc) or idle connections."""
+    if kind in ("shm", "cuda_ipc"):
+        tag = "omni-shm" if kind == "shm" else "omni-ipc"
+        return [line for line in open(f"/proc/{os.getpid()}/maps") if f"memfd:{tag}" in line]
+    return [e for e, conns in consumer._idle.items() for _ in conns]
+
+
+def test_a_consumer_lets_go_of_a_producer_that_died(kind):
+    """A long-lived consumer (the frontend's, a consumer stage's) kept every segment it mapped and
+    every idle connection: a SIGKILLed producer's memfd pages (its device memory, for cuda_ipc) stayed
+    for the consumer's life. Its next sweep (at most once a SWEEP_S, on a get) finds the producer gone
+    and lets go; a live producer's are kept."""
+    child = Child("produce", kind + (":host" if kind == "cuda_ipc" else ""))
+    consumer = make_consumer(kind)
+    live = producer(kind)
+    try:
+        refs = []
+        while (line := child.read()) != "ready":
+            refs.append(msgspec.json.decode(line, type=TensorRef))
+        consumer.get(refs[0])
+        consumer.get(live.put(torch.ones(3)))
+        held = _held_for(consumer, kind)
+        assert held
+        child.kill()
+        consumer._sweep = Sweep(0.0)                       # sweeps at every get from now
+        x = torch.arange(5.0)
+        assert torch.equal(consumer.get(live.put(x)), x)
+        left = _held_for(consumer, kind)
+        assert left and len(left) < len(held)              # the live producer's are kept
+        assert torch.equal(consumer.get(live.put(x)), x)
+        with pytest.raises(TransportError):
+            consumer.get(refs[1])
+    finally:
+        child.close()
+        consumer.close()
+        live.close()
 
 
 def test_close_leaves_nothing_and_refuses_puts(kind):
