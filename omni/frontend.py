@@ -54,24 +54,44 @@ async def follow_topology(master, topology, stop: asyncio.Event) -> None:
     from omni.errors import OmniError
 
     backoff = 0.1
-    while not stop.is_set():
-        try:
-            async for event in master.watch():
-                topology.apply(event)
-                backoff = 0.1
-                if stop.is_set():
-                    return
-        except OmniError as e:
-            logger.warning("topology watch: %s", e)
-        except asyncio.CancelledError:
-            return
-        topology.synced = False
-        try:
-            async with asyncio.timeout(backoff):
-                await stop.wait()
-        except TimeoutError:
-            pass
-        backoff = min(2.0, backoff * 2)
+    loop = asyncio.get_running_loop()
+    timer: asyncio.TimerHandle | None = None
+
+    def expire() -> None:    # replicas a resync's snapshot missed that did not register again in time
+        nonlocal timer
+        timer = None
+        topology.expire()
+        arm()
+
+    def arm() -> None:
+        nonlocal timer
+        due = topology.expiry_in()
+        if due is not None and timer is None:
+            timer = loop.call_later(due, expire)
+
+    try:
+        while not stop.is_set():
+            try:
+                async for event in master.watch():
+                    topology.apply(event)
+                    arm()
+                    backoff = 0.1
+                    if stop.is_set():
+                        return
+            except OmniError as e:
+                logger.warning("topology watch: %s", e)
+            except asyncio.CancelledError:
+                return
+            topology.synced = False
+            try:
+                async with asyncio.timeout(backoff):
+                    await stop.wait()
+            except TimeoutError:
+                pass
+            backoff = min(2.0, backoff * 2)
+    finally:
+        if timer is not None:
+            timer.cancel()
 
 
 async def publish_metrics(app, amaster, topology, index: int, stop: asyncio.Event) -> None:
@@ -158,6 +178,8 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
         smaster.close()
         await amaster.close()
         return
+    # After a master restart, replicas the new master's first snapshot misses get one lease to register again.
+    topology.grace_s = reg.lease_ttl_s
     frontend_id = f"{reg.replica_id}-{os.getpid()}"
     orch = Orchestrator(config, frontend_id=frontend_id, topology=topology, detokenize=detokenize,
                         consumer=MultiConsumer(token=token), token=token, host=advertise, master=amaster)

@@ -287,7 +287,7 @@ class TestOrchestrator:
 
         self.tok = AutoTokenizer.from_pretrained(self.d.model)
         config = cfg.load(self.d.model, str(self.d.config_path))
-        self.topology = Topology()
+        self.topology = Topology(grace_s=self.d.lease_ttl_s)   # as a frontend: the lease TTL
         self.snapshots = 0     # one per (re)connected watch
         apply = self.topology.apply
 
@@ -312,7 +312,8 @@ class TestOrchestrator:
             await asyncio.sleep(0.05)   # polling local state, bounded
 
     async def run(self, prompt: str = "The capital of France is", max_tokens: int = 6,
-                  deadline_s: float = 30.0) -> Outcome:
+                  deadline_s: float = 30.0, started: asyncio.Event | None = None) -> Outcome:
+        """`started` is set at the request's first output."""
         from omni.engines.base import SamplingParams
         from omni.orchestrator.types import PipelineRequest
 
@@ -324,6 +325,8 @@ class TestOrchestrator:
         async def consume():
             got_embedding = False
             async for po in self.orch.generate(req):
+                if started is not None:
+                    started.set()
                 got_embedding |= po.embedding is not None
                 if po.finished:
                     return got_embedding
@@ -635,6 +638,11 @@ async def restart_master(d: Headless) -> dict:
     async with TestOrchestrator(d) as t:
         first = await t.run()
         assert first.status == "completed", first.error
+        # A request in flight through the restart: the new master's first snapshot may come before
+        # the stages registered with it again, and they are alive, so it must not fail.
+        started = asyncio.Event()
+        inflight = asyncio.create_task(t.run(max_tokens=80, deadline_s=120, started=started))
+        await asyncio.wait_for(started.wait(), 30)
         port = d.master_port
         t0 = time.monotonic()
         d.master.kill()
@@ -650,14 +658,18 @@ async def restart_master(d: Headless) -> dict:
             if time.monotonic() > deadline:
                 raise AssertionError(f"the orchestrator did not resync within 30 s: {t.orch.health()}")
             await asyncio.sleep(0.05)   # polling local state, bounded
+        spanned = not inflight.done()    # else the run below proves nothing about the restart
         results = [await t.run() for _ in range(3)]
         recover_s = time.monotonic() - t0
+        inflight_out = await inflight
     return {"pids": pids, "first": first, "results": results, "reregistered_s": reregistered_s,
-            "recover_s": recover_s}
+            "recover_s": recover_s, "inflight": inflight_out, "spanned": spanned, "inflight_s": time.monotonic() - t0}
 
 
 def test_master_restart_keeps_engines_and_resumes(headless):
     res = asyncio.run(restart_master(headless))
+    assert res["inflight"].status == "completed", (res["inflight"].error, headless.master.output())
+    assert res["spanned"], "the in-flight request ended before the orchestrator resynced: make it longer"
     assert all(o.status == "completed" for o in res["results"]), (
         [o.error for o in res["results"]], headless.stages[0].output(), headless.master.output(),
         status(headless.address))

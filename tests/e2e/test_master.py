@@ -197,6 +197,47 @@ def test_master_restart_client_reregisters_same_slot_and_kv_persists(tmp_path, c
         server.stop(grace=0.2)
 
 
+def test_a_frontends_topology_keeps_stages_through_a_master_restart(children):
+    """The frontend's watch reconnects to the new master before the stages registered again: they stay
+    (no REMOVED, no channel closed, no request failed) and are READY again once they did."""
+    import asyncio
+
+    from omni.frontend import follow_topology
+    from omni.orchestrator.topology import Topology
+
+    server = MasterServer(CFG, HASH, lease_ttl_s=1.0)
+    port = server.start()
+    stages = [children(server.address, 0), children(server.address, 1)]
+    for c in stages:
+        c.expect("registered")
+
+    async def main():
+        topo, stop, seen = Topology(grace_s=1.0), asyncio.Event(), []
+        topo.on_change(lambda r, kind: seen.append((r.replica_id, kind, r.state)))
+        task = asyncio.create_task(follow_topology(AsyncMasterClient(f"127.0.0.1:{port}"), topo, stop))
+        try:
+            while sorted(r.state for r in topo.replicas.values()) != ["READY", "READY"]:
+                await asyncio.sleep(0.02)       # polling local state; bounded by the wait_for below
+            await asyncio.to_thread(server.stop, 0.2)
+            again = MasterServer(CFG, HASH, port=port, lease_ttl_s=1.0)
+            again.start()
+            try:
+                await asyncio.to_thread(lambda: [c.expect("registered", timeout=10) for c in stages])
+                await asyncio.sleep(1.5)        # past the grace: nothing is dropped after it either
+                assert "REMOVED" not in [k for _, k, _ in seen], seen
+                assert {r.replica_id: r.state for r in topo.replicas.values()} == {"s0r0": "READY", "s1r0": "READY"}
+                assert topo.expiry_in() is None
+            finally:
+                again.stop(grace=0.2)
+        finally:
+            stop.set()
+            task.cancel()
+    try:
+        asyncio.run(asyncio.wait_for(main(), 30))
+    finally:
+        server.stop(grace=0.2)
+
+
 def test_send_command_round_trip_with_acks(master, client, children):
     watch = Watch(client)
     s0, s1 = children(master.address, 0), children(master.address, 1)
