@@ -3,7 +3,7 @@
 No sockets, tasks or clocks it waits on: `submit(request)` and `handle(event)` return the
 actions (omni/orchestrator/events.py) the Orchestrator carries out in order. Per request:
 the stages it needs (ancestors of the stages making the requested modalities), a sticky
-least-loaded replica per stage, the entry stage's input, then for each output: final
+least-loaded, awake-first replica per stage (picking.py), the entry stage's input, then for each output: final
 outputs to the client, the next stages' processors turning it into inputs, and a stage is
 done when its inputs are closed and it holds nothing; the request is done when every
 needed stage is.
@@ -18,10 +18,11 @@ from typing import Callable
 from omni import errors
 from omni import processors as procs
 from omni.config import DeployConfig, StageConfig
-from omni.errors import BadRequest, OmniError, StageFailed, Unavailable
+from omni.errors import BadRequest, OmniError, StageFailed
 from omni.master.types import ReplicaInfo
 from omni.orchestrator import events as ev
-from omni.orchestrator.limits import RecentFailures, fitting
+from omni.orchestrator import picking
+from omni.orchestrator.limits import RecentFailures
 from omni.orchestrator.metrics import OrchestratorMetrics
 from omni.orchestrator.request_state import (ProcessorContext, RequestState, finals_below, free_actions, input_host,
                                              load_processor, needed_stages, out_route, ref_id)
@@ -109,11 +110,8 @@ class OrchestratorCore:
         return needed_stages(self.config, req)
 
     def pick(self, stage_id: int, req: PipelineRequest | None = None, host: str | None = None) -> ReplicaInfo:
-        replicas = [r for r in self.topology.stage_replicas(stage_id) if host is None or r.host == host]
-        if not replicas:
-            raise Unavailable(f"{self.config.stage(stage_id).label} has no READY replica"
-                              + (f" on {host}, where its input's shared-memory tensors are" if host else ""))
-        return min(fitting(self.config.stage(stage_id), replicas, req), key=self.load)
+        return picking.pick(self.config.stage(stage_id), self.topology.stage_replicas(stage_id), req, host,
+                            self.load)
 
     def load(self, r: ReplicaInfo) -> tuple[int, str]:
         """Least loaded first: the master's load report plus what this frontend sent since,
@@ -196,13 +194,12 @@ class OrchestratorCore:
         st = state.stages[s]
         if st.first_output_at is not None or not st.sent:
             return False
-        others = [r for r in self.topology.stage_replicas(s) if r.replica_id != dead.replica_id]
-        if any(ref.transport in SAME_HOST_ONLY for items in st.sent.values() for inp, _ in items
-               for ref in inp.tensors.values()):
-            others = [r for r in others if r.host == dead.host]
-        if not others:
+        same_host = any(ref.transport in SAME_HOST_ONLY for items in st.sent.values() for inp, _ in items
+                        for ref in inp.tensors.values())
+        target = picking.replay_target(self.topology.stage_replicas(s), dead, same_host, self.load)
+        if target is None:
             return False
-        st.replica, st.started = min(others, key=self.load), False
+        st.replica, st.started = target, False
         sent, st.sent = st.sent, {}
         for erid in sent:
             st.refs_in.pop(erid, None)     # recorded again as they are sent again
