@@ -11,7 +11,7 @@ from typing import Any, List, Optional
 
 import typer
 
-from omni import envs
+from omni import cli_argv, envs
 from omni.cli_argv import SECRET_FLAGS, hide_secrets, mask_in_message, spread_several_values  # noqa: F401 (omni.cli's API)
 from omni.errors import ConfigError, OmniError
 
@@ -257,6 +257,7 @@ def serve(
     token = omni_token or ""
 
     if headless and (num_replicas or 1) == 1:
+        cli_argv.reexec_with_env(config.stage(stage_id).env)   # the stage's env from the interpreter's start
         from omni.stage.main import StageOptions, run_stage
 
         opts = StageOptions(master_address=f"{omni_master_address}:{omni_master_port}", token=token,
@@ -338,7 +339,7 @@ def _mask_process_title(argv: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = given = list(sys.argv[1:] if argv is None else argv)
+    argv = given = cli_argv.given = list(sys.argv[1:] if argv is None else argv)
     try:
         argv = spread_several_values(argv)
         _mask_process_title(argv)   # after the spread: each of several keys is masked

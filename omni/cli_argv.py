@@ -4,11 +4,13 @@ given wins, as vLLM's nargs="+"), and the secrets masked for the process title."
 from __future__ import annotations
 
 import functools
+import os
 import sys
 
 from omni.errors import ConfigError
 
-__all__ = ["SECRET_FLAGS", "SEVERAL_VALUES", "hide_secrets", "mask_in_message", "spread_several_values"]
+__all__ = ["SECRET_FLAGS", "SEVERAL_VALUES", "hide_secrets", "mask_in_message", "reexec_with_env",
+           "spread_several_values"]
 
 SECRET_FLAGS = {"--omni-token": "OMNI_TOKEN", "--api-key": "OMNI_API_KEY",
                 "--control-api-key": "OMNI_CONTROL_API_KEY"}
@@ -19,6 +21,8 @@ SEVERAL_VALUES = ("--served-model-name", "--api-key")
 # forms): each takes one value.
 _VALUE_PREFIXES = ("--stage-overrides.", "--engine-args.")
 _SHORT_VALUE_FLAGS = ("-oma", "-omp", "-ora")
+# The arguments `omni` was started with (omni.cli.main sets it): what reexec_with_env runs again.
+given: list[str] | None = None
 
 
 def hide_secrets(argv: list[str]) -> list[str]:
@@ -147,3 +151,19 @@ def mask_in_message(message: str, argv: list[str]) -> str:
     for word in sorted(words - {""}, key=len, reverse=True):
         message = message.replace(repr(word), "'***'")
     return message
+
+
+def reexec_with_env(env: dict[str, str]) -> None:
+    """`omni serve --headless` with one replica runs its stage in this process: the stage's `env` must be there
+    from the interpreter's start, as it is for the launcher's children (LD_PRELOAD, MALLOC_* act at exec only;
+    torch, numpy and OpenMP read theirs as they load, and loading the config may have loaded them). Unless it is
+    in place already, `omni` starts again, the same arguments with the env added (same PID: exec)."""
+    if not env or all(os.environ.get(k) == v for k, v in env.items()):
+        return
+    if given is None:   # not started through omni.cli.main (a test's runner): nothing to start again
+        print("omni: warning: the stage's env is set after start-up here (LD_PRELOAD and what loaded modules read "
+              "take no effect)", file=sys.stderr, flush=True)
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "omni.cli", *given], {**os.environ, **env})

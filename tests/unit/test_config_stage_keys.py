@@ -332,3 +332,53 @@ def test_engine_args_async_chunk_on_the_command_line_is_the_flag():
         out = json.loads(r.stdout)
         assert [s["engine_args"].get("stream") for s in out["config"]["stages"]] == [None, None, False], extra
         assert "async_chunk" not in json.dumps(out["engine_flags"]) + json.dumps(out["config"])
+
+
+# Started from PYTHONPATH: records FOO when torch is first imported, and stands in for run_stage.
+SITECUSTOMIZE = """
+import json, os, sys
+seen = {"foo_at_start": os.environ.get("FOO")}
+print("interpreter start", file=sys.stderr)
+
+class TorchWatch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" and "foo_at_torch_import" not in seen:
+            seen["foo_at_torch_import"] = os.environ.get("FOO")
+        return None
+
+sys.meta_path.insert(0, TorchWatch())
+import omni.stage.main as stage_main
+
+def run_stage(config, stage_id, opts, engine_flags=None):
+    print(json.dumps({**seen, "torch_loaded": "torch" in sys.modules, "foo_at_run_stage": os.environ.get("FOO")}))
+    return 0
+
+stage_main.run_stage = run_stage
+"""
+
+
+def test_a_headless_stage_in_process_has_its_env_before_torch_loads(tmp_path):
+    """`--headless` with one replica runs the stage in the CLI's own process, which has imported torch by then
+    (loading the config with --no-async-chunk checks the engine's arguments): the env must be there from the
+    interpreter's start, as the launcher's children have it, or LD_PRELOAD, OMP_*, TORCH_LOGS ... do nothing."""
+    (tmp_path / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    overlay = tmp_path / "overlay.yaml"
+    overlay.write_text("stages:\n  - {stage_id: 2, env: {FOO: bar}}\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}", "OMNI_PLATFORM": "cuda"}
+    env.pop("FOO", None)
+    r = subprocess.run([sys.executable, "-m", "omni.cli", "serve", QWEN3, "--deploy-config", str(overlay),
+                        "--no-async-chunk", "--stage-id", "2", "--headless", "--omni-master-address", "127.0.0.1",
+                        "--omni-master-port", "9"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    seen = json.loads(r.stdout.strip().splitlines()[-1])
+    assert seen["foo_at_torch_import"] == "bar" and seen["torch_loaded"]
+    assert seen["foo_at_start"] == "bar" and seen["foo_at_run_stage"] == "bar"
+    assert r.stderr.count("interpreter start") == 2     # started again (exec) with the env
+    # the env already in place (a process started with it): no second start
+    r = subprocess.run([sys.executable, "-m", "omni.cli", "serve", QWEN3, "--deploy-config", str(overlay),
+                        "--stage-id", "2", "--headless", "--omni-master-address", "127.0.0.1",
+                        "--omni-master-port", "9"], cwd=REPO, env={**env, "FOO": "bar"}, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.strip().splitlines()[-1])["foo_at_start"] == "bar"
+    assert r.stderr.count("interpreter start") == 1
