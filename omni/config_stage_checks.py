@@ -3,7 +3,8 @@ taken and do nothing (omni/config.py calls them while it validates the stages).
 
 - `devices`: vllm-omni's forms, "cpu" or GPU indices into the visible devices ("0", "0,1", or
   a YAML integer 0), become the stage's CUDA_VISIBLE_DEVICES (omni.stage.main.select_devices);
-  "cuda:0,cuda:1" is read as "0,1". Anything else (a negative or non-integer index, a GPU named
+  "cuda:0,cuda:1" is read as "0,1", `null` (vllm-omni's default) as "": every visible GPU,
+  CUDA_VISIBLE_DEVICES left as it is. Anything else (a negative or non-integer index, a GPU named
   twice) is refused at load, before any process starts: "cuda:0" used to become
   CUDA_VISIBLE_DEVICES=cuda:0, which hides every GPU.
 - `connectors`: keyed by the stage that reads this stage's output (its `inputs` name this stage);
@@ -68,7 +69,10 @@ RESERVED_ENV = {
 
 
 def normalise_devices(value: Any, where: str) -> str:
-    """A stage's `devices` as omni keeps it: "cpu", or GPU indices "0,1" (or "", unrestricted)."""
+    """A stage's `devices` as omni keeps it: "cpu", or GPU indices "0,1" (or "", unrestricted: vllm-omni's
+    `devices: null`, the default visibility)."""
+    if value is None:
+        return ""
     if isinstance(value, int) and not isinstance(value, bool):
         tokens = [str(value)]
     elif isinstance(value, str):

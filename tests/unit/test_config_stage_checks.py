@@ -40,6 +40,7 @@ def stage0(field: str) -> str:
 @pytest.mark.parametrize("devices, expected", [
     ('"0"', "0"), ('"0,1"', "0,1"), ("1", "1"), ('" 2, 3 "', "2,3"), ('"0,"', "0"),
     ('"cuda:0"', "0"), ('"cuda:0,cuda:1"', "0,1"), ('"CUDA:3"', "3"), ("cpu", "cpu"), ("CPU", "cpu"),
+    ("null", ""), ("~", ""), ('""', ""),    # vllm-omni's `devices: str | None = None`: the visible GPUs, unrestricted
 ])
 def test_devices_take_vllm_omnis_forms(tmp_path, devices, expected):
     """"cuda:0" was CUDA_VISIBLE_DEVICES=cuda:0 (no GPU at all); a YAML integer was a type error."""
@@ -78,6 +79,20 @@ def test_devices_are_normalised_wherever_they_are_set(tmp_path, monkeypatch):
     assert [s.devices for s in legacy.stages] == ["0", "1", "1"]
     with pytest.raises(ConfigError, match=r"overrides\.yaml: stages\[1\]\.devices: 'gpu1' in 'gpu1' is not"):
         load(tmp_path, THREE, "overrides.yaml", stage_overrides={"1": {"devices": "gpu1"}})
+
+
+def test_devices_null_over_a_base_leaves_the_visible_gpus_alone(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMNI_PLATFORM", "cuda")
+    (tmp_path / "base.yaml").write_text(THREE.replace("inputs: [0]}", "inputs: [0], devices: '1'}"))
+    c = load(tmp_path, "base_config: base.yaml\nstages: [{stage_id: 1, devices: null}]\n")
+    assert c.stages[1].devices == ""
+    # vllm-omni's legacy runtime.devices too
+    legacy = load(tmp_path, vo_tests.LEGACY_QWEN25.replace('devices: "1"}', "devices: null}"), "legacy.yaml",
+                  vo_tests.QWEN25)
+    assert [s.devices for s in legacy.stages] == ["0", "1", ""]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    select_devices(c.stages[1].devices)
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "4,5"
 
 
 def test_normalised_devices_reach_cuda_visible_devices_and_the_transport_choice(tmp_path, monkeypatch):
