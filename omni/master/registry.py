@@ -6,10 +6,10 @@ Time comes from an injectable clock so unit tests drive leases with a fake one.
 Replica states and their transitions (`TRANSITIONS`; `next_state` applies it):
 
     state        trigger          next state
-    REGISTERING  HEARTBEAT        READY (DRAINING if the replica is draining)
+    REGISTERING  HEARTBEAT        READY (DRAINING if the heartbeat says it is draining, or a drain is remembered)
     READY        HEARTBEAT        READY (DRAINING if the heartbeat says it is draining)
-    DRAINING     HEARTBEAT        DRAINING
-    SUSPECT      HEARTBEAT        READY, or DRAINING if it was draining
+    DRAINING     HEARTBEAT        DRAINING (READY if the heartbeat says it is not draining)
+    SUSPECT      HEARTBEAT        READY, or DRAINING if the heartbeat says so or a drain is remembered
     READY        DRAIN            DRAINING
     DRAINING     DRAIN            DRAINING
     REGISTERING  DRAIN            REGISTERING (remembered: the first heartbeat makes it DRAINING)
@@ -24,6 +24,12 @@ Replica states and their transitions (`TRANSITIONS`; `next_state` applies it):
     SUSPECT      STREAM_BROKEN    SUSPECT
     any live     LEASE_EXPIRED    DEAD   (no heartbeat for lease_ttl_s)
     any          deregister       removed
+
+Whether a replica drains is the stage's own word once it reports: a heartbeat's `draining` is taken
+as it is (an UNDRAIN whose ack timed out, or that a later command superseded, no longer leaves the
+replica DRAINING for good while it serves). A drain acked while the replica was REGISTERING or
+SUSPECT (no heartbeat since) is remembered: its next heartbeat makes it DRAINING whatever it says,
+later ones are taken as they are. A stage keeps its drain across a re-register: it reports it.
 
 A lease runs only while the master runs: when the sweeps stop for longer than `stall_after_s`
 (the master was SIGSTOPped or starved), the silence was the master's, so every lease gets a
@@ -76,7 +82,7 @@ LIVE_STATES = frozenset({S.REGISTERING, S.READY, S.DRAINING, S.SUSPECT})
 TRANSITIONS: dict[tuple[ReplicaState, Trigger], ReplicaState] = {
     (S.REGISTERING, T.HEARTBEAT): S.READY,
     (S.READY, T.HEARTBEAT): S.READY,
-    (S.DRAINING, T.HEARTBEAT): S.DRAINING,
+    (S.DRAINING, T.HEARTBEAT): S.READY,
     (S.SUSPECT, T.HEARTBEAT): S.READY,
     (S.READY, T.DRAIN): S.DRAINING,
     (S.DRAINING, T.DRAIN): S.DRAINING,
@@ -326,7 +332,8 @@ class Registry:
         rep = self.live(lease_id)
         now = self._clock()
         rep.last_seen = now
-        rep.draining = rep.draining or load.draining
+        # The stage's word, except a drain remembered while it had not reported (REGISTERING, SUSPECT).
+        rep.draining = load.draining or (rep.draining and rep.state in (S.REGISTERING, S.SUSPECT))
         old_state, old_load = rep.state, rep.load
         rep.state = next_state(rep.state, T.HEARTBEAT, rep.draining)
         rep.load = load

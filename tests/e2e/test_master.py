@@ -518,6 +518,32 @@ def test_drain_cli_refuses_the_last_replica_without_force_and_undrain_takes_it_b
     watch.close()
 
 
+def test_an_undrain_whose_ack_timed_out_leaves_the_replica_ready_once_it_serves(master, client):
+    """The stage takes the UNDRAIN after the command's timeout (a long step): the master marked
+    nothing, but the stage's heartbeats say it serves, so it is READY again, not DRAINING for good."""
+    stage = MasterClient(master.address)
+    state = {"draining": False}
+
+    def on_command(cmd):
+        if cmd.kind == "UNDRAIN":
+            time.sleep(1.0)
+        state["draining"] = cmd.kind == "DRAIN"
+        return True, "ok"
+    try:
+        stage.register("STAGE", 0, config_hash=HASH)
+        stage.start_keepalive(lambda: dict(state), on_command, interval_s=0.1)
+        watch = Watch(client)
+        watch.state("s0r0", "READY", 5)
+        assert [r.ok for r in client.send_command("DRAIN", replica_ids=["s0r0"])] == [True]
+        watch.state("s0r0", "DRAINING", 5)
+        late = client.send_command("UNDRAIN", replica_ids=["s0r0"], timeout_s=0.3)
+        assert [(r.ok, r.outcome) for r in late] == [(False, "timeout")]
+        assert not watch.state("s0r0", "READY", 5).draining
+        watch.close()
+    finally:
+        stage.close()
+
+
 def test_register_waits_for_a_late_master_and_a_stop_ends_the_wait():
     """register(wait_s, stop): with no master, setting `stop` ends the wait at once (None) and the
     wait's end is an Unavailable naming it; a master that comes up during the wait gets exactly one

@@ -279,6 +279,19 @@ def test_diff_pipeline_orders_own_stage_first():
         "y: master=0 replica=1", "stage 0: x: master=1 replica=2", 'model: master="tiny" replica="big"']
 
 
+def test_mismatch_message_never_shows_a_stages_env_values():
+    """Users put HF_TOKEN and the like in a stage's env: the refusal says which variable differs, not its value."""
+    master = {"model": "m", "stages": [{"stage_id": 0, "env": {"HF_TOKEN": "hf_aa", "SAME": "s1"}},
+                                       {"stage_id": 1, "env": {"KEY": "v1"}}]}
+    replica = {"model": "m", "stages": [{"stage_id": 0, "env": {"HF_TOKEN": "hf_bb", "SAME": "s1", "NEW": "v2"}}]}
+    text = configdiff.mismatch_message(master, replica, 0, "a", "b")
+    assert "env.HF_TOKEN: master and replica differ (values not shown)" in text
+    assert 'env.NEW: master=<missing> replica="***"' in text
+    assert 'stage 1: <root>: master={"env": {"KEY": "***"}, "stage_id": 1} replica=<missing>' in text
+    assert not any(v in text for v in ("hf_aa", "hf_bb", "s1", "v1", "v2")), text
+    assert "compare equal" in configdiff.mismatch_message(master, master, 0, "a", "b")
+
+
 def test_mismatch_message_edge_cases():
     assert "sent no pipeline_config_json" in configdiff.mismatch_message(CONFIG, None, 0, "a" * 64, "b" * 64)
     assert "compare equal" in configdiff.mismatch_message(CONFIG, CONFIG, None, "a", "b")
@@ -347,6 +360,34 @@ def test_undrain_takes_a_draining_replica_back(reg):
     reg.drain(b.replica_id)                                           # remembered while REGISTERING ...
     reg.undrain(b.replica_id)                                         # ... and forgotten
     assert kinds(reg.heartbeat(b.lease_id, Load())) == [("UPDATED", "s1r1", S.READY)]
+
+
+def test_a_drained_replica_whose_heartbeat_says_it_serves_is_ready_again(reg):
+    """An UNDRAIN whose ack timed out (or that a later command superseded) marked nothing here, but
+    the stage serves again: its heartbeats say so, and they are taken as they are."""
+    a, _ = reg.register(stage())
+    reg.heartbeat(a.lease_id, Load())
+    reg.drain("s1r0")                                                  # the DRAIN's ack
+    assert reg.heartbeat(a.lease_id, Load(draining=True)) == []        # the stage drains: stays DRAINING
+    assert kinds(reg.heartbeat(a.lease_id, Load())) == [("UPDATED", "s1r0", S.READY)]
+    assert not reg.lookup(a.lease_id).draining and reg.stage_counts()[1] == (1, 1, 1)
+    # A drain remembered while REGISTERING holds at its first heartbeat only.
+    b, _ = reg.register(stage(pid=2))
+    reg.drain(b.replica_id)
+    assert kinds(reg.heartbeat(b.lease_id, Load())) == [("UPDATED", "s1r1", S.DRAINING)]
+    assert kinds(reg.heartbeat(b.lease_id, Load())) == [("UPDATED", "s1r1", S.READY)]
+
+
+def test_a_drain_sticks_across_the_stages_re_register(reg, clock):
+    a, _ = reg.register(stage(pid=7))
+    reg.heartbeat(a.lease_id, Load())
+    reg.drain("s1r0")
+    reg.heartbeat(a.lease_id, Load(draining=True))
+    again, _ = reg.register(stage(pid=7, hint=0))                      # its lease lost: the same process again
+    assert again.replica_id == "s1r0" and again.state is S.REGISTERING
+    assert kinds(reg.heartbeat(again.lease_id, Load(draining=True))) == [("UPDATED", "s1r0", S.DRAINING)]
+    clock.advance(1.0)
+    assert reg.heartbeat(again.lease_id, Load(draining=True)) == [] and reg.lookup(again.lease_id).draining
 
 
 def test_last_serving_names_the_stages_a_command_would_stop(reg):
