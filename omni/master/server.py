@@ -33,7 +33,7 @@ WATCH_BACKLOG = 10_000
 MAX_COMMAND_TIMEOUT_S = 600.0
 
 
-def _would_stop(kind: int, stopped: dict[int, list[str]], reg: Registry) -> str:
+def _would_stop(kind: int, stopped: dict[int, list[str]], reg: Registry, pending: set[str]) -> str:
     verb = {pb.DRAIN: "drain", pb.SLEEP: "sleep"}[kind]
     undo = {pb.DRAIN: "omni undrain", pb.SLEEP: "omni wakeup"}[kind]
     parts = []
@@ -41,7 +41,8 @@ def _would_stop(kind: int, stopped: dict[int, list[str]], reg: Registry) -> str:
         name = reg.stage_config(sid).get("name")
         parts.append(f"stage {sid}" + (f" ({name})" if name else "") + f": {', '.join(rids)} "
                      + ("is its last" if len(rids) == 1 else "are its last") + " READY, awake replica"
-                     + ("" if len(rids) == 1 else "s"))
+                     + ("" if len(rids) == 1 else "s")
+                     + "".join(f" ({rid}: a drain or sleep is being sent to it)" for rid in rids if rid in pending))
     return (f"{verb} would stop {'; '.join(parts)}; its requests would fail until `{undo}`. "
             "Repeat with --force to do it anyway")
 
@@ -88,6 +89,9 @@ class MasterServicer(pb_grpc.MasterServicer):
         self._seq = 0
         self._streams: set[asyncio.Task] = set()   # KeepAlive/WatchTopology handlers, ended at close
         self._closing = False
+        # Replicas a DRAIN or SLEEP is being sent to (acks awaited): they count as stopped for the
+        # keep_serving check of a concurrent one, so two drains cannot stop a stage's last two replicas.
+        self._stopping: collections.Counter[str] = collections.Counter()
 
     async def close(self, timeout: float = 1.0) -> None:
         """End the open streams as handlers that return (OK to the peer): a stream the grpc
@@ -250,10 +254,19 @@ class MasterServicer(pb_grpc.MasterServicer):
         targets, problem = self._targets(request)
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        if request.kind in (pb.DRAIN, pb.SLEEP) and request.keep_serving:
-            stopped = self.reg.last_serving({r.replica_id for r in targets})
+        stopping = [r.replica_id for r in targets] if request.kind in (pb.DRAIN, pb.SLEEP) else []
+        if stopping and request.keep_serving:
+            stopped = self.reg.last_serving(set(stopping) | set(self._stopping))
             if stopped:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, _would_stop(request.kind, stopped, self.reg))
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    _would_stop(request.kind, stopped, self.reg, set(self._stopping)))
+        self._stopping.update(stopping)      # no await since the check: no other command came between
+        try:
+            return await self._send(request, targets)
+        finally:
+            self._stopping -= collections.Counter(stopping)
+
+    async def _send(self, request: pb.SendCommandRequest, targets: list) -> pb.SendCommandResponse:
         timeout = min(request.timeout_s or 10.0, MAX_COMMAND_TIMEOUT_S)
         command_id = uuid.uuid4().hex
         cmd = pb.Command(command_id=command_id, kind=request.kind, args_json=request.args_json)

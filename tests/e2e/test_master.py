@@ -544,6 +544,47 @@ def test_an_undrain_whose_ack_timed_out_leaves_the_replica_ready_once_it_serves(
         stage.close()
 
 
+def test_two_concurrent_keep_serving_drains_cannot_stop_a_stages_last_two_replicas(master, client):
+    """Each drain's check saw the other replica still READY (its ack not in yet): both went through
+    and the stage had no READY replica. A drain or sleep being sent counts as stopped for the other."""
+    stages = []
+    try:
+        for i in range(2):
+            c = MasterClient(master.address)
+            c.register("STAGE", 1, config_hash=HASH, pid=1000 + i)
+            state = {"draining": False}
+
+            def on_command(cmd, state=state):
+                time.sleep(0.3)                       # the stage loop in an engine step
+                state["draining"] = cmd.kind == "DRAIN"
+                return True, "draining"
+            c.start_keepalive(lambda state=state: dict(state), on_command, interval_s=0.1)
+            stages.append(c)
+        watch = Watch(client)
+        watch.wait(lambda v: [r.state for r in v.values() if r.stage_id == 1] == ["READY"] * 2, 5, "both READY")
+        out: dict[str, object] = {}
+
+        def drain(rid):
+            try:
+                out[rid] = [r.ok for r in client.send_command("DRAIN", replica_ids=[rid], keep_serving=True)]
+            except ConfigError as e:
+                out[rid] = str(e)
+        threads = [threading.Thread(target=drain, args=(rid,)) for rid in ("s1r0", "s1r1")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        refused = [v for v in out.values() if v != [True]]
+        assert len(out) == 2 and len(refused) == 1, out          # one went through, the other was refused
+        refused = refused[0]
+        assert "drain would stop stage 1" in refused and "a drain or sleep is being sent to it" in refused
+        assert [s.ready_replicas for s in client.get_status().stages if s.stage_id == 1] == [1]
+        watch.close()
+    finally:
+        for c in stages:
+            c.close()
+
+
 def test_register_waits_for_a_late_master_and_a_stop_ends_the_wait():
     """register(wait_s, stop): with no master, setting `stop` ends the wait at once (None) and the
     wait's end is an Unavailable naming it; a master that comes up during the wait gets exactly one
