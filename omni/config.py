@@ -24,7 +24,8 @@ import yaml
 
 from omni import config_vllm_omni as vllm_omni
 from omni.config_checks import check_pipeline, check_sampling, check_yaml_shape, yaml_sections
-from omni.config_stage_checks import check_connector_edge, check_engine_args, normalise_stages, unused_engine_arg
+from omni.config_stage_checks import (check_connector_edge, check_engine_args, check_stage_override, normalise_stages,
+                                      unused_engine_arg)
 from omni.errors import ConfigError
 # The config types of the image and video routes, kept where the rest of the deploy config is found.
 from omni.media_settings import ImageSettings, PromptExpansion, VideoSettings, validate_images  # noqa: F401
@@ -345,6 +346,7 @@ def apply_stage_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> di
                     stage[field] = value
             else:
                 stage.setdefault("engine_args", {})[field] = value
+        check_stage_override(stage, patch, _STAGE_FIELDS, f"--stage-overrides: stages[{stage_id}]")
     return out
 
 

@@ -19,7 +19,8 @@ taken and do nothing (omni/config.py calls them while it validates the stages).
   (omni.stage.main.run_stage; the launcher starts the process with it too). Numbers become text; a
   boolean, null or nested value is refused (write the text the variable expects), and so are the
   variables omni sets itself (CUDA_VISIBLE_DEVICES: use `devices`) or that hold its secrets: the
-  resolved config, env included, reaches every process, the master and `--dry-run`'s output.
+  resolved config, env included, reaches every process and the master (`--dry-run` and a replica's
+  config-mismatch refusal show the variables' names only, omni/cli.py and omni/master/configdiff.py).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from omni.config_checks import SAMPLING_RANGES
 from omni.errors import ConfigError
 
 __all__ = ["RESERVED_ENV", "SERVING_ONLY_ARGS", "SUBTALKER", "SUBTALKER_ENGINES", "check_connector_edge",
-           "check_engine_args", "check_subtalker", "normalise_devices", "normalise_env", "normalise_stages",
+           "check_engine_args", "check_stage_override", "check_subtalker", "normalise_devices", "normalise_env",
+           "normalise_stages",
            "unused_engine_arg"]
 
 DEVICE_FORMS = "'cpu' or GPU indices into the visible GPUs: \"0\", \"0,1\" (or \"cuda:0,cuda:1\")"
@@ -57,8 +59,8 @@ _ENGINE_ARGS_ONLY = {"served_model_name": "the API's model name is `omni serve -
 SUBTALKER = "subtalker_sampling_params"
 SUBTALKER_KEYS = ("do_sample", "temperature", "top_k", "top_p")
 SUBTALKER_ENGINES = ("qwen3_talker",)
-_SECRET = ("it holds a secret, and the resolved config, env included, reaches every process, the master and "
-           "--dry-run's output; `omni serve` passes it to the processes that need it")
+_SECRET = ("it holds a secret, and the resolved config, env included, reaches every process and the master; "
+           "`omni serve` passes it to the processes that need it")
 # Variables a stage's `env` may not set: omni sets them itself, or they hold its secrets (omni/envs.py).
 RESERVED_ENV = {
     "CUDA_VISIBLE_DEVICES": "omni sets it from the stage's `devices` (GPU indices into the visible GPUs): "
@@ -171,6 +173,18 @@ def check_engine_args(args: dict[str, Any], engine: str, where: str) -> None:
             raise ConfigError(f"{where}.{SUBTALKER}: not supported by engine {engine}: it samples Qwen3-Omni's code "
                               f"predictor (a frame's residual codes), which only {', '.join(SUBTALKER_ENGINES)} has")
         check_subtalker(args[SUBTALKER], f"{where}.{SUBTALKER}")
+
+
+def check_stage_override(stage: dict[str, Any], patch: dict[str, Any], fields: set[str], where: str) -> None:
+    """--stage-overrides' `patch` of one stage (`stage`: as patched; `fields`: the stage fields) checked as given,
+    so that a refusal names the flag (`where`), not the deploy YAML it patched."""
+    if "devices" in patch:
+        normalise_devices(patch["devices"], where)
+    if "env" in patch:
+        normalise_env(patch["env"], where)
+    nested = patch.get("engine_args")
+    args = {**{k: v for k, v in patch.items() if k not in fields}, **(nested if isinstance(nested, dict) else {})}
+    check_engine_args(args, str(stage.get("engine")), f"{where}.engine_args")
 
 
 def check_subtalker(value: Any, where: str) -> dict[str, Any]:

@@ -15,6 +15,21 @@ def hash_config(config: dict) -> str:
     return config_hash(config)
 
 
+class _Hidden:
+    """A stage's `env` value (it may hold a secret: HF_TOKEN ...): compared, never shown."""
+
+    __hash__ = None
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Hidden) and other.value == self.value
+
+    def __str__(self) -> str:
+        return "***"
+
+
 def _show(value: Any) -> str:
     if value is _MISSING:
         return "<missing>"
@@ -36,6 +51,8 @@ def diff_values(master: Any, replica: Any, path: str = "") -> list[str]:
         return out
     if master is _MISSING and replica is _MISSING or master == replica:
         return []
+    if isinstance(master, _Hidden) and isinstance(replica, _Hidden):
+        return [f"{path}: master and replica differ (values not shown)"]
     return [f"{path or '<root>'}: master={_show(master)} replica={_show(replica)}"]
 
 
@@ -75,9 +92,11 @@ def diff_pipeline(master: dict, replica: dict, stage_id: int | None) -> list[str
 
 def _safe_stages(config: dict) -> dict[int, dict]:
     try:
-        return stages_by_id(config)
+        stages = stages_by_id(config)
     except (ValueError, TypeError):
         return {}
+    return {sid: {**s, "env": {k: _Hidden(v) for k, v in s["env"].items()}} if isinstance(s.get("env"), dict) else s
+            for sid, s in stages.items()}
 
 
 def mismatch_message(master: dict, replica: dict | None, stage_id: int | None,

@@ -77,7 +77,7 @@ def test_devices_are_normalised_wherever_they_are_set(tmp_path, monkeypatch):
     legacy = load(tmp_path, vo_tests.LEGACY_QWEN25.replace('devices: "1"', 'devices: "cuda:1"'), "legacy.yaml",
                   vo_tests.QWEN25)
     assert [s.devices for s in legacy.stages] == ["0", "1", "1"]
-    with pytest.raises(ConfigError, match=r"overrides\.yaml: stages\[1\]\.devices: 'gpu1' in 'gpu1' is not"):
+    with pytest.raises(ConfigError, match=r"^--stage-overrides: stages\[1\]\.devices: 'gpu1' in 'gpu1' is not"):
         load(tmp_path, THREE, "overrides.yaml", stage_overrides={"1": {"devices": "gpu1"}})
 
 

@@ -272,13 +272,14 @@ def test_a_stages_own_async_chunk_must_be_a_boolean(tmp_path):
 
 def test_the_dry_run_shows_the_overlay_resolved(tmp_path):
     path = tmp_path / "overlay.yaml"
-    path.write_text(f"stages: [{{stage_id: 1, env: {{FOO: '1'}}, {SUBTALKER}: {{temperature: 0.5}}}}, "
+    path.write_text(f"stages: [{{stage_id: 1, env: {{FOO: hf_zq1}}, {SUBTALKER}: {{temperature: 0.5}}}}, "
                     "{stage_id: 2, async_chunk: false}]\n")
     r = subprocess.run([sys.executable, "-m", "omni.cli", "serve", QWEN3, "--deploy-config", str(path), "--dry-run"],
                        cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, "OMNI_PLATFORM": "cpu"})
     assert r.returncode == 0, r.stderr
     stages = json.loads(r.stdout)["config"]["stages"]
-    assert stages[1]["env"] == {"FOO": "1"} and stages[1]["engine_args"][SUBTALKER] == {"temperature": 0.5}
+    assert stages[1]["engine_args"][SUBTALKER] == {"temperature": 0.5}
+    assert stages[1]["env"] == {"FOO": "***"} and "hf_zq1" not in r.stdout + r.stderr   # the keys, never the values
     assert stages[2]["engine_args"]["stream"] is False
 
 
@@ -382,3 +383,18 @@ def test_a_headless_stage_in_process_has_its_env_before_torch_loads(tmp_path):
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout.strip().splitlines()[-1])["foo_at_start"] == "bar"
     assert r.stderr.count("interpreter start") == 1
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"1": {"env": {"OMNI_TOKEN": "zq"}}}, r"^--stage-overrides: stages\[1\]\.env\.OMNI_TOKEN: not supported"),
+    ({"1": {"env": {"A": True}}}, r"^--stage-overrides: stages\[1\]\.env\.A must be text or a number"),
+    ({"0": {SUBTALKER: {"temperature": 0.5}}},
+     rf"^--stage-overrides: stages\[0\]\.engine_args\.{SUBTALKER}: not supported by engine"),
+    ({"1": {"engine_args": {SUBTALKER: {"top_q": 1}}}},
+     rf"^--stage-overrides: stages\[1\]\.engine_args\.{SUBTALKER}\.top_q: not supported"),
+    ({"1": {"tokenizer": "x"}}, r"^--stage-overrides: stages\[1\]\.engine_args\.tokenizer: not supported"),
+])
+def test_a_refused_override_names_the_flag_not_the_yaml(tmp_path, overrides, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        load(tmp_path, "stages: []\n", stage_overrides=overrides)
+    assert "zq" not in str(e.value)
