@@ -58,6 +58,13 @@ class StopRequest:
         """Readable once a stop was requested (for pollers)."""
         return self._r
 
+    def close(self) -> None:
+        for fd in (self._r, self._w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
     def install(self, signals=(signal.SIGINT, signal.SIGTERM)) -> "StopRequest":
         for sig in signals:
             signal.signal(sig, self.set)

@@ -3,8 +3,9 @@
 Each goes to the master (token/TLS like `omni status`), which sends it down the keep-alive
 stream of every targeted replica and collects their acks. Exit 0 when every targeted replica
 acked ok, 1 when one refused or did not answer, 2 when the master cannot be reached or the
-target names nothing. Draining or sleeping the last READY, awake replica of a stage stops that
-stage: the master refuses it unless --force, and with --force the command says what it stops.
+target names nothing, 130 on Ctrl-C (the calls run on a thread: commands.in_thread). Draining
+or sleeping the last READY, awake replica of a stage stops that stage: the master refuses it
+unless --force, and with --force the command says what it stops.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import typer
 from omni.errors import OmniError
 from omni.master import DEFAULT_PORT
 from omni.master.auth import tls_from_options
-from omni.master.commands import EXIT_NOT_READY, EXIT_OK, EXIT_UNREACHABLE, _local_master, _one_line, _table
+from omni.master.commands import (EXIT_INTERRUPTED, EXIT_NOT_READY, EXIT_OK, EXIT_UNREACHABLE, Interrupted,
+                                  _local_master, _one_line, _table, ctrl_c, in_thread)
 
 # Shared option declarations (typer reads them from each command's signature).
 # Default: the `omni serve` on this host, found as `omni status` finds it (its master port is random).
@@ -41,8 +43,10 @@ def _run(kind: str, master: str | None, stage: list[int] | None, replica: list[s
     if master is None:
         master = _local_master(verb)
     try:
-        with MasterClient(master, token=omni_token, tls=tls_from_options(*tls), timeout_s=5.0) as client:
-            st = client.get_status()
+        # Ctrl-C only sets `stop`; the calls run on a thread (commands.in_thread: no KeyboardInterrupt in grpc).
+        with ctrl_c() as stop, MasterClient(master, token=omni_token, tls=tls_from_options(*tls),
+                                            timeout_s=5.0) as client:
+            st = in_thread(client.get_status, stop)
             known = {r.replica_id for r in st.replicas if r.role == "STAGE"}
             unknown = sorted(set(replica or ()) - known)
             if unknown:
@@ -58,8 +62,12 @@ def _run(kind: str, master: str | None, stage: list[int] | None, replica: list[s
             if force:
                 for line in _what_stops(st, stage, replica):
                     typer.echo(f"omni {verb}: --force: {line}", err=True)
-            results = client.send_command(kind, stage or (), args, timeout_s=timeout, replica_ids=replica or (),
-                                          keep_serving=not force)
+            results = in_thread(lambda: client.send_command(kind, stage or (), args, timeout_s=timeout,
+                                                            replica_ids=replica or (), keep_serving=not force), stop)
+    except Interrupted:
+        typer.echo(f"omni {verb}: interrupted (a command already sent may still reach its replicas: "
+                   "see `omni status`)", err=True)
+        raise typer.Exit(EXIT_INTERRUPTED) from None
     except OmniError as e:
         typer.echo(f"omni {verb}: {_one_line(str(e))}", err=True)
         raise typer.Exit(EXIT_UNREACHABLE) from None

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import signal
 import sys
+import threading
 from pathlib import Path
+from typing import Callable, Iterator, TypeVar
 
 import msgspec
 import typer
@@ -19,6 +23,9 @@ from omni.signals import StopRequest
 logger = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_NOT_READY, EXIT_UNREACHABLE = 0, 1, 2
+EXIT_INTERRUPTED = 130     # Ctrl-C, as a shell reports it
+
+T = TypeVar("T")
 
 _TOKEN_HELP = "Shared secret: every call must carry it (env OMNI_TOKEN)."
 _MASTER_HELP = "The omni master's HOST:PORT."
@@ -88,21 +95,30 @@ def status(
     tls_ca: str | None = typer.Option(None, "--tls-ca", help="PEM CA to verify the master (enables TLS)."),
 ) -> None:
     """Show the pipeline's replicas. Exit 0 when every stage has a READY replica, 1 if not, 2 if the
-    master cannot be reached."""
+    master cannot be reached, 130 on Ctrl-C before a view was shown (--watch: after one, as that view)."""
     from omni.master.client import MasterClient
 
     if master is None:
         master = _local_master()
+    client = None
     try:
-        client = MasterClient(master, token=omni_token, tls=tls_from_options(tls_cert, tls_key, tls_ca),
-                              timeout_s=5.0)
-        st = client.get_status()
-        _show(st, json_, clear=False)
-        if watch:
-            st = _watch(client, json_, st)
+        with ctrl_c() as stop:
+            client = MasterClient(master, token=omni_token, tls=tls_from_options(tls_cert, tls_key, tls_ca),
+                                  timeout_s=5.0)
+            if watch:
+                st = _watch(client, json_, stop)
+            else:
+                st = in_thread(client.get_status, stop)
+                _show(st, json_, clear=False)
+    except Interrupted:
+        typer.echo("omni status: interrupted", err=True)
+        raise typer.Exit(EXIT_INTERRUPTED) from None
     except OmniError as e:
         typer.echo(f"omni status: {_one_line(str(e))}", err=True)
         raise typer.Exit(EXIT_UNREACHABLE) from None
+    finally:
+        if client is not None:
+            client.close()
     problems = st.problems()
     for line in problems:
         typer.echo(f"omni status: {line}", err=True)
@@ -123,16 +139,71 @@ def _local_master(verb: str = "status") -> str:
     return str(run["master"])
 
 
-def _watch(client, json_: bool, st: Status) -> Status:
+class Interrupted(Exception):
+    """Ctrl-C came while a call to the master ran."""
+
+
+@contextlib.contextmanager
+def ctrl_c() -> Iterator[StopRequest]:
+    """A StopRequest that SIGINT sets (the handler only notes it) while the block runs; the
+    previous handler is put back after. Off the main thread no handler can be set: never set."""
+    stop = StopRequest()
+    old = signal.signal(signal.SIGINT, stop.set) if threading.current_thread() is threading.main_thread() else None
     try:
-        for event in client.watch():
-            if event.kind == "SNAPSHOT":
-                continue
+        yield stop
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGINT, old)
+        stop.close()
+
+
+def in_thread(fn: Callable[[], T], stop: StopRequest) -> T:
+    """fn() on a daemon thread while this thread waits (in slices) for it or for `stop`: a Ctrl-C
+    raised as KeyboardInterrupt inside grpc's code can leave the channel so that closing it hangs
+    (grpc issue 19973), so no grpc call runs on the thread the signal interrupts. fn's result or
+    its exception; Interrupted when stopped first (fn may still run: close what it waits on)."""
+    box: dict = {}
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:
+            box["error"] = e
+        finally:
+            done.set()
+    threading.Thread(target=run, name="omni-master-call", daemon=True).start()
+    while not done.wait(0.1):
+        if stop.is_set():
+            raise Interrupted()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _watch(client, json_: bool, stop: StopRequest) -> Status:
+    """Print the view at the watch's SNAPSHOT (a printed line means the watch is registered: no
+    change after it is missed) and at every change, until Ctrl-C or the watch ends. -> the last view."""
+    watch = client.watch()
+    last: dict[str, Status] = {}
+    clear = not json_ and sys.stdout.isatty()
+
+    def follow() -> None:
+        for _ in watch:
             st = client.get_status()
-            _show(st, json_, clear=not json_ and sys.stdout.isatty())
-    except KeyboardInterrupt:
+            if stop.is_set():
+                return
+            _show(st, json_, clear=clear and "st" in last)
+            last["st"] = st
+    try:
+        in_thread(follow, stop)
+    except Interrupted:
         pass
-    return st
+    finally:
+        watch.cancel()
+    if "st" not in last:       # stopped before the first view
+        raise Interrupted()
+    return last["st"]
 
 
 def _show(st: Status, json_: bool, clear: bool) -> None:

@@ -480,15 +480,50 @@ def test_master_cli_prints_port_and_stops_on_sigterm():
 def test_status_cli_watch_refreshes_on_events_until_ctrl_c(master, client):
     proc = subprocess.Popen([*CLI, "status", "--master", master.address, "--json", "--watch"], cwd=REPO,
                             text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    ok = False
     try:
-        first = json.loads(_readline(proc))
+        first = json.loads(_readline(proc))   # printed at the watch's SNAPSHOT: the watch is registered
         assert first["replicas"] == [] and first["problems"] == ["stage 0 has no READY replica",
                                                                  "stage 1 has no READY replica"]
         client.register("STAGE", 0, config_hash=HASH)  # an ADDED event: the watcher prints again
+        # Heartbeats: no lease expiry (a DEAD event, another print) falls in the Ctrl-C window.
+        client.start_keepalive(lambda: {}, lambda cmd: (True, ""), interval_s=0.1)
         second = json.loads(_readline(proc))
         assert [r["replica_id"] for r in second["replicas"]] == ["s0r0"]
         proc.send_signal(signal.SIGINT)
         assert proc.wait(10) == 1  # the last view still misses READY replicas
+        ok = True
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+        if not ok:
+            print("omni status --watch stderr:\n" + proc.stderr.read())
+
+
+def test_ctrl_c_during_a_command_ends_the_cli_at_once_saying_so(master, client):
+    """SIGINT while `omni drain` waits for a slow ack: the call runs off the main thread, so no
+    KeyboardInterrupt is raised inside grpc (whose channel could then hang at close)."""
+    got = threading.Event()
+
+    def slow(cmd):
+        got.set()
+        time.sleep(3)
+        return True, ""
+    client.register("STAGE", 0, config_hash=HASH)
+    client.start_keepalive(lambda: {}, slow, interval_s=0.1)
+    watch = Watch(client)
+    watch.state("s0r0", "READY", 5)
+    watch.close()
+    proc = subprocess.Popen([*CLI, "drain", "--master", master.address, "--replica", "s0r0", "--force"], cwd=REPO,
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        assert got.wait(15), "the drain never reached the stage"
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)       # the CLI waits for the ack, 3 s away
+        assert proc.wait(5) == 130 and time.monotonic() - t0 < 2
+        err = proc.stderr.read()
+        assert "omni drain: interrupted" in err and "Traceback" not in err, err
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
