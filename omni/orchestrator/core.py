@@ -25,7 +25,7 @@ from omni.orchestrator import picking
 from omni.orchestrator.limits import RecentFailures
 from omni.orchestrator.metrics import OrchestratorMetrics
 from omni.orchestrator.request_state import (ProcessorContext, RequestState, finals_below, free_actions, input_host,
-                                             load_processor, needed_stages, out_route, ref_id)
+                                             load_processor, lost_inputs, needed_stages, out_route, ref_id)
 from omni.orchestrator.topology import Topology
 from omni.orchestrator.types import PipelineOutput, PipelineRequest
 from omni.sampling import SamplingOverrides
@@ -187,13 +187,17 @@ class OrchestratorCore:
         nothing for it yet: nothing of it was seen, so sending the same inputs again (in order)
         is safe. A stage still receiving inputs moves too: the inputs sent so far go first and
         every later one follows them (sends are made in order, here). Shared-memory inputs
-        need a replica on the dead one's host."""
+        need a replica on the dead one's host. Inputs whose producer is gone fail the request (True)."""
         if len(held) != 1:
             return False
         s = held[0]
         st = state.stages[s]
         if st.first_output_at is not None or not st.sent:
             return False
+        lost = lost_inputs(s, dead.replica_id, st.sent, state.origin, self.topology.replicas)
+        if lost is not None:     # failed now, not after the new replica's reads time out (blaming it)
+            self._fail(state, lost)
+            return True
         same_host = any(ref.transport in SAME_HOST_ONLY for items in st.sent.values() for inp, _ in items
                         for ref in inp.tensors.values())
         target = picking.replay_target(self.topology.stage_replicas(s), dead, same_host, self.load)

@@ -6,9 +6,10 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Callable
 
+from omni import errors
 from omni import processors as procs
 from omni.config import DeployConfig, StageConfig
-from omni.errors import BadRequest, OmniError, Unavailable
+from omni.errors import BadRequest, OmniError, StageFailed, Unavailable
 from omni.master.types import ReplicaInfo
 from omni.orchestrator import events as ev
 from omni.orchestrator.types import PipelineRequest
@@ -123,6 +124,24 @@ def input_host(inp: procs.StageInput, origin: dict, replicas: dict[str, ReplicaI
                 raise Unavailable(f"{label}: the replica holding its input's {ref.transport} tensors is gone")
             return producer.host
     return None
+
+
+def lost_inputs(s: int, dead: str, sent: dict, origin: dict, replicas: dict[str, ReplicaInfo]) -> StageFailed | None:
+    """Why stage s's part of a request cannot move from replica `dead`: a replica that made tensors
+    of its inputs so far (`sent`) serves no more (not READY/DRAINING, or gone), so they cannot be
+    read again elsewhere. None: nothing lost."""
+    lost = set()
+    for items in sent.values():
+        for inp, _ in items:
+            for ref in inp.tensors.values():
+                producer = origin.get(ref_id(ref))
+                r = replicas.get(producer) if producer else None
+                if producer and (r is None or r.state not in ("READY", "DRAINING")):
+                    lost.add(f"{producer} ({r.state if r else 'gone'})")
+    if not lost:
+        return None
+    return StageFailed(s, dead, "replica is gone; not replayed: the replica that made its inputs is gone too: "
+                       + ", ".join(sorted(lost)), errors.UNAVAILABLE)
 
 
 TENSOR_OUTPUTS = ("audio", "embedding", "image", "video")     # final outputs read from a tensor, not token ids

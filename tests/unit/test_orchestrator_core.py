@@ -278,6 +278,24 @@ def test_downstream_shm_inputs_replay_only_on_the_same_host():
     assert of(acts, ev.Finished)[0].outcome == "failed"
 
 
+def test_no_replay_when_the_inputs_producer_is_gone_too_the_request_fails_at_once_naming_it():
+    """Its tensors cannot be read again: a replay would fail after the new replica's read timeout,
+    blaming that healthy replica."""
+    core = make_core(replica(0, "s0r0"), replica(1, "s1r0"), replica(2, "a-h1"), replica(2, "c-h1"))
+    core.submit(PipelineRequest(request_id="sp", text="Hi.", entry_stage=1, modalities=("audio",)))
+    core.handle(output("s1r0", 1, "sp", tensors={"latents": ref(1)}, finished=True))     # the talker is done
+    core.topology.apply(TopologyEvent("UPDATED", [replica(1, "s1r0", state="DEAD")], 2))   # and then gone
+    dead = replica(2, "a-h1", state="DEAD")
+    core.topology.apply(TopologyEvent("UPDATED", [dead], 3))
+    acts = core.handle(ev.ReplicaGone(dead, "dead"))
+    assert not of(acts, ev.Send) and core.metrics.replays == {}
+    fail = of(acts, ev.Fail)[0].error
+    assert isinstance(fail, StageFailed) and fail.kind == errors.UNAVAILABLE
+    assert "stage 2 replica a-h1: replica is gone; not replayed: the replica that made its inputs is gone too: " \
+           "s1r0 (DEAD)" in str(fail)
+    assert of(acts, ev.Finished)[0].outcome == "failed"
+
+
 def test_a_stage_still_receiving_inputs_is_replayed_and_later_inputs_follow():
     core = make_core(replica(0, "s0r0"), replica(1, "s1r0"), replica(2, "a-h1"), replica(2, "c-h1"))
     core.submit(PipelineRequest(request_id="sp", text="Hi. Yo.", entry_stage=1, modalities=("audio",)))
