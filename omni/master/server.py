@@ -24,7 +24,8 @@ from omni.master import wire
 from omni.master.auth import TlsFiles, TokenInterceptor
 from omni.master.kv import KvError, KvFull, KvStore
 from omni.master.registry import (
-    BadRegistration, ConfigMismatch, Event, LeaseUnknown, Load, RegisterInput, Registry, ReplicaState, Role,
+    LIVE_STATES, BadRegistration, ConfigMismatch, Event, LeaseUnknown, Load, RegisterInput, Registry, ReplicaState,
+    Role,
 )
 
 logger = logging.getLogger(__name__)
@@ -276,7 +277,7 @@ class MasterServicer(pb_grpc.MasterServicer):
             conn = self._conns.get(rep.lease_id)
             fut = loop.create_future()
             if conn is None:
-                fut.set_result((False, "no keep-alive stream", "disconnected"))
+                fut.set_result((False, f"no keep-alive stream (the replica is {rep.state.value})", "disconnected"))
             else:
                 conn.pending[command_id] = fut
                 conn.outbox.put_nowait(cmd)
@@ -317,8 +318,10 @@ class MasterServicer(pb_grpc.MasterServicer):
         unknown = sorted(wanted - known)
         if unknown:
             return [], f"stage(s) {', '.join(map(str, unknown))} not in the pipeline (stages: {sorted(known)})"
-        ok_states = {pb.DRAIN: {ReplicaState.READY}, pb.UNDRAIN: {ReplicaState.DRAINING}}.get(
-            request.kind, {ReplicaState.READY, ReplicaState.DRAINING})
+        # SLEEP/WAKE_UP reach every live replica: one without a keep-alive stream (SUSPECT, REGISTERING) is
+        # reported "disconnected", not skipped (it would come back awake, or asleep, unnoticed).
+        ok_states = {pb.DRAIN: {ReplicaState.READY}, pb.UNDRAIN: {ReplicaState.DRAINING}, pb.SLEEP: LIVE_STATES,
+                     pb.WAKE_UP: LIVE_STATES}.get(request.kind, {ReplicaState.READY, ReplicaState.DRAINING})
         return [r for r in self.reg.replicas()
                 if r.role is Role.STAGE and r.stage_id in wanted and r.state in ok_states], None
 

@@ -303,6 +303,35 @@ def test_send_command_round_trip_with_acks(master, client, children):
     watch.close()
 
 
+def test_stage_wide_sleep_and_wakeup_report_suspect_and_registering_replicas_as_disconnected():
+    """They were skipped: a replica whose stream was down at the SLEEP came back awake unnoticed."""
+    server = MasterServer(CFG, HASH, lease_ttl_s=30.0)
+    server.start()
+    made = [MasterClient(server.address) for _ in range(3)]
+    try:
+        ready, registering, suspect = made
+        for i, c in enumerate(made):
+            c.register("STAGE", 0, config_hash=HASH, pid=2000 + i)
+        for c in (ready, suspect):
+            c.start_keepalive(lambda: {}, lambda cmd: (True, f"{cmd.kind} done"), interval_s=0.1)
+        watch = Watch(made[0])
+        watch.wait(lambda v: [v[r].state for r in ("s0r0", "s0r2") if r in v] == ["READY"] * 2, 5, "two READY")
+        suspect.stop_keepalive()
+        watch.state("s0r2", "SUSPECT", 5)
+        watch.close()
+        for kind in ("SLEEP", "WAKE_UP"):
+            results = made[0].send_command(kind, stage_ids=[0], args={"level": 1} if kind == "SLEEP" else None,
+                                           timeout_s=2)
+            assert [(r.replica_id, r.ok, r.outcome, r.message) for r in results] == [
+                ("s0r0", True, "acked", f"{kind} done"),
+                ("s0r1", False, "disconnected", "no keep-alive stream (the replica is REGISTERING)"),
+                ("s0r2", False, "disconnected", "no keep-alive stream (the replica is SUSPECT)")], kind
+    finally:
+        for c in made:
+            c.close()
+        server.stop(grace=0.2)
+
+
 def test_config_mismatch_refused_with_field_names(master, client):
     other = json.loads(json.dumps(CFG))
     other["stages"][1]["engine_args"]["max_model_len"] = 1024
