@@ -67,6 +67,11 @@ RESERVED_ENV = {
                             "use `devices`",
     **{k: _SECRET for k in ("OMNI_TOKEN", "OMNI_API_KEY", "OMNI_API_KEYS", "OMNI_CONTROL_API_KEY", "VLLM_API_KEY")},
     "OMNI_DIE_WITH_PARENT": "omni sets it while it starts processes that must die with it (omni/deathsig.py)",
+    # a stage reloads the deploy in its own process: these would resolve another config than the head's
+    "OMNI_PLATFORM": "it picks the deploy's platform section, which every process must resolve alike; set it "
+                     "for `omni serve` (the head and each --headless stage) instead",
+    "OMNI_CACHE_DIR": "it locates the models omni builds or fetches for MODEL, which every process must "
+                      "resolve alike; set it for `omni serve` instead",
 }
 
 

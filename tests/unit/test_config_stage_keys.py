@@ -79,6 +79,8 @@ def test_env_merges_over_the_base_and_the_platform_section(tmp_path, monkeypatch
     ("{OMNI_API_KEYS: '[\"k\"]'}", "stages[1].env.OMNI_API_KEYS: not supported: it holds a secret"),
     ("{VLLM_API_KEY: k}", "stages[1].env.VLLM_API_KEY: not supported"),
     ("{OMNI_DIE_WITH_PARENT: '1'}", "stages[1].env.OMNI_DIE_WITH_PARENT: not supported"),
+    ("{OMNI_PLATFORM: cpu}", "stages[1].env.OMNI_PLATFORM: not supported: it picks the deploy's platform section"),
+    ("{OMNI_CACHE_DIR: /x}", "stages[1].env.OMNI_CACHE_DIR: not supported: it locates the models"),
     ("{A: true}", "stages[1].env.A must be text or a number, got bool (write the text the variable expects"),
     ("{A: null}", "stages[1].env.A must be text or a number, got null"),
     ("{A: {B: 1}}", "stages[1].env.A must be text or a number, got a mapping"),
