@@ -416,7 +416,7 @@ def _runtime(value: Any, where: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, v in value.items():
         if key == "devices":
-            out["devices"] = v          # checked with the stage's own (normalise_stage_devices)
+            out["devices"] = v          # checked with the stage's own (config_stage_checks.normalise_devices)
         elif key in ("num_replicas", "env"):
             out[key] = v
         elif key == "max_batch_size":
