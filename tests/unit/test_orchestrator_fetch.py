@@ -12,6 +12,7 @@ threading.Event (with a deadline: on a loop-blocking frontend the test fails, it
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 
 import msgspec
@@ -110,6 +111,18 @@ def make(consumer: Consumer) -> tuple[Orchestrator, FakeChannel]:
     return orch, ch
 
 
+@contextlib.asynccontextmanager
+async def running(consumer: Consumer, made: tuple):
+    """`made` (make's or make_replicas' orchestrator and channels) for a test; the orchestrator closed
+    after it, its blocked reads released first."""
+    orch = made[0]
+    try:
+        yield made
+    finally:
+        consumer.release.set()
+        await orch.close()
+
+
 async def started(orch: Orchestrator, ch: FakeChannel, rid: str):
     """The request's output iterator, once its AddRequest reached the stage."""
     it = aiter(orch.generate(PipelineRequest(request_id=rid, prompt_token_ids=[1], modalities=("audio",),
@@ -119,10 +132,11 @@ async def started(orch: Orchestrator, ch: FakeChannel, rid: str):
     return it, first
 
 
-def chunk(orch: Orchestrator, ch: FakeChannel, rid: str, key: int, transport: str = "tcp", **kw) -> None:
+def chunk(orch: Orchestrator, ch: FakeChannel, rid: str, key: int, transport: str = "tcp",
+          endpoint: str | None = None, **kw) -> None:
     """The stage sends an audio chunk of the request (as its channel's reader hands it over)."""
-    ref = TensorRef(transport=transport, endpoint="h2:7000" if transport == "tcp" else "seg", key=key,
-                    dtype="float32", shape=(2,), nbytes=8)
+    endpoint = endpoint or ("h2:7000" if transport == "tcp" else "seg")
+    ref = TensorRef(transport=transport, endpoint=endpoint, key=key, dtype="float32", shape=(2,), nbytes=8)
     orch._on_stage_message(ch, m.Output(request_id=rid, tensors={"audio": ref}, sample_rate=24000, **kw))
 
 
@@ -132,8 +146,7 @@ def samples(out) -> list[float]:
 
 async def test_a_slow_remote_read_leaves_the_other_requests_going_and_keeps_its_own_order():
     consumer = Consumer(blocked={1})
-    orch, ch = make(consumer)
-    try:
+    async with running(consumer, make(consumer)) as (orch, ch):
         a, a_first = await started(orch, ch, "a")
         b, b_first = await started(orch, ch, "b")
         chunk(orch, ch, "a", 1)                      # its read waits (a far host, a slow link)
@@ -156,9 +169,6 @@ async def test_a_slow_remote_read_leaves_the_other_requests_going_and_keeps_its_
         assert orch.metrics.outcomes == {"ok": 2, "aborted": 0, "failed": 0}
         await a.aclose(), await b.aclose()
         assert not orch._sinks and not orch._fetch._reading and not orch._fetch._deferred
-    finally:
-        consumer.release.set()
-        await orch.close()
 
 
 async def test_a_request_that_leaves_while_its_read_runs_is_aborted_and_frees_the_tensor_after_the_read():
@@ -166,8 +176,7 @@ async def test_a_request_that_leaves_while_its_read_runs_is_aborted_and_frees_th
     # when it takes the Abort (omni/stage/worker.py), read or not: a read that loses that race fails,
     # and goes nowhere here (the client left).
     consumer = Consumer(blocked={5})
-    orch, ch = make(consumer)
-    try:
+    async with running(consumer, make(consumer)) as (orch, ch):
         it, first = await started(orch, ch, "c")
         chunk(orch, ch, "c", 5)
         assert consumer.entered[5].wait(WAIT_S)
@@ -180,15 +189,11 @@ async def test_a_request_that_leaves_while_its_read_runs_is_aborted_and_frees_th
         consumer.release.set()
         await ch.until(lambda: 5 in ch.freed())
         assert not orch._fetch._reading and not orch._fetch._deferred
-    finally:
-        consumer.release.set()
-        await orch.close()
 
 
 async def test_a_request_that_times_out_while_its_read_runs_fails_with_the_timeout():
     consumer = Consumer(blocked={6})
-    orch, ch = make(consumer)
-    try:
+    async with running(consumer, make(consumer)) as (orch, ch):
         it = aiter(orch.generate(PipelineRequest(request_id="t", prompt_token_ids=[1], modalities=("audio",),
                                                  sampling=SamplingParams(max_tokens=4), timeout_s=0.5)))
         first = asyncio.ensure_future(anext(it))
@@ -201,15 +206,11 @@ async def test_a_request_that_times_out_while_its_read_runs_fails_with_the_timeo
         consumer.release.set()
         await ch.until(lambda: 6 in ch.freed())
         assert not orch._sinks and not orch._fetch._reading and not orch._fetch._deferred
-    finally:
-        consumer.release.set()
-        await orch.close()
 
 
 async def test_a_failed_remote_read_fails_its_request_only():
     consumer = Consumer(fail={7})
-    orch, ch = make(consumer)
-    try:
+    async with running(consumer, make(consumer)) as (orch, ch):
         d, d_first = await started(orch, ch, "d")
         e, e_first = await started(orch, ch, "e")
         chunk(orch, ch, "d", 7, finished=True)      # the last output: the core has ended the request ok
@@ -219,21 +220,16 @@ async def test_a_failed_remote_read_fails_its_request_only():
         assert samples(await asyncio.wait_for(e_first, WAIT_S)) == [8.0, 8.0]
         await ch.until(lambda: 7 in ch.freed())
         await d.aclose(), await e.aclose()
-    finally:
-        await orch.close()
 
 
 async def test_a_shared_memory_read_is_made_on_the_loop_in_order():
     consumer = Consumer()
-    orch, ch = make(consumer)
-    try:
+    async with running(consumer, make(consumer)) as (orch, ch):
         it, first = await started(orch, ch, "f")
         chunk(orch, ch, "f", 4, transport="shm", finished=True)
         assert consumer.threads[4] == threading.get_ident() and 4 in ch.freed()   # read before it was freed
         assert samples(await asyncio.wait_for(first, WAIT_S)) == [4.0, 4.0]
         await it.aclose()
-    finally:
-        await orch.close()
 
 
 def make_replicas(consumer: Consumer, *replicas) -> tuple[Orchestrator, list[FakeChannel]]:
@@ -253,11 +249,6 @@ def make_replicas(consumer: Consumer, *replicas) -> tuple[Orchestrator, list[Fak
     return orch, made
 
 
-def tcp_chunk(orch: Orchestrator, ch: FakeChannel, rid: str, key: int, endpoint: str, **kw) -> None:
-    ref = TensorRef(transport="tcp", endpoint=endpoint, key=key, dtype="float32", shape=(2,), nbytes=8)
-    orch._on_stage_message(ch, m.Output(request_id=rid, tensors={"audio": ref}, sample_rate=24000, **kw))
-
-
 class SlowHost(Consumer):
     """Reads from `slow` (an endpoint) wait for `release`."""
 
@@ -275,15 +266,15 @@ class SlowHost(Consumer):
 
 async def test_a_free_waits_only_for_reads_of_its_own_producers_tensor_not_of_the_same_key_elsewhere():
     consumer = SlowHost("h2:7000")
-    orch, made = make_replicas(consumer, replica(0, "s0r0", host="h2"), replica(0, "s0r1", host="h3"))
-    try:
+    replicas = replica(0, "s0r0", host="h2"), replica(0, "s0r1", host="h3")
+    async with running(consumer, make_replicas(consumer, *replicas)) as (orch, made):
         a, a_first = await started_on(orch, made, "a")
         b, b_first = await started_on(orch, made, "b")
         ch_a, ch_b = made
         assert (ch_a.replica_id, ch_b.replica_id) == ("s0r0", "s0r1")
-        tcp_chunk(orch, ch_a, "a", 1, "h2:7000", finished=True)     # s0r0's key 1: its read waits
+        chunk(orch, ch_a, "a", 1, endpoint="h2:7000", finished=True)     # s0r0's key 1: its read waits
         assert await asyncio.to_thread(consumer.waiting.wait, WAIT_S)
-        tcp_chunk(orch, ch_b, "b", 1, "h3:7000", finished=True)     # s0r1's key 1: another tensor
+        chunk(orch, ch_b, "b", 1, endpoint="h3:7000", finished=True)     # s0r1's key 1: another tensor
         assert samples(await asyncio.wait_for(b_first, WAIT_S)) == [1.0, 1.0]
         assert ch_b.freed() == [1] and not consumer.release.is_set()   # not held behind s0r0's read
         assert ch_a.freed() == []
@@ -292,18 +283,14 @@ async def test_a_free_waits_only_for_reads_of_its_own_producers_tensor_not_of_th
         assert ch_a.freed() == [1] and ch_b.freed() == [1]
         await a.aclose(), await b.aclose()
         assert not orch._fetch._reading and not orch._fetch._deferred
-    finally:
-        consumer.release.set()
-        await orch.close()
 
 
 async def test_a_free_waiting_for_a_read_is_dropped_when_its_replica_restarted_under_the_same_id():
     consumer = SlowHost("h2:7000")
     old = replica(0, "s0r0", host="h2")
-    orch, made = make_replicas(consumer, old)
-    try:
+    async with running(consumer, make_replicas(consumer, old)) as (orch, made):
         a, a_first = await started_on(orch, made, "a")
-        tcp_chunk(orch, made[0], "a", 1, "h2:7000", finished=True)   # read waits; its Free waits for it
+        chunk(orch, made[0], "a", 1, endpoint="h2:7000", finished=True)   # read waits; its Free waits for it
         assert await asyncio.to_thread(consumer.waiting.wait, WAIT_S)
         # The replica restarts under its id: its keys start at 1 again and name other requests' tensors.
         orch.topology.apply(TopologyEvent("REMOVED", [old], 2))
@@ -318,9 +305,6 @@ async def test_a_free_waiting_for_a_read_is_dropped_when_its_replica_restarted_u
         b_first.cancel()
         await asyncio.wait((b_first,))
         await a.aclose(), await b.aclose()
-    finally:
-        consumer.release.set()
-        await orch.close()
 
 
 async def test_a_request_that_fails_while_its_read_runs_gets_its_failure_not_the_reads_error():
@@ -332,8 +316,7 @@ async def test_a_request_that_fails_while_its_read_runs_gets_its_failure_not_the
             self.release.wait(WAIT_S)
             raise TransportError(f"tcp producer {ref.endpoint} has no tensor with key {ref.key}")
     consumer = Freed()
-    orch, ch = make(consumer)
-    try:
+    async with running(consumer, make(consumer)) as (orch, ch):
         it, first = await started(orch, ch, "x")
         chunk(orch, ch, "x", 5)
         assert await asyncio.to_thread(lambda: consumer.entered.setdefault(5, threading.Event()).wait(WAIT_S))
@@ -347,15 +330,11 @@ async def test_a_request_that_fails_while_its_read_runs_gets_its_failure_not_the
         assert orch.metrics.outcomes == {"ok": 0, "aborted": 0, "failed": 1}
         await ch.until(lambda: 5 in ch.freed())
         assert not orch._sinks and not orch._fetch._reading and not orch._fetch._deferred
-    finally:
-        consumer.release.set()
-        await orch.close()
 
 
 async def test_a_read_after_the_fetcher_closed_fails_its_request_and_reads_run_on_daemon_threads():
     consumer = Consumer()
-    orch, ch = make(consumer)
-    try:
+    async with running(consumer, make(consumer)) as (orch, ch):
         it, first = await started(orch, ch, "g")
         chunk(orch, ch, "g", 2)
         assert samples(await asyncio.wait_for(first, WAIT_S)) == [2.0, 2.0]
@@ -367,8 +346,6 @@ async def test_a_read_after_the_fetcher_closed_fails_its_request_and_reads_run_o
             await asyncio.wait_for(anext(it), WAIT_S)
         assert 3 not in consumer.threads and orch._fetch._pool is None
         await it.aclose()
-    finally:
-        await orch.close()
 
 
 async def started_on(orch: Orchestrator, made: list[FakeChannel], rid: str):
