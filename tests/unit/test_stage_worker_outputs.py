@@ -8,35 +8,11 @@ import pytest
 import torch
 
 from omni.config import StageConfig
-from omni.engines.base import Engine, EngineOutput
 from omni.stage import messages as m
 from omni.stage.worker import StageWorker
 from omni.transport.base import ProducerFull, TensorRef
 from omni.transport.factory import make_producer
-
-
-class OneShot(Engine):
-    """Each request finishes at its first step with the tensors `tensors()` makes."""
-
-    def __init__(self, tensors):
-        self.reqs: list[str] = []
-        self.tensors = tensors
-        self.aborted: list[str] = []
-
-    def add_request(self, r):
-        self.reqs.append(r.request_id)
-
-    def abort(self, rid):
-        self.aborted.append(rid)
-
-    def step(self):
-        out = [EngineOutput(request_id=r, tensors=self.tensors(), finished=True, finish_reason="stop")
-               for r in self.reqs]
-        self.reqs = []
-        return out
-
-    def has_unfinished(self):
-        return bool(self.reqs)
+from tests.unit.test_stage_worker_published import OneShot, Producer
 
 
 def worker(engine, make):
@@ -77,14 +53,13 @@ def test_a_gloo_edge_frees_what_its_frontend_frees_under_either_name(configured)
         w.close()
 
 
-class Labelled:
+class Labelled(Producer):
     """A producer that labels its refs `label` whatever it was made as (GlooProducer: "nccl" for
     a CUDA tensor on a connector named `gloo`), holding up to `room` tensors."""
 
     def __init__(self, label, room=10):
+        super().__init__()
         self.label, self.room = label, room
-        self.slots: dict[int, str] = {}
-        self.n = 0
 
     def put(self, t, owner=""):
         if len(self.slots) >= self.room:
@@ -94,22 +69,11 @@ class Labelled:
         return TensorRef(transport=self.label, endpoint="x", key=self.n, dtype="float32",
                          shape=tuple(t.shape), nbytes=t.numel() * 4, owner=owner)
 
-    def free(self, keys):
-        for k in keys:
-            self.slots.pop(k, None)
-
-    def free_owner(self, owner):
-        for k in [k for k, o in self.slots.items() if o == owner]:
-            del self.slots[k]
-
     def bytes_in_use(self):
         return 16 * len(self.slots)
 
     def capacity_bytes(self):
         return 16 * self.room
-
-    def close(self):
-        pass
 
 
 @pytest.mark.parametrize("configured,label", [("gloo", "nccl"), ("nccl", "gloo")])

@@ -39,19 +39,21 @@ class Producer:
 
 
 class OneShot(Engine):
-    """Each request finishes at its first step with one tensor."""
+    """Each request finishes at its first step with the tensors `tensors()` makes (one, by default)."""
 
-    def __init__(self):
+    def __init__(self, tensors=lambda: {"h": torch.zeros(4)}):
         self.reqs: list[str] = []
+        self.tensors = tensors
+        self.aborted: list[str] = []
 
     def add_request(self, r):
         self.reqs.append(r.request_id)
 
     def abort(self, rid):
-        pass
+        self.aborted.append(rid)
 
     def step(self):
-        out = [EngineOutput(request_id=r, tensors={"h": torch.zeros(4)}, finished=True, finish_reason="stop")
+        out = [EngineOutput(request_id=r, tensors=self.tensors(), finished=True, finish_reason="stop")
                for r in self.reqs]
         self.reqs = []
         return out
