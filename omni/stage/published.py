@@ -16,6 +16,7 @@ import time
 from typing import Container, Iterable
 
 from omni.transport.base import TensorRef
+from omni.transport.sweep import Sweep
 
 SWEEP_S = 1.0   # how often `stale` looks
 
@@ -27,7 +28,7 @@ class Published:
         self._keys: dict[str, set[tuple[str, int]]] = {}    # request id -> its refs not freed
         self._frontend: dict[str, bytes] = {}                # request id -> the frontend sent them
         self._at: dict[str, float] = {}                      # request id -> its last publish, oldest first
-        self._sweep_at = 0.0
+        self._sweep = Sweep(SWEEP_S)
 
     def add(self, frontend: bytes, rid: str, refs: Iterable[TensorRef]) -> None:
         for r in refs:
@@ -53,11 +54,9 @@ class Published:
     def stale(self, live: Container[str]) -> list[str]:
         """Requests not in `live` (done here) with tensors unfreed `ttl_s` after their last publish;
         looks once a SWEEP_S (else [])."""
-        now = time.monotonic()
-        if now < self._sweep_at:
+        if not self._sweep.due():
             return []
-        self._sweep_at = now + SWEEP_S
-        cutoff = now - self.ttl_s
+        cutoff = time.monotonic() - self.ttl_s
         out = []
         for rid, at in self._at.items():
             if at > cutoff:
