@@ -1,11 +1,9 @@
-"""The master's small key-value store, one JSON file per namespace under state_dir/kv/.
-
-Writes go to a temp file, are fsynced and renamed over the old one, so a crash leaves either
-the old or the new namespace file, never a torn one.
+"""The master's small key-value store, kept in memory and, with a state_dir, on disk under
+state_dir/kv/ as a snapshot and a log of changes per namespace (kv_journal.py).
 
 Namespaces of live data (metrics) stay in memory only.
 
-Every namespace is bounded (value size, entries, bytes; `LIMITS`), some expire entries a
+Every namespace is bounded (value size, entries, bytes; `LIMITS`) and so is the store, some expire entries a
 while after their last write (jobs), and lists come in pages, so no client can make the
 master or a reader of the list allocate without bound, and one oversize record cannot make
 the list fail for everyone.
@@ -13,8 +11,6 @@ the list fail for everyone.
 
 from __future__ import annotations
 
-import base64
-import json
 import logging
 import os
 import re
@@ -22,8 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from omni.errors import ConfigError
-from omni.fsutil import atomic_write
+from omni.master.kv_journal import Journal
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +27,7 @@ MAX_KEY_LEN = 1024
 MAX_NAMESPACES = 64
 PAGE_ENTRIES = 1000
 PAGE_BYTES = 1 << 20     # far below gRPC's 4 MB message limit
+MAX_TOTAL_BYTES = 256 << 20   # all namespaces: the defaults of jobs, voices and metrics fit with room
 
 
 @dataclass(frozen=True)
@@ -63,35 +59,28 @@ class KvStore:
                  clock=time.time):
         self._data: dict[str, dict[str, bytes]] = {}
         self._written: dict[str, dict[str, float]] = {}
+        self._bytes: dict[str, int] = {}      # each namespace's values, kept as they change (no sum a put)
         self._limits = {**LIMITS, **(limits or {})}
         self._clock = clock
-        self._dir = Path(state_dir) / "kv" if state_dir else None
-        if self._dir is not None:
-            self._dir.mkdir(parents=True, exist_ok=True)
-            self._load()
+        self._journal = None
+        if state_dir:
+            folder = Path(state_dir) / "kv"
+            folder.mkdir(parents=True, exist_ok=True)
+            folder.chmod(0o700)    # job prompts and voices are the users' (an older omni made it 0755)
+            self._journal = Journal(folder)
+            self._load(folder)
 
-    def _load(self) -> None:
-        for tmp in self._dir.glob(".*.tmp"):   # a write the master was killed in: the old file stands
-            logger.info("removing %s, left by an interrupted write", tmp)
-            tmp.unlink(missing_ok=True)
-        for path in sorted(self._dir.glob("*.json")):
-            if not self.limits(path.stem).persist:   # written by an older omni
-                logger.info("removing %s: namespace %s is not persisted", path, path.stem)
-                path.unlink(missing_ok=True)
-                continue
-            try:
-                raw = json.loads(path.read_text())
-                now = self._clock()
-                # {"key": {"v": base64, "t": written}}; older files hold the base64 alone
-                if not isinstance(raw, dict) or not all(isinstance(v, (str, dict)) for v in raw.values()):
-                    raise ValueError("expected one JSON object of entries")
-                self._data[path.stem] = {k: base64.b64decode(v["v"] if isinstance(v, dict) else v, validate=True)
-                                         for k, v in raw.items()}
-                self._written[path.stem] = {k: float(v["t"]) if isinstance(v, dict) else now
-                                            for k, v in raw.items()}
-            except (OSError, ValueError, AttributeError, KeyError, TypeError) as e:
-                raise ConfigError(f"master state file {path} is damaged ({e}); fix or remove it") from None
-        logger.info("loaded %d kv namespaces from %s", len(self._data), self._dir)
+    def _load(self, folder: Path) -> None:
+        now = self._clock()
+        for ns, entries in self._journal.load(lambda ns: self.limits(ns).persist).items():
+            self._data[ns] = {k: v for k, (v, _) in entries.items()}
+            self._written[ns] = {k: now if t is None else t for k, (_, t) in entries.items()}
+            self._bytes[ns] = sum(len(v) for v in self._data[ns].values())
+        logger.info("loaded %d kv namespaces from %s", len(self._data), folder)
+
+    def close(self) -> None:
+        if self._journal is not None:
+            self._journal.close()
 
     def limits(self, namespace: str) -> Limits:
         return self._limits.get(namespace, DEFAULT_LIMITS)
@@ -109,16 +98,24 @@ class KvStore:
             raise KvFull(f"the kv store holds {MAX_NAMESPACES} namespaces, the limit")
         if only_if_exists and key not in self._data.get(namespace, {}):
             return False
-        items = self._data.setdefault(namespace, {})
+        items = self._data.get(namespace, {})
         if key not in items and len(items) >= lim.max_entries:
             raise KvFull(f"kv namespace {namespace!r} holds {lim.max_entries} entries, the limit; delete some")
-        used = sum(len(v) for v in items.values()) - len(items.get(key, b""))
-        if used + len(value) > lim.max_bytes:
+        grow = len(value) - len(items.get(key, b""))
+        used = self._bytes.get(namespace, 0)
+        if used + grow > lim.max_bytes:
             raise KvFull(f"kv namespace {namespace!r} holds {used} bytes; {len(value)} more would pass its "
                          f"limit of {lim.max_bytes}")
-        items[key] = bytes(value)
-        self._written.setdefault(namespace, {})[key] = self._clock()
-        self._persist(namespace)
+        total = sum(self._bytes.values())
+        if total + grow > MAX_TOTAL_BYTES:
+            raise KvFull(f"the kv store holds {total} bytes; {len(value)} more would pass its limit of "
+                         f"{MAX_TOTAL_BYTES}; delete some")
+        at = self._clock()
+        self._log(namespace, key, value, at)      # on disk before it is answered
+        self._data.setdefault(namespace, {})[key] = bytes(value)
+        self._written.setdefault(namespace, {})[key] = at
+        self._bytes[namespace] = used + grow
+        self._compact(namespace)
         return True
 
     def get(self, namespace: str, key: str) -> bytes | None:
@@ -148,12 +145,10 @@ class KvStore:
 
     def delete(self, namespace: str, key: str) -> bool:
         _check(namespace, key)
-        items = self._data.get(namespace, {})
-        if key not in items:
+        if key not in self._data.get(namespace, {}):
             return False
-        del items[key]
-        self._written.get(namespace, {}).pop(key, None)
-        self._persist(namespace)
+        self._log(namespace, key, None)
+        self._remove(namespace, [key])
         return True
 
     def _expired(self, namespace: str, key: str) -> bool:
@@ -165,29 +160,36 @@ class KvStore:
         ttl = self.limits(namespace).ttl_s
         if ttl is None or namespace not in self._data:
             return
-        written = self._written.get(namespace, {})
-        old = [k for k, t in written.items() if self._clock() - t > ttl]
-        for k in old:
-            self._data[namespace].pop(k, None)
-            written.pop(k, None)
+        now = self._clock()
+        old = [k for k, t in self._written.get(namespace, {}).items() if now - t > ttl]
         if old:
             logger.info("kv namespace %s: %d entries expired", namespace, len(old))
-            self._persist(namespace)
+            for k in old:
+                self._log(namespace, k, None)
+            self._remove(namespace, old)
 
-    def _persist(self, namespace: str) -> None:
-        if self._dir is None or not self.limits(namespace).persist:
+    def _remove(self, namespace: str, keys: list[str]) -> None:
+        items, written = self._data[namespace], self._written.setdefault(namespace, {})
+        for k in keys:
+            self._bytes[namespace] -= len(items.pop(k))
+            written.pop(k, None)
+        if items:
+            self._compact(namespace)
             return
-        target = self._dir / f"{namespace}.json"
-        items = self._data.get(namespace, {})
-        if not items:
-            target.unlink(missing_ok=True)
-            self._data.pop(namespace, None)
-            self._written.pop(namespace, None)
-            return
-        written = self._written.get(namespace, {})
-        text = json.dumps({k: {"v": base64.b64encode(v).decode(), "t": written.get(k, 0.0)}
-                           for k, v in items.items()}, sort_keys=True)
-        atomic_write(target, text.encode())
+        for d in (self._data, self._written, self._bytes):   # an empty namespace counts for no limit
+            d.pop(namespace, None)
+        if self._journal is not None and self.limits(namespace).persist:
+            self._journal.drop(namespace)
+
+    def _log(self, namespace: str, key: str, value: bytes | None, at: float = 0.0) -> None:
+        if self._journal is not None and self.limits(namespace).persist:
+            self._journal.write(namespace, key, value, at)
+
+    def _compact(self, namespace: str) -> None:
+        if self._journal is not None and self.limits(namespace).persist:
+            items, written = self._data[namespace], self._written[namespace]
+            self._journal.maybe_compact(namespace, self._bytes[namespace],
+                                        lambda: {k: (v, written[k]) for k, v in items.items()})
 
 
 def _check(namespace: str, key: str | None) -> None:

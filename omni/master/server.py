@@ -410,6 +410,7 @@ class MasterServer:
             pass  # the loop already ended
         self._thread.join(grace + 10)
         self._thread = None
+        self._kv.close()
 
     def __enter__(self) -> "MasterServer":
         self.start()

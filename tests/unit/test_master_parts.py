@@ -16,12 +16,12 @@ def test_kv_persists_atomically_and_reloads(tmp_path):
     kv.put("voices", "bob", b"b")
     kv.put("jobs", "j1", b"{}")
     files = sorted(p.name for p in (tmp_path / "kv").iterdir())
-    assert files == ["jobs.json", "voices.json"]  # no temp files left behind
+    assert files == ["jobs.log", "voices.log"]  # changes are logged (kv_journal.py); no temp files
     again = KvStore(tmp_path)
     assert again.list("voices") == ({"alice": b"\x00\xff", "bob": b"b"}, "")
     assert again.list("voices", prefix="b") == ({"bob": b"b"}, "")
     assert again.delete("jobs", "j1") and not again.delete("jobs", "j1")
-    assert not (tmp_path / "kv" / "jobs.json").exists()
+    assert not (tmp_path / "kv" / "jobs.log").exists()    # an emptied namespace leaves no file
     assert KvStore(tmp_path).get("jobs", "j1") is None
 
 
@@ -34,7 +34,7 @@ def test_kv_metrics_are_never_persisted(tmp_path):
     kv.put(NAMESPACE, "0", b"omni_api_requests_total 5\n")
     kv.put("voices", "alice", b"{}")
     assert kv.get(NAMESPACE, "0") == b"omni_api_requests_total 5\n"   # served while the master lives
-    assert sorted(p.name for p in (tmp_path / "kv").iterdir()) == ["voices.json"]
+    assert sorted(p.name for p in (tmp_path / "kv").iterdir()) == ["voices.log"]
     (tmp_path / "kv" / f"{NAMESPACE}.json").write_text(json.dumps({"1": {"v": "eA==", "t": 0}}))  # an older omni's
     again = KvStore(tmp_path)
     assert again.list(NAMESPACE) == ({}, "") and again.get("voices", "alice") == b"{}"
@@ -96,7 +96,8 @@ def test_kv_reads_the_older_file_format(tmp_path):
     kv = KvStore(tmp_path)
     assert kv.get("voices", "alice") == b"\x00\xff"
     kv.put("voices", "bob", b"b")
-    assert json.loads((tmp_path / "kv" / "voices.json").read_text())["alice"]["v"] == "AP8="
+    kv.close()
+    assert KvStore(tmp_path).list("voices") == ({"alice": b"\x00\xff", "bob": b"b"}, "")
 
 
 def test_kv_corrupt_file_is_named(tmp_path):
