@@ -22,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from omni.api import protocol as P
+from omni.api.listing import list_page
 from omni.api.errors import APIError, bad_request, to_api_error
 from omni.api.job_store import JOB_ID_RE, LocalKv, Results, encode_record  # noqa: F401 (LocalKv: re-exported)
 from omni.errors import Unavailable
@@ -154,15 +155,7 @@ class Jobs:
         return _public(record)
 
     async def list(self, request: Request) -> Response:
-        raw = request.query_params.get("limit", "20")
-        try:
-            limit = int(raw)
-        except ValueError:
-            limit = 0
-        if not 1 <= limit <= 100:
-            raise bad_request(f"limit={raw} must be an integer in [1, 100]", param="limit")
-        records = await self.records()
-        return JSONResponse({"object": "list", "data": records[:limit], "has_more": len(records) > limit})
+        return JSONResponse(list_page(request, await self.records(), "job"))
 
     async def retrieve(self, request: Request) -> Response:
         return JSONResponse(await self.record(request.path_params["job_id"]))

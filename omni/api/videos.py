@@ -26,6 +26,7 @@ from starlette.responses import JSONResponse, Response
 
 from omni.api import mp4
 from omni.api import protocol as P
+from omni.api.listing import list_page
 from omni.api.errors import APIError, bad_request
 from omni.api.images import check_prompt, check_size, denoising, media_outputs, parse_size
 from omni.api.jobs import Jobs
@@ -164,26 +165,8 @@ class VideoRoutes:
 
     async def list(self, request: Request) -> Response:
         self.served()
-        q = request.query_params
-        raw = q.get("limit", "20")
-        limit = int(raw) if raw.isdigit() else 0
-        if not 1 <= limit <= 100:
-            raise bad_request(f"limit={raw} must be an integer in [1, 100]", param="limit")
-        order = q.get("order", "desc")
-        if order not in ("asc", "desc"):
-            raise bad_request(f"order={order} must be asc or desc", param="order")
         videos = [video_object(r) for r in await self.jobs.records(ROUTE)]
-        if order == "asc":
-            videos.reverse()
-        after = q.get("after")
-        if after is not None:
-            ids = [v["id"] for v in videos]
-            if after not in ids:
-                raise bad_request(f"after={after} is no video in this list", param="after")
-            videos = videos[ids.index(after) + 1:]
-        page = videos[:limit]
-        return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                             "last_id": page[-1]["id"] if page else None, "has_more": len(videos) > limit})
+        return JSONResponse(list_page(request, videos, "video"))
 
     async def retrieve(self, request: Request) -> Response:
         self.served()

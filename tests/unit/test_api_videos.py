@@ -205,6 +205,8 @@ async def test_list_pages_with_limit_order_and_after(two):
     assert [v["id"] for v in rest["data"]] == [ids[0]] and not rest["has_more"]
     asc = (await c1.get("/v1/videos", params={"order": "asc"})).json()
     assert [v["id"] for v in asc["data"]] == ids
+    r = await c1.get("/v1/videos", params={"limit": 2, "before": ids[0]})     # not OpenAI's: refused, not ignored
+    assert r.status_code == 400 and r.json()["error"]["param"] == "before"
     # a generic job is no video, a video is a job
     assert (await c1.get(f"/v1/omni/jobs/{ids[0]}")).json()["endpoint"] == "/v1/videos"
 

@@ -99,6 +99,13 @@ async def test_list_is_newest_first_with_limit(tokenizer, tmp_path):
     assert all(j["status"] == "completed" for j in listed["data"])
     assert_error(await c.get("/v1/omni/jobs?limit=0"), 400, param="limit")
     assert_error(await c.get("/v1/omni/jobs?limit=x"), 400, param="limit")
+    # OpenAI's list parameters page on; they were ignored (`after` gave the first page again)
+    rest = (await c.get("/v1/omni/jobs", params={"limit": 2, "after": listed["last_id"]})).json()
+    assert [j["id"] for j in rest["data"]] == [ids[0]] and rest["has_more"] is False
+    assert [j["id"] for j in (await c.get("/v1/omni/jobs?order=asc")).json()["data"]] == ids
+    assert_error(await c.get("/v1/omni/jobs?after=job-nope"), 400, param="after")
+    assert_error(await c.get("/v1/omni/jobs?status=completed"), 400, param="status")
+    assert_error(await c.get("/v1/omni/jobs?limit=1&limit=2"), 400, param="limit")
 
 
 @pytest.mark.parametrize("body,param,contains", [
