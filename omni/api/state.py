@@ -149,6 +149,14 @@ class FrontendState:
                               f"the {what} contain {chars} characters (more than {bound}, the most that "
                               f"{self.max_model_len} tokens can hold). Reduce the {what}.", param=param)
 
+    def check_message_count(self, n: int) -> None:
+        """Each message adds at least one template token: more messages than the context are refused
+        before anything is templated (a million empty messages take the tokenizer thread ~25 s)."""
+        if n > self.max_model_len:
+            raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                              f"the messages are {n} messages, each at least one token. Reduce the messages.",
+                              param="messages")
+
     def template_kwargs(self, kwargs: dict | None) -> dict:
         """vLLM's chat_template_kwargs, checked: a key the template does not read, or one that is a
         parameter of the rendering itself (tokenize, tools, ...), is refused by name."""

@@ -67,9 +67,11 @@ class TextRoutes:
 
     async def chat(self, request: Request) -> Response:
         self.fe.need_text()
-        req = P.decode_body(await request.body(), P.ChatCompletionRequest)
+        raw = await request.body()
+        req = P.decode_body(raw, P.ChatCompletionRequest)
         self.fe.check_model(req.model)
         logprobs = P.check_sampling(req)
+        self.fe.check_message_count(len(req.messages))
         audios: list = []
         messages = P.chat_messages(req, audios)
         modalities = tuple(req.modalities or self.fe.default_modalities)
@@ -96,8 +98,9 @@ class TextRoutes:
         chars = content_chars(messages)
         self.fe.check_prompt_chars(chars, "messages", "messages")
         kwargs = self.fe.template_kwargs(req.chat_template_kwargs)
-        prompt_ids = await self.fe.offload(chars > OFFLOAD_CHARS, self.fe.render_chat, messages, kwargs,
-                                           P.chat_ending(req))
+        # by the body too: a million empty messages are seconds of templating with no content
+        prompt_ids = await self.fe.offload(max(chars, len(raw)) > OFFLOAD_CHARS, self.fe.render_chat, messages,
+                                           kwargs, P.chat_ending(req))
         if audios:
             self.fe.check_audio_placeholders(prompt_ids, len(audios))
         if req.max_completion_tokens is not None:
@@ -238,19 +241,21 @@ class TextRoutes:
     async def tokenize(self, request: Request) -> Response:
         """vLLM's /tokenize; frontend work only (no stage is involved)."""
         self.fe.need_text()
-        req = P.decode_body(await request.body(), P.TokenizeRequest)
+        raw = await request.body()
+        req = P.decode_body(raw, P.TokenizeRequest)
         self.fe.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("send exactly one of `prompt` and `messages`", param="prompt")
         # Like the generation routes, a text that cannot fit the context is refused untokenized:
         # tokenizing 10 MB takes the tokenizer thread (one per frontend) for many seconds.
         if req.messages is not None:
+            self.fe.check_message_count(len(req.messages))
             messages = P.chat_messages(req)
             chars = content_chars(messages)
             self.fe.check_prompt_chars(chars, "messages", "messages")
             kwargs = self.fe.template_kwargs(req.chat_template_kwargs)
-            ids = await self.fe.offload(chars > OFFLOAD_CHARS, self.fe.render_chat, messages, kwargs,
-                                        P.chat_ending(req))
+            ids = await self.fe.offload(max(chars, len(raw)) > OFFLOAD_CHARS, self.fe.render_chat, messages,
+                                        kwargs, P.chat_ending(req))
         else:
             self.fe.check_prompt_chars(len(req.prompt), "prompt", "prompt")
             ids = list(await self.fe.offload(len(req.prompt) > OFFLOAD_CHARS, self.fe.encode, req.prompt,

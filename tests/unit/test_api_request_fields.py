@@ -1,0 +1,46 @@
+"""Review fixes of the text routes: message counts, `model: ""`, vLLM's request fields, seeds,
+audio formats (the frontend against test_api's fake orchestrator and tiny tokenizer)."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+
+from omni.api import build_app
+from tests.unit.test_api import FakeOrchestrator, assert_error, chat_body, tokenizer  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+def client(tokenizer, **kw):
+    orch = FakeOrchestrator(tokenizer, kw.pop("reply", "hello world"))
+    kw.setdefault("served_model_name", "tiny")
+    kw.setdefault("max_model_len", 128)
+    app = build_app(orch, tokenizer, **kw)
+    return orch, app.state.frontend, httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
+
+
+async def test_many_small_messages_are_refused_untemplated_or_templated_off_the_loop(tokenizer):
+    orch, fe, c = client(tokenizer)
+    rendered: list[str] = []
+    render = fe.render_chat
+
+    def spy(*a, **kw):
+        rendered.append(threading.current_thread().name)
+        return render(*a, **kw)
+    fe.render_chat = spy
+    many = [{"role": "user"}] * 129          # each message is at least one token: 129 > 128
+    for path in ("/v1/chat/completions", "/tokenize"):
+        assert_error(await c.post(path, json=chat_body(messages=many)), 400, "messages", "129 messages")
+    assert rendered == []
+    # 100 empty messages: no content characters, but a body worth a worker thread
+    r = await c.post("/tokenize", json={"messages": [{"role": "user"}] * 100})
+    assert r.status_code == 200, r.text
+    assert rendered and rendered[-1].startswith("omni-tokenize")
