@@ -42,6 +42,11 @@ def _no_voice(message: str, param: str) -> APIError:
     return APIError(404, message, type="not_found_error", param=param, code="voice_not_found")
 
 
+def no_seed(seed: int | None) -> int | None:
+    """vLLM's seed -1 is "no seed" (a fresh random draw), not a generator seeded with -1."""
+    return None if seed == -1 else seed
+
+
 def _background_priority() -> None:
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 5)   # this thread only (Linux)
@@ -193,7 +198,7 @@ class FrontendState:
                            type="not_found_error")
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.names:
+        if name and name not in self.names:    # "" is the default model, as in vLLM
             shown = name if len(name) <= 256 else f"{name[:256]}... ({len(name)} characters)"
             raise APIError(404, f"The model `{shown}` does not exist.", param="model",
                            code="model_not_found")
@@ -236,7 +241,7 @@ class FrontendState:
             temperature=pick(req.temperature, d.temperature, 1.0),   # vLLM's default
             top_p=pick(req.top_p, d.top_p, 1.0),
             top_k=0 if top_k < 0 else top_k,
-            seed=pick(req.seed, d.seed, None), stop_token_ids=tuple(pick(req.stop_token_ids, d.stop_token_ids, ())),
+            seed=no_seed(pick(req.seed, d.seed, None)), stop_token_ids=tuple(pick(req.stop_token_ids, d.stop_token_ids, ())),
             ignore_eos=req.ignore_eos or bool(d.ignore_eos),
             presence_penalty=pick(req.presence_penalty, d.presence_penalty, 0.0),
             frequency_penalty=pick(req.frequency_penalty, d.frequency_penalty, 0.0),
@@ -257,7 +262,7 @@ class FrontendState:
         cap = self.max_tokens_limit
         for i, e in enumerate(entries):
             where = f"sampling_params_list[{i}]"
-            common = dict(temperature=e.temperature, top_p=e.top_p, top_k=max(e.top_k, 0), seed=e.seed,
+            common = dict(temperature=e.temperature, top_p=e.top_p, top_k=max(e.top_k, 0), seed=no_seed(e.seed),
                           presence_penalty=e.presence_penalty, frequency_penalty=e.frequency_penalty,
                           repetition_penalty=e.repetition_penalty, ignore_eos=e.ignore_eos,
                           stop_token_ids=tuple(e.stop_token_ids))

@@ -44,3 +44,25 @@ async def test_many_small_messages_are_refused_untemplated_or_templated_off_the_
     r = await c.post("/tokenize", json={"messages": [{"role": "user"}] * 100})
     assert r.status_code == 200, r.text
     assert rendered and rendered[-1].startswith("omni-tokenize")
+
+
+async def test_an_empty_model_is_the_default_as_in_vllm(tokenizer):
+    orch, fe, c = client(tokenizer)
+    for path, body in (("/v1/chat/completions", chat_body(model="")), ("/v1/completions", {"model": "", "prompt": "hi"}),
+                       ("/tokenize", {"model": "", "prompt": "hi"})):
+        r = await c.post(path, json=body)
+        assert r.status_code == 200, (path, r.text)
+    assert_error(await c.post("/v1/chat/completions", json=chat_body(model="other")), 404, "model")
+
+
+async def test_seed_minus_one_is_no_seed(tokenizer):
+    orch, fe, c = client(tokenizer, num_stages=3)
+    for body in (chat_body(seed=-1), {"prompt": "hi", "seed": -1},
+                 chat_body(sampling_params_list=[{"seed": -1}, {"seed": -1}])):
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        r = await c.post(path, json=body)
+        assert r.status_code == 200, r.text
+        req = orch.requests[-1]
+        assert req.sampling.seed is None and all(o.seed is None for o in req.stage_overrides.values())
+    assert (await c.post("/v1/completions", json={"prompt": "hi", "seed": 7})).status_code == 200
+    assert orch.requests[-1].sampling.seed == 7
