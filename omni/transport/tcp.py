@@ -25,6 +25,7 @@ import torch
 
 from omni import envs
 from omni.transport.base import ProducerFull, TensorConsumer, TensorProducer, TensorRef, TransportError
+from omni.transport.down import DownProducers
 from omni.transport.recvpool import DEFAULT_POOL_BYTES, RecvPool
 from omni.transport.server import SocketServer, client_hello, token_hello
 from omni.transport.sweep import Sweep, closed_by_peer
@@ -41,6 +42,7 @@ REP = struct.Struct("<BQ")
 OK, UNKNOWN_KEY, SIZE_MISMATCH = 0, 1, 2
 BAD_TOKEN = 1
 DEFAULT_MAX_TENSOR_BYTES = 16 << 30
+CONNECT_TIMEOUT_S = 5.0
 # Bytes a producer keeps for consumers that have not acked yet; past it put() raises
 # ProducerFull and the stage stops producing until consumers free (backpressure).
 DEFAULT_MAX_BYTES_HELD = 1 << 30
@@ -205,7 +207,9 @@ def connect(endpoint: str, token: str | None, timeout: float) -> socket.socket:
     """Open a connection to a keyed producer and pass the hello; TransportError if refused."""
     host, port = split_endpoint(endpoint)
     try:
-        sock = socket.create_connection((host, port), timeout=timeout)
+        # a producer's host answers a connect in milliseconds; one that does not is gone (reads keep `timeout`)
+        sock = socket.create_connection((host, port), timeout=min(timeout, CONNECT_TIMEOUT_S))
+        sock.settimeout(timeout)
     except OSError as e:
         raise TransportError(f"producer {endpoint} unreachable: {e}") from e
     try:
@@ -263,8 +267,10 @@ class TcpConsumer(TensorConsumer):
         self._pool = RecvPool(pool_bytes)
         self._spin_s = envs.OMNI_SPIN_US / 1e6
         self._sweep = Sweep()
+        self._down = DownProducers()
 
     def _take(self, endpoint: str) -> socket.socket:
+        self._down.check(endpoint)
         with self._lock:
             if self._closed:
                 raise TransportError("tcp consumer is closed")
@@ -273,7 +279,12 @@ class TcpConsumer(TensorConsumer):
             pool = self._idle.get(endpoint)
             if pool:
                 return pool.pop()
-        return connect(endpoint, self._token, self._timeout)
+        try:
+            return connect(endpoint, self._token, self._timeout)
+        except TransportError as e:
+            if isinstance(e.__cause__, TimeoutError):
+                self._down.mark(endpoint, "a connect timed out")
+            raise
 
     def _give(self, endpoint: str, sock: socket.socket) -> None:
         with self._lock:
@@ -298,6 +309,8 @@ class TcpConsumer(TensorConsumer):
             raise
         except (OSError, ConnectionError) as e:
             sock.close()
+            if isinstance(e, TimeoutError):
+                self._down.mark(ref.endpoint, "a read timed out")
             raise TransportError(f"tcp producer {ref.endpoint}: transfer of key {ref.key} failed: {e}") from e
         except BaseException:
             sock.close()
