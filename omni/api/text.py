@@ -16,7 +16,7 @@ delta when that token has no text, e.g. EOS) with `stop_reason` (the stop string
 id that ended it, else null; completions chunks carry it null before), that chunk carries its tokens' logprobs, and
 `stream_options.include_usage` adds one `choices: []` chunk with the usage after it
 (`continuous_usage_stats` also puts the usage so far on every chunk).
-Non-streaming chat puts the whole WAV in `message.audio.data` (base64).
+Non-streaming chat puts the whole WAV (`audio.format` "pcm16": raw s16le) in `message.audio.data` (base64).
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ class TextRoutes:
             body = functools.partial(self._chat_stream, wav_chunks=req.audio is None)
             return await until_disconnect(
                 request, lambda: self._open_stream(gen, body, usage_mode(req.stream_options)))
-        return await until_disconnect(request, lambda: self._chat_full(gen))
+        return await until_disconnect(request, lambda: self._chat_full(gen, req.audio.format if req.audio else "wav"))
 
     async def _open_stream(self, gen: Generation, body, usage: str | None) -> Response:
         # Wait for the first output before sending headers, so early failures get a real status.
@@ -179,7 +179,8 @@ class TextRoutes:
             yield sse.event(error_body(err.message, err.type, err.param, err.code))
         yield sse.DONE
 
-    async def _chat_full(self, gen: Generation) -> Response:
+    async def _chat_full(self, gen: Generation, fmt: str = "wav") -> Response:
+        """`fmt`: audio.format, "wav" (a whole file) or "pcm16" (raw s16le, as OpenAI returns it)."""
         await gen.start()
         audio = bytearray()
         async for ev in gen.events():
@@ -187,10 +188,12 @@ class TextRoutes:
                 audio += ev[1]
         message: dict = {"role": "assistant", "content": gen.text}
         if audio:
-            message["audio"] = {"id": f"audio-{gen.request.request_id}",
-                                "data": base64.b64encode(wav_bytes(bytes(audio), gen.sample_rate)).decode(),
-                                "format": "wav", "expires_at": int(time.time()) + AUDIO_TTL_S,
+            data = pcm16(bytes(audio)) if fmt == "pcm16" else wav_bytes(bytes(audio), gen.sample_rate)
+            message["audio"] = {"id": f"audio-{gen.request.request_id}", "data": base64.b64encode(data).decode(),
+                                "format": fmt, "expires_at": int(time.time()) + AUDIO_TTL_S,
                                 "transcript": gen.text}
+            if fmt == "pcm16":
+                message["audio"]["sample_rate"] = gen.sample_rate    # raw samples do not say it
         body = {"id": gen.request.request_id, "object": "chat.completion", "created": int(time.time()),
                 "model": self.fe.model,
                 "choices": [{"index": 0, "message": message, "logprobs": self._chat_logprobs(gen, last=False),
