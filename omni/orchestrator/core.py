@@ -24,13 +24,14 @@ from omni.orchestrator import events as ev
 from omni.orchestrator import picking
 from omni.orchestrator.limits import RecentFailures
 from omni.orchestrator.metrics import OrchestratorMetrics
+from omni.orchestrator.replay import move, replay_plan
 from omni.orchestrator.request_state import (ProcessorContext, RequestState, finals_below, free_actions, input_host,
-                                             load_processor, lost_inputs, needed_stages, out_route, ref_id)
+                                             load_processor, needed_stages, out_route, ref_id)
 from omni.orchestrator.topology import Topology
 from omni.orchestrator.types import PipelineOutput, PipelineRequest
 from omni.sampling import SamplingOverrides
 from omni.stage import messages as m
-from omni.transport.base import SAME_HOST_ONLY, TensorRef
+from omni.transport.base import TensorRef
 
 logger = logging.getLogger(__name__)
 
@@ -109,9 +110,10 @@ class OrchestratorCore:
     def needed_stages(self, req: PipelineRequest) -> list[int]:
         return needed_stages(self.config, req)
 
-    def pick(self, stage_id: int, req: PipelineRequest | None = None, host: str | None = None) -> ReplicaInfo:
+    def pick(self, stage_id: int, req: PipelineRequest | None = None, host: str | None = None,
+             ran_on: frozenset[str] | set[str] = frozenset()) -> ReplicaInfo:
         return picking.pick(self.config.stage(stage_id), self.topology.stage_replicas(stage_id), req, host,
-                            self.load)
+                            self.load, ran_on)
 
     def load(self, r: ReplicaInfo) -> tuple[int, str]:
         """Least loaded first: the master's load report plus what this frontend sent since,
@@ -151,7 +153,10 @@ class OrchestratorCore:
         st = state.stages.get(e.stage_id) if state is not None else None
         if (st is not None and st.replica is not None and st.replica.replica_id == e.replica_id
                 and e.error.request_id not in st.ended):    # not of a stage done with it, or aborted as unneeded
-            self._fail(state, StageFailed(e.stage_id, e.replica_id, e.error.message, e.error.kind))
+            # Refused as unavailable (draining or asleep since it was picked) before any output: moved.
+            if e.error.kind != errors.UNAVAILABLE or not self._replay(state, st.replica, [e.stage_id],
+                                                                      e.error.message):
+                self._fail(state, StageFailed(e.stage_id, e.replica_id, e.error.message, e.error.kind))
 
     def _on_cancel(self, e: ev.Cancel) -> None:
         state = self.requests.get(e.request_id)
@@ -178,37 +183,23 @@ class OrchestratorCore:
                 for s in held:    # nothing sent there yet: pick another replica at the first send
                     state.stages[s].replica = None
                 continue
-            if not self._replay(state, dead, held):
+            if not self._replay(state, dead, held, f"replica is {e.why}"):
                 self._fail(state, StageFailed(dead.stage_id, dead.replica_id, f"replica is {e.why}",
                                               errors.UNAVAILABLE))
 
-    def _replay(self, state: RequestState, dead: ReplicaInfo, held: list[int]) -> bool:
-        """Move a stage's part of the request to another replica when the dead one had produced
-        nothing for it yet: nothing of it was seen, so sending the same inputs again (in order)
-        is safe. A stage still receiving inputs moves too: the inputs sent so far go first and
-        every later one follows them (sends are made in order, here). Shared-memory inputs
-        need a replica on the dead one's host. Inputs whose producer is gone fail the request (True)."""
-        if len(held) != 1:
-            return False
+    def _replay(self, state: RequestState, dead: ReplicaInfo, held: list[int], reason: str) -> bool:
+        """Move one stage's part of the request off `dead` (omni/orchestrator/replay.py); True: moved,
+        or failed with why it could not (its inputs' producer is gone too, no replica left to try)."""
+        target = replay_plan(state, held[0], dead, self.topology, self.load, reason) if len(held) == 1 else None
+        if not isinstance(target, ReplicaInfo):
+            if target is not None:
+                self._fail(state, target)
+            return target is not None
         s = held[0]
-        st = state.stages[s]
-        if st.first_output_at is not None or not st.sent:
-            return False
-        lost = lost_inputs(s, dead.replica_id, st.sent, state.origin, self.topology.replicas)
-        if lost is not None:     # failed now, not after the new replica's reads time out (blaming it)
-            self._fail(state, lost)
-            return True
-        same_host = any(ref.transport in SAME_HOST_ONLY for items in st.sent.values() for inp, _ in items
-                        for ref in inp.tensors.values())
-        target = picking.replay_target(self.topology.stage_replicas(s), dead, same_host, self.load)
-        if target is None:
-            return False
-        st.replica, st.started = target, False
-        sent, st.sent = st.sent, {}
-        for erid in sent:
-            st.refs_in.pop(erid, None)     # recorded again as they are sent again
-        logger.info("request %s: %s replica %s is gone before any output; replaying on %s",
-                    state.rid, self.config.stage(s).label, dead.replica_id, st.replica.replica_id)
+        self._unhold(dead.replica_id, state.rid)
+        sent = move(state.stages[s], dead, target)
+        logger.info("request %s: %s replica %s: %s before any output; replaying on %s",
+                    state.rid, self.config.stage(s).label, dead.replica_id, reason, target.replica_id)
         self.metrics.replayed(s)
         for erid, items in sent.items():
             for inp, final in items:
@@ -337,15 +328,16 @@ class OrchestratorCore:
         replica = st.replica
         live = self.topology.replicas.get(replica.replica_id) if replica is not None else None
         # A draining replica finishes what it began (a stream's next piece, the next sentence),
-        # it only takes nothing new.
-        if live is None or live.state not in (("READY", "DRAINING") if st.started else ("READY",)):
+        # it only takes nothing new; nor does one that went to sleep since it was picked.
+        if live is None or live.state not in (("READY", "DRAINING") if st.started else ("READY",)) or (
+                not st.started and live.is_sleeping):
             if st.started:
                 raise StageFailed(s, replica.replica_id if replica else "?", "replica is gone", errors.UNAVAILABLE)
             if replica is not None:
                 self._unhold(replica.replica_id, state.rid)
             # Shared-memory inputs were put for the old pick's host: their producer's.
             host = input_host(inp, state.origin, self.topology.replicas, stage.label)
-            replica = st.replica = self.pick(s, state.req, host)
+            replica = st.replica = self.pick(s, state.req, host, st.ran_on)
         # The stage's own sampling (the talker's temperature, piper's noise scales) over the request's;
         # the stage that takes the client's prompt had its defaults folded in by the frontend.
         overrides = state.req.stage_overrides.get(s, self._overrides[s])

@@ -3,12 +3,14 @@
 Among the stage's READY replicas (on one host when the request's inputs there are in shared
 memory) that can take the request (limits.fitting), awake ones first: a sleeping replica is
 picked only when no awake one is left, so the client gets its "asleep, `omni wakeup`" answer
-instead of a plain "no replica". Then the least loaded (`load`: the core's key).
+instead of a plain "no replica". Then the least loaded (`load`: the core's key). A replay never
+goes back to a replica the stage's part of the request already ran on (`ran_on`): one that finished
+it drops it as a late piece (worker_state.RecentBases.ended) and the request would wait for its timeout.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Collection
 
 from omni.config import StageConfig
 from omni.errors import Unavailable
@@ -23,17 +25,22 @@ def awake_first(replicas: list[ReplicaInfo]) -> list[ReplicaInfo]:
 
 
 def pick(stage: StageConfig, replicas: list[ReplicaInfo], req: PipelineRequest | None, host: str | None,
-         load: Callable[[ReplicaInfo], tuple]) -> ReplicaInfo:
-    """A replica for `stage` out of its READY `replicas`; Unavailable when none is (on `host`)."""
-    replicas = [r for r in replicas if host is None or r.host == host]
+         load: Callable[[ReplicaInfo], tuple], ran_on: Collection[str] = ()) -> ReplicaInfo:
+    """A replica for `stage` out of its READY `replicas` but those in `ran_on`; Unavailable when
+    none is (on `host`)."""
+    replicas = [r for r in replicas if (host is None or r.host == host) and r.replica_id not in ran_on]
     if not replicas:
         raise Unavailable(f"{stage.label} has no READY replica"
-                          + (f" on {host}, where its input's shared-memory tensors are" if host else ""))
+                          + (f" on {host}, where its input's shared-memory tensors are" if host else "")
+                          + (f" it has not already run this request on ({', '.join(sorted(ran_on))})"
+                             if ran_on else ""))
     return min(awake_first(fitting(stage, replicas, req)), key=load)
 
 
 def replay_target(replicas: list[ReplicaInfo], dead: ReplicaInfo, same_host: bool,
-                  load: Callable[[ReplicaInfo], tuple]) -> ReplicaInfo | None:
-    """Where a stage's part of a request moves from `dead` (on its host when `same_host`); None: nowhere."""
-    others = [r for r in replicas if r.replica_id != dead.replica_id and (not same_host or r.host == dead.host)]
+                  load: Callable[[ReplicaInfo], tuple], ran_on: Collection[str] = ()) -> ReplicaInfo | None:
+    """Where a stage's part of a request moves from `dead` (on its host when `same_host`), never to
+    one in `ran_on`; None: nowhere."""
+    others = [r for r in replicas if r.replica_id != dead.replica_id and r.replica_id not in ran_on
+              and (not same_host or r.host == dead.host)]
     return min(awake_first(others), key=load) if others else None

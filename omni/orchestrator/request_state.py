@@ -47,6 +47,7 @@ class StageState:
     # Inputs sent per engine request id, kept until it finishes, so a replica that dies before
     # any output can be replaced by sending them again (descriptors only; producers keep the bytes).
     sent: dict[str, list] = field(default_factory=dict)
+    ran_on: set[str] = field(default_factory=set)      # replicas it was moved off (replay): never back there
 
 
 class RequestState:

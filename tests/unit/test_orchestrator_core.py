@@ -175,6 +175,29 @@ def test_entry_replica_dies_before_any_output_the_request_is_replayed():
     assert of(acts, ev.Finished)[0].outcome == "ok"
 
 
+def test_a_replay_never_goes_back_to_a_replica_the_request_already_ran_on():
+    """r1 runs on s0r0, which goes SUSPECT (its channel closed: what it still finishes is lost), so
+    r1 is replayed on s0r1; s0r0 comes back READY; s0r1 dies before output. s0r0 would drop the same
+    request id again (its stream ended there) and the request would hang until its timeout: it goes
+    to a third replica, or fails at once saying why."""
+    for third, expect in ((replica(0, "s0r2"), "s0r2"), (None, None)):
+        core = make_core(replica(0, "s0r0"), replica(0, "s0r1"), *([third] if third else []),
+                         replica(1, "s1r0"), replica(2, "s2r0"))
+        assert sends(core.submit(chat(modalities=("text",)))) == [("s0r0", "r1", True)]
+        for dead, back in (("s0r0", None), ("s0r1", "s0r0")):
+            gone = replica(0, dead, state="SUSPECT")
+            core.topology.apply(TopologyEvent("UPDATED", [gone] + ([replica(0, back)] if back else []), 2))
+            acts = core.handle(ev.ReplicaGone(gone, "suspect"))
+        if expect:
+            assert sends(acts) == [(expect, "r1", True)] and core.metrics.replays == {0: 2}
+            continue
+        assert not of(acts, ev.Send) and core.metrics.replays == {0: 1}
+        err = of(acts, ev.Fail)[0].error
+        assert isinstance(err, StageFailed) and err.kind == errors.UNAVAILABLE
+        assert ("stage 0 replica s0r1: replica is suspect; not replayed: the request already went to every other "
+                "READY replica of the stage (s0r0)") in str(err)
+
+
 def test_a_draining_replica_gets_the_rest_of_what_it_began_and_nothing_new():
     core = make_core(*ALL)
     core.submit(chat())
