@@ -33,10 +33,7 @@ stage worker fails the requests it held and the stage process exits non-zero).
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import logging
-import os
 import time
 import uuid
 from concurrent.futures import Future, TimeoutError as FutureTimeout
@@ -48,25 +45,17 @@ import torch
 from omni import latency_trace
 from omni.config import DeployConfig, StageConfig
 from omni.engines.vllm import mm as vllm_mm
+# The args helpers are imported from here by the factory, benchmarks and tests.
+from omni.engines.vllm.args import (OMNI_ARGS, engine_arg_names, engine_config, prepare_env,  # noqa: F401
+                                    split_engine_args, to_vllm_sampling)
 from omni.engines.vllm.outputs import OutputWaiter
 from omni.engines.vllm.procs import describe_exit, engine_core_dies_with_us
-from omni.engines.base import Engine, EngineError, EngineOutput, EngineRequest, SamplingParams
+from omni.engines.base import Engine, EngineError, EngineOutput, EngineRequest
 from omni.engines.logprobs import from_vllm
 from omni.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-# Engine args omni itself understands (not vLLM's): CPU threads of the EngineCore.
-# mm_hidden_layer: capture hidden_states[k] at multi-modal prompt positions ("talker": the
-# model's talker_config.accept_hidden_layer), delivered as mm_hidden with the first output.
-# emit_prompt_ids: every request's first output carries its prompt ids (as a request's emit_prompt_ids does).
-# hidden_rows_layer: every fed token's rows at layer k ("last": before the final norm) for audio_out requests.
-OMNI_ARGS = ("num_threads", "mm_hidden_layer", "emit_prompt_ids", "hidden_rows_layer")
-# Env defaults for the EngineCore (read by vLLM at import and in its children).
-# Loopback for vLLM's own sockets: the EngineCore always sits next to its stage.
-ENV_DEFAULTS = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
-# Only on CPU: a fixed KV cache (else start-up fails a memory check) and no warm-up pass.
-CPU_ENV_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_CI_ENV": "1"}
 # How long one step() waits for the EngineCore's next outputs before it returns
 # (so the worker can read new requests and aborts meanwhile).
 STEP_WAIT_S = 0.002
@@ -89,74 +78,6 @@ class _Live:
     rows: Any = None                 # a hidden.RowStream for hidden_rows
     n_tokens: int = 0                # prompt (as vLLM expanded it) + generated so far
     logprobs: int | None = None      # the request's top-k, when it asked for logprobs
-
-
-def engine_arg_names() -> set[str]:
-    from vllm.engine.arg_utils import EngineArgs
-
-    return {f.name for f in dataclasses.fields(EngineArgs)}
-
-
-def split_engine_args(label: str, args: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(vLLM EngineArgs kwargs, omni's own args); unknown keys are a ConfigError naming them."""
-    known = engine_arg_names()
-    unknown = sorted(k for k in args if k not in known and k not in OMNI_ARGS)
-    if unknown:
-        hints = []
-        for k in unknown:
-            close = difflib.get_close_matches(k, sorted(known | set(OMNI_ARGS)), n=1)
-            hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-        raise ConfigError(f"{label}: engine 'vllm' does not take engine_args " + ", ".join(hints) +
-                          "; it takes vLLM's EngineArgs fields (vllm.engine.arg_utils.EngineArgs) "
-                          "and " + ", ".join(OMNI_ARGS))
-    for k in ("model", "skip_tokenizer_init"):
-        if k in args:
-            raise ConfigError(f"{label}: engine_args.{k} is set by omni (the stage's model; "
-                              "tokenization stays in the frontends); remove it")
-    vllm_args = {k: v for k, v in args.items() if k not in OMNI_ARGS}
-    omni_args = {k: v for k, v in args.items() if k in OMNI_ARGS}
-    return vllm_args, omni_args
-
-
-def prepare_env(num_threads: int | None, cpu: bool, kv_bytes_given: bool = False) -> None:
-    """Environment the EngineCore process inherits; user-set values win."""
-    for k, v in ENV_DEFAULTS.items():
-        os.environ.setdefault(k, v)
-    if not cpu:
-        return
-    for k, v in CPU_ENV_DEFAULTS.items():
-        # On CPU, VLLM_CPU_KVCACHE_SPACE would override an explicit kv_cache_memory_bytes.
-        if not (k == "VLLM_CPU_KVCACHE_SPACE" and kv_bytes_given):
-            os.environ.setdefault(k, v)
-    if num_threads is not None:
-        # vLLM's CPU worker binds its OpenMP threads to whole NUMA nodes by default;
-        # on a shared host a stage gets exactly the threads it was given instead.
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-        os.environ["OMP_NUM_THREADS"] = str(int(num_threads))
-
-
-def to_vllm_sampling(p: SamplingParams):
-    from vllm import SamplingParams as VSP
-    from vllm.sampling_params import RequestOutputKind
-
-    return VSP(
-        n=1,
-        temperature=p.temperature,
-        top_p=p.top_p,
-        top_k=p.top_k,            # 0: off, in both
-        seed=p.seed,
-        max_tokens=p.max_tokens,
-        stop_token_ids=list(p.stop_token_ids),
-        ignore_eos=p.ignore_eos,
-        presence_penalty=p.presence_penalty,
-        frequency_penalty=p.frequency_penalty,
-        repetition_penalty=p.repetition_penalty,
-        logit_bias=dict(p.logit_bias) or None,
-        min_tokens=p.min_tokens,
-        logprobs=p.logprobs,       # vLLM's default logprobs_mode: raw, as the torch engine's
-        output_kind=RequestOutputKind.DELTA,
-        detokenize=False,
-    )
 
 
 class VllmEngine(Engine):
@@ -183,7 +104,7 @@ class VllmEngine(Engine):
 
         register_models()   # before vLLM inspects the architecture
         t0 = time.monotonic()
-        engine_args, vllm_config = _engine_config(stage.label, model_path, vllm_args, skip_tokenizer=True)
+        engine_args, vllm_config = engine_config(stage.label, model_path, vllm_args, skip_tokenizer=True)
         self._mm_tokens: vllm_mm.MmTokens | None = None
         self._mm_limits: dict[str, int] = {}
         self._hidden = None   # a hidden.HiddenStatesReader while capture is on
@@ -197,7 +118,7 @@ class VllmEngine(Engine):
             self._hidden = vllm_mm.enable_hidden_capture(stage.label, omni_args.get("mm_hidden_layer"), hf_config,
                                                          vllm_args, omni_args.get("hidden_rows_layer"))
             self._rows_on = omni_args.get("hidden_rows_layer") is not None
-            engine_args, vllm_config = _engine_config(stage.label, model_path, vllm_args, skip_tokenizer=False)
+            engine_args, vllm_config = engine_config(stage.label, model_path, vllm_args, skip_tokenizer=False)
             self._mm_tokens = tokens
             self._mm_limits = dict(vllm_args["limit_mm_per_prompt"])
         else:
@@ -223,6 +144,7 @@ class VllmEngine(Engine):
         self.vocab_size = mc.get_vocab_size()
         self._can_sleep = bool(mc.enable_sleep_mode)
         self._sleeping = False
+        self._sleep_level = 0
         self._live: dict[str, _Live] = {}
         self._dead: str | None = None
         self._steps = 0
@@ -449,16 +371,30 @@ class VllmEngine(Engine):
         if not self._can_sleep:
             self._refuse_sleep()
         self._check_alive()
+        if self._live:
+            # vLLM's sleep would abort them with no word to their frontends: refused, as every engine does.
+            raise EngineError(f"{self.label} cannot sleep with {len(self._live)} request(s) in flight")
+        if self._sleeping:
+            return
         self._llm.sleep(level)
-        for rid in list(self._live):   # vLLM's sleep aborts what it held
-            self.abort(rid)
+        self._sleep_level = level
         self._sleeping = True
 
     def wake_up(self) -> None:
         if not self._can_sleep:
             self._refuse_sleep()
         self._check_alive()
+        if not self._sleeping:
+            return
         self._llm.wake_up()
+        if self._sleep_level == 2:
+            # Level 2 discarded the weights: wake_up only maps fresh memory, so load them again from
+            # the model folder. Until that works the engine stays asleep (it would answer garbage).
+            try:
+                self._llm.collective_rpc("reload_weights")
+            except Exception as e:
+                raise EngineError(f"{self.label}: woke from sleep level 2 but reloading the weights failed "
+                                  f"({type(e).__name__}: {e}); it stays asleep") from None
         self._sleeping = False
 
     def is_sleeping(self) -> bool:
@@ -485,16 +421,3 @@ class VllmEngine(Engine):
         if self._hidden is not None:
             self._hidden.close()
         self._waiter.close()
-
-
-def _engine_config(label: str, model_path: str, vllm_args: dict[str, Any], skip_tokenizer: bool):
-    from vllm.engine.arg_utils import EngineArgs
-
-    try:
-        engine_args = EngineArgs(model=model_path, skip_tokenizer_init=skip_tokenizer, **vllm_args)
-    except TypeError as e:
-        raise ConfigError(f"{label}: vLLM engine_args: {e}") from None
-    try:
-        return engine_args, engine_args.create_engine_config()
-    except (ValueError, TypeError) as e:
-        raise ConfigError(f"{label}: vLLM refused the engine args: {e}") from None

@@ -1,0 +1,104 @@
+"""A vLLM stage's engine args: which are vLLM's and which omni's, the environment its EngineCore
+inherits, the sampling mapping, and the vLLM config they make (split from engine.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from typing import Any
+
+from omni.engines.base import SamplingParams
+from omni.errors import ConfigError
+
+# Engine args omni itself understands (not vLLM's): CPU threads of the EngineCore.
+# mm_hidden_layer: capture hidden_states[k] at multi-modal prompt positions ("talker": the
+# model's talker_config.accept_hidden_layer), delivered as mm_hidden with the first output.
+# emit_prompt_ids: every request's first output carries its prompt ids (as a request's emit_prompt_ids does).
+# hidden_rows_layer: every fed token's rows at layer k ("last": before the final norm) for audio_out requests.
+OMNI_ARGS = ("num_threads", "mm_hidden_layer", "emit_prompt_ids", "hidden_rows_layer")
+# Env defaults for the EngineCore (read by vLLM at import and in its children).
+# Loopback for vLLM's own sockets: the EngineCore always sits next to its stage.
+ENV_DEFAULTS = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+# Only on CPU: a fixed KV cache (else start-up fails a memory check) and no warm-up pass.
+CPU_ENV_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_CI_ENV": "1"}
+
+def engine_arg_names() -> set[str]:
+    from vllm.engine.arg_utils import EngineArgs
+
+    return {f.name for f in dataclasses.fields(EngineArgs)}
+
+
+def split_engine_args(label: str, args: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(vLLM EngineArgs kwargs, omni's own args); unknown keys are a ConfigError naming them."""
+    known = engine_arg_names()
+    unknown = sorted(k for k in args if k not in known and k not in OMNI_ARGS)
+    if unknown:
+        hints = []
+        for k in unknown:
+            close = difflib.get_close_matches(k, sorted(known | set(OMNI_ARGS)), n=1)
+            hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise ConfigError(f"{label}: engine 'vllm' does not take engine_args " + ", ".join(hints) +
+                          "; it takes vLLM's EngineArgs fields (vllm.engine.arg_utils.EngineArgs) "
+                          "and " + ", ".join(OMNI_ARGS))
+    for k in ("model", "skip_tokenizer_init"):
+        if k in args:
+            raise ConfigError(f"{label}: engine_args.{k} is set by omni (the stage's model; "
+                              "tokenization stays in the frontends); remove it")
+    vllm_args = {k: v for k, v in args.items() if k not in OMNI_ARGS}
+    omni_args = {k: v for k, v in args.items() if k in OMNI_ARGS}
+    return vllm_args, omni_args
+
+
+def prepare_env(num_threads: int | None, cpu: bool, kv_bytes_given: bool = False) -> None:
+    """Environment the EngineCore process inherits; user-set values win."""
+    for k, v in ENV_DEFAULTS.items():
+        os.environ.setdefault(k, v)
+    if not cpu:
+        return
+    for k, v in CPU_ENV_DEFAULTS.items():
+        # On CPU, VLLM_CPU_KVCACHE_SPACE would override an explicit kv_cache_memory_bytes.
+        if not (k == "VLLM_CPU_KVCACHE_SPACE" and kv_bytes_given):
+            os.environ.setdefault(k, v)
+    if num_threads is not None:
+        # vLLM's CPU worker binds its OpenMP threads to whole NUMA nodes by default;
+        # on a shared host a stage gets exactly the threads it was given instead.
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        os.environ["OMP_NUM_THREADS"] = str(int(num_threads))
+
+
+def to_vllm_sampling(p: SamplingParams):
+    from vllm import SamplingParams as VSP
+    from vllm.sampling_params import RequestOutputKind
+
+    return VSP(
+        n=1,
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,            # 0: off, in both
+        seed=p.seed,
+        max_tokens=p.max_tokens,
+        stop_token_ids=list(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty,
+        logit_bias=dict(p.logit_bias) or None,
+        min_tokens=p.min_tokens,
+        logprobs=p.logprobs,       # vLLM's default logprobs_mode: raw, as the torch engine's
+        output_kind=RequestOutputKind.DELTA,
+        detokenize=False,
+    )
+
+
+def engine_config(label: str, model_path: str, vllm_args: dict[str, Any], skip_tokenizer: bool):
+    from vllm.engine.arg_utils import EngineArgs
+
+    try:
+        engine_args = EngineArgs(model=model_path, skip_tokenizer_init=skip_tokenizer, **vllm_args)
+    except TypeError as e:
+        raise ConfigError(f"{label}: vLLM engine_args: {e}") from None
+    try:
+        return engine_args, engine_args.create_engine_config()
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{label}: vLLM refused the engine args: {e}") from None

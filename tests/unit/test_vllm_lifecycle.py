@@ -1,0 +1,150 @@
+"""The vLLM engine's sleep, wake-up and EngineCore death, over a fake of vLLM's LLMEngine (no EngineCore,
+no GPU: vLLM has no sleep mode on CPU), alone and under a StageWorker."""
+
+from __future__ import annotations
+
+import threading
+import types
+
+import pytest
+
+from omni.config import StageConfig
+from omni.engines.base import EngineError, SamplingParams
+from omni.stage import messages as m
+from tests.unit.test_stage_worker import dealer, enc, hello, recv
+from tests.unit.test_vllm_engine import needs_vllm
+
+
+class FakeLLM:
+    """vLLM's LLMEngine as VllmEngine uses it: one token per live request a step; records the calls
+    of sleep mode. Its sleep drops what it held, as vLLM's (mode 'abort') does."""
+
+    def __init__(self):
+        self.reqs: dict[str, list] = {}
+        self.calls: list[tuple] = []
+        self.fail_reload = False
+        self.go = threading.Event()   # step() makes output once set
+        self.go.set()
+        self.added = threading.Event()
+
+    def add_request(self, rid, prompt, params):
+        self.reqs[rid] = [prompt["prompt_token_ids"][-1], params.max_tokens]
+        self.added.set()
+
+    def abort_request(self, rids):
+        for r in rids:
+            self.reqs.pop(r, None)
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+        self.reqs.clear()
+
+    def wake_up(self):
+        self.calls.append(("wake_up",))
+
+    def collective_rpc(self, method, *args):
+        self.calls.append(("collective_rpc", method))
+        if self.fail_reload:
+            raise RuntimeError("no such file")
+
+    def step(self):
+        if not self.go.wait(0.01):
+            return []
+        out = []
+        for rid, st in list(self.reqs.items()):
+            st[0] += 1
+            st[1] -= 1
+            c = types.SimpleNamespace(token_ids=[st[0]], logprobs=None, stop_reason=None,
+                                      finish_reason="length" if st[1] == 0 else None)
+            out.append(types.SimpleNamespace(request_id=rid, outputs=[c], finished=st[1] == 0, prompt_token_ids=[1]))
+            if st[1] == 0:
+                del self.reqs[rid]
+        return out
+
+
+class Waiter:
+    fd = None
+
+    def wait(self, t):
+        return True
+
+    def rearm(self):
+        pass
+
+    def head_timestamp(self):
+        return None
+
+    def close(self):
+        pass
+
+
+def fake_engine(llm: FakeLLM | None = None):
+    """A VllmEngine with its vLLM parts replaced (no __init__: that starts an EngineCore)."""
+    from omni.engines.vllm.engine import VllmEngine
+
+    e = VllmEngine.__new__(VllmEngine)
+    e.label, e.platform, e._emit_prompt_ids = "thinker", "cuda", False
+    e._mm_tokens, e._mm_limits, e._hidden, e._rows_on = None, {}, None, False
+    e._llm, e._waiter = llm or FakeLLM(), Waiter()
+    e.max_model_len, e.vocab_size = 1000, 1000
+    e._can_sleep, e._sleeping, e._sleep_level = True, False, 0
+    e._live, e._dead = {}, None
+    e._steps = e._prompt_tokens = e._gen_tokens = e._aborts = 0
+    e._client = types.SimpleNamespace(shutdown=lambda timeout: None,
+                                      resources=types.SimpleNamespace(engine_dead=False, engine_manager=None))
+    return e
+
+
+def test_level_2_wake_up_reloads_the_weights_level_1_does_not():
+    e = fake_engine()
+    e.sleep(2)
+    assert e.is_sleeping()
+    e.wake_up()
+    assert e._llm.calls == [("sleep", 2), ("wake_up",), ("collective_rpc", "reload_weights")]
+    assert not e.is_sleeping()
+    e._llm.calls.clear()
+    e.sleep(1)
+    e.wake_up()
+    assert e._llm.calls == [("sleep", 1), ("wake_up",)]
+
+
+def test_a_failed_reload_after_level_2_leaves_the_engine_asleep_naming_the_cause():
+    e = fake_engine()
+    e.sleep(2)
+    e._llm.fail_reload = True
+    with pytest.raises(EngineError, match="reloading the weights failed .RuntimeError: no such file.; it stays asleep"):
+        e.wake_up()
+    assert e.is_sleeping()   # requests are refused, never answered by discarded weights
+    e._llm.fail_reload = False
+    e.wake_up()
+    assert not e.is_sleeping() and e._llm.calls[-1] == ("collective_rpc", "reload_weights")
+
+
+@needs_vllm
+def test_sleep_is_refused_while_requests_are_in_flight_and_they_finish():
+    """vLLM's sleep aborted them and the worker never told their frontends (they hung until the
+    request timeout); now SLEEP is not ok, naming how many are open, and the request completes."""
+    from omni.stage.worker import StageWorker
+
+    llm = FakeLLM()
+    llm.go.clear()
+    w = StageWorker(StageConfig(stage_id=0, engine="vllm", name="thinker"), fake_engine(llm), token="secret",
+                    replica_id="s0r0")
+    t = threading.Thread(target=w.run, kwargs={"grace_s": 1.0}, daemon=True)
+    t.start()
+    s = dealer(w.endpoint)
+    try:
+        assert hello(s).ok
+        s.send(enc.encode(m.AddRequest(request_id="r1", prompt_token_ids=[10], sampling=SamplingParams(max_tokens=2))))
+        assert llm.added.wait(10)   # in the engine, no output yet (its step waits on `go`)
+        ok, msg = w.command("SLEEP", {"level": 1}, timeout=10)
+        assert not ok and "cannot sleep with 1 request(s) in flight" in msg, msg
+        assert not w.engine.is_sleeping() and ("sleep", 1) not in llm.calls
+        llm.go.set()
+        outs = [recv(s) for _ in range(2)]
+        assert [o.token_ids for o in outs] == [[11], [12]] and outs[-1].finished
+        assert w.command("SLEEP", {"level": 1}, timeout=10) == (True, "sleeping")
+    finally:
+        s.close(0)
+        w.stop()
+        t.join(10)
