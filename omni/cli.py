@@ -250,10 +250,9 @@ def serve(
     if stage_id is not None:
         config.stage(stage_id)   # names the valid range when out of it
     if dry_run:
-        shown = config.to_dict()
-        for stage in shown["stages"]:   # users put HF_TOKEN and the like there: the keys only
-            stage["env"] = dict.fromkeys(stage["env"], "***")
-        print(json.dumps({"config": shown, "engine_flags": flags, "num_replicas": num_replicas,
+        from omni.master.configdiff import shown   # users put HF_TOKEN and the like in env: the keys only
+
+        print(json.dumps({"config": shown(config.to_dict()), "engine_flags": flags, "num_replicas": num_replicas,
                           "orchestration": dataclasses.asdict(orchestration)}, indent=1))
         raise typer.Exit(0)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

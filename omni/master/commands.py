@@ -208,7 +208,10 @@ def _watch(client, json_: bool, stop: StopRequest) -> Status:
 
 def _show(st: Status, json_: bool, clear: bool) -> None:
     if json_:
+        from omni.master.configdiff import shown
+
         doc = msgspec.to_builtins(st)
+        doc["pipeline_config"] = shown(doc["pipeline_config"])   # the master masks it too (an older one did not)
         doc["problems"] = st.problems()
         print(json.dumps(doc, sort_keys=True), flush=True)
         return

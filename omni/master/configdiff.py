@@ -30,6 +30,36 @@ class _Hidden:
         return "***"
 
 
+# Engine args that hold a secret (vLLM's --hf-token): shown and compared as a stage's env values are.
+SECRET_ENGINE_ARGS = ("hf_token",)
+MASK = "***"
+
+
+def _secret_args(stage: dict) -> dict | None:
+    args = stage.get("engine_args")
+    if isinstance(args, dict) and any(k in args for k in SECRET_ENGINE_ARGS):
+        return args
+    return None
+
+
+def shown(config: dict) -> dict:
+    """`config` as it may leave the master (GetStatus, `omni status --json`, --dry-run): each stage's
+    env values and secret engine args as "***"; a copy, the stages' other fields unchanged."""
+    if not isinstance(config, dict) or not isinstance(config.get("stages"), list):
+        return config
+    stages = []
+    for stage in config["stages"]:
+        if isinstance(stage, dict):
+            stage = dict(stage)
+            if isinstance(stage.get("env"), dict):
+                stage["env"] = dict.fromkeys(stage["env"], MASK)
+            args = _secret_args(stage)
+            if args is not None:
+                stage["engine_args"] = {k: MASK if k in SECRET_ENGINE_ARGS else v for k, v in args.items()}
+        stages.append(stage)
+    return {**config, "stages": stages}
+
+
 def _show(value: Any) -> str:
     if value is _MISSING:
         return "<missing>"
@@ -95,8 +125,18 @@ def _safe_stages(config: dict) -> dict[int, dict]:
         stages = stages_by_id(config)
     except (ValueError, TypeError):
         return {}
-    return {sid: {**s, "env": {k: _Hidden(v) for k, v in s["env"].items()}} if isinstance(s.get("env"), dict) else s
-            for sid, s in stages.items()}
+    return {sid: _hidden(s) for sid, s in stages.items()}
+
+
+def _hidden(stage: dict) -> dict:
+    """The stage with its env values and secret engine args compared, never shown."""
+    out = dict(stage)
+    if isinstance(stage.get("env"), dict):
+        out["env"] = {k: _Hidden(v) for k, v in stage["env"].items()}
+    args = _secret_args(stage)
+    if args is not None:
+        out["engine_args"] = {k: _Hidden(v) if k in SECRET_ENGINE_ARGS else v for k, v in args.items()}
+    return out
 
 
 def mismatch_message(master: dict, replica: dict | None, stage_id: int | None,

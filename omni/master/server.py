@@ -215,12 +215,14 @@ class MasterServicer(pb_grpc.MasterServicer):
         return pb.DeregisterResponse(removed=removed)
 
     async def GetStatus(self, request, context):
+        from omni.master.configdiff import shown   # env values and secret engine args as "***"
+
         cfg = self.reg.config
         return pb.StatusResponse(
             replicas=self._infos(),
             stages=[pb.StageStatus(stage_id=s, ready_replicas=r, live_replicas=n) for s, r, n in self.reg.stage_counts()],
             config_hash=self.reg.config_hash, has_config=cfg is not None, lease_ttl_s=self.reg.lease_ttl_s,
-            pipeline_config_json=json.dumps(cfg) if cfg is not None else "")
+            pipeline_config_json=json.dumps(shown(cfg)) if cfg is not None else "")
 
     async def WatchTopology(self, request, context):
         watcher = _Watcher()
