@@ -81,6 +81,10 @@ class StopMatcher:
         self.stopped = False
         self.matched: str | None = None   # the stop string found (vLLM's stop_reason)
 
+    @property
+    def active(self) -> bool:
+        return bool(self._stops)
+
     def feed(self, delta: str, armed: bool = True) -> str:
         """Return the text safe to emit now; sets `stopped` when a stop string appeared."""
         if not self._stops:
@@ -90,12 +94,12 @@ class StopMatcher:
         if not armed:
             self._armed_at = len(self._pending) + len(delta)
         self._pending += delta
-        found = [(i, s) for s in self._stops if (i := self._find(s)) >= 0]
-        cut = min(found, key=lambda f: f[0])[0] if found else -1   # the earliest; the first listed on a tie
-        if cut >= 0:
+        # As vLLM's check_stop_strings: the match that ends earliest; the first listed on a tie.
+        found = [(i + len(s), k, i, s) for k, s in enumerate(self._stops) if (i := self._find(s)) >= 0]
+        if found:
+            end, _, cut, self.matched = min(found)
             self.stopped = True
-            self.matched = next(s for i, s in found if i == cut)
-            end = cut + len(self.matched) if self._include else cut
+            end = end if self._include else cut
             out, self._pending = self._pending[:end], ""
             return out
         if len(self._pending) <= self._hold:

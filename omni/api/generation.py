@@ -46,6 +46,7 @@ class Generation:
         self._orch = orchestrator
         self._detok = IncrementalDetokenizer(decode, prompt_ids)
         self._stop = StopMatcher(stops, include_stop)
+        self._include_stop = include_stop
         self._min_tokens = request.sampling.min_tokens   # stop strings count only past it (vLLM)
         self._metrics, self._route, self._t0 = metrics, route, t0
         self._it: AsyncIterator[PipelineOutput] | None = None
@@ -111,15 +112,15 @@ class Generation:
             await self.close()
 
     def _handle(self, out: PipelineOutput):
-        if out.modality == "text" and out.token_ids:
-            self.completion_tokens += len(out.token_ids)
-            if self.want_logprobs and out.logprobs is not None:
-                self._logprobs.extend((t, lp, top) for t, (lp, top) in zip(out.token_ids, out.logprobs.rows()))
+        if out.modality == "text" and out.token_ids and not self._stop.stopped:
             ids = out.token_ids
-            # As vLLM: the token a stop finish stopped on adds no text (also when audio follows the text).
-            if isinstance(out.stop_reason, int) and ids[-1] == out.stop_reason:
-                ids = ids[:-1]
-            text = self._stop.feed(self._detok.push(ids), self.completion_tokens > self._min_tokens)
+            # As vLLM: the token a stop finish stopped on adds no text (also when audio follows the
+            # text), unless include_stop_str_in_output.
+            skip = not self._include_stop and isinstance(out.stop_reason, int) and ids[-1] == out.stop_reason
+            text, kept = self._text_of(ids, skip)
+            self.completion_tokens += kept
+            if self.want_logprobs and out.logprobs is not None:
+                self._logprobs.extend((t, lp, top) for t, (lp, top) in zip(ids[:kept], out.logprobs.rows()))
             if latency_trace.on():
                 latency_trace.mark("text" if text else "no_text", self.request.request_id, len(out.token_ids))
             self.text += text
@@ -139,6 +140,20 @@ class Generation:
             # vLLM's server checks the tokenizer's EOS before stop_token_ids: that one stops with null
             self.finish_reason = out.finish_reason or "stop"
             self.stop_reason = None if out.stop_reason == self._eos else out.stop_reason
+
+    def _text_of(self, ids: list[int], skip_last: bool) -> tuple[str, int]:
+        """The text `ids` add (past stop strings) and how many of them count. With stop strings, one
+        token at a time: as vLLM, the tokens after the one that completed a match are dropped."""
+        n = len(ids) - skip_last
+        if not self._stop.active:
+            return self._detok.push(ids[:n]), len(ids)
+        text = ""
+        for i, t in enumerate(ids):
+            delta = self._detok.push([t]) if i < n else ""
+            text += self._stop.feed(delta, self.completion_tokens + i + 1 > self._min_tokens)
+            if self._stop.stopped:
+                return text, i + 1
+        return text, len(ids)
 
     def take_logprobs(self) -> list:
         out, self._logprobs = self._logprobs, []

@@ -849,7 +849,7 @@ def test_stop_matcher_across_deltas():
     m = StopMatcher(["STOP", "##"])
     out = "".join(m.feed(x) for x in ["ab", "cS", "T", "O", "Pxyz"])
     assert out == "abc" and m.stopped and m.matched == "STOP"
-    m = StopMatcher(["BC", "AB", "B"])     # the earliest match wins; on a tie, the first listed
+    m = StopMatcher(["BC", "AB", "B"])     # the match that ends first wins; on a tie, the first listed
     assert m.feed("xABC") == "x" and m.matched == "AB"
     m = StopMatcher(["B", "BC"])
     assert m.feed("xBC") == "x" and m.matched == "B"
