@@ -167,6 +167,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     audio: AudioOptions | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None   # needs logprobs: true
+    add_special_tokens: bool = False     # extension (vLLM): BOS etc. on top of the template's
 
 
 _IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
@@ -182,6 +183,7 @@ class CompletionRequest(_Sampling, kw_only=True):
     echo: Annotated[bool | None, _refused([False, None])] = False
     # top-k per token, 0..20 (vLLM's max_logprobs)
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    add_special_tokens: bool = True      # extension (vLLM)
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -189,7 +191,8 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)] | None = None
-    add_special_tokens: bool = True       # with `prompt`; the chat template decides for `messages`
+    # vLLM's defaults: true with `prompt`, false with `messages` (on top of the template's)
+    add_special_tokens: bool | None = None
     chat_template_kwargs: TemplateKwargs | None = None
     add_generation_prompt: bool | None = None     # with `messages`, as chat's
     continue_final_message: bool | None = False

@@ -59,6 +59,13 @@ REFUSED: dict[str, tuple[list, str]] = {
     "verbosity": ([None], "verbosity is not supported by this server"),
     "documents": ([None, []], "documents (RAG) are not passed to the chat template by this server"),
     "chat_template": ([None], "the model's own chat template is used; a request cannot bring one"),
+    "return_token_ids": ([None, False], "token ids in the answer are not supported; /tokenize gives a text's"),
+    "return_prompt_text": ([None, False], "the templated prompt is not returned; /tokenize with messages gives it"),
+    "repetition_detection": ([None], "repetition detection is not supported by this server"),
+    "watermarking": ([None, False], "watermarking is not supported by this server"),
+    "mm_processor_kwargs": ([None, {}], "the multimodal processor takes no per-request arguments here"),
+    "media_io_kwargs": ([None, {}], "media loading takes no per-request arguments here (omni fetches no URL)"),
+    "ec_transfer_params": ([None], "disaggregated encoding is not supported by this server"),
 }
 
 # The same names as struct fields, so that decoding keeps them and openapi.json states the

@@ -175,8 +175,9 @@ class FrontendState:
         return dict(kwargs)
 
     def render_chat(self, messages: list[dict], kwargs: dict | None = None,
-                    ending: tuple[bool, bool] = (True, False)) -> list[int]:
-        """`ending`: (add_generation_prompt, continue_final_message), protocol.chat_ending."""
+                    ending: tuple[bool, bool] = (True, False), special: bool = False) -> list[int]:
+        """`ending`: (add_generation_prompt, continue_final_message), protocol.chat_ending; `special`:
+        vLLM's add_special_tokens (BOS etc. on top of what the template writes)."""
         if ending[1]:
             kwargs = {**(kwargs or {}), "continue_final_message": True}
         try:
@@ -185,7 +186,7 @@ class FrontendState:
         except Exception as e:
             raise bad_request(f"the chat template could not render these messages: {e}",
                               param="messages") from None
-        return list(self.encode(text, False))
+        return list(self.encode(text, special))
 
     def check_token_ids(self, ids: list[int], what: str, param: str) -> None:
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)

@@ -100,7 +100,7 @@ class TextRoutes:
         kwargs = self.fe.template_kwargs(req.chat_template_kwargs)
         # by the body too: a million empty messages are seconds of templating with no content
         prompt_ids = await self.fe.offload(max(chars, len(raw)) > OFFLOAD_CHARS, self.fe.render_chat, messages,
-                                           kwargs, P.chat_ending(req))
+                                           kwargs, P.chat_ending(req), req.add_special_tokens)
         if audios:
             self.fe.check_audio_placeholders(prompt_ids, len(audios))
         if req.max_completion_tokens is not None:
@@ -221,7 +221,8 @@ class TextRoutes:
             if not prompt:
                 raise bad_request("prompt must not be empty", param="prompt")
             self.fe.check_prompt_chars(len(prompt), "prompt", "prompt")
-            prompt_ids = list(await self.fe.offload(len(prompt) > OFFLOAD_CHARS, self.fe.encode, prompt, True))
+            prompt_ids = list(await self.fe.offload(len(prompt) > OFFLOAD_CHARS, self.fe.encode, prompt,
+                                                    req.add_special_tokens))
         else:
             prompt_ids = list(prompt)
             if not prompt_ids:
@@ -258,11 +259,11 @@ class TextRoutes:
             self.fe.check_prompt_chars(chars, "messages", "messages")
             kwargs = self.fe.template_kwargs(req.chat_template_kwargs)
             ids = await self.fe.offload(max(chars, len(raw)) > OFFLOAD_CHARS, self.fe.render_chat, messages,
-                                        kwargs, P.chat_ending(req))
+                                        kwargs, P.chat_ending(req), bool(req.add_special_tokens))
         else:
             self.fe.check_prompt_chars(len(req.prompt), "prompt", "prompt")
             ids = list(await self.fe.offload(len(req.prompt) > OFFLOAD_CHARS, self.fe.encode, req.prompt,
-                                           req.add_special_tokens))
+                                           req.add_special_tokens is not False))
         body = {"count": len(ids), "max_model_len": self.fe.max_model_len, "tokens": ids,
                 "token_strs": self.fe.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None}
         # msgspec: json.dumps of 150k ids holds the loop for ~0.1 s

@@ -84,3 +84,48 @@ async def test_non_streaming_chat_honours_audio_format(tokenizer):
     for fmt in ("mp3", "flac", "opus", "aac"):     # OpenAI's others: refused by name
         assert_error(await c.post("/v1/chat/completions", json={**body, "audio": {"format": fmt}}), 400,
                      "audio.format")
+
+
+@pytest.fixture(scope="module")
+def bos_tokenizer(tokenizer):
+    """test_api's tokenizer with a post-processor that puts a BOS (<|im_start|>) first, as Llama's does."""
+    from tokenizers import Tokenizer, processors
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+    bos = tok.token_to_id("<|im_start|>")
+    tok.post_processor = processors.TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", bos)])
+    t = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|im_start|>")
+    t.chat_template = tokenizer.chat_template
+    return t
+
+
+async def test_add_special_tokens_is_honoured_with_vllms_defaults(bos_tokenizer):
+    orch, fe, c = client(bos_tokenizer)
+    bos = bos_tokenizer.bos_token_id
+    plain = bos_tokenizer.encode("say hello", add_special_tokens=False)
+
+    async def prompt(path, body):
+        r = await c.post(path, json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"] if path == "/tokenize" else orch.requests[-1].prompt_token_ids
+
+    assert await prompt("/v1/completions", {"prompt": "say hello"}) == [bos] + plain       # default true
+    assert await prompt("/v1/completions", {"prompt": "say hello", "add_special_tokens": False}) == plain
+    chat = await prompt("/v1/chat/completions", chat_body())                                 # default false
+    assert await prompt("/v1/chat/completions", chat_body(add_special_tokens=True)) == [bos] + chat
+    assert await prompt("/tokenize", {"prompt": "say hello"}) == [bos] + plain
+    assert await prompt("/tokenize", {"messages": chat_body()["messages"]}) == chat
+    assert await prompt("/tokenize", {"messages": chat_body()["messages"], "add_special_tokens": True}) == [bos] + chat
+
+
+@pytest.mark.parametrize("name, value, noop", [
+    ("return_token_ids", True, False), ("return_prompt_text", True, False),
+    ("repetition_detection", {"max_pattern_size": 8}, None), ("watermarking", True, False),
+    ("mm_processor_kwargs", {"fps": 2}, {}), ("media_io_kwargs", {"video": {"num_frames": 8}}, {}),
+    ("ec_transfer_params", {"x": 1}, None)])
+async def test_vllm_fields_that_change_the_answer_are_refused_by_name(tokenizer, name, value, noop):
+    orch, fe, c = client(tokenizer)
+    for path, body in (("/v1/chat/completions", chat_body()), ("/v1/completions", {"prompt": "hi"})):
+        assert_error(await c.post(path, json={**body, name: value}), 400, name)
+        assert (await c.post(path, json={**body, name: noop})).status_code == 200
