@@ -19,6 +19,8 @@ from omni.engines.base import EngineError, EngineRequest, SamplingOverrides
 from omni.models.piper.engines import Code2WavEngine, TalkerEngine, code2wav_request
 from omni.models.piper import voice as piper_voice
 from omni.models.piper.voice import find_latent_cut
+from omni.models.piper.processors import talker_to_code2wav
+from omni.stage.messages import Output
 
 C = 4      # latent channels
 HOP = 3    # samples per frame
@@ -310,3 +312,16 @@ def test_piper_stages_run_torch_on_their_own_threads():
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_talker_upstream_sentence_with_nothing_to_speak_is_zero_audio(voice_dir):
+    """A thinker's sentence (the orchestrator's sub-request rid/sN) that is all punctuation finishes
+    with no latents, so the chat answers normally; the client's own text stays an error (a 400)."""
+    t = TalkerEngine(voice_dir)
+    with pytest.raises(EngineError, match="nothing to speak"):
+        t.add_request(EngineRequest(request_id="speech-1", text="..."))
+    t.add_request(EngineRequest(request_id="chat-1/s2", text="?!"))
+    (out,) = _run(t)
+    assert (out.request_id, out.finished, out.finish_reason, out.error, out.tensors) == ("chat-1/s2", True, "stop", None, {})
+    assert talker_to_code2wav(None, {}, Output(request_id="chat-1/s2", finished=True)) == []
+    assert not t.has_unfinished() and t.num_waiting() == 0

@@ -106,7 +106,9 @@ class TalkerEngine(Engine):
             _number(own.noise_w_scale, "noise_w_scale", noise_w, 0.0, 2.0, rid),
         ], dtype=np.float32)
         sentences = self._phonemizer.sentences(text)
-        if not sentences:
+        # An upstream stage's sentence ("...", the orchestrator names it rid/sub_id) with nothing to
+        # speak is zero audio, finished normally; the client's own text (/v1/audio/speech) is a 400.
+        if not sentences and "/" not in rid:
             raise EngineError(f"request {rid}: nothing to speak in text {text[:40]!r}")
         job = _TalkJob(rid, sentences, scales)
         self._jobs[rid] = job
@@ -147,6 +149,9 @@ class TalkerEngine(Engine):
         if not self._queue:
             return []
         job = self._queue.popleft()
+        if not job.sentences:
+            del self._jobs[job.request_id]
+            return [EngineOutput(request_id=job.request_id, finished=True, finish_reason="stop", num_prompt_tokens=0)]
         ids = job.sentences[job.next]
         try:
             t0 = time.perf_counter()
