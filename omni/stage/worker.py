@@ -27,6 +27,7 @@ from omni.signals import StopRequest
 from omni.engines.base import Engine, EngineError, EngineOutput, EngineRequest, facts_of
 from omni.stage import messages as m
 from omni.stage.control import StageControl
+from omni.stage.expiry import IdleRequests, sweep
 from omni.stage.local_link import CLOSED, LocalPeers
 from omni.stage.loop_poll import LoopPoller
 from omni.stage.worker_state import HeldOutput, InFlight, RecentBases, WorkerStats, load_report
@@ -68,8 +69,10 @@ class StageWorker:
         self._producers = OutputProducers(make_producer, stage.devices, stage.label)
         self._consumer = consumer
         self._reqs: dict[str, InFlight] = {}
-        # sent tensors not freed yet, also of requests done here (freed published_ttl_s after: published.py)
+        # published_ttl_s is the pipeline's request_timeout_s: past it, the tensors of a request done here that
+        # no frontend freed are freed (published.py), an open request nothing touched is dropped (expiry.py)
         self._published = Published(published_ttl_s)
+        self._idle = IdleRequests(published_ttl_s)
         self._recent = RecentBases()   # requests taken lately: draining refuses only others
         # Backpressure: while anything is held, the engine is not stepped, so memory
         # stays bounded by the producers' limits plus one step's output.
@@ -164,9 +167,7 @@ class StageWorker:
                     stop_fd = None
             if self._held:
                 self._flush_held()
-            stale = self._published.stale(self._reqs)
-            if stale:
-                self._free_stale(stale)
+            sweep(self)
             if self._stopping.is_set():
                 if stop_deadline is None:
                     stop_deadline = time.monotonic() + grace_s
@@ -283,7 +284,9 @@ class StageWorker:
             self._send(ident, self._error(rid, f"{type(e).__name__}: {e}", kind))
             return
         self._recent.add(rid)
-        if rid not in self._reqs:
+        if rid in self._reqs:
+            self._reqs[rid].touched_at = time.monotonic()   # a stream's next piece
+        else:
             self.stats.requests_total += 1
             self._reqs[rid] = InFlight(ident, time.monotonic(), msg.out_transport or self.default_transport,
                                        msg.out_tensors, hold_s=msg.hold_ms / 1000, out_devices=msg.out_devices)
@@ -349,6 +352,7 @@ class StageWorker:
             self.stats.tensor_bytes_out += r.nbytes
             self.stats.count(f"tensor_bytes_out.{r.transport}", r.nbytes)
         queue_s = None
+        req.touched_at = time.monotonic()
         if not req.started:
             req.started = True
             queue_s = max(0.0, time.monotonic() - req.added_at - step_s)
@@ -403,13 +407,6 @@ class StageWorker:
     def _free_owner(self, rid: str) -> None:
         self._producers.free_owner(rid)
         self._published.forget(rid)
-
-    def _free_stale(self, rids: list[str]) -> None:
-        logger.warning("%s: freed the tensors of %d request(s) done here that no frontend freed within %.0f s "
-                       "(request_timeout_s; a frontend on ZMQ gone unseen?): %s", self.stage.label, len(rids),
-                       self._published.ttl_s, ", ".join(rids[:5]) + (", ..." if len(rids) > 5 else ""))
-        for rid in rids:
-            self._free_owner(rid)
 
     def _fail(self, rid: str, message: str, kind: str = "internal") -> None:
         req = self._reqs.pop(rid, None)

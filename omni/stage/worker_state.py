@@ -20,6 +20,10 @@ class InFlight:
     started: bool = False
     hold_s: float = 0.0      # held this long after the first output (AddRequest.hold_ms)
     out_devices: str = ""    # AddRequest.out_devices
+    touched_at: float = 0.0  # its last input or output (expiry.IdleRequests); 0: added_at
+
+    def __post_init__(self) -> None:
+        self.touched_at = self.touched_at or self.added_at
 
 
 class RecentBases:
