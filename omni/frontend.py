@@ -8,6 +8,7 @@ its own channel to every stage replica it routes to.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -32,10 +33,46 @@ def _tokenizer_model(config: DeployConfig) -> str | None:
 
 
 def _max_model_len(config: DeployConfig) -> int:
+    """The prompt stage's context until its replicas report theirs (follow_context): its max_model_len,
+    else for vLLM the model's own (vLLM's default; the bundled GPU deploys set none), else 2048."""
     for s in config.stages:
         if "prompt" in s.inputs:
-            return int(s.engine_args.get("max_model_len", 2048))
+            if "max_model_len" in s.engine_args:
+                return int(s.engine_args["max_model_len"])
+            own = model_context(s.model or config.model) if s.engine == "vllm" else None
+            return own or 2048
     return 2048
+
+
+def model_context(model: str | None) -> int | None:
+    """max_position_embeddings of a local model's config.json: the text model's (text_config, or
+    thinker_config.text_config for Qwen-Omni); None when it is not at hand."""
+    from omni.models.resolve import resolve_model
+
+    try:
+        with open(os.path.join(resolve_model(model or ""), "config.json")) as f:
+            cfg = json.load(f)
+    except (OmniError, OSError, ValueError):
+        return None
+    thinker = cfg.get("thinker_config") or {}
+    for c in (thinker.get("text_config"), thinker, cfg.get("text_config"), cfg):
+        if isinstance(c, dict) and isinstance(c.get("max_position_embeddings"), int):
+            return c["max_position_embeddings"]
+    return None
+
+
+def follow_context(fe, topology, stage_id: int) -> None:
+    """Keep fe.max_model_len at the largest that the prompt stage's live replicas registered (what
+    its engine was built with; the orchestrator sends a request to one it fits)."""
+    from omni.orchestrator.limits import max_model_len
+
+    def update(_r=None, _kind=None) -> None:
+        limits = [n for n in map(max_model_len, topology.stage_replicas(stage_id)) if n]
+        if limits:
+            fe.max_model_len = max(limits)
+
+    topology.on_change(update)
+    update()
 
 
 def _sampling_defaults(config: DeployConfig) -> dict:
@@ -239,6 +276,9 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
             limits=limits,
             **_sampling_defaults(config),
         )
+        entry = next((s.stage_id for s in config.stages if "prompt" in s.inputs), None)
+        if max_model_len is None and entry is not None:   # the head's own --max-model-len stays
+            follow_context(app.state.frontend, topology, entry)
         publisher = asyncio.create_task(publish_metrics(app, amaster, topology, index, stop))
         freeze_after_startup()
         latency_trace.enable(f"frontend{index}")

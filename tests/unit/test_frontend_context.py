@@ -1,0 +1,57 @@
+"""The frontend's context limit (omni/frontend.py): the deploy's max_model_len, else the model's own
+for vLLM (the bundled Qwen-Omni GPU deploys set none), then what the prompt stage's replicas register."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import msgspec
+import pytest
+
+from omni import config as C
+from omni.frontend import _max_model_len, follow_context
+from omni.master.types import TopologyEvent
+from omni.orchestrator.topology import Topology
+from tests.unit.test_orchestrator_core import replica
+
+
+def _folder(tmp_path, name: str, positions: int):
+    d = tmp_path / name
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"thinker_config": {"text_config": {"max_position_embeddings": positions}}}))
+    return str(d)
+
+
+@pytest.mark.parametrize("deploy, positions, want", [
+    ("qwen3-omni-moe", 65536, 65536), ("qwen3-omni-moe-thinker-only", 65536, 65536),
+    ("qwen3-omni-moe-1gpu", 65536, 16384),    # its own max_model_len
+    ("qwen2.5-omni-7b", 32768, 32768), ("qwen2.5-omni-3b", 32768, 32768)])
+def test_gpu_deploys_without_max_model_len_take_the_models_own(tmp_path, monkeypatch, deploy, positions, want):
+    monkeypatch.setenv("OMNI_PLATFORM", "cuda")
+    config = C.load(_folder(tmp_path, "m", positions), deploy)
+    assert _max_model_len(config) == want
+
+
+def test_a_model_that_is_not_at_hand_or_not_vllm_keeps_2048(tmp_path):
+    stage = types.SimpleNamespace(inputs=("prompt",), engine="vllm", model=str(tmp_path / "absent"), engine_args={})
+    assert _max_model_len(types.SimpleNamespace(stages=[stage], model=None)) == 2048
+    stage.model, stage.engine = _folder(tmp_path, "m", 8192), "torch_lm"     # torch_lm's own default is 2048
+    assert _max_model_len(types.SimpleNamespace(stages=[stage], model=None)) == 2048
+
+
+def test_the_limit_follows_what_the_prompt_stages_replicas_register():
+    def rep(stage_id, rid, limit=None):
+        return msgspec.structs.replace(replica(stage_id, rid),
+                                       capabilities={"max_model_len": str(limit)} if limit else {})
+    fe = types.SimpleNamespace(max_model_len=2048)
+    topo = Topology()
+    follow_context(fe, topo, 0)
+    topo.apply(TopologyEvent("SNAPSHOT", [rep(0, "a"), rep(1, "t", 99_999)], 1))
+    assert fe.max_model_len == 2048          # nothing registered for stage 0 yet; another stage's is not its
+    topo.apply(TopologyEvent("ADDED", [rep(0, "b", 40960)], 2))
+    assert fe.max_model_len == 40960
+    topo.apply(TopologyEvent("ADDED", [rep(0, "c", 8192)], 3))
+    assert fe.max_model_len == 40960         # the largest: a request goes to a replica it fits
+    topo.apply(TopologyEvent("REMOVED", [rep(0, "b", 40960)], 4))
+    assert fe.max_model_len == 8192
