@@ -22,6 +22,11 @@ from omni.stage.curve import secure_client
 
 logger = logging.getLogger(__name__)
 
+# How long a closed ZMQ channel still tries to deliver what was posted last: the Aborts of the
+# requests failed or moved off a replica going SUSPECT, or of every request at shutdown. With
+# LINGER 0 they were dropped, and a stage that is still alive kept those streams open.
+CLOSE_LINGER_MS = 1000
+
 
 def _expire(fut: asyncio.Future, method: str, timeout: float) -> None:
     if not fut.done():
@@ -153,4 +158,4 @@ class StageChannel(BaseChannel):
 
     def _close_carrier(self) -> None:
         self._reader.cancel()
-        self._sock.close(0)
+        self._sock.close(CLOSE_LINGER_MS)    # in libzmq's own thread: the loop does not wait (ctx.term() does)

@@ -195,9 +195,11 @@ class OrchestratorCore:
             if target is not None:
                 self._fail(state, target)
             return target is not None
-        s = held[0]
+        s, st = held[0], state.stages[held[0]]
+        # A SUSPECT replica may still be alive: what it holds of the request is dropped there.
+        self._out.append(ev.AbortStage(dead.replica_id, tuple(sorted(st.open | set(st.sub_order) | {state.rid}))))
         self._unhold(dead.replica_id, state.rid)
-        sent = move(state.stages[s], dead, target)
+        sent = move(st, dead, target)
         logger.info("request %s: %s replica %s: %s before any output; replaying on %s",
                     state.rid, self.config.stage(s).label, dead.replica_id, reason, target.replica_id)
         self.metrics.replayed(s)

@@ -91,11 +91,13 @@ class Orchestrator:
     def _on_topology(self, r: ReplicaInfo, kind: str) -> None:
         if r.role != "STAGE" or (kind != "REMOVED" and r.state not in GONE):
             return
+        why = "gone" if kind == "REMOVED" else r.state.lower()
+        # Before its channel closes, so the Aborts of what the core fails or moves off this replica
+        # go out on it (flushed at close): a SUSPECT replica may be alive and would hold them forever.
+        self._apply(self.core.handle(ev.ReplicaGone(r, why)))
         ch = self._channels.pop(r.replica_id, None)
         if ch is not None:
             ch.close()
-        why = "gone" if kind == "REMOVED" else r.state.lower()
-        self._apply(self.core.handle(ev.ReplicaGone(r, why)))
 
     def _on_channel_lost(self, ch: BaseChannel, why: str) -> None:
         """A same-host replica's end closed (it died or stopped): its requests move or fail now,

@@ -164,6 +164,7 @@ def test_entry_replica_dies_before_any_output_the_request_is_replayed():
     acts = core.handle(ev.ReplicaGone(dead, "suspect"))
     other = "s0r1" if dead.replica_id == "s0r0" else "s0r0"
     assert sends(acts) == [(other, "r1", True)]
+    assert of(acts, ev.AbortStage) == [ev.AbortStage(dead.replica_id, ("r1",))]   # SUSPECT: it may be alive
     assert of(acts, ev.Send)[0].message.prompt_token_ids == [1, 2]
     assert core.metrics.replays == {0: 1}
     # The first replica was only SUSPECT: what it still sends for the request is freed, not used.

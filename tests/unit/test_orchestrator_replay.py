@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
 from omni.config import parse
 from omni.engines.base import SamplingParams
-from omni.errors import StageFailed
+from omni.errors import StageFailed, Unavailable
 from omni.master.types import ReplicaInfo, TopologyEvent
 from omni.orchestrator.executor import Orchestrator
 from omni.orchestrator.topology import Topology
@@ -106,6 +107,14 @@ async def run(workers, after_first_output: bool) -> tuple[list, BaseException | 
     return outs, error, orch
 
 
+def aborted(engine, rid: str, timeout: float = 5.0) -> bool:
+    """Whether `rid` was aborted in `engine` (a worker thread's) within `timeout`."""
+    deadline = time.monotonic() + timeout
+    while rid not in engine.aborted and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return rid in engine.aborted
+
+
 def test_a_request_is_replayed_when_its_replica_dies_before_any_output(running):
     workers = replicas(running, emit=0)
     outs, error, orch = asyncio.run(run(workers, after_first_output=False))
@@ -113,6 +122,8 @@ def test_a_request_is_replayed_when_its_replica_dies_before_any_output(running):
     assert [o.token_ids for o in outs if o.token_ids] == [[11], [12], [13]] and outs[-1].finished
     assert orch.metrics.replays == {0: 1}
     assert 'omni_stage_replays_total{frontend="fe-test",stage="0"} 1' in orch.metrics.render("fe-test")
+    # Only SUSPECT, the first replica is alive: the request was aborted there, not left open for good.
+    assert aborted(workers[0].engine, "r1")
 
 
 def test_after_the_first_output_it_fails_naming_stage_and_replica(running):
@@ -122,6 +133,32 @@ def test_after_the_first_output_it_fails_naming_stage_and_replica(running):
     assert "stage 0" in str(error) and "s0r0" in str(error), str(error)
     assert [o.token_ids for o in outs] == [[11]]
     assert orch.metrics.replays == {}
+    assert aborted(workers[0].engine, "r1")     # posted before its channel closed, not dropped
+
+
+def test_a_frontend_that_shuts_down_aborts_what_it_had_in_flight_on_zmq(running):
+    """close() posts the Aborts and then closes the channels: they go out (linger), so the stage
+    does not keep the request open; with LINGER 0 they were dropped."""
+    workers = running(CONFIG, [(0, "s0r0", StallEngine(0))])
+
+    async def go():
+        topo = Topology()
+        topo.apply(TopologyEvent("SNAPSHOT", [info(workers[0], "s0r0")], 1))
+        orch = Orchestrator(CONFIG, frontend_id="fe-test", topology=topo, detokenize=lambda ids: "")
+        req = PipelineRequest(request_id="r3", prompt_token_ids=[10], sampling=SamplingParams(max_tokens=3),
+                              timeout_s=30)
+
+        async def consume():
+            async for _ in orch.generate(req):
+                pass
+        task = asyncio.create_task(consume())
+        assert await asyncio.to_thread(workers[0].engine.added.wait, 10), "the replica never got the request"
+        await orch.close()
+        with pytest.raises(Unavailable, match="shutting down"):
+            await asyncio.wait_for(task, 10)
+
+    asyncio.run(go())
+    assert aborted(workers[0].engine, "r3")
 
 
 # ---- a downstream stage: its input was complete when its replica died
