@@ -44,6 +44,20 @@ def _max_model_len(config: DeployConfig) -> int:
     return 2048
 
 
+def refused_sampling(config: DeployConfig) -> dict[str, str]:
+    """Sampling parameters the prompt stage's engine refuses for every request: a vLLM stage that captures
+    hidden states for a talker (mm_hidden_layer, hidden_rows_layer) does it through vLLM's speculative
+    decoding, which takes no logit_bias (nor min_p, refused everywhere): a 400 naming it, not vLLM's."""
+    for s in config.stages:
+        if "prompt" in s.inputs:
+            if s.engine == "vllm" and any(s.engine_args.get(k) is not None
+                                          for k in ("mm_hidden_layer", "hidden_rows_layer")):
+                return {"logit_bias": f"its {s.label} captures hidden states for the talker through "
+                                      "vLLM's speculative decoding, which takes no logit_bias"}
+            return {}
+    return {}
+
+
 def model_context(model: str | None) -> int | None:
     """max_position_embeddings of a local model's config.json: the text model's (text_config, or
     thinker_config.text_config for Qwen-Omni); None when it is not at hand."""
@@ -276,6 +290,7 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
             limits=limits,
             **_sampling_defaults(config),
         )
+        app.state.frontend.refused_sampling = refused_sampling(config)
         entry = next((s.stage_id for s in config.stages if "prompt" in s.inputs), None)
         if max_model_len is None and entry is not None:   # the head's own --max-model-len stays
             follow_context(app.state.frontend, topology, entry)

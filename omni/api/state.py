@@ -102,6 +102,8 @@ class FrontendState:
         self.voices = voices if voices is not None or speech_entry_stage is None else InMemoryVoiceStore()
         # The prompt stage's deploy defaults, under the client's own values (vLLM's generation-config way).
         self.sampling_defaults = sampling_defaults or SamplingOverrides()
+        # param -> why this pipeline's prompt stage cannot take it (set by omni/frontend.py)
+        self.refused_sampling: dict[str, str] = {}
         # Audio out through chat: a pipeline with an audio stage (a speech entry implies one).
         self.audio_out = speech_entry_stage is not None if audio_out is None else audio_out
         # The model's own speakers (Qwen3-Omni: chelsie, ethan, aiden), matched in any case;
@@ -227,6 +229,9 @@ class FrontendState:
     def sampling(self, req, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """`logprobs`: what P.check_sampling returned for this request."""
         d = self.sampling_defaults
+        for name, why in self.refused_sampling.items():
+            if getattr(req, name, None):
+                raise bad_request(f"{name} is not supported by this pipeline: {why}", param=name)
 
         def pick(value, default, fallback):
             return value if value is not None else default if default is not None else fallback

@@ -129,3 +129,14 @@ async def test_vllm_fields_that_change_the_answer_are_refused_by_name(tokenizer,
     for path, body in (("/v1/chat/completions", chat_body()), ("/v1/completions", {"prompt": "hi"})):
         assert_error(await c.post(path, json={**body, name: value}), 400, name)
         assert (await c.post(path, json={**body, name: noop})).status_code == 200
+
+
+async def test_a_sampling_parameter_the_pipeline_refuses_is_a_400_naming_it(tokenizer):
+    orch, fe, c = client(tokenizer)
+    fe.refused_sampling = {"logit_bias": "its thinker captures hidden states"}
+    for path, body in (("/v1/chat/completions", chat_body()), ("/v1/completions", {"prompt": "hi"})):
+        assert_error(await c.post(path, json={**body, "logit_bias": {"5": 10}}), 400, "logit_bias",
+                     "not supported by this pipeline: its thinker captures hidden states")
+        assert (await c.post(path, json={**body, "logit_bias": {}})).status_code == 200
+        assert (await c.post(path, json=body)).status_code == 200
+    assert len(orch.requests) == 4

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from omni import config as C
-from omni.frontend import _max_model_len, follow_context
+from omni.frontend import _max_model_len, follow_context, refused_sampling
 from omni.master.types import TopologyEvent
 from omni.orchestrator.topology import Topology
 from tests.unit.test_orchestrator_core import replica
@@ -55,3 +55,14 @@ def test_the_limit_follows_what_the_prompt_stages_replicas_register():
     assert fe.max_model_len == 40960         # the largest: a request goes to a replica it fits
     topo.apply(TopologyEvent("REMOVED", [rep(0, "b", 40960)], 4))
     assert fe.max_model_len == 8192
+
+
+@pytest.mark.parametrize("deploy, refused", [
+    ("qwen3-omni-moe", True), ("qwen3-omni-moe-1gpu", True), ("qwen2.5-omni-7b", True), ("qwen2.5-omni-3b", True),
+    ("qwen3-omni-moe-thinker-only", False)])    # no talker: no capture, vLLM takes logit_bias
+def test_logit_bias_is_refused_where_the_thinker_captures_hidden_states(tmp_path, monkeypatch, deploy, refused):
+    monkeypatch.setenv("OMNI_PLATFORM", "cuda")
+    config = C.load(_folder(tmp_path, "m", 4096), deploy)
+    got = refused_sampling(config)
+    assert set(got) == ({"logit_bias"} if refused else set())
+    assert not refused or "speculative decoding" in got["logit_bias"]
