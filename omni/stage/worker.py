@@ -24,13 +24,13 @@ from omni import latency_trace
 from omni.config import StageConfig
 from omni.ratelog import RateLimitedLog
 from omni.signals import StopRequest
-from omni.engines.base import Engine, EngineError, EngineOutput, EngineRequest, facts_of
+from omni.engines.base import Engine, EngineError, EngineOutput
 from omni.stage import messages as m
 from omni.stage.control import StageControl
 from omni.stage.expiry import IdleRequests, sweep
 from omni.stage.local_link import CLOSED, LocalPeers
 from omni.stage.loop_poll import LoopPoller
-from omni.stage.worker_state import HeldOutput, InFlight, RecentBases, WorkerStats, load_report
+from omni.stage.worker_state import HeldOutput, InFlight, RecentBases, WorkerStats, engine_request, load_report
 from omni.stage.curve import secure_server
 from omni.stage.producers import OutputProducers
 from omni.stage.published import Published
@@ -258,30 +258,25 @@ class StageWorker:
                                                + how.format(s=self.stage.stage_id, r=self.replica_id), "unavailable"))
             return
         try:
-            tensors = {}
-            for name, ref in msg.tensors.items():
-                if self._consumer is None:
-                    raise TransportError("this stage has no tensor consumer")
-                tensors[name] = self._consumer.get(ref)
-                self.stats.tensor_bytes_in += ref.nbytes
-                self.stats.count(f"tensor_bytes_in.{ref.transport}", ref.nbytes)
-            for name, t in msg.inline.items():
-                tensors[name] = m.inline_tensor(t)
-            req = EngineRequest(
-                request_id=rid,
-                prompt_token_ids=msg.prompt_token_ids,
-                text=msg.text,
-                sampling=msg.sampling,
-                tensors=tensors,
-                **facts_of(msg),
-            )
-            self.engine.add_request(req)
+            self.engine.add_request(engine_request(msg, self._consumer, self.stats))
             if latency_trace.on():
                 latency_trace.mark("added", rid)
         except (EngineError, TransportError, ValueError, TypeError) as e:
             self.stats.errors_total += 1
             kind = "internal" if isinstance(e, TransportError) else "client"   # the engine refused it
             self._send(ident, self._error(rid, f"{type(e).__name__}: {e}", kind))
+            return
+        except Exception as e:   # the engine broke, not the request (e.g. its vLLM EngineCore died)
+            why = f"engine add_request failed: {type(e).__name__}: {e}"
+            # unavailable: the frontend moves it to another replica (this one never began it)
+            kind = "unavailable" if getattr(e, "fatal", False) else "internal"
+            if rid in self._reqs:   # a stream's later piece
+                self.engine.abort(rid)
+                self._fail(rid, why, kind)
+            else:
+                self.stats.errors_total += 1
+                self._send(ident, self._error(rid, why, kind))
+            self._engine_failed(e, "add_request", fail_all=False)
             return
         self._recent.add(rid)
         if rid in self._reqs:
@@ -297,16 +292,7 @@ class StageWorker:
         try:
             outputs = self.engine.step()
         except Exception as e:
-            # An engine step that raises fails every request it held; the loop lives,
-            # unless the error says the engine is gone for good (`fatal = True`, e.g. a
-            # dead vLLM EngineCore): then the loop stops and the process exits non-zero.
-            logger.exception("%s: engine step failed", self.stage.label)
-            for rid in list(self._reqs):
-                self.engine.abort(rid)
-                self._fail(rid, f"engine step failed: {type(e).__name__}: {e}")
-            if getattr(e, "fatal", False):
-                self.fatal = f"{type(e).__name__}: {e}"
-                self._stopping.set()
+            self._engine_failed(e, "step")
             return
         dt = time.monotonic() - t0
         self.stats.steps += 1
@@ -319,6 +305,20 @@ class StageWorker:
                 self.stats.engine_step(dt, batch)
         for out in outputs:
             self._emit(out, dt)
+
+    def _engine_failed(self, e: Exception, what: str, fail_all: bool = True) -> None:
+        """An engine call raised (in its except block). A step's error, or any that says the engine is gone
+        for good (`fatal = True`, e.g. a dead vLLM EngineCore), fails every request it held with the cause;
+        a fatal one also stops the loop (the process exits non-zero), else the loop lives."""
+        logger.exception("%s: engine %s failed", self.stage.label, what)
+        fatal = getattr(e, "fatal", False)
+        if fail_all or fatal:
+            for rid in list(self._reqs):
+                self.engine.abort(rid)
+                self._fail(rid, f"engine {what} failed: {type(e).__name__}: {e}")
+        if fatal:
+            self.fatal = f"{type(e).__name__}: {e}"
+            self._stopping.set()
 
     def _emit(self, out: EngineOutput, step_s: float) -> None:
         if out.finished:

@@ -1,4 +1,5 @@
-"""The stage worker's records: a request in flight, output held back, the counters it reports."""
+"""The stage worker's records: a request in flight, output held back, the counters it reports; the engine's
+request made of an AddRequest."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from omni.engines.base import EngineOutput
+from omni.engines.base import EngineOutput, EngineRequest, facts_of
 from omni.metrics import BATCH_BUCKETS, BATCH_KEY, ENGINE_GAUGE, STEP_BUCKETS, STEP_KEY, Histogram
+from omni.stage import messages as m
+from omni.transport.base import TransportError
 
 
 @dataclass
@@ -122,3 +125,18 @@ def load_report(w: Any) -> dict:
             **{f"{ENGINE_GAUGE}{k}": v for k, v in w.engine.load_extra().items()},
         },
     }
+
+
+def engine_request(msg: m.AddRequest, consumer: Any, stats: WorkerStats) -> EngineRequest:
+    """The engine's request for an AddRequest, its tensors read through `consumer` (counted in `stats`)."""
+    tensors = {}
+    for name, ref in msg.tensors.items():
+        if consumer is None:
+            raise TransportError("this stage has no tensor consumer")
+        tensors[name] = consumer.get(ref)
+        stats.tensor_bytes_in += ref.nbytes
+        stats.count(f"tensor_bytes_in.{ref.transport}", ref.nbytes)
+    for name, t in msg.inline.items():
+        tensors[name] = m.inline_tensor(t)
+    return EngineRequest(request_id=msg.request_id, prompt_token_ids=msg.prompt_token_ids, text=msg.text,
+                         sampling=msg.sampling, tensors=tensors, **facts_of(msg))

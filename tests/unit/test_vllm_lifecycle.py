@@ -148,3 +148,57 @@ def test_sleep_is_refused_while_requests_are_in_flight_and_they_finish():
         s.close(0)
         w.stop()
         t.join(10)
+
+
+@needs_vllm
+def test_an_engine_core_found_dead_by_add_request_fails_the_requests_and_stops_the_worker():
+    """add_request's liveness check raised EngineCoreDied (a RuntimeError) out of the worker's loop:
+    the requests in flight were never failed and worker.close() never ran. Now the new request fails as
+    unavailable (another replica takes it), those in flight fail with the cause, and the loop stops."""
+    from omni.stage.worker import StageWorker
+
+    llm = FakeLLM()
+    llm.go.clear()
+    engine = fake_engine(llm)
+    closed = threading.Event()
+    engine._client.shutdown = lambda timeout: closed.set()
+    w = StageWorker(StageConfig(stage_id=0, engine="vllm", name="thinker"), engine, replica_id="s0r0")
+    sent: list = []
+    w._send = lambda ident, msg: sent.append(msg)
+    w._handle(b"fe", m.AddRequest(request_id="r1", prompt_token_ids=[10], sampling=SamplingParams(max_tokens=5)))
+    assert "r1" in w._reqs and not sent
+    # The EngineCore exits; vLLM's monitor has not flagged it yet (has_unfinished says nothing).
+    engine.core_processes = lambda: [types.SimpleNamespace(name="EngineCore_DP0", pid=123, exitcode=-9)]
+    w._handle(b"fe", m.AddRequest(request_id="r2", prompt_token_ids=[10], sampling=SamplingParams(max_tokens=5)))
+    errors = {e.request_id: e for e in sent}
+    assert set(errors) == {"r1", "r2"} and all(isinstance(e, m.RequestError) for e in sent)
+    assert errors["r2"].kind == "unavailable" and "EngineCoreDied" in errors["r2"].message
+    assert "pid 123) killed by SIGKILL" in errors["r1"].message and errors["r1"].kind == "internal"
+    assert not w._reqs and w.fatal and "EngineCoreDied" in w.fatal
+    t = threading.Thread(target=w.run, kwargs={"grace_s": 5.0}, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive() and closed.is_set()   # stopped at once, and closed the engine
+
+
+def test_an_unexpected_add_request_error_fails_that_request_only_and_the_loop_lives():
+    from omni.stage.worker import StageWorker
+    from tests.unit.test_stage_worker import CountEngine
+
+    class Flaky(CountEngine):
+        def add_request(self, r):
+            if r.request_id == "bad":
+                raise RuntimeError("boom")
+            super().add_request(r)
+
+    w = StageWorker(StageConfig(stage_id=0, engine="count", name="counter"), Flaky(), replica_id="s0r0")
+    sent: list = []
+    w._send = lambda ident, msg: sent.append(msg)
+    try:
+        w._handle(b"fe", m.AddRequest(request_id="ok", prompt_token_ids=[1]))
+        w._handle(b"fe", m.AddRequest(request_id="bad", prompt_token_ids=[1]))
+        assert [(e.request_id, e.kind, e.message) for e in sent] == [
+            ("bad", "internal", "engine add_request failed: RuntimeError: boom")]
+        assert list(w._reqs) == ["ok"] and w.fatal is None and not w._stopping.is_set()
+    finally:
+        w.close()
