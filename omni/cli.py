@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -131,11 +132,26 @@ def _served_names(given: list[str] | None) -> list[str]:
     return list(dict.fromkeys(given or ()))
 
 
-def _refuse_empty_key(flag: str, env: str, value: str | None) -> None:
+def _refuse_empty_key(flag: str, env: str, value: str | None, what: str = "a key") -> None:
     # An empty key would mean "no auth": fail closed, as a mistyped secret is the likely cause.
+    # (click reads an empty environment variable as unset: the environment is looked at here.)
     if value == "" or (value is None and os.environ.get(env) == ""):
         source = flag if value == "" else f"{env} (the environment's {flag})"
-        raise ConfigError(f"{source} is empty; give a key, or leave it unset for no auth")
+        raise ConfigError(f"{source} is empty; give {what}, or leave it unset for no auth")
+
+
+def refuse_empty_token(value: str | None) -> None:
+    """An empty --omni-token / OMNI_TOKEN would turn the master's and the data plane's auth off."""
+    _refuse_empty_key("--omni-token", "OMNI_TOKEN", value, what="a token")
+
+
+def _token_checked(command):
+    """`command` (one taking omni_token) refusing an empty token by name before it runs."""
+    @functools.wraps(command)   # typer reads the options from the wrapped signature
+    def run(*args, **kwargs):
+        refuse_empty_token(kwargs.get("omni_token"))
+        return command(*args, **kwargs)
+    return run
 
 
 @app.command(context_settings={"help_option_names": ["-h", "--help"], "allow_extra_args": True,
@@ -197,6 +213,7 @@ def serve(
     served_model_names = _served_names(served_model_names)
     _refuse_empty_key("--control-api-key", "OMNI_CONTROL_API_KEY", control_api_key)
     envs.OMNI_SPIN_US   # noqa: B018 -- a bad value is refused here, not later in each stage
+    refuse_empty_token(omni_token)
     from omni.api.limits import HttpLimits
 
     http_limits = HttpLimits(max_request_bytes=max_request_bytes, timeout_keep_alive=timeout_keep_alive,
@@ -316,14 +333,17 @@ def _root(version: bool = typer.Option(False, "--version", "-V", callback=_print
 def _register_master_commands() -> None:
     from omni.master import commands
 
-    app.command("master", help="Run a standalone omni master (gRPC).")(commands.master)
-    app.command("status", help="Show the topology, health and load of a running omni deployment.")(commands.status)
+    checked = _token_checked
+    app.command("master", help="Run a standalone omni master (gRPC).")(checked(commands.master))
+    app.command("status", help="Show the topology, health and load of a running omni deployment.")(
+        checked(commands.status))
     from omni.master import admin
 
-    app.command("drain", help="Drain stage replicas: they finish what they hold and get no new requests.")(admin.drain)
-    app.command("undrain", help="Take drained stage replicas back into service.")(admin.undrain)
-    app.command("sleep", help="Put stage engines to sleep through the master.")(admin.sleep)
-    app.command("wakeup", help="Wake sleeping stage engines through the master.")(admin.wakeup)
+    app.command("drain", help="Drain stage replicas: they finish what they hold and get no new requests.")(
+        checked(admin.drain))
+    app.command("undrain", help="Take drained stage replicas back into service.")(checked(admin.undrain))
+    app.command("sleep", help="Put stage engines to sleep through the master.")(checked(admin.sleep))
+    app.command("wakeup", help="Wake sleeping stage engines through the master.")(checked(admin.wakeup))
 
 
 _register_master_commands()
