@@ -11,7 +11,9 @@ With logprobs asked for, `take_logprobs()` hands out the entries of the tokens h
 its last call. With `audio` (an api.audio_metrics.AudioStream) each audio event is timed as it is
 handed out and `usage()` carries the request's audio seconds and time to first audio.
 The orchestrator's iterator is always closed at the end, which aborts the request
-in every stage when the client went away or a stop string ended it early.
+in every stage when the client went away or a stop string ended it early. With audio asked for,
+a stop string ends only the text stage (`end_text`) and the audio is read to the end; audio only:
+the text is read (transcript, usage, logprobs) but yields no text events.
 """
 
 from __future__ import annotations
@@ -52,6 +54,10 @@ class Generation:
         self._it: AsyncIterator[PipelineOutput] | None = None
         self._first: PipelineOutput | None = None
         self._done = False
+        # Spoken: a stop string ends only the text stage and the audio goes on (Orchestrator.end_text);
+        # audio only: the text is the transcript, no text events.
+        self._speaks, self._text_out = "audio" in request.modalities, "text" in request.modalities
+        self._cut = False
         self.want_logprobs = request.sampling.logprobs is not None
         self._logprobs: list = []          # omni.api.logprobs.Entry, not yet taken
 
@@ -87,11 +93,14 @@ class Generation:
             last = ""
             while out is not None:
                 for ev in self._handle(out):
-                    if ev[0] == "text" and (self._stop.stopped or out.finished):
-                        last = ev[1]      # rides on the "end" event
+                    if ev[0] == "text" and (self._ends(out) or not self._text_out):
+                        last = ev[1] if self._text_out else ""     # rides on the "end" event
                     else:
                         yield ev
-                if self._stop.stopped or out.finished:
+                if self._stop.stopped and self._speaks and not self._cut:
+                    self._cut = True        # the text stage ends; the audio of what it sent goes on
+                    self._orch.end_text(self.request.request_id)
+                if self._ends(out):
                     break
                 try:
                     out = await anext(self._it)
@@ -106,10 +115,13 @@ class Generation:
                 self.stop_reason = self._stop.matched
             if self.audio is not None:
                 self.audio.completed()
-            yield ("end", last + tail)
+            yield ("end", last + tail if self._text_out else "")
         finally:
             self._metrics.tokens(self.prompt_tokens, self.completion_tokens)
             await self.close()
+
+    def _ends(self, out: PipelineOutput) -> bool:
+        return out.finished or (self._stop.stopped and not self._speaks)
 
     def _handle(self, out: PipelineOutput):
         if out.modality == "text" and out.token_ids and not self._stop.stopped:
@@ -129,7 +141,7 @@ class Generation:
                 # possible stop string), as vLLM streams: a skipped chunk would read as
                 # one doubled inter-token gap to a client.
                 yield ("text", text)
-        elif out.modality == "audio" and out.audio_pcm and not self._stop.stopped:
+        elif out.modality == "audio" and out.audio_pcm:
             if latency_trace.on():
                 latency_trace.mark("audio", self.request.request_id, len(out.audio_pcm))
             self.sample_rate = out.sample_rate or self.sample_rate

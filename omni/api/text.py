@@ -186,7 +186,8 @@ class TextRoutes:
         async for ev in gen.events():
             if ev[0] == "audio":
                 audio += ev[1]
-        message: dict = {"role": "assistant", "content": gen.text}
+        # audio only: the text is the audio's transcript alone
+        message: dict = {"role": "assistant", "content": gen.text if "text" in gen.request.modalities else ""}
         if audio:
             data = pcm16(bytes(audio)) if fmt == "pcm16" else wav_bytes(bytes(audio), gen.sample_rate)
             message["audio"] = {"id": f"audio-{gen.request.request_id}", "data": base64.b64encode(data).decode(),

@@ -25,8 +25,8 @@ from omni.orchestrator import picking
 from omni.orchestrator.limits import RecentFailures
 from omni.orchestrator.metrics import OrchestratorMetrics
 from omni.orchestrator.replay import move, replay_plan
-from omni.orchestrator.request_state import (ProcessorContext, RequestState, finals_below, free_actions, input_host,
-                                             load_processor, needed_stages, out_route, ref_id)
+from omni.orchestrator.request_state import (ProcessorContext, RequestState, cut_part, finals_below, free_actions,
+                                             input_host, load_processor, needed_stages, out_route, ref_id, to_client)
 from omni.orchestrator.topology import Topology
 from omni.orchestrator.types import PipelineOutput, PipelineRequest
 from omni.sampling import SamplingOverrides
@@ -59,7 +59,7 @@ class OrchestratorCore:
         self.failures = RecentFailures()
         self._out: list[ev.Action] = []
         self._handlers = {ev.StageOutput: self._on_output, ev.StageError: self._on_error,
-                          ev.ReplicaGone: self._on_gone, ev.Cancel: self._on_cancel}
+                          ev.ReplicaGone: self._on_gone, ev.Cancel: self._on_cancel, ev.EndText: self._on_end_text}
 
     # ------------------------------------------------------------ entry points
 
@@ -167,6 +167,17 @@ class OrchestratorCore:
         else:
             self._fail(state, e.error)
 
+    def _on_end_text(self, e: ev.EndText) -> None:
+        """Its text stage is cut where it is and closed as if it had finished there: the stages after it
+        speak what they were sent (and what their processors held) and the request ends with them."""
+        state = self.requests.get(e.request_id)
+        s = next((t for t in (state.stages if state else ()) if self.config.stage(t).final_output
+                  and self.config.stage(t).final_output_type == "text"), None)
+        if s is None or state.rid in state.stages[s].ended or self._stage_done(state, s):
+            return
+        self._out += cut_part(state, s)
+        self._guarded(state, lambda: self._process(state, s, m.Output(request_id=state.rid, finished=True)))
+
     def _on_gone(self, e: ev.ReplicaGone) -> None:
         dead = e.replica
         for rid in sorted(self.by_replica.pop(dead.replica_id, ())):
@@ -251,7 +262,7 @@ class OrchestratorCore:
         st = state.stages[s]
         stage = self.config.stage(s)
         forwarded: set[tuple] = set()
-        if stage.final_output and stage.final_output_type in state.req.modalities:
+        if to_client(stage, state.req):
             self._emit_final(state, stage, out)
         for t in self.config.downstream(s):
             if t not in state.stages:
@@ -296,7 +307,7 @@ class OrchestratorCore:
                 # The prompt an upstream stage wrote (the client's revised prompt), as it was sent.
                 sent = state.stages[stage.stage_id].sent.get(out.request_id, ())
                 po.prompt = next((inp.text for inp, _ in sent if inp.text is not None), None)
-        if state.first_output_at is None:
+        if state.first_output_at is None and kind in state.req.modalities:   # not an audio answer's text
             state.first_output_at = self.clock()
             self.metrics.first_output(state.first_output_at - state.started_at)
         self._out.append(ev.Emit(state.rid, po, ref, state.origin.get(ref_id(ref), "") if ref else ""))
@@ -433,19 +444,7 @@ class OrchestratorCore:
                     or any(state.rid not in state.stages[t].ended for t in self.config.downstream(u)
                            if t in state.stages)):
                 continue
-            ids = us.open | set(us.sub_order) | {state.rid}
-            if us.started and us.replica is not None:
-                self._out.append(ev.AbortStage(us.replica.replica_id, tuple(sorted(ids))))
-            us.ended |= ids            # what it sent before it took the Abort is only freed
-            us.open.clear()
-            us.sub_order.clear()
-            us.sent.clear()
-            for buffered in us.sub_buffer.values():
-                for b in buffered:
-                    self._free(state.origin.get, list(b.tensors.values()))
-            us.sub_buffer.clear()
-            for erid in list(us.refs_in):
-                self._release_inputs(state, u, erid)
+            self._out += cut_part(state, u)
             self._drop_unneeded(state, u)
             self._check_done(state, u)
 

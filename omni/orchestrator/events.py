@@ -48,7 +48,13 @@ class Cancel:
     error: OmniError | None = None
 
 
-Event = StageOutput | StageError | ReplicaGone | Cancel
+@dataclass(frozen=True)
+class EndText:
+    """A stop string ended the request's text while its audio goes on (the frontend matched it)."""
+    request_id: str
+
+
+Event = StageOutput | StageError | ReplicaGone | Cancel | EndText
 
 # ------------------------------------------------------------------ actions
 

@@ -299,6 +299,10 @@ class Orchestrator:
                 if isinstance(left, asyncio.Future) and not left.cancel() and not left.cancelled():
                     left.exception()          # read: no "exception was never retrieved" at collection
 
+    def end_text(self, request_id: str) -> None:
+        """A stop string ended the request's text: its text stage ends there, its audio goes on."""
+        self._apply(self.core.handle(ev.EndText(request_id)))
+
     # ------------------------------------------------------------ health and control
 
     def health(self) -> tuple[bool, str]:

@@ -116,6 +116,39 @@ def free_actions(producer: str | Callable, refs: list[TensorRef]) -> list[ev.Fre
     return [ev.Free(rep, transport, tuple(keys)) for (rep, transport), keys in groups.items()]
 
 
+def cut_part(state: RequestState, s: int) -> list[ev.Action]:
+    """End stage s's part of the request where it is: an AbortStage to its replica (when it was sent
+    something), every engine request id of it ended (what it sent before it took the Abort is only
+    freed), and what it held or was sent freed."""
+    st = state.stages[s]
+    ids = st.open | set(st.sub_order) | {state.rid}
+    acts: list[ev.Action] = []
+    if st.started and st.replica is not None:
+        acts.append(ev.AbortStage(st.replica.replica_id, tuple(sorted(ids))))
+    st.ended |= ids
+    st.open.clear()
+    st.sub_order.clear()
+    st.sent.clear()
+    for buffered in st.sub_buffer.values():
+        for b in buffered:
+            acts += free_actions(state.origin.get, list(b.tensors.values()))
+    st.sub_buffer.clear()
+    by_producer: dict[str, list] = {}
+    for producer, ref in (x for held in st.refs_in.values() for x in held):
+        by_producer.setdefault(producer, []).append(ref)
+    st.refs_in.clear()
+    for producer, refs in by_producer.items():
+        acts += free_actions(producer, refs)
+    return acts
+
+
+def to_client(stage: StageConfig, req: PipelineRequest) -> bool:
+    """The stage's final output goes to the client: a modality it asked for, or the text of an answer
+    it asked to hear (the transcript; usage counts its tokens)."""
+    kind = stage.final_output_type
+    return stage.final_output and (kind in req.modalities or (kind == "text" and "audio" in req.modalities))
+
+
 def input_host(inp: procs.StageInput, origin: dict, replicas: dict[str, ReplicaInfo], label: str) -> str | None:
     """The host whose replicas can read `inp` (its shm / cuda_ipc tensors' producer's), None: any."""
     for ref in inp.tensors.values():

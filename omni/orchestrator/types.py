@@ -65,6 +65,10 @@ class OrchestratorLike(Protocol):
         """Stream outputs; raises omni.errors.OmniError subclasses. Closing the
         iterator early (client gone) aborts the request in every stage."""
 
+    def end_text(self, request_id: str) -> None:
+        """A stop string ended the text of a request with audio: the text stage ends there and the
+        stages after it speak what it sent (the stream goes on to the request's end)."""
+
     def health(self) -> tuple[bool, str]:
         """(ok, reason): ok is False when a required stage has no READY replica."""
 

@@ -221,6 +221,30 @@ def test_chat_with_audio_returns_text_and_a_wav(chat_full):
     assert chat_full["choices"][0]["finish_reason"] == "stop"
 
 
+def test_a_stop_string_cuts_the_text_and_the_audio_goes_on(url, chat_full):
+    text = chat_full["choices"][0]["message"]["content"]
+    second = text[re.search(r"[.!?]\s+", text).end():]
+    stop = second[:8]                  # inside the second sentence
+    r = httpx.post(f"{url}/v1/chat/completions", json=chat_body(stop=[stop]), timeout=180)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    cut = text[:text.index(stop)]
+    assert choice["message"]["content"] == cut and choice["message"]["audio"]["transcript"] == cut
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop)
+    # The first sentence at least is spoken (and what the thinker sent before the stop was seen).
+    d = seconds(wav_samples(base64.b64decode(choice["message"]["audio"]["data"])))
+    assert len(cut) / 30 < d, (cut, d)
+    assert r.json()["usage"]["audio_duration_s"] > 0
+
+
+def test_an_audio_only_chat_counts_its_text_and_carries_it_as_the_transcript(url, chat_full):
+    r = httpx.post(f"{url}/v1/chat/completions", json=chat_body(modalities=["audio"]), timeout=180)
+    assert r.status_code == 200, r.text
+    msg = r.json()["choices"][0]["message"]
+    assert msg["audio"]["transcript"] == chat_full["choices"][0]["message"]["content"] and msg["content"] == ""
+    assert r.json()["usage"]["completion_tokens"] == chat_full["usage"]["completion_tokens"]
+
+
 def test_streamed_audio_starts_before_the_text_ends(chat_stream):
     kinds = [k for k, _ in chat_stream]
     assert kinds[-1] == "done" and "finish" in kinds

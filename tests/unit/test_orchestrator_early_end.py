@@ -105,7 +105,7 @@ async def test_an_audio_only_request_stops_the_thinker_and_ends_with_code2wavs_l
         assert [msg.request_ids for msg in thinker.posted if isinstance(msg, m.Abort)] == [["r1"]]
         say(orch, code2wav, tensors={"audio": shm(9, "s2r0")}, sample_rate=24000, finished=True)
         await asyncio.wait_for(task, WAIT_S)                  # the thinker never finished
-        assert [(o.modality, o.finished) for o in outs] == [("audio", True)]
+        assert [(o.modality, o.finished) for o in outs] == [("text", False), ("audio", True)]   # text: the transcript
         say(orch, thinker, token_ids=[7], tensors={"h": shm(4, "s0r0")})   # sent before it took the Abort
         assert {3, 4} <= set(thinker.freed()) and {1, 2} <= set(talker.freed()) and 9 in code2wav.freed()
         assert orch.metrics.outcomes == {"ok": 1, "aborted": 0, "failed": 0}
