@@ -31,7 +31,7 @@ from omni.errors import ConfigError
 from omni.media_settings import ImageSettings, PromptExpansion, VideoSettings, validate_images  # noqa: F401
 from omni.sampling import SamplingOverrides
 
-DEPLOY_DIR = Path(__file__).resolve().parent.parent / "deploy"
+DEPLOY_DIR = Path(__file__).resolve().parent / "deploy"   # package data: a wheel carries it (the root deploy/ links here)
 TRANSPORTS = ("auto", "shm", "tcp", "gloo", "nccl", "cuda_ipc")
 OUTPUT_TYPES = ("text", "audio", "embedding", "image", "video")
 
