@@ -256,6 +256,7 @@ def serve(
     if async_chunk is not None and not isinstance(async_chunk, bool):
         raise ConfigError(f"--async-chunk takes no value (or --no-async-chunk; async_chunk: true or false), "
                           f"got {async_chunk!r}")
+    cli_argv.take_hf_token(flags)                  # a secret: by environment, never argv or the config
     flags = {k: v for k, v in flags.items() if v is not None}
     user_overrides = _json_flag("--stage-overrides", stage_overrides)
     config = cfg.load(model, deploy_config, user_overrides, async_chunk)

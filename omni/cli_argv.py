@@ -10,10 +10,12 @@ import sys
 from omni.errors import ConfigError
 
 __all__ = ["SECRET_FLAGS", "SEVERAL_VALUES", "hide_secrets", "mask_in_message", "reexec_with_env",
-           "spread_several_values"]
+           "spread_several_values", "take_hf_token"]
 
 SECRET_FLAGS = {"--omni-token": "OMNI_TOKEN", "--api-key": "OMNI_API_KEY",
-                "--control-api-key": "OMNI_CONTROL_API_KEY"}
+                "--control-api-key": "OMNI_CONTROL_API_KEY", "--hf-token": "HF_TOKEN"}
+# vLLM's --hf-token may come bare (the token `huggingface-cli login` saved): a flag after it is not its value.
+_OPTIONAL_VALUE = ("--hf-token",)
 # vLLM's nargs="+" flags: typer takes a list option once per value, so `--api-key K1 K2` is
 # spelled `--api-key K1 --api-key K2` before parsing.
 SEVERAL_VALUES = ("--served-model-name", "--api-key")
@@ -28,22 +30,46 @@ given: list[str] | None = None
 def hide_secrets(argv: list[str]) -> list[str]:
     """argv with secret values masked; warns about each secret given on the command line,
     where every user on the host can read it (/proc/PID/cmdline)."""
-    out, hide, warned = [], False, set()
+    out, hide, warned = [], "", set()
     for arg in argv:
         name, eq, _ = arg.partition("=")
-        if hide:
+        if hide and not _bare(hide, arg):
             out.append("***")
-            hide = False
-        elif name in SECRET_FLAGS:
+            hide = ""
+            continue
+        hide = ""
+        if name in SECRET_FLAGS:
             if name not in warned:
                 warned.add(name)
                 print(f"omni: warning: {name} on the command line is visible to every user of this host (ps); "
                       f"set {SECRET_FLAGS[name]} in the environment instead", file=sys.stderr)
             out.append(f"{name}=***" if eq else arg)
-            hide = not eq
+            hide = "" if eq else name
         else:
             out.append(arg)
     return out
+
+
+def _bare(flag: str, following: str) -> bool:
+    """`flag` given without a value: `following` is the next flag."""
+    return flag in _OPTIONAL_VALUE and following.startswith("--")
+
+
+def take_hf_token(flags: dict) -> None:
+    """vLLM's --hf-token (also in --engine-args), taken out of the engine flags: as an engine flag it would go
+    on every stage child's argv and, in single-command mode, into the hashed config the master shows. It is
+    the Hugging Face Hub's HF_TOKEN, which vLLM's and omni's loaders read: set so here, the stages inherit it
+    (a stage's own `env` HF_TOKEN wins for that stage). Bare (true): the token `huggingface-cli login`
+    saved, which the Hub reads anyway."""
+    if "hf_token" not in flags:
+        return
+    value = flags.pop("hf_token")
+    if value is True or value is None:
+        return
+    if not isinstance(value, str) or not value:
+        raise ConfigError("--hf-token: expected a Hugging Face token, or no value for the one `huggingface-cli "
+                          "login` saved (the value given is not shown)")
+    os.environ["HF_TOKEN"] = value
 
 
 @functools.lru_cache(maxsize=1)
@@ -142,7 +168,7 @@ def mask_in_message(message: str, argv: list[str]) -> str:
             continue
         if eq:
             words.add(inline)
-        elif i < len(argv):
+        elif i < len(argv) and not _bare(name, argv[i]):
             words.add(argv[i])
             i += 1
         while i < len(argv) and not argv[i].startswith("-"):
