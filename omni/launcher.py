@@ -284,12 +284,12 @@ class Launcher:
                 if child.kind == "stage":
                     child.start()
             if not self._wait_ready():
-                return 1
+                return self._stopped_in_start_up()
             for child in self.children:
                 if child.kind == "frontend":
                     child.start()
             if self.plan.api_server_count and not self._wait_frontends():
-                return 1
+                return self._stopped_in_start_up()
             if self.http_port is not None:
                 progress(f"serving {(self.plan.served_model_names or [self.plan.config.model])[0]} on "
                          f"http://{self.plan.host}:{self.http_port} "
@@ -300,6 +300,14 @@ class Launcher:
             return 1
         finally:
             self.shutdown()
+
+    def _stopped_in_start_up(self) -> int:
+        """A stop asked for during start-up (Ctrl-C, SIGTERM, SIGHUP) is a clean end, as one while serving
+        is: 0. A start-up that failed: 1."""
+        if not self._stop.is_set():
+            return 1
+        progress("stopped during start-up; shutting down")
+        return 0
 
     def _status(self):
         from omni.master.client import MasterClient

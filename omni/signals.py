@@ -65,7 +65,9 @@ class StopRequest:
             except OSError:
                 pass
 
-    def install(self, signals=(signal.SIGINT, signal.SIGTERM)) -> "StopRequest":
+    def install(self, signals=(signal.SIGINT, signal.SIGTERM, signal.SIGHUP)) -> "StopRequest":
+        """SIGHUP too: a closed terminal must stop the process as SIGTERM does (its default action ends it
+        with no cleanup: temp files holding the stages' env, the run file, children left to PDEATHSIG)."""
         for sig in signals:
             signal.signal(sig, self.set)
         return self

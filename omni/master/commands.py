@@ -46,7 +46,7 @@ def master(
         None, "--deploy-config",
         help="Pipeline config (YAML/JSON) to enforce; without it the first registrant's is adopted."),
 ) -> None:
-    """Run a standalone omni master (the control plane) until SIGINT/SIGTERM."""
+    """Run a standalone omni master (the control plane) until SIGINT/SIGTERM/SIGHUP."""
     from omni.master.configdiff import hash_config
     from omni.master.server import MasterServer
 

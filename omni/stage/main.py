@@ -1,6 +1,6 @@
 """Entry of a stage replica process: `omni serve MODEL --stage-id K --headless ...`.
 
-build engine -> bind channel -> register -> keep-alive -> loop; SIGTERM/SIGINT
+build engine -> bind channel -> register -> keep-alive -> loop; SIGTERM/SIGINT/SIGHUP
 stop the loop (finish or abort in flight within a grace period), deregister,
 free shared memory, exit. A failure to start prints its cause and exits 1.
 """
