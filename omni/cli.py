@@ -366,6 +366,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         argv = spread_several_values(argv)
         _mask_process_title(argv)   # after the spread: each of several keys is masked
+        if argv[:1] == ["serve"]:     # vLLM's and vllm-omni's short forms (-q, -O3, -oma ...)
+            from omni.engine_flags import spell_out
+
+            argv = spell_out(argv, SHORT_FLAGS)
         argv = fold_dotted_args([SHORT_FLAGS.get(a, a) for a in argv])
         app(args=argv, prog_name="omni", standalone_mode=True)
     except OmniError as e:

@@ -21,19 +21,22 @@ taken and do nothing (omni/config.py calls them while it validates the stages).
   variables omni sets itself (CUDA_VISIBLE_DEVICES: use `devices`) or that hold its secrets: the
   resolved config, env included, reaches every process and the master (`--dry-run` and a replica's
   config-mismatch refusal show the variables' names only, omni/cli.py and omni/master/configdiff.py).
+- `engine_args` that vLLM reads as human-readable integers (HUMAN_INTS: max_num_batched_tokens: 8k) become
+  numbers at load, as `vllm serve` reads them: 8k is 8000, 8K 8192; a value that is none is refused naming
+  its key (the engine got the text and failed at start).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from typing import Any, Callable
 
 from omni.config_checks import SAMPLING_RANGES
 from omni.errors import ConfigError
 
-__all__ = ["RESERVED_ENV", "SERVING_ONLY_ARGS", "SUBTALKER", "SUBTALKER_ENGINES", "check_connector_edge",
-           "check_engine_args", "check_stage_override", "check_subtalker", "normalise_devices", "normalise_env",
-           "normalise_stages",
-           "unused_engine_arg"]
+__all__ = ["HUMAN_INTS", "RESERVED_ENV", "SERVING_ONLY_ARGS", "SUBTALKER", "SUBTALKER_ENGINES",
+           "check_connector_edge", "check_engine_args", "check_stage_override", "check_subtalker", "human_int",
+           "normalise_devices", "normalise_env", "normalise_human_ints", "normalise_stages", "unused_engine_arg"]
 
 DEVICE_FORMS = "'cpu' or GPU indices into the visible GPUs: \"0\", \"0,1\" (or \"cuda:0,cuda:1\")"
 
@@ -73,6 +76,42 @@ RESERVED_ENV = {
     "OMNI_CACHE_DIR": "it locates the models omni builds or fetches for MODEL, which every process must "
                       "resolve alike; set it for `omni serve` instead",
 }
+
+
+# EngineArgs fields vLLM parses with its human_readable_int (vllm/engine/arg_utils.py), and max_model_len,
+# which it reads the same way (auto aside).
+HUMAN_INTS = ("max_num_batched_tokens", "max_num_scheduled_tokens", "max_num_queued_tokens", "kv_cache_memory_bytes",
+              "safetensors_prefetch_block_size", "max_model_len")
+HUMAN_INT_FORMS = "an integer: 8192, 8k (8000), 8K (8192), 1.5m (1500000); k/m/g/t are powers of 1000, K/M/G/T of 1024"
+_HUMAN_INT = re.compile(r"(\d+)([KMGT]?)|(\d+(?:\.\d+)?)([kmgt])")
+_BINARY = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+
+
+def human_int(text: str) -> int | None:
+    """vLLM's human-readable integer (2048, 25.6k, 8K) as a number; None: not one (1.5K has no whole number
+    of KiB, so vLLM refuses it too)."""
+    m = _HUMAN_INT.fullmatch(text.strip())
+    if m is None:
+        return None
+    if m.group(1) is not None:
+        return int(m.group(1)) * _BINARY[m.group(2)]
+    return int(float(m.group(3)) * _DECIMAL[m.group(4)])   # float, as vLLM: the same number for the same text
+
+
+def normalise_human_ints(args: dict[str, Any], name: Callable[[str], str]) -> dict[str, Any]:
+    """`args` with the HUMAN_INTS given as text turned into numbers; a value that is no integer is refused,
+    `name(key)` naming it (the flag, or the YAML key path)."""
+    out = dict(args)
+    for key in HUMAN_INTS:
+        value = out.get(key)
+        if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+            continue
+        n = human_int(value) if isinstance(value, str) else None
+        if n is None:
+            raise ConfigError(f"{name(key)}: {value!r} is not {HUMAN_INT_FORMS}")
+        out[key] = n
+    return out
 
 
 def normalise_devices(value: Any, where: str) -> str:
@@ -125,8 +164,8 @@ def normalise_env(value: Any, where: str) -> dict[str, str]:
 
 
 def normalise_stages(data: dict[str, Any], source: str) -> None:
-    """Every stage's `devices` and `env` in a merged deploy mapping, normalised (before typing): `data`
-    gets a new `stages` list, the caller's stage mappings stay as they were."""
+    """Every stage's `devices`, `env` and human-readable engine_args in a merged deploy mapping, normalised
+    (before typing): `data` gets a new `stages` list, the caller's stage mappings stay as they were."""
     stages = data.get("stages")
     if not isinstance(stages, list):
         return
@@ -139,6 +178,8 @@ def normalise_stages(data: dict[str, Any], source: str) -> None:
             stage["devices"] = normalise_devices(stage["devices"], where)
         if "env" in stage:
             stage["env"] = normalise_env(stage["env"], where)
+        if isinstance(stage.get("engine_args"), dict):
+            stage["engine_args"] = normalise_human_ints(stage["engine_args"], lambda k, w=where: f"{w}.engine_args.{k}")
 
 
 def check_connector_edge(config: Any, stage: Any, edge: str, where: str) -> None:

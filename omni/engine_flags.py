@@ -1,20 +1,58 @@
 """vLLM-style engine flags on `omni serve` (--max-model-len, -tp, --trust-remote-code, any
 EngineArgs field as --some-field VALUE): parsed from the command line and, in single-command
-mode, spread over the stages whose engine takes them."""
+mode, spread over the stages whose engine takes them.
+
+They are read as `vllm serve` reads them: its short forms (-q, -pp, -O3, -cc.mode; SHORT_FLAGS,
+spelled out before typer parses the argv), dotted keys of a JSON flag (--compilation-config.mode 0
+is {"mode": 0}), human-readable integers (--max-num-batched-tokens 8k is 8000, 8K 8192)."""
 
 from __future__ import annotations
 
 import json
 import re
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omni import vllm_omni_flags
-from omni.config import DeployConfig
+from omni.config_stage_checks import human_int, normalise_human_ints
 from omni.errors import ConfigError
 
+if TYPE_CHECKING:
+    from omni.config import DeployConfig
 
-_SIZE = re.compile(r"^(?:(\d+)([KMG]?)|(\d+(?:\.\d+)?)([kmg]))$")
+# vLLM's short forms of engine flags (vllm/engine/arg_utils.py; tests/unit/test_engine_flags.py checks
+# them against vLLM's parser). -O is its own: -O3, -O=3, -O 3 are --optimization-level 3.
+SHORT_FLAGS = {"-q": "--quantization", "-pp": "--pipeline-parallel-size", "-tp": "--tensor-parallel-size",
+               "-n": "--nnodes", "-r": "--node-rank", "-dcp": "--decode-context-parallel-size",
+               "-pcp": "--prefill-context-parallel-size", "-dp": "--data-parallel-size",
+               "-dpn": "--data-parallel-rank", "-dpr": "--data-parallel-start-rank",
+               "-dpl": "--data-parallel-size-local", "-dpa": "--data-parallel-address",
+               "-dpp": "--data-parallel-rpc-port", "-dpb": "--data-parallel-backend",
+               "-dph": "--data-parallel-hybrid-lb", "-dpe": "--data-parallel-external-lb",
+               "-dpm": "--data-parallel-multi-port-external-lb", "-ep": "--enable-expert-parallel",
+               "-sc": "--speculative-config", "-dc": "--diffusion-config", "-cc": "--compilation-config",
+               "-ac": "--attention-config"}
+
+
+def spell_out(argv: list[str], more: dict[str, str] | None = None) -> list[str]:
+    """`-q fp8 -cc.mode 0 -O3` -> `--quantization fp8 --compilation-config.mode 0 --optimization-level 3`
+    (before typer: as short options, -dph would be read as -d -p -h, which is --help). `more`: other
+    short forms (vllm-omni's -oma ...). Up to `--` only."""
+    table = {**SHORT_FLAGS, **(more or {})}
+    out: list[str] = []
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            return out + argv[i:]
+        head = re.split(r"[.=]", arg, maxsplit=1)[0]
+        if head in table:
+            out.append(table[head] + arg[len(head):])
+        elif arg.startswith("-O") and len(arg) > 2 and not arg.startswith("--"):
+            out += ["--optimization-level", arg[3:] if arg[2] == "=" else arg[2:]]
+        elif arg == "-O" and argv[i + 1:i + 2] in (["0"], ["1"], ["2"], ["3"]):
+            out.append("--optimization-level")
+        else:
+            out.append(arg)
+    return out
 
 
 def context_length(value: str | None) -> int | None:
@@ -22,15 +60,11 @@ def context_length(value: str | None) -> int | None:
     engine fits) is refused by name, as omni's engines take a number."""
     if value is None:
         return None
-    m = _SIZE.match(value.strip())
-    if m is None:
+    n = human_int(value)
+    if n is None:
         why = ("vLLM's auto (the most that fits) needs a number here" if value.strip() in ("auto", "-1")
                else "takes a token count: 2048, 32k (32000) or 32K (32768)")
         raise ConfigError(f"--max-model-len {value}: {why}")
-    if m.group(1) is not None:
-        n = int(m.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[m.group(2)]
-    else:
-        n = int(float(m.group(3)) * {"k": 10**3, "m": 10**6, "g": 10**9}[m.group(4)])
     if n < 1:
         raise ConfigError(f"--max-model-len {value}: must be at least 1")
     return n
@@ -42,7 +76,9 @@ def flag_name(key: str) -> str:
 
 def parse_extra_flags(args: list[str]) -> dict[str, Any]:
     """`--kv-cache-dtype fp8 --enable-prefix-caching --block-size=16` -> engine args
-    (values read as JSON where they parse, else strings; a bare flag is true)."""
+    (values read as JSON where they parse, else strings; a bare flag is true). vLLM's dotted form
+    `--limit-mm-per-prompt.audio 1` sets a key of that flag's JSON object (`--x.y+ a,b`: a list);
+    vLLM's human-readable integers (HUMAN_INTS: 8k, 1G) become numbers."""
     out: dict[str, Any] = {}
     i = 0
     while i < len(args):
@@ -50,6 +86,16 @@ def parse_extra_flags(args: list[str]) -> dict[str, Any]:
         if not arg.startswith("--") or len(arg) < 3:
             raise ConfigError(f"unexpected argument {arg!r}")
         name, eq, value = arg[2:].partition("=")
+        head, dot, path = name.partition(".")
+        if dot:                       # as vLLM: the next token is the value, whatever it looks like
+            if not eq:
+                if i + 1 == len(args):
+                    raise ConfigError(f"--{name}: expected a value")
+                value = args[i + 1]
+                i += 1
+            _set_dotted(out, head.replace("-", "_"), path, value, f"--{name}")
+            i += 1
+            continue
         if not eq:
             if i + 1 < len(args) and not args[i + 1].startswith("--"):
                 value = args[i + 1]
@@ -58,13 +104,65 @@ def parse_extra_flags(args: list[str]) -> dict[str, Any]:
                 value = "true"
         if name.startswith("no-") and not eq and value == "true":
             name, value = name[3:], "false"
-        try:
-            parsed = json.loads(value)
-        except json.JSONDecodeError:
-            parsed = value
-        out[name.replace("-", "_")] = parsed
+        key = name.replace("-", "_")
+        parsed = _json_or_text(value)
+        if isinstance(parsed, dict) and isinstance(out.get(key), dict):
+            _merge(out[key], parsed)  # --x.y 1 --x '{"z": 2}': both keys, as given
+        else:
+            out[key] = parsed
         i += 1
-    return out
+    return normalise_human_ints(out, flag_name)
+
+
+def _json_or_text(value: str) -> Any:
+    """JSON, where vLLM's bare human-readable numbers ({"cpu_bytes_to_use": 80m}) are read as integers."""
+    for text in (value, _expand_numbers(value)):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            pass
+    return value
+
+
+def _expand_numbers(text: str) -> str:
+    """Bare 80m, 1K ... outside JSON strings as their integers (the strings stay as they are)."""
+    parts = re.split(r'("(?:[^"\\]|\\.)*")', text)
+    for i in range(0, len(parts), 2):
+        parts[i] = re.sub(r"\b\d+(?:\.\d+)?[kKmMgGtT]\b", lambda m: str(human_int(m.group()) or m.group()), parts[i])
+    return "".join(parts)
+
+
+def _set_dotted(out: dict[str, Any], key: str, path: str, value: str, flag: str) -> None:
+    keys = path.split(".")
+    as_list = keys[-1].endswith("+")
+    keys[-1] = keys[-1].removesuffix("+")
+    if not all(keys):
+        raise ConfigError(f"{flag}: empty key in a dotted flag")
+    if as_list:
+        leaf: Any = value.split(",")
+    else:
+        leaf = _json_or_text(value)
+        if isinstance(leaf, str) and human_int(leaf) is not None:
+            leaf = human_int(leaf)    # --kv-transfer-config.cpu_bytes_to_use 80m, as vLLM
+    node = out.setdefault(key, {})
+    for k in [*keys[:-1], None]:
+        if not isinstance(node, dict):
+            raise ConfigError(f"{flag}: {flag_name(key)} is given a value that is not a JSON object; "
+                              "a dotted key sets a key of one")
+        if k is not None:
+            node = node.setdefault(k, {})
+    if as_list and isinstance(node.get(keys[-1]), list):
+        node[keys[-1]] += leaf        # vLLM joins the lists of a repeated --x.y+
+    else:
+        node[keys[-1]] = leaf
+
+
+def _merge(a: dict, b: dict) -> None:
+    for k, v in b.items():
+        if isinstance(v, dict) and isinstance(a.get(k), dict):
+            _merge(a[k], v)
+        else:
+            a[k] = v
 
 
 def _describe(config: DeployConfig) -> str:
