@@ -211,3 +211,19 @@ def test_sleep_frees_the_device_and_wakes_to_the_same_audio(streamed, codes):
     assert {t.device.type for pair in streamed.speakers.values() for t in pair} == {"cpu"}
     streamed.wake_up()
     assert torch.equal(_audio(drive(streamed, {"z": _pieces("z", codes, 25)})["z"]), before)
+
+
+def test_audio_is_float32_1d_on_the_cpu(streamed, whole_engine, codes):
+    """StreamedVocoder.decode's contract, as Qwen3's code2wav keeps it: on CUDA both decodes left the
+    audio on the device. (The emulator's BigVGAN output lands on the CPU: a hook puts it on the device,
+    as a GPU's is.)"""
+    for engine, size in ((streamed, 25), (whole_engine, N)):
+        vocoder = engine.model.code2wav_bigvgan_model
+        hook = vocoder.register_forward_hook(lambda module, args, out, device=engine.device: out.to(device))
+        try:
+            outs = drive(engine, {"cpu": _pieces("cpu", codes, size)})["cpu"]
+        finally:
+            hook.remove()
+        for o in outs:
+            a = o.tensors["audio"]
+            assert (a.device.type, a.dtype, a.dim()) == ("cpu", torch.float32, 1)

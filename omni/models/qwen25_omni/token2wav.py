@@ -198,10 +198,10 @@ class Qwen25Token2WavEngine(StreamedVocoder):
 
     @torch.no_grad()
     def decode_whole(self, codes: torch.Tensor, speaker: str, generator: torch.Generator) -> torch.Tensor:
-        """codes [1, T] -> waveform [T * repeats * hop] float32 in [-1, 1], in one decode."""
+        """codes [1, T] -> waveform [T * repeats * hop] float32 in [-1, 1] on the CPU, in one decode."""
         noise = torch.randn([1, codes.shape[1] * self.repeats, self.mel_dim], generator=generator)
         mel = self.mel(codes, noise.to(self.device), [speaker])
-        return self.model.code2wav_bigvgan_model(mel).reshape(-1).float()
+        return self.model.code2wav_bigvgan_model(mel).reshape(-1).float().cpu()
 
     def decode(self, batch: list[tuple[_Stream, Window]]) -> list[torch.Tensor]:
         if not self.stream:
@@ -217,7 +217,8 @@ class Qwen25Token2WavEngine(StreamedVocoder):
         for i, (s, w) in enumerate(batch):
             new = mel[i, :, (s.done - w.lo) * r:]
             voc.append(new if s.mel_tail is None else torch.cat([s.mel_tail, new], dim=1))
-        wav = self.model.code2wav_bigvgan_model(torch.stack(voc)).reshape(len(batch), -1).float()
+        # One copy to the host for the batch (decode's contract: CPU audio), sliced there.
+        wav = self.model.code2wav_bigvgan_model(torch.stack(voc)).reshape(len(batch), -1).float().cpu()
         out = []
         for i, (s, w) in enumerate(batch):
             k = 0 if s.mel_tail is None else s.mel_tail.shape[1]
