@@ -34,7 +34,7 @@ from typing import Any, Callable
 from omni.config_checks import SAMPLING_RANGES
 from omni.errors import ConfigError
 
-__all__ = ["HUMAN_INTS", "RESERVED_ENV", "SERVING_ONLY_ARGS", "SUBTALKER", "SUBTALKER_ENGINES",
+__all__ = ["FRAME_ARGS", "HUMAN_INTS", "RESERVED_ENV", "SERVING_ONLY_ARGS", "SUBTALKER", "SUBTALKER_ENGINES",
            "check_connector_edge", "check_engine_args", "check_stage_override", "check_subtalker", "human_int",
            "normalise_devices", "normalise_env", "normalise_human_ints", "normalise_stages", "unused_engine_arg"]
 
@@ -62,6 +62,8 @@ _ENGINE_ARGS_ONLY = {"served_model_name": "the API's model name is `omni serve -
 SUBTALKER = "subtalker_sampling_params"
 SUBTALKER_KEYS = ("do_sample", "temperature", "top_k", "top_p")
 SUBTALKER_ENGINES = ("qwen3_talker",)
+# Engine args in frames, >= 1 (Qwen3's code2wav re-decodes the tail a chunk holds back from >= 1 frame of context).
+FRAME_ARGS = {"qwen3_code2wav": ("first_chunk_frames", "chunk_frames", "context_frames")}
 _SECRET = ("it holds a secret, and the resolved config, env included, reaches every process and the master; "
            "`omni serve` passes it to the processes that need it")
 # Variables a stage's `env` may not set: omni sets them itself, or they hold its secrets (omni/envs.py).
@@ -210,10 +212,15 @@ def unused_engine_arg(args: dict[str, Any]) -> str | None:
 
 
 def check_engine_args(args: dict[str, Any], engine: str, where: str) -> None:
-    """A stage's engine_args (`where`: their key path) no engine would act on, or `engine` would not, refused."""
+    """A stage's engine_args (`where`: their key path) no engine would act on, or `engine` would not, refused;
+    so are frame counts its engine would refuse only at the stage's start (FRAME_ARGS)."""
     unused = unused_engine_arg(args)
     if unused:
         raise ConfigError(f"{where}.{unused}")
+    for key in FRAME_ARGS.get(engine, ()):
+        value = args.get(key, 1)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{where}.{key} must be a number of frames >= 1, got {value!r}")
     if SUBTALKER in args:
         if engine not in SUBTALKER_ENGINES:
             raise ConfigError(f"{where}.{SUBTALKER}: not supported by engine {engine}: it samples Qwen3-Omni's code "

@@ -22,7 +22,8 @@ nested under `engine_args`:
   connectors, input_connectors / output_connectors
                        the edge's transport: SharedMemoryConnector -> auto (shared memory between
                        processes on one host, CUDA IPC for CUDA tensors, TCP or NCCL between hosts);
-                       its `extra` codec keys -> the receiving code2wav's engine args
+                       its `extra` codec keys -> the receiving code2wav's engine args (frames, >= 1:
+                       omni's code2wav needs a frame of left context, refused by key at load)
   engine_extras        the stage's engine args (a key set on the stage itself wins)
   stages[i].runtime    devices, num_replicas, env, max_batch_size (max_num_seqs) as if set on the stage
                        (a key set on the stage itself wins; env merges)
@@ -169,6 +170,10 @@ def _connectors(raw: Any, source: str) -> dict[str, tuple[str, dict[str, Any]]]:
             if key not in CONNECTOR_EXTRAS:
                 raise ConfigError(f"{where}.extra.{key} is not supported (omni takes "
                                   f"{', '.join(CONNECTOR_EXTRAS)})")
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                # vllm-omni's 0 context cuts at frame edges, dropping the tail each chunk holds back; omni's
+                # code2wav decodes that tail again from the next chunk's left context (>= 1 frame).
+                raise ConfigError(f"{where}.extra.{key} must be a number of frames >= 1, got {value!r}")
             args[CONNECTOR_EXTRAS[key]] = value
         out[name] = (CONNECTOR_TRANSPORTS[cls], args)
     return out

@@ -264,3 +264,21 @@ def test_a_legacy_stage_config_lists_every_stage(tmp_path):
     with pytest.raises(ConfigError, match=r"stage_args lists stages \[0\]; omni's pipeline for this model has "
                                           r"0 thinker, 1 talker, 2 token2wav"):
         cfg.load(QWEN25, write(tmp_path, text))
+
+
+@pytest.mark.parametrize("key, value", [("codec_left_context_frames", 0), ("codec_chunk_frames", 0),
+                                        ("codec_left_context_frames", "25"), ("codec_left_context_frames", True)])
+def test_a_connectors_codec_frames_below_one_are_refused_by_its_key(tmp_path, key, value):
+    """codec_left_context_frames: 0 (valid in vllm-omni) made omni's code2wav emit only each chunk's last 555
+    samples; it is refused at load, naming the key as written."""
+    text = VLLM_OMNI_QWEN3.replace(f"{key}: {12 if 'context' in key else 20}", f"{key}: {json.dumps(value)}")
+    with pytest.raises(ConfigError, match=rf"connectors\.shm_link\.extra\.{key} must be a number of frames >= 1, "
+                                          rf"got {value!r}"):
+        cfg.load(QWEN3, write(tmp_path, text))
+
+
+@pytest.mark.parametrize("key", ["context_frames", "chunk_frames", "first_chunk_frames"])
+def test_code2wav_frame_args_below_one_are_refused_at_load(tmp_path, key):
+    text = VLLM_OMNI_QWEN3.replace("max_frames: 200}", f"max_frames: 200, {key}: 0}}")
+    with pytest.raises(ConfigError, match=rf"stages\[2\]\.engine_args\.{key} must be a number of frames >= 1, got 0"):
+        cfg.load(QWEN3, write(tmp_path, text))

@@ -7,7 +7,7 @@ Request contract (omni.engines.streamed_vocoder): pieces of `tensors["codes"]` i
 Streaming is "tail-aware". The vocoder is causal, so a decode of frames [lo, end)
 gives final samples up to end * 1920 - `lost` (the causal transposed convolutions
 hold back `lost` samples, 555 for the real config, until the next frame arrives). Each
-chunk decodes its new frames with `context_frames` frames of left context and emits
+chunk decodes its new frames with `context_frames` (>= 1) frames of left context and emits
 from the sample where the previous chunk stopped up to that tail, so the joined
 chunks equal one whole decode (to ~1e-4 with 25 frames of context; the only error is
 the attention's truncated history). transformers' `chunked_decode` (and vllm-omni)
@@ -39,8 +39,10 @@ class Qwen3Code2WavEngine(StreamedVocoder):
                  first_chunk_frames: int = 4, chunk_frames: int = 25, context_frames: int = 25,
                  max_frames: int = 300, threads: int | None = None, max_num_seqs: int = 64,
                  stream: bool = True, parts: tuple | None = None):
-        if min(first_chunk_frames, chunk_frames) < 1 or context_frames < 0 or max_frames < chunk_frames:
-            raise ValueError(f"need first_chunk_frames, chunk_frames >= 1, context_frames >= 0 and "
+        # context_frames >= 1: a chunk re-decodes the previous one's held-back tail (`lost` samples, less than a
+        # frame) from its left context; with none it started `lost` samples before its window (checked below).
+        if min(first_chunk_frames, chunk_frames, context_frames) < 1 or max_frames < chunk_frames:
+            raise ValueError(f"need first_chunk_frames, chunk_frames, context_frames >= 1 and "
                              f"max_frames >= chunk_frames; got {first_chunk_frames}, {chunk_frames}, "
                              f"{context_frames}, {max_frames}")
         if threads:
@@ -57,6 +59,9 @@ class Qwen3Code2WavEngine(StreamedVocoder):
         self.max_frames = max_frames
         self.stream = stream
         self.lost = self._measure_lost()
+        if stream and context_frames * self.hop < self.lost:
+            raise ValueError(f"context_frames {context_frames}: a chunk must re-decode the previous one's last "
+                             f"{self.lost} samples, so it needs at least {-(-self.lost // self.hop)} frames")
 
     @torch.no_grad()
     def _measure_lost(self) -> int:
