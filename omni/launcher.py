@@ -316,7 +316,13 @@ class Launcher:
             return c.get_status()
 
     def _wait_ready(self) -> bool:
-        """Every stage has a READY replica, or the deadline passes, or a child dies."""
+        """Every stage has a READY replica (a launcher without the master: each of its own stages), or the
+        deadline passes, or a child dies. A headless group does not wait for the other hosts' stages: its
+        replicas serve once registered, and stopping them for another stage's delay would be wrong."""
+        from omni.master.errors import Unauthenticated
+
+        stages = self.plan.config.stages if self.plan.host_master else [
+            self.plan.config.stage(s) for s in self.plan.stages]
         deadline = time.monotonic() + (self.plan.orchestration.startup_timeout_s
                                        or self.plan.config.pipeline.startup_timeout_s)
         last_report = 0.0
@@ -329,11 +335,14 @@ class Launcher:
             try:
                 status = self._status()
                 ready = {s.stage_id for s in status.stages if s.ready_replicas > 0} if status.has_config else set()
+            except Unauthenticated as e:   # no retry makes a wrong token right
+                progress(f"error: {e}")
+                return False
             except OmniError as e:
                 # A loaded machine can make even our own master miss a 5 s call: retry until the deadline.
                 ready = set()
                 logger.info("master not answering yet: %s", e)
-            missing = [s for s in self.plan.config.stages if s.stage_id not in ready]
+            missing = [s for s in stages if s.stage_id not in ready]
             if not missing:
                 return True
             now = time.monotonic()
