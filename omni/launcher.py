@@ -227,7 +227,8 @@ class Launcher:
                 fenv["OMNI_CONTROL_API_KEY"] = p.control_api_key
             # Secrets by environment, never argv; a JSON list holds any key (spaces, newlines) unchanged.
             fenv["OMNI_API_KEYS"] = json.dumps(p.api_keys)
-            os.makedirs(jobs_dir, exist_ok=True)
+            os.makedirs(jobs_dir, mode=0o700, exist_ok=True)
+            os.chmod(jobs_dir, 0o700)   # the results are the users' (an older omni made it 0755), as kv/ is
             for i in range(p.api_server_count):
                 args = ["--index", str(i), "--host", p.host, "--port", str(self.http_port),
                         *(f"--served-model-name={n}" for n in p.served_model_names or [p.config.model]),
