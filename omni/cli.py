@@ -201,6 +201,7 @@ def serve(
     stage decode each utterance whole (--async-chunk: stream, whatever the deploy YAML says)."""
     from omni import config as cfg
     from omni import vllm_omni_flags, vllm_serve_flags
+    from omni.config_stage_checks import normalise_human_ints
     from omni.engine_flags import context_length, merge_overrides, parse_extra_flags, spread_flags
 
     if api_server_count < 1:
@@ -251,7 +252,7 @@ def serve(
     flags.update(parse_extra_flags(list(ctx.args)))
     vllm_serve_flags.take(flags)                    # vLLM's HTTP-server options: no-ops or refused
     orchestration = vllm_omni_flags.take(flags)     # vllm-omni's own options with a meaning here
-    flags.update(_json_flag("--engine-args", engine_args) or {})
+    flags.update(normalise_human_ints(_json_flag("--engine-args", engine_args) or {}, lambda k: f"--engine-args {k}"))
     async_chunk = flags.pop("async_chunk", None)    # also --engine-args' (vllm-omni's OmniEngineArgs field)
     if async_chunk is not None and not isinstance(async_chunk, bool):
         raise ConfigError(f"--async-chunk takes no value (or --no-async-chunk; async_chunk: true or false), "

@@ -142,3 +142,13 @@ def test_deploy_engine_args_human_readable_integers_become_numbers(tmp_path):
     with pytest.raises(ConfigError, match=r"stages\[0\]\.engine_args\.max_num_batched_tokens: '4kb' is not an "
                                           "integer"):
         cfg.load("smollm2-vllm", str(path))
+
+
+def test_engine_args_json_in_stage_mode_reads_human_readable_integers(capsys):
+    """A headless stage's --engine-args JSON reached its engine as the text '8k' (apply_engine_flags)."""
+    head = ["--stage-id", "0", "--headless", "--omni-master-address", "127.0.0.1", "--omni-master-port", "1"]
+    code, out, err = serve(capsys, *head, "--engine-args", '{"max_num_batched_tokens": "8k"}')
+    assert code == 0, err
+    assert out["engine_flags"]["max_num_batched_tokens"] == 8000
+    code, _, err = serve(capsys, *head, "--engine-args", '{"max_num_batched_tokens": "8 k"}')
+    assert code == 2 and "--engine-args max_num_batched_tokens: '8 k' is not an integer" in err, err
