@@ -281,8 +281,10 @@ def serve(
         cli_argv.reexec_with_env(config.stage(stage_id).env)   # the stage's env from the interpreter's start
         from omni.stage.main import StageOptions, run_stage
 
+        # --init-timeout / --stage-init-timeout bound the wait for the master here (no launcher deadline).
         opts = StageOptions(master_address=f"{omni_master_address}:{omni_master_port}", token=token,
-                            replica_address=omni_replica_address)
+                            replica_address=omni_replica_address,
+                            register_wait_s=orchestration.startup_timeout_s or StageOptions.register_wait_s)
         vllm_omni_flags.head_only(orchestration)
         raise typer.Exit(run_stage(config, stage_id, opts, engine_flags=flags))
 

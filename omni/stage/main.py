@@ -134,6 +134,33 @@ def _stop_while_loading(stop: StopRequest, label: str) -> tuple[threading.Event,
     return loaded, lock
 
 
+def master_refusal(config: DeployConfig, stage_id: int, opts: StageOptions) -> str | None:
+    """Why the master will refuse this replica, asked in one quick call before the engine load (a load can
+    take minutes, and the registration after it is where a wrong token or another config showed): a refused
+    token, or a pipeline config other than the one the master holds. None when it would take it, has no
+    config yet, or does not answer yet (the registration waits for it, `register_wait_s`)."""
+    from omni.master.client import MasterClient
+    from omni.master.configdiff import diff_pipeline, shown
+    from omni.master.errors import Unauthenticated
+
+    try:
+        with MasterClient(opts.master_address, token=opts.token or None, timeout_s=3.0) as client:
+            st = client.get_status()
+    except Unauthenticated as e:
+        return str(e)
+    except OmniError as e:
+        logger.info("master not answering yet (the registration waits for it): %s", e)
+        return None
+    mine = config.config_hash()
+    if not st.has_config or st.config_hash == mine:
+        return None
+    # The master shows its config with env values and secrets masked: compare ours masked alike.
+    lines = diff_pipeline(st.pipeline_config, shown(config.to_dict()), stage_id)
+    return (f"stage {stage_id} config differs from the master's at {opts.master_address} (config_hash master="
+            f"{st.config_hash[:12]} replica={mine[:12]}): "
+            + ("; ".join(lines) if lines else "in a value not shown (a stage's env or engine_args.hf_token)"))
+
+
 def _run_stage(config: DeployConfig, stage_id: int, opts: StageOptions, engine_flags: dict | None) -> int:
     from omni import latency_trace
     from omni.heap import freeze_after_startup
@@ -155,6 +182,10 @@ def _run_stage(config: DeployConfig, stage_id: int, opts: StageOptions, engine_f
         local_channel = local_enabled()
     except OmniError as e:
         progress(f"{label}: {e}")
+        return 1
+    refused = master_refusal(config, stage_id, opts)
+    if refused:
+        progress(f"{label}: {refused}; the engine is not loaded")
         return 1
     advertise = opts.replica_address or default_advertise_host(opts.master_address)
     # Listeners bind the advertised address only (loopback on one host), never a wildcard.
