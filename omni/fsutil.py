@@ -2,22 +2,32 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 
-def atomic_write(path: str | os.PathLike, data: bytes) -> None:
-    """Temp file in the same folder, fsync, rename over `path`: a reader (or a crash) sees
-    the old content or the new, never a torn one."""
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike) -> Iterator[BinaryIO]:
+    """A temp file in `path`'s folder to write; fsynced and renamed over `path` when the block ends
+    (removed if it raises): a reader (or a crash) sees the old content or the new, never a torn one.
+    It is the owner's alone (mkstemp's 0600)."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def atomic_write(path: str | os.PathLike, data: bytes) -> None:
+    with atomic_file(path) as f:
+        f.write(data)

@@ -14,7 +14,6 @@ import base64
 import json
 import logging
 import os
-import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from omni.errors import ConfigError
+from omni.fsutil import atomic_file
 
 logger = logging.getLogger(__name__)
 
@@ -140,21 +140,13 @@ class Journal:
                 log.done.set()
 
     def _write_snapshot(self, path: Path, entries: Entries) -> None:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(b"{")
-                for i, key in enumerate(sorted(entries)):
-                    value, at = entries[key]
-                    rec = json.dumps({"v": base64.b64encode(value).decode(), "t": at})
-                    f.write(f'{", " if i else ""}{json.dumps(key)}: {rec}'.encode())
-                f.write(b"}")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with atomic_file(path) as f:
+            f.write(b"{")
+            for i, key in enumerate(sorted(entries)):
+                value, at = entries[key]
+                rec = json.dumps({"v": base64.b64encode(value).decode(), "t": at})
+                f.write(f'{", " if i else ""}{json.dumps(key)}: {rec}'.encode())
+            f.write(b"}")
 
     def _read_snapshot(self, path: Path) -> Entries:
         if not path.exists():

@@ -15,6 +15,7 @@ from omni.api.metrics import FrontendMetrics
 from omni.engines.logprobs import Logprobs
 from omni.engines.base import SamplingParams
 from omni.orchestrator.types import PipelineOutput, PipelineRequest
+from tests.unit.test_stop_token_text import Replay
 
 vdetok = pytest.importorskip("vllm.v1.engine.detokenizer")
 
@@ -38,15 +39,6 @@ def vllm_reads(chunks: list[list[int]], stop_token: int | None, stops: list[str]
         if last and stop_token is not None:
             reason = stop_token
     return d.output_text, d.num_output_tokens(), reason
-
-
-class Replay:
-    def __init__(self, outs):
-        self.outs = outs
-
-    async def generate(self, req):
-        for o in self.outs:
-            yield o
 
 
 def omni_reads(chunks, stop_token, stops, include, min_tokens) -> tuple:
