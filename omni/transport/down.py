@@ -4,8 +4,8 @@ A read from a host that went silent (powered off, cut off) waits for the transpo
 (30 s). Without this every later read of that producer waited the same 30 s, each on one of the
 frontend's few read threads (omni/orchestrator/fetch.py), stalling the reads of live hosts
 behind them; now only the reads already in flight wait, and later ones fail at once (the request
-fails or is replayed) until DOWN_S has passed, when one read tries again. A refused connection
-is not held: it fails at once anyway.
+fails or is replayed) until DOWN_S has passed, when one read tries again (a success, of that read
+or any other, lifts the hold). A refused connection is not held: it fails at once anyway.
 """
 
 from __future__ import annotations
@@ -31,9 +31,10 @@ class DownProducers:
             entry = self._down.get(endpoint)
             if entry is None:
                 return
-            ago = self._clock() - entry[0]
-            if ago >= self._hold_s:
-                del self._down[endpoint]       # the next read tries again
+            now = self._clock()
+            ago = now - entry[0]
+            if ago >= self._hold_s:          # this read probes; the others still fail at once until it ends
+                self._down[endpoint] = (now, entry[1])
                 return
         raise TransportError(f"producer {endpoint} is not answering ({entry[1]} {ago:.1f} s ago); "
                              f"not tried again for {self._hold_s - ago:.1f} s")

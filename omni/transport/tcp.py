@@ -280,11 +280,13 @@ class TcpConsumer(TensorConsumer):
             if pool:
                 return pool.pop()
         try:
-            return connect(endpoint, self._token, self._timeout)
+            sock = connect(endpoint, self._token, self._timeout)
         except TransportError as e:
             if isinstance(e.__cause__, TimeoutError):
                 self._down.mark(endpoint, "a connect timed out")
             raise
+        self._down.clear(endpoint)
+        return sock
 
     def _give(self, endpoint: str, sock: socket.socket) -> None:
         with self._lock:
@@ -315,6 +317,7 @@ class TcpConsumer(TensorConsumer):
         except BaseException:
             sock.close()
             raise
+        self._down.clear(ref.endpoint)
         self._give(ref.endpoint, sock)
         return out
 

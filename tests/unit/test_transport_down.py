@@ -90,3 +90,26 @@ def test_connect_waits_less_than_a_read(monkeypatch):
     with pytest.raises(TransportError, match="unreachable"):
         tcp.connect("10.255.255.1:9", None, 30.0)
     assert seen["timeout"] == tcp.CONNECT_TIMEOUT_S < 30.0
+
+
+def test_after_the_hold_one_read_probes_and_a_success_lifts_the_hold():
+    now = [0.0]
+    producer = TcpProducer(host="127.0.0.1")
+    consumer = TcpConsumer(timeout=5.0)
+    consumer._down = down = DownProducers(hold_s=10.0, clock=lambda: now[0])
+    try:
+        ref = producer.put(torch.arange(2.0))
+        down.mark(ref.endpoint, "a read timed out")
+        with pytest.raises(TransportError, match="not answering"):
+            consumer.get(ref)
+        now[0] += 10.0
+        down.check(ref.endpoint)                     # the probe goes...
+        with pytest.raises(TransportError, match="not answering"):
+            down.check(ref.endpoint)                 # ...while the others still fail at once
+        now[0] += 10.0
+        assert consumer.get(ref).tolist() == [0.0, 1.0]   # the next probe reads: the hold is lifted
+        down.check(ref.endpoint)
+        down.check(ref.endpoint)
+    finally:
+        consumer.close()
+        producer.close()
