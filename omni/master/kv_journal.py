@@ -61,6 +61,11 @@ class Journal:
             entries = self._read_snapshot(self._path(ns, ".json"))
             for suffix in (".log", ".log.next"):
                 self._replay(self._path(ns, suffix), entries)
+            if entries and self._path(ns, ".log.next").exists():
+                # a kill mid-rewrite: fold it now, else this master's appends (to .log) would replay before it
+                self._write_snapshot(self._path(ns, ".json"), entries)
+                for suffix in (".log", ".log.next"):
+                    self._path(ns, suffix).unlink()
             if entries:
                 data[ns] = entries
                 self._logs[ns] = _Log(size=self._size(ns, ".log") + self._size(ns, ".log.next"))
@@ -157,7 +162,7 @@ class Journal:
             if not isinstance(raw, dict) or not all(isinstance(v, (str, dict)) for v in raw.values()):
                 raise ValueError("expected one JSON object of entries")
             return {k: (base64.b64decode(v["v"] if isinstance(v, dict) else v, validate=True),
-                        float(v["t"]) if isinstance(v, dict) else None) for k, v in raw.items()}
+                        _time(v["t"]) if isinstance(v, dict) else None) for k, v in raw.items()}
         except (OSError, ValueError, AttributeError, KeyError, TypeError) as e:
             raise ConfigError(f"master state file {path} is damaged ({e}); fix or remove it") from None
 
@@ -206,6 +211,10 @@ class Journal:
         if log.file is not None:
             log.file.close()
             log.file = None
+
+
+def _time(t) -> float | None:
+    return None if t is None else float(t)     # None: loaded from an older omni's file, not written since
 
 
 def _namespace(filename: str) -> str:

@@ -63,6 +63,17 @@ def test_the_snapshot_is_rewritten_on_a_thread_and_changes_meanwhile_survive_a_k
     kv.close()
     assert _state(KvStore(killed), "voices") == want
     assert _state(KvStore(tmp_path), "voices") == {**want, "d": b"5"}
+    # The master restarted from the kill goes on: its changes are not replayed under the old next log
+    restarted = KvStore(killed)
+    restarted.put("voices", "b", b"NEW")
+    restarted.delete("voices", "c")
+    restarted.close()
+    assert _state(KvStore(killed), "voices") == {"b": b"NEW"}
+    again = KvStore(killed)                    # and after a rewrite of its own
+    again.put("voices", "e", b"6" * 100)
+    assert again._journal.wait_compacted(10)
+    again.close()
+    assert _state(KvStore(killed), "voices") == {"b": b"NEW", "e": b"6" * 100}
 
 
 def test_a_line_cut_by_a_kill_is_dropped_and_the_next_put_starts_a_line_of_its_own(tmp_path, caplog):
