@@ -67,7 +67,10 @@ class StopRequest:
 
     def install(self, signals=(signal.SIGINT, signal.SIGTERM, signal.SIGHUP)) -> "StopRequest":
         """SIGHUP too: a closed terminal must stop the process as SIGTERM does (its default action ends it
-        with no cleanup: temp files holding the stages' env, the run file, children left to PDEATHSIG)."""
+        with no cleanup: temp files holding the stages' env, the run file, children left to PDEATHSIG).
+        An inherited SIG_IGN for SIGHUP is kept: that is `nohup`, asking to outlive the terminal."""
         for sig in signals:
+            if sig == signal.SIGHUP and signal.getsignal(sig) is signal.SIG_IGN:
+                continue
             signal.signal(sig, self.set)
         return self

@@ -1,6 +1,7 @@
 """A closed terminal (SIGHUP) stops omni as SIGTERM does: the launcher removes its temp folder (config.json
 holds the stages' env) and its run file, `omni master` stops cleanly. SIGHUP's default action ended the
-process with no cleanup. A stop during start-up is a clean end (0), as one while serving is."""
+process with no cleanup. A stop during start-up is a clean end (0), as one while serving is. A SIGHUP
+ignored at start (`nohup omni ...`) stays ignored."""
 
 from __future__ import annotations
 
@@ -15,13 +16,13 @@ import pytest
 from tests.e2e.harness import REPO
 
 
-def _start(args: list[str], tmp_path, line: str) -> subprocess.Popen:
+def _start(args: list[str], tmp_path, line: str, preexec_fn=None) -> subprocess.Popen:
     env = {**os.environ, "TMPDIR": str(tmp_path / "tmp"), "OMNI_RUN_DIR": str(tmp_path / "run")}
     (tmp_path / "tmp").mkdir()
     (tmp_path / "run").mkdir(mode=0o700)
     env.pop("OMNI_TOKEN", None)
     p = subprocess.Popen([sys.executable, "-m", "omni.cli", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True, preexec_fn=preexec_fn)
     deadline = time.monotonic() + 60
     seen = []
     while time.monotonic() < deadline:
@@ -64,3 +65,27 @@ def test_sighup_stops_a_standalone_master(tmp_path):
     p = _start(["master", "--host", "127.0.0.1", "--port", "0"], tmp_path, "listening on")
     rc, out = _stop(p)
     assert rc == 0 and "stopping the omni master" in out, out
+
+
+def test_an_ignored_sighup_is_kept_as_nohup_asks():
+    old = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        from omni.signals import StopRequest
+        stop = StopRequest().install(signals=(signal.SIGHUP,))
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+        stop.close()
+    finally:
+        signal.signal(signal.SIGHUP, old)
+
+
+def test_a_master_started_under_nohup_outlives_a_hangup(tmp_path):
+    p = _start(["master", "--host", "127.0.0.1", "--port", "0"], tmp_path, "listening on",
+               preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    try:
+        p.send_signal(signal.SIGHUP)
+        time.sleep(1.5)
+        assert p.poll() is None, p.stdout.read()
+    finally:
+        p.send_signal(signal.SIGTERM)
+        rc = p.wait(30)
+    assert rc == 0 and "stopping the omni master" in p.stdout.read()
