@@ -47,17 +47,20 @@ def shown(config: dict) -> dict:
     env values and secret engine args as "***"; a copy, the stages' other fields unchanged."""
     if not isinstance(config, dict) or not isinstance(config.get("stages"), list):
         return config
-    stages = []
-    for stage in config["stages"]:
-        if isinstance(stage, dict):
-            stage = dict(stage)
-            if isinstance(stage.get("env"), dict):
-                stage["env"] = dict.fromkeys(stage["env"], MASK)
-            args = _secret_args(stage)
-            if args is not None:
-                stage["engine_args"] = {k: MASK if k in SECRET_ENGINE_ARGS else v for k, v in args.items()}
-        stages.append(stage)
-    return {**config, "stages": stages}
+    return {**config, "stages": [shown_stage(stage) for stage in config["stages"]]}
+
+
+def shown_stage(stage: dict) -> dict:
+    """One stage as `shown` gives it."""
+    if not isinstance(stage, dict):
+        return stage
+    stage = dict(stage)
+    if isinstance(stage.get("env"), dict):
+        stage["env"] = dict.fromkeys(stage["env"], MASK)
+    args = _secret_args(stage)
+    if args is not None:
+        stage["engine_args"] = {k: MASK if k in SECRET_ENGINE_ARGS else v for k, v in args.items()}
+    return stage
 
 
 def _show(value: Any) -> str:

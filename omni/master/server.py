@@ -141,11 +141,16 @@ class MasterServicer(pb_grpc.MasterServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         logger.info("registered %s (pid %d on %s) endpoints=%s", rep.replica_id, rep.pid, rep.host, rep.endpoints)
         self.publish(events)
+        from omni.master.configdiff import shown, shown_stage
+
         stage_cfg = self.reg.stage_config(rep.stage_id) if rep.role is Role.STAGE else {}
+        full = self.reg.config
+        if cfg != full:   # the config hash alone is in GetStatus: only a registrant that sent the config gets its secrets
+            full, stage_cfg = shown(full), shown_stage(stage_cfg)
         return pb.RegisterResponse(
             replica_id=rep.replica_id, replica_index=rep.index, lease_id=rep.lease_id,
             lease_ttl_s=self.reg.lease_ttl_s, stage_config_json=json.dumps(stage_cfg),
-            pipeline_config_json=json.dumps(self.reg.config))
+            pipeline_config_json=json.dumps(full))
 
     async def KeepAlive(self, request_iterator, context):
         conn: _Conn | None = None

@@ -66,3 +66,31 @@ def test_dry_run_masks_a_secret_engine_arg_from_stage_overrides():
     assert r.returncode == 0, r.stderr
     assert SECRET not in r.stdout and SECRET not in r.stderr
     assert json.loads(r.stdout)["config"]["stages"][0]["engine_args"]["hf_token"] == "***"
+
+
+def test_register_with_the_status_hash_alone_gets_the_config_masked():
+    """GetStatus shows the config hash; registering with only that hash must not hand back the env in clear.
+    A registrant that sent the config itself (it holds the secrets) gets it whole."""
+    from omni.master.client import MasterClient
+    from omni.master.server import MasterServer
+
+    server = MasterServer(CFG, hash_config(CFG))
+    server.start()
+    try:
+        with MasterClient(server.address, timeout_s=5.0) as client:
+            st = client.get_status()
+            fe = client.register("FRONTEND", config_hash=st.config_hash, host="127.0.0.1", pid=1)
+        with MasterClient(server.address, timeout_s=5.0) as client:
+            stage = client.register("STAGE", 0, config_hash=st.config_hash, host="127.0.0.1", pid=2)
+        with MasterClient(server.address, timeout_s=5.0) as client:
+            own = client.register("STAGE", 0, config_hash=st.config_hash, pipeline_config=CFG, host="127.0.0.1", pid=3)
+        with MasterClient(server.address, timeout_s=5.0) as client:
+            masked = client.register("FRONTEND", config_hash=st.config_hash, pipeline_config=st.pipeline_config,
+                                     host="127.0.0.1", pid=4)
+    finally:
+        server.stop(grace=0.2)
+    for reg in (fe, stage, masked):
+        assert SECRET not in json.dumps(reg.pipeline_config) + json.dumps(reg.stage_config)
+        assert reg.pipeline_config == shown(CFG)
+    assert stage.stage_config["env"] == {"HF_TOKEN": "***", "OMP_NUM_THREADS": "***"}
+    assert own.pipeline_config == CFG and own.stage_config == CFG["stages"][0]
