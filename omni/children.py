@@ -32,6 +32,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--http-limits")   # JSON of omni.api.limits.HttpLimits
     ap.add_argument("--max-model-len", type=int)   # the head's --max-model-len (stage mode): unhashed
     ap.add_argument("--parent-pid", type=int)
+    # How to connect to the master: --tls alone, the system's CAs; the files' paths (never their content).
+    ap.add_argument("--tls", action="store_true")
+    ap.add_argument("--tls-cert")
+    ap.add_argument("--tls-key")
+    ap.add_argument("--tls-ca")
     return ap
 
 
@@ -43,7 +48,10 @@ def main(argv: list[str] | None = None) -> int:
         die_with_parent(a.parent_pid)
     with open(a.config) as f:
         config_json = f.read()
+    from omni.master.auth import TlsFiles
+
     token = envs.OMNI_TOKEN
+    tls = TlsFiles(a.tls_cert, a.tls_key, a.tls_ca) if a.tls else None
     if a.role == "stage":
         from omni.config import loads_json
         from omni.stage.main import StageOptions, run_stage
@@ -52,12 +60,12 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=a.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         config = loads_json(config_json)
         opts = StageOptions(master_address=a.master, token=token, replica_address=a.replica_address,
-                            replica_hint=a.replica_hint)
+                            replica_hint=a.replica_hint, tls=tls)
         flags = json.loads(a.engine_flags) if a.engine_flags else None
         return run_stage(config, a.stage_id, opts, engine_flags=flags)
     from omni.frontend import main_from_args
 
-    return main_from_args(config_json, index=a.index, master_address=a.master, token=token,
+    return main_from_args(config_json, index=a.index, master_address=a.master, token=token, tls=tls,
                           host=a.host, port=a.port, listen_fd=a.listen_fd,
                           # Secrets come by environment, never argv (world-readable in ps).
                           api_key=envs.OMNI_API_KEYS, served_model_name=a.served_model_name, log_level=a.log_level,

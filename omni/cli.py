@@ -168,6 +168,9 @@ def serve(
     omni_master_port: Optional[int] = typer.Option(None, "--omni-master-port", help="Port of the omni master."),
     omni_token: Optional[str] = typer.Option(None, "--omni-token", envvar="OMNI_TOKEN", help="Shared token for the master and the data plane."),
     omni_replica_address: Optional[str] = typer.Option(None, "--omni-replica-address", help="Address this replica advertises to peers (default: the local address that routes to the master)."),
+    tls_cert: Optional[str] = typer.Option(None, "--tls-cert", help="PEM certificate of the omni master (gRPC) run here: TLS, its address a name in the certificate. With --headless: the client certificate shown to an mTLS master. (vLLM's --ssl-* are for HTTP, which omni serves plain: refused.)"),
+    tls_key: Optional[str] = typer.Option(None, "--tls-key", help="PEM private key of --tls-cert (a path; each process reads the file)."),
+    tls_ca: Optional[str] = typer.Option(None, "--tls-ca", help="PEM CA that verifies the master (enables TLS with --headless). Where the master runs here: it also requires client certificates signed by it (mTLS); this host's processes present --tls-cert, which then needs serverAuth and clientAuth usage."),
     host: str = typer.Option("127.0.0.1", "--host", help="HTTP listen address."),
     port: int = typer.Option(8091, "--port", help="HTTP port; 0 picks a free one (printed)."),
     api_server_count: int = typer.Option(1, "--api-server-count", help="Number of API frontend processes sharing the stage engines."),
@@ -246,6 +249,9 @@ def serve(
                           "(--max-model-len, --engine-args ...)")
     if stage_id == 0 and headless:
         pass  # a headless stage 0 replica: allowed (extra thinker capacity)
+    from omni.master.auth import serve_tls
+
+    master_tls, client_tls = serve_tls(tls_cert, tls_key, tls_ca, hosts_master=not headless)
     flags = {"max_model_len": context_length(max_model_len), "max_num_seqs": max_num_seqs, "dtype": dtype,
              "gpu_memory_utilization": gpu_memory_utilization, "enforce_eager": enforce_eager,
              "tensor_parallel_size": tensor_parallel_size, "trust_remote_code": trust_remote_code}
@@ -283,7 +289,7 @@ def serve(
 
         # --init-timeout / --stage-init-timeout bound the wait for the master here (no launcher deadline).
         opts = StageOptions(master_address=f"{omni_master_address}:{omni_master_port}", token=token,
-                            replica_address=omni_replica_address,
+                            replica_address=omni_replica_address, tls=client_tls,
                             register_wait_s=orchestration.startup_timeout_s or StageOptions.register_wait_s)
         vllm_omni_flags.head_only(orchestration)
         raise typer.Exit(run_stage(config, stage_id, opts, engine_flags=flags))
@@ -294,7 +300,7 @@ def serve(
         plan = LaunchPlan(config, stages=[stage_id], master_host=omni_master_address,
                           master_port=omni_master_port, host_master=False, api_server_count=0,
                           token=token, replica_address=omni_replica_address, num_replicas=num_replicas,
-                          engine_flags=flags, log_level=log_level, orchestration=orchestration)
+                          engine_flags=flags, log_level=log_level, orchestration=orchestration, client_tls=client_tls)
         vllm_omni_flags.head_only(orchestration)
     elif stage_id is not None:
         if stage_id != 0:
@@ -308,7 +314,7 @@ def serve(
                           control_api_key=control_api_key, control_routes=not disable_control_routes,
                           replica_address=omni_replica_address, num_replicas=num_replicas or None,
                           engine_flags=flags, log_level=log_level, state_dir=state_dir, http_limits=http_limits,
-                          orchestration=orchestration)
+                          orchestration=orchestration, master_tls=master_tls, client_tls=client_tls)
     else:
         plan = LaunchPlan(config, stages=[s.stage_id for s in config.stages],
                           master_host=omni_master_address or "127.0.0.1", master_port=omni_master_port or 0,
@@ -316,7 +322,8 @@ def serve(
                           api_keys=api_keys, served_model_names=served_model_names, log_level=log_level,
                           control_api_key=control_api_key, control_routes=not disable_control_routes,
                           state_dir=state_dir, http_limits=http_limits, num_replicas=num_replicas,
-                          orchestration=orchestration)
+                          replica_address=omni_replica_address, orchestration=orchestration,
+                          master_tls=master_tls, client_tls=client_tls)
     raise typer.Exit(Launcher(plan).run())
 
 

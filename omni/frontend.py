@@ -178,8 +178,9 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
                          served_model_name: str | Sequence[str],
                          listen_fd: int | None = None, jobs_dir: str | None = None,
                          control_api_key: str | None = None, control_routes: bool = True,
-                         limits=None, max_model_len: int | None = None) -> None:
-    """`max_model_len`: the head's own --max-model-len (stage mode), over the deploy's."""
+                         limits=None, max_model_len: int | None = None, tls=None) -> None:
+    """`max_model_len`: the head's own --max-model-len (stage mode), over the deploy's; `tls`: the
+    TlsFiles to connect to the master with (None: plaintext)."""
     from transformers import AutoTokenizer
 
     from omni.api.app import build_app
@@ -217,8 +218,8 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
         return tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else ""
 
     topology = Topology()
-    amaster = AsyncMasterClient(master_address, token=token or None)
-    smaster = MasterClient(master_address, token=token or None)
+    amaster = AsyncMasterClient(master_address, token=token or None, tls=tls)
+    smaster = MasterClient(master_address, token=token or None, tls=tls)
     # This host as peers see it (--host 0.0.0.0 is not an address): status and transport choice.
     advertise = advertised_host(host, master_address)
     logger.info("frontend %d: registering with the omni master at %s", index, master_address)
@@ -345,7 +346,7 @@ def main_from_args(config_json: str, *, index: int, master_address: str, token: 
                    listen_fd: int | None = None,
                    jobs_dir: str | None = None, control_api_key: str | None = None,
                    control_routes: bool = True, http_limits: dict | None = None,
-                   max_model_len: int | None = None) -> int:
+                   max_model_len: int | None = None, tls=None) -> int:
     from omni.api.limits import HttpLimits
     from omni.config import loads_json
 
@@ -356,7 +357,8 @@ def main_from_args(config_json: str, *, index: int, master_address: str, token: 
                                    host=host, port=port, api_key=api_key, listen_fd=listen_fd,
                                    served_model_name=served_model_name, jobs_dir=jobs_dir,
                                    control_api_key=control_api_key, control_routes=control_routes,
-                                   limits=HttpLimits.from_dict(http_limits), max_model_len=max_model_len))
+                                   limits=HttpLimits.from_dict(http_limits), max_model_len=max_model_len,
+                                   tls=tls))
     except OSError as e:
         print(f"omni: frontend {index} cannot serve on {host}:{port}: {e}", file=sys.stderr, flush=True)
         return 1

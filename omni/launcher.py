@@ -22,6 +22,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from omni.api.limits import HttpLimits
 from omni.config import DeployConfig
@@ -29,6 +30,9 @@ from omni.deathsig import pid_exists
 from omni.errors import OmniError
 from omni.signals import StopRequest
 from omni.vllm_omni_flags import Orchestration
+
+if TYPE_CHECKING:
+    from omni.master.auth import TlsFiles
 
 logger = logging.getLogger(__name__)
 
@@ -169,6 +173,8 @@ class LaunchPlan:
     state_dir: str | None = None
     http_limits: HttpLimits = field(default_factory=HttpLimits)   # the frontends' body cap, timeouts, backlog
     orchestration: Orchestration = field(default_factory=Orchestration)   # vllm-omni's timeouts, over the config's
+    master_tls: TlsFiles | None = None     # the hosted master's certificate (its ca: mTLS)
+    client_tls: TlsFiles | None = None     # how this process and its children connect to the master
 
 
 class Launcher:
@@ -196,8 +202,9 @@ class Launcher:
         return path
 
     def _child_argv(self, role: str, *args: str) -> list[str]:
+        tls = self.plan.client_tls.argv() if self.plan.client_tls else []   # paths: each child reads the files
         return [sys.executable, "-m", "omni.children", role, "--config", self._config_file(),
-                "--master", self.master_address, "--log-level", self.plan.log_level, *args]
+                "--master", self.master_address, "--log-level", self.plan.log_level, *tls, *args]
 
     def _plan_children(self) -> None:
         p = self.plan
@@ -261,12 +268,29 @@ class Launcher:
 
         p = self.plan
         self.master = MasterServer(p.config.to_dict(), p.config.config_hash(), host=p.master_host,
-                                   port=p.master_port, token=p.token or None,
+                                   port=p.master_port, token=p.token or None, tls=p.master_tls,
                                    lease_ttl_s=p.orchestration.lease_ttl_s or p.config.pipeline.lease_ttl_s,
                                    state_dir=p.state_dir)
         port = self.master.start()
         self.master_address = f"{p.master_host}:{port}"
-        progress(f"master listening on {self.master_address}")
+        progress(f"master listening on {self.master_address}" + (" (TLS)" if p.master_tls else ""))
+        if p.master_tls:
+            self._check_own_master()
+
+    def _check_own_master(self) -> None:
+        """The children connect as this process does: a certificate they cannot use fails the start now,
+        not at the start-up deadline."""
+        from omni.master.auth import TlsRefused
+
+        try:
+            self._status()
+        except OmniError as e:
+            if not isinstance(e, TlsRefused) and "Socket closed" not in str(e):
+                logger.info("own master not answering yet: %s", e)   # a loaded host: the wait retries
+                return
+            mtls = (" Under mTLS (--tls-ca) they present --tls-cert, which then needs the clientAuth key usage "
+                    "besides serverAuth.") if self.plan.master_tls.ca and not isinstance(e, TlsRefused) else ""
+            raise OmniError(f"this host's processes cannot connect to its TLS master: {e}.{mtls}") from None
 
     def run(self) -> int:
         self._stop.install()
@@ -313,7 +337,8 @@ class Launcher:
     def _status(self):
         from omni.master.client import MasterClient
 
-        with MasterClient(self.master_address, token=self.plan.token or None, timeout_s=5.0) as c:
+        with MasterClient(self.master_address, token=self.plan.token or None, tls=self.plan.client_tls,
+                          timeout_s=5.0) as c:
             return c.get_status()
 
     def _wait_ready(self) -> bool:

@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
+import os
 from pathlib import Path
 
 import grpc
 
 from omni.errors import ConfigError
+from omni.master.errors import Unauthenticated
 
 _HEADER = "authorization"
+FLAGS = {"cert": "--tls-cert", "key": "--tls-key", "ca": "--tls-ca"}
+_PEM = {"cert": b"-----BEGIN CERTIFICATE-----", "key": b"PRIVATE KEY-----", "ca": b"-----BEGIN CERTIFICATE-----"}
+
+
+class TlsRefused(Unauthenticated):
+    """The TLS handshake with the master failed on a certificate: no retry makes it pass."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +37,49 @@ class TlsFiles:
         try:
             return Path(path).read_bytes()
         except OSError as e:
-            raise ConfigError(f"cannot read TLS {name} file {path}: {e.strerror}") from None
+            raise ConfigError(f"{FLAGS[name]} {path}: cannot read it: {e.strerror}") from None
+
+    def check(self) -> None:
+        """Refuse a missing, unreadable or non-PEM file, an encrypted key, or a key that is not the
+        certificate's, naming the flag: at start-up, not at the first handshake."""
+        import ssl
+
+        if bool(self.cert) != bool(self.key):
+            raise ConfigError("--tls-cert and --tls-key go together (a certificate and its private key)")
+        for name in ("cert", "key", "ca"):
+            data = self._read(name)
+            if data is not None and _PEM[name] not in data:
+                what = "private key" if name == "key" else "certificate"
+                raise ConfigError(f"{FLAGS[name]} {getattr(self, name)}: not a PEM {what} (no '{_PEM[name].decode()}')")
+            if name == "key" and data is not None and b"ENCRYPTED" in data:
+                raise ConfigError(f"--tls-key {self.key}: an encrypted key; gRPC takes only unencrypted ones")
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        if self.ca:
+            try:
+                ctx.load_verify_locations(self.ca)
+            except ssl.SSLError as e:
+                raise ConfigError(f"--tls-ca {self.ca}: not a PEM CA certificate: {e.reason or e}") from None
+        if self.cert:
+            try:
+                ctx.load_cert_chain(self.cert, self.key, password=b"")
+            except ssl.SSLError as e:
+                if e.reason == "KEY_VALUES_MISMATCH":
+                    raise ConfigError(f"--tls-key {self.key}: not the private key of --tls-cert {self.cert}") from None
+                raise ConfigError(f"--tls-cert {self.cert} / --tls-key {self.key}: cannot load them: "
+                                  f"{e.reason or e}") from None
+
+    def client_view(self) -> "TlsFiles":
+        """How processes on the master's own host connect to it: its --tls-ca verifies it (none: the
+        system's CAs) and, as that CA also requires client certs (mTLS), they present the master's cert."""
+        return TlsFiles(self.cert, self.key, self.ca) if self.ca else TlsFiles()
+
+    def argv(self) -> list[str]:
+        """For a child process (omni.children): paths only; the child reads the files itself."""
+        args = ["--tls"]
+        for name, flag in FLAGS.items():
+            if getattr(self, name):
+                args += [flag, os.path.abspath(getattr(self, name))]
+        return args
 
     def server_credentials(self) -> grpc.ServerCredentials:
         if not self.cert or not self.key:
@@ -47,6 +97,47 @@ class TlsFiles:
 
 def tls_from_options(cert: str | None, key: str | None, ca: str | None) -> TlsFiles | None:
     return TlsFiles(cert, key, ca) if (cert or key or ca) else None
+
+
+def serve_tls(cert: str | None, key: str | None, ca: str | None,
+              hosts_master: bool) -> tuple[TlsFiles | None, TlsFiles | None]:
+    """`omni serve`'s --tls-*: (the master's server files where it hosts the master, the files its
+    processes connect to the master with). Checked here, so a bad file fails the start naming its flag."""
+    given = tls_from_options(*(os.path.abspath(p) if p else p for p in (cert, key, ca)))
+    if given is None:
+        return None, None
+    if hosts_master and not (cert and key):
+        raise ConfigError("--tls-cert and --tls-key: the master this command runs needs both for TLS "
+                          "(--tls-ca then requires client certificates, mTLS); with --headless, --tls-ca "
+                          "alone verifies a remote master")
+    given.check()
+    return (given, given.client_view()) if hosts_master else (None, given)
+
+
+def explain(details: str, address: str, tls: TlsFiles | None) -> tuple[str, bool] | None:
+    """What a failed connection's gRPC details mean when TLS is involved: (message, final). Final:
+    a certificate failure, which waiting does not cure. None: nothing TLS-specific in them."""
+    if tls is None:
+        if details.endswith("Socket closed"):
+            return (f"cannot reach the omni master at {address}: {details} (a master with TLS closes plaintext "
+                    "connections: if it runs with --tls-cert, connect with --tls-ca)"), False
+        return None
+    host = address.rpartition(":")[0].strip("[]")
+    if "Hostname Verification Check failed" in details:
+        return (f"omni master at {address}: TLS: {host} is not a name or IP address in the master's certificate; "
+                "address a TLS master by one its certificate holds"), True
+    if "WRONG_VERSION_NUMBER" in details:
+        return (f"omni master at {address}: TLS: it does not answer with TLS (a master without --tls-cert "
+                "takes plaintext connections: drop --tls-*)"), True
+    if "andshake failed" in details and "SSL_ERROR_SSL" in details:
+        by = f"--tls-ca {tls.ca}" if tls.ca else "the system's CA certificates (no --tls-ca given)"
+        return (f"omni master at {address}: TLS: its certificate does not verify with {by}: "
+                f"{details.rpartition('OPENSSL_internal:')[2] or details}"), True
+    if details.endswith("Socket closed"):
+        return (f"cannot reach the omni master at {address}: {details} (a master that requires client "
+                "certificates closes the connection when none is presented or it does not take the one given: "
+                "--tls-cert/--tls-key, signed by its --tls-ca, with the clientAuth key usage)"), False
+    return None
 
 
 def call_metadata(token: str | None) -> tuple[tuple[str, str], ...]:

@@ -19,7 +19,7 @@ from omni._proto import master_pb2 as pb
 from omni._proto import master_pb2_grpc as pb_grpc
 from omni.errors import BadRequest, OmniError, Unavailable
 from omni.master import wire
-from omni.master.auth import TlsFiles, call_metadata
+from omni.master.auth import TlsFiles, TlsRefused, call_metadata, explain
 from omni.master.errors import from_rpc_error
 from omni.master.types import Command, CommandResult, Registration, Status, TopologyEvent
 
@@ -50,6 +50,15 @@ def _channel(address: str, tls: TlsFiles | None, aio: bool = False):
     if tls is not None:
         return mod.secure_channel(address, tls.channel_credentials(), options=options)
     return mod.insecure_channel(address, options=options)
+
+
+def _error(err: grpc.RpcError, address: str, tls: TlsFiles | None, streaming: bool = False) -> OmniError:
+    """from_rpc_error, saying what a TLS failure means; a certificate failure is final (TlsRefused)."""
+    if (err.code() if hasattr(err, "code") else None) is grpc.StatusCode.UNAVAILABLE:
+        why = explain(err.details() or "", address, tls)
+        if why is not None:
+            return TlsRefused(why[0]) if why[1] else Unavailable(why[0])
+    return from_rpc_error(err, address, streaming)
 
 
 def _omni_version() -> str:
@@ -94,9 +103,10 @@ class _Stream:
 class TopologyWatch:
     """An iterator of TopologyEvents over one WatchTopology call; thread-safe cancel()."""
 
-    def __init__(self, call, address: str):
+    def __init__(self, call, address: str, tls: TlsFiles | None = None):
         self._call = call
         self._address = address
+        self._tls = tls
 
     def __iter__(self) -> "TopologyWatch":
         return self
@@ -107,7 +117,7 @@ class TopologyWatch:
         except grpc.RpcError as e:
             if e.code() is grpc.StatusCode.CANCELLED:
                 raise StopIteration from None
-            raise from_rpc_error(e, self._address, streaming=True) from None
+            raise _error(e, self._address, self._tls, streaming=True) from None
 
     def cancel(self) -> None:
         self._call.cancel()
@@ -127,6 +137,7 @@ class MasterClient:
         self.address = check_address(address)
         self._md = call_metadata(token)
         self._timeout = timeout_s
+        self._tls = tls
         self._channel = _channel(address, tls)
         self._stub = pb_grpc.MasterStub(self._channel)
         self._lock = threading.Lock()
@@ -144,7 +155,7 @@ class MasterClient:
             return method(request, metadata=self._md, timeout=timeout or self._timeout,
                           wait_for_ready=wait_for_ready)
         except grpc.RpcError as e:
-            raise from_rpc_error(e, self.address) from None
+            raise _error(e, self.address, self._tls) from None
 
     # -- registration -----------------------------------------------------------------------
     def register(self, role: str = "STAGE", stage_id: int = -1, *, config_hash: str,
@@ -184,6 +195,12 @@ class MasterClient:
                 break
             except Unavailable:
                 pass
+            if self._tls is not None:   # wait_for_ready hides a refused certificate (TlsRefused): ask without it
+                try:
+                    self._unary(self._stub.GetStatus, pb.GetStatusRequest(), timeout=1.0)
+                    break
+                except Unavailable:
+                    pass
         return self._unary(self._stub.Register, req, timeout=max(1.0, deadline - time.monotonic()),
                            wait_for_ready=True)
 
@@ -332,7 +349,7 @@ class MasterClient:
         """Topology events, a SNAPSHOT first; `timeout_s` bounds the whole watch (RequestTimeout).
         Iterate it; `cancel()` (from any thread) ends the iteration."""
         call = self._stub.WatchTopology(pb.WatchRequest(), metadata=self._md, timeout=timeout_s)
-        return TopologyWatch(call, self.address)
+        return TopologyWatch(call, self.address, self._tls)
 
     def send_command(self, kind: str, stage_ids: Iterable[int] = (), args: dict | None = None,
                      timeout_s: float = 10.0, replica_ids: Iterable[str] = (),
@@ -400,7 +417,7 @@ class AsyncMasterClient:
         try:
             return await method(request, metadata=self._md, timeout=timeout or self._timeout)
         except grpc.RpcError as e:
-            raise from_rpc_error(e, self.address) from None
+            raise _error(e, self.address, self._tls) from None
 
     async def get_status(self) -> Status:
         return wire.status_from_pb(await self._unary("GetStatus", pb.GetStatusRequest()))
@@ -412,7 +429,7 @@ class AsyncMasterClient:
                 yield wire.event_from_pb(msg)
         except grpc.RpcError as e:
             if e.code() is not grpc.StatusCode.CANCELLED:
-                raise from_rpc_error(e, self.address, streaming=True) from None
+                raise _error(e, self.address, self._tls, streaming=True) from None
         finally:
             call.cancel()
 

@@ -14,10 +14,14 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from omni.config import DeployConfig
 from omni.errors import OmniError
 from omni.signals import StopRequest
+
+if TYPE_CHECKING:
+    from omni.master.auth import TlsFiles
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +36,7 @@ class StageOptions:
     replica_hint: int = -1
     grace_s: float = 5.0
     register_wait_s: float = 120.0
+    tls: TlsFiles | None = None            # how to connect to the master (None: plaintext)
 
 
 def progress(msg: str) -> None:
@@ -144,7 +149,7 @@ def master_refusal(config: DeployConfig, stage_id: int, opts: StageOptions) -> s
     from omni.master.errors import Unauthenticated
 
     try:
-        with MasterClient(opts.master_address, token=opts.token or None, timeout_s=3.0) as client:
+        with MasterClient(opts.master_address, token=opts.token or None, tls=opts.tls, timeout_s=3.0) as client:
             st = client.get_status()
     except Unauthenticated as e:
         return str(e)
@@ -230,7 +235,7 @@ def _run_stage(config: DeployConfig, stage_id: int, opts: StageOptions, engine_f
         worker.close()
         return 0
 
-    client = MasterClient(opts.master_address, token=opts.token or None)
+    client = MasterClient(opts.master_address, token=opts.token or None, tls=opts.tls)
     progress(f"{label}: registering with the omni master at {opts.master_address} ...")
     try:
         reg = client.register(

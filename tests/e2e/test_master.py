@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import queue
@@ -21,6 +20,7 @@ from omni.master.client import AsyncMasterClient, MasterClient
 from omni.master.configdiff import hash_config
 from omni.master.errors import Unauthenticated
 from omni.master.server import MasterServer
+from tests.certs import make_certs as _make_certs
 from tests.e2e.harness import unused_port
 
 pytestmark = pytest.mark.e2e
@@ -364,50 +364,6 @@ def test_token_required_on_every_call():
         good.close()
     finally:
         server.stop(grace=0.2)
-
-
-def _make_certs(tmp: Path) -> dict[str, str]:
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-    import ipaddress
-
-    now = datetime.datetime.now(datetime.timezone.utc)
-
-    def name(cn):
-        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-    def cert(subject, key, issuer, issuer_key, ca=False, san=None):
-        b = (x509.CertificateBuilder().subject_name(name(subject)).issuer_name(name(issuer))
-             .public_key(key.public_key()).serial_number(x509.random_serial_number())
-             .not_valid_before(now - datetime.timedelta(minutes=1)).not_valid_after(now + datetime.timedelta(hours=1))
-             .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
-        if san:
-            b = b.add_extension(x509.SubjectAlternativeName(san), critical=False)
-        return b.sign(issuer_key, hashes.SHA256())
-
-    out = {}
-
-    def write(label, obj):
-        path = tmp / f"{label}.pem"
-        if isinstance(obj, x509.Certificate):
-            path.write_bytes(obj.public_bytes(serialization.Encoding.PEM))
-        else:
-            path.write_bytes(obj.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                               serialization.NoEncryption()))
-        out[label] = str(path)
-
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    write("ca", cert("omni test ca", ca_key, "omni test ca", ca_key, ca=True))
-    srv_key = ec.generate_private_key(ec.SECP256R1())
-    write("server", cert("localhost", srv_key, "omni test ca", ca_key,
-                         san=[x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]))
-    write("server_key", srv_key)
-    cli_key = ec.generate_private_key(ec.SECP256R1())
-    write("client", cert("omni client", cli_key, "omni test ca", ca_key))
-    write("client_key", cli_key)
-    return out
 
 
 def test_mtls(tmp_path):
