@@ -181,6 +181,35 @@ def test_an_engine_core_found_dead_by_add_request_fails_the_requests_and_stops_t
     assert not t.is_alive() and closed.is_set()   # stopped at once, and closed the engine
 
 
+@needs_vllm
+def test_vllms_own_engine_dead_error_on_add_request_is_fatal_and_moves_the_request():
+    """vLLM raising EngineDeadError from add_request became an EngineError, which the worker took for the
+    client's fault: a 400 'vLLM EngineCore died' and the worker went on. Now it is EngineCoreDied: the new
+    request fails as unavailable (its frontend moves it), those in flight fail, and the worker stops."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    from omni.stage.worker import StageWorker
+
+    class DeadOnAdd(FakeLLM):
+        def add_request(self, rid, prompt, params):
+            if rid == "r2":
+                raise EngineDeadError()
+            super().add_request(rid, prompt, params)
+
+    llm = DeadOnAdd()
+    llm.go.clear()
+    w = StageWorker(StageConfig(stage_id=0, engine="vllm", name="thinker"), fake_engine(llm), replica_id="s0r0")
+    sent: list = []
+    w._send = lambda ident, msg: sent.append(msg)
+    w._handle(b"fe", m.AddRequest(request_id="r1", prompt_token_ids=[10], sampling=SamplingParams(max_tokens=5)))
+    w._handle(b"fe", m.AddRequest(request_id="r2", prompt_token_ids=[10], sampling=SamplingParams(max_tokens=5)))
+    errors = {e.request_id: e for e in sent}
+    assert set(errors) == {"r1", "r2"} and all(isinstance(e, m.RequestError) for e in sent)
+    assert errors["r2"].kind == "unavailable" and "EngineCoreDied" in errors["r2"].message
+    assert "reported itself dead" in errors["r1"].message
+    assert not w._reqs and w.fatal and "EngineCoreDied" in w.fatal
+
+
 def test_an_unexpected_add_request_error_fails_that_request_only_and_the_loop_lives():
     from omni.stage.worker import StageWorker
     from tests.unit.test_stage_worker import CountEngine

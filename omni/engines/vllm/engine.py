@@ -220,9 +220,9 @@ class VllmEngine(Engine):
         except (ValueError, VLLMClientError) as e:   # vLLM's validation (prompt too long, bad top_p, ...)
             raise EngineError(f"request {rid!r}: {e}") from None
         except EngineDeadError:
-            # Fails this request; the next step() reports the death (has_unfinished says so).
+            # Fatal, as _check_alive's: the worker moves this request (unavailable) and stops.
             self._dead = self._dead or "the EngineCore reported itself dead"
-            raise EngineError(f"{self.label}: vLLM EngineCore died: {self._dead}") from None
+            raise EngineCoreDied(f"{self.label}: vLLM EngineCore died: {self._dead}") from None
         self._live[rid] = _Live(len(prompt), emit_prompt_ids=(self._emit_prompt_ids if request.emit_prompt_ids is None
                                                                  else request.emit_prompt_ids),
                                 hidden_name=hidden_name, rows=rows, logprobs=p.logprobs)
