@@ -120,6 +120,53 @@ def test_a_failed_reload_after_level_2_leaves_the_engine_asleep_naming_the_cause
     assert not e.is_sleeping() and e._llm.calls[-1] == ("collective_rpc", "reload_weights")
 
 
+def test_a_failed_reload_puts_vllm_back_to_sleep_so_a_later_sleep_frees_what_wake_up_took():
+    """wake_up had woken vLLM (memory mapped again) before the reload failed, and the engine stayed 'asleep':
+    a later sleep() returned at once, so the replica reported asleep while vLLM held the GPU memory."""
+    e = fake_engine()
+    e.sleep(2)
+    e._llm.fail_reload = True
+    with pytest.raises(EngineError, match="it stays asleep"):
+        e.wake_up()
+    assert e._llm.calls == [("sleep", 2), ("wake_up",), ("collective_rpc", "reload_weights"), ("sleep", 2)]
+    e._llm.calls.clear()
+    e.sleep(1)
+    assert e.is_sleeping() and e._llm.calls == []   # vLLM sleeps already: nothing held
+    e._llm.fail_reload = False
+    e.wake_up()
+    assert not e.is_sleeping() and e._llm.calls == [("wake_up",), ("collective_rpc", "reload_weights")]
+
+
+def test_when_vllm_cannot_sleep_again_after_a_failed_reload_the_next_sleep_frees_it_at_level_2():
+    class NoSecondSleep(FakeLLM):
+        def sleep(self, level):
+            if self.fail_reload:
+                raise RuntimeError("cannot sleep")
+            super().sleep(level)
+
+    e = fake_engine(NoSecondSleep())
+    e.sleep(2)
+    e._llm.fail_reload = True
+    with pytest.raises(EngineError, match="it stays asleep"):
+        e.wake_up()
+    assert e.is_sleeping()
+    e._llm.fail_reload = False
+    e._llm.calls.clear()
+    e.sleep(1)   # vLLM is awake with its weights gone: it sleeps (level 2: nothing worth keeping)
+    assert e.is_sleeping() and e._llm.calls == [("sleep", 2)]
+    e.wake_up()
+    assert not e.is_sleeping() and e._llm.calls[-1] == ("collective_rpc", "reload_weights")
+    e._llm.calls.clear()
+    e.sleep(2)
+    e._llm.fail_reload = True
+    with pytest.raises(EngineError):
+        e.wake_up()
+    e._llm.fail_reload = False
+    e._llm.calls.clear()
+    e.wake_up()   # straight from the failed reload: vLLM is awake, only the weights are loaded
+    assert not e.is_sleeping() and e._llm.calls == [("collective_rpc", "reload_weights")]
+
+
 @needs_vllm
 def test_sleep_is_refused_while_requests_are_in_flight_and_they_finish():
     """vLLM's sleep aborted them and the worker never told their frontends (they hung until the

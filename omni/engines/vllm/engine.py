@@ -374,8 +374,11 @@ class VllmEngine(Engine):
         if self._live:
             # vLLM's sleep would abort them with no word to their frontends: refused, as every engine does.
             raise EngineError(f"{self.label} cannot sleep with {len(self._live)} request(s) in flight")
-        if self._sleeping:
+        # _sleeping: requests are refused; _sleep_level: how vLLM sleeps (0: awake, only after a failed reload
+        # that could not put it back to sleep: it holds memory and its weights are gone, so level 2).
+        if self._sleeping and self._sleep_level:
             return
+        level = 2 if self._sleeping else level
         self._llm.sleep(level)
         self._sleep_level = level
         self._sleeping = True
@@ -386,13 +389,22 @@ class VllmEngine(Engine):
         self._check_alive()
         if not self._sleeping:
             return
-        self._llm.wake_up()
-        if self._sleep_level == 2:
+        reload = self._sleep_level in (0, 2)
+        if self._sleep_level:
+            self._llm.wake_up()
+            self._sleep_level = 0
+        if reload:
             # Level 2 discarded the weights: wake_up only maps fresh memory, so load them again from
-            # the model folder. Until that works the engine stays asleep (it would answer garbage).
+            # the model folder. Until that works the engine stays asleep (it would answer garbage),
+            # and vLLM sleeps again, so the memory wake_up took is free as `omni sleep` said.
             try:
                 self._llm.collective_rpc("reload_weights")
             except Exception as e:
+                try:
+                    self._llm.sleep(2)
+                    self._sleep_level = 2
+                except Exception:
+                    logger.exception("%s: back to sleep after a failed reload", self.label)
                 raise EngineError(f"{self.label}: woke from sleep level 2 but reloading the weights failed "
                                   f"({type(e).__name__}: {e}); it stays asleep") from None
         self._sleeping = False
