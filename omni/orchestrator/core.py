@@ -175,7 +175,7 @@ class OrchestratorCore:
                   and self.config.stage(t).final_output_type == "text"), None)
         if s is None or state.rid in state.stages[s].ended or self._stage_done(state, s):
             return
-        self._out += cut_part(state, s)
+        self._out += cut_part(state, s, keep_published=True)    # the talker still reads its hidden states
         self._guarded(state, lambda: self._process(state, s, m.Output(request_id=state.rid, finished=True)))
 
     def _on_gone(self, e: ev.ReplicaGone) -> None:

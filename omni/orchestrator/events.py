@@ -79,6 +79,7 @@ class Free:
 class AbortStage:
     replica_id: str
     request_ids: tuple[str, ...]
+    keep_published: bool = False    # what it sent stays for its readers (messages.Abort)
 
 
 @dataclass(frozen=True)

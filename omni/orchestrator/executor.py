@@ -188,7 +188,7 @@ class Orchestrator:
     def _do_abort(self, a: ev.AbortStage) -> None:
         ch = self._live_channel(a.replica_id)
         if ch is not None:
-            ch.post(m.Abort(list(a.request_ids)))
+            ch.post(m.Abort(list(a.request_ids), a.keep_published))
 
     def _do_release(self, a: ev.ReleaseHold) -> None:
         ch = self._live_channel(a.replica_id)   # a hint: a gone replica's requests are replayed anyway

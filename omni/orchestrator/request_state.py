@@ -116,15 +116,16 @@ def free_actions(producer: str | Callable, refs: list[TensorRef]) -> list[ev.Fre
     return [ev.Free(rep, transport, tuple(keys)) for (rep, transport), keys in groups.items()]
 
 
-def cut_part(state: RequestState, s: int) -> list[ev.Action]:
+def cut_part(state: RequestState, s: int, keep_published: bool = False) -> list[ev.Action]:
     """End stage s's part of the request where it is: an AbortStage to its replica (when it was sent
     something), every engine request id of it ended (what it sent before it took the Abort is only
-    freed), and what it held or was sent freed."""
+    freed), and what it held or was sent freed. keep_published: the stages after it still read what
+    it sent them, so its replica keeps that (freed as a finished stage's, when they are done with it)."""
     st = state.stages[s]
     ids = st.open | set(st.sub_order) | {state.rid}
     acts: list[ev.Action] = []
     if st.started and st.replica is not None:
-        acts.append(ev.AbortStage(st.replica.replica_id, tuple(sorted(ids))))
+        acts.append(ev.AbortStage(st.replica.replica_id, tuple(sorted(ids)), keep_published))
     st.ended |= ids
     st.open.clear()
     st.sub_order.clear()

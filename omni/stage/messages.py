@@ -58,6 +58,9 @@ class AddRequest(StageFacts, frozen=True, tag="add", kw_only=True):
 
 class Abort(msgspec.Struct, frozen=True, tag="abort"):
     request_ids: list[str]
+    # True: stop the requests only; the tensors they published stay until a FreeTensors (a later
+    # stage still reads them: a stop string ended the text, the audio goes on). False: freed too.
+    keep_published: bool = False
 
 
 class Release(msgspec.Struct, frozen=True, tag="release"):

@@ -231,7 +231,8 @@ class StageWorker:
             for rid in msg.request_ids:
                 if self._reqs.pop(rid, None) is not None:
                     self.engine.abort(rid)
-                self._free_owner(rid)     # a request done here may still own tensors the frontend got
+                if not msg.keep_published:   # kept: freed by FreeTensors as a finished request's are
+                    self._free_owner(rid)     # a request done here may still own tensors the frontend got
         elif isinstance(msg, m.Release):
             for rid in msg.request_ids:
                 self.engine.release(rid)
