@@ -31,19 +31,27 @@ def max_model_len(r: ReplicaInfo) -> int | None:
         return None
 
 
-def fitting(stage: StageConfig, replicas: list[ReplicaInfo], req: PipelineRequest | None) -> list[ReplicaInfo]:
-    """The replicas whose limits take REQ at this stage; a 400 naming the limit when none does."""
-    if req is None or req.prompt_token_ids is None or req.entry_stage != stage.stage_id:
-        return replicas
+def fit(stage_id: int, replicas: list[ReplicaInfo], req: PipelineRequest | None) -> tuple[list[ReplicaInfo], str]:
+    """The replicas whose limits take REQ at stage `stage_id`, and when none does, what it needs
+    ('N tokens (P in the prompt, M max_tokens)') and the largest limit there is."""
+    if req is None or req.prompt_token_ids is None or req.entry_stage != stage_id:
+        return replicas, ""
     n_prompt = len(req.prompt_token_ids)
     need = n_prompt + req.sampling.max_tokens
     ok = [r for r in replicas if (max_model_len(r) or need) >= need]
-    if ok:
-        return ok
+    if ok or not replicas:
+        return ok, ""
     largest = max(max_model_len(r) or 0 for r in replicas)
-    raise BadRequest(f"This request needs {need} tokens ({n_prompt} in the prompt, {req.sampling.max_tokens} "
-                     f"max_tokens), more than the max_model_len of every ready {stage.label} replica "
-                     f"(the largest is {largest}).")
+    return ok, (f"{need} tokens ({n_prompt} in the prompt, {req.sampling.max_tokens} max_tokens), more than the "
+                f"max_model_len of every {{which}} replica (the largest is {largest})")
+
+
+def fitting(stage: StageConfig, replicas: list[ReplicaInfo], req: PipelineRequest | None) -> list[ReplicaInfo]:
+    """The replicas whose limits take REQ at this stage; a 400 naming the limit when none does."""
+    ok, why = fit(stage.stage_id, replicas, req)
+    if why:
+        raise BadRequest(f"This request needs {why.format(which=f'ready {stage.label}')}.")
+    return ok
 
 
 class RecentFailures:

@@ -6,16 +6,18 @@ picked only when no awake one is left, so the client gets its "asleep, `omni wak
 instead of a plain "no replica". Then the least loaded (`load`: the core's key). A replay never
 goes back to a replica the stage's part of the request already ran on (`ran_on`): one that finished
 it drops it as a late piece (worker_state.RecentBases.ended) and the request would wait for its timeout.
+Nor to one whose max_model_len is below what the request needs at the entry stage.
 """
 
 from __future__ import annotations
 
 from typing import Callable, Collection
 
+from omni import errors
 from omni.config import StageConfig
-from omni.errors import Unavailable
+from omni.errors import StageFailed, Unavailable
 from omni.master.types import ReplicaInfo
-from omni.orchestrator.limits import fitting
+from omni.orchestrator.limits import fit, fitting
 from omni.orchestrator.types import PipelineRequest
 
 
@@ -38,9 +40,15 @@ def pick(stage: StageConfig, replicas: list[ReplicaInfo], req: PipelineRequest |
 
 
 def replay_target(replicas: list[ReplicaInfo], dead: ReplicaInfo, same_host: bool,
-                  load: Callable[[ReplicaInfo], tuple], ran_on: Collection[str] = ()) -> ReplicaInfo | None:
+                  load: Callable[[ReplicaInfo], tuple], ran_on: Collection[str] = (),
+                  req: PipelineRequest | None = None, reason: str = "") -> ReplicaInfo | StageFailed | None:
     """Where a stage's part of a request moves from `dead` (on its host when `same_host`), never to
-    one in `ran_on`; None: nowhere."""
+    one in `ran_on` nor to one whose limits do not take `req` (a StageFailed naming the limit when
+    others are there but none does: the request was admitted by the largest one's); None: nowhere."""
     others = [r for r in replicas if r.replica_id != dead.replica_id and r.replica_id not in ran_on
               and (not same_host or r.host == dead.host)]
+    others, why = fit(dead.stage_id, others, req)
+    if why:
+        return StageFailed(dead.stage_id, dead.replica_id, f"{reason}; not replayed: the request needs "
+                           + why.format(which="other READY") + " of the stage", errors.UNAVAILABLE)
     return min(awake_first(others), key=load) if others else None

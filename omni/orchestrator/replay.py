@@ -37,7 +37,7 @@ def replay_plan(state: RequestState, s: int, dead: ReplicaInfo, topology: Topolo
     same_host = any(ref.transport in SAME_HOST_ONLY for items in st.sent.values() for inp, _ in items
                     for ref in inp.tensors.values())
     replicas = topology.stage_replicas(s)
-    target = picking.replay_target(replicas, dead, same_host, load, st.ran_on)
+    target = picking.replay_target(replicas, dead, same_host, load, st.ran_on, state.req, reason)
     skipped = sorted(r.replica_id for r in replicas
                      if r.replica_id in st.ran_on and (not same_host or r.host == dead.host))
     if target is None and skipped:

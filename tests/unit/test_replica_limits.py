@@ -7,8 +7,10 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from omni import errors
 from omni.engines.base import SamplingParams
-from omni.errors import BadRequest
+from omni.errors import BadRequest, StageFailed
+from omni.master.types import TopologyEvent
 from omni.orchestrator import events as ev
 from omni.orchestrator.limits import replica_limits
 from omni.orchestrator.types import PipelineRequest
@@ -65,3 +67,25 @@ def test_a_replica_reports_the_limit_its_engine_was_built_with():
 
     assert replica_limits(Engine()) == {"max_model_len": "1024"}
     assert replica_limits(object()) == {}
+
+
+def test_a_replay_goes_only_to_a_replica_whose_max_model_len_takes_the_request():
+    """Admitted by the largest replica's limit, a request replays only where it fits: to the other
+    big replica, or, when only a smaller one is left, it fails as unavailable naming the limit."""
+    for others, expect in (((limited(0, "a-small", 1024), limited(0, "c-big", 8192)), "c-big"),
+                           ((limited(0, "a-small", 1024),), None)):
+        core = make_core(limited(0, "b-big", 8192), *others)
+        acts = core.submit(request("r1", 4000, max_tokens=100))
+        assert [a.replica.replica_id for a in acts if isinstance(a, ev.Send)] == ["b-big"]
+        gone = msgspec.structs.replace(limited(0, "b-big", 8192), state="SUSPECT")
+        core.topology.apply(TopologyEvent("UPDATED", [gone], 2))
+        acts = core.handle(ev.ReplicaGone(gone, "suspect"))
+        sent = [a.replica.replica_id for a in acts if isinstance(a, ev.Send)]
+        if expect:
+            assert sent == [expect]
+            continue
+        assert not sent
+        err = [a for a in acts if isinstance(a, ev.Fail)][0].error
+        assert isinstance(err, StageFailed) and err.kind == errors.UNAVAILABLE
+        assert ("replica is suspect; not replayed: the request needs 4100 tokens (4000 in the prompt, 100 max_tokens), "
+                "more than the max_model_len of every other READY replica (the largest is 1024) of the stage") in str(err)
