@@ -111,7 +111,7 @@ class OrchestratorCore:
         return needed_stages(self.config, req)
 
     def pick(self, stage_id: int, req: PipelineRequest | None = None, host: str | None = None,
-             ran_on: frozenset[str] | set[str] = frozenset()) -> ReplicaInfo:
+             ran_on: frozenset | set = frozenset()) -> ReplicaInfo:
         return picking.pick(self.config.stage(stage_id), self.topology.stage_replicas(stage_id), req, host,
                             self.load, ran_on)
 
@@ -155,7 +155,7 @@ class OrchestratorCore:
                 and e.error.request_id not in st.ended):    # not of a stage done with it, or aborted as unneeded
             # Refused as unavailable (draining or asleep since it was picked) before any output: moved.
             if e.error.kind != errors.UNAVAILABLE or not self._replay(state, st.replica, [e.stage_id],
-                                                                      e.error.message):
+                                                                      e.error.message, refused=True):
                 self._fail(state, StageFailed(e.stage_id, e.replica_id, e.error.message, e.error.kind))
 
     def _on_cancel(self, e: ev.Cancel) -> None:
@@ -198,10 +198,12 @@ class OrchestratorCore:
                 self._fail(state, StageFailed(dead.stage_id, dead.replica_id, f"replica is {e.why}",
                                               errors.UNAVAILABLE))
 
-    def _replay(self, state: RequestState, dead: ReplicaInfo, held: list[int], reason: str) -> bool:
+    def _replay(self, state: RequestState, dead: ReplicaInfo, held: list[int], reason: str,
+                refused: bool = False) -> bool:
         """Move one stage's part of the request off `dead` (omni/orchestrator/replay.py); True: moved,
         or failed with why it could not (its inputs' producer is gone too, no replica left to try)."""
-        target = replay_plan(state, held[0], dead, self.topology, self.load, reason) if len(held) == 1 else None
+        target = (replay_plan(state, held[0], dead, self.topology, self.load, reason, refused)
+                  if len(held) == 1 else None)
         if not isinstance(target, ReplicaInfo):
             if target is not None:
                 self._fail(state, target)
@@ -210,7 +212,7 @@ class OrchestratorCore:
         # A SUSPECT replica may still be alive: what it holds of the request is dropped there.
         self._out.append(ev.AbortStage(dead.replica_id, tuple(sorted(st.open | set(st.sub_order) | {state.rid}))))
         self._unhold(dead.replica_id, state.rid)
-        sent = move(st, dead, target)
+        sent = move(st, dead, target, refused)
         logger.info("request %s: %s replica %s: %s before any output; replaying on %s",
                     state.rid, self.config.stage(s).label, dead.replica_id, reason, target.replica_id)
         self.metrics.replayed(s)
@@ -350,7 +352,7 @@ class OrchestratorCore:
                 self._unhold(replica.replica_id, state.rid)
             # Shared-memory inputs were put for the old pick's host: their producer's.
             host = input_host(inp, state.origin, self.topology.replicas, stage.label)
-            replica = st.replica = self.pick(s, state.req, host, st.ran_on)
+            replica = st.replica = self.pick(s, state.req, host, st.not_again())
         # The stage's own sampling (the talker's temperature, piper's noise scales) over the request's;
         # the stage that takes the client's prompt had its defaults folded in by the frontend.
         overrides = state.req.stage_overrides.get(s, self._overrides[s])

@@ -47,7 +47,15 @@ class StageState:
     # Inputs sent per engine request id, kept until it finishes, so a replica that dies before
     # any output can be replaced by sending them again (descriptors only; producers keep the bytes).
     sent: dict[str, list] = field(default_factory=dict)
-    ran_on: set[str] = field(default_factory=set)      # replicas it was moved off (replay): never back there
+    # Replica processes (picking.process: a restart is another) it was moved off while unheard (SUSPECT,
+    # gone: it may have finished it): never back there. And those that refused it (asleep, draining,
+    # stopping: it never ran there) since the last such move: not after another refusal, so two refusing
+    # replicas do not bounce it while this frontend's topology lags.
+    ran_on: set[tuple] = field(default_factory=set)
+    refused_by: set[tuple] = field(default_factory=set)
+
+    def not_again(self, refused: bool = True) -> set[tuple]:
+        return self.ran_on | self.refused_by if refused else self.ran_on
 
 
 class RequestState:

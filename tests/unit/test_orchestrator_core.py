@@ -199,6 +199,45 @@ def test_a_replay_never_goes_back_to_a_replica_the_request_already_ran_on():
                 "READY replica of the stage (s0r0)") in str(err)
 
 
+def test_a_replica_that_refused_the_request_or_was_restarted_may_take_it_back():
+    """ran_on held every replica a request moved off, by replica id: one that only refused it (asleep,
+    draining: it never took it) and one restarted under its id (a fresh process: it knows nothing of the
+    request) were skipped too, so the request failed 'already went to every other READY replica' instead."""
+    import msgspec
+
+    from omni.stage import messages as m
+
+    # s0r0 refuses (asleep), r1 moves to s0r1, which goes SUSPECT before output: back to s0r0 (awake now).
+    core = make_core(replica(0, "s0r0"), replica(0, "s0r1"), replica(1, "s1r0"), replica(2, "s2r0"))
+    assert sends(core.submit(chat(modalities=("text",)))) == [("s0r0", "r1", True)]
+    acts = core.handle(ev.StageError("s0r0", 0, m.RequestError("r1", "thinker (replica s0r0) is asleep",
+                                                                kind="unavailable")))
+    assert sends(acts) == [("s0r1", "r1", True)]
+    gone = replica(0, "s0r1", state="SUSPECT")
+    core.topology.apply(TopologyEvent("UPDATED", [gone], 2))
+    acts = core.handle(ev.ReplicaGone(gone, "suspect"))
+    assert sends(acts) == [("s0r0", "r1", True)] and not of(acts, ev.Fail)
+    # Two refusers do not bounce it while the topology lags: the second refusal fails it.
+    core = make_core(replica(0, "s0r0"), replica(0, "s0r1"), replica(1, "s1r0"), replica(2, "s2r0"))
+    core.submit(chat(modalities=("text",)))
+    core.handle(ev.StageError("s0r0", 0, m.RequestError("r1", "thinker is asleep", kind="unavailable")))
+    acts = core.handle(ev.StageError("s0r1", 0, m.RequestError("r1", "thinker is draining", kind="unavailable")))
+    assert not of(acts, ev.Send)
+    assert "thinker is draining; not replayed: the request already went to every other READY" in str(
+        of(acts, ev.Fail)[0].error)
+    # s0r0 goes SUSPECT, r1 moves to s0r1; s0r0 comes back as a new process (pid 2); s0r1 dies: to the new s0r0.
+    core = make_core(replica(0, "s0r0"), replica(0, "s0r1"), replica(1, "s1r0"), replica(2, "s2r0"))
+    core.submit(chat(modalities=("text",)))
+    gone = replica(0, "s0r0", state="SUSPECT")
+    core.topology.apply(TopologyEvent("UPDATED", [gone], 2))
+    assert sends(core.handle(ev.ReplicaGone(gone, "suspect"))) == [("s0r1", "r1", True)]
+    restarted = msgspec.structs.replace(replica(0, "s0r0"), pid=2)
+    gone = replica(0, "s0r1", state="SUSPECT")
+    core.topology.apply(TopologyEvent("UPDATED", [restarted, gone], 3))
+    acts = core.handle(ev.ReplicaGone(gone, "suspect"))
+    assert sends(acts) == [("s0r0", "r1", True)] and not of(acts, ev.Fail)
+
+
 def test_a_draining_replica_gets_the_rest_of_what_it_began_and_nothing_new():
     core = make_core(*ALL)
     core.submit(chat())
