@@ -58,6 +58,7 @@ class Generation:
         # audio only: the text is the transcript, no text events.
         self._speaks, self._text_out = "audio" in request.modalities, "text" in request.modalities
         self._cut = False
+        self._timed = False                # first output recorded (the frontend's time to first output)
         self.want_logprobs = request.sampling.logprobs is not None
         self._logprobs: list = []          # omni.api.logprobs.Entry, not yet taken
 
@@ -72,7 +73,14 @@ class Generation:
         except BaseException:
             await self.close()
             raise
-        self._metrics.first_output(self._route, time.monotonic() - self._t0)
+        # Audio only: the transcript's text comes first, but the client's first output is audio.
+        if self._text_out or self._first is None or self._first.modality != "text":
+            self._time_first()
+
+    def _time_first(self) -> None:
+        if not self._timed:
+            self._timed = True
+            self._metrics.first_output(self._route, time.monotonic() - self._t0)
 
     @property
     def first_sample_rate(self) -> int:
@@ -115,6 +123,7 @@ class Generation:
                 self.stop_reason = self._stop.matched
             if self.audio is not None:
                 self.audio.completed()
+            self._time_first()     # an audio-only answer with nothing to speak: its end is the first output
             yield ("end", last + tail if self._text_out else "")
         finally:
             self._metrics.tokens(self.prompt_tokens, self.completion_tokens)
@@ -147,6 +156,7 @@ class Generation:
             self.sample_rate = out.sample_rate or self.sample_rate
             if self.audio is not None:
                 self.audio.chunk(len(out.audio_pcm) // 4, out.sample_rate)   # float32 samples
+            self._time_first()
             yield ("audio", out.audio_pcm, out.sample_rate)
         if out.finished:
             # vLLM's server checks the tokenizer's EOS before stop_token_ids: that one stops with null

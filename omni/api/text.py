@@ -142,15 +142,16 @@ class TextRoutes:
     async def _chat_stream(self, gen: Generation, usage: str | None, wav_chunks: bool = False):
         audio_id = f"audio-{gen.request.request_id}"
         obj = "chat.completion.chunk"
-        had_audio = False
         running = usage == "continuous"
-        tagged = gen.audio is not None    # vllm-omni's `modality` on every chunk, with audio only
+        # Audio asked for: vllm-omni's `modality` on every chunk, and the closing audio record (its
+        # transcript) also when nothing was speakable.
+        spoken = gen.audio is not None
 
         def chunk(delta, finish=None, logprobs=None, modality="text"):
             choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             if finish is not None:
                 choice["stop_reason"] = gen.stop_reason   # only on the finishing chunk, as vLLM sends it
-            return self._chunk(gen, obj, choice, gen.usage() if running else None, modality if tagged else None)
+            return self._chunk(gen, obj, choice, gen.usage() if running else None, modality if spoken else None)
 
         try:
             yield chunk({"role": "assistant", "content": ""})
@@ -158,7 +159,6 @@ class TextRoutes:
                 if ev[0] == "text":
                     yield chunk({"content": ev[1]}, None, self._chat_logprobs(gen, last=False))
                 elif ev[0] == "audio":
-                    had_audio = True
                     if wav_chunks:
                         data, fmt = wav_bytes(ev[1], ev[2]), "wav"
                     else:
@@ -167,8 +167,8 @@ class TextRoutes:
                                            "sample_rate": ev[2]}}, modality="audio")
                 else:
                     # The finishing chunk: the last token's text, or with audio the closing record.
-                    delta = {"content": ev[1]} if ev[1] or not had_audio else {}
-                    if had_audio:
+                    delta = {"content": ev[1]} if ev[1] or not spoken else {}
+                    if spoken:
                         delta["audio"] = {"id": audio_id, "transcript": gen.text,
                                           "expires_at": int(time.time()) + AUDIO_TTL_S}
                     yield chunk(delta, gen.finish_reason, self._chat_logprobs(gen, last=True))
@@ -188,12 +188,13 @@ class TextRoutes:
                 audio += ev[1]
         # audio only: the text is the audio's transcript alone
         message: dict = {"role": "assistant", "content": gen.text if "text" in gen.request.modalities else ""}
-        if audio:
-            data = pcm16(bytes(audio)) if fmt == "pcm16" else wav_bytes(bytes(audio), gen.sample_rate)
+        if gen.audio is not None:     # asked for: also with nothing speakable (no data), for its transcript
+            pcm = bytes(audio)
+            data = (pcm16(pcm) if fmt == "pcm16" else wav_bytes(pcm, gen.sample_rate)) if pcm else b""
             message["audio"] = {"id": f"audio-{gen.request.request_id}", "data": base64.b64encode(data).decode(),
                                 "format": fmt, "expires_at": int(time.time()) + AUDIO_TTL_S,
                                 "transcript": gen.text}
-            if fmt == "pcm16":
+            if fmt == "pcm16" and gen.sample_rate:
                 message["audio"]["sample_rate"] = gen.sample_rate    # raw samples do not say it
         body = {"id": gen.request.request_id, "object": "chat.completion", "created": int(time.time()),
                 "model": self.fe.model,
