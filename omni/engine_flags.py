@@ -37,12 +37,22 @@ SHORT_FLAGS = {"-q": "--quantization", "-pp": "--pipeline-parallel-size", "-tp":
 def spell_out(argv: list[str], more: dict[str, str] | None = None) -> list[str]:
     """`-q fp8 -cc.mode 0 -O3` -> `--quantization fp8 --compilation-config.mode 0 --optimization-level 3`
     (before typer: as short options, -dph would be read as -d -p -h, which is --help). `more`: other
-    short forms (vllm-omni's -oma ...). Up to `--` only."""
+    short forms (vllm-omni's -oma ...). Up to `--` only. The value of a serve option that takes one is
+    kept as given: `--api-key -q` is the key "-q", not --quantization."""
+    from omni.cli_argv import _VALUE_PREFIXES, _serve_options   # the options typer reads a value for
+
+    takes = _serve_options()[0]
     table = {**SHORT_FLAGS, **(more or {})}
     out: list[str] = []
+    value_next = False
     for i, arg in enumerate(argv):
         if arg == "--":
             return out + argv[i:]
+        if value_next:
+            out.append(arg)
+            value_next = False
+            continue
+        value_next = arg in takes or arg.startswith(_VALUE_PREFIXES) and "=" not in arg
         head = re.split(r"[.=]", arg, maxsplit=1)[0]
         if head in table:
             out.append(table[head] + arg[len(head):])

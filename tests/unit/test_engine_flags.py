@@ -106,6 +106,29 @@ def test_spell_out_leaves_what_is_not_a_short_form():
     assert spell_out(["-O", "fast"]) == ["-O", "fast"]    # -O takes 0-3 as its next word only, as vLLM
 
 
+def test_a_serve_options_value_is_never_spelled_out(monkeypatch, capsys):
+    """spell_out rewrote every token: `--api-key -q` set the key to '--quantization', `--served-model-name -n`
+    served '--nnodes', a key starting with -O became --optimization-level and the key its rest."""
+    argv = ["serve", "m", "--api-key", "-q", "--served-model-name", "-n", "--api-key", "-Oa1B2", "-oma", "-tp",
+            "--engine-args.x", "-q", "-q", "fp8", "-O3"]
+    assert spell_out(argv, {"-oma": "--omni-master-address"}) == [
+        "serve", "m", "--api-key", "-q", "--served-model-name", "-n", "--api-key", "-Oa1B2",
+        "--omni-master-address", "-tp", "--engine-args.x", "-q", "--quantization", "fp8", "--optimization-level", "3"]
+    import omni.cli as cli
+
+    seen = {}
+    keys, names = cli._api_keys, cli._served_names
+    monkeypatch.setattr(cli, "_api_keys", lambda v: (seen.setdefault("keys", v), keys(v))[1])
+    monkeypatch.setattr(cli, "_served_names", lambda v: (seen.setdefault("names", v), names(v))[1])
+    for flag, value, key in (("--api-key", "-q", "keys"), ("--served-model-name", "-n", "names"),
+                             ("--api-key", "-Oa1B2", "keys")):
+        seen.clear()
+        with pytest.raises(SystemExit) as e:
+            main(["serve", "smollm2", "--dry-run", flag, value])
+        assert e.value.code == 0, capsys.readouterr().err
+        assert seen[key] == [value]
+
+
 def serve(capsys, *flags: str) -> tuple[int, dict | None, str]:
     with pytest.raises(SystemExit) as e:
         main(["serve", "smollm2-vllm", *flags, "--dry-run"])
