@@ -379,8 +379,10 @@ def main(argv: list[str] | None = None) -> None:
         if argv[:1] == ["serve"]:     # vLLM's and vllm-omni's short forms (-q, -O3, -oma ...)
             from omni.engine_flags import spell_out
 
-            argv = spell_out(argv, SHORT_FLAGS)
-        argv = fold_dotted_args([SHORT_FLAGS.get(a, a) for a in argv])
+            argv = spell_out(argv, SHORT_FLAGS)     # never an option's value (`--api-key -oma` is a key)
+        else:
+            argv = [SHORT_FLAGS.get(a, a) for a in argv]
+        argv = fold_dotted_args(argv)
         app(args=argv, prog_name="omni", standalone_mode=True)
     except OmniError as e:
         print(f"omni: error: {mask_in_message(str(e), given)}", file=sys.stderr)

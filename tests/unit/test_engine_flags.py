@@ -121,7 +121,7 @@ def test_a_serve_options_value_is_never_spelled_out(monkeypatch, capsys):
     monkeypatch.setattr(cli, "_api_keys", lambda v: (seen.setdefault("keys", v), keys(v))[1])
     monkeypatch.setattr(cli, "_served_names", lambda v: (seen.setdefault("names", v), names(v))[1])
     for flag, value, key in (("--api-key", "-q", "keys"), ("--served-model-name", "-n", "names"),
-                             ("--api-key", "-Oa1B2", "keys")):
+                             ("--api-key", "-Oa1B2", "keys"), ("--api-key", "-oma", "keys")):
         seen.clear()
         with pytest.raises(SystemExit) as e:
             main(["serve", "smollm2", "--dry-run", flag, value])
