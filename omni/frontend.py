@@ -190,6 +190,7 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
     from omni.master.client import AsyncMasterClient, MasterClient
     from omni.models.resolve import resolve_model
     from omni.orchestrator.executor import Orchestrator
+    from omni.orchestrator.limits import follow_audio_prompt
     from omni.orchestrator.topology import Topology
     from omni.stage.main import advertised_host
     from omni.transport.factory import MultiConsumer
@@ -295,6 +296,7 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
         entry = next((s.stage_id for s in config.stages if "prompt" in s.inputs), None)
         if max_model_len is None and entry is not None:   # the head's own --max-model-len stays
             follow_context(app.state.frontend, topology, entry)
+        follow_audio_prompt(app.state.frontend, topology)
         publisher = asyncio.create_task(publish_metrics(app, amaster, topology, index, stop))
         freeze_after_startup()
         latency_trace.enable(f"frontend{index}")

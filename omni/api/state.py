@@ -90,6 +90,8 @@ class FrontendState:
         self.names = {*self.served_names, *model_aliases}
         self.frontend_index = frontend_index
         self.max_model_len = max_model_len
+        # Audio out: the longest prompt every talker takes (its own KV cache; limits.follow_audio_prompt).
+        self.audio_prompt_len: int | None = None
         self.default_max_tokens = default_max_tokens
         self.max_tokens_limit = max_tokens_limit
         self.speech_stage = speech_entry_stage
@@ -155,6 +157,15 @@ class FrontendState:
             raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens. However, "
                               f"the {what} contain {chars} characters (more than {bound}, the most that "
                               f"{self.max_model_len} tokens can hold). Reduce the {what}.", param=param)
+
+    def check_audio_prompt(self, n_prompt: int) -> None:
+        """A chat answered with audio: the talker prefills the whole prompt into its own max_model_len."""
+        limit = self.audio_prompt_len
+        if limit is not None and n_prompt > limit:
+            raise bad_request(f"This request asks for audio, and the talker that speaks it takes prompts of at most "
+                              f"{limit} tokens (its context, max_model_len, holds the prompt and the speech). However, "
+                              f"your messages are {n_prompt} tokens. Reduce the messages, or ask for text only "
+                              f'(modalities: ["text"]).', param="messages")
 
     def check_message_count(self, n: int) -> None:
         """Each message adds at least one template token: more messages than the context are refused

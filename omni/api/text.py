@@ -103,6 +103,8 @@ class TextRoutes:
                                            kwargs, P.chat_ending(req), req.add_special_tokens)
         if audios:
             self.fe.check_audio_placeholders(prompt_ids, len(audios))
+        if "audio" in modalities:
+            self.fe.check_audio_prompt(len(prompt_ids))
         if req.max_completion_tokens is not None:
             mt = self.fe.max_tokens(req.max_completion_tokens, len(prompt_ids), "max_completion_tokens", "messages")
         else:

@@ -16,19 +16,33 @@ FAILURE_WINDOW_S = 30.0
 
 
 def replica_limits(engine) -> dict[str, str]:
-    """Capabilities a stage replica registers with: the limits its engine was built with."""
+    """Capabilities a stage replica registers with: the limits its engine was built with. max_prompt_len:
+    the longest client prompt a later stage takes (a talker prefills it into its own KV cache)."""
     out = {}
-    limit = getattr(engine, "max_model_len", None)
-    if isinstance(limit, int):
-        out["max_model_len"] = str(limit)
+    for key in ("max_model_len", "max_prompt_len"):
+        limit = getattr(engine, key, None)
+        if isinstance(limit, int):
+            out[key] = str(limit)
     return out
 
 
-def max_model_len(r: ReplicaInfo) -> int | None:
+def max_model_len(r: ReplicaInfo, key: str = "max_model_len") -> int | None:
     try:
-        return int(r.capabilities["max_model_len"])
+        return int(r.capabilities[key])
     except (KeyError, ValueError):
         return None
+
+
+def follow_audio_prompt(fe, topology) -> None:
+    """Keep fe.audio_prompt_len at the smallest max_prompt_len that live replicas (talkers) registered:
+    the orchestrator picks a talker whatever its limit, so a prompt for audio must fit every one."""
+    def update(_r=None, _kind=None) -> None:
+        stages = {r.stage_id for r in topology.replicas.values()}
+        fe.audio_prompt_len = min((n for s in stages for r in topology.stage_replicas(s)
+                                   if (n := max_model_len(r, "max_prompt_len"))), default=None)
+
+    topology.on_change(update)
+    update()
 
 
 def fit(stage_id: int, replicas: list[ReplicaInfo], req: PipelineRequest | None) -> tuple[list[ReplicaInfo], str]:

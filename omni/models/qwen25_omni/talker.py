@@ -56,6 +56,7 @@ class Qwen25TalkerEngine(Qwen3TalkerEngine):
 
     name = "qwen25_talker"
     default_speaker = DEFAULT_SPEAKER
+    prefill_extra = 2     # prefill rows past the prompt's: the speaker's bos and the first token (edges.prefill_rows)
 
     def __init__(self, model_dir: str | Path, *, dtype: str = "auto", device: str = "cpu",
                  first_chunk_frames: int = 25, chunk_frames: int = 50, repetition_penalty: float = 1.05,

@@ -56,7 +56,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_SPEAKER = "ethan"     # transformers' generate() default
 
-
 _IN_BATCH = object()      # a request's cache while its rows live in the batch cache
 
 
@@ -97,6 +96,7 @@ class TalkerRequest:
 class Qwen3TalkerEngine(StreamEngine):
     name = "qwen3_talker"
     default_speaker = DEFAULT_SPEAKER
+    prefill_extra = 6     # prefill rows past the prompt's (edges.prefill_embeds: 9 for its 3-token header)
 
     def __init__(self, model_dir: str | Path, *, dtype: str = "auto", device: str = "cpu",
                  first_chunk_frames: int = 4, chunk_frames: int = 25, repetition_penalty: float = 1.05,
@@ -133,8 +133,7 @@ class Qwen3TalkerEngine(StreamEngine):
         if threads:
             torch.set_num_threads(threads)
         self.device = torch.device(device)
-        self.first_chunk_frames = first_chunk_frames
-        self.chunk_frames = chunk_frames
+        self.first_chunk_frames, self.chunk_frames = first_chunk_frames, chunk_frames
         self.repetition_penalty = repetition_penalty
         self.batch_decode = batch_decode
         self.max_num_seqs = max_num_seqs     # requests decoded in one step; the rest wait their turn
@@ -145,6 +144,7 @@ class Qwen3TalkerEngine(StreamEngine):
     def _init_static(self, static_args: tuple | None) -> None:
         """The static step (None: the eager path), once the weights are loaded, and sleep's offload."""
         self._static_args = static_args
+        self.max_prompt_len = None if static_args is None else static_args[1] - 1 - self.prefill_extra  # replica_limits
         self._static: SlotRunner | None = self._build_static()
         self.offload = IdleOffload(self.name, self.device, off=self._to_host, on=self._to_device)
 
