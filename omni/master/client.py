@@ -20,7 +20,7 @@ from omni._proto import master_pb2_grpc as pb_grpc
 from omni.errors import BadRequest, OmniError, Unavailable
 from omni.master import wire
 from omni.master.auth import TlsFiles, TlsRefused, call_metadata, explain
-from omni.master.errors import from_rpc_error
+from omni.master.errors import ClosedByMaster, from_rpc_error
 from omni.master.types import Command, CommandResult, Registration, Status, TopologyEvent
 
 logger = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ def _error(err: grpc.RpcError, address: str, tls: TlsFiles | None, streaming: bo
     if (err.code() if hasattr(err, "code") else None) is grpc.StatusCode.UNAVAILABLE:
         why = explain(err.details() or "", address, tls)
         if why is not None:
-            return TlsRefused(why[0]) if why[1] else Unavailable(why[0])
+            return TlsRefused(why[0]) if why[1] else ClosedByMaster(why[0])
     return from_rpc_error(err, address, streaming)
 
 
@@ -184,23 +184,26 @@ class MasterClient:
         # them; Register itself is called once (retried, it could register twice with a master that is
         # only slow). No connectivity watcher: its thread outlives a quick close() with a traceback.
         deadline = time.monotonic() + wait_s
+        last = ""
         while True:
             if stop.is_set():
                 return None
             left = deadline - time.monotonic()
             if left <= 0:
-                raise Unavailable(f"cannot reach the omni master at {self.address}: no answer within {wait_s:g} s")
+                raise Unavailable(f"cannot reach the omni master at {self.address}: no answer within {wait_s:g} s"
+                                  + (f"; the last try: {last}" if last else ""))
             try:
                 self._unary(self._stub.GetStatus, pb.GetStatusRequest(), timeout=min(1.0, left), wait_for_ready=True)
                 break
             except Unavailable:
                 pass
-            if self._tls is not None:   # wait_for_ready hides a refused certificate (TlsRefused): ask without it
-                try:
-                    self._unary(self._stub.GetStatus, pb.GetStatusRequest(), timeout=1.0)
-                    break
-                except Unavailable:
-                    pass
+            # wait_for_ready hides why the connection fails (a refused certificate, TlsRefused; plaintext to a
+            # TLS master): ask without it too, and say the last answer if the wait runs out
+            try:
+                self._unary(self._stub.GetStatus, pb.GetStatusRequest(), timeout=1.0)
+                break
+            except Unavailable as e:
+                last = str(e).removeprefix(f"cannot reach the omni master at {self.address}: ")
         return self._unary(self._stub.Register, req, timeout=max(1.0, deadline - time.monotonic()),
                            wait_for_ready=True)
 

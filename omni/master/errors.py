@@ -14,6 +14,11 @@ class Unauthenticated(OmniError):
     error_type = "authentication_error"
 
 
+class ClosedByMaster(Unavailable):
+    """The master took the TCP connection and closed it in the handshake: plaintext to a TLS master, or
+    no (or an unaccepted) client certificate for an mTLS one. A master still starting may do it once."""
+
+
 def from_rpc_error(err: grpc.RpcError, address: str, streaming: bool = False) -> OmniError:
     code = err.code() if hasattr(err, "code") else None
     details = (err.details() if hasattr(err, "details") else None) or str(err)

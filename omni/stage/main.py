@@ -142,16 +142,24 @@ def _stop_while_loading(stop: StopRequest, label: str) -> tuple[threading.Event,
 def master_refusal(config: DeployConfig, stage_id: int, opts: StageOptions) -> str | None:
     """Why the master will refuse this replica, asked in one quick call before the engine load (a load can
     take minutes, and the registration after it is where a wrong token or another config showed): a refused
-    token, or a pipeline config other than the one the master holds. None when it would take it, has no
+    token, a connection it closes in the handshake twice (plaintext to a TLS master, no client certificate for
+    an mTLS one), or a pipeline config other than the one the master holds. None when it would take it, has no
     config yet, or does not answer yet (the registration waits for it, `register_wait_s`)."""
     from omni.master.client import MasterClient
     from omni.master.configdiff import diff_pipeline, shown
-    from omni.master.errors import Unauthenticated
+    from omni.master.errors import ClosedByMaster, Unauthenticated
+
+    def ask():
+        with MasterClient(opts.master_address, token=opts.token or None, tls=opts.tls, timeout_s=3.0) as client:
+            return client.get_status()
 
     try:
-        with MasterClient(opts.master_address, token=opts.token or None, tls=opts.tls, timeout_s=3.0) as client:
-            st = client.get_status()
-    except Unauthenticated as e:
+        try:
+            st = ask()
+        except ClosedByMaster:   # a master still starting may close one connection; a TLS mismatch closes all
+            time.sleep(1.0)
+            st = ask()   # on a new channel: none of the first one's reconnect backoff
+    except (Unauthenticated, ClosedByMaster) as e:
         return str(e)
     except OmniError as e:
         logger.info("master not answering yet (the registration waits for it): %s", e)

@@ -5,6 +5,7 @@ cannot verify is a final error naming the address and the CA."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -175,7 +176,7 @@ def tls_master(certs):
 
 def test_headless_stage_asks_the_master_over_tls(tls_master, certs):
     """master_refusal (before the engine load) reaches the TLS master with the stage's files: the config
-    differs, and the master says so; plaintext gets nowhere (the registration's wait would go on)."""
+    differs, and the master says so."""
     from omni import config as cfg
     from omni.stage.main import StageOptions, master_refusal
 
@@ -183,7 +184,6 @@ def test_headless_stage_asks_the_master_over_tls(tls_master, certs):
     tls = TlsFiles(certs["client"], certs["client_key"], certs["ca"])
     said = master_refusal(config, 0, StageOptions(tls_master.address, token="t", tls=tls))
     assert said and f"differs from the master's at {tls_master.address}" in said
-    assert master_refusal(config, 0, StageOptions(tls_master.address, token="t")) is None
     # a CA that does not verify the master: refused before the engine load, not after the registration's wait
     said = master_refusal(config, 0, StageOptions(tls_master.address, token="t", tls=TlsFiles(ca=certs["client"])))
     assert said and f"TLS: its certificate does not verify with --tls-ca {certs['client']}" in said
@@ -279,3 +279,56 @@ def test_a_head_whose_processes_cannot_use_the_certificate_fails_at_once(tmp_pat
         assert message in str(e.value)
     finally:
         launcher.shutdown()
+
+
+@pytest.mark.parametrize("files, hint", [
+    (None, "a master with TLS closes plaintext connections: if it runs with --tls-cert, connect with --tls-ca"),
+    ("ca", "a master that requires client certificates closes the connection when none is presented"),
+])
+def test_a_stage_connecting_the_wrong_way_to_a_tls_master_is_told_why(tls_master, certs, files, hint):
+    """Plaintext to a TLS master, or no client certificate for an mTLS one: the master closes every
+    connection. master_refusal says so before the engine load (after one retry, as a master that is
+    starting may close one), and the registration's wait ends naming it, not only 'no answer'."""
+    from omni import config as cfg
+    from omni.stage.main import StageOptions, master_refusal
+
+    tls = TlsFiles(ca=certs["ca"]) if files else None
+    said = master_refusal(cfg.load("smollm2"), 0, StageOptions(tls_master.address, token="t", tls=tls))
+    assert said and hint in said
+    with MasterClient(tls_master.address, token="t", tls=tls) as c, pytest.raises(OmniError) as e:
+        c.register("STAGE", 0, config_hash=HASH, wait_s=2.5, stop=threading.Event())
+    assert "no answer within 2.5 s" in str(e.value) and hint in str(e.value)
+
+
+def test_a_master_closing_one_connection_is_asked_again(monkeypatch):
+    """One closed connection (a master still starting) is not a refusal: the second answer counts."""
+    from omni import config as cfg
+    from omni.master.errors import ClosedByMaster
+    from omni.stage.main import StageOptions, master_refusal
+
+    real, calls = MasterClient.get_status, []
+
+    def get_status(self, *a, **kw):
+        calls.append(1)
+        if len(calls) == 1:
+            raise ClosedByMaster("cannot reach the omni master: Socket closed")
+        return real(self, *a, **kw)
+    monkeypatch.setattr(MasterClient, "get_status", get_status)
+    config = cfg.load("smollm2")
+    server = MasterServer(config.to_dict(), config.config_hash(), token="t")
+    server.start()
+    try:
+        assert master_refusal(config, 0, StageOptions(server.address, token="t")) is None
+    finally:
+        server.stop(grace=0.2)
+    assert len(calls) == 2
+
+
+def test_a_plaintext_headless_stage_fails_before_its_engine_loads(tls_master):
+    host, port = tls_master.address.rsplit(":", 1)
+    r = subprocess.run([sys.executable, "-m", "omni.cli", "serve", "smollm2", "--stage-id", "0", "--headless",
+                        "--omni-master-address", host, "--omni-master-port", port], cwd=REPO,
+                       env={**os.environ, "OMNI_TOKEN": "t"}, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr
+    assert "a master with TLS closes plaintext connections" in r.stderr and "the engine is not loaded" in r.stderr
+    assert "loading engine" not in r.stderr
