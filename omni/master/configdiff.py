@@ -16,7 +16,8 @@ def hash_config(config: dict) -> str:
 
 
 class _Hidden:
-    """A stage's `env` value (it may hold a secret: HF_TOKEN ...): compared, never shown."""
+    """A stage's `env` value (it may hold a secret: HF_TOKEN ...): never shown, and not compared either: a
+    line for each one that differs would confirm a registrant's guesses of the master's value one by one."""
 
     __hash__ = None
 
@@ -24,7 +25,7 @@ class _Hidden:
         self.value = value
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Hidden) and other.value == self.value
+        return isinstance(other, _Hidden)
 
     def __str__(self) -> str:
         return "***"
@@ -33,6 +34,7 @@ class _Hidden:
 # Engine args that hold a secret (vLLM's --hf-token): shown and compared as a stage's env values are.
 SECRET_ENGINE_ARGS = ("hf_token",)
 MASK = "***"
+HIDDEN_NOTE = "a stage's env values and engine_args.hf_token are not compared here"
 
 
 def _secret_args(stage: dict) -> dict | None:
@@ -70,7 +72,8 @@ def _show(value: Any) -> str:
 
 
 def diff_values(master: Any, replica: Any, path: str = "") -> list[str]:
-    """Every differing leaf as 'path: master=X replica=Y' (dicts compared key by key, recursively)."""
+    """Every differing leaf as 'path: master=X replica=Y' (dicts compared key by key, recursively; hidden
+    values only by their presence)."""
     if isinstance(master, dict) and isinstance(replica, dict):
         out: list[str] = []
         for key in sorted(set(master) | set(replica), key=str):
@@ -84,8 +87,6 @@ def diff_values(master: Any, replica: Any, path: str = "") -> list[str]:
         return out
     if master is _MISSING and replica is _MISSING or master == replica:
         return []
-    if isinstance(master, _Hidden) and isinstance(replica, _Hidden):
-        return [f"{path}: master and replica differ (values not shown)"]
     return [f"{path or '<root>'}: master={_show(master)} replica={_show(replica)}"]
 
 
@@ -132,7 +133,7 @@ def _safe_stages(config: dict) -> dict[int, dict]:
 
 
 def _hidden(stage: dict) -> dict:
-    """The stage with its env values and secret engine args compared, never shown."""
+    """The stage with its env values and secret engine args neither shown nor compared (their keys are)."""
     out = dict(stage)
     if isinstance(stage.get("env"), dict):
         out["env"] = {k: _Hidden(v) for k, v in stage["env"].items()}
@@ -152,6 +153,7 @@ def mismatch_message(master: dict, replica: dict | None, stage_id: int | None,
                 "the replica sent no pipeline_config_json to compare")
     lines = diff_pipeline(master, replica, stage_id)
     if not lines:
-        return (f"{head}: the configs compare equal but their hashes differ "
-                f"(master={master_hash[:12]} replica={replica_hash[:12]})")
+        # The same text whether a hidden value differs or not, so it confirms no guess of one.
+        return (f"{head}: the parts compared here are equal but the hashes differ (master={master_hash[:12]} "
+                f"replica={replica_hash[:12]}); {HIDDEN_NOTE}")
     return f"{head}: " + "; ".join(lines)

@@ -280,21 +280,34 @@ def test_diff_pipeline_orders_own_stage_first():
 
 
 def test_mismatch_message_never_shows_a_stages_env_values():
-    """Users put HF_TOKEN and the like in a stage's env: the refusal says which variable differs, not its value."""
+    """Users put HF_TOKEN and the like in a stage's env: the refusal names a variable set on one side only,
+    never a value, and does not compare the values either."""
     master = {"model": "m", "stages": [{"stage_id": 0, "env": {"HF_TOKEN": "hf_aa", "SAME": "s1"}},
                                        {"stage_id": 1, "env": {"KEY": "v1"}}]}
     replica = {"model": "m", "stages": [{"stage_id": 0, "env": {"HF_TOKEN": "hf_bb", "SAME": "s1", "NEW": "v2"}}]}
     text = configdiff.mismatch_message(master, replica, 0, "a", "b")
-    assert "env.HF_TOKEN: master and replica differ (values not shown)" in text
+    assert "HF_TOKEN" not in text
     assert 'env.NEW: master=<missing> replica="***"' in text
     assert 'stage 1: <root>: master={"env": {"KEY": "***"}, "stage_id": 1} replica=<missing>' in text
     assert not any(v in text for v in ("hf_aa", "hf_bb", "s1", "v1", "v2")), text
-    assert "compare equal" in configdiff.mismatch_message(master, master, 0, "a", "b")
+    assert "the parts compared here are equal" in configdiff.mismatch_message(master, master, 0, "a", "b")
+
+
+def test_a_guess_of_a_hidden_value_is_not_confirmed():
+    """A registrant (on a master without a token) sees the master's config with env values and hf_token
+    masked; the refusal for a wrong guess of one is the refusal for the right guess, so it confirms none."""
+    master = {"model": "m", "stages": [{"stage_id": 0, "env": {"PIN": "4821"}, "engine_args": {"hf_token": "hf_a"}}]}
+
+    def refusal(pin: str, token: str) -> str:
+        guess = {"model": "m", "stages": [{"stage_id": 0, "env": {"PIN": pin}, "engine_args": {"hf_token": token}}]}
+        return configdiff.mismatch_message(master, guess, 0, "a" * 16, "x" * 16)
+    assert refusal("0000", "hf_a") == refusal("4821", "hf_a") == refusal("4821", "hf_b") == refusal("0000", "hf_b")
+    assert "env values and engine_args.hf_token are not compared here" in refusal("0000", "hf_a")
 
 
 def test_mismatch_message_edge_cases():
     assert "sent no pipeline_config_json" in configdiff.mismatch_message(CONFIG, None, 0, "a" * 64, "b" * 64)
-    assert "compare equal" in configdiff.mismatch_message(CONFIG, CONFIG, None, "a", "b")
+    assert "the parts compared here are equal" in configdiff.mismatch_message(CONFIG, CONFIG, None, "a", "b")
     assert configdiff.mismatch_message(CONFIG, {**CONFIG, "m": 1}, None, "a", "b").startswith("frontend config")
 
 
