@@ -18,9 +18,25 @@ class ControlRoutes:
     async def sleep(self, request: Request) -> Response:
         body = await request.body()
         req = P.decode_body(body, P.SleepRequest) if body.strip() else P.SleepRequest()
-        if req.level not in (1, 2):
-            raise bad_request(f"level={req.level} must be 1 or 2", param="level")
-        return JSONResponse(await self.fe.orch.sleep(req.level))
+        level = req.level
+        # vLLM's POST /sleep takes the level from the query string: taken here too, so it is not level 1.
+        for name, value in request.query_params.multi_items():
+            if name == "mode":
+                raise bad_request("query parameter `mode` is not supported: omni's sleep takes only `level`",
+                                  param="mode")
+            if name != "level":
+                raise bad_request(f"query parameter `{name}` is not supported: sleep takes only `level`",
+                                  param=name)
+            try:
+                level = int(value)
+            except ValueError:
+                raise bad_request(f"level={value!r} must be 1 or 2", param="level") from None
+            if body.strip() and level != req.level:
+                raise bad_request(f"level is {level} in the query string and {req.level} in the body",
+                                  param="level")
+        if level not in (1, 2):
+            raise bad_request(f"level={level} must be 1 or 2", param="level")
+        return JSONResponse(await self.fe.orch.sleep(level))
 
     async def wake_up(self, request: Request) -> Response:
         return JSONResponse(await self.fe.orch.wake_up())

@@ -204,7 +204,7 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
 
 
-class SleepRequest(msgspec.Struct, kw_only=True):
+class SleepRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     level: Annotated[int, msgspec.Meta(ge=1, le=2)] = 1
 
 

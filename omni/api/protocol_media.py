@@ -100,7 +100,7 @@ class VideoCreateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
 VOICE_NAME = r"^[A-Za-z0-9_-]{1,64}$"
 
 
-class VoiceSpec(msgspec.Struct, kw_only=True):
+class VoiceSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     name: Annotated[str, msgspec.Meta(pattern=VOICE_NAME)]
     base: str = "joe"
     speed: Speed = 1.0

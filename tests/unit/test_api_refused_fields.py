@@ -1,0 +1,45 @@
+"""Sleep's level from the query string (as vLLM's POST /sleep takes it), and parameters omni does not
+take on sleep and on voice creation are refused by name, never ignored."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.unit.test_api import InMemoryVoiceStore, assert_error, make, tokenizer  # noqa: F401
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+async def test_sleep_takes_the_level_from_the_query_string(tokenizer):  # noqa: F811
+    orch, c = make(tokenizer)
+    levels = []
+    real = orch.sleep
+
+    async def sleep(level=1):
+        levels.append(level)
+        return await real(level)
+
+    orch.sleep = sleep
+    assert (await c.post("/v1/omni/sleep?level=2")).status_code == 200
+    assert (await c.post("/v1/omni/sleep", json={"level": 2})).status_code == 200
+    assert (await c.post("/v1/omni/sleep")).status_code == 200
+    assert levels == [2, 2, 1]
+    assert_error(await c.post("/v1/omni/sleep?level=7"), 400, "level")
+    assert_error(await c.post("/v1/omni/sleep?level=deep"), 400, "level")
+    assert_error(await c.post("/v1/omni/sleep?level=2", json={"level": 1}), 400, "level")
+    assert_error(await c.post("/v1/omni/sleep?mode=wait"), 400, "mode")
+    assert_error(await c.post("/v1/omni/sleep?lvl=2"), 400, "lvl")
+    assert_error(await c.post("/v1/omni/sleep", json={"level": 2, "mode": "wait"}), 400, "mode")
+    assert levels == [2, 2, 1]
+
+
+async def test_a_voice_with_an_unknown_field_is_refused(tokenizer):  # noqa: F811
+    _, c = make(tokenizer, speech_entry_stage=1, voices=InMemoryVoiceStore(("joe",)))
+    assert_error(await c.post("/v1/audio/voices", json={"name": "amy", "sped": 2.0}), 400, "sped")
+    assert_error(await c.post("/v1/audio/voices", json={"name": "amy", "ref_audio": "data:,"}), 400, "ref_audio")
+    assert [v["name"] for v in (await c.get("/v1/audio/voices")).json()["data"]] == ["joe"]
