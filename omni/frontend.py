@@ -149,7 +149,8 @@ async def publish_metrics(app, amaster, topology, index: int, stop: asyncio.Even
     """Publish this frontend's metrics for the others' /metrics, and let its own /metrics read
     the live others' (omni/api/metrics_merge.py)."""
     from omni.api.admin import AdminRoutes
-    from omni.api.metrics_merge import NAMESPACE, PUBLISH_S
+    from omni.api.metrics_merge import NAMESPACE, PUBLISH_S, Publisher
+    from omni.errors import BadRequest
 
     fe = app.state.frontend
     admin = AdminRoutes(fe)
@@ -161,9 +162,12 @@ async def publish_metrics(app, amaster, topology, index: int, stop: asyncio.Even
         return [v.decode() for k, v in sorted(entries.items()) if k != str(index) and k in live]
 
     fe.peer_metrics = peers
+    fe.publish_metrics = Publisher(admin.own_metrics, amaster, index).publish
     while not stop.is_set():
         try:
-            await amaster.kv_put(NAMESPACE, str(index), admin.own_metrics().encode())
+            await fe.publish_metrics()
+        except BadRequest:       # refused, and said so (Publisher): try again next round
+            pass
         except Exception as e:   # the master is away: try again next round
             logger.info("metrics publish failed: %s: %s", type(e).__name__, e)
         try:

@@ -66,8 +66,17 @@ class AdminRoutes:
         return text
 
     async def metrics(self, request: Request) -> Response:
-        """The whole deployment: this frontend's metrics and the other live frontends' last published."""
-        texts = [self.own_metrics()]
+        """The whole deployment: this frontend's metrics and the other live frontends' last published.
+        Its own are published first and served as published, so each frontend's series come from one
+        source, the KV copy, whichever frontend answers: a counter never goes back from one scrape
+        to the next (another frontend's figures are up to PUBLISH_S old)."""
+        own = None
+        if self.fe.publish_metrics is not None:
+            try:
+                own = await self.fe.publish_metrics()
+            except Exception as e:   # the master is away or refused it: the live text still answers
+                log.info("metrics publish failed: %s: %s", type(e).__name__, e)
+        texts = [own if own is not None else self.own_metrics()]
         if self.fe.peer_metrics is not None:
             try:
                 texts += await self.fe.peer_metrics()

@@ -5,12 +5,45 @@ the samples of every frontend under it; their `frontend` label tells them apart)
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import re
+from typing import Any, Callable
+
+from omni.errors import BadRequest
+from omni.ratelog import RateLimitedLog
 
 NAMESPACE = "metrics"
 PUBLISH_S = 2.0
 _SUFFIXES = ("_bucket", "_sum", "_count")
 _HEADER = re.compile(r"^# (HELP|TYPE) (\S+)")
+_refused = RateLimitedLog(logging.getLogger(__name__))
+
+
+class Publisher:
+    """Writes a frontend's text to the KV store, one write at a time: each write is a text rendered
+    after the one before, so the stored copy, which every frontend's /metrics serves, never goes back."""
+
+    def __init__(self, render: Callable[[], str], amaster: Any, index: int):
+        self._render, self._master, self._key = render, amaster, str(index)
+        self._lock = asyncio.Lock()
+
+    async def publish(self) -> str:
+        """The text published; raises when the master did not take it."""
+        async with self._lock:
+            text = self._render()
+            try:
+                await self._master.kv_put(NAMESPACE, self._key, text.encode())
+            except BadRequest as e:    # too large (or the store full): a frozen old copy would mislead
+                _refused.warning("metrics of frontend %s not published (%d bytes): %s; its old copy is "
+                                 "removed, so the other frontends' /metrics leave it out", self._key,
+                                 len(text), e)
+                try:
+                    await self._master.kv_delete(NAMESPACE, self._key)
+                except Exception:
+                    pass
+                raise
+            return text
 
 
 def _family(sample: str, known: dict) -> str:

@@ -120,6 +120,8 @@ class FrontendState:
         self.metrics = FrontendMetrics(frontend_index, self.model)
         # async () -> the other live frontends' published metrics texts (set by omni/frontend.py)
         self.peer_metrics = None
+        # async () -> this frontend's metrics text, once published (set by omni/frontend.py)
+        self.publish_metrics = None
         # tokenizer None: a pipeline without a text model (speech only); text routes answer 404.
         self.decode = decoder_for(tokenizer) if tokenizer is not None else (lambda ids: "")
         self.vocab_size = len(tokenizer) if tokenizer is not None else 0

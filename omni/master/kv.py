@@ -40,8 +40,10 @@ class Limits:
 
 
 # metrics: each frontend's last published exposition (omni/api/metrics_merge.py), live data that
-# would be stale after a restart, so it is never written to disk.
-LIMITS = {"jobs": Limits(ttl_s=7 * 86400.0), "voices": Limits(max_entries=1000), "metrics": Limits(persist=False)}
+# would be stale after a restart, so it is never written to disk. Its text grows with the stages and
+# the voices used (~6.7 KB each): 3 MiB a value, under gRPC's 4 MiB message limit with the call around it.
+LIMITS = {"jobs": Limits(ttl_s=7 * 86400.0), "voices": Limits(max_entries=1000),
+          "metrics": Limits(max_value_bytes=3 << 20, max_entries=1000, persist=False)}
 DEFAULT_LIMITS = Limits()
 MAX_VALUE_BYTES = max(lim.max_value_bytes for lim in (DEFAULT_LIMITS, *LIMITS.values()))
 
