@@ -35,10 +35,10 @@ class MasterVoiceStore:
         base = spec.get("base", "joe")
         if base not in BUILTIN:
             raise BadRequest(f"voice base {base!r} is not a built-in voice ({', '.join(BUILTIN)})")
-        if await self._master.kv_get(NAMESPACE, name) is not None:
-            raise Conflict(f"voice `{name}` already exists; delete it first")
         record = {"name": name, "base": base, "speed": float(spec.get("speed", 1.0)), "builtin": False}
-        await self._master.kv_put(NAMESPACE, name, json.dumps(record).encode())
+        # Create-only in one call: of two frontends adding the name at once, one gets the 409.
+        if not await self._master.kv_put(NAMESPACE, name, json.dumps(record).encode(), only_if_absent=True):
+            raise Conflict(f"voice `{name}` already exists; delete it first")
         return record
 
     async def delete(self, name: str) -> None:

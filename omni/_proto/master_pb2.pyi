@@ -319,16 +319,18 @@ class SendCommandResponse(_message.Message):
     def __init__(self, command_id: _Optional[str] = ..., results: _Optional[_Iterable[_Union[CommandResult, _Mapping]]] = ...) -> None: ...
 
 class KvPutRequest(_message.Message):
-    __slots__ = ("namespace", "key", "value", "only_if_exists")
+    __slots__ = ("namespace", "key", "value", "only_if_exists", "only_if_absent")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
     ONLY_IF_EXISTS_FIELD_NUMBER: _ClassVar[int]
+    ONLY_IF_ABSENT_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     key: str
     value: bytes
     only_if_exists: bool
-    def __init__(self, namespace: _Optional[str] = ..., key: _Optional[str] = ..., value: _Optional[bytes] = ..., only_if_exists: _Optional[bool] = ...) -> None: ...
+    only_if_absent: bool
+    def __init__(self, namespace: _Optional[str] = ..., key: _Optional[str] = ..., value: _Optional[bytes] = ..., only_if_exists: _Optional[bool] = ..., only_if_absent: _Optional[bool] = ...) -> None: ...
 
 class KvPutResponse(_message.Message):
     __slots__ = ("absent",)

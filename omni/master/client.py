@@ -360,9 +360,12 @@ class MasterClient:
         req = _send_command_request(kind, stage_ids, args, timeout_s, replica_ids, keep_serving)
         return wire.results_from_pb(self._unary(self._stub.SendCommand, req, timeout=timeout_s + 5))
 
-    def kv_put(self, namespace: str, key: str, value: bytes, only_if_exists: bool = False) -> bool:
-        """Whether it wrote: `only_if_exists` writes only over a value the key holds now."""
-        req = pb.KvPutRequest(namespace=namespace, key=key, value=value, only_if_exists=only_if_exists)
+    def kv_put(self, namespace: str, key: str, value: bytes, only_if_exists: bool = False,
+               only_if_absent: bool = False) -> bool:
+        """Whether it wrote: `only_if_exists` writes only over a value the key holds now, `only_if_absent`
+        only when it holds none."""
+        req = pb.KvPutRequest(namespace=namespace, key=key, value=value, only_if_exists=only_if_exists,
+                              only_if_absent=only_if_absent)
         return not self._unary(self._stub.KvPut, req).absent
 
     def kv_get(self, namespace: str, key: str) -> bytes | None:
@@ -442,9 +445,12 @@ class AsyncMasterClient:
         req = _send_command_request(kind, stage_ids, args, timeout_s, replica_ids, keep_serving)
         return wire.results_from_pb(await self._unary("SendCommand", req, timeout=timeout_s + 5))
 
-    async def kv_put(self, namespace: str, key: str, value: bytes, only_if_exists: bool = False) -> bool:
-        """Whether it wrote: `only_if_exists` writes only over a value the key holds now."""
-        req = pb.KvPutRequest(namespace=namespace, key=key, value=value, only_if_exists=only_if_exists)
+    async def kv_put(self, namespace: str, key: str, value: bytes, only_if_exists: bool = False,
+                     only_if_absent: bool = False) -> bool:
+        """Whether it wrote: `only_if_exists` writes only over a value the key holds now, `only_if_absent`
+        only when it holds none."""
+        req = pb.KvPutRequest(namespace=namespace, key=key, value=value, only_if_exists=only_if_exists,
+                              only_if_absent=only_if_absent)
         return not (await self._unary("KvPut", req)).absent
 
     async def kv_get(self, namespace: str, key: str) -> bytes | None:

@@ -87,9 +87,11 @@ class KvStore:
     def limits(self, namespace: str) -> Limits:
         return self._limits.get(namespace, DEFAULT_LIMITS)
 
-    def put(self, namespace: str, key: str, value: bytes, only_if_exists: bool = False) -> bool:
+    def put(self, namespace: str, key: str, value: bytes, only_if_exists: bool = False,
+            only_if_absent: bool = False) -> bool:
         """Store `value` at namespace/key; whether it did. `only_if_exists`: only over a value the key holds
-        now (not expired), so an update cannot bring back what a delete removed; False when it held none."""
+        now (not expired), so an update cannot bring back what a delete removed; False when it held none.
+        `only_if_absent`: only when the key holds none (create-only); False when it held one."""
         _check(namespace, key)
         lim = self.limits(namespace)
         if len(value) > lim.max_value_bytes:
@@ -98,7 +100,8 @@ class KvStore:
         self._expire(namespace)
         if namespace not in self._data and len(self._data) >= MAX_NAMESPACES:
             raise KvFull(f"the kv store holds {MAX_NAMESPACES} namespaces, the limit")
-        if only_if_exists and key not in self._data.get(namespace, {}):
+        held = key in self._data.get(namespace, {})
+        if (only_if_exists and not held) or (only_if_absent and held):
             return False
         items = self._data.get(namespace, {})
         if key not in items and len(items) >= lim.max_entries:

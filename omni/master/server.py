@@ -342,7 +342,7 @@ class MasterServicer(pb_grpc.MasterServicer):
 
     async def KvPut(self, request, context):
         written = await self._kv(context, self.kv.put, request.namespace, request.key, request.value,
-                                 request.only_if_exists)
+                                 request.only_if_exists, request.only_if_absent)
         return pb.KvPutResponse(absent=not written)
 
     async def KvGet(self, request, context):

@@ -1,0 +1,86 @@
+"""A voice added through two frontends at once: one 201, one 409, the first one stored (KvPut's
+create-only only_if_absent)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from tests.unit.test_api import FakeOrchestrator, tokenizer  # noqa: F401
+from omni.api import build_app
+from omni.master.kv import KvStore
+from omni.voices import MasterVoiceStore
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+def test_kv_put_only_if_absent_creates_once():
+    kv = KvStore()
+    assert kv.put("voices", "a", b"1", only_if_absent=True) is True
+    assert kv.put("voices", "a", b"2", only_if_absent=True) is False and kv.get("voices", "a") == b"1"
+    assert kv.delete("voices", "a") and kv.put("voices", "a", b"3", only_if_absent=True) is True
+
+
+def test_kv_put_only_if_absent_over_grpc():
+    from omni.master.client import AsyncMasterClient, MasterClient
+    from omni.master.configdiff import hash_config
+    from omni.master.server import MasterServer
+
+    cfg = {"model": "m", "stages": [{"stage_id": 0, "engine_args": {}}]}
+    server = MasterServer(cfg, hash_config(cfg))
+    server.start()
+    try:
+        client = MasterClient(server.address)
+        assert client.kv_put("voices", "v", b"1", only_if_absent=True) is True
+        assert client.kv_put("voices", "v", b"2", only_if_absent=True) is False
+        client.close()
+
+        async def via_asyncio():
+            ac = AsyncMasterClient(server.address)
+            try:
+                return await ac.kv_put("voices", "v", b"3", only_if_absent=True), await ac.kv_get("voices", "v")
+            finally:
+                await ac.close()
+
+        assert asyncio.run(via_asyncio()) == (False, b"1")
+    finally:
+        server.stop(grace=0.2)
+
+
+class FakeMaster:
+    """AsyncMasterClient over the master's KvStore; each call yields once, as a round trip does."""
+
+    def __init__(self):
+        self.kv = KvStore()
+
+    async def kv_put(self, ns, k, v, only_if_exists=False, only_if_absent=False):
+        await asyncio.sleep(0.001)
+        return self.kv.put(ns, k, v, only_if_exists, only_if_absent)
+
+    async def kv_get(self, ns, k):
+        await asyncio.sleep(0.001)
+        return self.kv.get(ns, k)
+
+    async def kv_list(self, ns, prefix=""):
+        await asyncio.sleep(0.001)
+        return self.kv.list(ns, prefix)[0]
+
+
+async def test_two_frontends_creating_one_voice(tokenizer):  # noqa: F811
+    master = FakeMaster()
+    apps = [build_app(FakeOrchestrator(tokenizer), tokenizer, served_model_name="tiny", max_model_len=128,
+                      speech_entry_stage=1, voices=MasterVoiceStore(master), frontend_index=i) for i in (0, 1)]
+    cs = [httpx.AsyncClient(transport=httpx.ASGITransport(app=a), base_url="http://t") for a in apps]
+    r0, r1 = await asyncio.gather(cs[0].post("/v1/audio/voices", json={"name": "alice", "speed": 0.5}),
+                                  cs[1].post("/v1/audio/voices", json={"name": "alice", "speed": 2.0}))
+    assert sorted([r0.status_code, r1.status_code]) == [201, 409]
+    won = r0 if r0.status_code == 201 else r1
+    stored = [v for v in (await cs[0].get("/v1/audio/voices")).json()["data"] if v["name"] == "alice"]
+    assert stored == [won.json()]
