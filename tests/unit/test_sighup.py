@@ -16,7 +16,11 @@ import pytest
 from tests.e2e.harness import REPO
 
 
-def _start(args: list[str], tmp_path, line: str, preexec_fn=None) -> subprocess.Popen:
+def _default_hup() -> None:
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)   # a suite run under nohup must not make every child ignore it
+
+
+def _start(args: list[str], tmp_path, line: str, preexec_fn=_default_hup) -> subprocess.Popen:
     env = {**os.environ, "TMPDIR": str(tmp_path / "tmp"), "OMNI_RUN_DIR": str(tmp_path / "run")}
     (tmp_path / "tmp").mkdir()
     (tmp_path / "run").mkdir(mode=0o700)
