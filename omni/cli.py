@@ -69,7 +69,7 @@ def fold_dotted_args(argv: list[str], flags: tuple[str, ...] = JSON_FLAGS) -> li
                 raise ConfigError(f"{base}: not valid JSON ({e.msg} at column {e.colno}): {value!r}") from None
             if not isinstance(obj, dict):
                 raise ConfigError(f"{base}: expected a JSON object, got {type(obj).__name__}")
-            _merge_into(target, obj)
+            cli_argv.merge_into(target, obj)
         else:
             keys = name[len(base) + 1:].split(".")
             if not all(keys):
@@ -83,14 +83,6 @@ def fold_dotted_args(argv: list[str], flags: tuple[str, ...] = JSON_FLAGS) -> li
     for base, obj in merged.items():
         out += [base, json.dumps(obj)]
     return out
-
-
-def _merge_into(a: dict, b: dict) -> None:
-    for k, v in b.items():
-        if isinstance(v, dict) and isinstance(a.get(k), dict):
-            _merge_into(a[k], v)
-        else:
-            a[k] = v
 
 
 def _json_flag(name: str, value: str | None) -> dict | None:

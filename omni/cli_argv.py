@@ -193,3 +193,12 @@ def reexec_with_env(env: dict[str, str]) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, "-m", "omni.cli", *given], {**os.environ, **env})
+
+
+def merge_into(a: dict, b: dict) -> None:
+    """`b`'s keys into `a`, nested objects key by key (--x.y 1 --x '{"z": 2}': both keys, as given)."""
+    for k, v in b.items():
+        if isinstance(v, dict) and isinstance(a.get(k), dict):
+            merge_into(a[k], v)
+        else:
+            a[k] = v

@@ -14,6 +14,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from omni import vllm_omni_flags
+from omni.cli_argv import merge_into
 from omni.config_stage_checks import human_int, normalise_human_ints
 from omni.errors import ConfigError
 
@@ -117,7 +118,7 @@ def parse_extra_flags(args: list[str]) -> dict[str, Any]:
         key = name.replace("-", "_")
         parsed = _json_or_text(value)
         if isinstance(parsed, dict) and isinstance(out.get(key), dict):
-            _merge(out[key], parsed)  # --x.y 1 --x '{"z": 2}': both keys, as given
+            merge_into(out[key], parsed)  # --x.y 1 --x '{"z": 2}': both keys, as given
         else:
             out[key] = parsed
         i += 1
@@ -166,13 +167,6 @@ def _set_dotted(out: dict[str, Any], key: str, path: str, value: str, flag: str)
     else:
         node[keys[-1]] = leaf
 
-
-def _merge(a: dict, b: dict) -> None:
-    for k, v in b.items():
-        if isinstance(v, dict) and isinstance(a.get(k), dict):
-            _merge(a[k], v)
-        else:
-            a[k] = v
 
 
 def _describe(config: DeployConfig) -> str:
