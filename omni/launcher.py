@@ -281,11 +281,12 @@ class Launcher:
         """The children connect as this process does: a certificate they cannot use fails the start now,
         not at the start-up deadline."""
         from omni.master.auth import TlsRefused
+        from omni.master.errors import ClosedByMaster
 
         try:
             self._status()
         except OmniError as e:
-            if not isinstance(e, TlsRefused) and "Socket closed" not in str(e):
+            if not isinstance(e, (TlsRefused, ClosedByMaster)):
                 logger.info("own master not answering yet: %s", e)   # a loaded host: the wait retries
                 return
             mtls = (" Under mTLS (--tls-ca) they present --tls-cert, which then needs the clientAuth key usage "

@@ -332,3 +332,28 @@ def test_a_plaintext_headless_stage_fails_before_its_engine_loads(tls_master):
     assert r.returncode == 1, r.stderr
     assert "a master with TLS closes plaintext connections" in r.stderr and "the engine is not loaded" in r.stderr
     assert "loading engine" not in r.stderr
+
+
+@pytest.mark.parametrize("error, refused", [
+    ("closed", True), ("tls", True), ("unavailable", False)])
+def test_the_launcher_refuses_a_master_its_processes_cannot_reach_by_error_type(error, refused):
+    """The launcher's own TLS check goes by the error's type, not its wording: a connection the master
+    closed fails the start whatever its details say; a master not answering yet is waited for."""
+    from types import SimpleNamespace
+
+    from omni.errors import Unavailable
+    from omni.launcher import Launcher
+    from omni.master.errors import ClosedByMaster
+
+    raised = {"closed": ClosedByMaster("cannot reach the omni master: connection reset by peer"),
+              "tls": TlsRefused("omni master: TLS: certificate does not verify"),
+              "unavailable": Unavailable("cannot reach the omni master: no answer before the deadline")}[error]
+
+    def status():
+        raise raised
+    launcher = SimpleNamespace(_status=status, plan=SimpleNamespace(master_tls=TlsFiles(ca=None)))
+    if refused:
+        with pytest.raises(OmniError, match="cannot connect to its TLS master"):
+            Launcher._check_own_master(launcher)
+    else:
+        assert Launcher._check_own_master(launcher) is None
