@@ -14,7 +14,7 @@ from typing import Callable, Iterator, TypeVar
 import msgspec
 import typer
 
-from omni.errors import OmniError
+from omni.errors import ConfigError, OmniError
 from omni.master import DEFAULT_PORT
 from omni.master.auth import tls_from_options
 from omni.master.types import Status
@@ -57,8 +57,14 @@ def master(
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = _load_config(deploy_config) if deploy_config else None
+        tls = tls_from_options(tls_cert, tls_key, tls_ca)
+        if tls is not None:   # checked here, naming the flag: gRPC's own refusal reads "cannot bind"
+            if not (tls_cert and tls_key):
+                raise ConfigError("--tls-cert and --tls-key: a TLS master needs both "
+                                  "(--tls-ca then requires client certificates, mTLS)")
+            tls.check()
         server = MasterServer(config, hash_config(config) if config else None, host=host, port=port,
-                              token=omni_token, tls=tls_from_options(tls_cert, tls_key, tls_ca),
+                              token=omni_token, tls=tls,
                               lease_ttl_s=lease_ttl, state_dir=state_dir)
         # Handlers only note the request (no locks); the main thread does the stopping.
         stop = StopRequest().install()
