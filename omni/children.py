@@ -22,6 +22,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--stage-id", type=int)
     ap.add_argument("--replica-hint", type=int, default=-1)
     ap.add_argument("--replica-address")
+    ap.add_argument("--register-wait-s", type=float)   # the launcher's start-up deadline
     ap.add_argument("--engine-flags")
     ap.add_argument("--index", type=int, default=0)
     ap.add_argument("--host", default="127.0.0.1")
@@ -60,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=a.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         config = loads_json(config_json)
         opts = StageOptions(master_address=a.master, token=token, replica_address=a.replica_address,
-                            replica_hint=a.replica_hint, tls=tls)
+                            replica_hint=a.replica_hint, tls=tls,
+                            register_wait_s=a.register_wait_s or StageOptions.register_wait_s)
         flags = json.loads(a.engine_flags) if a.engine_flags else None
         return run_stage(config, a.stage_id, opts, engine_flags=flags)
     from omni.frontend import main_from_args

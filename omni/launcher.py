@@ -214,7 +214,9 @@ class Launcher:
             stage = p.config.stage(stage_id)
             count = p.num_replicas or stage.num_replicas
             for r in range(count):
-                args = ["--stage-id", str(stage_id), "--replica-hint", str(r)]
+                # The child waits for the master as long as this launcher waits for it (not its own 120 s).
+                args = ["--stage-id", str(stage_id), "--replica-hint", str(r),
+                        "--register-wait-s", str(self._startup_timeout_s())]
                 if p.replica_address:
                     args += ["--replica-address", p.replica_address]
                 if p.engine_flags:
@@ -342,6 +344,9 @@ class Launcher:
                           timeout_s=5.0) as c:
             return c.get_status()
 
+    def _startup_timeout_s(self) -> float:
+        return self.plan.orchestration.startup_timeout_s or self.plan.config.pipeline.startup_timeout_s
+
     def _wait_ready(self) -> bool:
         """Every stage has a READY replica (a launcher without the master: each of its own stages), or the
         deadline passes, or a child dies. A headless group does not wait for the other hosts' stages: its
@@ -350,8 +355,7 @@ class Launcher:
 
         stages = self.plan.config.stages if self.plan.host_master else [
             self.plan.config.stage(s) for s in self.plan.stages]
-        deadline = time.monotonic() + (self.plan.orchestration.startup_timeout_s
-                                       or self.plan.config.pipeline.startup_timeout_s)
+        deadline = time.monotonic() + self._startup_timeout_s()
         last_report = 0.0
         while not self._stop.is_set():
             for child in self.children:

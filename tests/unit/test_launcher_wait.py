@@ -49,3 +49,18 @@ def test_a_refused_token_ends_the_wait_at_once(launcher, capsys):
     assert not launcher(False, refused, timeout_s=60)._wait_ready()
     assert time.monotonic() - t0 < 5
     assert "missing or wrong omni token" in capsys.readouterr().err
+
+
+def test_stage_children_wait_for_the_master_as_long_as_the_launcher(launcher, monkeypatch):
+    """A headless group's stage children (--num-replicas) wait for a late master until the launcher's own
+    start-up deadline (--init-timeout), not a fixed 120 s of their own."""
+    from omni import children
+    from omni.stage import main as stage_main
+
+    group = launcher(False, lambda: ONLY_STAGE_1_READY, timeout_s=900)
+    group._plan_children()
+    argv = next(c.argv for c in group.children if c.kind == "stage")
+    seen = []
+    monkeypatch.setattr(stage_main, "run_stage", lambda config, stage_id, opts, engine_flags: seen.append(opts))
+    children.main(argv[argv.index("omni.children") + 1:])
+    assert seen and seen[0].register_wait_s == 900
