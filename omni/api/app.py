@@ -32,7 +32,7 @@ from omni.sampling import SamplingOverrides
 
 
 def build_app(orchestrator: OrchestratorLike, tokenizer: Any, *, served_model_name: str | Sequence[str],
-              model_aliases=(), frontend_index: int = 0, max_model_len: int, default_max_tokens: int = 256,
+              model_aliases=(), frontend_index: int = 0, max_model_len: int, default_max_tokens: int | None = None,
               max_tokens_limit: int | None = None, speech_entry_stage: int | None = None, voices=None,
               api_key: str | Sequence[str] | None = None, sampling_defaults: SamplingOverrides | None = None,
               jobs: Jobs | None = None,

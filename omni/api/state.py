@@ -76,7 +76,7 @@ def template_variables(tokenizer) -> frozenset[str] | None:
 
 class FrontendState:
     def __init__(self, orchestrator: OrchestratorLike, tokenizer: Any, *, served_model_name: str | Sequence[str],
-                 model_aliases, frontend_index: int, max_model_len: int, default_max_tokens: int,
+                 model_aliases, frontend_index: int, max_model_len: int, default_max_tokens: int | None,
                  max_tokens_limit: int | None, speech_entry_stage: int | None, voices,
                  sampling_defaults: SamplingOverrides | None, audio_out: bool | None = None, speakers: tuple[str, ...] = (),
                  default_voice: str | None = None, max_speech_chars: int = 4096, model_path: str | None = None):
@@ -227,7 +227,8 @@ class FrontendState:
                                   f"the {what} take {n_prompt} tokens, leaving no room for a completion.",
                                   param=what)
             limit = self.max_tokens_limit or room
-            return max(1, min(default or self.default_max_tokens, room, limit))
+            # Neither the request nor the deploy says: the context's room, as vLLM does.
+            return max(1, min(default or self.default_max_tokens or room, room, limit))
         if requested < 1:
             raise bad_request(f"{param}={requested} must be at least 1", param=param)
         if self.max_tokens_limit is not None and requested > self.max_tokens_limit:

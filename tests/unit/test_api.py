@@ -855,3 +855,11 @@ def test_stop_matcher_across_deltas():
     assert m.feed("xBC") == "x" and m.matched == "B"
     m = StopMatcher(["STOP"])
     assert m.feed("abcST") == "ab" and m.flush() == "cST" and not m.stopped
+
+
+async def test_max_tokens_defaults_to_the_contexts_room_when_the_deploy_sets_none(tokenizer):
+    """vLLM's default for an omitted max_tokens: what the context leaves after the prompt (not 256)."""
+    orch, c = make(tokenizer, max_model_len=4096)
+    r = await c.post("/v1/chat/completions", json=chat_body())
+    n_prompt = len(orch.requests[0].prompt_token_ids)
+    assert r.status_code == 200 and orch.requests[0].sampling.max_tokens == 4096 - n_prompt
