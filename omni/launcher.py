@@ -307,7 +307,9 @@ class Launcher:
                 from omni import runfile
 
                 http = f"{self.plan.host}:{self.http_port}" if self.http_port is not None else None
-                self._runfile = runfile.write(self.master_address, self.plan.config.model, http)
+                tls = self.plan.client_tls
+                self._runfile = runfile.write(self.master_address, self.plan.config.model, http,
+                                              tls=None if tls is None else {"cert": tls.cert, "key": tls.key, "ca": tls.ca})
             for child in self.children:
                 if child.kind == "stage":
                     child.start()

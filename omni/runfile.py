@@ -41,9 +41,10 @@ def untrusted(folder: Path) -> str | None:
     return None
 
 
-def write(master_address: str, model: str, http: str | None) -> Path | None:
+def write(master_address: str, model: str, http: str | None, tls: dict | None = None) -> Path | None:
     """The run file's path; None (with a warning) where the folder is not ours alone: `omni serve`
-    runs on, and a bare `omni status` then needs --master."""
+    runs on, and a bare `omni status` then needs --master. `tls`: the paths (never the content) of the
+    files this host's processes connect to a TLS master with, so `omni status` connects as they do."""
     folder = run_dir()
     try:
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -60,7 +61,7 @@ def write(master_address: str, model: str, http: str | None) -> Path | None:
     fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(json.dumps({"pid": os.getpid(), "master": master_address, "model": model,
-                            "http": http, "started": time.time()}))
+                            "http": http, "started": time.time(), **({"tls": tls} if tls is not None else {})}))
     tmp.replace(path)
     return path
 

@@ -40,12 +40,12 @@ def _run(kind: str, master: str | None, stage: list[int] | None, replica: list[s
     from omni.master.client import MasterClient
 
     verb = kind.lower().replace("_", "")
+    files = tls_from_options(*tls)
     if master is None:
-        master = _local_master(verb)
+        master, files = _local_master(verb, tls=files)
     try:
         # Ctrl-C only sets `stop`; the calls run on a thread (commands.in_thread: no KeyboardInterrupt in grpc).
-        with ctrl_c() as stop, MasterClient(master, token=omni_token, tls=tls_from_options(*tls),
-                                            timeout_s=5.0) as client:
+        with ctrl_c() as stop, MasterClient(master, token=omni_token, tls=files, timeout_s=5.0) as client:
             st = in_thread(client.get_status, stop)
             known = {r.replica_id for r in st.replicas if r.role == "STAGE"}
             unknown = sorted(set(replica or ()) - known)

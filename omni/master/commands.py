@@ -16,7 +16,7 @@ import typer
 
 from omni.errors import ConfigError, OmniError
 from omni.master import DEFAULT_PORT
-from omni.master.auth import tls_from_options
+from omni.master.auth import TlsFiles, tls_from_options
 from omni.master.types import Status
 from omni.signals import StopRequest
 
@@ -104,13 +104,13 @@ def status(
     master cannot be reached, 130 on Ctrl-C before a view was shown (--watch: after one, as that view)."""
     from omni.master.client import MasterClient
 
+    tls = tls_from_options(tls_cert, tls_key, tls_ca)
     if master is None:
-        master = _local_master()
+        master, tls = _local_master(tls=tls)
     client = None
     try:
         with ctrl_c() as stop:
-            client = MasterClient(master, token=omni_token, tls=tls_from_options(tls_cert, tls_key, tls_ca),
-                                  timeout_s=5.0)
+            client = MasterClient(master, token=omni_token, tls=tls, timeout_s=5.0)
             if watch:
                 st = _watch(client, json_, stop)
             else:
@@ -131,18 +131,21 @@ def status(
     raise typer.Exit(EXIT_NOT_READY if problems else EXIT_OK)
 
 
-def _local_master(verb: str = "status") -> str:
-    """The master of the `omni serve` started on this host (its run file); says which it picked."""
+def _local_master(verb: str = "status", tls: TlsFiles | None = None) -> tuple[str, TlsFiles | None]:
+    """The master of the `omni serve` started on this host (its run file), says which it picked, and
+    how to connect to it: the given --tls-* files, else those that serve's own processes use."""
     from omni import runfile
 
     runs = runfile.live_runs()
     if not runs:
-        return f"127.0.0.1:{DEFAULT_PORT}"
+        return f"127.0.0.1:{DEFAULT_PORT}", tls
     run = runs[0]
     more = f" (the newest of {len(runs)} on this host; --master picks another)" if len(runs) > 1 else ""
+    if tls is None and isinstance(run.get("tls"), dict):
+        tls = TlsFiles(*(run["tls"].get(k) for k in ("cert", "key", "ca")))
     typer.echo(f"omni {verb}: found `omni serve {run.get('model')}` (pid {run['pid']}), master "
-               f"{run['master']}{more}", err=True)
-    return str(run["master"])
+               f"{run['master']}{' (TLS)' if tls is not None else ''}{more}", err=True)
+    return str(run["master"]), tls
 
 
 class Interrupted(Exception):

@@ -44,7 +44,11 @@ def test_serve_with_mtls_master_serves_and_refuses_plaintext(tmp_path):
         roles = {rep["role"] for rep in json.loads(st.stdout)["replicas"]}
         assert roles == {"STAGE", "FRONTEND"}
 
-        plain = _status(env)
+        # A bare `omni status` on this host connects as serve's own processes do (the run file's TLS paths).
+        bare = _status(env)
+        assert bare.returncode == 0 and "(TLS)" in bare.stderr, bare.stderr
+        address = next(line for line in p.lines if "master listening on" in line).split()[-2]
+        plain = _status(env, "--master", address)
         assert plain.returncode == 2, plain.stdout
         assert "a master with TLS closes plaintext connections" in plain.stderr, plain.stderr
         no_cert = _status(env, "--tls-ca", certs["ca"])

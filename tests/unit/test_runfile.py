@@ -55,3 +55,17 @@ def test_a_planted_temp_link_is_replaced_not_followed(run_dir, tmp_path):
     assert [r["master"] for r in runfile.live_runs()] == ["127.0.0.1:5"]
     runfile.remove(path)
     assert list(run_dir.iterdir()) == []
+
+
+def test_a_bare_status_connects_with_the_runs_tls_files(run_dir):
+    """`omni serve --tls-*` records the paths its processes connect with; a bare `omni status` uses them
+    (given --tls-* win)."""
+    from omni.master.auth import TlsFiles
+    from omni.master.commands import _local_master
+
+    path = runfile.write("127.0.0.1:5", "m", None, tls={"cert": None, "key": None, "ca": "/x/ca.pem"})
+    assert _local_master() == ("127.0.0.1:5", TlsFiles(ca="/x/ca.pem"))
+    given = TlsFiles(ca="/y/ca.pem")
+    assert _local_master(tls=given) == ("127.0.0.1:5", given)
+    runfile.remove(path)
+    assert runfile.write("127.0.0.1:6", "m", None) and _local_master() == ("127.0.0.1:6", None)
