@@ -43,13 +43,14 @@ class SpeechRoutes:
         if refused is not None:
             raise bad_request(f"{refused[0]} is not supported: {refused[1]}", param=refused[0])
         as_sse = req.stream_format == "sse" or (req.stream and req.stream_format is None)
+        as_raw = not as_sse and (req.response_format == "pcm" or req.stream_format == "audio")
         asked = P.one_voice({"voice": req.voice.id if isinstance(req.voice, P.VoiceId) else req.voice,
                              "speaker": req.speaker})
         voice, speed = await self.fe.voice(asked, req.speed)
         preq = PipelineRequest(request_id=f"speech-{uuid.uuid4().hex}", text=req.input,
                                entry_stage=self.fe.speech_stage, modalities=("audio",), voice=voice, speed=speed)
         audio = AudioStream(self.fe.metrics.audio, self.fe.model, self.fe.voice_label(asked, voice),
-                            self.fe.t0(request), streamed=as_sse or req.response_format == "pcm")
+                            self.fe.t0(request), streamed=as_sse or as_raw)
         gen = Generation(self.fe.orch, preq, decode=self.fe.decode, prompt_ids=[], stops=[], metrics=self.fe.metrics,
                          route="/v1/audio/speech", t0=self.fe.t0(request), audio=audio)
 
@@ -89,7 +90,7 @@ class SpeechRoutes:
 
         if as_sse:
             return await until_disconnect(request, stream_sse)
-        if req.response_format == "pcm" or req.stream_format == "audio":
+        if as_raw:
             return await until_disconnect(request, stream_pcm)
 
         async def work() -> Response:

@@ -3,6 +3,7 @@ or the raw bytes), the voice as `speaker` or `{"id": ...}`, and their other fiel
 
 import base64
 import json
+import re
 
 import pytest
 
@@ -85,3 +86,19 @@ async def test_raw_streaming_of_wav_sends_a_header_of_unknown_length_then_the_sa
     whole = await c.post("/v1/audio/speech", json={"input": "hi"})
     assert r.content[44:] == whole.content[44:] and r.content[:4] == b"RIFF" and r.content[40:44] == b"\xff" * 4
     assert r.content[8:40] == whole.content[8:40]          # the same format chunk
+
+
+@pytest.mark.parametrize("body, streamed", [
+    ({"response_format": "wav", "stream_format": "audio"}, True),   # raw wav: sent chunk by chunk too
+    ({"response_format": "pcm"}, True),
+    ({"stream": True}, True),
+    ({"response_format": "wav"}, False),                              # whole: no time to first audio
+])
+async def test_time_to_first_audio_counts_every_answer_sent_chunk_by_chunk(tokenizer, body, streamed):
+    orch, c = make(tokenizer, speech_entry_stage=1)
+    orch.audio_chunks = 3
+    assert (await c.post("/v1/audio/speech", json={"input": "hi there", **body})).status_code == 200
+    text = (await c.get("/metrics")).text
+    counts = {m.group(1): float(m.group(2)) for m in
+              re.finditer(r"^vllm_omni:audio_(ttfp_s|underrun_s|duration_s)_count\{[^}]*\} (\S+)$", text, re.M)}
+    assert counts == ({"ttfp_s": 1, "underrun_s": 1, "duration_s": 1} if streamed else {"duration_s": 1})
