@@ -262,11 +262,15 @@ class CudaMemory(ArenaMemory):
     def copy_out(self, mapping: Mapping, fence: Any, offset: int, dtype: torch.dtype,
                  shape: tuple[int, ...]) -> torch.Tensor:
         device = mapping.buf.device
-        stream = self._stream(device)
-        out = torch.empty(shape, dtype=dtype, device=device)
+        stream, current = self._stream(device), torch.cuda.current_stream(device)
         nbytes = math.prod(shape) * dtype.itemsize
         done = torch.cuda.Event()
         with torch.cuda.stream(stream):
+            # out comes from the copy stream's pool: one from the caller's could be a block freed there
+            # that the caller's queued kernels still use, which this copy (ordered by the fence only)
+            # would overwrite. The caller's stream is recorded, so the block waits for its work when freed.
+            out = torch.empty(shape, dtype=dtype, device=device)
+            out.record_stream(current)
             stream.wait_event(fence)
             out.view(-1).view(torch.uint8).copy_(mapping.buf[offset:offset + nbytes], non_blocking=True)
             done.record(stream)

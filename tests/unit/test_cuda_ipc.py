@@ -227,6 +227,55 @@ def test_the_copy_in_is_ordered_both_ways_with_the_callers_stream():
                      ("current", "wait_event", ["fence"]), ("src", "record_stream", ["copy"])]
 
 
+def test_the_copy_out_lands_in_memory_of_the_copy_stream_recorded_for_the_callers():
+    """On the CUDA emulator: the consumer's tensor is allocated on the copy stream (one from the caller's
+    stream's pool may be a block freed there that the caller's queued kernels still use, and the copy,
+    ordered only by the producer's fence, would overwrite it), then marked used by the caller's stream,
+    so its block is not reused before the caller's work on it is done. It was allocated on the caller's
+    stream. (On a GPU the child of test_cuda_tensors_reach_a_consumer_process_in_order_of_the_fence
+    gets through this copy_out.)"""
+    import contextlib
+
+    from omni.transport.ipc_memory import CudaMemory, Mapping
+    from tests.unit.fake_cuda import DeviceTensor, FakeCuda
+
+    calls: list[tuple[str, str, list]] = []
+    active: list[str] = ["current"]
+
+    class Rec:
+        def __init__(self, name):
+            self.name = name
+
+        def __getattr__(self, attr):
+            return lambda *a, **k: calls.append((self.name, attr, [getattr(x, "name", x) for x in a]))
+
+    @contextlib.contextmanager
+    def on(stream):
+        active.append(stream.name)
+        try:
+            yield
+        finally:
+            active.pop()
+
+    with FakeCuda(), torch.no_grad():
+        current, copy, fence = Rec("current"), Rec("copy"), Rec("fence")
+        empty = torch.empty
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(torch.cuda, "current_stream", lambda *a, **k: current)
+            patch.setattr(torch.cuda, "stream", on)
+            patch.setattr(torch, "empty", lambda *a, **k: calls.append(("empty", "on", [active[-1]])) or empty(*a, **k))
+            patch.setattr(DeviceTensor, "record_stream", lambda t, s: calls.append(("out", "record_stream", [s.name])),
+                          raising=False)
+            mem = CudaMemory.__new__(CudaMemory)
+            mem.device, mem._streams, mem._event = torch.device("cuda", 0), {0: copy}, None
+            src = torch.arange(32, dtype=torch.float32)
+            buf = src.view(torch.uint8).to("cuda")
+            out = mem.copy_out(Mapping(buf), fence, 0, torch.float32, (4, 8))
+        assert torch.equal(out.cpu(), src.reshape(4, 8))
+    assert calls[:3] == [("empty", "on", ["copy"]), ("out", "record_stream", ["current"]),
+                         ("copy", "wait_event", ["fence"])]
+
+
 @pytest.mark.cuda
 def test_cuda_tensors_reach_a_consumer_process_in_order_of_the_fence():
     producer = make_producer("cuda_ipc", arena_bytes=64 << 20)
