@@ -37,6 +37,9 @@ HIDDEN = ("owner", "created_ns")
 # A job record must fit the master's KV value cap (64 KiB): an error message is cut to this
 # (a 1.5 MB unknown model name echoed back left a job unable to store its end, "in progress").
 MAX_ERROR_CHARS = 4096
+# What a job whose end the master refused (_finish) reads as.
+REFUSED_END = ("the job ended, but the master refused its final record (the jobs namespace is at its byte or "
+               "entry limit, or the record over the value limit); its result is not kept: submit it again")
 WATCH_S = 0.5      # how often a frontend running jobs looks for ones deleted through another frontend
 FINISH_S = 30.0    # how long the final status write is retried while the master is unreachable
 # Jobs one frontend runs at once; the others wait "queued". Unbounded, a burst of jobs filled the
@@ -275,6 +278,8 @@ class Jobs:
                 msg = (f"frontend {owner.get('frontend')} (pid {owner.get('pid')}) that ran this job is gone; "
                        f"submit it again")
                 record = {**record, "status": "failed", "error": _error(msg, code="frontend_gone")}
+        elif record["status"] == "failed" and record.get("error") is None:   # _finish's fallback
+            record = {**record, "error": _error(REFUSED_END, code="record_refused")}
         return _public(record)
 
     # ---- running
@@ -298,7 +303,7 @@ class Jobs:
         except Exception as e:
             err = to_api_error(e)
             final = {"status": "failed", "error": _error(err.message, err.type, err.param, err.code)}
-        await self._finish({**record, **final, "completed_at": int(time.time())})
+        await self._finish(record, {**final, "completed_at": int(time.time())})
 
     def _ended(self, job_id: str) -> None:
         # A done callback, not a `finally`: a task cancelled before its first step never runs its body,
@@ -348,9 +353,12 @@ class Jobs:
         await response(scope, receive, send)
         return out["status"], out["ctype"], bytes(out["body"])
 
-    async def _finish(self, record: dict) -> None:
+    async def _finish(self, stored: dict, final: dict) -> None:
+        """Store the job's end over `stored`, its queued record. A refused end (the namespace at its cap: the end is
+        larger) becomes `stored` marked failed, which is no larger than what the key holds (queued, or
+        in_progress), so the master, which takes any write that does not grow a namespace, takes it."""
+        record = {**stored, **final}
         deadline = time.monotonic() + FINISH_S
-        fallback = True
         while True:
             try:
                 # Only over the record: a job deleted (through any frontend) while it ran, even between
@@ -365,16 +373,13 @@ class Jobs:
                     return
                 await asyncio.sleep(1.0)   # retry pacing while the master is away, not synchronisation
             except Exception as e:
-                if not fallback:
-                    log.warning("job %s finished as %s but its status could not be stored: %s",
-                                record["id"], record["status"], e)
+                if record["status"] == "failed" and record.get("error") is None:
+                    log.warning("job %s: not even its failure could be stored: %s", record["id"], e)
                     return
-                # The master refused the record: store a plain failure, so it never reads as running.
-                fallback = False
+                log.warning("job %s finished as %s but the master refused its record (%s); stored as failed",
+                            record["id"], record["status"], e)
                 await self.results.delete(record["id"])
-                record = {**record, "status": "failed", "content_type": None, "bytes": None,
-                          "error": _error(f"the job ended ({record['status']}) but its record could not be "
-                                          f"stored: {e}")}
+                record = {**stored, "status": "failed"}   # error None: readers say why (_view)
 
     async def _watch_deletions(self) -> None:
         """Cancel this frontend's running jobs that were deleted through another frontend: one kv_get per

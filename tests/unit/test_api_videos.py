@@ -18,7 +18,7 @@ from omni.api.jobs import Jobs, LocalKv, Results
 from omni.config import VideoSettings
 from omni.api.protocol_media import MAX_IMAGE_PROMPT_CHARS
 from omni.errors import StageFailed
-from omni.master.kv import KvStore
+from omni.master.kv import KvStore, Limits
 from omni.orchestrator.types import PipelineOutput, PipelineRequest
 from tests.unit.test_jobs import settle
 
@@ -347,3 +347,40 @@ async def test_a_video_deleted_before_it_starts_stays_deleted(two):
     assert (await c1.delete(f"/v1/videos/{v['id']}")).status_code == 200     # before its task first ran
     await settle(jobs0)
     assert orch.requests == [] and (await c0.get(f"/v1/videos/{v['id']}")).status_code == 404
+
+
+@pytest.mark.parametrize("kind", ["video", "job"])
+@pytest.mark.parametrize("ends", ["completed", "failed"])
+@pytest.mark.parametrize("full", ["while running", "before it starts"])
+async def test_a_job_whose_end_the_full_namespace_refuses_reads_failed_on_every_frontend(tmp_path, kind, ends, full):
+    """The final record is larger than the queued/in_progress one, so a jobs namespace filled to its cap
+    meanwhile refused it, and the 'plain failure' put in its place (larger still): the job read in_progress for
+    7 days on the other frontends and 'frontend gone' on its own. The fallback is now no larger than the
+    record the master holds."""
+    kv = MasterKv()
+    fronts = [Jobs(kv, Results(tmp_path), frontend_index=i, host=f"h{i}",
+                   live_frontends=lambda: {("h0", os.getpid()), ("h1", os.getpid())}) for i in (0, 1)]
+    started, gate = asyncio.Event(), asyncio.Event()
+
+    async def work():
+        started.set()
+        await gate.wait()
+        if ends == "completed":
+            return 200, "video/mp4", b"\0" * 1000
+        return 500, "application/json", json.dumps({"error": {"message": "e" * 3000, "type": "stage_error"}}).encode()
+
+    extra = {"video": {"prompt": "a cat", "negative_prompt": None}} if kind == "video" else None
+    job = await fronts[0].submit("/v1/videos", work, prefix="video_" if kind == "video" else "job-", extra=extra)
+    if full == "while running":
+        await asyncio.wait_for(started.wait(), 10)
+    # other clients' jobs filled the namespace: its cap is what it holds now
+    kv.store._limits["jobs"] = Limits(ttl_s=7 * 86400.0, max_bytes=kv.store._bytes["jobs"])
+    gate.set()
+    await settle(fronts[0])
+    for jobs in fronts:
+        got = await jobs.record(job["id"])
+        assert got["status"] == "failed" and got["error"]["code"] == "record_refused", (jobs.frontend_index, got)
+        assert "refused its final record" in got["error"]["message"]
+    assert os.listdir(tmp_path) == []     # no result without a record saying completed
+    for jobs in fronts:
+        await jobs.close()
