@@ -101,6 +101,7 @@ class Jobs:
         self._tasks: dict[str, asyncio.Task] = {}
         self._mine: set[str] = set()   # accepted here and not finished: ours even before the task exists
         self._running: set[str] = set()   # holding a slot: the jobs the watcher looks up
+        self._waiting: set[str] = set()   # stored and waiting for a slot
         self._watcher: asyncio.Task | None = None
         self._sweeper: asyncio.Task | None = None
         self._slots = asyncio.Semaphore(MAX_RUNNING)
@@ -136,6 +137,8 @@ class Jobs:
     async def submit(self, endpoint: str, work: Work, *, prefix: str = "job-", extra: dict | None = None) -> dict:
         """Store a queued job and start `work` in the background; its public record. `extra`: fields the
         record keeps for its reader (the Videos API's parameters)."""
+        if len(self._mine) >= MAX_RUNNING + MAX_QUEUED:
+            await self._drop_deleted_waiting()
         if len(self._mine) >= MAX_RUNNING + MAX_QUEUED:
             raise APIError(429, f"this frontend holds {len(self._mine)} unfinished jobs, its limit ({MAX_RUNNING} "
                            f"running, {MAX_QUEUED} queued); retry once some finish or delete some",
@@ -286,8 +289,10 @@ class Jobs:
 
     async def _run(self, record: dict, work: Work) -> None:
         job_id = record["id"]
+        self._waiting.add(job_id)
         try:
             async with self._slots:
+                self._waiting.discard(job_id)
                 self._running.add(job_id)
                 try:
                     # Only over the record: a job deleted (through any frontend) before it started, even
@@ -310,6 +315,7 @@ class Jobs:
         # and would hold one of MAX_QUEUED places for good.
         self._tasks.pop(job_id, None)
         self._mine.discard(job_id)
+        self._waiting.discard(job_id)
 
     async def _execute(self, endpoint: str, job_id: str, work: Work) -> dict:
         status, ctype, content = await work()
@@ -380,6 +386,21 @@ class Jobs:
                             record["id"], record["status"], e)
                 await self.results.delete(record["id"])
                 record = {**stored, "status": "failed"}   # error None: readers say why (_view)
+
+    async def _drop_deleted_waiting(self) -> None:
+        """Forget this frontend's waiting jobs deleted through another frontend (the watcher looks up running
+        ones only), so they stop holding queue places: before a 429, one kv_get each (at most MAX_QUEUED)."""
+        waiting = list(self._waiting)
+        try:
+            blobs = await asyncio.gather(*(self.kv.kv_get(NAMESPACE, j) for j in waiting))
+        except Exception as e:    # the master away: the 429 stands
+            log.debug("job queue check: %s", e)
+            return
+        for job_id, blob in zip(waiting, blobs):
+            task = self._tasks.get(job_id)
+            if blob is None and task is not None and job_id in self._waiting:
+                task.cancel()
+                self._mine.discard(job_id)   # now, not at the task's end: this submit counts without it
 
     async def _watch_deletions(self) -> None:
         """Cancel this frontend's running jobs that were deleted through another frontend: one kv_get per

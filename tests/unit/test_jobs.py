@@ -404,3 +404,26 @@ def test_launcher_gives_every_frontend_one_jobs_dir(tmp_path, persist):
     assert (jobs_dir == str(tmp_path / "jobs")) == persist
     launcher.shutdown()
     assert os.path.isdir(jobs_dir) == persist   # a temp one goes with the launcher
+
+
+async def test_queued_jobs_deleted_through_another_frontend_free_their_places(tokenizer, tmp_path):
+    """The owner's watcher looks up its running jobs only: 64 queued jobs deleted through frontend 1 kept their
+    places on frontend 0, which refused new jobs with a 429 until its running ones ended."""
+    from omni.api.jobs import MAX_QUEUED, MAX_RUNNING
+
+    kv = LocalKv()
+    orch0, jobs0, c0 = frontend(tokenizer, kv, tmp_path, 0, "h0")
+    _, _, c1 = frontend(tokenizer, kv, tmp_path, 1, "h1")
+    orch0.hang_after = 0       # the running ones never end
+    job = {"endpoint": "/v1/completions", "body": {"model": "tiny", "prompt": "hi"}}
+    ids = [(await c0.post("/v1/omni/jobs", json=job)).json()["id"] for _ in range(MAX_RUNNING + MAX_QUEUED)]
+    await asyncio.wait_for(orch0.started_event.wait(), 5)
+    for job_id in ids[MAX_RUNNING:]:
+        assert (await c1.delete(f"/v1/omni/jobs/{job_id}")).status_code == 200
+    r = await c0.post("/v1/omni/jobs", json=job)
+    assert r.status_code == 200, r.text
+    assert len(jobs0._mine) == MAX_RUNNING + 1
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert len(orch0.requests) == MAX_RUNNING     # the deleted ones never ran
+    await jobs0.close()
