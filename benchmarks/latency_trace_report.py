@@ -21,17 +21,17 @@ import glob
 import json
 import os
 import sys
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-def pct(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(p / 100 * len(xs)))]
+from benchmarks.stats import pct  # noqa: E402
 
 
 def summary(xs: list[float]) -> dict:
     if not xs:
         return {"n": 0}
-    return {"n": len(xs), "p50": pct(xs, 50), "p90": pct(xs, 90), "p99": pct(xs, 99), "max": max(xs)}
+    return {"n": len(xs), "p50": pct(xs, 0.5), "p90": pct(xs, 0.9), "p99": pct(xs, 0.99), "max": max(xs)}
 
 
 def load(where: str) -> dict[str, list[dict]]:

@@ -44,6 +44,9 @@ def _tree() -> Path:
     return Path(__file__).resolve().parents[1]
 
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.stats import pct  # noqa: E402  (this checkout's, whichever tree --tree runs)
+
 REPO = _tree()
 sys.path.insert(0, str(REPO))
 
@@ -158,9 +161,15 @@ async def measure(blocks: int, per_block: int, endpoint: str, local: str, token:
     return samples, cpu
 
 
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] * 1e6
+def table(samples: dict, cpu: dict) -> list[dict]:
+    """One row per (round trip, carrier) from the round trips' seconds and (frontend, stage) CPU seconds."""
+    rows = []
+    for (kind, carrier), xs in samples.items():
+        rows.append({"round_trip": kind, "carrier": carrier, "n": len(xs), "p50_us": round(pct(xs, 0.5) * 1e6, 1),
+                     "p99_us": round(pct(xs, 0.99) * 1e6, 1), "mean_us": round(sum(xs) / len(xs) * 1e6, 1),
+                     "frontend_cpu_us": round(cpu[kind, carrier][0] / len(xs) * 1e6, 1),
+                     "stage_cpu_us": round(cpu[kind, carrier][1] / len(xs) * 1e6, 1)})
+    return rows
 
 
 def main() -> None:
@@ -194,12 +203,7 @@ def main() -> None:
         child.kill()
         child.wait(10)
     load.append(os.getloadavg()[0])
-    rows = []
-    for (kind, carrier), xs in samples.items():
-        rows.append({"round_trip": kind, "carrier": carrier, "n": len(xs), "p50_us": round(pct(xs, 0.5), 1),
-                     "p99_us": round(pct(xs, 0.99), 1), "mean_us": round(sum(xs) / len(xs) * 1e6, 1),
-                     "frontend_cpu_us": round(cpu[kind, carrier][0] / len(xs) * 1e6, 1),
-                     "stage_cpu_us": round(cpu[kind, carrier][1] / len(xs) * 1e6, 1)})
+    rows = table(samples, cpu)
     ratios = {}
     for kind in ("ping", "request"):
         z, lo = (next(r for r in rows if r["round_trip"] == kind and r["carrier"] == c) for c in ("zmq", "local"))
