@@ -135,8 +135,9 @@ class ImageRoutes:
         self.fe.check_model(req.model)
         return req, image_params(req, self.settings)
 
-    def check(self, body: bytes) -> None:
-        self.parse(body)
+    async def check(self, body: bytes) -> None:
+        """What the route refuses before running (a job's create): the parse, then the LM's (`expand`)."""
+        await self.pipeline_request(*self.parse(body))
 
     async def generations(self, request: Request) -> Response:
         req, params = self.parse(await request.body())

@@ -54,7 +54,7 @@ SWEEP_S = 3600.0
 
 Handler = Callable[[Request], Awaitable[Response]]
 # body -> None, or the APIError the route would answer before running anything (it decodes the body itself)
-Check = Callable[[bytes], None]
+Check = Callable[[bytes], Awaitable[None]]
 # -> (HTTP status, content type, body) of a job's work: a route's answer, or the Videos API's MP4
 Work = Callable[[], Awaitable["tuple[int, str, bytes]"]]
 # -> {(host, pid)} of the registered frontends, or None while that is unknown (no topology yet)
@@ -126,7 +126,7 @@ class Jobs:
         try:  # wrong types, missing fields and a route's own bounds are refused now, not as a failed job later
             check = self.checks.get(spec.endpoint)
             if check is not None:
-                check(body)     # the route's own parse: the body's type, then its bounds
+                await check(body)     # the route's own parse: the body's type, then its bounds
             else:
                 P.decode_body(body, BODY_TYPES[spec.endpoint])
         except APIError as e:

@@ -240,3 +240,24 @@ async def test_a_prompt_the_lms_context_cannot_hold_is_a_400_naming_it(tokenizer
     r = await client.post("/v1/images/generations", json={"prompt": "the quick brown fox " * 20})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
     assert orch.requests == []
+
+
+@pytest.mark.parametrize("case", ["prompt over the context's characters", "no room for tokens", "no tokenizer",
+                                  "fits"])
+async def test_an_expand_image_job_is_refused_at_create_as_the_sync_route_refuses_it(tokenizer, case):  # noqa: F811
+    """The LM's refusals (need_text, the prompt's characters, no room for a completion) were in
+    pipeline_request only, so such a job was made and then failed; the create runs them now."""
+    mml, prompt = {"prompt over the context's characters": (24, "the quick brown fox " * 20),
+                   "no room for tokens": (40, "a cat")}.get(case, (128, "a cat"))
+    orch, client = make(EXPAND, None if case == "no tokenizer" else tokenizer, max_model_len=mml)
+    body = {"prompt": prompt}
+    sync = await client.post("/v1/images/generations", json=body)
+    r = await client.post("/v1/omni/jobs", json={"endpoint": "/v1/images/generations", "body": body})
+    if case == "fits":
+        assert sync.status_code == 200 and r.status_code == 200, r.text
+        assert (await settled(client, r.json()["id"]))["status"] == "completed"
+        return
+    assert r.status_code == sync.status_code, r.text
+    err, want = r.json()["error"], sync.json()["error"]
+    assert err["message"] == f"body: {want['message']}" and err["param"] == ("body.prompt" if want["param"] else "body")
+    assert orch.requests == [] and (await client.get("/v1/omni/jobs")).json()["data"] == []
