@@ -8,6 +8,10 @@ from starlette.requests import Request
 from omni.api.errors import bad_request
 
 PARAMS = ("limit", "order", "after")
+# Their OpenAPI description (omni/api/routes.py), one for both lists.
+QUERY = (("limit", {"type": "integer", "minimum": 1, "maximum": 100, "default": 20}),
+         ("order", {"type": "string", "enum": ["asc", "desc"], "default": "desc"}),
+         ("after", {"type": "string"}))
 
 
 def list_page(request: Request, items: list[dict], what: str) -> dict:

@@ -10,6 +10,7 @@ import omni
 from omni.api import openapi as o
 from omni.api import protocol as P
 from omni.api.jobs import JobRequest
+from omni.api.listing import QUERY as LIST_QUERY
 
 
 @dataclass(frozen=True)
@@ -43,10 +44,7 @@ ROUTES: tuple[RouteSpec, ...] = (
               errors=GENERATION),
     # The Videos API: async, on the jobs' records (every frontend sees every video).
     RouteSpec("/v1/videos", "POST", "videos", "create", P.VideoCreateRequest, errors=NEW_JOB),
-    RouteSpec("/v1/videos", "GET", "videos", "list", errors=(400, 404, 503),
-              query=(("limit", {"type": "integer", "minimum": 1, "maximum": 100, "default": 20}),
-                     ("order", {"type": "string", "enum": ["asc", "desc"], "default": "desc"}),
-                     ("after", {"type": "string"}))),
+    RouteSpec("/v1/videos", "GET", "videos", "list", errors=(400, 404, 503), query=LIST_QUERY),
     RouteSpec("/v1/videos/{video_id}", "GET", "videos", "retrieve", errors=JOB),
     RouteSpec("/v1/videos/{video_id}", "DELETE", "videos", "delete", errors=JOB),
     RouteSpec("/v1/videos/{video_id}/content", "GET", "videos", "content", ok=("video/mp4",), errors=(*JOB, 400, 409),
@@ -59,8 +57,7 @@ ROUTES: tuple[RouteSpec, ...] = (
     RouteSpec("/v1/omni/wakeup", "POST", "control", "wake_up", control=True, errors=(503,)),
     RouteSpec("/v1/omni/is_sleeping", "GET", "control", "is_sleeping", errors=(503,)),
     RouteSpec("/v1/omni/jobs", "POST", "jobs", "create", JobRequest, errors=NEW_JOB),
-    RouteSpec("/v1/omni/jobs", "GET", "jobs", "list", errors=(400, 503),
-              query=(("limit", {"type": "integer", "minimum": 1, "maximum": 100, "default": 20}),)),
+    RouteSpec("/v1/omni/jobs", "GET", "jobs", "list", errors=(400, 503), query=LIST_QUERY),
     RouteSpec("/v1/omni/jobs/{job_id}", "GET", "jobs", "retrieve", errors=JOB),
     RouteSpec("/v1/omni/jobs/{job_id}", "DELETE", "jobs", "delete", errors=JOB),
     # The result's type is the job's endpoint's: JSON (chat, completions, images) or a WAV (speech).

@@ -29,3 +29,13 @@ def test_app_openapi_and_guard_follow_the_table(tokenizer):
     assert set(app.state.jobs.handlers) == {"/v1/chat/completions", "/v1/completions", "/v1/audio/speech"}
     text_only = build_app(FakeOrchestrator(tokenizer), tokenizer, served_model_name="tiny", max_model_len=64)
     assert set(text_only.state.jobs.handlers) == {"/v1/chat/completions", "/v1/completions"}
+
+
+def test_each_list_route_documents_the_query_parameters_it_takes():
+    """GET /v1/omni/jobs documented `limit` only, while it takes OpenAI's `order` and `after` too."""
+    from omni.api.listing import PARAMS
+
+    spec = openapi_spec("tiny")["paths"]
+    for path in ("/v1/omni/jobs", "/v1/videos"):
+        params = spec[path]["get"]["parameters"]
+        assert [p["name"] for p in params if p["in"] == "query"] == list(PARAMS), path
