@@ -73,6 +73,7 @@ class Free:
     replica_id: str
     transport: str
     keys: tuple[int, ...]
+    incarnation: str = ""    # the producer that made them (TensorRef.incarnation)
 
 
 @dataclass(frozen=True)

@@ -181,9 +181,9 @@ class Orchestrator:
         ch = self._live_channel(a.replica_id)
         if ch is None:
             return
-        keys = self._fetch.hold(a.replica_id, a.transport, a.keys, ch)    # a tensor being read: after it
+        keys = self._fetch.hold(a.replica_id, a.transport, a.keys, ch, a.incarnation)   # a tensor being read: after it
         if keys:
-            ch.post(m.FreeTensors(list(keys), a.transport))
+            ch.post(m.FreeTensors(list(keys), a.transport, a.incarnation))
 
     def _do_abort(self, a: ev.AbortStage) -> None:
         ch = self._live_channel(a.replica_id)
@@ -220,7 +220,7 @@ class Orchestrator:
         (or the read's error, the request's) takes its place in the request's queue."""
         for ch in self._fetch.released(producer, ref):
             if not ch.closed:            # closed: that replica went (or restarted: its keys are others')
-                ch.post(m.FreeTensors([ref.key], ref.transport))
+                ch.post(m.FreeTensors([ref.key], ref.transport, ref.incarnation))
         if fut.done():                   # the request's generator is gone (client left, timed out)
             return
         if self._sinks.get(rid) is not sink or (sink.outcome not in (None, "ok")

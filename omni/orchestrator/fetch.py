@@ -12,7 +12,7 @@ placeholder is dropped.
 
 The orchestrator's `Free` of a tensor being read waits for the read, also when the request was
 cancelled meanwhile. A tensor is known by its producer (the replica id the core saw it from),
-transport and key: keys are only unique per producing process. A waiting Free goes to the
+transport, key and incarnation: keys are only unique per producing process. A waiting Free goes to the
 channel it was meant for, and is dropped if that channel closed meanwhile (the replica went,
 or restarted under the same id: its keys start at 1 again and name other tensors). This holds
 for frees the frontend sends only: a stage frees on its own whatever a request owns when it
@@ -101,9 +101,9 @@ class Fetcher:
         self._threads = threads
         self._pool: _DaemonPool | None = None
         self._closed = False
-        # (producer replica, transport, key) -> reads running; frees waiting for them: where to send each
-        self._reading: dict[tuple[str, str, int], int] = {}
-        self._deferred: dict[tuple[str, str, int], list[Any]] = {}
+        # (producer replica, transport, key, incarnation) -> reads running; frees waiting for them: where to send each
+        self._reading: dict[tuple[str, str, int, str], int] = {}
+        self._deferred: dict[tuple[str, str, int, str], list[Any]] = {}
 
     def read(self, consumer: Any, out: PipelineOutput, ref: TensorRef, producer: str,
              done: Callable[[PipelineOutput | BaseException], None]) -> None:
@@ -113,7 +113,7 @@ class Fetcher:
             raise Unavailable("frontend is shutting down: no more tensor reads")
         if self._pool is None:
             self._pool = _DaemonPool(self._threads)
-        k = (producer, ref.transport, ref.key)
+        k = (producer, ref.transport, ref.key, ref.incarnation)
         fut = asyncio.wrap_future(self._pool.submit(fill, consumer, out, ref))
         self._reading[k] = self._reading.get(k, 0) + 1
 
@@ -127,20 +127,21 @@ class Fetcher:
                 done(f.exception() or f.result())
         fut.add_done_callback(finished)
 
-    def hold(self, producer: str, transport: str, keys: tuple[int, ...], target: Any) -> tuple[int, ...]:
+    def hold(self, producer: str, transport: str, keys: tuple[int, ...], target: Any,
+             incarnation: str = "") -> tuple[int, ...]:
         """The keys of a Free that no read is using (to free now); the others are kept, with the
         `target` (channel) to free them at, until their reads end (`released`)."""
         now = []
         for key in keys:
-            if (producer, transport, key) in self._reading:
-                self._deferred.setdefault((producer, transport, key), []).append(target)
+            if (producer, transport, key, incarnation) in self._reading:
+                self._deferred.setdefault((producer, transport, key, incarnation), []).append(target)
             else:
                 now.append(key)
         return tuple(now)
 
     def released(self, producer: str, ref: TensorRef) -> list[Any]:
         """Where the frees of `ref` that waited for its reads go, once none is running."""
-        k = (producer, ref.transport, ref.key)
+        k = (producer, ref.transport, ref.key, ref.incarnation)
         if k in self._reading:
             return []
         return self._deferred.pop(k, [])

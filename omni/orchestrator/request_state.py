@@ -116,12 +116,12 @@ def finals_below(config: DeployConfig, s: int) -> frozenset[int]:
 
 def free_actions(producer: str | Callable, refs: list[TensorRef]) -> list[ev.Free]:
     """Free `refs` at their producer (a replica id, or a lookup from a ref's id to one)."""
-    groups: dict[tuple[str, str], list[int]] = {}
+    groups: dict[tuple[str, str, str], list[int]] = {}
     for ref in refs:
         rep = producer(ref_id(ref), "") if callable(producer) else producer
         if rep:
-            groups.setdefault((rep, ref.transport), []).append(ref.key)
-    return [ev.Free(rep, transport, tuple(keys)) for (rep, transport), keys in groups.items()]
+            groups.setdefault((rep, ref.transport, ref.incarnation), []).append(ref.key)
+    return [ev.Free(rep, transport, tuple(keys), inc) for (rep, transport, inc), keys in groups.items()]
 
 
 def cut_part(state: RequestState, s: int, keep_published: bool = False) -> list[ev.Action]:

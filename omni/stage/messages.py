@@ -71,6 +71,7 @@ class Release(msgspec.Struct, frozen=True, tag="release"):
 class FreeTensors(msgspec.Struct, frozen=True, tag="free"):
     keys: list[int]
     transport: str = "shm"
+    incarnation: str = ""            # the refs' producer: another one (a restart under the same id) ignores it
 
 
 class Utility(msgspec.Struct, frozen=True, tag="utility"):

@@ -103,6 +103,18 @@ class OutputProducers:
             self.available = frozenset({"cuda_ipc"}) if torch.cuda.is_available() else frozenset()
         return auto_transport(True, str(tensor.device), self.devices, req.out_devices, self.available)
 
+    def free_sent(self, transport: str, keys: list[int], incarnation: str) -> bool:
+        """A FreeTensors: False (nothing freed) when its keys are another producer's, e.g. this
+        replica's predecessor under the same id, whose keys started at 1 too."""
+        producer = self.get(transport)
+        if producer is None or incarnation not in ("", getattr(producer, "incarnation", "")):
+            if producer is not None:
+                logger.debug("%s: a free of %s keys of %s ignored (not this producer's)", self.label,
+                             transport, incarnation)
+            return False
+        producer.free(keys)
+        return True
+
     def free_refs(self, refs: dict) -> None:
         for r in refs.values():
             producer = self.get(r.transport)

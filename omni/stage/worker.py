@@ -237,9 +237,7 @@ class StageWorker:
             for rid in msg.request_ids:
                 self.engine.release(rid)
         elif isinstance(msg, m.FreeTensors):
-            producer = self._producers.get(msg.transport)
-            if producer is not None:
-                producer.free(msg.keys)
+            if self._producers.free_sent(msg.transport, msg.keys, msg.incarnation):
                 self._published.freed(msg.transport, msg.keys)
         elif isinstance(msg, m.Utility):
             self._utility(ident, msg)

@@ -20,6 +20,7 @@ class ArenaProducer(TensorProducer):
         self.arena_bytes = arena_bytes
         self.max_segments = max_segments
         self.name = name
+        self.incarnation = name    # pid and a random tag: unique to this producer
         self._lock = threading.Lock()
         self._book = KeyedSlots(arena_bytes, max_segments, align)
         self._segments: list[Any] = []

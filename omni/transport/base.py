@@ -25,6 +25,9 @@ class TensorRef(msgspec.Struct, frozen=True, kw_only=True):
     nbytes: int
     offset: int = 0             # byte offset inside the segment (shm, cuda_ipc)
     owner: str = ""             # the request (or consumer) this tensor belongs to
+    # The producing object (process + producer): keys are unique only within it, so a free names it
+    # and a replica restarted under the same id ignores its predecessor's frees.
+    incarnation: str = ""
 
 
 # Refs of these transports can be read on the producer's host only.
@@ -52,6 +55,7 @@ class TensorProducer(abc.ABC):
 
     # The setting that bounds what it holds unacked (named when an output can never fit).
     limit_name = ""
+    incarnation = ""    # what its refs carry as TensorRef.incarnation
 
     def bytes_in_use(self) -> int:
         return 0

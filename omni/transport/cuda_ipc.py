@@ -163,7 +163,8 @@ class CudaIpcProducer(ArenaProducer):
             self.free([key])
             raise
         return TensorRef(transport="cuda_ipc", endpoint=f"{self._prefix}{seg.index}", key=key, dtype=dtype,
-                         shape=tuple(src.shape), nbytes=nbytes, offset=off, owner=owner)
+                         shape=tuple(src.shape), nbytes=nbytes, offset=off, owner=owner,
+                         incarnation=self.incarnation)
 
     def _cleared(self, key: int, segment: _Seg, offset: int) -> None:
         if not self._closed:

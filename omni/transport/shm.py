@@ -116,7 +116,8 @@ class ShmProducer(ArenaProducer):
             self.free([key])
             raise
         return TensorRef(transport="shm", endpoint=seg.endpoint, key=key, dtype=dtype,
-                         shape=tuple(src.shape), nbytes=nbytes, offset=off, owner=owner)
+                         shape=tuple(src.shape), nbytes=nbytes, offset=off, owner=owner,
+                         incarnation=self.incarnation)
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype, owner: str = "") -> torch.Tensor:
         """A tensor that lives in the arena: write the output into it (e.g. `out=`), then
@@ -144,7 +145,7 @@ class ShmProducer(ArenaProducer):
                     _SLOT.pack_into(self._segments[index].mm, off, _MAGIC, key, nbytes)
                     return TensorRef(transport="shm", endpoint=self._segments[index].endpoint, key=key,
                                      dtype=dtype_name(tensor.dtype), shape=shape, nbytes=nbytes, offset=off,
-                                     owner=owner)
+                                     owner=owner, incarnation=self.incarnation)
         return None
 
     def _reserve(self, nbytes: int, owner: str) -> tuple[_Segment, int, int]:

@@ -17,6 +17,8 @@ only after OMNI_SPIN_US with none (util.recv_into_exact).
 from __future__ import annotations
 
 import logging
+import os
+import secrets
 import socket
 import struct
 import threading
@@ -79,6 +81,7 @@ class KeyedProducer(TensorProducer):
         bound_port = sock.getsockname()[1]
         adv = advertise_host or host
         self.endpoint = f"[{adv}]:{bound_port}" if ":" in adv else f"{adv}:{bound_port}"
+        self.incarnation = f"{self.transport}-{os.getpid()}-{secrets.token_hex(4)}"   # a fixed port outlives a process
         self._server = SocketServer(sock, self._serve, f"omni-{self.transport}",
                                     hello=token_hello(MAGIC, self._token), refusal=STATUS.pack(BAD_TOKEN))
 
@@ -157,7 +160,8 @@ class KeyedProducer(TensorProducer):
             self._by_owner.setdefault(owner, set()).add(key)
             self._bytes += nbytes
         return TensorRef(transport=self._ref_transport(kept), endpoint=self.endpoint, key=key,
-                         dtype=dtype_name(kept.dtype), shape=tuple(kept.shape), nbytes=nbytes, owner=owner)
+                         dtype=dtype_name(kept.dtype), shape=tuple(kept.shape), nbytes=nbytes, owner=owner,
+                         incarnation=self.incarnation)
 
     def _ref_transport(self, tensor: torch.Tensor) -> str:
         return self.transport

@@ -74,7 +74,7 @@ def to_worker(w: StageWorker, actions) -> None:
     posted = []
     ch = SimpleNamespace(post=posted.append)
     fake = SimpleNamespace(_live_channel=lambda rid: ch if rid == "s0r0" else None,
-                           _fetch=SimpleNamespace(hold=lambda rid, transport, keys, ch: keys))
+                           _fetch=SimpleNamespace(hold=lambda rid, transport, keys, ch, incarnation="": keys))
     for a in actions:
         if isinstance(a, ev.AbortStage):
             Orchestrator._do_abort(fake, a)
