@@ -23,13 +23,16 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from omni.engines.base import EngineRequest, SamplingOverrides
-from omni.models.piper.engines import Code2WavEngine, TalkerEngine, code2wav_request
-from omni.models.piper.voice import prepare_voice
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from omni.engines.base import EngineRequest, SamplingOverrides  # noqa: E402
+from omni.models.piper.engines import Code2WavEngine, TalkerEngine, code2wav_request  # noqa: E402
+from omni.models.piper.voice import prepare_voice  # noqa: E402
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog. It was not amused.",
@@ -139,19 +142,36 @@ def concurrency(talker, voice, args, level: int, n_requests: int) -> dict:
     }
 
 
-def main() -> None:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags; the chunking and threads left out are the deployed code2wav's (benchmarks/audio.py
+    code2wav_args), so the reference decodes as the served pipeline does."""
+    from benchmarks.audio import code2wav_args
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON document")
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="the default: a short run (< 2 min)")
     mode.add_argument("--full", action="store_true", help="more requests per setting")
     ap.add_argument("--voice", default="joe")
-    ap.add_argument("--chunk-frames", type=int, default=48)
-    ap.add_argument("--first-chunk-frames", type=int, default=16)
-    ap.add_argument("--context-frames", type=int, default=16)
-    ap.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads")
-    args = ap.parse_args()
+    deployed = "default: the deployed code2wav's"
+    ap.add_argument("--chunk-frames", type=int, help=deployed)
+    ap.add_argument("--first-chunk-frames", type=int, help=deployed)
+    ap.add_argument("--context-frames", type=int, help=deployed)
+    ap.add_argument("--threads", type=int, help=f"onnxruntime intra-op threads ({deployed})")
+    args = ap.parse_args(argv)
+    for flag, least in (("chunk_frames", 1), ("first_chunk_frames", 1), ("context_frames", 0), ("threads", 1)):
+        if getattr(args, flag) is not None and getattr(args, flag) < least:
+            ap.error(f"--{flag.replace('_', '-')} must be at least {least}, got {getattr(args, flag)}")
+    d = code2wav_args()
+    for flag in ("chunk_frames", "first_chunk_frames", "context_frames", "threads"):
+        if getattr(args, flag) is None:
+            setattr(args, flag, getattr(d, flag))
     args.repeat = 3 if args.full else 1
+    return args
+
+
+def main() -> None:
+    args = parse()
     torch.set_num_threads(1)
 
     t_start = t0 = time.perf_counter()

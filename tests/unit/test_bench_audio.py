@@ -69,3 +69,16 @@ def test_speech_report_splits_first_audio_into_hops(tmp_path):
         assert hops[name]["n"] == 1, name
         assert hops[name]["p50"] == pytest.approx(ms, abs=1e-6), name
     assert tr.speech_report(str(tmp_path))["request in -> frontend audio"]["n"] == 2
+
+
+def test_the_reference_decodes_with_the_deployed_chunking_unless_told(capsys):
+    from benchmarks import audio_reference as ref
+
+    deployed = audio.code2wav_args()
+    a = ref.parse([])
+    assert (a.chunk_frames, a.first_chunk_frames, a.context_frames, a.threads) == (
+        deployed.chunk_frames, deployed.first_chunk_frames, deployed.context_frames, deployed.threads) == (64, 16, 16, 1)
+    assert ref.parse(["--chunk-frames", "48"]).chunk_frames == 48
+    with pytest.raises(SystemExit):
+        ref.parse(["--chunk-frames", "0"])
+    assert "--chunk-frames must be at least 1, got 0" in capsys.readouterr().err
