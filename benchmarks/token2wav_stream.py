@@ -113,6 +113,8 @@ def main() -> None:
     args.sweep = args.sweep or args.full
     if args.codes < 1 or args.runs < 1 or args.streams < 1:
         ap.error("--codes, --runs and --streams must be >= 1")
+    if args.threads < 1:
+        ap.error(f"--threads must be >= 1, got {args.threads}")
     torch.set_num_threads(args.threads)
     wall0, load0 = time.perf_counter(), os.getloadavg()[0]
     from omni.models.qwen25_omni.token2wav import Qwen25Token2WavEngine

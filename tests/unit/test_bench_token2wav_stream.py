@@ -23,7 +23,8 @@ def test_tiny_run_prints_its_figures(monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [(["--quick", "--full"], "not allowed with"),
-                                           (["--runs", "0"], "--codes, --runs and --streams must be >= 1")])
+                                           (["--runs", "0"], "--codes, --runs and --streams must be >= 1"),
+                                           (["--threads", "0"], "--threads must be >= 1, got 0")])
 def test_bad_arguments_refused(monkeypatch, capsys, argv, message):
     from benchmarks import token2wav_stream
 
