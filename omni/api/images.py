@@ -21,6 +21,7 @@ import uuid
 from typing import AsyncIterator
 
 import anyio
+import msgspec
 import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -85,6 +86,15 @@ def image_params(req: P.ImageGenerationRequest, s: ImageSettings) -> ImageParams
     if req.response_format != "b64_json":
         raise bad_request(f"response_format `{req.response_format}` is not supported: omni returns the images "
                           "in the response (b64_json), it keeps no files to link to", param="response_format")
+    if req.output_format not in (None, "png"):
+        raise bad_request(f"output_format `{req.output_format}` is not supported: omni returns PNG images",
+                          param="output_format")
+    if req.true_cfg_scale is not None:    # vllm-omni's name for Qwen-Image's guidance (denoising reads guidance_scale)
+        if req.guidance_scale is not None and req.guidance_scale != req.true_cfg_scale:
+            raise bad_request(f"guidance_scale {req.guidance_scale} and true_cfg_scale {req.true_cfg_scale} differ: "
+                              "here both name Qwen-Image's true classifier-free guidance scale; give one",
+                              param="true_cfg_scale")
+        req = msgspec.structs.replace(req, guidance_scale=req.true_cfg_scale)
     check_prompt(req.prompt, s)
     width, height = parse_size(req.size or s.default_size)
     check_size(width, height, s)

@@ -75,6 +75,10 @@ class ImageGenerationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields
     # Qwen-Image's true classifier-free guidance scale (diffusers' true_cfg_scale); <= 1: none.
     guidance_scale: Annotated[float, msgspec.Meta(ge=0.0, le=50.0)] | None = None
     negative_prompt: Annotated[str, msgspec.Meta(max_length=MAX_IMAGE_PROMPT_CHARS)] | None = None
+    # vllm-omni's names: true_cfg_scale is what guidance_scale is here (images.py refuses the two differing);
+    # output_format: omni encodes PNG only (images.py refuses another by name).
+    true_cfg_scale: Annotated[float, msgspec.Meta(ge=0.0, le=50.0)] | None = None
+    output_format: Annotated[str | None, _refused([None, "png"])] = None
 
 
 class VideoCreateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

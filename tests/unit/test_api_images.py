@@ -94,6 +94,17 @@ async def test_the_clients_values_reach_the_stage_and_n_images_come_back_in_orde
         (32, 48, 3, 5, 2, 2.0, "dark")
 
 
+@pytest.mark.parametrize("extra", [{"true_cfg_scale": 2.5}, {"true_cfg_scale": 2.5, "guidance_scale": 2.5},
+                                   {"guidance_scale": 2.5, "output_format": "png"}])
+async def test_vllm_omnis_true_cfg_scale_and_output_format_png_are_taken(extra):
+    """vllm-omni's Qwen-Image request names its guidance true_cfg_scale and may ask output_format png: both
+    were 'unknown field'. true_cfg_scale is the guidance_scale the stage gets."""
+    orch, client = make()
+    r = await client.post("/v1/images/generations", json={"prompt": "a cat", **extra})
+    assert r.status_code == 200, r.text
+    assert orch.requests[0].image.guidance_scale == 2.5 and orch.requests[0].image.negative_prompt == " "
+
+
 async def test_no_guidance_has_no_negative_prompt():
     orch, client = make()
     r = await client.post("/v1/images/generations", json={"prompt": "a", "guidance_scale": 1.0})
@@ -116,6 +127,11 @@ BAD = [
     ({"prompt": "   "}, "prompt", None),
     ({"prompt": "x" * 4001}, "prompt", None),
     ({"seed": -1}, "seed", None),
+    ({"output_format": "jpeg"}, "output_format", "omni returns PNG"),
+    ({"output_format": "webp"}, "output_format", "omni returns PNG"),
+    ({"true_cfg_scale": 4.0, "guidance_scale": 1.0}, "true_cfg_scale", "give one"),
+    ({"true_cfg_scale": 51}, "true_cfg_scale", None),
+    ({"true_cfg_scale": 1.0, "negative_prompt": "x"}, "negative_prompt", "needs guidance"),
 ]
 
 
