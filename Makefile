@@ -35,7 +35,8 @@ proto: venv
 	$(PY) -m omni._proto.build
 
 # What benchmarks/gpu_check.sh installs on the GPU machine (python 3.12 there; ../shared/GPU.md): carry .whl.
-GPU_WHEELS := msgspec==0.23.0 transformers==5.19.0 psutil==7.2.2 pyzmq==27.3.0 h2==4.4.1 hpack==4.2.0 hyperframe==6.1.0
+GPU_WHEELS := msgspec==0.23.0 transformers==5.19.0 psutil==7.2.2 pyzmq==27.3.0 h2==4.4.1 hpack==4.2.0 hyperframe==6.1.0 \
+  diffusers==0.42.1 pillow==13.0.0
 gpu-wheels: venv
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \

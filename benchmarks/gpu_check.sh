@@ -47,15 +47,18 @@ step qwen3_stages 150 python3 benchmarks/qwen3_stages.py --real-size --device cu
 # One real-size Qwen3 frame taken apart: graph replay vs launched op by op, kernels per frame and
 # the GPU's busy time in them (is the frame bound by kernel count or by the GPU's work?).
 step frame 60 python3 benchmarks/talker_frame.py --real-size --device cuda --batch 1,16 --frames 30 --json
-# The engine tests that run on both devices (only these files: the others import the HTTP stack);
+# Every test file with `cuda` tests (the engine tests that run on both devices; test_gpu_check.py
+# checks none is left out), the speech stages' first, the diffusion ones (diffusers, carried) last;
 # the talker modules' `cuda` tests are the graphed path against transformers' codes. On CPU all of
 # these ran on the emulated device (tests/unit/fake_cuda.py) first.
 # -v: each test's name and result is printed as it ends, so a step cut at its limit still names the
-# ones that passed and failed (pytest-timeout is not on that machine: the ini's timeout is ignored).
-step cuda_tests 200 python3 -m pytest -v -rfE -p no:cacheprovider -m cuda -o addopts="" \
-  tests/unit/test_qwen3_static.py tests/unit/test_qwen3_static_full.py tests/unit/test_streamed_vocoder.py tests/unit/test_qwen3_code2wav.py \
-  tests/unit/test_qwen25_token2wav.py tests/unit/test_cuda_ipc.py tests/unit/test_qwen3_talker.py \
-  tests/unit/test_qwen25_omni.py
+# ones that passed and failed (pytest-timeout is not on that machine: the ini's timeout is ignored);
+# -rs names the reason of each skip (a module whose import is missing).
+step cuda_tests 200 python3 -m pytest -v -rfEs -p no:cacheprovider -m cuda -o addopts="" \
+  tests/unit/test_qwen3_static.py tests/unit/test_qwen3_static_full.py tests/unit/test_qwen3_subtalker.py \
+  tests/unit/test_qwen3_code2wav.py tests/unit/test_qwen25_token2wav.py tests/unit/test_cuda_ipc.py \
+  tests/unit/test_qwen3_talker.py tests/unit/test_qwen25_omni.py tests/unit/test_bench_qwen3_stages.py \
+  tests/unit/test_qwen_image.py tests/unit/test_wan.py
 step qwen25_stages 90 python3 benchmarks/qwen3_stages.py --model qwen25 --real-size --device cuda --streams 1,16 --frames 24 --rounds 2 --json
 step token2wav 60 python3 benchmarks/token2wav_stream.py --real-size --device cuda --codes 250 --runs 2 --json
 step transport 60 python3 benchmarks/transport.py --device cuda --json

@@ -51,3 +51,32 @@ def test_budget_cuts_the_last_steps(tmp_path):
     assert skipped and skipped[-1] == "qwen3_wide" and "qwen3_stages" not in skipped
     ran = {p.stem for p in (tmp_path / "out").iterdir()} - {"gpu"}
     assert ran and not ran & set(skipped)
+
+
+def cuda_test_files() -> set[str]:
+    """The unit test files with tests marked `cuda` on a GPU: `cuda_path` or the `cuda` mark, or a
+    module-level test or fixture taking conftest's device fixtures (`device`, `gpu`, `talker_path`)."""
+    import ast
+
+    found = set()
+    for path in sorted((SCRIPT.parents[1] / "tests" / "unit").glob("test_*.py")):
+        tree = ast.parse(path.read_text())
+        defs = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        marked = any(isinstance(n, ast.Name) and n.id == "cuda_path" or isinstance(n, ast.Attribute)
+                     and n.attr == "cuda" and isinstance(n.value, ast.Attribute) and n.value.attr == "mark"
+                     for n in ast.walk(tree))
+        if marked or any({"device", "gpu", "talker_path"} & {a.arg for a in d.args.args} for d in defs):
+            found.add(f"tests/unit/{path.name}")
+    return found
+
+
+def test_cuda_tests_runs_every_file_with_cuda_tests(tmp_path):
+    """test_qwen3_subtalker.py (subtalker sampling baked into graphs against eager), the benchmark's
+    frame test and the diffusion engines' were not in the list, so their `cuda` tests never ran."""
+    r = run(tmp_path, "cuda_tests")
+    assert r.returncode == 0, r.stdout + r.stderr
+    args = (tmp_path / "out" / "cuda_tests.txt").read_text().split()
+    assert "-m" in args and args[args.index("-m") + 1] == "pytest" and args[args.index("-m", 2) + 1] == "cuda"
+    listed = {a for a in args if a.startswith("tests/")}
+    assert listed == cuda_test_files()
+    assert {"tests/unit/test_qwen3_subtalker.py", "tests/unit/test_cuda_ipc.py"} <= listed
