@@ -25,7 +25,7 @@ from omni.orchestrator import events as ev
 from omni.orchestrator.channel import BaseChannel, StageChannel
 from omni.orchestrator.local_channel import LocalStageChannel
 from omni.orchestrator.core import OrchestratorCore, load_processor
-from omni.orchestrator.fetch import Fetcher, fill, is_local
+from omni.orchestrator.fetch import Fetcher, fill, on_loop
 from omni.orchestrator.metrics import OrchestratorMetrics, render_engine_steps
 from omni.orchestrator.topology import GONE, Topology
 from omni.orchestrator.types import PipelineOutput, PipelineRequest
@@ -80,7 +80,7 @@ class Orchestrator:
         self._channels: dict[str, BaseChannel] = {}
         self._local = local_enabled()     # OMNI_STAGE_CHANNEL: same-host replicas over LocalChannel
         self._sinks: dict[str, _Sink] = {}
-        self._fetch = Fetcher()           # remote output tensors are read off the loop
+        self._fetch = Fetcher()           # remote and large output tensors are read off the loop
         self._apply_handlers = {ev.Send: self._do_send, ev.Free: self._do_free, ev.AbortStage: self._do_abort,
                                 ev.ReleaseHold: self._do_release,
                                 ev.Emit: self._do_emit, ev.Fail: self._do_fail, ev.Finished: self._do_finished}
@@ -203,9 +203,9 @@ class Orchestrator:
             sink.queue.put_nowait(a.output)
             return
         try:
-            if is_local(a.tensor):       # shared memory: a memcpy, cheaper here than on a thread
+            if on_loop(a.tensor):        # a small shared-memory memcpy: cheaper here than on a thread
                 item = fill(self.consumer, a.output, a.tensor)
-            else:                        # another host's: a network read, off the loop (omni/orchestrator/fetch.py)
+            else:                        # another host's or a large one: off the loop (omni/orchestrator/fetch.py)
                 item = fut = asyncio.get_running_loop().create_future()
                 self._fetch.read(self.consumer, a.output, a.tensor, a.producer,     # closed: Unavailable
                                  lambda result: self._fetched(a.request_id, sink, fut, a.tensor, a.producer, result))

@@ -1,9 +1,10 @@
 """Reading a final output's tensor for the client (the executor's side of `Emit`).
 
-A shared-memory ref (shm, cuda_ipc: the producing stage is on this host) is a memcpy: it is
-read on the event loop, where it costs less than a hop to a thread and back. A ref of another
-host (tcp, gloo, nccl) is a network read that may wait up to the transport's timeout (30 s):
-it runs on a small pool of daemon threads, so the frontend's other requests go on meanwhile
+A small shared-memory ref (shm, cuda_ipc: the producing stage is on this host; an audio chunk) is a
+memcpy: it is read on the event loop, where it costs less than a hop to a thread and back. A larger
+one (a finished image or video: 1280x720x81 frames is 224 MB, 344 ms to copy) and a ref of another
+host (tcp, gloo, nccl: a network read that may wait up to the transport's timeout, 30 s) are read
+on a small pool of daemon threads, so the frontend's other requests go on meanwhile
 (and a read stuck at shutdown does not hold up the process's exit). Its output takes its place
 in the request's queue at once as a future, so the request's outputs reach the client in the
 order the core emitted them, whichever read ends first; a read's error is that future's (the
@@ -34,7 +35,8 @@ from omni.errors import Unavailable
 from omni.orchestrator.types import PipelineOutput
 from omni.transport.base import SAME_HOST_ONLY, TensorRef
 
-FETCH_THREADS = 4       # remote reads at once per frontend; more wait for a thread
+FETCH_THREADS = 4       # reads off the loop at once per frontend; more wait for a thread
+LOOP_READ_BYTES = 1 << 20   # a same-host ref up to this is copied on the loop; a larger one stalls it
 
 
 def fill(consumer: Any, out: PipelineOutput, ref: TensorRef) -> PipelineOutput:
@@ -49,8 +51,9 @@ def fill(consumer: Any, out: PipelineOutput, ref: TensorRef) -> PipelineOutput:
     return out
 
 
-def is_local(ref: TensorRef) -> bool:
-    return ref.transport in SAME_HOST_ONLY
+def on_loop(ref: TensorRef) -> bool:
+    """Whether `ref` is read on the event loop: a same-host memcpy small enough not to stall it."""
+    return ref.transport in SAME_HOST_ONLY and ref.nbytes <= LOOP_READ_BYTES
 
 
 class _DaemonPool:
@@ -94,7 +97,7 @@ class _DaemonPool:
 
 
 class Fetcher:
-    """Remote reads off the event loop, and the frees that wait for them (all on the loop's thread,
+    """Reads off the event loop (remote or large), and the frees that wait for them (all on the loop's thread,
     except the reads themselves)."""
 
     def __init__(self, threads: int = FETCH_THREADS):
