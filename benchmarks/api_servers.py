@@ -30,7 +30,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.serve import MODEL, pct  # noqa: E402
+from benchmarks.serve import MODEL  # noqa: E402
+from benchmarks.stats import pct  # noqa: E402
 
 WORDS = ("omni serves multi stage pipelines across processes and hosts with shared memory tensors "
          "and a grpc master that holds the topology ").split()
@@ -110,7 +111,7 @@ async def run_load(url: str, concurrency: int, requests: int, words: int, worklo
     wall = time.perf_counter() - t0
     return {"requests": requests, "errors": errors, "requests_s": requests / wall,
             "client_cpu_share": (time.process_time() - cpu0) / wall,
-            "e2e_p50_ms": pct(e2e, 50) * 1e3, "e2e_p99_ms": pct(e2e, 99) * 1e3}
+            "e2e_p50_ms": pct(e2e, 0.5) * 1e3, "e2e_p99_ms": pct(e2e, 0.99) * 1e3}
 
 
 def measure(count: int, args) -> dict:

@@ -1,7 +1,8 @@
 """Offered load against the default pipeline served by `omni serve`.
 
 Starts `omni serve MODEL --port 0` (or uses --url), sends streaming chat requests at
-several concurrencies, and prints throughput, TTFT and end-to-end p50/p99, plus the
+several concurrencies, and prints throughput (completion tokens from the usage chunk, as vLLM's
+bench client counts them), TTFT (first text) and end-to-end p50/p99, plus the
 time spent in omni outside the engines (from /metrics: end-to-end time minus the
 engine step time of the outputs) per output, side by side with the engine's step time.
 
@@ -25,6 +26,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.stats import pct  # noqa: E402
+
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 PROMPTS = [
     "Write one sentence about the sea.",
@@ -32,14 +35,6 @@ PROMPTS = [
     "What is two plus two?",
     "Say hello in French.",
 ]
-
-
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    k = min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))
-    return values[k]
 
 
 def scrape(text: str) -> dict[str, float]:
@@ -54,22 +49,50 @@ def scrape(text: str) -> dict[str, float]:
     return out
 
 
-async def one(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> tuple[float, float, int]:
+async def one(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> tuple[float | None, float, int]:
+    """(TTFT: the first chunk with text, None without any; end to end; completion tokens). The tokens
+    are the usage chunk's (stream_options.include_usage, as vLLM's bench client reads them): omni sends
+    an empty chunk per token whose text it holds back, and a chunk may carry several tokens' text."""
     t0 = time.perf_counter()
     ttft = None
-    n = 0
+    tokens = None
     body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "ignore_eos": True}
+            "temperature": 0, "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
     async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 chunk = json.loads(line[6:])
-                if any(c["delta"].get("content") for c in chunk.get("choices", [])):
-                    n += 1
-                    if ttft is None:
-                        ttft = time.perf_counter() - t0
-    return ttft or float("nan"), time.perf_counter() - t0, n
+                if ttft is None and any(c["delta"].get("content") for c in chunk.get("choices", [])):
+                    ttft = time.perf_counter() - t0
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+    if tokens is None:
+        raise RuntimeError("the stream ended without a usage chunk (stream_options.include_usage)")
+    return ttft, time.perf_counter() - t0, tokens
+
+
+def ms(values: list[float], q: float) -> float | None:
+    return pct(values, q) * 1e3 if values else None
+
+
+def row(concurrency: int, results: list[tuple], wall: float, d: dict[str, float]) -> dict:
+    """One concurrency level's figures from its requests' (TTFT, e2e, tokens) and the /metrics deltas."""
+    outputs = d.get("omni_stage_step_seconds_count[0]", 0.0) or 1.0
+    engine_s = d.get("omni_stage_step_seconds_sum[0]", 0.0)
+    e2e_s = d.get("omni_pipeline_e2e_seconds_sum", 0.0)
+    ttfts = [r[0] for r in results if r[0] is not None]
+    e2es = [r[1] for r in results]
+    tokens = sum(r[2] for r in results)
+    return {
+        "concurrency": concurrency, "requests": len(results), "tokens": tokens,
+        "throughput_tok_s": tokens / wall, "requests_s": len(results) / wall,
+        "ttft_p50_ms": ms(ttfts, 0.5), "ttft_p99_ms": ms(ttfts, 0.99),
+        "e2e_p50_ms": ms(e2es, 0.5), "e2e_p99_ms": ms(e2es, 0.99),
+        "engine_step_ms": engine_s / outputs * 1e3,
+        # At concurrency 1 each output waits on its own step, so the remainder is omni's.
+        "omni_overhead_per_output_ms": max(0.0, (e2e_s - engine_s)) / outputs * 1e3 if concurrency == 1 else None,
+    }
 
 
 async def level(url: str, concurrency: int, requests: int, max_tokens: int) -> dict:
@@ -86,22 +109,7 @@ async def level(url: str, concurrency: int, requests: int, max_tokens: int) -> d
         await asyncio.gather(*(run(i) for i in range(requests)))
         wall = time.perf_counter() - t0
         after = scrape((await client.get(f"{url}/metrics")).text)
-    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-    outputs = d.get("omni_stage_step_seconds_count[0]", 0.0) or 1.0
-    engine_s = d.get("omni_stage_step_seconds_sum[0]", 0.0)
-    e2e_s = d.get("omni_pipeline_e2e_seconds_sum", 0.0)
-    ttfts = [r[0] for r in results]
-    e2es = [r[1] for r in results]
-    tokens = sum(r[2] for r in results)
-    return {
-        "concurrency": concurrency, "requests": requests, "tokens": tokens,
-        "throughput_tok_s": tokens / wall, "requests_s": requests / wall,
-        "ttft_p50_ms": pct(ttfts, 50) * 1e3, "ttft_p99_ms": pct(ttfts, 99) * 1e3,
-        "e2e_p50_ms": pct(e2es, 50) * 1e3, "e2e_p99_ms": pct(e2es, 99) * 1e3,
-        "engine_step_ms": engine_s / outputs * 1e3,
-        # At concurrency 1 each output waits on its own step, so the remainder is omni's.
-        "omni_overhead_per_output_ms": max(0.0, (e2e_s - engine_s)) / outputs * 1e3 if concurrency == 1 else None,
-    }
+    return row(concurrency, results, wall, {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after})
 
 
 def start_server() -> tuple[object, str]:
@@ -141,8 +149,9 @@ def main() -> None:
           f"{'engine step':>11} {'omni/output':>11}")
     for r in rows:
         ov = r["omni_overhead_per_output_ms"]
-        print(f"{r['concurrency']:>4} {r['requests']:>4} {r['throughput_tok_s']:>7.1f} {r['ttft_p50_ms']:>7.1f}ms "
-              f"{r['ttft_p99_ms']:>7.1f}ms {r['e2e_p50_ms']:>7.0f}ms {r['e2e_p99_ms']:>7.0f}ms "
+        t50, t99 = (f"{r[k]:>7.1f}ms" if r[k] is not None else f"{'-':>9}" for k in ("ttft_p50_ms", "ttft_p99_ms"))
+        print(f"{r['concurrency']:>4} {r['requests']:>4} {r['throughput_tok_s']:>7.1f} {t50} "
+              f"{t99} {r['e2e_p50_ms']:>7.0f}ms {r['e2e_p99_ms']:>7.0f}ms "
               f"{r['engine_step_ms']:>9.2f}ms {('%.2fms' % ov) if ov is not None else '-':>11}")
     print(f"total wall time {seconds} s, load average {load} at the end")
 
