@@ -7,6 +7,7 @@ free shared memory, exit. A failure to start prints its cause and exits 1.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import socket
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from omni.config import DeployConfig
-from omni.errors import OmniError
+from omni.errors import ConfigError, OmniError
 from omni.signals import StopRequest
 
 if TYPE_CHECKING:
@@ -57,6 +58,30 @@ def default_advertise_host(master_address: str) -> str:
             return s.getsockname()[0]
     except OSError:
         return "127.0.0.1"
+
+
+def is_wildcard(host: str) -> bool:
+    """0.0.0.0, ::, their other spellings ("0", "[::]", "0:0::0") and an empty host: bound, every interface."""
+    h = host.strip().strip("[]")
+    if not h:
+        return True
+    try:
+        return ipaddress.ip_address(h).is_unspecified
+    except ValueError:
+        pass
+    try:
+        return socket.inet_aton(h) == bytes(4)      # what bind() reads too: "0", "0.0"
+    except OSError:
+        return False
+
+
+def check_replica_address(address: str | None) -> None:
+    """ConfigError for a wildcard: a stage binds its listeners on the address it advertises, and a
+    wildcard would open them (the channel answers without --omni-token) on every interface."""
+    if address is not None and is_wildcard(address):
+        raise ConfigError(f"--omni-replica-address {address!r} is a wildcard: a stage binds its listeners on the "
+                          "address it advertises, so name this host's address (peers dial it), or leave the "
+                          "flag out for the local address of the route to the master")
 
 
 def advertised_host(bind_host: str, master_address: str) -> str:
@@ -194,6 +219,11 @@ def _run_stage(config: DeployConfig, stage_id: int, opts: StageOptions, engine_f
     try:
         local_channel = local_enabled()
     except OmniError as e:
+        progress(f"{label}: {e}")
+        return 1
+    try:
+        check_replica_address(opts.replica_address)   # the children's --replica-address too
+    except ConfigError as e:
         progress(f"{label}: {e}")
         return 1
     refused = master_refusal(config, stage_id, opts)
