@@ -35,9 +35,19 @@ step() {    # step NAME SECONDS CMD...: CMD's output to $OUT/NAME.txt, its tail 
   if ((left < 30)); then echo "== $name: skipped (${left}s of the ${BUDGET}s budget left)"; return 0; fi
   ((limit > left)) && limit=$left
   echo "== $name (limit ${limit}s, ${left}s of the budget left): $*"
-  local t0=$SECONDS
-  timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
-  echo "exit $? after $((SECONDS - t0))s" >> "$OUT/$name.txt"
+  local t0=$SECONDS pid rc
+  # Its own session and process group, so nothing it starts outlives it (a test's child process would
+  # share the GPU with the next step's timings): at the limit timeout signals the group, KILL 5 s later
+  # if TERM is not enough, and whatever is left when the step ends is killed.
+  setsid timeout --kill-after=5 "$limit" "$@" > "$OUT/$name.txt" 2>&1 &
+  pid=$!
+  wait "$pid"
+  rc=$?
+  if kill -0 -- "-$pid" 2>/dev/null; then
+    kill -KILL -- "-$pid" 2>/dev/null
+    echo "gpu_check: KILL sent to what $name left in its process group" >> "$OUT/$name.txt"
+  fi
+  echo "exit $rc after $((SECONDS - t0))s" >> "$OUT/$name.txt"
   tail -n 25 "$OUT/$name.txt"
 }
 

@@ -10,11 +10,12 @@ from pathlib import Path
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.sh"
 
 
-def run(tmp_path: Path, *steps: str, budget: str = "420", step_seconds: int = 0):
+def run(tmp_path: Path, *steps: str, budget: str = "420", step_seconds: int = 0, step_also: str = ""):
+    """`step_also`: more of the shim's script for each step's command."""
     shims = tmp_path / "bin"
     shims.mkdir(exist_ok=True)
     (shims / "python3").write_text(f'#!/bin/bash\ncase "$*" in *pip*|-c*) exit 0;; esac\necho "ran $*"\n'
-                                   f'sleep {step_seconds}\n')
+                                   f'{step_also}\nsleep {step_seconds}\n')
     (shims / "nvidia-smi").write_text("#!/bin/bash\necho H200\n")
     for f in shims.iterdir():
         f.chmod(0o755)
@@ -80,3 +81,29 @@ def test_cuda_tests_runs_every_file_with_cuda_tests(tmp_path):
     listed = {a for a in args if a.startswith("tests/")}
     assert listed == cuda_test_files()
     assert {"tests/unit/test_qwen3_subtalker.py", "tests/unit/test_cuda_ipc.py"} <= listed
+
+
+def test_nothing_a_step_starts_outlives_it(tmp_path):
+    """A step's command that leaves a process behind (a test's child holding the GPU), one that ignores
+    TERM: it is killed when the step ends, and the step's file says so. It outlived the step and shared
+    the GPU with the next step's timings."""
+    pids = tmp_path / "pids"
+    r = run(tmp_path, "frame", step_also=f'(trap "" TERM; exec sleep 300) & echo $! >> {pids}')
+    left = [int(p) for p in pids.read_text().split()]
+    try:
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert left and not [pid for pid in left if alive(pid)]
+        text = (tmp_path / "out" / "frame.txt").read_text()
+        assert "KILL sent to what frame left in its process group" in text and "exit 0 after" in text
+    finally:
+        for pid in left:
+            if alive(pid):
+                os.kill(pid, 9)
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state not in ("Z", "X")
