@@ -62,15 +62,19 @@ def main() -> None:
     args = ap.parse_args()
     if args.puts < 1:
         ap.error("--puts must be at least 1")
+    t0, load0 = time.perf_counter(), [round(x, 2) for x in os.getloadavg()]
     rows = [row(n, s, args.puts) for n, s in (FULL if args.full else QUICK)]
+    doc = {"host_cpus": os.cpu_count(), "puts": args.puts, "rows": rows, "seconds": round(time.perf_counter() - t0, 1),
+           "loadavg_start": load0, "loadavg_end": [round(x, 2) for x in os.getloadavg()]}
     if args.json:
-        print(json.dumps({"host_cpus": os.cpu_count(), "puts": args.puts, "rows": rows}, indent=1))
+        print(json.dumps(doc, indent=1))
         return
     print(f"{'entries':>8} {'value':>7} {'MiB':>6} {'put ms (median)':>16} {'put ms (max)':>13} "
           f"{'rewrite ms (before)':>20} {'ratio':>7}")
     for r in rows:
         print(f"{r['entries']:>8} {r['value_bytes']:>7} {r['namespace_mib']:>6} {r['put_ms_median']:>16} "
               f"{r['put_ms_max']:>13} {r['rewrite_ms']:>20} {r['ratio']:>6}x")
+    print(f"{doc['seconds']} s, load average {doc['loadavg_start']} -> {doc['loadavg_end']}")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import argparse
 import collections
 import functools
 import json
+import os
 import sys
 import tempfile
 import time
@@ -133,11 +134,12 @@ def main() -> None:
     if min(batches) < 1 or args.frames < 1:
         ap.error("every --batch entry and --frames must be >= 1")
     qwen3_stages.check_source_args(ap, args)
-    t0 = time.perf_counter()
+    t0, load0 = time.perf_counter(), [round(x, 2) for x in os.getloadavg()]
     with tempfile.TemporaryDirectory() as tmp:
         doc = bench(qwen3_stages.open_source(args, tmp), batches, args.frames)
     doc.update({"model": args.model, "weights": qwen3_stages.weights(args), "device": args.device,
-                "seconds": round(time.perf_counter() - t0, 1)})
+                "seconds": round(time.perf_counter() - t0, 1), "loadavg_start": load0,
+                "loadavg_end": [round(x, 2) for x in os.getloadavg()]})
     if args.json:
         print(json.dumps(doc, indent=1))
         return
@@ -152,7 +154,8 @@ def main() -> None:
             print("      by kind: " + ", ".join(f"{k} {v['count']}x {v['ms']} ms" for k, v in r["by_kind"].items()))
     if doc["capture_seconds"] is not None:
         print(f"CUDA graphs {doc['graph_sizes']} captured in {doc['capture_seconds']} s")
-    print(f"{doc['model']}, {doc['weights']} weights, {doc['device']}; {doc['seconds']} s")
+    print(f"{doc['model']}, {doc['weights']} weights, {doc['device']}; {doc['seconds']} s, "
+          f"load average {doc['loadavg_start']} -> {doc['loadavg_end']}")
 
 
 if __name__ == "__main__":

@@ -129,7 +129,7 @@ def main() -> None:
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
     torch.set_num_threads(1)
-    load = [os.getloadavg()[0]]
+    load, wall0 = [os.getloadavg()[0]], time.perf_counter()
     ctx = mp.get_context("spawn")
     q, stop = ctx.Queue(), ctx.Event()
     proc = ctx.Process(target=producer_main, args=(q, stop), daemon=True)
@@ -161,6 +161,7 @@ def main() -> None:
         if proc.is_alive():
             proc.kill()
     load.append(os.getloadavg()[0])
+    seconds = round(time.perf_counter() - wall0, 1)
     ip = sorted(iperf)[len(iperf) // 2]
     rows = [{"variant": k, "gbps_p50": round(sorted(v)[len(v) // 2], 3), "gbps_best": round(max(v), 3),
              "vs_iperf": round(sorted(v)[len(v) // 2] / ip, 3)} for k, v in gbps.items()]
@@ -168,7 +169,7 @@ def main() -> None:
     if args.json:
         print(json.dumps({"load": load, "bytes": NBYTES, "rounds": args.rounds, "iperf_gbps_p50": round(ip, 3),
                           "iperf_64mib_buffers_gbps_p50": round(ip64, 3),
-                          "rows": rows}))
+                          "rows": rows, "seconds": seconds}))
         return
     print(f"64 MiB over one tcp connection, {args.rounds} rounds; load average before/after "
           f"{load[0]:.2f} / {load[1]:.2f} (2 shared cores)\n")
@@ -177,6 +178,7 @@ def main() -> None:
         print(f"{r['variant']:<24} {r['gbps_p50']:>9.2f} {r['gbps_best']:>7.2f} {r['vs_iperf']:>8.2f}")
     print(f"{'iperf-style (16 MiB buf)':<24} {ip:>9.2f} {max(iperf):>7.2f} {1.0:>8.2f}")
     print(f"{'iperf-style, 64 MiB bufs':<24} {ip64:>9.2f} {max(iperf64):>7.2f} {ip64 / ip:>8.2f}")
+    print(f"{seconds} s, load average {load[0]:.2f} -> {load[1]:.2f}")
 
 
 if __name__ == "__main__":
