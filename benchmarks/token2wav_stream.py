@@ -89,6 +89,15 @@ def run_once(engine, codes: torch.Tensor, device: str, streams: int = 1) -> dict
             "rtf": total / (streams * audio.numel() / engine.sample_rate), "audio": audio}
 
 
+def progress(text: str) -> None:
+    """A line on stderr as each part finishes: a run cut off by a time limit still leaves its figures."""
+    print(f"token2wav: {text}", file=sys.stderr, flush=True)
+
+
+def timing(r: dict) -> str:
+    return f"first audio {r['first_audio_ms']:.1f} ms, total {r['total_ms']:.1f} ms, RTF {r['rtf']:.3f}"
+
+
 def errors(got: torch.Tensor, want: torch.Tensor) -> dict:
     d = got - want
     return {"max_abs_err": d.abs().max().item(),
@@ -129,24 +138,28 @@ def main() -> None:
         source = qwen25_omni_tiny.build(Path(tmp.name) / "tiny")
     engines = {"whole": Qwen25Token2WavEngine(source, device=args.device, stream=False),
                "streamed": Qwen25Token2WavEngine(source, device=args.device, **DEFAULTS)}
+    progress(f"engines built in {time.perf_counter() - wall0:.1f} s")
     codes = torch.randint(0, 8193, (args.codes,), generator=torch.Generator().manual_seed(0))
     runs: dict[str, list[dict]] = {k: [] for k in engines}
     for engine in engines.values():
         run_once(engine, codes[:min(24, args.codes)], args.device)          # warm-up
-    for _ in range(args.runs):
+    for i in range(args.runs):
         for mode, engine in engines.items():
             runs[mode].append(run_once(engine, codes, args.device, args.streams))
+            progress(f"{mode} run {i + 1}/{args.runs}: {timing(runs[mode][-1])}")
     whole = runs["whole"][0]["audio"]
     rows = []
     for mode, rs in runs.items():
         row = {"mode": mode, **{k: statistics.median(r[k] for r in rs) for k in ("first_audio_ms", "total_ms", "rtf")}}
         row.update(errors(rs[0]["audio"], whole))
         rows.append(row)
+        progress(f"{mode} medians: {timing(row)}, max|err| {row['max_abs_err']:.2e}, rms rel {row['rms_rel_err']:.2e}")
     sweep = []
     if args.sweep:
         for cfg in SWEEP:
             got = run_once(Qwen25Token2WavEngine(source, device=args.device, **cfg), codes, args.device)
             sweep.append({**cfg, **errors(got["audio"], whole)})
+            progress(f"sweep {cfg}: max|err| {sweep[-1]['max_abs_err']:.2e}, rms rel {sweep[-1]['rms_rel_err']:.2e}")
     doc = {"model": "real-size (7B config, random weights)" if args.real_size else "tiny (random weights)",
            "device": args.device, "codes": args.codes, "streams": args.streams, "runs": args.runs,
            "stream_args": DEFAULTS, "rows": rows, "sweep": sweep,

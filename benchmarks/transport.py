@@ -114,8 +114,19 @@ def memcpy_samples(nbytes: int, iters: int, device: str = "cpu") -> list[float]:
     return samples
 
 
+def progress(r: dict) -> None:
+    """A row on stderr as it is measured: a run cut off by a time limit still leaves its figures."""
+    print(f"transport: {r['transport']} {human(r['bytes'])}: p50 {r['p50_us']} us, p99 {r['p99_us']} us, "
+          f"{r['gbps']} GB/s" + (f" ({r['vs_memcpy']}x memcpy)" if "vs_memcpy" in r else ""),
+          file=sys.stderr, flush=True)
+
+
 def bench_memcpy(sizes: dict[int, int]) -> list[dict]:
-    return [row("memcpy", nbytes, memcpy_samples(nbytes, iters)) for nbytes, iters in sizes.items()]
+    rows = []
+    for nbytes, iters in sizes.items():
+        rows.append(row("memcpy", nbytes, memcpy_samples(nbytes, iters)))
+        progress(rows[-1])
+    return rows
 
 
 class Carrier:
@@ -254,6 +265,7 @@ def bench_transport(label: str, kind: str, carrier: str, mode: str, sizes: dict[
             r["memcpy_gbps"] = row("memcpy", nbytes, memcpy_samples(nbytes, max(3, iters // 2), device))["gbps"]
             r["vs_memcpy"] = round(r["gbps"] / r["memcpy_gbps"], 3)
             rows.append(r)
+            progress(r)
         chan.send(enc.encode(Req(STOP, acks)))
         proc.join(timeout=30)
     finally:

@@ -327,9 +327,14 @@ def test_benchmark_device_rows_run_without_a_gpu_and_say_so(monkeypatch, capsys)
     monkeypatch.setattr(bench, "DEVICE_SIZES", {4 << 10: 3, 1 << 20: 3})
     monkeypatch.setattr(bench, "DEVICE_ARENA", 2 << 20)
     bench.bench_device(as_json=True)
-    doc = msgspec.json.decode(capsys.readouterr().out)
+    out = capsys.readouterr()
+    doc = msgspec.json.decode(out.out)
     labels = [label for label, *_ in bench.device_runs(torch.cuda.is_available())]
     assert [(r["transport"], r["bytes"]) for r in doc["rows"]] == [(k, n) for k in labels for n in (4 << 10, 1 << 20)]
+    # each row also went to stderr as it was measured (a run cut at its limit keeps them)
+    measured = [line for line in out.err.splitlines() if line.startswith("transport: ")]
+    assert measured == [f"transport: {r['transport']} {bench.human(r['bytes'])}: p50 {r['p50_us']} us, "
+                        f"p99 {r['p99_us']} us, {r['gbps']} GB/s ({r['vs_memcpy']}x memcpy)" for r in doc["rows"]]
     assert all(r["p50_us"] > 0 for r in doc["rows"])
     if not torch.cuda.is_available():
         assert doc["device"] == "cpu" and doc["skipped"].startswith("CUDA rows skipped")
