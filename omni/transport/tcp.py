@@ -211,15 +211,16 @@ def connect(endpoint: str, token: str | None, timeout: float) -> socket.socket:
     """Open a connection to a keyed producer and pass the hello; TransportError if refused."""
     host, port = split_endpoint(endpoint)
     try:
-        # a producer's host answers a connect in milliseconds; one that does not is gone (reads keep `timeout`)
+        # A producer answers a connect and its hello in milliseconds; one that does not is gone or
+        # stopped (its kernel still accepts: the hello is what waits). Reads keep `timeout`.
         sock = socket.create_connection((host, port), timeout=min(timeout, CONNECT_TIMEOUT_S))
-        sock.settimeout(timeout)
     except OSError as e:
         raise TransportError(f"producer {endpoint} unreachable: {e}") from e
     try:
         _tune(sock)
         client_hello(sock, MAGIC, token)
         (status,) = STATUS.unpack(recv_exact(sock, STATUS.size))
+        sock.settimeout(timeout)
     except (OSError, ConnectionError) as e:
         sock.close()
         raise TransportError(f"producer {endpoint}: handshake failed: {e}") from e
