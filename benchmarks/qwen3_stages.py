@@ -214,9 +214,15 @@ def bench(source: Source, streams: list[int], frames: int, rounds: int, modes: l
     same = all(torch.equal(codes[m], codes[modes[0]]) for m in modes) if not source.real and len(modes) > 1 else None
     doc = {"rows": rows, "capture_seconds": capture, "codes_equal_across_paths": same, "errors": errors,
            "talker_ms_per_frame": {r["mode"]: r["talker_ms_per_frame"] for r in rows if r["streams"] == 1}}
-    if source.model == "qwen3":
-        c2w = source.code2wav()
-        doc["code2wav"] = [{"streams": n, "rtf": round(run_code2wav(c2w, n, codes[modes[-1]]), 4)} for n in streams]
+    if source.model == "qwen3":     # a code2wav failure is reported like a talker path's, the rest kept
+        doc["code2wav"] = []
+        c2w = attempt(errors, "code2wav", "building", source.code2wav)
+        for n in streams if c2w is not None else []:
+            rtf = attempt(errors, "code2wav", f"{n} streams", run_code2wav, c2w, n, codes[modes[-1]])
+            if rtf is None:
+                break
+            doc["code2wav"].append({"streams": n, "rtf": round(rtf, 4)})
+            progress(f"code2wav {n} streams: RTF {rtf:.3f}")
     return doc
 
 

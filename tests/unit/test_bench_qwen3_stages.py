@@ -94,6 +94,25 @@ def test_a_failing_path_keeps_the_others(folder, monkeypatch, where):
     assert doc["codes_equal_across_paths"] is None and doc["talker_ms_per_frame"].keys() == {"eager"}
 
 
+@pytest.mark.parametrize("where", ["building", "2 streams"])
+def test_a_failing_code2wav_keeps_the_document(folder, monkeypatch, where):
+    """code2wav was not run under attempt(): its failure lost the whole JSON document, talker rows too.
+    It is now reported under errors["code2wav"], with the RTFs measured before it."""
+    from benchmarks import qwen3_stages as qs
+
+    if where == "building":
+        monkeypatch.setattr(qs.Source, "code2wav", lambda self: (_ for _ in ()).throw(RuntimeError("out of memory")))
+    else:
+        run = qs.run_code2wav
+        monkeypatch.setattr(qs, "run_code2wav", lambda engine, n, codes: run(engine, n, codes) if n == 1
+                            else (_ for _ in ()).throw(RuntimeError("out of memory")))
+    doc = qs.bench(qs.Source("qwen3", folder, "cpu", False), [1, 2], 6, 1, ["eager"])
+    assert [(r["mode"], r["streams"]) for r in doc["rows"]] == [("eager", 1), ("eager", 2)]
+    assert doc["errors"].keys() == {"code2wav"} and doc["errors"]["code2wav"].startswith(where)
+    assert "out of memory" in doc["errors"]["code2wav"]
+    assert [c["streams"] for c in doc["code2wav"]] == ([] if where == "building" else [1])
+
+
 def test_kernels_sorted_by_kind():
     """talker_frame's kernel kinds, from the names CUDA kernels carry (count and summed ms per kind)."""
     from benchmarks.talker_frame import by_kind, kind
