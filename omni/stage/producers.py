@@ -1,6 +1,7 @@
 """A stage's tensor producers, one per transport kind, made on first use, and `auto`'s choice per
 tensor: a CUDA tensor whose GPU the consuming stage also sees takes cuda_ipc; should cuda_ipc fail,
-this process goes back to what the orchestrator sent, for that tensor and every later one.
+this process goes back to what the orchestrator sent, for that tensor and every later one. A tensor
+cuda_ipc refuses by itself (TensorRefused: larger than a segment, on another GPU) goes that way alone.
 
 gloo and nccl are one producer (a GlooProducer labels each ref by the tensor's device, "gloo" for
 CPU, "nccl" for CUDA, whichever name the connector gave): producers are kept by family, so a
@@ -14,7 +15,7 @@ from typing import Any, Callable
 import torch
 
 from omni.stage.worker_state import InFlight
-from omni.transport.base import ProducerFull, TensorProducer, TensorRef, TransportError
+from omni.transport.base import ProducerFull, TensorProducer, TensorRef, TensorRefused, TransportError
 from omni.transport.factory import auto_transport
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,8 @@ class OutputProducers:
                 return self.producer(kind).put(tensor, owner=owner)
             except ProducerFull:
                 raise
+            except TensorRefused as e:      # this tensor only (too large, another GPU): the rest keep it
+                logger.debug("%s: %s refused a tensor, %s carries it: %s", self.label, kind, req.out_transport, e)
             except TransportError as e:
                 logger.warning("%s: %s failed, `auto` takes %s from now on: %s", self.label, kind,
                                req.out_transport, e)

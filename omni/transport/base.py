@@ -38,6 +38,11 @@ class TransportError(Exception):
     """A request-level transport failure (freed/foreign ref, bad dtype/shape, too large)."""
 
 
+class TensorRefused(TransportError):
+    """This tensor only (its size, its device): the producer takes others, and another transport
+    may carry this one."""
+
+
 class ProducerFull(TransportError):
     """The producer holds its limit of unacknowledged bytes. Not a failure: the caller
     waits until consumers free tensors (backpressure) and puts again."""

@@ -48,7 +48,7 @@ import torch
 
 from omni.transport.alloc import round_up
 from omni.transport.arena import ArenaProducer
-from omni.transport.base import TensorConsumer, TensorRef, TransportError
+from omni.transport.base import TensorConsumer, TensorRef, TensorRefused, TransportError
 from omni.transport.ipc_memory import MEMORY, ArenaMemory, Grant, Mapping, Segment, make_memory
 from omni.transport.server import connect_same_user, same_user_server
 from omni.transport.sweep import Sweep, listening
@@ -146,12 +146,17 @@ class CudaIpcProducer(ArenaProducer):
         if not isinstance(tensor, torch.Tensor):
             raise TransportError(f"put() needs a torch.Tensor, got {type(tensor).__name__}")
         dtype = dtype_name(tensor.dtype)
-        self.memory.check(tensor)
+        try:
+            self.memory.check(tensor)
+        except TensorRefused:
+            raise
+        except TransportError as e:     # its device: this tensor's matter, not the producer's
+            raise TensorRefused(str(e)) from None
         src = plain(tensor)   # conj/neg views resolved: the bytes are the values
         nbytes = src.numel() * src.element_size()
         if round_up(max(nbytes, 1), ALIGN) > self.arena_bytes:
-            raise TransportError(f"tensor of {nbytes} bytes does not fit the cuda_ipc arena segment of "
-                                 f"{self.arena_bytes} bytes; raise arena_bytes")
+            raise TensorRefused(f"tensor of {nbytes} bytes does not fit the cuda_ipc arena segment of "
+                                f"{self.arena_bytes} bytes; raise arena_bytes")
         seg, off, key = self._reserve(nbytes, owner)
         try:
             if nbytes:
