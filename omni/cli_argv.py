@@ -7,6 +7,7 @@ import functools
 import os
 import sys
 
+from omni.cli_secrets import json_flag, mask_json_flag
 from omni.errors import ConfigError
 
 __all__ = ["SECRET_FLAGS", "SEVERAL_VALUES", "hide_secrets", "mask_in_message", "reexec_with_env",
@@ -28,26 +29,37 @@ given: list[str] | None = None
 
 
 def hide_secrets(argv: list[str]) -> list[str]:
-    """argv with secret values masked; warns about each secret given on the command line,
-    where every user on the host can read it (/proc/PID/cmdline)."""
+    """argv with secret values masked (also hf_token and env values inside --engine-args / --stage-overrides);
+    warns about each secret given on the command line, where every user on the host can read it
+    (/proc/PID/cmdline)."""
     out, hide, warned = [], "", set()
     for arg in argv:
-        name, eq, _ = arg.partition("=")
+        name, eq, inline = arg.partition("=")
         if hide and not _bare(hide, arg):
-            out.append("***")
+            out.append(_hidden(hide, arg, warned))
             hide = ""
             continue
         hide = ""
-        if name in SECRET_FLAGS:
-            if name not in warned:
-                warned.add(name)
-                print(f"omni: warning: {name} on the command line is visible to every user of this host (ps); "
-                      f"set {SECRET_FLAGS[name]} in the environment instead", file=sys.stderr)
-            out.append(f"{name}=***" if eq else arg)
+        if name in SECRET_FLAGS or json_flag(name):
+            out.append(f"{name}={_hidden(name, inline, warned)}" if eq else arg)
             hide = "" if eq else name
         else:
             out.append(arg)
     return out
+
+
+def _hidden(flag: str, value: str, warned: set) -> str:
+    """`value` of `flag` as the process title shows it; warns about each secret once."""
+    if flag in SECRET_FLAGS:
+        masked, found = "***", {flag: SECRET_FLAGS[flag]}
+    else:
+        masked, found = mask_json_flag(flag, value)
+    for what, env in found.items():
+        if what not in warned:
+            warned.add(what)
+            print(f"omni: warning: {what} on the command line is visible to every user of this host (ps); "
+                  f"set {env} in the environment instead", file=sys.stderr)
+    return masked
 
 
 def _bare(flag: str, following: str) -> bool:
@@ -159,11 +171,18 @@ def _refuse_stray_secret(name: str, following: list[str], model_seen: bool) -> N
 
 def mask_in_message(message: str, argv: list[str]) -> str:
     """An error message with each word that follows a secret flag on the command line (its value, and the
-    bare words after it: more keys, or MODEL typed after a key) shown as '***' where it is quoted."""
+    bare words after it: more keys, or MODEL typed after a key), and a JSON flag's value that holds a secret,
+    shown as '***' where it is quoted."""
     words, i = set(), 0
     while i < len(argv):
         name, eq, inline = argv[i].partition("=")
         i += 1
+        if json_flag(name) and (eq or i < len(argv)):     # its whole value, when it holds a secret
+            text = inline if eq else argv[i]
+            i += 0 if eq else 1
+            if mask_json_flag(name, text)[0] != text:
+                words.add(text)
+            continue
         if name not in SECRET_FLAGS:
             continue
         if eq:

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -27,6 +28,9 @@ def test_hf_token_is_masked_in_the_title_with_a_warning(capsys):
     assert "HF_TOKEN" in capsys.readouterr().err
     assert mask_in_message(f"bad {SECRET!r}", ["serve", "m", "--hf-token", SECRET]) == "bad '***'"
     assert mask_in_message("bad '--port'", ["serve", "m", "--hf-token", "--port", "1"]) == "bad '--port'"
+    bad_json = f"{{hf_token: {SECRET}}}"      # refused quoting the value: masked whole, as it names a secret
+    assert mask_in_message(f"not valid JSON: {bad_json!r}", ["serve", "m", "--engine-args", bad_json]) == \
+        "not valid JSON: '***'"
 
 
 @pytest.fixture
@@ -80,3 +84,35 @@ def test_dry_run_shows_no_hf_token_and_a_bad_value_is_refused_by_name():
     assert r.returncode == 0, r.stderr
     r = omni("--no-hf-token")
     assert r.returncode == 2 and "--hf-token: expected a Hugging Face token" in r.stderr, r.stderr
+
+
+# `omni` stopped in main() right after its title is set (the next step folds the dotted flags).
+_PARKED = ("import time\nfrom omni import cli\n"
+           "def parked(argv):\n    print('parsed', flush=True)\n    time.sleep(60)\n"
+           "cli.fold_dotted_args = parked\ncli.main()\n")
+
+
+@pytest.mark.parametrize("args", [
+    ["--engine-args", json.dumps({"hf_token": SECRET, "dtype": "float32"})],
+    [f"--engine-args={json.dumps({'hf_token': SECRET})}"],
+    ["--engine-args.hf_token", SECRET],
+    ["--stage-overrides.0.env.HF_TOKEN", SECRET],
+    ["--stage-overrides.1.engine_args.hf_token", SECRET],
+    ["--stage-overrides", json.dumps({"1": {"env": {"MY_API_KEY": SECRET, "OMP_NUM_THREADS": "2"}}})],
+])
+def test_a_secret_inside_a_json_flag_is_off_the_process_command_line_with_a_warning(args):
+    """hf_token in --engine-args and a stage's env in --stage-overrides, whole or dotted, are masked in
+    /proc/PID/cmdline as --hf-token is, and warned about by the flag's dotted name."""
+    pytest.importorskip("setproctitle")
+    p = subprocess.Popen([sys.executable, "-c", _PARKED, "serve", "smollm2", "--port", "0", *args], cwd=REPO,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline() == "parsed\n"     # EOF if it died
+        cmdline = (Path("/proc") / str(p.pid) / "cmdline").read_bytes().decode()
+    finally:
+        p.kill()
+        _, err = p.communicate(timeout=30)
+    assert SECRET not in cmdline and "***" in cmdline, cmdline
+    assert "--port" in cmdline and ("dtype" in cmdline) == ("dtype" in " ".join(args)), cmdline   # the rest stays
+    assert SECRET not in err and "on the command line is visible to every user of this host" in err, err
+    assert ("HF_TOKEN" if "MY_API_KEY" not in args[-1] else "MY_API_KEY") in err, err
