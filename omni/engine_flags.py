@@ -33,6 +33,14 @@ SHORT_FLAGS = {"-q": "--quantization", "-pp": "--pipeline-parallel-size", "-tp":
                "-dpm": "--data-parallel-multi-port-external-lb", "-ep": "--enable-expert-parallel",
                "-sc": "--speculative-config", "-dc": "--diffusion-config", "-cc": "--compilation-config",
                "-ac": "--attention-config"}
+# Engine flags that take several values (vLLM's nargs="+": `--cudagraph-capture-sizes 1 2 4`, a list even with
+# one value), and vllm-omni's --lora-path; tests/unit/test_engine_flags.py checks them against vLLM's serve
+# parser (read here from a table: importing vLLM's parser costs seconds, and omni serve runs without vLLM).
+# --api-key and --served-model-name are serve's own (omni.cli_argv.SEVERAL_VALUES).
+SEVERAL_VALUES = frozenset({
+    "allowed_media_domains", "sleep_preserve_parameter_names", "logits_processors", "ignore_patterns",
+    "numa_bind_nodes", "numa_bind_cpus", "kv_cache_dtype_skip_layers", "cpu_offload_params", "offload_params",
+    "lora_target_modules", "collect_detailed_traces", "cudagraph_capture_sizes", "lora_modules", "lora_path"})
 
 
 def spell_out(argv: list[str], more: dict[str, str] | None = None) -> list[str]:
@@ -89,7 +97,8 @@ def parse_extra_flags(args: list[str]) -> dict[str, Any]:
     """`--kv-cache-dtype fp8 --enable-prefix-caching --block-size=16` -> engine args
     (values read as JSON where they parse, else strings; a bare flag is true). vLLM's dotted form
     `--limit-mm-per-prompt.audio 1` sets a key of that flag's JSON object (`--x.y+ a,b`: a list);
-    vLLM's human-readable integers (HUMAN_INTS: 8k, 1G) become numbers."""
+    vLLM's human-readable integers (HUMAN_INTS: 8k, 1G) become numbers. A flag of SEVERAL_VALUES takes the
+    words that follow it, up to the next flag, as a list."""
     out: dict[str, Any] = {}
     i = 0
     while i < len(args):
@@ -105,6 +114,18 @@ def parse_extra_flags(args: list[str]) -> dict[str, Any]:
                 value = args[i + 1]
                 i += 1
             _set_dotted(out, head.replace("-", "_"), path, value, f"--{name}")
+            i += 1
+            continue
+        key = name.replace("-", "_")
+        if key in SEVERAL_VALUES:
+            values = [value] if eq else []
+            while not eq and i + 1 < len(args) and _bare(args[i + 1]):
+                values.append(args[i + 1])
+                i += 1
+            if not values:
+                raise ConfigError(f"--{name}: expected one or more values")
+            items = [_json_or_text(v) for v in values]
+            out[key] = items[0] if len(items) == 1 and isinstance(items[0], list) else items   # '[1, 2]' too
             i += 1
             continue
         if not eq:
@@ -123,6 +144,11 @@ def parse_extra_flags(args: list[str]) -> dict[str, Any]:
             out[key] = parsed
         i += 1
     return normalise_human_ints(out, flag_name)
+
+
+def _bare(arg: str) -> bool:
+    """A value, not a flag (argparse's rule: a negative number is a value)."""
+    return not arg.startswith("-") or re.fullmatch(r"-\d+(\.\d*)?", arg) is not None
 
 
 def _json_or_text(value: str) -> Any:

@@ -11,7 +11,7 @@ import pytest
 
 from omni import config as cfg
 from omni.cli import main
-from omni.engine_flags import SHORT_FLAGS, parse_extra_flags, spell_out
+from omni.engine_flags import SEVERAL_VALUES, SHORT_FLAGS, parse_extra_flags, spell_out
 from omni.errors import ConfigError
 
 
@@ -175,3 +175,36 @@ def test_engine_args_json_in_stage_mode_reads_human_readable_integers(capsys):
     assert out["engine_flags"]["max_num_batched_tokens"] == 8000
     code, _, err = serve(capsys, *head, "--engine-args", '{"max_num_batched_tokens": "8 k"}')
     assert code == 2 and "--engine-args max_num_batched_tokens: '8 k' is not an integer" in err, err
+
+
+@pytest.mark.parametrize("argv, key, value", [
+    (["--cudagraph-capture-sizes", "1", "2", "4"], "cudagraph_capture_sizes", [1, 2, 4]),
+    (["--cudagraph-capture-sizes", "8"], "cudagraph_capture_sizes", [8]),
+    (["--cudagraph-capture-sizes=8"], "cudagraph_capture_sizes", [8]),
+    (["--ignore-patterns", "a/*", "b/**", "--max-num-seqs", "2"], "ignore_patterns", ["a/*", "b/**"]),
+    (["--allowed-media-domains", "a.com", "b.com"], "allowed_media_domains", ["a.com", "b.com"]),
+])
+def test_several_value_flags_take_the_words_after_them_as_a_list(argv, key, value):
+    """--cudagraph-capture-sizes 1 2 4 was "unexpected argument '2'", and one value a scalar where vLLM has a list."""
+    assert parse_extra_flags(argv)[key] == value
+    with pytest.raises(ConfigError, match="--ignore-patterns: expected one or more values"):
+        parse_extra_flags(["--ignore-patterns", "--max-num-seqs", "2"])
+
+
+def test_the_several_value_flags_are_vllms(vllm_parser):
+    """The table is what vLLM's serve parser takes several values for (serve's own --api-key and
+    --served-model-name aside), with vllm-omni's --lora-path."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    theirs = {a.dest for a in make_arg_parser(FlexibleArgumentParser())._actions if a.nargs in ("+", "*")}
+    assert SEVERAL_VALUES == theirs - {"api_key", "served_model_name"} | {"lora_path"}
+    assert omni_parse(["--cudagraph-capture-sizes", "1", "2"])["cudagraph_capture_sizes"] == \
+        vllm_parser.parse_args(["--cudagraph-capture-sizes", "1", "2"]).cudagraph_capture_sizes
+
+
+def test_several_values_reach_the_vllm_stage_as_a_list(capsys):
+    code, out, err = serve(capsys, "--cudagraph-capture-sizes", "1", "2", "4", "--ignore-patterns", "x/*")
+    assert code == 0, err
+    args = out["config"]["stages"][0]["engine_args"]
+    assert args["cudagraph_capture_sizes"] == [1, 2, 4] and args["ignore_patterns"] == ["x/*"]
