@@ -1,4 +1,4 @@
-"""Files written whole or not at all."""
+"""Files written whole or not at all; temp folders a later launcher may sweep."""
 
 from __future__ import annotations
 
@@ -31,3 +31,17 @@ def atomic_file(path: str | os.PathLike) -> Iterator[BinaryIO]:
 def atomic_write(path: str | os.PathLike, data: bytes) -> None:
     with atomic_file(path) as f:
         f.write(data)
+
+
+# In an omni-* temp folder: the pid of the process it belongs to, so a dead one's can be swept
+# (launcher.sweep_stale_tmp).
+OWNER_FILE = "launcher.pid"
+
+
+def owned_tmp_dir(prefix: str = "omni-") -> str:
+    """A 0700 temp folder naming this process as its owner; removed by its owner, or by the next
+    launcher's sweep once this process is gone."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    with open(os.path.join(path, OWNER_FILE), "w") as f:
+        f.write(str(os.getpid()))
+    return path

@@ -28,6 +28,7 @@ from omni.api.limits import HttpLimits
 from omni.config import DeployConfig
 from omni.deathsig import pid_exists
 from omni.errors import OmniError
+from omni.fsutil import OWNER_FILE
 from omni.signals import StopRequest
 from omni.vllm_omni_flags import Orchestration
 
@@ -39,7 +40,6 @@ logger = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1
 # Lines of a stage's own engine processes (vLLM prefixes "(EngineCore pid=N) ", "(Worker pid=N) ").
 ENGINE_LINE = re.compile(r"\([\w.-]+ pid=\d+\) ")
-OWNER_FILE = "launcher.pid"   # in the launcher's temp dir: whose it is, so a dead one's can be swept
 
 
 def progress(msg: str) -> None:

@@ -7,11 +7,13 @@ the greedy reference.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 
@@ -19,6 +21,7 @@ import httpx
 import psutil
 import pytest
 
+from omni.fsutil import OWNER_FILE
 from tests.e2e.harness import REPO, OmniProcess, omni_env, wait_until
 
 try:
@@ -325,6 +328,11 @@ def test_sigkill_of_the_engine_core_fails_requests_and_ends_the_stage(server):
         [core] = engine_cores(p)
         stage = core.parent()
         assert "omni.children" in " ".join(stage.cmdline())
+        # The stage's own folder for vLLM's ipc sockets: an omni-* temp folder naming the stage as owner.
+        [rpc_dir] = [d for d in glob.glob(os.path.join(tempfile.gettempdir(), "omni-*", OWNER_FILE))
+                     if open(d).read() == str(stage.pid)]
+        rpc_dir = os.path.dirname(rpc_dir)
+        assert any(not f.endswith(".pid") for f in os.listdir(rpc_dir))   # vLLM's sockets are there
         t0 = time.monotonic()
         core.send_signal(signal.SIGKILL)
         errors = [json.loads(x[6:])["error"]["message"] for x in lines
@@ -336,6 +344,7 @@ def test_sigkill_of_the_engine_core_fails_requests_and_ends_the_stage(server):
     assert errors and "EngineCore died" in errors[0] and "SIGKILL" in errors[0], errors
     assert fail_s < 10, fail_s
     stage.wait(30)                      # the stage process exits (raises if it does not) ...
+    assert not os.path.exists(rpc_dir)  # ... removing vLLM's ipc sockets (they stayed in /tmp) ...
     assert p.proc.wait(60) == 1         # ... and with its only replica gone, `omni serve` stops
     out = p.output()
     assert "EngineCoreDied" in out, out

@@ -133,3 +133,27 @@ def test_a_vllm_stage_on_another_vllm_version_is_a_config_error_naming_the_stage
     with pytest.raises(ConfigError, match=f"stage 0 \\(thinker\\): omni's vLLM engine supports vLLM {seam.SUPPORTED}; "
                                           "installed: vllm 0.31.1"):
         factory._vllm(None, stage)
+
+
+def test_vllms_ipc_sockets_go_to_a_folder_of_the_stages_own(monkeypatch, tmp_path):
+    """vLLM leaves its ZMQ ipc sockets in VLLM_RPC_BASE_PATH (default the temp dir); a stage gives it a
+    0700 folder naming its owner (swept once that process is gone); a user's choice wins."""
+    import os
+    import stat
+    import tempfile
+
+    from omni.engines.vllm.args import prepare_env
+    from omni.fsutil import OWNER_FILE
+    from omni.launcher import sweep_stale_tmp
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
+    for k in ("VLLM_HOST_IP", "VLLM_ENABLE_V1_MULTIPROCESSING"):
+        monkeypatch.delenv(k, raising=False)   # prepare_env sets them: put back after the test
+    made = prepare_env(None, cpu=False)
+    assert made and os.environ["VLLM_RPC_BASE_PATH"] == made and os.path.dirname(made) == str(tmp_path)
+    assert stat.S_IMODE(os.stat(made).st_mode) == 0o700
+    assert open(os.path.join(made, OWNER_FILE)).read() == str(os.getpid())
+    assert sweep_stale_tmp(str(tmp_path)) == []            # its owner (this process) lives
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", "/srv/mine")
+    assert prepare_env(None, cpu=False) is None and os.environ["VLLM_RPC_BASE_PATH"] == "/srv/mine"

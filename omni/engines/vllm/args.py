@@ -50,12 +50,20 @@ def split_engine_args(label: str, args: dict[str, Any]) -> tuple[dict[str, Any],
     return vllm_args, omni_args
 
 
-def prepare_env(num_threads: int | None, cpu: bool, kv_bytes_given: bool = False) -> None:
-    """Environment the EngineCore process inherits; user-set values win."""
+def prepare_env(num_threads: int | None, cpu: bool, kv_bytes_given: bool = False) -> str | None:
+    """Environment the EngineCore process inherits; user-set values win. Returns the folder made for
+    vLLM's ipc sockets (None: the user chose one), which the engine removes at shutdown."""
     for k, v in ENV_DEFAULTS.items():
         os.environ.setdefault(k, v)
+    rpc_dir = None
+    if "VLLM_RPC_BASE_PATH" not in os.environ:
+        # vLLM's ZMQ ipc sockets go to the temp dir, and 7 a stage start stayed there after a clean
+        # stop (its processes end without closing them): a folder of this stage's own instead.
+        from omni.fsutil import owned_tmp_dir
+
+        rpc_dir = os.environ["VLLM_RPC_BASE_PATH"] = owned_tmp_dir()
     if not cpu:
-        return
+        return rpc_dir
     for k, v in CPU_ENV_DEFAULTS.items():
         # On CPU, VLLM_CPU_KVCACHE_SPACE would override an explicit kv_cache_memory_bytes.
         if not (k == "VLLM_CPU_KVCACHE_SPACE" and kv_bytes_given):
@@ -65,6 +73,7 @@ def prepare_env(num_threads: int | None, cpu: bool, kv_bytes_given: bool = False
         # on a shared host a stage gets exactly the threads it was given instead.
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         os.environ["OMP_NUM_THREADS"] = str(int(num_threads))
+    return rpc_dir
 
 
 def to_vllm_sampling(p: SamplingParams):

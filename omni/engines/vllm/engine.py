@@ -34,6 +34,7 @@ stage worker fails the requests it held and the stage process exits non-zero).
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 import uuid
 from concurrent.futures import Future, TimeoutError as FutureTimeout
@@ -92,7 +93,8 @@ class VllmEngine(Engine):
 
         self.platform = current_platform.device_name
         cpu = current_platform.is_cpu()
-        prepare_env(omni_args.get("num_threads"), cpu, vllm_args.get("kv_cache_memory_bytes") is not None)
+        self._rpc_dir = prepare_env(omni_args.get("num_threads"), cpu,
+                                    vllm_args.get("kv_cache_memory_bytes") is not None)
         if cpu:
             # Compiled mode is slow to start and flaky in warm-up on CPU.
             vllm_args.setdefault("enforce_eager", True)
@@ -433,3 +435,5 @@ class VllmEngine(Engine):
         if self._hidden is not None:
             self._hidden.close()
         self._waiter.close()
+        if self._rpc_dir is not None:   # vLLM's ipc sockets, which its processes leave behind
+            shutil.rmtree(self._rpc_dir, ignore_errors=True)
