@@ -208,6 +208,7 @@ def _run_stage(config: DeployConfig, stage_id: int, opts: StageOptions, engine_f
     from omni.engines.factory import build_engine
     from omni.master.client import MasterClient
     from omni.orchestrator.limits import replica_limits
+    from omni.stage.gpu_lock import one_load_per_gpu
     from omni.stage.local_link import local_enabled
     from omni.stage.worker import StageWorker
     from omni.transport.factory import MultiConsumer, make_producer
@@ -234,11 +235,13 @@ def _run_stage(config: DeployConfig, stage_id: int, opts: StageOptions, engine_f
     # Listeners bind the advertised address only (loopback on one host), never a wildcard.
     bind_host = advertise
     select_devices(stage.devices)
-    progress(f"{label}: loading engine {stage.engine} ...")
-    t0 = time.monotonic()
     loaded, load_lock = _stop_while_loading(stop, label)
     try:
-        engine = build_engine(config, stage)
+        # stages sharing a GPU load one at a time: vLLM sizes its KV cache from the GPU's free memory
+        with one_load_per_gpu(stage.devices, label, say=progress):
+            progress(f"{label}: loading engine {stage.engine} ...")
+            t0 = time.monotonic()
+            engine = build_engine(config, stage)
     except OmniError as e:
         progress(f"{label}: cannot start engine {stage.engine}: {e}")
         return 1
