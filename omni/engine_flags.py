@@ -204,6 +204,7 @@ def spread_flags(config: DeployConfig, flags: dict[str, Any]) -> dict[str, dict[
     flag. A flag no stage takes is an error naming it and the stages, except flags that only
     size a GPU engine, which are named and ignored."""
     from omni.engines.factory import DEVICE_ONLY_ARGS, accepted_args, takes
+    from omni.vllm_serve_flags import LOGGING_ONLY_ARGS, frontend_only
 
     accepted = {s.engine: accepted_args(s.engine) for s in config.stages}
     out: dict[str, dict[str, Any]] = {}
@@ -213,10 +214,13 @@ def spread_flags(config: DeployConfig, flags: dict[str, Any]) -> dict[str, dict[
                   if (s.engine == "vllm" if accepted[s.engine] is None
                       else takes(s.engine, key, value, accepted[s.engine]))]
         if not takers:
-            if key in DEVICE_ONLY_ARGS or key == "enable_sleep_mode":   # omni's own engines sleep without it
+            if key in DEVICE_ONLY_ARGS or key in LOGGING_ONLY_ARGS or key == "enable_sleep_mode":
+                # omni's own engines sleep without it, and log no engine stats
                 print(f"omni: {flag_name(key)}: no stage of this pipeline takes it ({_describe(config)}); "
                       "ignored", file=sys.stderr, flush=True)
                 continue
+            if frontend_only(key):
+                raise ConfigError(f"{flag_name(key)}: vLLM's serve option, not supported by omni")
             raise ConfigError(vllm_omni_flags.refusal(key)
                               or f"{flag_name(key)}: no stage of this pipeline takes it ({_describe(config)})")
         others = [s.label for s in config.stages if s not in takers]

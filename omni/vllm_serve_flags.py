@@ -25,6 +25,9 @@ NO_OPS = {
     "uvicorn_log_level": "omni's HTTP server logs at --log-level",
     "disable_uvicorn_access_log": "omni's HTTP server writes no access log",
     "disable_fastapi_docs": "omni serves no /docs or /redoc pages (its schema is /openapi.json)",
+    "enable_log_deltas": _NO_REQUEST_LOG,
+    "disable_access_log_for_endpoints": "omni's HTTP server writes no access log",
+    "log_error_stack": "omni's logs follow --log-level",
 }
 _TLS = "omni's HTTP API speaks plain HTTP: terminate TLS in a reverse proxy in front of it"
 _CORS = "omni sends no CORS headers: a browser client needs a reverse proxy that adds them"
@@ -41,10 +44,57 @@ REFUSED = {
     "middleware": "omni takes no extra ASGI middleware",
     "return_tokens_as_token_ids": "omni's logprobs name tokens as text only",
     "lora_modules": "omni serves no LoRA adapters",
+    "tool_strict_level": _TOOLS,
+    "ssl_ciphers": _TLS,
+    "enable_force_include_usage": "a stream carries usage when the request's stream_options.include_usage asks",
+    "enable_prompt_tokens_details": "omni's usage has no prompt_tokens_details",
+    "enable_request_id_headers": "omni sends no X-Request-Id header",
+    "enable_server_load_tracking": "omni has no /load route: the load is on /metrics and in `omni status`",
+    "default_chat_template_kwargs": "chat_template_kwargs are taken per request only",
+    "sse_keep_alive_interval": "omni's event streams send no keep-alive comments",
+    "uds": "omni's HTTP API listens on TCP only (--host, --port)",
+    **dict.fromkeys(("h11_max_header_count", "h11_max_incomplete_event_size"),
+                    "omni's HTTP server (Hypercorn) keeps its own limits on a request's head"),
+    "trust_request_mm_kwargs": "a request's mm_processor_kwargs are refused",
+    **dict.fromkeys(("grpc", "grpc_port"), "omni's API is HTTP only (its gRPC port is the master's control plane)"),
+    "enable_tokenizer_info_endpoint": "omni has no /tokenizer_info route",
+    "enable_offline_docs": "omni serves no /docs or /redoc pages (its schema is /openapi.json)",
+    "enable_per_request_metrics": "omni's metrics are per stage and frontend on /metrics",
+    **dict.fromkeys(("cohere_is_reasoning_model", "cohere_format"), "omni serves no Cohere API"),
+    "anthropic_disabled_thinking_effort": "omni serves no Anthropic API",
+    **dict.fromkeys(("enable_scale_out", "data_parallel_supervisor_port", "dp_supervisor_probe_interval_s",
+                     "dp_supervisor_probe_timeout_s", "dp_supervisor_probe_failure_threshold"),
+                    "omni scales a stage with --num-replicas and headless stages on other hosts"),
+    **dict.fromkeys(("fingerprint_mode", "fingerprint_value"), "omni's responses carry no system_fingerprint"),
+    "enable_flash_late_interaction": "omni serves no late-interaction (ColBERT) scoring",
     # EngineArgs fields, but only vLLM's serving layer reads them (a deploy's engine_args are refused too).
     **SERVING_ONLY_ARGS,
     "reasoning_parser": "omni does not split reasoning out of model output (it stays in the content)",
 }
+
+
+# EngineArgs fields that only set an engine's logging: where no stage takes them, named and ignored.
+LOGGING_ONLY_ARGS = ("disable_log_stats", "aggregate_engine_logging")
+_OWN = frozenset({"help", "model_tag", "headless", "api_server_count", "config", "host", "port", "api_key"})
+
+
+def frontend_only(key: str) -> bool:
+    """Whether `key` is an option of vLLM's serve frontend (a dest of its parser, not an EngineArgs field) that
+    the tables here lack: asked of the vLLM installed (a newer one's options), only when no stage takes `key`."""
+    try:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+        try:
+            from vllm.entrypoints.launchers.cli_args import make_arg_parser
+        except ImportError:
+            from vllm.entrypoints.openai.cli_args import make_arg_parser
+        parser = make_arg_parser(FlexibleArgumentParser())
+    except Exception:   # noqa: BLE001 -- no vLLM here, or one whose parser cannot be built: the tables only
+        return False
+    import dataclasses
+
+    engine = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+    return any(a.dest == key for a in parser._actions) and key not in engine and key not in _OWN
 
 
 def take(flags: dict[str, Any]) -> None:
