@@ -209,6 +209,27 @@ def test_commands_sleep_wake_and_drain(worker):
     s.close()
 
 
+class SleeplessEngine(CountEngine):
+    """An engine that cannot sleep: the base Engine's sleep methods."""
+
+    can_sleep, sleep, wake_up, is_sleeping = Engine.can_sleep, Engine.sleep, Engine.wake_up, Engine.is_sleeping
+
+
+@pytest.fixture
+def sleepless():
+    yield from running(StageConfig(stage_id=1, engine="count", name="talker"), SleeplessEngine())
+
+
+def test_waking_an_engine_that_cannot_sleep_is_ok_and_only_sleep_says_it_cannot(sleepless):
+    """A plain `omni wakeup` after `omni sleep --stage 0 --force` reached the other stages' engines too: each
+    that cannot sleep answered 'cannot sleep on this platform' and the command exited 1. Awake is awake."""
+    w, _ = sleepless
+    assert w.command("WAKE_UP") == (True, "awake")
+    ok, msg = w.command("SLEEP", {"level": 1})
+    assert not ok and "SleeplessEngine cannot sleep on this platform" in msg, msg
+    assert w.command("WAKE_UP") == (True, "awake") and not w.load()["is_sleeping"]
+
+
 class ReadyFdEngine(CountEngine):
     """Outputs come from elsewhere (like vLLM's EngineCore): the test queues them and the
     engine's eventfd says so; step() hands out what is queued."""

@@ -108,6 +108,16 @@ def test_level_2_wake_up_reloads_the_weights_level_1_does_not():
     assert e._llm.calls == [("sleep", 1), ("wake_up",)]
 
 
+def test_without_sleep_mode_a_wake_up_is_a_no_op_and_a_sleep_is_refused():
+    """`omni wakeup` after `omni sleep --stage 0`: the stages without sleep mode are awake, not an error."""
+    e = fake_engine()
+    e._can_sleep = False
+    e.wake_up()
+    assert not e.is_sleeping() and e._llm.calls == []
+    with pytest.raises(EngineError, match="sleep mode is not available here"):
+        e.sleep(1)
+
+
 def test_a_failed_reload_after_level_2_leaves_the_engine_asleep_naming_the_cause():
     e = fake_engine()
     e.sleep(2)

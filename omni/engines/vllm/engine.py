@@ -386,9 +386,7 @@ class VllmEngine(Engine):
         self._sleeping = True
 
     def wake_up(self) -> None:
-        if not self._can_sleep:
-            self._refuse_sleep()
-        self._check_alive()
+        self._check_alive()       # without sleep mode it is never asleep: awake, as the base engine says
         if not self._sleeping:
             return
         reload = self._sleep_level in (0, 2)
