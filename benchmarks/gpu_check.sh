@@ -28,6 +28,13 @@ python3 -c 'import torch, transformers; print("torch", torch.__version__, "trans
 cat "$OUT/gpu.txt"
 
 WANT=" $* "
+live_in_group() {   # the processes of group $1 still running (zombies left to init are not)
+  if command -v ps > /dev/null; then
+    ps -o pid=,stat= -g "$1" | awk '$2 !~ /^Z/ {print $1}'
+  elif kill -0 -- "-$1" 2> /dev/null; then
+    echo "process group $1"
+  fi
+}
 step() {    # step NAME SECONDS CMD...: CMD's output to $OUT/NAME.txt, its tail to the console
   local name=$1 limit=$2 left=$((DEADLINE - SECONDS))
   shift 2
@@ -43,10 +50,16 @@ step() {    # step NAME SECONDS CMD...: CMD's output to $OUT/NAME.txt, its tail 
   pid=$!
   wait "$pid"
   rc=$?
-  if kill -0 -- "-$pid" 2>/dev/null; then
-    kill -KILL -- "-$pid" 2>/dev/null
-    echo "gpu_check: KILL sent to what $name left in its process group" >> "$OUT/$name.txt"
+  local left tries=0
+  left=$(live_in_group "$pid")
+  while [[ -n "$left" ]] && ((tries++ < 10)); do    # a helper still exiting (multiprocessing's resource tracker)
+    sleep 0.2
+    left=$(live_in_group "$pid")
+  done
+  if [[ -n "$left" ]]; then
+    echo "gpu_check: killed what $name left running: "$left >> "$OUT/$name.txt"
   fi
+  kill -KILL -- "-$pid" 2>/dev/null
   echo "exit $rc after $((SECONDS - t0))s" >> "$OUT/$name.txt"
   tail -n 25 "$OUT/$name.txt"
 }

@@ -39,6 +39,7 @@ def test_steps_in_order_each_to_its_file(tmp_path):
     assert order == ["qwen3_stages", "transport"]                  # the script's order, not the caller's
     stages = (tmp_path / "out" / "qwen3_stages.txt").read_text()
     assert "--real-size --device cuda --streams 1,16" in stages and "exit 0 after" in stages
+    assert "killed" not in stages        # it left nothing running
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["gpu.txt", "qwen3_stages.txt", "transport.txt"]
 
 
@@ -94,7 +95,7 @@ def test_nothing_a_step_starts_outlives_it(tmp_path):
         assert r.returncode == 0, r.stdout + r.stderr
         assert left and not [pid for pid in left if alive(pid)]
         text = (tmp_path / "out" / "frame.txt").read_text()
-        assert "KILL sent to what frame left in its process group" in text and "exit 0 after" in text
+        assert f"killed what frame left running: {left[0]}" in text and "exit 0 after" in text
     finally:
         for pid in left:
             if alive(pid):
