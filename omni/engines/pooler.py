@@ -12,7 +12,8 @@ from omni.engines.base import Engine, EngineError, EngineOutput, EngineRequest
 
 
 class HiddenPoolerEngine(Engine):
-    def __init__(self, **_: object):
+    def __init__(self) -> None:
+        # No engine_args: a key given to this stage is refused by name (factory.accepted_args), not ignored.
         self._sums: dict[str, torch.Tensor] = {}
         self._counts: dict[str, int] = {}
         self._ready: list[str] = []
@@ -22,6 +23,8 @@ class HiddenPoolerEngine(Engine):
         if hidden is None or hidden.dim() != 2:
             raise EngineError("hidden_pooler needs tensors['hidden_states'] of shape [n, hidden]")
         rid = request.request_id
+        if rid in self._ready:   # a second final piece would pool twice and break step() for every request
+            raise EngineError(f"request {rid}: hidden states after the piece marked final")
         part = hidden.to(torch.float32).sum(dim=0)
         if rid in self._sums:
             if self._sums[rid].shape != part.shape:
