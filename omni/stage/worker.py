@@ -25,7 +25,7 @@ from omni.config import StageConfig
 from omni.ratelog import RateLimitedLog
 from omni.signals import StopRequest
 from omni.engines.base import Engine, EngineError, EngineOutput
-from omni.stage import messages as m
+from omni.stage import held, messages as m
 from omni.stage.control import StageControl
 from omni.stage.expiry import IdleRequests, sweep
 from omni.stage.local_link import CLOSED, LocalPeers
@@ -79,6 +79,7 @@ class StageWorker:
         self._held: deque[HeldOutput] = deque()
         self._stall_started: float | None = None
         self._flushing = False
+        self._full_since: dict[bytes, float] = {}   # frontend -> its first refused send since it took one
         self.stall_timeout_s = stall_timeout_s
         self._stop_request = stop_request    # set by a signal handler; polled by the loop
         self._frontends: set[bytes] = set()
@@ -325,8 +326,8 @@ class StageWorker:
         # Nothing overtakes held output, so while anything is held this output waits too.
         if self._held or not self._publish(out, step_s):
             req = self._reqs.get(out.request_id)
-            self._hold(HeldOutput(out.request_id, time.monotonic(), req.frontend if req else b"",
-                                  out=out, step_s=step_s))
+            held.hold(self, HeldOutput(out.request_id, time.monotonic(), req.frontend if req else b"",
+                                       out=out, step_s=step_s))
 
     def _publish(self, out: EngineOutput, step_s: float) -> bool:
         """Send one output; False when its tensors do not fit yet (nothing was kept)."""
@@ -365,43 +366,8 @@ class StageWorker:
             latency_trace.mark("sent", out.request_id, len(out.token_ids))
         return True
 
-    def _hold(self, held: HeldOutput) -> None:
-        if not self._held:
-            self._stall_started = time.monotonic()
-            self.stats.stalls += 1
-            logger.info("%s: output waits for consumers (backpressure)", self.stage.label)
-        self._held.append(held)
-
     def _flush_held(self) -> None:
-        """Retry held output in order; past the stall timeout, fail the request at the head."""
-        self._flushing = True
-        try:
-            while self._held:
-                h = self._held.popleft()
-                if h.out is not None:
-                    if self._publish(h.out, h.step_s):
-                        continue      # sent, or its frame now heads the queue
-                elif self._send_frame(h.ident, h.frame):
-                    continue
-                self._held.appendleft(h)
-                if time.monotonic() - h.since <= self.stall_timeout_s:
-                    break
-                self._held.popleft()
-                self._drop_held(h.rid, f"{self.stage.label}: output waited {self.stall_timeout_s:.0f} s for "
-                                       f"consumers to free tensors or read results (stall_timeout_s)")
-        finally:
-            self._flushing = False
-        if not self._held and self._stall_started is not None:
-            self.stats.stall_s_total += time.monotonic() - self._stall_started
-            self._stall_started = None
-
-    def _drop_held(self, rid: str, message: str) -> None:
-        self._held = deque(h for h in self._held if not rid or h.rid != rid)
-        if rid in self._reqs:
-            self.engine.abort(rid)
-            self._fail(rid, message)
-        elif rid:
-            self._free_owner(rid)   # done here: its dropped output's tensors reach no one
+        held.flush(self)
 
     def _free_owner(self, rid: str) -> None:
         self._producers.free_owner(rid)
@@ -420,12 +386,12 @@ class StageWorker:
     def _send(self, ident: bytes, msg: Any) -> None:
         frame = self._out.encode(msg)
         rid = getattr(msg, "request_id", "")   # request messages keep their order; replies need not
-        if (rid and self._held and not self._flushing) or not self._send_frame(ident, frame):
-            held = HeldOutput(rid, time.monotonic(), ident, frame=frame)
+        if (rid and self._held and not self._flushing) or not held.send(self, ident, frame):
+            h = HeldOutput(rid, time.monotonic(), ident, frame=frame)
             if self._flushing:
-                self._held.appendleft(held)   # the head's own message: keeps the order
+                self._held.appendleft(h)   # the head's own message: keeps the order
             else:
-                self._hold(held)
+                held.hold(self, h)
 
     def _send_frame(self, ident: bytes, frame: bytes) -> bool:
         """False when the frontend's queue is full (it reads slowly): the caller holds the frame."""
@@ -468,6 +434,7 @@ class StageWorker:
             self._local.drop(ident)
             self._frontends.discard(ident)
         self._held = deque(h for h in self._held if h.ident != ident)
+        self._full_since.pop(ident, None)
         for rid, req in list(self._reqs.items()):
             if req.frontend == ident:
                 self._reqs.pop(rid)
