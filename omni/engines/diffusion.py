@@ -228,21 +228,12 @@ class DiffusionEngine(Engine):
 
     @torch.no_grad()
     def step_batch(self) -> list[EngineOutput]:
-        """Admit new requests, take one denoising step of a batch, decode what finished. A step that raises
-        fails its batch's requests only."""
-        if not self._jobs:
-            return []
-        outputs = []
-        for job in [j for j in self._jobs.values() if j.latents is None]:
-            try:
-                self.admit(job)
-            except Exception as e:   # this request's failure, not the loop's
-                logger.exception("%s: request %s failed at admission", self.name, job.request_id)
-                del self._jobs[job.request_id]
-                outputs.append(failed(job, f"admission failed: {type(e).__name__}: {e}"))
-        if not self._jobs:
+        """Admit the requests of the next batch, take one denoising step of it, decode what finished. A step
+        that raises fails its batch's requests only; an error that says the engine is gone (`fatal`) is raised."""
+        outputs: list[EngineOutput] = []
+        batch = self.admit_batch(outputs)
+        if not batch:
             return outputs
-        batch = self.pick()
         now = time.monotonic()
         try:
             self.denoise(batch)
@@ -262,6 +253,29 @@ class DiffusionEngine(Engine):
         if finished:
             outputs += self.finish(finished)
         return outputs
+
+    def admit_batch(self, outputs: list[EngineOutput]) -> list[Job]:
+        """The next batch, its new requests admitted (encoded, noise drawn): only those it takes, so a burst of
+        requests neither stalls the running batch for every encoder pass nor holds every job's latents on the
+        device. A request whose admission fails is dropped (its failure into `outputs`) and the batch picked
+        again, so the next one takes its place."""
+        tried: set[str] = set()
+        while self._jobs:
+            batch = self.pick()   # again after admitting: a family's batch key may read the schedule (Wan)
+            fresh = [j for j in batch if j.latents is None and j.request_id not in tried]
+            if not fresh:
+                return batch
+            for job in fresh:
+                tried.add(job.request_id)
+                try:
+                    self.admit(job)
+                except Exception as e:
+                    if getattr(e, "fatal", False):
+                        raise        # the engine is gone, as in the denoising step
+                    logger.exception("%s: request %s failed at admission", self.name, job.request_id)
+                    del self._jobs[job.request_id]
+                    outputs.append(failed(job, f"admission failed: {type(e).__name__}: {e}"))
+        return []
 
     def finish(self, jobs: list[Job]) -> list[EngineOutput]:
         """Decode the jobs that took their last step (together: one VAE batch) and hand out their output."""
