@@ -133,7 +133,7 @@ async def follow_topology(master, topology, stop: asyncio.Event) -> None:
                 logger.warning("topology watch: %s", e)
             except asyncio.CancelledError:
                 return
-            topology.synced = False
+            topology.connected = False   # still served from: a master restart is no outage (Orchestrator.health)
             try:
                 async with asyncio.timeout(backoff):
                     await stop.wait()
@@ -268,7 +268,7 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
 
         def live_frontends():
             # Job owners are named by (host, pid): a re-registration may change the replica id.
-            if not topology.synced:
+            if not topology.connected:
                 return None
             return {(r.host, r.pid) for r in topology.replicas.values() if r.role == "FRONTEND" and r.state != "DEAD"}
 

@@ -45,8 +45,8 @@ class AdminRoutes:
             ok, reason = self.fe.orch.health()
         except Exception as e:
             ok, reason = False, f"health check failed: {type(e).__name__}: {e}"
-        if ok:
-            return 200, _HEALTHY
+        if ok:   # a reason beside "ok" (the master away) keeps the status a client reads
+            return 200, _HEALTHY if reason == "ok" else msgspec.json.encode({"status": "ok", "reason": reason})
         return 503, msgspec.json.encode({"status": "unhealthy", "reason": reason})
 
     async def models(self, request: Request) -> Response:

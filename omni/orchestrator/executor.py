@@ -306,13 +306,16 @@ class Orchestrator:
     # ------------------------------------------------------------ health and control
 
     def health(self) -> tuple[bool, str]:
+        """Whether requests are served: every stage has a READY replica in the last topology known, also while
+        the master is away (its restart): requests go on meanwhile. Not "ok" then says so, healthy or not."""
         if not self.topology.synced:
             return False, "no topology from the omni master yet"
         ready = self.topology.ready_stages()
         missing = [s.label for s in self.config.stages if s.stage_id not in ready]
+        away = "" if self.topology.connected else "omni master unreachable: serving from the last topology it sent"
         if missing:
-            return False, "no READY replica for " + ", ".join(missing)
-        return True, "ok"
+            return False, "no READY replica for " + ", ".join(missing) + (f" ({away})" if away else "")
+        return True, away or "ok"
 
     async def sleep(self, level: int = 1) -> dict:
         return await self._command("SLEEP", {"level": level})
@@ -358,7 +361,10 @@ class Orchestrator:
         return self.metrics.render(label) + "".join(
             ["# HELP omni_stage_channels Open channels to stage replicas, by carrier (local: same host).\n",
              "# TYPE omni_stage_channels gauge\n"]
-            + [f"omni_stage_channels{labels({'frontend': label, 'kind': k})} {n}\n" for k, n in kinds.items()])
+            + [f"omni_stage_channels{labels({'frontend': label, 'kind': k})} {n}\n" for k, n in kinds.items()]
+            + ["# HELP omni_master_connected 1 while this frontend's topology watch is connected to the omni master.\n",
+               "# TYPE omni_master_connected gauge\n",
+               f"omni_master_connected{labels({'frontend': label})} {int(self.topology.connected)}\n"])
 
     def deployment_metrics_text(self) -> str:
         """What the stages report of themselves (not per frontend): the answering frontend adds it."""

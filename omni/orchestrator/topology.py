@@ -42,7 +42,8 @@ def _as_old_self(before: ReplicaInfo | None, now: ReplicaInfo) -> ReplicaInfo:
 class Topology:
     def __init__(self, grace_s: float = 0.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.replicas: dict[str, ReplicaInfo] = {}
-        self.synced = False          # True once a snapshot arrived
+        self.synced = False          # True once a snapshot arrived (stays: the last one is served from)
+        self.connected = False       # the watch is up now: False while the master is away (follow_topology)
         # How long a replica missing from a snapshot is kept (the frontend sets the lease TTL).
         self.grace_s = grace_s
         self._clock = clock
@@ -76,7 +77,7 @@ class Topology:
     def _snapshot(self, replicas: list[ReplicaInfo]) -> None:
         old = self.replicas
         new = {r.replica_id: _as_old_self(old.get(r.replica_id), r) for r in replicas}
-        self.synced = True
+        self.synced = self.connected = True
         gone: list[ReplicaInfo] = []
         for rid, r in old.items():
             if rid in new:
