@@ -111,7 +111,7 @@ class CommandAck(_message.Message):
     def __init__(self, command_id: _Optional[str] = ..., ok: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("lease_id", "replica_id", "queue_len", "in_flight", "requests_total", "cpu_seconds", "is_sleeping", "draining", "extra", "acks")
+    __slots__ = ("lease_id", "replica_id", "queue_len", "in_flight", "requests_total", "cpu_seconds", "is_sleeping", "draining", "extra", "acks", "no_load")
     class ExtraEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +129,7 @@ class Heartbeat(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     EXTRA_FIELD_NUMBER: _ClassVar[int]
     ACKS_FIELD_NUMBER: _ClassVar[int]
+    NO_LOAD_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     replica_id: str
     queue_len: int
@@ -139,7 +140,8 @@ class Heartbeat(_message.Message):
     draining: bool
     extra: _containers.ScalarMap[str, float]
     acks: _containers.RepeatedCompositeFieldContainer[CommandAck]
-    def __init__(self, lease_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., queue_len: _Optional[int] = ..., in_flight: _Optional[int] = ..., requests_total: _Optional[int] = ..., cpu_seconds: _Optional[float] = ..., is_sleeping: _Optional[bool] = ..., draining: _Optional[bool] = ..., extra: _Optional[_Mapping[str, float]] = ..., acks: _Optional[_Iterable[_Union[CommandAck, _Mapping]]] = ...) -> None: ...
+    no_load: bool
+    def __init__(self, lease_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., queue_len: _Optional[int] = ..., in_flight: _Optional[int] = ..., requests_total: _Optional[int] = ..., cpu_seconds: _Optional[float] = ..., is_sleeping: _Optional[bool] = ..., draining: _Optional[bool] = ..., extra: _Optional[_Mapping[str, float]] = ..., acks: _Optional[_Iterable[_Union[CommandAck, _Mapping]]] = ..., no_load: _Optional[bool] = ...) -> None: ...
 
 class Command(_message.Message):
     __slots__ = ("command_id", "kind", "args_json")

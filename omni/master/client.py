@@ -147,6 +147,7 @@ class MasterClient:
         self._ka_stop = threading.Event()
         self._ka_call = None
         self._acks: queue.SimpleQueue[pb.CommandAck] = queue.SimpleQueue()
+        self._last_load: dict | None = None   # load_fn's last good load, sent again when it fails
         self.last_error: str | None = None  # of the keep-alive loop, for diagnostics
         self.registrations = 0  # how many times register succeeded (re-registrations included)
 
@@ -320,18 +321,22 @@ class MasterClient:
                     acks.append(self._acks.get_nowait())
                 except queue.Empty:
                     break
-            try:
-                load = load_fn() or {}
-            except Exception as e:
-                logger.warning("load_fn failed, heartbeating without load: %s", e)
-                load = {}
-            try:
-                hb = wire.heartbeat_from_load(load, reg.lease_id, reg.replica_id, acks)
-            except (TypeError, ValueError) as e:
-                logger.warning("load_fn returned a bad load %r: %s", load, e)
-                hb = pb.Heartbeat(lease_id=reg.lease_id, replica_id=reg.replica_id, acks=acks)
-            yield hb
+            yield self._heartbeat(reg, load_fn, acks)
             stream.wake.wait(interval)
+
+    def _heartbeat(self, reg: Registration, load_fn, acks: list) -> pb.Heartbeat:
+        """The load_fn's load; when it fails, the last good one, or none (no_load: the master keeps what it has;
+        an empty load would read as not draining, awake)."""
+        try:
+            load = load_fn() or {}
+            hb = wire.heartbeat_from_load(load, reg.lease_id, reg.replica_id, acks)
+            self._last_load = load
+            return hb
+        except Exception as e:
+            logger.warning("load_fn failed or gave a bad load, heartbeating with the last good one: %s", e)
+        if self._last_load is not None:
+            return wire.heartbeat_from_load(self._last_load, reg.lease_id, reg.replica_id, acks)
+        return pb.Heartbeat(lease_id=reg.lease_id, replica_id=reg.replica_id, acks=acks, no_load=True)
 
     @staticmethod
     def _handle(on_command: OnCommand, msg: pb.Command) -> pb.CommandAck:

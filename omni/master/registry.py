@@ -30,6 +30,7 @@ as it is (an UNDRAIN whose ack timed out, or that a later command superseded, no
 replica DRAINING for good while it serves). A drain acked while the replica was REGISTERING or
 SUSPECT (no heartbeat since) is remembered: its next heartbeat makes it DRAINING whatever it says,
 later ones are taken as they are. A stage keeps its drain across a re-register: it reports it.
+A heartbeat without a load (`no_load`: the stage could not read it) changes neither load nor drain.
 
 A lease runs only while the master runs: when the sweeps stop for longer than `stall_after_s`
 (the master was SIGSTOPped or starved), the silence was the master's, so every lease gets a
@@ -328,12 +329,15 @@ class Registry:
             i += 1
         return i
 
-    def heartbeat(self, lease_id: str, load: Load) -> list[Event]:
+    def heartbeat(self, lease_id: str, load: Load | None) -> list[Event]:
+        """`load` None: the stage sent none (it could not read it); its last load and drain stand."""
         rep = self.live(lease_id)
         now = self._clock()
         rep.last_seen = now
-        # The stage's word, except a drain remembered while it had not reported (REGISTERING, SUSPECT).
-        rep.draining = load.draining or (rep.draining and rep.state in (S.REGISTERING, S.SUSPECT))
+        if load is None:
+            load = rep.load
+        else:   # the stage's word, except a drain remembered while it had not reported (REGISTERING, SUSPECT)
+            rep.draining = load.draining or (rep.draining and rep.state in (S.REGISTERING, S.SUSPECT))
         old_state, old_load = rep.state, rep.load
         rep.state = next_state(rep.state, T.HEARTBEAT, rep.draining)
         rep.load = load

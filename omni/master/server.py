@@ -185,9 +185,9 @@ class MasterServicer(pb_grpc.MasterServicer):
                 self.publish(self.reg.stream_broken(conn.lease_id))
 
     async def _heartbeat(self, conn: _Conn, hb: pb.Heartbeat, context) -> None:
-        load = Load(queue_len=hb.queue_len, in_flight=hb.in_flight, requests_total=hb.requests_total,
-                    cpu_seconds=hb.cpu_seconds, is_sleeping=hb.is_sleeping, draining=hb.draining,
-                    extra=dict(hb.extra))
+        load = None if hb.no_load else Load(
+            queue_len=hb.queue_len, in_flight=hb.in_flight, requests_total=hb.requests_total,
+            cpu_seconds=hb.cpu_seconds, is_sleeping=hb.is_sleeping, draining=hb.draining, extra=dict(hb.extra))
         try:
             events = self.reg.heartbeat(conn.lease_id, load)
         except LeaseUnknown as e:

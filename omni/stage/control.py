@@ -77,4 +77,5 @@ class StageControl:
                     raise EngineError(f"unknown command {cmd.kind}")
             except Exception as e:
                 cmd.ok, cmd.message = False, f"{w.stage.label}: {e}"
+            w.load_snapshot.take()   # before the ack: the heartbeat carrying it says draining / asleep as it now is
             cmd.done.set()

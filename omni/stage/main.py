@@ -311,7 +311,7 @@ def _run_stage(config: DeployConfig, stage_id: int, opts: StageOptions, engine_f
     def on_command(cmd):
         return worker.command(cmd.kind, cmd.args)
 
-    client.start_keepalive(worker.load, on_command, interval_s=min(1.0, reg.lease_ttl_s / 4),
+    client.start_keepalive(worker.load_snapshot.read, on_command, interval_s=min(1.0, reg.lease_ttl_s / 4),
                            on_registration=on_registration)
     progress(f"{label}: registered as replica {reg.replica_id}, serving on {worker.endpoint}"
              + (f" and {worker.local_endpoint}" if worker.local_endpoint else "") + "; ready")

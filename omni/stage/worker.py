@@ -30,7 +30,8 @@ from omni.stage.control import StageControl
 from omni.stage.expiry import IdleRequests, sweep
 from omni.stage.local_link import CLOSED, LocalPeers
 from omni.stage.loop_poll import LoopPoller
-from omni.stage.worker_state import HeldOutput, InFlight, RecentBases, WorkerStats, engine_request, load_report
+from omni.stage.worker_state import (HeldOutput, InFlight, LoadSnapshot, RecentBases, WorkerStats, engine_request,
+                                     load_report)
 from omni.stage.curve import secure_server
 from omni.stage.producers import OutputProducers
 from omni.stage.published import Published
@@ -105,11 +106,12 @@ class StageWorker:
         # Same-host frontends connect here; `local_endpoint` goes beside `endpoint` in the registration.
         self._local = LocalPeers(token, self._wake) if local_channel else None
         self.local_endpoint = self._local.endpoint if self._local is not None else ""
+        self.load_snapshot = LoadSnapshot(self)   # what the keep-alive sends: it never calls into the engine
 
     # ------------------------------------------------------------ threads
 
     def load(self) -> dict:
-        """Keep-alive payload (read from the keep-alive thread; plain ints)."""
+        """The load now (loop thread only; the keep-alive thread reads `load_snapshot`)."""
         return load_report(self)
 
     def command(self, kind: str, args: dict | None = None, timeout: float = 60.0) -> tuple[bool, str]:
@@ -140,6 +142,7 @@ class StageWorker:
             poller.register(stop_fd)
         stop_deadline: float | None = None
         while True:
+            self.load_snapshot.due()
             busy = self.engine.has_unfinished() and not self.engine.is_sleeping()
             # Held output is retried every few ms (a full frontend queue gives no event);
             # a FreeTensors from a consumer wakes the poll at once.

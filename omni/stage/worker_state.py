@@ -3,6 +3,7 @@ request made of an AddRequest."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -10,8 +11,11 @@ from typing import Any
 
 from omni.engines.base import EngineOutput, EngineRequest, facts_of
 from omni.metrics import BATCH_BUCKETS, BATCH_KEY, ENGINE_GAUGE, STEP_BUCKETS, STEP_KEY, Histogram
+from omni.ratelog import RateLimitedLog
 from omni.stage import messages as m
 from omni.transport.base import TransportError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -104,7 +108,8 @@ class HeldOutput:
 
 
 def load_report(w: Any) -> dict:
-    """A StageWorker's keep-alive payload (read from the keep-alive thread; plain numbers)."""
+    """A StageWorker's load: on its loop thread only (it reads the engine's request tables, which that thread
+    changes); the keep-alive thread sends a LoadSnapshot's copy."""
     return {
         "queue_len": w.engine.num_waiting(),
         "in_flight": len(w._reqs),
@@ -125,6 +130,37 @@ def load_report(w: Any) -> dict:
             **{f"{ENGINE_GAUGE}{k}": v for k, v in w.engine.load_extra().items()},
         },
     }
+
+
+class LoadSnapshot:
+    """The stage's load as its loop thread last took it (`take`, at most every `every_s` through `due`, and after
+    each master command), for the keep-alive thread (`read`), which so never calls into the engine: reading a
+    stream engine's open requests from there while the loop added or ended one raised "OrderedDict mutated
+    during iteration", and the heartbeat went out without a load (draining and sleep read as off). A failed
+    take keeps the last load."""
+
+    def __init__(self, worker: Any, every_s: float = 0.05):
+        self._w, self.every_s = worker, every_s
+        self._load: dict = {}
+        self._at = 0.0
+        self._errors = RateLimitedLog(logger)
+        self.take()
+
+    def take(self) -> None:
+        try:
+            self._load = load_report(self._w)
+        except Exception as e:
+            self._errors.warning("%s: reading the load failed, the last one stands: %s", self._w.stage.label, e)
+        self._at = time.monotonic()
+
+    def due(self) -> None:
+        if time.monotonic() - self._at >= self.every_s:
+            self.take()
+
+    def read(self) -> dict:
+        if not self._load:   # raised: the keep-alive then sends its last good load or none, never an empty one
+            raise RuntimeError("the stage's load was never read")
+        return {**self._load, "cpu_seconds": time.process_time()}
 
 
 def engine_request(msg: m.AddRequest, consumer: Any, stats: WorkerStats) -> EngineRequest:

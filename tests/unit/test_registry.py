@@ -158,6 +158,18 @@ def test_replica_reported_drain(reg):
     assert kinds(reg.heartbeat(a.lease_id, Load(draining=True))) == [("UPDATED", "s1r0", S.DRAINING)]
 
 
+def test_a_heartbeat_without_a_load_keeps_the_last_one_and_the_drain(reg):
+    a, _ = reg.register(stage())
+    reg.heartbeat(a.lease_id, Load(draining=True, is_sleeping=True, requests_total=5))
+    assert reg.heartbeat(a.lease_id, None) == []   # no_load: nothing changed, nothing to tell the frontends
+    rep = reg.lookup(a.lease_id)
+    assert (rep.state, rep.draining, rep.load.is_sleeping, rep.load.requests_total) == (S.DRAINING, True, True, 5)
+    b, _ = reg.register(stage(pid=101))
+    reg.drain(b.replica_id)                        # remembered while REGISTERING
+    reg.heartbeat(b.lease_id, None)
+    assert reg.heartbeat(b.lease_id, None) == [] and reg.lookup(b.lease_id).state is S.DRAINING
+
+
 def test_lease_expiry_dead_then_forgotten(reg, clock):
     a, _ = reg.register(stage())
     reg.heartbeat(a.lease_id, Load())
