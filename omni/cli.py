@@ -12,7 +12,7 @@ from typing import Any, List, Optional
 
 import typer
 
-from omni import cli_argv, envs
+from omni import cli_argv, envs, serve_argv
 from omni.cli_argv import SECRET_FLAGS, hide_secrets, mask_in_message, spread_several_values  # noqa: F401 (omni.cli's API)
 from omni.errors import ConfigError, OmniError
 
@@ -150,7 +150,7 @@ def _token_checked(command):
                                 "ignore_unknown_options": True})
 def serve(
     ctx: typer.Context,
-    model: str = typer.Argument(..., help="Model id (e.g. HuggingFaceTB/SmolLM2-135M-Instruct) or a local folder."),
+    model: Optional[str] = typer.Argument(None, metavar="MODEL", help="Model id (e.g. HuggingFaceTB/SmolLM2-135M-Instruct) or a local folder; also --model MODEL, or model: in vLLM's --config FILE.yaml (a YAML of flags; the command line wins)."),
     deploy_config: Optional[str] = typer.Option(None, "--deploy-config", help="Deploy YAML to use instead of the bundled one for MODEL."),
     stage_configs_path: Optional[str] = typer.Option(None, "--stage-configs-path", help="vllm-omni's legacy stage config YAML (stage_args), read as a deploy overlay on MODEL's pipeline."),
     stage_overrides: Optional[str] = typer.Option(None, "--stage-overrides", help='JSON patch per stage, e.g. \'{"0": {"max_model_len": 1024}}\' (also --stage-overrides.0.max_model_len 1024). Single-command mode.'),
@@ -195,10 +195,13 @@ def serve(
     --omni-heartbeat-timeout set omni's start-up bound and lease; --no-async-chunk makes the audio
     stage decode each utterance whole (--async-chunk: stream, whatever the deploy YAML says)."""
     from omni import config as cfg
-    from omni import vllm_omni_flags, vllm_serve_flags
+    from omni import serve_modes, vllm_omni_flags, vllm_serve_flags
     from omni.config_stage_checks import normalise_human_ints
     from omni.engine_flags import context_length, merge_overrides, parse_extra_flags, spread_flags
 
+    if model is None:
+        raise ConfigError("no model: give MODEL (omni serve MODEL ...), --model MODEL or model: in --config FILE")
+    serve_modes.refuse_head_only(ctx, headless)   # before the checks and warnings of flags it would not use
     if api_server_count < 1:
         raise ConfigError(f"--api-server-count must be >= 1, got {api_server_count}")
     for flag, value in (("--port", port), ("--omni-master-port", omni_master_port)):
@@ -269,6 +272,7 @@ def serve(
         flags = {}
     if stage_id is not None:
         config.stage(stage_id)   # names the valid range when out of it
+    serve_modes.check_state_dir(state_dir, headless, dry_run)
     if dry_run:
         from omni.master.configdiff import shown   # users put HF_TOKEN and the like in env: the keys only
 
@@ -369,6 +373,7 @@ def _mask_process_title(argv: list[str]) -> None:
 def main(argv: list[str] | None = None) -> None:
     argv = given = cli_argv.given = list(sys.argv[1:] if argv is None else argv)
     try:
+        argv = serve_argv.normalise(argv)   # vLLM's --model and --config FILE.yaml: before any other reading
         argv = spread_several_values(argv)
         _mask_process_title(argv)   # after the spread: each of several keys is masked
         if argv[:1] == ["serve"]:     # vLLM's and vllm-omni's short forms (-q, -O3, -oma ...)

@@ -11,6 +11,7 @@ the list fail for everyone.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -18,6 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from omni.errors import ConfigError
 from omni.master.kv_journal import Journal
 
 logger = logging.getLogger(__name__)
@@ -56,6 +58,29 @@ class KvFull(KvError):
     """A namespace (or the store) is at its limit."""
 
 
+def check_state_dir(state_dir: str | os.PathLike, create: bool = True) -> Path:
+    """`state_dir`'s kv folder, made (0700) unless not `create` (a dry run: only the nearest existing folder on
+    its path is looked at). One it cannot be (a file on the path, a missing folder under /proc, no write
+    permission) is a ConfigError naming --state-dir, before anything starts, not the master's traceback."""
+    folder = Path(state_dir) / "kv"
+    try:
+        if create:
+            folder.mkdir(parents=True, exist_ok=True)
+            folder.chmod(0o700)    # job prompts and voices are the users' (an older omni made it 0755)
+        else:
+            probe = folder
+            while not probe.exists() and probe.parent != probe:
+                probe = probe.parent
+            if not probe.is_dir():
+                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(probe))
+            if not os.access(probe, os.W_OK | os.X_OK):
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(probe))
+    except OSError as e:
+        raise ConfigError(f"--state-dir {state_dir}: cannot keep the master's state there "
+                          f"({e.strerror}: {e.filename})") from None
+    return folder
+
+
 class KvStore:
     def __init__(self, state_dir: str | os.PathLike | None = None, limits: dict[str, Limits] | None = None,
                  clock=time.time):
@@ -66,9 +91,7 @@ class KvStore:
         self._clock = clock
         self._journal = None
         if state_dir:
-            folder = Path(state_dir) / "kv"
-            folder.mkdir(parents=True, exist_ok=True)
-            folder.chmod(0o700)    # job prompts and voices are the users' (an older omni made it 0755)
+            folder = check_state_dir(state_dir)
             self._journal = Journal(folder)
             self._load(folder)
 

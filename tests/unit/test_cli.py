@@ -15,6 +15,10 @@ def omni(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=60)
 
 
+HEADLESS = ["serve", "smollm2", "--stage-id", "1", "--headless", "--omni-master-address", "127.0.0.1",
+            "--omni-master-port", "1", "--dry-run"]
+
+
 @pytest.mark.parametrize("args, message", [
     (["serve", "smollm2", "--headless"], "--headless needs --stage-id"),
     (["serve", "smollm2", "--stage-id", "1", "--headless"], "--stage-id needs --omni-master-address"),
@@ -42,6 +46,20 @@ def omni(*args: str) -> subprocess.CompletedProcess:
     (["serve", "smollm2", "--control-api-key="], "--control-api-key is empty"),
     (["serve", "smollm2", "--api-key", "k1", "", "--port", "0"], "--api-key is empty"),
     (["serve", "smollm2", "--served-model-name", "a", ""], "--served-model-name: a name is empty"),
+    # a state dir the master cannot use: refused before anything starts, not its OSError traceback
+    (["serve", "smollm2", "--port", "0", "--state-dir", os.devnull], f"--state-dir {os.devnull}: cannot keep"),
+    (["serve", "smollm2", "--state-dir", f"{os.devnull}/omni", "--dry-run"], "--state-dir /dev/null/omni: cannot"),
+    (["master", "--port", "0", "--state-dir", "/proc/nope"], "--state-dir /proc/nope: cannot keep"),
+    (["master", "--port", "0", "--state-dir", os.devnull], "--state-dir /dev/null: cannot keep"),
+    # a headless stage runs no frontend nor master: their flags are refused, not dropped (--dry-run: not
+    # refused, it exits 0)
+    ([*HEADLESS, "--api-server-count", "2"], "--api-server-count: not with --headless"),
+    ([*HEADLESS, "--port", "8000", "--host", "0.0.0.0", "--api-key", "k", "--served-model-name", "a"],
+     "--host, --port, --api-key, --served-model-name: not with --headless"),
+    ([*HEADLESS, "--state-dir", "/tmp/x", "--control-api-key", "k", "--disable-control-routes"],
+     "--control-api-key, --disable-control-routes, --state-dir: not with --headless"),
+    ([*HEADLESS, "--max-request-bytes", "2048", "--timeout-keep-alive", "1", "--timeout-request-body", "1",
+      "--backlog", "1"], "--max-request-bytes, --timeout-keep-alive, --timeout-request-body, --backlog: not with"),
 ])
 def test_bad_flags_exit_2_naming_the_flag(args, message):
     r = omni(*args)
@@ -235,3 +253,15 @@ def test_a_word_after_a_secret_flag_is_never_echoed(args, message):
     assert r.returncode == 2, r.stderr
     assert message in r.stderr
     assert "zq" not in r.stdout + r.stderr
+
+
+def test_headless_takes_the_head_flags_from_the_environment_and_their_defaults():
+    """Only a head-only flag typed on the command line is refused: OMNI_CONTROL_API_KEY set for the host's
+    other commands, and the flags' defaults, are no error."""
+    r = subprocess.run([sys.executable, "-m", "omni.cli", *HEADLESS], cwd=REPO, capture_output=True, text=True,
+                       timeout=60, env={**os.environ, "OMNI_CONTROL_API_KEY": "k"})
+    assert r.returncode == 0, r.stderr
+    r = omni("serve", "smollm2", "--stage-id", "0", "--omni-master-address", "127.0.0.1", "--omni-master-port", "1",
+             "--port", "0", "--api-server-count", "2", "--state-dir", "/tmp/omni-unused-state", "--dry-run")
+    assert r.returncode == 0, r.stderr      # the head takes them
+    assert not os.path.exists("/tmp/omni-unused-state")   # a dry run creates nothing

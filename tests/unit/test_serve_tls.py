@@ -54,7 +54,8 @@ def _serve(*args: str):
 
     from omni.cli import app
 
-    return CliRunner().invoke(app, ["serve", "smollm2", "--port", "0", *args])
+    port = [] if "--headless" in args else ["--port", "0"]     # a headless stage serves no HTTP: refused there
+    return CliRunner().invoke(app, ["serve", "smollm2", *port, *args])
 
 
 def _child_tls(child) -> TlsFiles | None:

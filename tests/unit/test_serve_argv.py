@@ -1,0 +1,77 @@
+"""`omni serve`'s MODEL as `vllm serve` takes it: `--model MODEL` ("unexpected argument" before), and vLLM's
+`--config FILE.yaml` of flags ("--config: no stage of this pipeline takes it" before), spelled out as vLLM's
+FlexibleArgumentParser does, the command line winning."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from omni.cli import main
+from omni.errors import ConfigError
+from omni.serve_argv import load_config_file, normalise
+
+
+def serve(capsys, *args: str) -> tuple[int, dict | None, str]:
+    with pytest.raises(SystemExit) as e:
+        main(["serve", *args, "--dry-run"])
+    out = capsys.readouterr()
+    return e.value.code, json.loads(out.out) if e.value.code == 0 else None, out.err
+
+
+def test_model_flag_is_model(capsys):
+    for args in (["--model", "smollm2"], ["--model=smollm2"], ["smollm2", "--model", "smollm2"],
+                 ["--max-num-seqs", "2", "--model", "smollm2"]):
+        code, out, err = serve(capsys, *args)
+        assert code == 0, (args, err)
+        assert out["config"]["model"] == "smollm2"
+
+
+def test_two_models_or_none_are_refused_by_name(capsys):
+    code, _, err = serve(capsys, "smollm2", "--model", "other")
+    assert code == 2 and "MODEL smollm2 and --model other are two models" in err
+    code, _, err = serve(capsys)
+    assert code == 2 and "no model: give MODEL (omni serve MODEL ...), --model MODEL" in err
+
+
+def test_config_file_is_read_as_vllms_flags(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model: m\nmax_num_seqs: 7\nenable-prefix-caching: true\nenforce-eager: false\n"
+                    "dry-run: false\ncudagraph-capture-sizes: [1, 2]\ncompilation-config: {mode: 0}\n"
+                    "served-model-name: [a, b]\n")
+    assert load_config_file(str(path)) == ("m", [
+        "--max-num-seqs", "7", "--enable-prefix-caching", "--no-enforce-eager", "--cudagraph-capture-sizes", "1",
+        "2", "--compilation-config", '{"mode": 0}', "--served-model-name", "a", "b"])
+    # The file's flags right after MODEL: a flag given on the command line comes later and wins.
+    assert normalise(["serve", "--port", "1", "--config", str(path), "--max-num-seqs", "3"]) == [
+        "serve", "m", *load_config_file(str(path))[1], "--port", "1", "--max-num-seqs", "3"]
+    assert normalise(["serve", "x", "--config", str(path)])[:2] == ["serve", "x"]   # the command line's MODEL
+
+
+def test_config_file_errors_name_the_flag(tmp_path):
+    for text, why in (("[1, 2]", "expected a mapping"), ("a: [b\n", "not valid YAML"), ("seed:\n", "seed: no value"),
+                      ("config: x.yaml\n", "cannot name another"), ("api-key: [k1, k2]\n", "several API keys")):
+        (tmp_path / "c.yaml").write_text(text)
+        with pytest.raises(ConfigError, match=f"--config {tmp_path}/c.yaml: .*{why}"):
+            normalise(["serve", "m", "--config", str(tmp_path / "c.yaml")])
+    with pytest.raises(ConfigError, match="--config c.json: expected a YAML file of flags"):
+        normalise(["serve", "m", "--config", "c.json"])
+    with pytest.raises(ConfigError, match="--config .*/nope.yaml: cannot read it"):
+        normalise(["serve", "m", "--config", str(tmp_path / "nope.yaml")])
+    with pytest.raises(ConfigError, match="--config: given more than once"):
+        normalise(["serve", "m", "--config", "a.yaml", "--config", "b.yaml"])
+
+
+def test_config_file_serves_with_the_command_line_winning(capsys, tmp_path, monkeypatch):
+    path = tmp_path / "c.yaml"
+    path.write_text("model: smollm2\nmax-num-seqs: 7\nmax-model-len: 1k\napi-key: secret-key\n")
+    monkeypatch.setenv("OMNI_API_KEY", "")   # restored after: the file's key is put in the environment
+    monkeypatch.delenv("OMNI_API_KEY")
+    code, out, err = serve(capsys, "--config", str(path), "--max-num-seqs", "3")
+    assert code == 0, err
+    args = out["config"]["stages"][0]["engine_args"]
+    assert args["max_num_seqs"] == 3 and args["max_model_len"] == 1000
+    import os
+
+    assert os.environ["OMNI_API_KEY"] == "secret-key" and "secret-key" not in err   # by environment, not argv
