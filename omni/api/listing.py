@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from starlette.requests import Request
 
-from omni.api.errors import bad_request
+from omni.api.errors import APIError, bad_request
 
 PARAMS = ("limit", "order", "after")
 # Their OpenAPI description (omni/api/routes.py), one for both lists.
@@ -36,8 +36,8 @@ def list_page(request: Request, items: list[dict], what: str) -> dict:
     after = q.get("after")
     if after is not None:
         ids = [item["id"] for item in items]
-        if after not in ids:
-            raise bad_request(f"after={after} is no {what} in this list", param="after")
+        if after not in ids:   # a cursor naming nothing: not found (a well-formed request, so not a 400)
+            raise APIError(404, f"after={after} is no {what} in this list", param="after", code="not_found")
         items = items[ids.index(after) + 1:]
     page = items[:limit]
     return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,

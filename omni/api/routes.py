@@ -57,7 +57,7 @@ ROUTES: tuple[RouteSpec, ...] = (
     RouteSpec("/v1/omni/wakeup", "POST", "control", "wake_up", control=True, errors=(503,)),
     RouteSpec("/v1/omni/is_sleeping", "GET", "control", "is_sleeping", errors=(503,)),
     RouteSpec("/v1/omni/jobs", "POST", "jobs", "create", JobRequest, errors=NEW_JOB),
-    RouteSpec("/v1/omni/jobs", "GET", "jobs", "list", errors=(400, 503), query=LIST_QUERY),
+    RouteSpec("/v1/omni/jobs", "GET", "jobs", "list", errors=(400, 404, 503), query=LIST_QUERY),
     RouteSpec("/v1/omni/jobs/{job_id}", "GET", "jobs", "retrieve", errors=JOB),
     RouteSpec("/v1/omni/jobs/{job_id}", "DELETE", "jobs", "delete", errors=JOB),
     # The result's type is the job's endpoint's: JSON (chat, completions, images) or a WAV (speech).

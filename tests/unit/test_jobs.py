@@ -103,7 +103,7 @@ async def test_list_is_newest_first_with_limit(tokenizer, tmp_path):
     rest = (await c.get("/v1/omni/jobs", params={"limit": 2, "after": listed["last_id"]})).json()
     assert [j["id"] for j in rest["data"]] == [ids[0]] and rest["has_more"] is False
     assert [j["id"] for j in (await c.get("/v1/omni/jobs?order=asc")).json()["data"]] == ids
-    assert_error(await c.get("/v1/omni/jobs?after=job-nope"), 400, param="after")
+    assert_error(await c.get("/v1/omni/jobs?after=job-nope"), 404, param="after")   # schema-valid: not a 400
     assert_error(await c.get("/v1/omni/jobs?status=completed"), 400, param="status")
     assert_error(await c.get("/v1/omni/jobs?limit=1&limit=2"), 400, param="limit")
 
