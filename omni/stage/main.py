@@ -61,12 +61,15 @@ def default_advertise_host(master_address: str) -> str:
 
 
 def is_wildcard(host: str) -> bool:
-    """0.0.0.0, ::, their other spellings ("0", "[::]", "0:0::0") and an empty host: bound, every interface."""
+    """0.0.0.0, ::, their other spellings ("0", "[::]", "0:0::0", "::ffff:0.0.0.0") and an empty host: bound,
+    every interface."""
     h = host.strip().strip("[]")
     if not h:
         return True
     try:
-        return ipaddress.ip_address(h).is_unspecified
+        ip = ipaddress.ip_address(h)
+        mapped = getattr(ip, "ipv4_mapped", None)   # ::ffff:0.0.0.0 binds every IPv4 interface
+        return ip.is_unspecified or (mapped is not None and mapped.is_unspecified)
     except ValueError:
         pass
     try:

@@ -15,12 +15,14 @@ from tests.e2e.harness import REPO
 MASTER = ["--omni-master-address", "127.0.0.1", "--omni-master-port", "1"]
 
 
-@pytest.mark.parametrize("host", ["0.0.0.0", "::", "[::]", "0:0::0", "0", "", " "])
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "[::]", "0:0::0", "0", "", " ", "::ffff:0.0.0.0",
+                                  "[::ffff:0.0.0.0]", "0:0:0:0:0:ffff:0:0"])
 def test_wildcards(host):
     assert is_wildcard(host)
 
 
-@pytest.mark.parametrize("host", ["127.0.0.1", "10.0.0.5", "::1", "[fe80::1]", "node-1.example", "localhost"])
+@pytest.mark.parametrize("host", ["127.0.0.1", "10.0.0.5", "::1", "[fe80::1]", "node-1.example", "localhost",
+                                  "::ffff:10.0.0.5"])
 def test_addresses(host):
     assert not is_wildcard(host)
 
