@@ -135,7 +135,18 @@ def test_a_vllm_stage_on_another_vllm_version_is_a_config_error_naming_the_stage
         factory._vllm(None, stage)
 
 
-def test_vllms_ipc_sockets_go_to_a_folder_of_the_stages_own(monkeypatch, tmp_path):
+@pytest.fixture
+def short_tmp():
+    """A temp folder with a short path (pytest's tmp_path is too long for a unix socket's under it)."""
+    import shutil
+    import tempfile
+
+    path = tempfile.mkdtemp(prefix="t", dir="/tmp")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_vllms_ipc_sockets_go_to_a_folder_of_the_stages_own(monkeypatch, short_tmp):
     """vLLM leaves its ZMQ ipc sockets in VLLM_RPC_BASE_PATH (default the temp dir); a stage gives it a
     0700 folder naming its owner (swept once that process is gone); a user's choice wins."""
     import os
@@ -146,14 +157,21 @@ def test_vllms_ipc_sockets_go_to_a_folder_of_the_stages_own(monkeypatch, tmp_pat
     from omni.fsutil import OWNER_FILE
     from omni.launcher import sweep_stale_tmp
 
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", short_tmp)
     monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
     for k in ("VLLM_HOST_IP", "VLLM_ENABLE_V1_MULTIPROCESSING"):
         monkeypatch.delenv(k, raising=False)   # prepare_env sets them: put back after the test
     made = prepare_env(None, cpu=False)
-    assert made and os.environ["VLLM_RPC_BASE_PATH"] == made and os.path.dirname(made) == str(tmp_path)
+    assert made and os.environ["VLLM_RPC_BASE_PATH"] == made and os.path.dirname(made) == short_tmp
     assert stat.S_IMODE(os.stat(made).st_mode) == 0o700
     assert open(os.path.join(made, OWNER_FILE)).read() == str(os.getpid())
-    assert sweep_stale_tmp(str(tmp_path)) == []            # its owner (this process) lives
+    assert sweep_stale_tmp(short_tmp) == []                # its owner (this process) lives
     monkeypatch.setenv("VLLM_RPC_BASE_PATH", "/srv/mine")
     assert prepare_env(None, cpu=False) is None and os.environ["VLLM_RPC_BASE_PATH"] == "/srv/mine"
+    # A temp dir so long that the folder's socket paths would pass 107 bytes: vLLM's own default, no folder.
+    long_tmp = os.path.join(short_tmp, "x" * (60 - len(short_tmp)))
+    os.mkdir(long_tmp)
+    monkeypatch.setattr(tempfile, "tempdir", long_tmp)
+    monkeypatch.delenv("VLLM_RPC_BASE_PATH")
+    assert prepare_env(None, cpu=False) is None and "VLLM_RPC_BASE_PATH" not in os.environ
+    assert os.listdir(long_tmp) == []

@@ -20,6 +20,8 @@ OMNI_ARGS = ("num_threads", "mm_hidden_layer", "emit_prompt_ids", "hidden_rows_l
 # Env defaults for the EngineCore (read by vLLM at import and in its children).
 # Loopback for vLLM's own sockets: the EngineCore always sits next to its stage.
 ENV_DEFAULTS = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+# A unix socket's path holds at most 107 bytes (sun_path, its NUL aside).
+IPC_PATH_MAX = 107
 # Only on CPU: a fixed KV cache (else start-up fails a memory check) and no warm-up pass.
 CPU_ENV_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_CI_ENV": "1"}
 
@@ -59,9 +61,16 @@ def prepare_env(num_threads: int | None, cpu: bool, kv_bytes_given: bool = False
     if "VLLM_RPC_BASE_PATH" not in os.environ:
         # vLLM's ZMQ ipc sockets go to the temp dir, and 7 a stage start stayed there after a clean
         # stop (its processes end without closing them): a folder of this stage's own instead.
+        import shutil
+
         from omni.fsutil import owned_tmp_dir
 
-        rpc_dir = os.environ["VLLM_RPC_BASE_PATH"] = owned_tmp_dir()
+        rpc_dir = owned_tmp_dir()
+        if len(rpc_dir) + 1 + 36 > IPC_PATH_MAX:   # vLLM names a socket DIR/<uuid4>: a long TMPDIR's won't bind
+            shutil.rmtree(rpc_dir, ignore_errors=True)
+            rpc_dir = None
+        else:
+            os.environ["VLLM_RPC_BASE_PATH"] = rpc_dir
     if not cpu:
         return rpc_dir
     for k, v in CPU_ENV_DEFAULTS.items():
