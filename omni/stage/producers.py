@@ -72,7 +72,7 @@ class OutputProducers:
                 refs[name] = self.put(req, tensor, owner)
         except ProducerFull:
             self.free_refs(refs)
-            self._check_fits(req, tensors, self.kind_for(req, tensor))
+            self._check_fits(req, tensors, self.carrier(req, tensor))
             raise
         except BaseException:
             self.free_refs(refs)
@@ -83,9 +83,10 @@ class OutputProducers:
         """After `kind`'s producer was full for this output (its refs freed again): TransportError if
         the output can never fit there, so its request fails at once rather than holding the whole
         stage for stall_timeout_s: the producer holds nothing else (first-fit into the same empty
-        arena fails the same way), or the output alone is over its capacity."""
+        arena fails the same way), or the output alone is over its capacity. Only the tensors it would
+        carry count: one cuda_ipc refuses (larger than a segment, another GPU) is the sent transport's."""
         producer = self.producer(kind)
-        mine = [t for t in tensors.values() if family(self.kind_for(req, t)) == family(kind)]
+        mine = [t for t in tensors.values() if family(self.carrier(req, t)) == family(kind)]
         need = sum(t.numel() * t.element_size() for t in mine)
         cap = producer.capacity_bytes()
         if cap and need > cap:
@@ -105,6 +106,15 @@ class OutputProducers:
         if self.available is None:
             self.available = frozenset({"cuda_ipc"}) if torch.cuda.is_available() else frozenset()
         return auto_transport(True, str(tensor.device), self.devices, req.out_devices, self.available)
+
+    def carrier(self, req: InFlight, tensor: Any) -> str:
+        """Whose tensor it is: kind_for's choice, or the request's transport where that producer
+        refuses this tensor by itself (put sends it there)."""
+        kind = self.kind_for(req, tensor)
+        producer = self.get(kind) if kind != req.out_transport else None
+        if producer is not None and producer.refuses(tensor):
+            return req.out_transport
+        return kind
 
     def free_sent(self, transport: str, keys: list[int], incarnation: str) -> bool:
         """A FreeTensors: False (nothing freed) when its keys are another producer's, e.g. this

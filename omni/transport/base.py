@@ -62,6 +62,10 @@ class TensorProducer(abc.ABC):
     limit_name = ""
     incarnation = ""    # what its refs carry as TensorRef.incarnation
 
+    def refuses(self, tensor: torch.Tensor) -> str:
+        """Why put() would refuse this tensor by itself (TensorRefused), "" when it takes it."""
+        return ""
+
     def bytes_in_use(self) -> int:
         return 0
 

@@ -146,17 +146,11 @@ class CudaIpcProducer(ArenaProducer):
         if not isinstance(tensor, torch.Tensor):
             raise TransportError(f"put() needs a torch.Tensor, got {type(tensor).__name__}")
         dtype = dtype_name(tensor.dtype)
-        try:
-            self.memory.check(tensor)
-        except TensorRefused:
-            raise
-        except TransportError as e:     # its device: this tensor's matter, not the producer's
-            raise TensorRefused(str(e)) from None
+        why = self.refuses(tensor)
+        if why:
+            raise TensorRefused(why)
         src = plain(tensor)   # conj/neg views resolved: the bytes are the values
         nbytes = src.numel() * src.element_size()
-        if round_up(max(nbytes, 1), ALIGN) > self.arena_bytes:
-            raise TensorRefused(f"tensor of {nbytes} bytes does not fit the cuda_ipc arena segment of "
-                                f"{self.arena_bytes} bytes; raise arena_bytes")
         seg, off, key = self._reserve(nbytes, owner)
         try:
             if nbytes:
@@ -170,6 +164,17 @@ class CudaIpcProducer(ArenaProducer):
         return TensorRef(transport="cuda_ipc", endpoint=f"{self._prefix}{seg.index}", key=key, dtype=dtype,
                          shape=tuple(src.shape), nbytes=nbytes, offset=off, owner=owner,
                          incarnation=self.incarnation)
+
+    def refuses(self, tensor: torch.Tensor) -> str:
+        try:
+            self.memory.check(tensor)
+        except TransportError as e:     # its device: this tensor's matter, not the producer's
+            return str(e)
+        nbytes = tensor.numel() * tensor.element_size()
+        if round_up(max(nbytes, 1), ALIGN) > self.arena_bytes:
+            return (f"tensor of {nbytes} bytes does not fit the cuda_ipc arena segment of {self.arena_bytes} "
+                    "bytes; raise arena_bytes")
+        return ""
 
     def _cleared(self, key: int, segment: _Seg, offset: int) -> None:
         if not self._closed:
@@ -214,11 +219,14 @@ class CudaIpcConsumer(TensorConsumer):
         if off < 0 or off % ALIGN or off + ref.nbytes > seg.grant.size:
             raise TransportError(f"cuda_ipc ref key {ref.key}: offset {off} + {ref.nbytes} bytes is outside "
                                  f"segment {ref.endpoint} of {seg.grant.size} bytes")
-        self._check_entry(seg, ref)
         memory = self._memory[seg.grant.memory]
-        with cuda_errors(f"the copy out of {ref.endpoint}"):
-            out = memory.copy_out(seg.mapping, seg.fence, off, dtype, ref.shape)
-        self._check_entry(seg, ref)   # freed (and maybe reused) while it was copied: not these bytes
+        try:
+            self._check_entry(seg, ref)
+            with cuda_errors(f"the copy out of {ref.endpoint}"):
+                out = memory.copy_out(seg.mapping, seg.fence, off, dtype, ref.shape)
+            self._check_entry(seg, ref)   # freed (and maybe reused) while it was copied: not these bytes
+        except ValueError as e:   # "mmap closed": a sweep on another thread found its producer gone
+            raise TransportError(f"cuda_ipc ref key {ref.key}: producer of {ref.endpoint} is gone ({e})") from e
         return out
 
     def _check_entry(self, seg: _Opened, ref: TensorRef) -> None:

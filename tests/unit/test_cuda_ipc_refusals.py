@@ -11,7 +11,7 @@ import torch
 
 from omni.stage.producers import OutputProducers
 from omni.stage.worker_state import InFlight
-from omni.transport.base import TensorRefused, TransportError
+from omni.transport.base import ProducerFull, TensorRefused, TransportError
 from omni.transport.cuda_ipc import CudaIpcProducer
 
 IPC = frozenset({"cuda_ipc"})
@@ -70,5 +70,87 @@ def test_the_producer_refuses_by_tensor():
         with pytest.raises(TensorRefused, match="takes CPU tensors"):
             p.put(torch.empty(4, device="meta"))           # not the arena's device
         assert p.put(torch.ones(4)).key                    # and still takes others
+    finally:
+        p.close()
+
+
+# An output's fit (producers._check_fits, after a ProducerFull) counts only the tensors the full producer
+# carries: one cuda_ipc refuses goes by the sent transport, and so is that transport's.
+SEG, ARENA = 64 << 20, 4 * (64 << 20)
+
+
+class Sized(types.SimpleNamespace):
+    """A CUDA tensor of `n` bytes (only its size is read)."""
+    is_cuda, device = True, "cuda:0"
+
+    def element_size(self):
+        return 1
+
+    def numel(self):
+        return self.n
+
+
+class Arena:
+    """cuda_ipc with earlier outputs still unread: it refuses what is over a segment, and is full."""
+    limit_name = "arena_bytes"
+
+    def __init__(self, capacity: int, full: bool, segment: int = 0):
+        self.capacity, self.full, self.segment, self.freed = capacity, full, segment, []
+
+    def refuses(self, t):
+        return f"tensor of {t.n} bytes does not fit a segment" if self.segment and t.n > self.segment else ""
+
+    def put(self, t, owner=""):
+        if self.refuses(t):
+            raise TensorRefused(self.refuses(t))
+        if self.full:
+            raise ProducerFull("arena busy: consumers have not freed yet")
+        return types.SimpleNamespace(transport="shm", key=t.n)
+
+    def capacity_bytes(self):
+        return self.capacity
+
+    def bytes_in_use(self):
+        return self.capacity - (1 << 20) if self.full else 0
+
+    def free(self, keys):
+        self.freed += keys
+
+
+@pytest.mark.parametrize("order", ["refused first", "refused last"])
+def test_a_refused_tensor_does_not_count_against_the_full_arena(order):
+    """Before: the 300 MiB tensor cuda_ipc refused (shm carries it) counted as cuda_ipc's, so the output
+    was 'too large for the connector's cuda_ipc arena (315621376 bytes > 268435456)' and its request
+    failed, where the 1 MiB one only waits for frees."""
+    made = {"cuda_ipc": Arena(ARENA, full=True, segment=SEG), "shm": Arena(0, full=False)}
+    out = OutputProducers(made.__getitem__, "1", "dit", available=IPC)
+    req = InFlight(b"f", 0.0, "shm", out_devices="1")
+    tensors = {"frames": Sized(n=300 << 20), "mask": Sized(n=1 << 20)}
+    if order == "refused last":
+        tensors = dict(reversed(tensors.items()))
+    with pytest.raises(ProducerFull):
+        out.put_all(req, tensors, "r1")
+    assert made["shm"].freed == ([300 << 20] if order == "refused first" else [])   # all or none
+
+
+def test_the_full_producer_is_the_one_that_carries_the_refused_tensor():
+    """cuda_ipc refuses the tensor and shm is full for it: shm's fit is checked (it holds 1 GiB),
+    not cuda_ipc's. Before: 'too large for the connector's cuda_ipc arena'."""
+    made = {"cuda_ipc": Arena(ARENA, full=False, segment=SEG), "shm": Arena(1 << 30, full=True)}
+    out = OutputProducers(made.__getitem__, "1", "dit", available=IPC)
+    req = InFlight(b"f", 0.0, "shm", out_devices="1")
+    with pytest.raises(ProducerFull):
+        out.put_all(req, {"frames": Sized(n=300 << 20)}, "r1")
+    made["shm"].capacity = 256 << 20        # and over shm's own capacity it fails, naming shm
+    with pytest.raises(TransportError, match="connector's shm arena .314572800 bytes > 268435456"):
+        out.put_all(req, {"frames": Sized(n=300 << 20)}, "r1")
+
+
+def test_the_producer_says_what_it_refuses():
+    p = CudaIpcProducer(arena_bytes=1 << 16, max_segments=1, memory="host")
+    try:
+        assert "does not fit the cuda_ipc arena segment" in p.refuses(torch.zeros(1 << 15))
+        assert "takes CPU tensors" in p.refuses(torch.empty(4, device="meta"))
+        assert p.refuses(torch.ones(4)) == ""
     finally:
         p.close()
