@@ -24,6 +24,7 @@ import yaml
 
 from omni import config_vllm_omni as vllm_omni
 from omni.config_checks import check_pipeline, check_sampling, check_yaml_shape, yaml_sections
+from omni.config_merge import deep_merge, merge_configs
 from omni.config_stage_checks import (check_connector_edge, check_engine_args, check_stage_override, normalise_stages,
                                       unused_engine_arg)
 from omni.errors import ConfigError
@@ -84,6 +85,9 @@ class PipelineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     # How long a stage's output may wait for consumers to free tensors or read results
     # (backpressure) before the request at the head of the wait fails.
     stall_timeout_s: float = 60.0
+    # A stage whose loop has work and gets nowhere this long stops heartbeating (omni/stage/loop_watch.py):
+    # longer than any one engine step (a long prefill or a denoise step on CPU); 0: never.
+    loop_stall_s: float = 120.0
     # Stage that /v1/audio/speech enters at (None: the pipeline has no speech).
     speech_entry_stage: int | None = None
     # The model's own speakers (chat `audio.voice`, any case); empty: the voice store's voices.
@@ -283,39 +287,6 @@ def _load_raw(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     return data
 
 
-def merge_configs(base: dict[str, Any], child: dict[str, Any]) -> dict[str, Any]:
-    """Deep-merge child over base; `stages` lists merge by stage_id."""
-    out = copy.deepcopy(base)
-    for key, value in child.items():
-        if key == "stages" and isinstance(value, list) and isinstance(out.get("stages"), list):
-            by_id = {s.get("stage_id"): s for s in out["stages"] if isinstance(s, dict)}
-            merged = []
-            for s in value:
-                if isinstance(s, dict) and s.get("stage_id") in by_id:
-                    merged.append(_deep_merge(by_id.pop(s["stage_id"]), s))
-                else:
-                    merged.append(s)
-            out["stages"] = sorted(
-                list(by_id.values()) + merged,
-                key=lambda s: s.get("stage_id", 0) if isinstance(s, dict) else 0,
-            )
-        elif isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _deep_merge(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
-
-
-def _deep_merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    out = copy.deepcopy(a)
-    for k, v in b.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = _deep_merge(out[k], v)
-        else:
-            out[k] = copy.deepcopy(v)
-    return out
-
-
 def apply_stage_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     """`{"1": {"max_model_len": 1024, "engine": "vllm"}}`: stage fields set the field,
     anything else goes into that stage's engine_args."""
@@ -341,7 +312,7 @@ def apply_stage_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> di
                 raise ConfigError("--stage-overrides: stage_id cannot be overridden")
             if field in _STAGE_FIELDS:
                 if isinstance(value, dict) and isinstance(stage.get(field), dict):
-                    stage[field] = _deep_merge(stage[field], value)
+                    stage[field] = deep_merge(stage[field], value)
                 else:
                     stage[field] = value
             else:

@@ -39,6 +39,9 @@ def check_pipeline(pipeline: Any, source: str) -> None:
         v = getattr(pipeline, key)
         if not math.isfinite(v) or v <= 0:
             raise ConfigError(f"{source}: pipeline.{key} must be > 0 and finite (seconds), got {v}")
+    if not 0 <= pipeline.loop_stall_s < math.inf:
+        raise ConfigError(f"{source}: pipeline.loop_stall_s must be >= 0 and finite (seconds; 0: never), "
+                          f"got {pipeline.loop_stall_s}")
     if pipeline.max_tokens_limit is not None and pipeline.max_tokens_limit < 1:
         raise ConfigError(f"{source}: pipeline.max_tokens_limit must be >= 1 (or unset: the context), "
                           f"got {pipeline.max_tokens_limit}")

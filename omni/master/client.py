@@ -243,14 +243,17 @@ class MasterClient:
 
     # -- keep-alive -------------------------------------------------------------------------
     def start_keepalive(self, load_fn: Callable[[], dict], on_command: OnCommand, interval_s: float = 1.0,
-                        on_registration: Callable[[Registration], None] | None = None) -> None:
+                        on_registration: Callable[[Registration], None] | None = None,
+                        withhold: Callable[[], str | None] | None = None) -> None:
         """Heartbeat from a daemon thread until stop_keepalive()/close(); reconnects with capped
-        backoff and registers again (same slot hint) when the master lost the lease."""
+        backoff and registers again (same slot hint) when the master lost the lease. No heartbeat
+        while `withhold()` says why (a stuck stage loop): the lease expires."""
         if self.registration is None:
             raise OmniError("register() before start_keepalive()")
         if self._ka_thread is not None:
             raise OmniError("keep-alive already running")
         self._ka_stop.clear()
+        self._withhold, self._withheld = withhold, None   # why heartbeats are withheld now
         self._ka_thread = threading.Thread(
             target=self._keepalive_loop, args=(load_fn, on_command, interval_s, on_registration),
             name="omni-master-keepalive", daemon=True)
@@ -315,14 +318,26 @@ class MasterClient:
     def _heartbeats(self, stream: _Stream, reg: Registration, load_fn, interval: float):
         while not stream.done and not self._ka_stop.is_set():
             stream.wake.clear()
-            acks = []
-            while True:
-                try:
-                    acks.append(self._acks.get_nowait())
-                except queue.Empty:
-                    break
-            yield self._heartbeat(reg, load_fn, acks)
+            if not self._withholding():
+                acks = []
+                while True:
+                    try:
+                        acks.append(self._acks.get_nowait())
+                    except queue.Empty:
+                        break
+                yield self._heartbeat(reg, load_fn, acks)
             stream.wake.wait(interval)
+
+    def _withholding(self) -> bool:
+        why = self._withhold() if self._withhold is not None else None
+        if bool(why) != bool(self._withheld):
+            if why:
+                logger.error("%s: no heartbeats to the omni master until that ends (its lease expires; the "
+                             "frontends move the requests that made no output yet)", why)
+            else:
+                logger.warning("heartbeating the omni master again (withheld while: %s)", self._withheld)
+        self._withheld = why
+        return bool(why)
 
     def _heartbeat(self, reg: Registration, load_fn, acks: list) -> pb.Heartbeat:
         """The load_fn's load; when it fails, the last good one, or none (no_load: the master keeps what it has;

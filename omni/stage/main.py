@@ -271,6 +271,7 @@ def _run_stage(config: DeployConfig, stage_id: int, opts: StageOptions, engine_f
         make_producer=lambda kind: make_producer(kind, host=bind_host, **producer_opts(kind)),
         consumer=MultiConsumer(token=opts.token),
         stall_timeout_s=config.pipeline.stall_timeout_s,
+        loop_stall_s=config.pipeline.loop_stall_s,
         published_ttl_s=config.pipeline.request_timeout_s,
         stop_request=stop,
         local_channel=local_channel,
@@ -315,7 +316,7 @@ def _run_stage(config: DeployConfig, stage_id: int, opts: StageOptions, engine_f
         return worker.command(cmd.kind, cmd.args)
 
     client.start_keepalive(worker.load_snapshot.read, on_command, interval_s=min(1.0, reg.lease_ttl_s / 4),
-                           on_registration=on_registration)
+                           on_registration=on_registration, withhold=worker.loop_watch.wedged)
     progress(f"{label}: registered as replica {reg.replica_id}, serving on {worker.endpoint}"
              + (f" and {worker.local_endpoint}" if worker.local_endpoint else "") + "; ready")
     freeze_after_startup()

@@ -30,6 +30,7 @@ from omni.stage.control import StageControl
 from omni.stage.expiry import IdleRequests, sweep
 from omni.stage.local_link import CLOSED, LocalPeers
 from omni.stage.loop_poll import LoopPoller
+from omni.stage.loop_watch import LoopWatch
 from omni.stage.worker_state import (HeldOutput, InFlight, LoadSnapshot, RecentBases, WorkerStats, engine_request,
                                      load_report)
 from omni.stage.curve import secure_server
@@ -58,6 +59,7 @@ class StageWorker:
         consumer: Any = None,
         replica_id: str = "",
         stall_timeout_s: float = 60.0,
+        loop_stall_s: float = 120.0,
         published_ttl_s: float = 300.0,
         stop_request: StopRequest | None = None,
         local_channel: bool = False,
@@ -107,6 +109,7 @@ class StageWorker:
         self._local = LocalPeers(token, self._wake) if local_channel else None
         self.local_endpoint = self._local.endpoint if self._local is not None else ""
         self.load_snapshot = LoadSnapshot(self)   # what the keep-alive sends: it never calls into the engine
+        self.loop_watch = LoopWatch(loop_stall_s, stage.label)   # the keep-alive stops heartbeating while wedged
 
     # ------------------------------------------------------------ threads
 
@@ -144,6 +147,8 @@ class StageWorker:
         while True:
             self.load_snapshot.due()
             busy = self.engine.has_unfinished() and not self.engine.is_sleeping()
+            if not busy or self._held:
+                self.loop_watch.waiting()
             # Held output is retried every few ms (a full frontend queue gives no event);
             # a FreeTensors from a consumer wakes the poll at once.
             timeout = 5 if self._held else (busy_timeout if busy else self._idle_ms())
@@ -292,11 +297,14 @@ class StageWorker:
     def _step(self) -> None:
         ready = self.engine.num_running() if self._time_steps else 0
         t0 = time.monotonic()
+        self.loop_watch.stepping()
         try:
             outputs = self.engine.step()
         except Exception as e:
             self._engine_failed(e, "step")
             return
+        if outputs or self._time_steps:   # a step of vLLM's returns at once: only its output says its core moved
+            self.loop_watch.progressed()
         dt = time.monotonic() - t0
         self.stats.steps += 1
         self.stats.step_s_total += dt
