@@ -13,6 +13,7 @@ import logging
 import time
 from typing import Any
 
+from omni.stage import held
 from omni.transport.sweep import Sweep
 
 logger = logging.getLogger(__name__)
@@ -39,7 +40,8 @@ class IdleRequests:
 
 
 def sweep(w: Any) -> None:
-    """A StageWorker's expiries (its loop thread, each turn)."""
+    """A StageWorker's expiries (its loop thread, each turn), and the errors owed to dropped frontends."""
+    held.pay_due(w)
     stale = w._published.stale(w._reqs)
     if stale:
         logger.warning("%s: freed the tensors of %d request(s) done here that no frontend freed within %.0f s "

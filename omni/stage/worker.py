@@ -83,6 +83,7 @@ class StageWorker:
         self._stall_started: float | None = None
         self._flushing = False
         self._full_since: dict[bytes, float] = {}   # frontend -> its first refused send since it took one
+        self._owed = held.Owed(published_ttl_s)     # error frames owed to frontends dropped for reading nothing
         self.stall_timeout_s = stall_timeout_s
         self._stop_request = stop_request    # set by a signal handler; polled by the loop
         self._frontends: set[bytes] = set()
@@ -446,6 +447,7 @@ class StageWorker:
             self._frontends.discard(ident)
         self._held = deque(h for h in self._held if h.ident != ident)
         self._full_since.pop(ident, None)
+        self._owed.forget(ident)
         for rid, req in list(self._reqs.items()):
             if req.frontend == ident:
                 self._reqs.pop(rid)
