@@ -51,7 +51,8 @@ class PipelineOutput(msgspec.Struct, kw_only=True):
     logprobs: Logprobs | None = None   # modality "text": one row per token id, when asked for
     # On the finishing output, and on the text stage's last one: the stop token id that ended it.
     stop_reason: int | str | None = None
-    # modality "image": uint8 RGB rows of `image_shape` [n, height, width, 3]; "video": [n, frames, height, width, 3]
+    # modality "image": uint8 RGB rows of `image_shape` [n, height, width, 3]; "video": [n, frames, height, width, 3].
+    # Bytes-like: a read tensor's is a memoryview of the frontend's copy (fetch.host_bytes: no GIL-held copy to bytes)
     image: bytes = b""
     image_shape: tuple[int, ...] = ()
     # modality "image" of a stage fed by another: the prompt it rendered (what the upstream stage wrote)

@@ -152,7 +152,7 @@ class HostMemory(ArenaMemory):
         fd = os.memfd_create("omni-ipc-host", os.MFD_CLOEXEC)
         os.ftruncate(fd, nbytes)
         mm = mmap.mmap(fd, nbytes)
-        return Segment(torch.frombuffer(mm, dtype=torch.uint8), fds=[fd], keep=mm)
+        return Segment(torch.frombuffer(memoryview(mm), dtype=torch.uint8), fds=[fd], keep=mm)
 
     def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
@@ -163,7 +163,9 @@ class HostMemory(ArenaMemory):
         if len(fds) != 1:
             raise TransportError(f"cuda_ipc host segment {grant.index}: expected 1 fd, got {len(fds)}")
         mm = mmap.mmap(fds[0], grant.size)
-        return Mapping(torch.frombuffer(mm, dtype=torch.uint8), keep=mm)
+        # through a memoryview: while a slice of buf lives (a copy_out on another thread), the
+        # mapping's close is refused, not an munmap under the copy (torch.frombuffer holds no export)
+        return Mapping(torch.frombuffer(memoryview(mm), dtype=torch.uint8), keep=mm)
 
     def copy_out(self, mapping: Mapping, fence: Any, offset: int, dtype: torch.dtype,
                  shape: tuple[int, ...]) -> torch.Tensor:
@@ -261,7 +263,8 @@ class CudaMemory(ArenaMemory):
 
     def copy_out(self, mapping: Mapping, fence: Any, offset: int, dtype: torch.dtype,
                  shape: tuple[int, ...]) -> torch.Tensor:
-        device = mapping.buf.device
+        buf = mapping.buf   # once: a sweep's close on another thread swaps it for an empty one
+        device = buf.device
         stream, current = self._stream(device), torch.cuda.current_stream(device)
         nbytes = math.prod(shape) * dtype.itemsize
         done = torch.cuda.Event()
@@ -272,7 +275,7 @@ class CudaMemory(ArenaMemory):
             out = torch.empty(shape, dtype=dtype, device=device)
             out.record_stream(current)
             stream.wait_event(fence)
-            out.view(-1).view(torch.uint8).copy_(mapping.buf[offset:offset + nbytes], non_blocking=True)
+            out.view(-1).view(torch.uint8).copy_(buf[offset:offset + nbytes], non_blocking=True)
             done.record(stream)
         # Wait for this copy only (not for the consumer's other work): once get() returns, the
         # slot's bytes are out, and the producer may overwrite it after the ack.

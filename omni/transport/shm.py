@@ -8,6 +8,10 @@ even on SIGKILL. Each slot starts with a 64-byte header (magic, key, nbytes) tha
 consumer checks, so a ref to a freed or foreign slot raises instead of returning
 someone else's bytes. `get()` returns a zero-copy view: it stays valid until the
 producer frees the slot (on ack), so consumers ack only after they are done with it.
+Every view (`get`'s, `empty`'s) is made over a memoryview of the mapping, a buffer export that
+refuses the mapping's close (torch.frombuffer holds none: a sweep's or close's munmap under a
+view still read, a fetch thread's copy or an engine's input, crashed the process): the mapping
+then goes with its last view.
 """
 
 from __future__ import annotations
@@ -52,8 +56,9 @@ class _Segment:
         self.mm = mmap.mmap(self.fd, size)
 
     def view(self, offset: int, count: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-        # frombuffer per call measured cheaper than slicing one whole-segment tensor (+ a dtype view)
-        return torch.frombuffer(self.mm, dtype=dtype, count=count, offset=offset)
+        # frombuffer per call measured cheaper than slicing one whole-segment tensor (+ a dtype view);
+        # through a memoryview, which holds the mapping open while the view lives (module docstring)
+        return torch.frombuffer(memoryview(self.mm), dtype=dtype, count=count, offset=offset)
 
     def close(self) -> None:
         try:
@@ -210,7 +215,8 @@ class ShmConsumer(TensorConsumer):
             )
         if ref.nbytes == 0:
             return torch.empty(ref.shape, dtype=dtype)
-        flat = torch.frombuffer(mm, dtype=dtype, count=math.prod(ref.shape), offset=off + HEADER)
+        # the memoryview keeps a sweep from unmapping the segment under the view (module docstring)
+        flat = torch.frombuffer(memoryview(mm), dtype=dtype, count=math.prod(ref.shape), offset=off + HEADER)
         return flat.view(ref.shape)
 
     def _segment(self, endpoint: str) -> mmap.mmap:
@@ -223,8 +229,9 @@ class ShmConsumer(TensorConsumer):
             return mm
 
     def _forget_gone(self) -> None:
-        """Unmap the segments of producers that no longer listen (their memory goes with the last
-        mapping; a tensor still viewing one keeps it)."""
+        """Let go of the segments of producers that no longer listen: each is unmapped now, or, while a
+        tensor still views it (its memoryview refuses the close), when the last such view goes; the
+        memory goes with the last mapping."""
         names = {e.rpartition("/")[0] for e in self._maps}
         gone = {n for n in names if not listening(n, socket.SOCK_STREAM)}
         for endpoint in [e for e in self._maps if e.rpartition("/")[0] in gone]:
