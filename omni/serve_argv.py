@@ -72,15 +72,21 @@ def _take(args: list[str], flag: str) -> list[str]:
 
 
 def _positional(args: list[str]) -> int | None:
-    """Where typer would find MODEL: the first word that is neither one of serve's options nor the value one
-    takes. After an option serve does not know (an engine flag) the next word may be its value: not looked at."""
-    from omni.cli_argv import _VALUE_PREFIXES, _serve_options
+    """Where MODEL is: the first word that is neither one of serve's options nor the value one takes. With
+    --model or --config, as in vLLM's parser, a several-value flag (`--api-key K1 K2`) takes the words up to
+    the next option. After an option serve does not know (an engine flag) the next word may be its value:
+    not looked at."""
+    from omni.cli_argv import _VALUE_PREFIXES, SEVERAL_VALUES, _serve_options
 
     takes, flags = _serve_options()
     i = 0
     while i < len(args):
         name, eq, _ = args[i].partition("=")
-        if name in takes or name.startswith(_VALUE_PREFIXES):
+        if name in SEVERAL_VALUES:
+            i += 1 if eq else 2
+            while i < len(args) and not args[i].startswith("-"):
+                i += 1
+        elif name in takes or name.startswith(_VALUE_PREFIXES):
             i += 1 if eq else 2
         elif name in flags:
             i += 1

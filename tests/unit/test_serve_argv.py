@@ -28,6 +28,14 @@ def test_model_flag_is_model(capsys):
         assert out["config"]["model"] == "smollm2"
 
 
+def test_several_value_flags_take_their_words_with_model_flag(capsys):
+    """With --model, as in vLLM's parser, `--api-key K1 K2` and `--served-model-name A B` take both words:
+    the second was read as a MODEL and the refusal quoted it (an API key in an error)."""
+    code, out, err = serve(capsys, "--model", "smollm2", "--served-model-name", "a", "b", "--api-key", "k1", "k2")
+    assert code == 0, err
+    assert out["config"]["model"] == "smollm2" and "k2" not in err
+
+
 def test_two_models_or_none_are_refused_by_name(capsys):
     code, _, err = serve(capsys, "smollm2", "--model", "other")
     assert code == 2 and "MODEL smollm2 and --model other are two models" in err
