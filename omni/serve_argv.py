@@ -3,12 +3,14 @@
 FlexibleArgumentParser does (`key: value` is `--key value`, `true` a bare `--key`, `false` `--no-key`, a list
 several values, a mapping one JSON value). The command line wins over the file: the file's flags go right
 after MODEL, so a flag given again later replaces them. Secrets in the file (api-key, omni-token ...) go to
-the environment variable omni reads for them, never onto the argv (the process title shows it)."""
+the environment variable omni reads for them, never onto the argv (the process title shows it). With --headless
+the file's head-only flags (--host, --port ...) are left out with a note: one file serves the head and its nodes."""
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 
 from omni.errors import ConfigError
 
@@ -45,11 +47,33 @@ def normalise(argv: list[str]) -> list[str]:
     if files:
         file_model, from_file = load_config_file(files[0])
         model = model or file_model   # the command line's MODEL wins, as in vLLM
+        if "--headless" in rest or "--headless" in from_file:
+            from_file = _drop_head_only(from_file, files[0])
     return ["serve", *([model] if model else []), *from_file, *rest, *tail]
 
 
 def _before_dashes(argv: list[str]) -> list[str]:
     return argv[:argv.index("--")] if "--" in argv else argv
+
+
+def _drop_head_only(from_file: list[str], path: str) -> list[str]:
+    """The file's flags less the head's (--host, --port ...): one file shared by the head and its headless
+    nodes is vLLM's usual setup, and serve refuses those flags only when typed with --headless."""
+    from omni.serve_modes import HEAD_ONLY
+
+    head = set(HEAD_ONLY.values())
+    kept, dropped, skip = [], [], False
+    for a in from_file:
+        if a.startswith("--"):
+            skip = a in head
+            if skip:
+                dropped.append(a)
+        if not skip:
+            kept.append(a)
+    if dropped:
+        print(f"omni: note: {', '.join(dropped)} from --config {path}: ignored with --headless (the head's flags)",
+              file=sys.stderr)
+    return kept
 
 
 def _take(args: list[str], flag: str) -> list[str]:

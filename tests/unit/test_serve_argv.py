@@ -83,3 +83,25 @@ def test_config_file_serves_with_the_command_line_winning(capsys, tmp_path, monk
     import os
 
     assert os.environ["OMNI_API_KEY"] == "secret-key" and "secret-key" not in err   # by environment, not argv
+
+
+def test_config_file_shared_with_headless_nodes_drops_the_heads_flags(capsys, tmp_path):
+    """One --config file on the head and every headless node, as with vLLM: the file's --host / --port ... are
+    left out with a note ("--host, --port: not with --headless" before); the same flags typed are refused."""
+    path = tmp_path / "b.yaml"
+    path.write_text("port: 8000\nhost: 127.0.0.1\nmax-model-len: 1024\nserved-model-name: [a, b]\n"
+                    "disable-control-routes: true\n")
+    headless = ["smollm2", "--config", str(path), "--headless", "--stage-id", "1", "--omni-master-address",
+                "127.0.0.1", "--omni-master-port", "1"]
+    code, out, err = serve(capsys, *headless)
+    assert code == 0, err
+    assert ("--port, --host, --served-model-name, --disable-control-routes from --config "
+            f"{path}: ignored with --headless") in err
+    assert normalise(["serve", *headless])[:4] == ["serve", "smollm2", "--max-model-len", "1024"]   # the rest is read
+    code, _, err = serve(capsys, *headless, "--port", "8000")
+    assert code == 2 and "--port: not with --headless" in err
+    path.write_text("headless: true\nport: 8000\n")   # --headless from the file itself
+    assert normalise(["serve", "m", "--config", str(path), "--stage-id", "1"]) == [
+        "serve", "m", "--headless", "--stage-id", "1"]
+    path.write_text("port: 8000\n")
+    assert normalise(["serve", "m", "--config", str(path)]) == ["serve", "m", "--port", "8000"]   # the head's
