@@ -140,7 +140,8 @@ def load_config_file(path: str) -> tuple[str | None, list[str]]:
         raise ConfigError(f"--config {path}: expected a mapping of flag names to values, got {type(data).__name__}")
     model, out = None, []
     for key, value in data.items():
-        name = str(key).replace("_", "-")
+        head, dot, keys = str(key).partition(".")   # as vLLM: the flag's name, not a dotted JSON path's keys
+        name = head.replace("_", "-") + dot + keys
         where = f"--config {path}: {key}"
         if value is None:
             raise ConfigError(f"{where}: no value (give one, or leave the key out)")

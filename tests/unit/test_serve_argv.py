@@ -55,6 +55,10 @@ def test_config_file_is_read_as_vllms_flags(tmp_path):
     assert normalise(["serve", "--port", "1", "--config", str(path), "--max-num-seqs", "3"]) == [
         "serve", "m", *load_config_file(str(path))[1], "--port", "1", "--max-num-seqs", "3"]
     assert normalise(["serve", "x", "--config", str(path)])[:2] == ["serve", "x"]   # the command line's MODEL
+    # As vLLM: only the flag's name is respelled, not a dotted key's JSON path (rope_scaling, an env name).
+    path.write_text("hf_overrides.rope_scaling.rope_type: yarn\nstage_overrides.0.env.MY_VAR: x\n")
+    assert load_config_file(str(path))[1] == ["--hf-overrides.rope_scaling.rope_type", "yarn",
+                                              "--stage-overrides.0.env.MY_VAR", "x"]
 
 
 def test_config_file_errors_name_the_flag(tmp_path):
