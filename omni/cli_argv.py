@@ -40,9 +40,10 @@ def hide_secrets(argv: list[str]) -> list[str]:
             hide = ""
             continue
         hide = ""
-        if name in SECRET_FLAGS or json_flag(name):
-            out.append(f"{name}={_hidden(name, inline, warned)}" if eq else arg)
-            hide = "" if eq else name
+        flag = canonical(name)
+        if flag in SECRET_FLAGS or json_flag(flag):
+            out.append(f"{name}={_hidden(flag, inline, warned)}" if eq else arg)
+            hide = "" if eq else flag
         else:
             out.append(arg)
     return out
@@ -60,6 +61,15 @@ def _hidden(flag: str, value: str, warned: set) -> str:
             print(f"omni: warning: {what} on the command line is visible to every user of this host (ps); "
                   f"set {env} in the environment instead", file=sys.stderr)
     return masked
+
+
+def canonical(name: str) -> str:
+    """A flag as vLLM reads it: `--hf_token` is `--hf-token` (the part before a first dot; after it, a JSON
+    path whose keys keep their spelling)."""
+    if not name.startswith("--"):
+        return name
+    head, dot, rest = name[2:].partition(".")
+    return "--" + head.replace("_", "-") + dot + rest
 
 
 def _bare(flag: str, following: str) -> bool:
@@ -176,6 +186,7 @@ def mask_in_message(message: str, argv: list[str]) -> str:
     words, i = set(), 0
     while i < len(argv):
         name, eq, inline = argv[i].partition("=")
+        name = canonical(name)
         i += 1
         if json_flag(name) and (eq or i < len(argv)):     # its whole value, when it holds a secret
             text = inline if eq else argv[i]

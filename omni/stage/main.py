@@ -64,7 +64,7 @@ def is_wildcard(host: str) -> bool:
     """0.0.0.0, ::, their other spellings ("0", "[::]", "0:0::0", "::ffff:0.0.0.0") and an empty host: bound,
     every interface."""
     h = host.strip().strip("[]")
-    if not h:
+    if not h or h == "*":   # ZMQ's tcp://*: every interface
         return True
     try:
         ip = ipaddress.ip_address(h)

@@ -27,6 +27,11 @@ def test_hf_token_is_masked_in_the_title_with_a_warning(capsys):
     assert hide_secrets(["serve", "m", "--hf-token", "--port", "1"]) == ["serve", "m", "--hf-token", "--port", "1"]
     assert "HF_TOKEN" in capsys.readouterr().err
     assert mask_in_message(f"bad {SECRET!r}", ["serve", "m", "--hf-token", SECRET]) == "bad '***'"
+    # vLLM's underscore spelling is the same flag (it was taken as HF_TOKEN and left in the title)
+    assert hide_secrets(["serve", "m", "--hf_token", SECRET]) == ["serve", "m", "--hf_token", "***"]
+    assert hide_secrets(["serve", "m", f"--hf_token={SECRET}"]) == ["serve", "m", "--hf_token=***"]
+    assert SECRET not in str(hide_secrets(["serve", "m", "--engine_args", f'{{"hf_token": "{SECRET}"}}']))
+    assert mask_in_message(f"bad {SECRET!r}", ["serve", "m", "--hf_token", SECRET]) == "bad '***'"
     assert mask_in_message("bad '--port'", ["serve", "m", "--hf-token", "--port", "1"]) == "bad '--port'"
     bad_json = f"{{hf_token: {SECRET}}}"      # refused quoting the value: masked whole, as it names a secret
     assert mask_in_message(f"not valid JSON: {bad_json!r}", ["serve", "m", "--engine-args", bad_json]) == \

@@ -16,7 +16,7 @@ MASTER = ["--omni-master-address", "127.0.0.1", "--omni-master-port", "1"]
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "::", "[::]", "0:0::0", "0", "", " ", "::ffff:0.0.0.0",
-                                  "[::ffff:0.0.0.0]", "0:0:0:0:0:ffff:0:0"])
+                                  "[::ffff:0.0.0.0]", "0:0:0:0:0:ffff:0:0", "*"])
 def test_wildcards(host):
     assert is_wildcard(host)
 
