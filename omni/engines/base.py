@@ -9,7 +9,7 @@ torch tensors here; the stage worker moves them over the transport.
 from __future__ import annotations
 
 import abc
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import msgspec
 import torch
@@ -96,6 +96,15 @@ class EngineError(Exception):
 
 class Engine(abc.ABC):
     """One stage engine. Not thread-safe: the stage worker owns it."""
+
+    # Set by the stage worker (its LoopWatch): an engine whose one step can run for minutes (a CPU encoder
+    # pass, a denoising step) calls `progressed()` as it gets somewhere, so pipeline.loop_stall_s takes a
+    # long step that moves for what it is and only one that is stuck for a hang.
+    progress_hook: Callable[[], None] | None = None
+
+    def progressed(self) -> None:
+        if self.progress_hook is not None:
+            self.progress_hook()
 
     @abc.abstractmethod
     def add_request(self, request: EngineRequest) -> None:

@@ -21,6 +21,7 @@ import torch
 
 from omni.engines.base import Engine, EngineError, EngineOutput, EngineRequest, ImageParams
 from omni.engines.offload import IdleOffload
+from omni.engines.progress import mark_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ class DiffusionEngine(Engine):
         # Level-2 sleep reads the weights again from here; None: built in memory, nothing to reload from.
         self.model_dir = None if pipeline is not None else str(model_dir)
         self.dtype = getattr(torch, dtype)
-        self.pipe = pipeline.to(self.device) if pipeline is not None else self.load()
+        self.pipe = self.marked(pipeline.to(self.device) if pipeline is not None else self.load())
         self.max_batch_rows = max_batch_rows
         self.offload = IdleOffload(self.name, self.device, off=lambda: self.move_to(torch.device("cpu")),
                                    on=lambda: self.move_to(self.device))
@@ -102,6 +103,13 @@ class DiffusionEngine(Engine):
         pipe = self.pipeline_class().from_pretrained(self.model_dir, dtype=self.dtype)
         pipe.set_progress_bar_config(disable=True)
         return pipe.to(self.device)
+
+    def marked(self, pipe):
+        """`pipe` with a progress mark after each block of its models (the text encoder, the DiT, the VAE): on
+        CPU one encoder pass or denoising step can outlast pipeline.loop_stall_s while it moves."""
+        for part in getattr(pipe, "components", {}).values():
+            mark_blocks(part, self.progressed)
+        return pipe
 
     def check(self, p: ImageParams) -> None:
         """Refuse what the model cannot make, naming the parameter (the frontend checks first)."""
@@ -246,6 +254,7 @@ class DiffusionEngine(Engine):
             for j in batch:
                 del self._jobs[j.request_id]
             return outputs + [failed(j, f"denoising failed: {type(e).__name__}: {e}") for j in batch]
+        self.progressed()        # the decode that may follow is a long forward of its own
         self._stats["steps"] += 1
         self._stats["step_rows"] += sum(j.params.n for j in batch)
         self._stats["denoise_s"] += time.monotonic() - now
@@ -269,6 +278,7 @@ class DiffusionEngine(Engine):
                 tried.add(job.request_id)
                 try:
                     self.admit(job)
+                    self.progressed()
                 except Exception as e:
                     if getattr(e, "fatal", False):
                         raise        # the engine is gone, as in the denoising step
@@ -326,7 +336,7 @@ class DiffusionEngine(Engine):
 
     def wake_up(self) -> None:
         if self.pipe is None:
-            self.pipe = self.load()
+            self.pipe = self.marked(self.load())
         self.offload.wake_up()
 
     def is_sleeping(self) -> bool:

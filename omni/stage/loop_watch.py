@@ -8,8 +8,8 @@ made no output yet; a loop that gets going again heartbeats again (the client re
 
 The loop thread stamps it: an iteration with nothing to step (or with output held back by its consumers:
 stall_timeout_s bounds that) is waiting, never a stall; with work, progress is a step of an engine that computes
-in this process returning, or a step of one that computes elsewhere (vLLM: its step returns at once) giving
-output."""
+in this process returning or marking progress from inside (Engine.progressed: a diffusion engine after each
+model block), or a step of one that computes elsewhere (vLLM: its step returns at once) giving output."""
 
 from __future__ import annotations
 

@@ -111,6 +111,7 @@ class StageWorker:
         self.local_endpoint = self._local.endpoint if self._local is not None else ""
         self.load_snapshot = LoadSnapshot(self)   # what the keep-alive sends: it never calls into the engine
         self.loop_watch = LoopWatch(loop_stall_s, stage.label)   # the keep-alive stops heartbeating while wedged
+        engine.progress_hook = self.loop_watch.progressed       # marks from inside a long step (engines/base.py)
 
     # ------------------------------------------------------------ threads
 

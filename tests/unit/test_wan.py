@@ -173,3 +173,19 @@ def test_level_2_sleep_drops_the_weights_and_wake_up_reads_them_again(engine):
     if engine.device.type == "cpu":
         with pytest.raises(EngineError, match="on CPU cannot sleep at level 1"):
             engine.sleep()
+
+
+def test_its_text_encoder_dit_and_vae_mark_progress_block_by_block(engine):
+    """pipeline.loop_stall_s: a CPU encoder pass or denoising step of minutes says it moves from inside."""
+    marks = []
+    engine.progress_hook = lambda: marks.append(1)
+    try:
+        one_step = msgspec.structs.replace(PARAMS, num_inference_steps=1)
+        engine.add_request(EngineRequest(request_id="marked", text="a", image=one_step))
+        n = {k: len([b for b in getattr(engine.pipe, k).modules() if isinstance(b, torch.nn.ModuleList)])
+             for k in ("text_encoder", "transformer", "vae")}
+        assert all(n.values()), n
+        assert [o.request_id for o in engine.step()] == ["marked"]   # admission (CFG: 2 encodes), a step, decode
+        assert len(marks) > sum(n.values())
+    finally:
+        engine.progress_hook = None
