@@ -175,3 +175,27 @@ def test_vllms_ipc_sockets_go_to_a_folder_of_the_stages_own(monkeypatch, short_t
     monkeypatch.delenv("VLLM_RPC_BASE_PATH")
     assert prepare_env(None, cpu=False) is None and "VLLM_RPC_BASE_PATH" not in os.environ
     assert os.listdir(long_tmp) == []
+
+
+def test_an_engine_shut_down_leaves_the_next_engine_of_its_process_a_folder_of_its_own(monkeypatch, short_tmp):
+    """Shutdown removes the ipc folder and the env naming it: a second engine in the same process (tests build
+    several) made none and bound its sockets in the removed folder ('No such file or directory')."""
+    import os
+    import tempfile
+    import types
+
+    from omni.engines.vllm.args import prepare_env
+    from omni.engines.vllm.engine import VllmEngine
+
+    monkeypatch.setattr(tempfile, "tempdir", short_tmp)
+    monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
+    for k in ("VLLM_HOST_IP", "VLLM_ENABLE_V1_MULTIPROCESSING"):
+        monkeypatch.delenv(k, raising=False)
+    first = prepare_env(None, cpu=False)
+    engine = types.SimpleNamespace(label="s", _rpc_dir=first, _hidden=None,
+                                   _client=types.SimpleNamespace(shutdown=lambda timeout: None),
+                                   _waiter=types.SimpleNamespace(close=lambda: None))
+    VllmEngine.shutdown(engine)
+    assert not os.path.exists(first) and "VLLM_RPC_BASE_PATH" not in os.environ
+    second = prepare_env(None, cpu=False)
+    assert second and second != first and os.path.isdir(second)

@@ -34,6 +34,7 @@ stage worker fails the requests it held and the stage process exits non-zero).
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import time
 import uuid
@@ -435,3 +436,6 @@ class VllmEngine(Engine):
         self._waiter.close()
         if self._rpc_dir is not None:   # vLLM's ipc sockets, which its processes leave behind
             shutil.rmtree(self._rpc_dir, ignore_errors=True)
+            # A later engine of this process makes a folder of its own (it named this one, now gone).
+            if os.environ.get("VLLM_RPC_BASE_PATH") == self._rpc_dir:
+                del os.environ["VLLM_RPC_BASE_PATH"]
