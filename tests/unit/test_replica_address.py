@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from omni.stage.main import StageOptions, is_wildcard, run_stage
+from omni.stage.main import is_wildcard
 from tests.e2e.harness import REPO
 
 MASTER = ["--omni-master-address", "127.0.0.1", "--omni-master-port", "1"]
@@ -47,11 +47,18 @@ def test_serve_takes_an_address():
     assert r.returncode == 0, r.stderr
 
 
-def test_a_stage_given_a_wildcard_exits_before_its_engine(capsys):
-    """A launcher's child (omni.children --replica-address) or a caller of run_stage."""
-    from omni.config import load
+STAGE_GIVEN_A_WILDCARD = """
+import sys
+from omni.config import load
+from omni.stage.main import StageOptions, run_stage
+sys.exit(run_stage(load("smollm2"), 0, StageOptions(master_address="127.0.0.1:1", replica_address="0.0.0.0")))
+"""
 
-    config = load("smollm2")
-    assert run_stage(config, 0, StageOptions(master_address="127.0.0.1:1", replica_address="0.0.0.0")) == 1
-    err = capsys.readouterr().err
-    assert "is a wildcard" in err and "loading engine" not in err
+
+def test_a_stage_given_a_wildcard_exits_before_its_engine():
+    """A launcher's child (omni.children --replica-address) or a caller of run_stage. In a process of its own:
+    run_stage ends its process (os._exit within 3 s, after killing its descendants), the test run's too."""
+    r = subprocess.run([sys.executable, "-c", STAGE_GIVEN_A_WILDCARD], cwd=REPO, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 1, r.stderr
+    assert "is a wildcard" in r.stderr and "loading engine" not in r.stderr
