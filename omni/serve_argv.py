@@ -12,6 +12,7 @@ import json
 import os
 import sys
 
+from omni.cli_argv import canonical
 from omni.errors import ConfigError
 
 # The file's secret keys: the environment variable each is read from (omni.cli_argv.SECRET_FLAGS).
@@ -140,8 +141,7 @@ def load_config_file(path: str) -> tuple[str | None, list[str]]:
         raise ConfigError(f"--config {path}: expected a mapping of flag names to values, got {type(data).__name__}")
     model, out = None, []
     for key, value in data.items():
-        head, dot, keys = str(key).partition(".")   # as vLLM: the flag's name, not a dotted JSON path's keys
-        name = head.replace("_", "-") + dot + keys
+        name = canonical(f"--{key}")[2:]   # as vLLM: the flag's name respelled, not a dotted JSON path's keys
         where = f"--config {path}: {key}"
         if value is None:
             raise ConfigError(f"{where}: no value (give one, or leave the key out)")
