@@ -194,7 +194,8 @@ def test_an_engine_shut_down_leaves_the_next_engine_of_its_process_a_folder_of_i
     first = prepare_env(None, cpu=False)
     engine = types.SimpleNamespace(label="s", _rpc_dir=first, _hidden=None,
                                    _client=types.SimpleNamespace(shutdown=lambda timeout: None),
-                                   _waiter=types.SimpleNamespace(close=lambda: None))
+                                   _waiter=types.SimpleNamespace(close=lambda: None),
+                                   _core_steps=types.SimpleNamespace(close=lambda: None))
     VllmEngine.shutdown(engine)
     assert not os.path.exists(first) and "VLLM_RPC_BASE_PATH" not in os.environ
     second = prepare_env(None, cpu=False)

@@ -86,6 +86,7 @@ def fake_engine(llm: FakeLLM | None = None):
     e.label, e.platform, e._emit_prompt_ids = "thinker", "cuda", False
     e._mm_tokens, e._mm_limits, e._hidden, e._rows_on = None, {}, None, False
     e._llm, e._waiter = llm or FakeLLM(), Waiter()
+    e._core_steps = types.SimpleNamespace(advanced=lambda: False, close=lambda: None)
     e.max_model_len, e.vocab_size = 1000, 1000
     e._can_sleep, e._sleeping, e._sleep_level = True, False, 0
     e._live, e._dead = {}, None
@@ -288,3 +289,57 @@ def test_an_unexpected_add_request_error_fails_that_request_only_and_the_loop_li
         assert list(w._reqs) == ["ok"] and w.fatal is None and not w._stopping.is_set()
     finally:
         w.close()
+
+
+@needs_vllm
+def test_a_core_step_without_output_counts_as_progress_and_a_step_with_none_does_not():
+    """A prefill chunk makes no output: the EngineCore's step count (core_steps.py) is what says it moves."""
+    e = fake_engine()
+    e._llm.go.clear()   # the core sends nothing
+    counts = iter([True, False])
+    e._core_steps = types.SimpleNamespace(advanced=lambda: next(counts), close=lambda: None)
+    marks = []
+    e.progress_hook = lambda: marks.append(1)
+    assert e.step() == [] and marks == [1]
+    assert e.step() == [] and marks == [1]
+
+
+CORE_SIDE = r"""
+import os, sys
+from vllm.v1.engine.core import EngineCore
+EngineCore.step = lambda self: ({}, self.ran)
+EngineCore.step_with_batch_queue = lambda self: (None, self.ran)
+from omni.engines.vllm.core_steps import ENV, count_core_steps
+count_core_steps()
+assert ENV not in os.environ   # the core's own children get none
+core = EngineCore.__new__(EngineCore)
+for ran in (True, False, True):
+    core.ran = ran
+    core.step()
+core.step_with_batch_queue()   # ran: True
+print("stepped", flush=True)
+"""
+
+
+@needs_vllm
+def test_the_engine_core_counts_the_steps_that_ran_the_model_and_the_file_is_gone_once_shared():
+    import os
+    import subprocess
+    import sys
+
+    from omni.engines.vllm.core_steps import ENV, CoreSteps
+
+    steps = CoreSteps()
+    try:
+        assert os.stat(steps.path).st_mode & 0o077 == 0
+        assert not steps.advanced()
+        with steps.shared():
+            out = subprocess.run([sys.executable, "-c", CORE_SIDE], env={**os.environ}, capture_output=True,
+                                 text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert ENV not in os.environ and not os.path.exists(steps.path)
+        assert steps.advanced() and not steps.advanced()   # 3 steps ran the model: one change seen
+        import struct
+        assert struct.unpack_from("<Q", steps._map)[0] == 3
+    finally:
+        steps.close()

@@ -50,6 +50,7 @@ from omni.engines.vllm import mm as vllm_mm
 # The args helpers are imported from here by the factory, benchmarks and tests.
 from omni.engines.vllm.args import (OMNI_ARGS, engine_arg_names, engine_config, prepare_env,  # noqa: F401
                                     split_engine_args, to_vllm_sampling)
+from omni.engines.vllm.core_steps import CoreSteps
 from omni.engines.vllm.outputs import OutputWaiter
 from omni.engines.vllm.procs import describe_exit, engine_core_dies_with_us
 from omni.engines.base import Engine, EngineError, EngineOutput, EngineRequest
@@ -130,11 +131,13 @@ class VllmEngine(Engine):
                     raise ConfigError(f"{stage.label}: engine_args.{k} needs a multi-modal model")
         from vllm.v1.executor import Executor
 
+        self._core_steps = CoreSteps()
         try:
-            with engine_core_dies_with_us():
+            with engine_core_dies_with_us(), self._core_steps.shared():
                 self._llm = LLMEngine(vllm_config=vllm_config, executor_class=Executor.get_class(vllm_config),
                                       log_stats=not engine_args.disable_log_stats, multiprocess_mode=True)
         except BaseException:
+            self._core_steps.close()
             if self._hidden is not None:
                 self._hidden.close()
             raise
@@ -261,6 +264,8 @@ class VllmEngine(Engine):
 
     def step(self) -> list[EngineOutput]:
         self._check_alive()
+        if self._core_steps.advanced():   # a prefill chunk sends no output (core_steps.py)
+            self.progressed()
         if not self._waiter.wait(STEP_WAIT_S):
             return []
         from vllm.v1.engine.exceptions import EngineDeadError
@@ -434,6 +439,7 @@ class VllmEngine(Engine):
         if self._hidden is not None:
             self._hidden.close()
         self._waiter.close()
+        self._core_steps.close()
         if self._rpc_dir is not None:   # vLLM's ipc sockets, which its processes leave behind
             shutil.rmtree(self._rpc_dir, ignore_errors=True)
             # A later engine of this process makes a folder of its own (it named this one, now gone).

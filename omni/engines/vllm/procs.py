@@ -14,6 +14,7 @@ import os
 import signal
 
 from omni.deathsig import PARENT_ENV, children_die_with_us
+from omni.engines.vllm.core_steps import count_core_steps
 
 # Architectures whose vLLM class omni replaces with a subclass (omni/engines/vllm/models.py).
 MODEL_OVERRIDES = {
@@ -63,6 +64,7 @@ def run_engine_core_guarded(*args, **kwargs):
 
     _die_with_parent()
     register_models()
+    count_core_steps()
     WorkerProc.worker_main = staticmethod(run_worker_guarded)   # this process starts them
     make_worker = WorkerProc.make_worker_process
 
