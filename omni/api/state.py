@@ -35,6 +35,10 @@ VLLM_MAX_TOKENS = 16
 # The thinker's audio tower takes 16 kHz; longer audio is refused before decoding work piles up.
 AUDIO_IN_RATE = 16000
 MAX_AUDIO_SECONDS = 600
+# All parts of one request together: they ride inline in its AddRequest (4 bytes a sample at 16 kHz, 57.6 MB
+# at 900 s), which must stay under the stage channel's message cap with room for the rest of the request
+# (orchestrator/limits.MAX_INLINE_BYTES); a small body of 8-bit 1 kHz WAV decodes to 64 times its size.
+MAX_AUDIO_TOTAL_SECONDS = 900
 
 
 def _no_voice(message: str, param: str) -> APIError:
@@ -341,6 +345,7 @@ class FrontendState:
         """(param path, InputAudio) pairs -> the thinker's inline inputs `audio_<i>`: float32 mono at
         16 kHz. Runs on the tokenizer thread (decoding and resampling are CPU work)."""
         inputs = {}
+        total = 0.0
         for i, (where, ia) in enumerate(audios):
             data = where if where.endswith(".url") else f"{where}.data"     # audio_url: the data URL itself
             if ia.format.lower() != "wav":
@@ -358,6 +363,10 @@ class FrontendState:
             if samples.size / rate > MAX_AUDIO_SECONDS:
                 raise bad_request(f"{where} is {samples.size / rate:.0f} s long; the limit is {MAX_AUDIO_SECONDS} s",
                                   param=data)
+            total += samples.size / rate
+            if total > MAX_AUDIO_TOTAL_SECONDS:
+                raise bad_request(f"the audio parts up to {where} add up to {total:.0f} s; the limit is "
+                                  f"{MAX_AUDIO_TOTAL_SECONDS} s a request", param=data)
             pcm = audio.resample(samples, rate, AUDIO_IN_RATE)
             inputs[f"audio_{i}"] = InlineTensor("float32", (int(pcm.size),), pcm.astype("<f4").tobytes())
         return inputs

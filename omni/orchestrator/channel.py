@@ -16,9 +16,9 @@ import zmq
 import zmq.asyncio
 
 from omni import latency_trace
-from omni.errors import Unavailable
+from omni.errors import BadRequest, Unavailable
 from omni.stage import messages as m
-from omni.stage.curve import secure_client
+from omni.stage.curve import MAX_MESSAGE_BYTES, secure_client
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,13 @@ class BaseChannel:
         """Queue `msg` now, in order; the caller never awaits (a full socket keeps it queued)."""
         if self.closed:
             raise Unavailable(f"stage {self.stage_id} replica {self.replica_id}: channel closed")
-        self._transmit(self._enc.encode(msg))
+        frame = self._enc.encode(msg)
+        if len(frame) > MAX_MESSAGE_BYTES:
+            # Never sent: the stage's ROUTER drops the whole ZMQ connection past the cap (every request
+            # on it then waits for its timeout), and the local link refuses it; it fails this request only.
+            raise BadRequest(f"stage {self.stage_id} replica {self.replica_id}: a {type(msg).__name__} of "
+                             f"{len(frame)} bytes is over the stage channel's {MAX_MESSAGE_BYTES}-byte message cap")
+        self._transmit(frame)
 
     def _transmit(self, frame: bytes) -> None:
         raise NotImplementedError

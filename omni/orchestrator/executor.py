@@ -26,6 +26,7 @@ from omni.orchestrator.channel import BaseChannel, StageChannel
 from omni.orchestrator.local_channel import LocalStageChannel
 from omni.orchestrator.core import OrchestratorCore, load_processor
 from omni.orchestrator.fetch import Fetcher, fill, on_loop
+from omni.orchestrator.limits import check_inline
 from omni.orchestrator.metrics import OrchestratorMetrics, render_engine_steps
 from omni.orchestrator.topology import GONE, Topology
 from omni.orchestrator.types import PipelineOutput, PipelineRequest
@@ -257,6 +258,7 @@ class Orchestrator:
         timeout = req.timeout_s or self.config.pipeline.request_timeout_s
         deadline = time.monotonic() + timeout
         sink = _Sink()
+        check_inline(req)
         actions = self.core.submit(req)       # BadRequest / Unavailable: nothing was sent
         self._sinks[req.request_id] = sink
         try:

@@ -11,8 +11,12 @@ from omni.config import StageConfig
 from omni.errors import BadRequest
 from omni.master.types import ReplicaInfo
 from omni.orchestrator.types import PipelineRequest
+from omni.stage.curve import MAX_MESSAGE_BYTES
 
 FAILURE_WINDOW_S = 30.0
+# A client's input tensors ride inline in the entry stage's AddRequest: under the channel's message cap,
+# with room for the prompt's token ids and the rest of the message.
+MAX_INLINE_BYTES = MAX_MESSAGE_BYTES - (8 << 20)
 
 
 def replica_limits(engine) -> dict[str, str]:
@@ -58,6 +62,14 @@ def fit(stage_id: int, replicas: list[ReplicaInfo], req: PipelineRequest | None)
     largest = max(max_model_len(r) or 0 for r in replicas)
     return ok, (f"{need} tokens ({n_prompt} in the prompt, {req.sampling.max_tokens} max_tokens), more than the "
                 f"max_model_len of every {{which}} replica (the largest is {largest})")
+
+
+def check_inline(req: PipelineRequest) -> None:
+    """A 400 naming the limit for inline inputs the stage channel could not carry (before anything is sent)."""
+    n = sum(len(t.data) for t in req.inputs.values())
+    if n > MAX_INLINE_BYTES:
+        raise BadRequest(f"This request's inline inputs ({', '.join(sorted(req.inputs))}) decode to {n} bytes, "
+                         f"more than the {MAX_INLINE_BYTES} bytes a request may carry to a stage")
 
 
 def fitting(stage: StageConfig, replicas: list[ReplicaInfo], req: PipelineRequest | None) -> list[ReplicaInfo]:

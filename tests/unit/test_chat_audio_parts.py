@@ -4,6 +4,7 @@ example clients send); a URL to fetch is refused by name."""
 import base64
 
 import httpx
+import numpy as np
 import pytest
 
 from omni.api import build_app
@@ -60,4 +61,26 @@ async def test_an_input_audio_wav_at_an_absurd_sample_rate_is_a_400_naming_the_p
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
         r = await client.post("/v1/chat/completions", json=body)
     assert_error(r, 400, param="messages[0].content[0].input_audio.data", contains="4294967295 Hz")
+    assert orch.requests == []
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_audio_parts_adding_up_past_the_total_limit_are_a_400_naming_it(tokenizer, anyio_backend):
+    """Each part within its own 600 s, together past what a request's AddRequest carries (8-bit 1 kHz WAV decodes
+    to 64 times its size): refused before the last part is resampled, nothing sent."""
+    from omni.api.state import MAX_AUDIO_TOTAL_SECONDS
+    from omni.orchestrator.limits import MAX_INLINE_BYTES
+
+    assert MAX_AUDIO_TOTAL_SECONDS * 16000 * 4 <= MAX_INLINE_BYTES
+    orch = FakeOrchestrator(tokenizer)
+    app = build_app(orch, tokenizer, served_model_name="tiny", max_model_len=128)
+    app.state.frontend.audio_token_id = tokenizer.convert_tokens_to_ids("<|im_start|>")   # takes audio
+    part = {"type": "input_audio", "input_audio": {"format": "wav", "data": base64.b64encode(
+        pcm_wav(np.zeros(1000 * 500, np.float32), 1000, 1)).decode()}}     # 500 s, 500 KB
+    body = chat_body(messages=[{"role": "user", "content": [part, part]}])
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        r = await client.post("/v1/chat/completions", json=body)
+    assert_error(r, 400, param="messages[0].content[1].input_audio.data",
+                 contains=f"add up to 1000 s; the limit is {MAX_AUDIO_TOTAL_SECONDS} s a request")
     assert orch.requests == []
