@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import struct
 from typing import Any
 
@@ -117,25 +118,36 @@ def _decode_samples(body: bytes, tag: int, channels: int, rate: int, bits: int) 
 
 
 def resample(x: np.ndarray, rate_in: int, rate_out: int, half_taps: int = 16) -> np.ndarray:
-    """Band-limited resampling (Hann-windowed sinc, cut off below the lower Nyquist), evaluated
-    directly at each output instant; blocks keep the working memory small."""
+    """Band-limited resampling (Hann-windowed sinc, cut off below the lower Nyquist), polyphase: with
+    rate_out / rate_in = L / M in lowest terms, output n sits at input instant n*M/L, whose fraction
+    takes L values, so the outputs n = r, r + L, ... share one set of weights and are a strided dot
+    product over the input (no sinc per output sample: 600 s of 1 kHz audio took 21 s evaluated so).
+    Blocks keep the working memory small."""
     if rate_in == rate_out or x.size == 0:
         return x.astype(np.float32, copy=False)
     for r in (rate_in, rate_out):   # the filter's width grows with rate_in / rate_out
         if not MIN_RATE <= r <= MAX_RATE:
             raise ValueError(f"sample rate {r} Hz is outside {MIN_RATE}..{MAX_RATE} Hz")
-    ratio = rate_out / rate_in
-    cutoff = min(1.0, ratio) * 0.97
+    g = math.gcd(rate_in, rate_out)
+    up, down = rate_out // g, rate_in // g
+    cutoff = min(1.0, up / down) * 0.97
     width = int(np.ceil(half_taps / cutoff))
     offs = np.arange(-width + 1, width + 1)
-    n_out = int(round(x.size * ratio))
+    n_out = int(round(x.size * rate_out / rate_in))
+    # Zeros beyond both ends: output n reads inputs floor(n*M/L) - width + 1 .. + width.
+    xp = np.zeros(x.size + 2 * width + down + 2, np.float32)
+    xp[width:width + x.size] = x
+    windows = np.lib.stride_tricks.sliding_window_view(xp, offs.size)
     out = np.empty(n_out, np.float32)
     rows = max(1, BLOCK_ELEMS // offs.size)
-    for start in range(0, n_out, rows):
-        t = np.arange(start, min(n_out, start + rows)) / ratio      # instants in input samples
-        idx = np.floor(t).astype(np.int64)[:, None] + offs[None, :]
-        d = t[:, None] - idx
-        w = cutoff * np.sinc(cutoff * d) * (0.5 + 0.5 * np.cos(np.pi * np.clip(d / width, -1.0, 1.0)))
-        taps = np.where((idx >= 0) & (idx < x.size), x[np.clip(idx, 0, x.size - 1)], 0.0)
-        out[start:start + t.size] = (taps * w).sum(axis=1)
+    for r in range(min(up, n_out)):
+        base, frac = divmod(r * down, up)
+        d = frac / up - offs        # each tap's distance from the output instant, in input samples
+        w = (cutoff * np.sinc(cutoff * d) * (0.5 + 0.5 * np.cos(np.pi * np.clip(d / width, -1.0, 1.0))))
+        w = w.astype(np.float32)
+        q = len(range(r, n_out, up))
+        lanes = windows[base + 1::down][:q]     # window start: floor - width + 1, shifted by the padding
+        dst = out[r::up]
+        for s in range(0, q, rows):
+            dst[s:s + rows] = np.ascontiguousarray(lanes[s:s + rows]) @ w
     return out
