@@ -308,7 +308,7 @@ class MasterClient:
         self._ka_call = call
         try:
             for cmd in call:
-                self._acks.put(self._handle(on_command, cmd))
+                self._acks.put(wire.ack_command(on_command, cmd))
                 stream.wake.set()
         finally:
             stream.done = True
@@ -352,17 +352,6 @@ class MasterClient:
         if self._last_load is not None:
             return wire.heartbeat_from_load(self._last_load, reg.lease_id, reg.replica_id, acks)
         return pb.Heartbeat(lease_id=reg.lease_id, replica_id=reg.replica_id, acks=acks, no_load=True)
-
-    @staticmethod
-    def _handle(on_command: OnCommand, msg: pb.Command) -> pb.CommandAck:
-        cmd = wire.command_from_pb(msg)
-        try:
-            result = on_command(cmd)
-            ok, message = result if result is not None else (True, "")
-        except Exception as e:
-            logger.warning("command %s failed: %s", cmd.kind, e)
-            ok, message = False, f"{type(e).__name__}: {e}"
-        return pb.CommandAck(command_id=cmd.command_id, ok=bool(ok), message=str(message))
 
     # -- queries and commands ---------------------------------------------------------------
     def get_status(self, timeout_s: float | None = None) -> Status:

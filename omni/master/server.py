@@ -254,6 +254,9 @@ class MasterServicer(pb_grpc.MasterServicer):
     async def SendCommand(self, request: pb.SendCommandRequest, context):
         if request.kind == pb.COMMAND_UNSPECIFIED:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "command kind is required")
+        if request.kind not in pb.CommandKind.values():   # never sent down: a stage could not name it either
+            known = ", ".join(n for n in pb.CommandKind.keys() if n != "COMMAND_UNSPECIFIED")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown command kind {request.kind} (known: {known})")
         if request.args_json:
             try:
                 json.loads(request.args_json)

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import logging
+from typing import Callable
 
 from omni._proto import master_pb2 as pb
 from omni.master import types
 from omni.master.registry import Replica
+
+logger = logging.getLogger(__name__)
 
 
 def replica_to_pb(rep: Replica, heartbeat_age_s: float) -> pb.ReplicaInfo:
@@ -59,6 +63,22 @@ def registration_from_pb(m: pb.RegisterResponse) -> types.Registration:
 def command_from_pb(m: pb.Command) -> types.Command:
     return types.Command(command_id=m.command_id, kind=pb.CommandKind.Name(m.kind),
                          args=_json_or_empty(m.args_json))
+
+
+def ack_command(on_command: Callable[[types.Command], "tuple[bool, str] | None"], msg: pb.Command) -> pb.CommandAck:
+    """Run one command from the keep-alive stream; whatever happens, its ack (the stream lives on)."""
+    if msg.kind not in pb.CommandKind.values():   # a newer master's kind (version skew in an upgrade)
+        logger.warning("refused command %s: unknown kind %d (an older omni than the master's?)",
+                       msg.command_id[:8], msg.kind)
+        return pb.CommandAck(command_id=msg.command_id, ok=False, message=f"unknown command {msg.kind}")
+    try:
+        cmd = command_from_pb(msg)
+        result = on_command(cmd)
+        ok, message = result if result is not None else (True, "")
+    except Exception as e:
+        logger.warning("command %s failed: %s", pb.CommandKind.Name(msg.kind), e)
+        ok, message = False, f"{type(e).__name__}: {e}"
+    return pb.CommandAck(command_id=msg.command_id, ok=bool(ok), message=str(message))
 
 
 def results_from_pb(m: pb.SendCommandResponse) -> list[types.CommandResult]:

@@ -1,0 +1,92 @@
+"""The master and its clients against malformed or unexpected input: a clear refusal, never a crash or a
+broken keep-alive stream."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+
+from omni._proto import master_pb2 as pb
+from omni._proto import master_pb2_grpc as pb_grpc
+from omni.master.client import MasterClient
+from omni.master.configdiff import hash_config
+from omni.master.server import MasterServer
+from omni.master.types import Registration
+
+CFG = {"model": "m", "stages": [{"stage_id": 0, "name": "a"}, {"stage_id": 1, "name": "b"}]}
+HASH = hash_config(CFG)
+
+
+@pytest.fixture
+def master():
+    server = MasterServer(CFG, HASH, lease_ttl_s=5.0)
+    server.start()
+    channel = grpc.insecure_channel(server.address)
+    try:
+        yield server, pb_grpc.MasterStub(channel)
+    finally:
+        channel.close()
+        server.stop(grace=0.2)
+
+
+def _wait(pred, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition not met before the deadline"
+        time.sleep(0.02)
+
+
+def _stage(address: str, stage_id: int, pid: int, got: list) -> MasterClient:
+    c = MasterClient(address)
+    c.register("STAGE", stage_id, config_hash=HASH, host="h", pid=pid)
+
+    def on_command(cmd):
+        got.append(cmd.kind)
+        return True, cmd.kind
+
+    c.start_keepalive(lambda: {}, on_command, interval_s=0.1)
+    return c
+
+
+# -- an unknown command kind (version skew) -----------------------------------------------------
+class _FakeStub:
+    def __init__(self, commands):
+        self.commands = commands
+
+    def KeepAlive(self, heartbeats, metadata=None):
+        return iter(self.commands)
+
+
+def test_a_stage_acks_a_command_kind_it_cannot_name_and_keeps_its_stream():
+    """A newer master's kind reaches an older stage: it acks 'unknown command N' and reads on (it raised out of
+    the stream's reader: the stream broke, the replica went SUSPECT, the frontends replayed its requests)."""
+    c = MasterClient("127.0.0.1:1")
+    c._registration = Registration("s0r0", 0, "lease", 5.0, {}, {})
+    c._stub = _FakeStub([pb.Command(command_id="new", kind=6),
+                         pb.Command(command_id="d", kind=pb.DRAIN, args_json="{}")])
+    got = []
+    c._run_stream(lambda: {}, lambda cmd: got.append(cmd.kind) or (True, "drained"), 0.1)
+    acks = [c._acks.get_nowait() for _ in range(2)]
+    assert [(a.command_id, a.ok, a.message) for a in acks] == [("new", False, "unknown command 6"),
+                                                                ("d", True, "drained")]
+    assert got == ["DRAIN"]
+    c.close()
+
+
+def test_the_master_refuses_a_command_kind_it_cannot_name_before_sending_it(master):
+    server, stub = master
+    got: list = []
+    stage = _stage(server.address, 0, 100, got)
+    try:
+        _wait(lambda: stage.get_status().replicas[0].state == "READY")
+        with pytest.raises(grpc.RpcError) as e:
+            stub.SendCommand(pb.SendCommandRequest(kind=6, timeout_s=1.0))
+        assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert "unknown command kind 6" in e.value.details() and "DRAIN" in e.value.details()
+        results = stage.send_command("WAKE_UP", timeout_s=5.0)
+        assert [(r.replica_id, r.ok) for r in results] == [("s0r0", True)] and got == ["WAKE_UP"]
+        assert stage.registrations == 1 and stage.last_error is None
+    finally:
+        stage.close()
