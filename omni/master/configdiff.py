@@ -91,6 +91,9 @@ def diff_values(master: Any, replica: Any, path: str = "") -> list[str]:
 
 
 def stages_by_id(config: dict) -> dict[int, dict]:
+    """{stage_id: stage}; ValueError naming what is wrong with a config of another shape."""
+    if not isinstance(config, dict):
+        raise ValueError(f"pipeline config must be an object, got {type(config).__name__}")
     stages = config.get("stages")
     if not isinstance(stages, list):
         raise ValueError("pipeline config has no 'stages' list")
@@ -98,7 +101,11 @@ def stages_by_id(config: dict) -> dict[int, dict]:
     for i, stage in enumerate(stages):
         if not isinstance(stage, dict) or "stage_id" not in stage:
             raise ValueError(f"pipeline config stages[{i}] has no 'stage_id'")
-        out[int(stage["stage_id"])] = stage
+        try:
+            out[int(stage["stage_id"])] = stage
+        except (TypeError, ValueError):
+            raise ValueError(f"pipeline config stages[{i}].stage_id must be an integer, got "
+                             f"{stage['stage_id']!r}") from None
     return out
 
 

@@ -126,8 +126,13 @@ class MasterServicer(pb_grpc.MasterServicer):
             cfg = json.loads(request.pipeline_config_json) if request.pipeline_config_json else None
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"pipeline_config_json is not valid JSON: {e}")
+        if cfg is not None and not isinstance(cfg, dict):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"pipeline_config_json must be a JSON object, got {type(cfg).__name__}")
         if request.role == pb.ROLE_UNSPECIFIED:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "role is required (STAGE or FRONTEND)")
+        if request.role not in (pb.STAGE, pb.FRONTEND):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"role must be STAGE or FRONTEND, got {request.role}")
         req = RegisterInput(
             role=Role(pb.Role.Name(request.role)), stage_id=request.stage_id, host=request.host, pid=request.pid,
             config_hash=request.config_hash, pipeline_config=cfg, replica_hint=request.replica_hint,

@@ -3,6 +3,7 @@ broken keep-alive stream."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import grpc
@@ -90,3 +91,51 @@ def test_the_master_refuses_a_command_kind_it_cannot_name_before_sending_it(mast
         assert stage.registrations == 1 and stage.last_error is None
     finally:
         stage.close()
+
+
+# -- a malformed Register -----------------------------------------------------------------------
+def _register(stub, **fields):
+    base = dict(role=pb.STAGE, stage_id=0, host="h", pid=1, config_hash=HASH)
+    return stub.Register(pb.RegisterRequest(**{**base, **fields}))
+
+
+def _refused(fn) -> str:
+    with pytest.raises(grpc.RpcError) as e:
+        fn()
+    assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT, (e.value.code(), e.value.details())
+    return e.value.details()
+
+
+@pytest.mark.parametrize("cfg, says", [([1, 2], "pipeline_config_json must be a JSON object, got list"),
+                                       ("s", "pipeline_config_json must be a JSON object, got str")])
+def test_register_refuses_a_pipeline_config_that_is_no_object(cfg, says):
+    server = MasterServer(None, lease_ttl_s=5.0)     # the first registrant's config is adopted
+    server.start()
+    channel = grpc.insecure_channel(server.address)
+    try:
+        stub = pb_grpc.MasterStub(channel)
+        assert says in _refused(lambda: _register(stub, config_hash="x", pipeline_config_json=json.dumps(cfg)))
+        bad_id = {"stages": [{"stage_id": [0]}]}
+        assert "stages[0].stage_id must be an integer" in _refused(
+            lambda: _register(stub, config_hash="x", pipeline_config_json=json.dumps(bad_id)))
+        assert _register(stub, config_hash="x", pipeline_config_json=json.dumps(CFG)).replica_id == "s0r0"
+    finally:
+        channel.close()
+        server.stop(grace=0.2)
+
+
+def test_register_refuses_an_unknown_role_by_name(master):
+    _, stub = master
+    assert "role must be STAGE or FRONTEND, got 7" in _refused(lambda: _register(stub, role=7))
+    # a mismatching registrant's config of another shape: refused, not a crash in the diff
+    assert "must be a JSON object" in _refused(lambda: _register(stub, config_hash="y", pipeline_config_json="[1]"))
+
+
+def test_stages_by_id_names_a_config_of_another_shape():
+    from omni.master.configdiff import stages_by_id
+
+    for bad in ([1], "s", None):
+        with pytest.raises(ValueError, match="pipeline config must be an object"):
+            stages_by_id(bad)
+    with pytest.raises(ValueError, match=r"stages\[0\].stage_id must be an integer, got 'a'"):
+        stages_by_id({"stages": [{"stage_id": "a"}]})
