@@ -28,8 +28,10 @@ UNDERRUNS = "omni_audio_underruns_total"
 
 
 class AudioMetrics:
-    """A frontend's audio families, keyed by (model, voice). Not locked: the event loop alone
-    updates and renders them."""
+    """A frontend's audio families, keyed by (model, voice). `voice` is the voice as resolved: a
+    model speaker, or a preset's base voice, never a preset's own name (clients make presets
+    without bound, and a frontend's metrics text past the master's 3 MiB is not published).
+    Not locked: the event loop alone updates and renders them."""
 
     def __init__(self) -> None:
         self.ttfa: dict[tuple[str, str], Histogram] = {}

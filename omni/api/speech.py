@@ -49,7 +49,7 @@ class SpeechRoutes:
         voice, speed = await self.fe.voice(asked, req.speed)
         preq = PipelineRequest(request_id=f"speech-{uuid.uuid4().hex}", text=req.input,
                                entry_stage=self.fe.speech_stage, modalities=("audio",), voice=voice, speed=speed)
-        audio = AudioStream(self.fe.metrics.audio, self.fe.model, self.fe.voice_label(asked, voice),
+        audio = AudioStream(self.fe.metrics.audio, self.fe.model, voice,
                             self.fe.t0(request), streamed=as_sse or as_raw)
         gen = Generation(self.fe.orch, preq, decode=self.fe.decode, prompt_ids=[], stops=[], metrics=self.fe.metrics,
                          route="/v1/audio/speech", t0=self.fe.t0(request), audio=audio)

@@ -328,12 +328,6 @@ class FrontendState:
             raise _no_voice(f"voice `{name}` does not exist; available: {', '.join(known) or 'none'}", "voice")
         return v["base"], speed * float(v.get("speed", 1.0))
 
-    def voice_label(self, asked: str | None, voice: str) -> str:
-        """The audio metrics' `voice` label: the speaker as resolved (the speakers match any case, so
-        labelling the name as sent would let a client make a series per spelling); a preset by its
-        name (matched exactly)."""
-        return voice if self.speakers else asked or voice
-
     # ---- audio input (chat `input_audio` parts)
 
     def need_audio_in(self) -> None:

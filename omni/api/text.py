@@ -89,7 +89,7 @@ class TextRoutes:
                 raise bad_request(f"audio.format `{fmt}` is not supported (wav, pcm16)", param="audio.format")
             asked = P.chat_voice(req)
             voice, speed = await self.fe.voice(asked)
-            audio = AudioStream(self.fe.metrics.audio, self.fe.model, self.fe.voice_label(asked, voice),
+            audio = AudioStream(self.fe.metrics.audio, self.fe.model, voice,
                                 self.fe.t0(request), streamed=bool(req.stream))
         inputs = {}
         if audios:
