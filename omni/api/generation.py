@@ -39,7 +39,9 @@ class Generation:
         self.audio = audio          # set when the request asked for audio: its figures and usage
         self._eos = None if request.sampling.ignore_eos else eos_token_id
         self.created = int(time.time())  # one value for every chunk of the stream
+        # The prompt as templated; the engine's own count replaces it once reported (_count_prompt).
         self.prompt_tokens = len(prompt_ids)
+        self._engine_prompt = bool(prompt_ids)     # speech has no token prompt: nothing to count
         self.completion_tokens = 0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None   # vLLM's: the stop string or stop token id that ended it
@@ -73,6 +75,7 @@ class Generation:
         except BaseException:
             await self.close()
             raise
+        self._count_prompt(self._first)     # a stream's first chunk carries usage before events()
         # Audio only: the transcript's text comes first, but the client's first output is audio.
         if self._text_out or self._first is None or self._first.modality != "text":
             self._time_first()
@@ -132,7 +135,13 @@ class Generation:
     def _ends(self, out: PipelineOutput) -> bool:
         return out.finished or (self._stop.stopped and not self._speaks)
 
+    def _count_prompt(self, out: PipelineOutput | None) -> None:
+        if out is not None and out.num_prompt_tokens is not None and self._engine_prompt:
+            # vLLM's prompt with the audio placeholders expanded: what its own server's usage counts
+            self.prompt_tokens = out.num_prompt_tokens
+
     def _handle(self, out: PipelineOutput):
+        self._count_prompt(out)
         if out.modality == "text" and out.token_ids and not self._stop.stopped:
             ids = out.token_ids
             # As vLLM: the token a stop finish stopped on adds no text (also when audio follows the
