@@ -40,6 +40,10 @@ def _run(kind: str, master: str | None, stage: list[int] | None, replica: list[s
     from omni.master.client import MasterClient
 
     verb = kind.lower().replace("_", "")
+    if stage and replica:
+        typer.echo(f"omni {verb}: --stage and --replica: give one, not both (a replica id, as `omni status` "
+                   "lists it, names its stage)", err=True)
+        raise typer.Exit(EXIT_UNREACHABLE)
     files = tls_from_options(*tls)
     if master is None:
         master, files = _local_master(verb, tls=files)

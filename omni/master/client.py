@@ -84,6 +84,9 @@ def _register_request(role: str, stage_id: int, host: str | None, pid: int | Non
 
 
 def _send_command_request(kind, stage_ids, args, timeout_s, replica_ids, keep_serving=False) -> pb.SendCommandRequest:
+    stage_ids, replica_ids = list(stage_ids), list(replica_ids)
+    if stage_ids and replica_ids:
+        raise BadRequest("stage_ids and replica_ids: give one, not both (a replica id names its stage)")
     try:
         kind_value = wire.command_kind(kind)
     except ValueError as e:

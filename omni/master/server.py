@@ -320,6 +320,8 @@ class MasterServicer(pb_grpc.MasterServicer):
         return pb.SendCommandResponse(command_id=command_id, results=results)
 
     def _targets(self, request: pb.SendCommandRequest):
+        if request.replica_ids and request.stage_ids:   # neither may be dropped silently, nor guessed at
+            return [], "stage_ids and replica_ids: give one, not both (a replica id names its stage)"
         if request.replica_ids:
             reps = []
             for rid in request.replica_ids:

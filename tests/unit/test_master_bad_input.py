@@ -11,6 +11,7 @@ import pytest
 
 from omni._proto import master_pb2 as pb
 from omni._proto import master_pb2_grpc as pb_grpc
+from omni.errors import BadRequest
 from omni.master.client import MasterClient
 from omni.master.configdiff import hash_config
 from omni.master.server import MasterServer
@@ -139,3 +140,35 @@ def test_stages_by_id_names_a_config_of_another_shape():
             stages_by_id(bad)
     with pytest.raises(ValueError, match=r"stages\[0\].stage_id must be an integer, got 'a'"):
         stages_by_id({"stages": [{"stage_id": "a"}]})
+
+
+# -- --stage with --replica ---------------------------------------------------------------------
+def test_a_command_naming_stages_and_replicas_is_refused_not_half_read(master):
+    """`omni drain --stage 0 --replica s1r0` drained s1r0 of stage 1: the stages were dropped silently."""
+    server, stub = master
+    got0: list = []
+    got1: list = []
+    stages = [_stage(server.address, 0, 100, got0), _stage(server.address, 1, 101, got1)]
+    admin = MasterClient(server.address)
+    try:
+        _wait(lambda: all(r.state == "READY" for r in admin.get_status().replicas))
+        assert "give one, not both" in _refused(lambda: stub.SendCommand(pb.SendCommandRequest(
+            kind=pb.DRAIN, stage_ids=[0], replica_ids=["s1r0"], timeout_s=1.0)))
+        with pytest.raises(BadRequest, match="stage_ids and replica_ids: give one, not both"):
+            admin.send_command("DRAIN", stage_ids=[0], replica_ids=["s1r0"])
+        assert got0 == got1 == [] and {r.state for r in admin.get_status().replicas} == {"READY"}
+    finally:
+        admin.close()
+        for c in stages:
+            c.close()
+
+
+def test_the_cli_refuses_stage_with_replica_by_flag_before_calling(monkeypatch):
+    from typer.testing import CliRunner
+
+    from omni.cli import app
+
+    monkeypatch.delenv("OMNI_TOKEN", raising=False)
+    r = CliRunner().invoke(app, ["drain", "--master", "127.0.0.1:1", "--stage", "0", "--replica", "s1r0"])
+    assert r.exit_code == 2, r.output
+    assert "omni drain: --stage and --replica: give one, not both" in r.output, r.output
