@@ -3,10 +3,10 @@ state_dir/kv/ as a snapshot and a log of changes per namespace (kv_journal.py).
 
 Namespaces of live data (metrics) stay in memory only.
 
-Every namespace is bounded (value size, entries, bytes; `LIMITS`) and so is the store, some expire entries a
-while after their last write (jobs), and lists come in pages, so no client can make the
-master or a reader of the list allocate without bound, and one oversize record cannot make
-the list fail for everyone.
+Every namespace is bounded (value size, entries, bytes of keys and values; `LIMITS`) and so is the
+store, some expire entries a while after their last write (jobs), and lists come in pages, so no
+client can make the master or a reader of the list allocate without bound, and one oversize record
+cannot make the list fail for everyone.
 """
 
 from __future__ import annotations
@@ -30,6 +30,9 @@ MAX_NAMESPACES = 64
 PAGE_ENTRIES = 1000
 PAGE_BYTES = 1 << 20     # far below gRPC's 4 MB message limit
 MAX_TOTAL_BYTES = 256 << 20   # all namespaces: the defaults of jobs, voices and metrics fit with room
+# What an entry costs beyond its key and value (CPython: ~120 B of dict slots, str/bytes headers and the
+# written-at float), so 1 KiB keys with empty values count too and the caps bound the heap and the disk.
+ENTRY_OVERHEAD = 128
 
 
 @dataclass(frozen=True)
@@ -86,7 +89,7 @@ class KvStore:
                  clock=time.time):
         self._data: dict[str, dict[str, bytes]] = {}
         self._written: dict[str, dict[str, float]] = {}
-        self._bytes: dict[str, int] = {}      # each namespace's values, kept as they change (no sum a put)
+        self._bytes: dict[str, int] = {}      # each namespace's entry_bytes, kept as they change (no sum a put)
         self._limits = {**LIMITS, **(limits or {})}
         self._clock = clock
         self._journal = None
@@ -100,7 +103,7 @@ class KvStore:
         for ns, entries in self._journal.load(lambda ns: self.limits(ns).persist).items():
             self._data[ns] = {k: v for k, (v, _) in entries.items()}
             self._written[ns] = {k: now if t is None else t for k, (_, t) in entries.items()}
-            self._bytes[ns] = sum(len(v) for v in self._data[ns].values())
+            self._bytes[ns] = sum(entry_bytes(k, v) for k, v in self._data[ns].items())
         logger.info("loaded %d kv namespaces from %s", len(self._data), folder)
 
     def close(self) -> None:
@@ -129,14 +132,14 @@ class KvStore:
         items = self._data.get(namespace, {})
         if key not in items and len(items) >= lim.max_entries:
             raise KvFull(f"kv namespace {namespace!r} holds {lim.max_entries} entries, the limit; delete some")
-        grow = len(value) - len(items.get(key, b""))
+        grow = len(value) - len(items[key]) if key in items else entry_bytes(key, value)
         used = self._bytes.get(namespace, 0)
         if used + grow > lim.max_bytes:
-            raise KvFull(f"kv namespace {namespace!r} holds {used} bytes; {len(value)} more would pass its "
+            raise KvFull(f"kv namespace {namespace!r} holds {used} bytes; {grow} more would pass its "
                          f"limit of {lim.max_bytes}")
         total = sum(self._bytes.values())
         if total + grow > MAX_TOTAL_BYTES:
-            raise KvFull(f"the kv store holds {total} bytes; {len(value)} more would pass its limit of "
+            raise KvFull(f"the kv store holds {total} bytes; {grow} more would pass its limit of "
                          f"{MAX_TOTAL_BYTES}; delete some")
         at = self._clock()
         self._log(namespace, key, value, at)      # on disk before it is answered
@@ -199,7 +202,7 @@ class KvStore:
     def _remove(self, namespace: str, keys: list[str]) -> None:
         items, written = self._data[namespace], self._written.setdefault(namespace, {})
         for k in keys:
-            self._bytes[namespace] -= len(items.pop(k))
+            self._bytes[namespace] -= entry_bytes(k, items.pop(k))
             written.pop(k, None)
         if items:
             self._compact(namespace)
@@ -216,8 +219,14 @@ class KvStore:
     def _compact(self, namespace: str) -> None:
         if self._journal is not None and self.limits(namespace).persist:
             items, written = self._data[namespace], self._written[namespace]
-            self._journal.maybe_compact(namespace, self._bytes[namespace],
+            on_disk = self._bytes[namespace] - ENTRY_OVERHEAD * len(items)   # the overhead is the heap's
+            self._journal.maybe_compact(namespace, on_disk,
                                         lambda: {k: (v, written[k]) for k, v in items.items()})
+
+
+def entry_bytes(key: str, value: bytes) -> int:
+    """What one entry counts against the caps: its key (UTF-8), its value and ENTRY_OVERHEAD."""
+    return len(key.encode("utf-8", "surrogatepass")) + len(value) + ENTRY_OVERHEAD
 
 
 def _check(namespace: str, key: str | None) -> None:

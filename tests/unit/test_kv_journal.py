@@ -115,14 +115,42 @@ def test_namespaces_with_dots_keep_apart(tmp_path):
 
 def test_the_store_as_a_whole_is_capped(monkeypatch):
     """Each namespace had a cap but the store had none: 64 namespaces of 64 MiB."""
-    monkeypatch.setattr(kv_mod, "MAX_TOTAL_BYTES", 1000)
+    monkeypatch.setattr(kv_mod, "MAX_TOTAL_BYTES", 1000 + kv_mod.ENTRY_OVERHEAD + 1)
     kv = KvStore()
     kv.put("one", "k", b"x" * 600)
-    with pytest.raises(KvFull, match="the kv store holds 600 bytes"):
+    with pytest.raises(KvFull, match=f"the kv store holds {600 + 1 + kv_mod.ENTRY_OVERHEAD} bytes"):
         kv.put("two", "k", b"x" * 600)
     kv.put("one", "k", b"x" * 900)           # replacing counts only the growth
     kv.delete("one", "k")
     kv.put("two", "k", b"x" * 600)
+
+
+def test_keys_and_entries_count_against_the_caps(tmp_path, monkeypatch):
+    """Only values counted: 1 KiB keys with empty values held 43.6 MiB of heap (and as much on disk) at
+    40,000 entries while the store counted 0 bytes, so 64 namespaces passed the 256 MiB cap uncounted."""
+    entry = 1024 + kv_mod.ENTRY_OVERHEAD
+    limits = {"keys": kv_mod.Limits(max_bytes=10 * entry)}
+    kv = KvStore(tmp_path, limits=limits)
+    for i in range(10):
+        kv.put("keys", f"{i:04d}" + "k" * 1020, b"")
+    with pytest.raises(KvFull, match=rf"holds {10 * entry} bytes; {1 + kv_mod.ENTRY_OVERHEAD} more would pass"):
+        kv.put("keys", "x", b"")
+    kv.put("keys", "0000" + "k" * 1020, b"")         # the key it holds: no growth
+    with pytest.raises(KvFull, match=f"; {6 + 1 + kv_mod.ENTRY_OVERHEAD} more"):
+        kv.put("keys", "é" * 3, b"v")                  # a key counts its UTF-8 bytes
+    assert kv._bytes == {"keys": 10 * entry}
+    kv.close()
+    again = KvStore(tmp_path, limits=limits)
+    assert again._bytes == {"keys": 10 * entry}           # a replayed journal counts the same
+    again.delete("keys", "0000" + "k" * 1020)
+    assert again._bytes == {"keys": 9 * entry}
+    again.close()
+    monkeypatch.setattr(kv_mod, "MAX_TOTAL_BYTES", 3 * entry)
+    store = KvStore()
+    for ns in ("a", "b", "c"):
+        store.put(ns, "k" * 1024, b"")
+    with pytest.raises(KvFull, match=f"the kv store holds {3 * entry} bytes"):
+        store.put("d", "k", b"")
 
 
 def test_the_files_are_the_owners_alone(tmp_path, monkeypatch):

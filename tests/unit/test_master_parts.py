@@ -6,7 +6,7 @@ import pytest
 
 from omni.master import wire
 from omni.master.commands import render_table
-from omni.master.kv import MAX_VALUE_BYTES, PAGE_BYTES, KvError, KvFull, KvStore, Limits
+from omni.master.kv import ENTRY_OVERHEAD, MAX_VALUE_BYTES, PAGE_BYTES, KvError, KvFull, KvStore, Limits
 from omni.master.types import ReplicaInfo, StageStatus, Status
 
 
@@ -69,7 +69,8 @@ def test_kv_lists_in_bounded_pages(tmp_path):
 
 def test_kv_namespaces_have_caps_and_jobs_expire(tmp_path):
     now = [1000.0]
-    kv = KvStore(tmp_path, limits={"small": Limits(max_entries=2, max_bytes=10), "jobs": Limits(ttl_s=60)},
+    cap = 2 * (2 + ENTRY_OVERHEAD) + 5                  # two 1-byte keys of 1-byte values, with room to spare
+    kv = KvStore(tmp_path, limits={"small": Limits(max_entries=2, max_bytes=cap), "jobs": Limits(ttl_s=60)},
                  clock=lambda: now[0])
     kv.put("small", "a", b"1")
     kv.put("small", "b", b"2")
@@ -77,7 +78,7 @@ def test_kv_namespaces_have_caps_and_jobs_expire(tmp_path):
     with pytest.raises(KvFull, match="2 entries"):
         kv.put("small", "c", b"4")
     kv.delete("small", "a")
-    with pytest.raises(KvFull, match="limit of 10"):
+    with pytest.raises(KvFull, match=f"limit of {cap}"):
         kv.put("small", "c", b"x" * 10)
     kv.put("jobs", "old", b"{}")
     now[0] += 50
