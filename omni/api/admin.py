@@ -23,12 +23,21 @@ _HEALTHY = b'{"status":"ok"}'
 class AdminRoutes:
     def __init__(self, fe: FrontendState):
         self.fe = fe
-        # The model list never changes while the frontend runs: encoded once. As vLLM's: a card per
-        # served name, in --served-model-name's order; then the other names answered to (aliases).
-        data = [{"id": n, "object": "model", "created": fe.created, "owned_by": "omni", "root": fe.model_path,
-                 "parent": None, "max_model_len": fe.max_model_len}
-                for n in [*fe.served_names, *sorted(fe.names - set(fe.served_names))]]
-        self._models = msgspec.json.encode({"object": "list", "data": data})
+        self._models_for: int | None = None     # the max_model_len self._models_body was encoded with
+        self._models_body = b""
+
+    def _models(self) -> bytes:
+        """As vLLM's: a card per served name, in --served-model-name's order; then the other names
+        answered to (aliases). Encoded again only when max_model_len changed (follow_context sets
+        it from the prompt stage's replicas as they register)."""
+        fe = self.fe
+        if self._models_for != fe.max_model_len:
+            data = [{"id": n, "object": "model", "created": fe.created, "owned_by": "omni", "root": fe.model_path,
+                     "parent": None, "max_model_len": fe.max_model_len}
+                    for n in [*fe.served_names, *sorted(fe.names - set(fe.served_names))]]
+            self._models_body = msgspec.json.encode({"object": "list", "data": data})
+            self._models_for = fe.max_model_len
+        return self._models_body
 
     def fast(self) -> dict[tuple[str, str], Callable[[], tuple[int, bytes]]]:
         """(method, path) -> (status, JSON body) for the bodiless probes that FrontendMiddleware
@@ -37,7 +46,7 @@ class AdminRoutes:
 
         version = msgspec.json.encode({"version": omni.version()})
         return {("GET", "/health"): self._health, ("GET", "/ping"): self._health,
-                ("POST", "/ping"): self._health, ("GET", "/v1/models"): lambda: (200, self._models),
+                ("POST", "/ping"): self._health, ("GET", "/v1/models"): lambda: (200, self._models()),
                 ("GET", "/version"): lambda: (200, version)}
 
     def _health(self) -> tuple[int, bytes]:
@@ -50,7 +59,7 @@ class AdminRoutes:
         return 503, msgspec.json.encode({"status": "unhealthy", "reason": reason})
 
     async def models(self, request: Request) -> Response:
-        return Response(self._models, media_type="application/json")
+        return Response(self._models(), media_type="application/json")
 
     async def health(self, request: Request) -> Response:
         status, body = self._health()
