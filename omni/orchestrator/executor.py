@@ -28,6 +28,8 @@ from omni.orchestrator.core import OrchestratorCore, load_processor
 from omni.orchestrator.fetch import Fetcher, fill, on_loop
 from omni.orchestrator.limits import check_inline
 from omni.orchestrator.metrics import OrchestratorMetrics, render_engine_steps
+from omni.orchestrator.picking import process
+from omni.orchestrator.request_state import reads_from
 from omni.orchestrator.topology import GONE, Topology
 from omni.orchestrator.types import PipelineOutput, PipelineRequest
 from omni.stage import messages as m
@@ -79,6 +81,8 @@ class Orchestrator:
                                      choose_transport=choose_transport, metrics=self.metrics)
         self._ctx = zmq.asyncio.Context()
         self._channels: dict[str, BaseChannel] = {}
+        # SUSPECT or DEAD replicas (picking.process) whose channel stays open while tensors they published are read.
+        self._lingering: dict[str, tuple] = {}
         self._local = local_enabled()     # OMNI_STAGE_CHANNEL: same-host replicas over LocalChannel
         self._sinks: dict[str, _Sink] = {}
         self._fetch = Fetcher()           # remote and large output tensors are read off the loop
@@ -90,15 +94,40 @@ class Orchestrator:
     # ------------------------------------------------------------ events in
 
     def _on_topology(self, r: ReplicaInfo, kind: str) -> None:
-        if r.role != "STAGE" or (kind != "REMOVED" and r.state not in GONE):
+        if r.role != "STAGE":
             return
+        if kind != "REMOVED" and r.state not in GONE:
+            was = self._lingering.pop(r.replica_id, None)
+            if was is not None and was != process(r):     # restarted under its id: its keys are others'
+                self._close(r.replica_id)
+            return     # back: its channel serves again
         why = "gone" if kind == "REMOVED" else r.state.lower()
         # Before its channel closes, so the Aborts of what the core fails or moves off this replica
         # go out on it (flushed at close): a SUSPECT replica may be alive and would hold them forever.
         self._apply(self.core.handle(ev.ReplicaGone(r, why)))
-        ch = self._channels.pop(r.replica_id, None)
+        if kind == "REMOVED":
+            self._lingering.pop(r.replica_id, None)
+            self._close(r.replica_id)
+        elif r.replica_id in self._channels:
+            # A same-host stage frees all it published to a frontend whose channel closes, and one SUSPECT
+            # or DEAD may be alive: what a later stage (or a read here) views would be reused under it.
+            self._lingering[r.replica_id] = process(r)
+            self._close_unread()
+
+    def _close(self, replica_id: str) -> None:
+        ch = self._channels.pop(replica_id, None)
         if ch is not None:
             ch.close()
+
+    def _reads_from(self, replica_id: str) -> bool:
+        return self._fetch.reading_from(replica_id) or any(
+            reads_from(state, replica_id) for state in self.core.requests.values())
+
+    def _close_unread(self) -> None:
+        """Close the channels of gone replicas whose tensors nothing reads any more (their frees went out)."""
+        for rid in [rid for rid in self._lingering if not self._reads_from(rid)]:
+            del self._lingering[rid]
+            self._close(rid)
 
     def _on_channel_lost(self, ch: BaseChannel, why: str) -> None:
         """A same-host replica's end closed (it died or stopped): its requests move or fail now,
@@ -106,6 +135,7 @@ class Orchestrator:
         until the master says otherwise, so no new request is sent there meanwhile."""
         if self._channels.get(ch.replica_id) is ch:
             del self._channels[ch.replica_id]
+            self._lingering.pop(ch.replica_id, None)
         r = self.topology.replicas.get(ch.replica_id)
         if r is None:
             return
@@ -143,6 +173,8 @@ class Orchestrator:
                 failed.append(ev.Cancel(rid, as_error(e)))
         for c in failed:    # the core ignores requests that already ended
             self._apply(self.core.handle(c))
+        if self._lingering:
+            self._close_unread()
 
     def _channel(self, r: ReplicaInfo) -> BaseChannel:
         ch = self._channels.get(r.replica_id)
@@ -152,6 +184,7 @@ class Orchestrator:
             return ch
         if ch is not None:
             ch.close()
+        self._lingering.pop(r.replica_id, None)     # the new channel is not the gone one's
         kw = dict(frontend_id=self.frontend_id, replica_id=r.replica_id, stage_id=r.stage_id, token=self.token,
                   on_message=self._on_stage_message, host=self.host)
         if local and same_host_name(local) is not None:
@@ -222,6 +255,8 @@ class Orchestrator:
         for ch in self._fetch.released(producer, ref):
             if not ch.closed:            # closed: that replica went (or restarted: its keys are others')
                 ch.post(m.FreeTensors([ref.key], ref.transport, ref.incarnation))
+        if self._lingering:
+            self._close_unread()
         if fut.done():                   # the request's generator is gone (client left, timed out)
             return
         if self._sinks.get(rid) is not sink or (sink.outcome not in (None, "ok")

@@ -143,6 +143,9 @@ class Fetcher:
                 done(f.exception() or f.result())
         fut.add_done_callback(finished)
 
+    def reading_from(self, producer: str) -> bool:
+        return any(k[0] == producer for k in self._reading)
+
     def hold(self, producer: str, transport: str, keys: tuple[int, ...], target: Any,
              incarnation: str = "") -> tuple[int, ...]:
         """The keys of a Free that no read is using (to free now); the others are kept, with the

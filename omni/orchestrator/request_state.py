@@ -30,6 +30,17 @@ def ref_id(ref: TensorRef) -> tuple[str, str, int]:
     return ref.transport, ref.endpoint, ref.key
 
 
+def reads_from(state: "RequestState", replica_id: str) -> bool:
+    """A stage of the request still holds (or has buffered to send) tensors that `replica_id` published."""
+    for st in state.stages.values():
+        if any(producer == replica_id for held in st.refs_in.values() for producer, _ in held):
+            return True
+        if any(state.origin.get(ref_id(r)) == replica_id
+               for buffered in st.sub_buffer.values() for b in buffered for r in b.tensors.values()):
+            return True
+    return False
+
+
 @dataclass
 class StageState:
     replica: ReplicaInfo | None = None

@@ -378,3 +378,20 @@ async def started_on(orch: Orchestrator, made: list[FakeChannel], rid: str):
         while not any(rid in c.added() for c in made):
             await asyncio.sleep(0.001)
     return it, first
+
+
+async def test_a_replica_going_suspect_while_its_tensor_is_read_keeps_its_channel_for_the_free():
+    """A same-host stage frees what it published to a frontend whose channel closes: closed at SUSPECT (it may
+    be alive), the slot under this read could be reused. Open until the read ends and its Free went out."""
+    consumer = SlowHost("h2:7000")
+    r = replica(0, "s0r0", host="h2")
+    async with running(consumer, make_replicas(consumer, r)) as (orch, made):
+        a, a_first = await started_on(orch, made, "a")
+        chunk(orch, made[0], "a", 1, endpoint="h2:7000", finished=True)   # read waits; its Free waits for it
+        assert await asyncio.to_thread(consumer.waiting.wait, WAIT_S)
+        orch.topology.apply(TopologyEvent("UPDATED", [msgspec.structs.replace(r, state="SUSPECT")], 2))
+        assert not made[0].closed
+        consumer.release.set()
+        assert samples(await asyncio.wait_for(a_first, WAIT_S)) == [1.0, 1.0]
+        assert made[0].freed() == [1] and made[0].closed
+        await a.aclose()
