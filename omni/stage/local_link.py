@@ -6,7 +6,7 @@ socket instead of ZMQ+CURVE: one syscall per message each way and no libzmq I/O 
 token hello, so it is as strict as CURVE; ZMQ stays for other hosts.
 
 A packet holds at most 64 KiB, a stage message up to curve.MAX_MESSAGE_BYTES, 64 MiB (the
-largest real one: an AddRequest with inline audio, up to 600 s of 16 kHz float32 = 38 MB; a long
+largest real one: an AddRequest with inline audio, up to 900 s a request of 16 kHz float32 = 57.6 MB; a long
 prompt is ~3 bytes a token), so a message goes as pieces, each led by one byte: 0 the last piece,
 1 more follow. Outputs, refs, frees and utility calls fit one packet. Sends never block:
 packets the socket cannot take yet wait in the link's queue (`pending`) until it is writable.
