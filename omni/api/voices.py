@@ -68,18 +68,31 @@ class InMemoryVoiceStore:
 
 
 class VoiceRoutes:
-    """/v1/audio/voices: list, add, delete named presets."""
+    """/v1/audio/voices: list, add, delete named presets. A pipeline whose voices are the model's own
+    speakers (Qwen-Omni: spoken through chat, no speech entry) lists them as built-in voices and keeps
+    no presets: a speaker has no base or speed to set."""
 
     def __init__(self, fe: FrontendState):
         self.fe = fe
 
+    def _need_voices(self) -> None:
+        if not self.fe.speakers and self.fe.voices is None:
+            raise APIError(404, "this pipeline has no voices (no stage speaks)", type="not_found_error")
+
+    def _speaker_entries(self) -> list[dict]:
+        return [{"name": s, "base": s, "speed": 1.0, "builtin": True} for s in self.fe.speakers]
+
     async def list(self, request: Request) -> Response:
-        self.fe.need_speech()
-        voices = await self.fe.voices.list()
+        self._need_voices()
+        voices = self._speaker_entries() if self.fe.speakers else await self.fe.voices.list()
         return JSONResponse({"object": "list", "data": voices})
 
     async def add(self, request: Request) -> Response:
-        self.fe.need_speech()
+        self._need_voices()
+        if self.fe.speakers:
+            raise APIError(400, "voice presets are not available for this pipeline: its voices are the model's "
+                                f"speakers ({', '.join(self.fe.speakers)}), named in a chat's audio.voice, "
+                                "with no base or speed to set", code="voice_presets_unsupported")
         ctype = request.headers.get("content-type", "")
         if ctype.startswith("multipart/"):
             raise APIError(415, "send the voice as JSON {\"name\", \"base\", \"speed\"}; multipart is not supported")
@@ -95,8 +108,12 @@ class VoiceRoutes:
         return JSONResponse(entry, status_code=201)
 
     async def delete(self, request: Request) -> Response:
-        self.fe.need_speech()
+        self._need_voices()
         name = request.path_params["name"]
+        if self.fe.speakers:      # as a store answers for its built-in voices and unknown names
+            if name.lower() in self.fe.speakers:
+                raise Conflict(f"voice `{name}` is built in and cannot be deleted")
+            raise NotFound(f"voice `{name}` does not exist")
         await self.fe.voices.delete(name)
         return JSONResponse({"name": name, "deleted": True})
 
