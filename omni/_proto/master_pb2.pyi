@@ -47,7 +47,7 @@ SHUTDOWN: CommandKind
 UNDRAIN: CommandKind
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("role", "stage_id", "replica_hint", "host", "pid", "endpoints", "config_hash", "pipeline_config_json", "version", "capabilities")
+    __slots__ = ("role", "stage_id", "replica_hint", "host", "pid", "endpoints", "config_hash", "pipeline_config_json", "version", "capabilities", "instance_id")
     class EndpointsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,7 @@ class RegisterRequest(_message.Message):
     PIPELINE_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     role: Role
     stage_id: int
     replica_hint: int
@@ -82,7 +83,8 @@ class RegisterRequest(_message.Message):
     pipeline_config_json: str
     version: str
     capabilities: _containers.ScalarMap[str, str]
-    def __init__(self, role: _Optional[_Union[Role, str]] = ..., stage_id: _Optional[int] = ..., replica_hint: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., endpoints: _Optional[_Mapping[str, str]] = ..., config_hash: _Optional[str] = ..., pipeline_config_json: _Optional[str] = ..., version: _Optional[str] = ..., capabilities: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., stage_id: _Optional[int] = ..., replica_hint: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., endpoints: _Optional[_Mapping[str, str]] = ..., config_hash: _Optional[str] = ..., pipeline_config_json: _Optional[str] = ..., version: _Optional[str] = ..., capabilities: _Optional[_Mapping[str, str]] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("replica_id", "replica_index", "lease_id", "lease_ttl_s", "stage_config_json", "pipeline_config_json")

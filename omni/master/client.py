@@ -11,6 +11,7 @@ import queue
 import socket
 import threading
 import time
+import uuid
 from typing import AsyncIterator, Callable, Iterable
 
 import grpc
@@ -70,7 +71,7 @@ def _omni_version() -> str:
 
 def _register_request(role: str, stage_id: int, host: str | None, pid: int | None, replica_hint: int,
                       endpoints: dict | None, config_hash: str, pipeline_config: dict | None, version: str | None,
-                      capabilities: dict | None) -> pb.RegisterRequest:
+                      capabilities: dict | None, instance_id: str = "") -> pb.RegisterRequest:
     try:
         role_value = pb.Role.Value(role.upper())
     except ValueError:
@@ -80,7 +81,7 @@ def _register_request(role: str, stage_id: int, host: str | None, pid: int | Non
         pid=os.getpid() if pid is None else pid, endpoints=endpoints or {}, config_hash=config_hash,
         pipeline_config_json=json.dumps(pipeline_config) if pipeline_config is not None else "",
         version=version if version is not None else _omni_version(),
-        capabilities={k: str(v) for k, v in (capabilities or {}).items()})
+        capabilities={k: str(v) for k, v in (capabilities or {}).items()}, instance_id=instance_id)
 
 
 def _send_command_request(kind, stage_ids, args, timeout_s, replica_ids, keep_serving=False) -> pb.SendCommandRequest:
@@ -145,6 +146,7 @@ class MasterClient:
         self._stub = pb_grpc.MasterStub(self._channel)
         self._lock = threading.Lock()
         self._reg_request: pb.RegisterRequest | None = None
+        self._instance_id = uuid.uuid4().hex   # who we are to the master beyond host and pid
         self._registration: Registration | None = None
         self._ka_thread: threading.Thread | None = None
         self._ka_stop = threading.Event()
@@ -171,7 +173,7 @@ class MasterClient:
         `stop` (anything with is_set(): a stop request, an asyncio.Event) ends that wait within a
         second of being set -> None (Ctrl-C or a launcher's death must not wait out the 30-120 s)."""
         req = _register_request(role, stage_id, host, pid, replica_hint, endpoints, config_hash, pipeline_config,
-                                version, capabilities)
+                                version, capabilities, self._instance_id)
         resp = self._wait_register(req, wait_s, stop)
         if resp is None:
             return None

@@ -140,6 +140,7 @@ class RegisterInput:
     endpoints: dict[str, str] = dataclasses.field(default_factory=dict)
     version: str = ""
     capabilities: dict[str, str] = dataclasses.field(default_factory=dict)
+    instance_id: str = ""   # random per client; "" from an older one (host and pid alone then)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,6 +174,7 @@ class Replica:
     dead_at: float | None = None
     last_event_at: float = 0.0
     load_dirty: bool = False
+    instance_id: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,7 +297,7 @@ class Registry:
 
         now = self._clock()
         events: list[Event] = []
-        index = self._pick_index(req.role, stage_id, req.replica_hint, req.host, req.pid)
+        index = self._pick_index(req.role, stage_id, req.replica_hint, (req.host, req.pid, req.instance_id))
         old_lease = self._slots.get((req.role, stage_id, index))
         if old_lease is not None:
             old = self._by_lease.pop(old_lease)
@@ -304,14 +306,14 @@ class Registry:
             role=req.role, stage_id=stage_id, index=index,
             replica_id=replica_id_for(req.role, stage_id, index), lease_id=self._new_lease_id(),
             host=req.host, pid=req.pid, endpoints=dict(req.endpoints), version=req.version,
-            capabilities=dict(req.capabilities), registered_at=now, last_seen=now,
+            capabilities=dict(req.capabilities), registered_at=now, last_seen=now, instance_id=req.instance_id,
         )
         self._by_lease[rep.lease_id] = rep
         self._slots[(req.role, stage_id, index)] = rep.lease_id
         events.append(self._event("ADDED", rep, now))
         return rep, events
 
-    def _pick_index(self, role: Role, stage_id: int, hint: int, host: str, pid: int) -> int:
+    def _pick_index(self, role: Role, stage_id: int, hint: int, process: tuple[str, int, str]) -> int:
         def reusable(i: int, same_process_ok: bool) -> bool:
             lease = self._slots.get((role, stage_id, i))
             if lease is None:
@@ -319,8 +321,9 @@ class Registry:
             holder = self._by_lease[lease]
             if holder.state is S.DEAD:
                 return True
-            # A process registering again (its old lease lost) replaces its own stale entry.
-            return same_process_ok and holder.host == host and holder.pid == pid
+            # A process registering again (its old lease lost) replaces its own stale entry. Host and pid alone
+            # are not one process: two containers on a host share its address and often their pids.
+            return same_process_ok and (holder.host, holder.pid, holder.instance_id) == process
 
         if hint >= 0 and reusable(hint, same_process_ok=True):
             return hint

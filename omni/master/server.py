@@ -136,7 +136,8 @@ class MasterServicer(pb_grpc.MasterServicer):
         req = RegisterInput(
             role=Role(pb.Role.Name(request.role)), stage_id=request.stage_id, host=request.host, pid=request.pid,
             config_hash=request.config_hash, pipeline_config=cfg, replica_hint=request.replica_hint,
-            endpoints=dict(request.endpoints), version=request.version, capabilities=dict(request.capabilities))
+            endpoints=dict(request.endpoints), version=request.version, capabilities=dict(request.capabilities),
+            instance_id=request.instance_id)
         try:
             rep, events = self.reg.register(req)
         except ConfigMismatch as e:
