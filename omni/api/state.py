@@ -19,6 +19,7 @@ from omni import audio
 from omni.api.detok import decoder_for
 from omni.api.errors import APIError, bad_request
 from omni.api.metrics import FrontendMetrics
+from omni.api.protocol_media import preset_speed
 from omni.api.voices import InMemoryVoiceStore
 from omni.engines.base import SamplingParams
 from omni.errors import NotFound
@@ -326,7 +327,7 @@ class FrontendState:
         if v is None:
             known = [x["name"] for x in await self.voices.list()]
             raise _no_voice(f"voice `{name}` does not exist; available: {', '.join(known) or 'none'}", "voice")
-        return v["base"], speed * float(v.get("speed", 1.0))
+        return v["base"], preset_speed(speed, name, float(v.get("speed", 1.0)))
 
     # ---- audio input (chat `input_audio` parts)
 
