@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import signal
 import sys
 import threading
@@ -52,6 +53,9 @@ def master(
 
     if not 0 <= port <= 65535:   # grpc would take it modulo 65536 and listen elsewhere
         typer.echo(f"omni master: --port must be a TCP port, 0-65535 (0: any free one), got {port}", err=True)
+        raise typer.Exit(EXIT_UNREACHABLE)
+    if not math.isfinite(lease_ttl):   # typer's min passes inf and nan: leases that never expire
+        typer.echo(f"omni master: --lease-ttl must be finite seconds (>= 0.1), got {lease_ttl}", err=True)
         raise typer.Exit(EXIT_UNREACHABLE)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -200,8 +200,8 @@ class Registry:
         new_lease_id: Callable[[], str] = lambda: uuid.uuid4().hex,
         stall_after_s: float | None = None,
     ):
-        if lease_ttl_s <= 0:
-            raise ValueError(f"lease_ttl_s must be > 0, got {lease_ttl_s}")
+        if not 0 < lease_ttl_s < float("inf"):     # inf or nan: no lease would ever expire
+            raise ValueError(f"lease_ttl_s must be > 0 and finite, got {lease_ttl_s}")
         self.lease_ttl_s = lease_ttl_s
         # A gap between two sweeps longer than this is a master stall (None: never; the
         # server sweeps on a timer and sets it, unit tests that sweep by hand need not).
