@@ -34,8 +34,9 @@ class Generation:
     def __init__(self, orchestrator: OrchestratorLike, request: PipelineRequest, *,
                  decode: Callable[[list[int]], str], prompt_ids: list[int], stops: list[str],
                  include_stop: bool = False, metrics: FrontendMetrics, route: str, t0: float, eos_token_id: int | None = None,
-                 audio: AudioStream | None = None):
+                 audio: AudioStream | None = None, response_id: str | None = None):
         self.request = request
+        self.id = response_id or request.request_id    # the answer's id (a client's vLLM request_id)
         self.audio = audio          # set when the request asked for audio: its figures and usage
         self._eos = None if request.sampling.ignore_eos else eos_token_id
         self.created = int(time.time())  # one value for every chunk of the stream

@@ -113,6 +113,9 @@ class _Sampling(RefusedParams, kw_only=True):
                      Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]] | None = None
     # extension (vLLM); more than the request's max_tokens: max_tokens ends it first
     min_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # extension (vLLM): the answer's id is chatcmpl- / cmpl- and this, as vLLM's; the stages keep ids of
+    # their own (two requests may send one id). Printable ASCII, no spaces: it is echoed back.
+    request_id: Annotated[str, msgspec.Meta(pattern=r"^[!-~]{1,256}$")] | None = None
     # Declared so that they are refused by name (check_sampling), never silently ignored.
     response_format: Annotated[dict | None, _refused([{"type": "text"}, {}, None])] = None
     tools: Annotated[list | None, _refused([[], None])] = None

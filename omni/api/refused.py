@@ -56,6 +56,7 @@ REFUSED: dict[str, tuple[list, str]] = {
     "reasoning_effort": ([None], "set it in chat_template_kwargs if the chat template reads it"),
     "prediction": ([None], "predicted outputs are not supported by this server"),
     "web_search_options": ([None], "web search is not supported by this server"),
+    "moderation": ([None], "moderation is not supported by this server: no model checks the input or output"),
     "verbosity": ([None], "verbosity is not supported by this server"),
     "documents": ([None, []], "documents (RAG) are not passed to the chat template by this server"),
     "chat_template": ([None], "the model's own chat template is used; a request cannot bring one"),

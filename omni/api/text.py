@@ -119,7 +119,8 @@ class TextRoutes:
         gen = Generation(self.fe.orch, preq, decode=self.fe.decode, prompt_ids=prompt_ids,
                          stops=P.stop_list(req.stop), include_stop=bool(req.include_stop_str_in_output),
                          metrics=self.fe.metrics, route="/v1/chat/completions",
-                         t0=self.fe.t0(request), eos_token_id=self.fe.tokenizer.eos_token_id, audio=audio)
+                         t0=self.fe.t0(request), eos_token_id=self.fe.tokenizer.eos_token_id, audio=audio,
+                         response_id=req.request_id and f"chatcmpl-{req.request_id}")
         if req.stream:
             body = functools.partial(self._chat_stream, wav_chunks=req.audio is None)
             return await until_disconnect(
@@ -133,7 +134,7 @@ class TextRoutes:
 
     def _chunk(self, gen: Generation, obj: str, choice: dict | None, usage: dict | None = None,
                modality: str | None = None) -> bytes:
-        d = {"id": gen.request.request_id, "object": obj, "created": gen.created, "model": self.fe.model,
+        d = {"id": gen.id, "object": obj, "created": gen.created, "model": self.fe.model,
              "choices": [choice] if choice is not None else []}
         if modality is not None:
             d["modality"] = modality
@@ -142,7 +143,7 @@ class TextRoutes:
         return sse.event(d)
 
     async def _chat_stream(self, gen: Generation, usage: str | None, wav_chunks: bool = False):
-        audio_id = f"audio-{gen.request.request_id}"
+        audio_id = f"audio-{gen.id}"
         obj = "chat.completion.chunk"
         running = usage == "continuous"
         # Audio asked for: vllm-omni's `modality` on every chunk, and the closing audio record (its
@@ -193,12 +194,12 @@ class TextRoutes:
         if gen.audio is not None:     # asked for: also with nothing speakable (no data), for its transcript
             pcm = bytes(audio)
             data = (pcm16(pcm) if fmt == "pcm16" else wav_bytes(pcm, gen.sample_rate)) if pcm else b""
-            message["audio"] = {"id": f"audio-{gen.request.request_id}", "data": base64.b64encode(data).decode(),
+            message["audio"] = {"id": f"audio-{gen.id}", "data": base64.b64encode(data).decode(),
                                 "format": fmt, "expires_at": int(time.time()) + AUDIO_TTL_S,
                                 "transcript": gen.text}
             if fmt == "pcm16" and gen.sample_rate:
                 message["audio"]["sample_rate"] = gen.sample_rate    # raw samples do not say it
-        body = {"id": gen.request.request_id, "object": "chat.completion", "created": int(time.time()),
+        body = {"id": gen.id, "object": "chat.completion", "created": int(time.time()),
                 "model": self.fe.model,
                 "choices": [{"index": 0, "message": message, "logprobs": self._chat_logprobs(gen, last=False),
                              "finish_reason": gen.finish_reason, "stop_reason": gen.stop_reason}],
@@ -240,7 +241,8 @@ class TextRoutes:
         gen = Generation(self.fe.orch, preq, decode=self.fe.decode, prompt_ids=prompt_ids,
                          stops=P.stop_list(req.stop), include_stop=bool(req.include_stop_str_in_output),
                          metrics=self.fe.metrics, route="/v1/completions",
-                         t0=self.fe.t0(request), eos_token_id=self.fe.tokenizer.eos_token_id)
+                         t0=self.fe.t0(request), eos_token_id=self.fe.tokenizer.eos_token_id,
+                         response_id=req.request_id and f"cmpl-{req.request_id}")
         if req.stream:
             return await until_disconnect(
                 request, lambda: self._open_stream(gen, self._completion_stream, usage_mode(req.stream_options)))
@@ -311,7 +313,7 @@ class TextRoutes:
         await gen.start()
         async for _ in gen.events():
             pass
-        body = {"id": gen.request.request_id, "object": "text_completion", "created": int(time.time()),
+        body = {"id": gen.id, "object": "text_completion", "created": int(time.time()),
                 "model": self.fe.model,
                 "choices": [{"index": 0, "text": gen.text, "logprobs": self._completion_logprobs(gen, 0, last=False),
                              "finish_reason": gen.finish_reason, "stop_reason": gen.stop_reason}],
