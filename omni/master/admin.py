@@ -17,9 +17,8 @@ import typer
 
 from omni.errors import OmniError
 from omni.master import DEFAULT_PORT
-from omni.master.auth import tls_from_options
 from omni.master.commands import (EXIT_INTERRUPTED, EXIT_NOT_READY, EXIT_OK, EXIT_UNREACHABLE, Interrupted,
-                                  _local_master, _one_line, _table, ctrl_c, in_thread)
+                                  _local_master, _one_line, _table, client_tls, ctrl_c, in_thread)
 
 # Shared option declarations (typer reads them from each command's signature).
 # Default: the `omni serve` on this host, found as `omni status` finds it (its master port is random).
@@ -44,7 +43,7 @@ def _run(kind: str, master: str | None, stage: list[int] | None, replica: list[s
         typer.echo(f"omni {verb}: --stage and --replica: give one, not both (a replica id, as `omni status` "
                    "lists it, names its stage)", err=True)
         raise typer.Exit(EXIT_UNREACHABLE)
-    files = tls_from_options(*tls)
+    files = client_tls(verb, *tls)
     if master is None:
         master, files = _local_master(verb, tls=files)
     try:

@@ -108,7 +108,7 @@ def status(
     master cannot be reached, 130 on Ctrl-C before a view was shown (--watch: after one, as that view)."""
     from omni.master.client import MasterClient
 
-    tls = tls_from_options(tls_cert, tls_key, tls_ca)
+    tls = client_tls("status", tls_cert, tls_key, tls_ca)
     if master is None:
         master, tls = _local_master(tls=tls)
     client = None
@@ -133,6 +133,19 @@ def status(
     for line in problems:
         typer.echo(f"omni status: {line}", err=True)
     raise typer.Exit(EXIT_NOT_READY if problems else EXIT_OK)
+
+
+def client_tls(verb: str, cert: str | None, key: str | None, ca: str | None) -> TlsFiles | None:
+    """The --tls-* files a client command was given, checked (one line naming the flag, exit 2): unchecked, a
+    file that is no PEM got gRPC's C-core error lines and a message blaming the connection."""
+    tls = tls_from_options(cert, key, ca)
+    if tls is not None:
+        try:
+            tls.check()
+        except ConfigError as e:
+            typer.echo(f"omni {verb}: {e}", err=True)
+            raise typer.Exit(EXIT_UNREACHABLE) from None
+    return tls
 
 
 def _local_master(verb: str = "status", tls: TlsFiles | None = None) -> tuple[str, TlsFiles | None]:

@@ -1,4 +1,5 @@
-"""`omni master` refuses bad flags before anything starts: one line naming the flag, exit 2."""
+"""`omni master` and the client commands (status, drain, undrain, sleep, wakeup) refuse bad flags before
+anything starts or connects: one line naming the flag, exit 2."""
 
 from __future__ import annotations
 
@@ -6,8 +7,11 @@ import subprocess
 import sys
 
 import pytest
+from typer.testing import CliRunner
 
+from omni.cli import app
 from omni.master.registry import Registry
+from tests.certs import make_certs
 from tests.e2e.harness import REPO
 
 
@@ -31,3 +35,40 @@ def test_omni_master_refuses_a_lease_ttl_that_is_not_finite():
         pytest.fail("omni master --lease-ttl inf started (killed after 30 s)")
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip() == "omni master: --lease-ttl must be finite seconds (>= 0.1), got inf", r.stderr
+
+
+@pytest.fixture
+def not_pem(tmp_path):
+    path = tmp_path / "hostname"
+    path.write_text("myhost\n")
+    return str(path)
+
+
+@pytest.mark.parametrize("command", ["status", "drain", "undrain", "sleep", "wakeup"])
+def test_client_commands_check_their_tls_files_naming_the_flag(command, not_pem, monkeypatch):
+    """They built the credentials unchecked: gRPC's C-core printed its error lines and the message blamed the
+    connection. The files are checked as `omni serve` and `omni master` check theirs."""
+    monkeypatch.delenv("OMNI_TOKEN", raising=False)
+    for flags, message in (
+            (["--tls-ca", not_pem], f"omni {command}: --tls-ca {not_pem}: not a PEM certificate"),
+            (["--tls-cert", not_pem], f"omni {command}: --tls-cert and --tls-key go together"),
+            (["--tls-ca", "/nonexistent/ca.pem"], f"omni {command}: --tls-ca /nonexistent/ca.pem: cannot read it")):
+        r = CliRunner().invoke(app, [command, "--master", "127.0.0.1:1", *flags])
+        assert r.exit_code == 2, r.output
+        lines = r.output.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(message), r.output
+
+
+def test_good_client_tls_files_pass_the_check(tmp_path, monkeypatch):
+    monkeypatch.delenv("OMNI_TOKEN", raising=False)
+    certs = make_certs(tmp_path)
+    r = CliRunner().invoke(app, ["status", "--master", "127.0.0.1:1", "--tls-ca", certs["ca"],
+                                 "--tls-cert", certs["client"], "--tls-key", certs["client_key"]])
+    assert r.exit_code == 2 and "omni status: cannot reach the omni master at 127.0.0.1:1" in r.output, r.output
+
+
+def test_omni_status_with_a_bad_ca_prints_one_line_and_no_grpc_errors(not_pem):
+    r = omni("status", "--master", "127.0.0.1:1", "--tls-ca", not_pem)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        f"omni status: --tls-ca {not_pem}: not a PEM certificate (no '-----BEGIN CERTIFICATE-----')"], r.stderr
