@@ -19,7 +19,7 @@ import grpc
 from omni._proto import master_pb2 as pb
 from omni._proto import master_pb2_grpc as pb_grpc
 from omni.errors import BadRequest, OmniError, Unavailable
-from omni.master import wire
+from omni.master import limits, wire
 from omni.master.auth import TlsFiles, TlsRefused, call_metadata, explain
 from omni.master.errors import ClosedByMaster, from_rpc_error
 from omni.master.types import Command, CommandResult, Registration, Status, TopologyEvent
@@ -46,7 +46,8 @@ def _channel(address: str, tls: TlsFiles | None, aio: bool = False):
     options = [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_permit_without_calls", 1),
                ("grpc.initial_reconnect_backoff_ms", int(BACKOFF_START_S * 1000)),
                ("grpc.min_reconnect_backoff_ms", int(BACKOFF_START_S * 1000)),
-               ("grpc.max_reconnect_backoff_ms", int(BACKOFF_MAX_S * 1000))]
+               ("grpc.max_reconnect_backoff_ms", int(BACKOFF_MAX_S * 1000)),
+               ("grpc.max_receive_message_length", limits.MAX_RECEIVE_BYTES)]   # a full registry's status fits
     mod = grpc.aio if aio else grpc
     if tls is not None:
         return mod.secure_channel(address, tls.channel_credentials(), options=options)
@@ -296,7 +297,8 @@ class MasterClient:
                     need_register = True
                     continue
                 self.last_error = f"{e.code().name}: {e.details()}"
-                logger.debug("keep-alive stream to %s ended: %s", self.address, self.last_error)
+                logger.log(logging.WARNING if e.code() is grpc.StatusCode.INVALID_ARGUMENT else logging.DEBUG,
+                           "keep-alive stream to %s ended: %s", self.address, self.last_error)
             except Exception as e:  # never stop heartbeating over one failure
                 self.last_error = str(e)
                 logger.warning("keep-alive to the omni master at %s failed: %s", self.address, e)

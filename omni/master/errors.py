@@ -14,6 +14,18 @@ class Unauthenticated(OmniError):
     error_type = "authentication_error"
 
 
+# Trailing metadata of the master's RESOURCE_EXHAUSTED for a KV namespace at its limit (the caller's to fix);
+# gRPC's own (a message over the receive limit) and a registry at its limit are not the caller's.
+KV_FULL = ("omni-error", "kv-full")
+
+
+def _kv_full(err: grpc.RpcError) -> bool:
+    try:
+        return any(tuple(item) == KV_FULL for item in err.trailing_metadata() or ())
+    except Exception:   # an error made without a call (a test double, a local failure)
+        return False
+
+
 class ClosedByMaster(Unavailable):
     """The master took the TCP connection and closed it in the handshake: plaintext to a TLS master, or
     no (or an unaccepted) client certificate for an mTLS one. A master still starting may do it once."""
@@ -36,7 +48,7 @@ def from_rpc_error(err: grpc.RpcError, address: str, streaming: bool = False) ->
         return BadRequest(details)
     if code is grpc.StatusCode.NOT_FOUND:
         return NotFound(details)
-    if code is grpc.StatusCode.RESOURCE_EXHAUSTED and not streaming:
+    if code is grpc.StatusCode.RESOURCE_EXHAUSTED and not streaming and _kv_full(err):
         return BadRequest(details)   # a KV namespace at its limit: the message names it (HTTP 400)
     name = code.name if code is not None else "UNKNOWN"
     return OmniError(f"omni master at {address}: {name}: {details}")

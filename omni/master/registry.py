@@ -49,7 +49,7 @@ import time
 import uuid
 from typing import Callable
 
-from omni.master import configdiff
+from omni.master import configdiff, limits
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +115,10 @@ class BadRegistration(ValueError):
 
 class ConfigMismatch(ValueError):
     """The registrant's config hash differs from the master's; the message names the fields."""
+
+
+class RegistryFull(Exception):
+    """The role has as many entries (live and DEAD) as the registry holds."""
 
 
 def next_state(state: ReplicaState, trigger: Trigger, draining: bool = False) -> ReplicaState:
@@ -199,6 +203,7 @@ class Registry:
         load_event_interval_s: float = 0.5,
         new_lease_id: Callable[[], str] = lambda: uuid.uuid4().hex,
         stall_after_s: float | None = None,
+        max_entries_per_role: int | None = None,
     ):
         if not 0 < lease_ttl_s < float("inf"):     # inf or nan: no lease would ever expire
             raise ValueError(f"lease_ttl_s must be > 0 and finite, got {lease_ttl_s}")
@@ -219,6 +224,7 @@ class Registry:
             self._adopt(config, config_hash or configdiff.hash_config(config))
         self._by_lease: dict[str, Replica] = {}
         self._slots: dict[tuple[Role, int, int], str] = {}
+        self._max_per_role = max_entries_per_role or limits.MAX_ENTRIES_PER_ROLE
 
     # -- config -----------------------------------------------------------------------------
     def _adopt(self, config: dict, config_hash: str) -> None:
@@ -299,6 +305,9 @@ class Registry:
         events: list[Event] = []
         index = self._pick_index(req.role, stage_id, req.replica_hint, (req.host, req.pid, req.instance_id))
         old_lease = self._slots.get((req.role, stage_id, index))
+        if old_lease is None and sum(r.role is req.role for r in self._by_lease.values()) >= self._max_per_role:
+            raise RegistryFull(f"the master holds {self._max_per_role} {req.role.value} entries (live and DEAD), "
+                               f"its limit; a DEAD one is forgotten {self._dead_retention_s:g} s after it died")
         if old_lease is not None:
             old = self._by_lease.pop(old_lease)
             events.append(self._event("REMOVED", old, now))

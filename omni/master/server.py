@@ -20,12 +20,13 @@ import grpc
 from omni._proto import master_pb2 as pb
 from omni._proto import master_pb2_grpc as pb_grpc
 from omni.errors import ConfigError
-from omni.master import wire
+from omni.master import limits, wire
 from omni.master.auth import TlsFiles, TokenInterceptor
+from omni.master.errors import KV_FULL
 from omni.master.kv import KvError, KvFull, KvStore
 from omni.master.registry import (
-    LIVE_STATES, BadRegistration, ConfigMismatch, Event, LeaseUnknown, Load, RegisterInput, Registry, ReplicaState,
-    Role,
+    LIVE_STATES, BadRegistration, ConfigMismatch, Event, LeaseUnknown, Load, RegisterInput, Registry, RegistryFull,
+    ReplicaState, Role,
 )
 
 logger = logging.getLogger(__name__)
@@ -122,17 +123,9 @@ class MasterServicer(pb_grpc.MasterServicer):
 
     # -- RPCs -------------------------------------------------------------------------------
     async def Register(self, request: pb.RegisterRequest, context):
-        try:
-            cfg = json.loads(request.pipeline_config_json) if request.pipeline_config_json else None
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"pipeline_config_json is not valid JSON: {e}")
-        if cfg is not None and not isinstance(cfg, dict):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"pipeline_config_json must be a JSON object, got {type(cfg).__name__}")
-        if request.role == pb.ROLE_UNSPECIFIED:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "role is required (STAGE or FRONTEND)")
-        if request.role not in (pb.STAGE, pb.FRONTEND):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"role must be STAGE or FRONTEND, got {request.role}")
+        cfg, problem = limits.parse_register(request)
+        if problem:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         req = RegisterInput(
             role=Role(pb.Role.Name(request.role)), stage_id=request.stage_id, host=request.host, pid=request.pid,
             config_hash=request.config_hash, pipeline_config=cfg, replica_hint=request.replica_hint,
@@ -145,6 +138,9 @@ class MasterServicer(pb_grpc.MasterServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except BadRegistration as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except RegistryFull as e:
+            logger.warning("refused %s pid %d on %s: %s", req.role.value, req.pid, req.host, e)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         logger.info("registered %s (pid %d on %s) endpoints=%s", rep.replica_id, rep.pid, rep.host, rep.endpoints)
         self.publish(events)
         from omni.master.configdiff import shown, shown_stage
@@ -191,6 +187,9 @@ class MasterServicer(pb_grpc.MasterServicer):
                 self.publish(self.reg.stream_broken(conn.lease_id))
 
     async def _heartbeat(self, conn: _Conn, hb: pb.Heartbeat, context) -> None:
+        problem = limits.extra_problem(hb.extra)
+        if problem:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         load = None if hb.no_load else Load(
             queue_len=hb.queue_len, in_flight=hb.in_flight, requests_total=hb.requests_total,
             cpu_seconds=hb.cpu_seconds, is_sleeping=hb.is_sleeping, draining=hb.draining, extra=dict(hb.extra))
@@ -346,8 +345,8 @@ class MasterServicer(pb_grpc.MasterServicer):
     async def _kv(self, context, fn: Callable, *args):
         try:
             return fn(*args)
-        except KvFull as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except KvFull as e:   # marked: the client's only RESOURCE_EXHAUSTED that is the caller's (HTTP 400)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), trailing_metadata=(KV_FULL,))
         except KvError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 

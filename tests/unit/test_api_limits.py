@@ -175,14 +175,17 @@ async def test_voice_count_is_capped_naming_the_limit(tokenizer, monkeypatch):
 async def test_a_full_job_store_is_a_400_naming_the_limit(tokenizer, tmp_path):
     import grpc
 
-    from omni.master.errors import from_rpc_error
+    from omni.master.errors import KV_FULL, from_rpc_error
 
-    class Full(grpc.RpcError):
+    class Full(grpc.RpcError):   # as the master sends a full namespace: marked as the KV's
         def code(self):
             return grpc.StatusCode.RESOURCE_EXHAUSTED
 
         def details(self):
             return "kv namespace 'jobs' holds 10000 entries, the limit; delete some"
+
+        def trailing_metadata(self):
+            return (KV_FULL,)
 
     class FullKv(LocalKv):
         async def kv_put(self, namespace, key, value, only_if_exists=False):

@@ -1,0 +1,93 @@
+"""Checks and size limits on what a registrant or a heartbeat puts into the registry.
+
+Every replica's entry goes out whole in GetStatus and each WatchTopology snapshot, so one token holder's
+3 MiB capability made those answers pass the clients' receive limit for everyone. A real stage sends 2
+endpoints, 4 capabilities and ~45 extra gauges (the step histograms, one per bucket), far inside these;
+with the registry's entry cap (`MAX_ENTRIES_PER_ROLE`) the largest status stays under the clients'
+`MAX_RECEIVE_BYTES`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Mapping
+
+from omni._proto import master_pb2 as pb
+
+MAX_HOST_BYTES = 255                 # a DNS name's length
+MAX_VERSION_BYTES = 255
+MAX_MAP_ENTRIES = 64                 # endpoints, capabilities
+MAX_ITEM_BYTES = 1024                # each key and each value of those
+MAX_REGISTRATION_BYTES = 8192        # host, version, endpoints and capabilities together
+MAX_EXTRA_ENTRIES = 256              # a heartbeat's extra gauges
+MAX_EXTRA_KEY_BYTES = 256
+MAX_EXTRA_BYTES = 8192               # its keys together
+MAX_CONFIG_BYTES = 1 << 20           # pipeline_config_json
+MAX_ENTRIES_PER_ROLE = 256           # live and DEAD entries of stages, and of frontends
+MAX_RECEIVE_BYTES = 32 << 20         # the clients' receive limit (gRPC's default: 4 MiB)
+
+
+def _size(text: str) -> int:
+    return len(text.encode())
+
+
+def _check_map(name: str, items: Mapping[str, str]) -> str | None:
+    if len(items) > MAX_MAP_ENTRIES:
+        return f"{name}: {len(items)} entries, at most {MAX_MAP_ENTRIES}"
+    for key, value in items.items():
+        if _size(key) > MAX_ITEM_BYTES or _size(value) > MAX_ITEM_BYTES:
+            return f"{name}[{key[:64]!r}]: key and value at most {MAX_ITEM_BYTES} bytes each"
+    return None
+
+
+def registration_problem(host: str, version: str, endpoints: Mapping[str, str], capabilities: Mapping[str, str],
+                         config_json: str) -> str | None:
+    """What is too large in a RegisterRequest, naming the field; None when it fits."""
+    if _size(host) > MAX_HOST_BYTES:
+        return f"host: {_size(host)} bytes, at most {MAX_HOST_BYTES}"
+    if _size(version) > MAX_VERSION_BYTES:
+        return f"version: {_size(version)} bytes, at most {MAX_VERSION_BYTES}"
+    for name, items in (("endpoints", endpoints), ("capabilities", capabilities)):
+        problem = _check_map(name, items)
+        if problem:
+            return problem
+    total = _size(host) + _size(version) + sum(_size(k) + _size(v) for m in (endpoints, capabilities)
+                                                for k, v in m.items())
+    if total > MAX_REGISTRATION_BYTES:
+        return (f"host, version, endpoints and capabilities: {total} bytes together, "
+                f"at most {MAX_REGISTRATION_BYTES}")
+    if _size(config_json) > MAX_CONFIG_BYTES:
+        return f"pipeline_config_json: {_size(config_json)} bytes, at most {MAX_CONFIG_BYTES}"
+    return None
+
+
+def extra_problem(extra: Mapping[str, float]) -> str | None:
+    """What is too large in a heartbeat's extra; None when it fits."""
+    if len(extra) > MAX_EXTRA_ENTRIES:
+        return f"heartbeat extra: {len(extra)} entries, at most {MAX_EXTRA_ENTRIES}"
+    for key in extra:
+        if _size(key) > MAX_EXTRA_KEY_BYTES:
+            return f"heartbeat extra[{key[:64]!r}]: key over {MAX_EXTRA_KEY_BYTES} bytes"
+    total = sum(_size(k) for k in extra)
+    if total > MAX_EXTRA_BYTES:
+        return f"heartbeat extra: keys of {total} bytes together, at most {MAX_EXTRA_BYTES}"
+    return None
+
+
+def parse_register(request: pb.RegisterRequest) -> tuple[dict | None, str | None]:
+    """The request's pipeline config (None: it sent none), or what is wrong with the request, naming the field."""
+    problem = registration_problem(request.host, request.version, request.endpoints, request.capabilities,
+                                   request.pipeline_config_json)
+    if problem:   # every entry goes out whole in each GetStatus and topology snapshot
+        return None, problem
+    try:
+        cfg = json.loads(request.pipeline_config_json) if request.pipeline_config_json else None
+    except ValueError as e:
+        return None, f"pipeline_config_json is not valid JSON: {e}"
+    if cfg is not None and not isinstance(cfg, dict):
+        return None, f"pipeline_config_json must be a JSON object, got {type(cfg).__name__}"
+    if request.role == pb.ROLE_UNSPECIFIED:
+        return None, "role is required (STAGE or FRONTEND)"
+    if request.role not in (pb.STAGE, pb.FRONTEND):
+        return None, f"role must be STAGE or FRONTEND, got {request.role}"
+    return cfg, None
