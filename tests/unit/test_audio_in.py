@@ -2,7 +2,6 @@
 
 import io
 import struct
-import time
 import tracemalloc
 import wave
 
@@ -163,10 +162,14 @@ def test_upsampling_keeps_a_pure_tone_at_its_frequency():
     assert np.abs(y[800:-800] - want[800:-800]).max() < 2e-2
 
 
-def test_resampling_ten_minutes_of_1khz_audio_takes_no_more_than_seconds():
-    """A 600 s 8-bit 1 kHz WAV is 600 KB; its 9.6 M outputs took 21 s of the frontend's tokenizer thread."""
+def test_resampling_evaluates_the_filter_once_per_phase_not_per_output_sample(monkeypatch):
+    """A 600 s 8-bit 1 kHz WAV is 600 KB; evaluating the sinc at each of its 9.6 M outputs' taps took 21 s of the
+    frontend's tokenizer thread. 1 kHz -> 16 kHz has 16 phases: the filter is evaluated 16 times, whatever
+    the length (counted, not timed: speed figures belong in benchmarks)."""
+    evaluated = []
+    sinc = np.sinc
+    monkeypatch.setattr(audio.np, "sinc", lambda v: evaluated.append(np.size(v)) or sinc(v))
     x = np.zeros(600 * 1000, np.float32)
     x[::97] = 0.5
-    t0 = time.process_time()
     y = audio.resample(x, 1000, 16000)
-    assert y.size == 600 * 16000 and time.process_time() - t0 < 6
+    assert y.size == 600 * 16000 and len(evaluated) == 16 and sum(evaluated) < 16 * 100
