@@ -196,8 +196,8 @@ def serve(
     stage decode each utterance whole (--async-chunk: stream, whatever the deploy YAML says)."""
     from omni import config as cfg
     from omni import serve_modes, vllm_omni_flags, vllm_serve_flags
-    from omni.config_stage_checks import normalise_human_ints
-    from omni.engine_flags import context_length, merge_overrides, parse_extra_flags, spread_flags
+    from omni.config_stage_checks import check_counts, normalise_human_ints
+    from omni.engine_flags import context_length, flag_name, merge_overrides, parse_extra_flags, spread_flags
 
     if model is None:
         raise ConfigError("no model: give MODEL (omni serve MODEL ...), --model MODEL or model: in --config FILE")
@@ -254,9 +254,12 @@ def serve(
              "gpu_memory_utilization": gpu_memory_utilization, "enforce_eager": enforce_eager,
              "tensor_parallel_size": tensor_parallel_size, "trust_remote_code": trust_remote_code}
     flags.update(parse_extra_flags(list(ctx.args)))
+    check_counts(flags, flag_name)                  # named as typed: later they reach the stages as overrides
     vllm_serve_flags.take(flags)                    # vLLM's HTTP-server options: no-ops or refused
     orchestration = vllm_omni_flags.take(flags)     # vllm-omni's own options with a meaning here
-    flags.update(normalise_human_ints(_json_flag("--engine-args", engine_args) or {}, lambda k: f"--engine-args {k}"))
+    more = normalise_human_ints(_json_flag("--engine-args", engine_args) or {}, lambda k: f"--engine-args {k}")
+    check_counts(more, lambda k: f"--engine-args {k}")
+    flags.update(more)
     async_chunk = flags.pop("async_chunk", None)    # also --engine-args' (vllm-omni's OmniEngineArgs field)
     if async_chunk is not None and not isinstance(async_chunk, bool):
         raise ConfigError(f"--async-chunk takes no value (or --no-async-chunk; async_chunk: true or false), "

@@ -34,8 +34,8 @@ from typing import Any, Callable
 from omni.config_checks import SAMPLING_RANGES
 from omni.errors import ConfigError
 
-__all__ = ["FRAME_ARGS", "HUMAN_INTS", "RESERVED_ENV", "SERVING_ONLY_ARGS", "SUBTALKER", "SUBTALKER_ENGINES",
-           "check_connector_edge", "check_engine_args", "check_stage_override", "check_subtalker", "human_int",
+__all__ = ["COUNT_ARGS", "FRAME_ARGS", "HUMAN_INTS", "RESERVED_ENV", "SERVING_ONLY_ARGS", "SUBTALKER", "SUBTALKER_ENGINES",
+           "check_connector_edge", "check_counts", "check_engine_args", "check_stage_override", "check_subtalker", "human_int",
            "normalise_devices", "normalise_env", "normalise_human_ints", "normalise_stages", "unused_engine_arg"]
 
 DEVICE_FORMS = "'cpu' or GPU indices into the visible GPUs: \"0\", \"0,1\" (or \"cuda:0,cuda:1\")"
@@ -64,6 +64,10 @@ SUBTALKER_KEYS = ("do_sample", "temperature", "top_k", "top_p")
 SUBTALKER_ENGINES = ("qwen3_talker",)
 # Engine args in frames, >= 1 (Qwen3's code2wav re-decodes the tail a chunk holds back from >= 1 frame of context).
 FRAME_ARGS = {"qwen3_code2wav": ("first_chunk_frames", "chunk_frames", "context_frames")}
+# Counts every engine that takes them needs at >= 1, checked at load (and so by --dry-run): an engine
+# refused 0 only when its stage started, after the master and the other stages had.
+COUNT_ARGS = ("max_num_seqs", "max_num_batched_tokens", "num_threads", "threads", "max_batch_rows",
+              "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
 _SECRET = ("it holds a secret, and the resolved config, env included, reaches every process and the master; "
            "`omni serve` passes it to the processes that need it")
 # Variables a stage's `env` may not set: omni sets them itself, or they hold its secrets (omni/envs.py).
@@ -221,11 +225,21 @@ def check_engine_args(args: dict[str, Any], engine: str, where: str) -> None:
         value = args.get(key, 1)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{where}.{key} must be a number of frames >= 1, got {value!r}")
+    check_counts(args, lambda k: f"{where}.{k}")
     if SUBTALKER in args:
         if engine not in SUBTALKER_ENGINES:
             raise ConfigError(f"{where}.{SUBTALKER}: not supported by engine {engine}: it samples Qwen3-Omni's code "
                               f"predictor (a frame's residual codes), which only {', '.join(SUBTALKER_ENGINES)} has")
         check_subtalker(args[SUBTALKER], f"{where}.{SUBTALKER}")
+
+
+def check_counts(args: dict[str, Any], name: Callable[[str], str]) -> None:
+    """COUNT_ARGS in `args` at >= 1; `name(key)` names a refused one (the flag, or the YAML key path)."""
+    for key in COUNT_ARGS:
+        value = args.get(key)
+        n = human_int(value) if isinstance(value, str) and key in HUMAN_INTS else value
+        if value is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ConfigError(f"{name(key)} must be an integer >= 1, got {value!r}")
 
 
 def check_stage_override(stage: dict[str, Any], patch: dict[str, Any], fields: set[str], where: str) -> None:

@@ -50,6 +50,14 @@ HEADLESS = ["serve", "smollm2", "--stage-id", "1", "--headless", "--omni-master-
     (["serve", "smollm2", "--port", "0", "--state-dir", os.devnull], f"--state-dir {os.devnull}: cannot keep"),
     (["serve", "smollm2", "--state-dir", f"{os.devnull}/omni", "--dry-run"], "--state-dir /dev/null/omni: cannot"),
     (["master", "--port", "0", "--state-dir", "/proc/nope"], "--state-dir /proc/nope: cannot keep"),
+    # counts an engine refuses below 1: refused by --dry-run too, naming the flag as typed (they had failed only
+    # when the stage started)
+    (["serve", "smollm2", "--max-num-seqs", "0", "--dry-run"], "--max-num-seqs must be an integer >= 1, got 0"),
+    (["serve", "smollm2", "--max-num-batched-tokens", "0k", "--dry-run"], "--max-num-batched-tokens must be an"),
+    (["serve", "smollm2", "--engine-args", '{"threads": true}', "--dry-run"],
+     "--engine-args threads must be an integer >= 1, got True"),
+    (["serve", "smollm2", "--stage-overrides", '{"0": {"max_num_seqs": -1}}', "--dry-run"],
+     "--stage-overrides: stages[0].engine_args.max_num_seqs must be an integer >= 1, got -1"),
     (["master", "--port", "0", "--state-dir", os.devnull], "--state-dir /dev/null: cannot keep"),
     # a headless stage runs no frontend nor master: their flags are refused, not dropped (--dry-run: not
     # refused, it exits 0)

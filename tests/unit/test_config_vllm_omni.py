@@ -282,3 +282,11 @@ def test_code2wav_frame_args_below_one_are_refused_at_load(tmp_path, key):
     text = VLLM_OMNI_QWEN3.replace("max_frames: 200}", f"max_frames: 200, {key}: 0}}")
     with pytest.raises(ConfigError, match=rf"stages\[2\]\.engine_args\.{key} must be a number of frames >= 1, got 0"):
         cfg.load(QWEN3, write(tmp_path, text))
+
+
+@pytest.mark.parametrize("key, value, shown", [("data_parallel_size", 0, "0"), ("max_num_batched_tokens", "0k", "0"),
+                                               ("num_threads", "2", "'2'"), ("tensor_parallel_size", True, "True")])
+def test_engine_counts_below_one_are_refused_at_load_naming_the_key(tmp_path, key, value, shown):
+    text = VLLM_OMNI_QWEN3.replace("max_frames: 200}", f"max_frames: 200, {key}: {json.dumps(value)}}}")
+    with pytest.raises(ConfigError, match=rf"stages\[2\]\.engine_args\.{key} must be an integer >= 1, got {shown}$"):
+        cfg.load(QWEN3, write(tmp_path, text))
