@@ -79,7 +79,10 @@ class TorchLMEngine(Engine):
         self._step_ms_total = 0.0
 
     def _load(self) -> BatchedLM:
-        return BatchedLM(self.model_path, DTYPES[self.dtype_name], self.max_num_seqs, self.max_model_len)
+        lm = BatchedLM(self.model_path, DTYPES[self.dtype_name], self.max_num_seqs, self.max_model_len)
+        # A CPU prefill of max_model_len can outlast pipeline.loop_stall_s: each decoder layer says it moves.
+        lm.on_layer = self.progressed
+        return lm
 
     # ---- requests ----------------------------------------------------------------
     def add_request(self, request: EngineRequest) -> None:

@@ -9,6 +9,7 @@ V, each slot has its own length, and decode attends through a length mask.
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +53,7 @@ class BatchedLM:
         self.config = cfg
         self.dtype = dtype
         self.layers = list(model.model.layers)
+        self.on_layer: Callable[[], None] | None = None   # after each layer (progress marks: engines/base.py)
         attn0 = self.layers[0].self_attn
         self.head_dim = attn0.head_dim
         self.num_heads = cfg.num_attention_heads
@@ -107,7 +109,10 @@ class BatchedLM:
     def _finish_layer(self, layer, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         b, _, t, _ = attn_out.shape
         x = x + layer.self_attn.o_proj(attn_out.transpose(1, 2).reshape(b, t, -1))
-        return x + layer.mlp(layer.post_attention_layernorm(x))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        if self.on_layer is not None:
+            self.on_layer()
+        return x
 
     @torch.inference_mode()
     def prefill(self, slot: int, token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -309,3 +309,17 @@ def test_prepare_converts_once_under_concurrent_callers(tmp_path, monkeypatch):
     assert smollm2.is_prepared(dest)
     (dest / smollm2.MARKER).write_text("{not json")      # a damaged marker means "prepare again"
     assert not smollm2.is_prepared(dest)
+
+
+def test_a_step_marks_progress_from_each_decoder_layer(engine):
+    """A CPU prefill of max_model_len can outlast pipeline.loop_stall_s: the step says it moves from inside
+    (each of the 2 layers), not only when it returns."""
+    marks = []
+    engine.progress_hook = lambda: marks.append(1)
+    try:
+        engine.add_request(req("mark", [5, 6, 7], max_tokens=1, temperature=0.0))
+        while not any(o.finished for o in engine.step()):
+            pass
+        assert len(marks) >= 2
+    finally:
+        engine.progress_hook = None
