@@ -22,15 +22,25 @@ _refused = RateLimitedLog(logging.getLogger(__name__))
 
 class Publisher:
     """Writes a frontend's text to the KV store, one write at a time: each write is a text rendered
-    after the one before, so the stored copy, which every frontend's /metrics serves, never goes back."""
+    after the one before, so the stored copy, which every frontend's /metrics serves, never goes back.
+    Scrapes that queue behind a write share the next one (each scrape had been a master write of its own:
+    a burst of N unauthenticated scrapes was N writes in a row)."""
 
     def __init__(self, render: Callable[[], str], amaster: Any, index: int):
         self._render, self._master, self._key = render, amaster, str(index)
         self._lock = asyncio.Lock()
+        self._asked = 0            # calls so far
+        self._covered = 0          # the calls made before the newest published text was rendered
+        self._text = ""
 
     async def publish(self) -> str:
-        """The text published; raises when the master did not take it."""
+        """The text published, rendered after this call began; raises when the master did not take it."""
+        self._asked += 1
+        ticket = self._asked
         async with self._lock:
+            if self._covered >= ticket:   # a write rendered after this call was made went out meanwhile
+                return self._text
+            covers = self._asked
             text = self._render()
             try:
                 await self._master.kv_put(NAMESPACE, self._key, text.encode())
@@ -43,6 +53,7 @@ class Publisher:
                 except Exception:
                     pass
                 raise
+            self._covered, self._text = covers, text
             return text
 
 

@@ -67,6 +67,33 @@ async def test_a_refused_publish_removes_the_old_copy_and_warns(caplog):
     assert 1 <= len(warned) <= 5                       # rate-limited
 
 
+async def test_scrapes_queued_behind_a_write_share_the_next_and_each_gets_a_text_rendered_after_it_asked():
+    """A burst of scrapes was a master write each, in a row; now those waiting share the next write."""
+    master = FakeMaster()
+    gate, writes, renders = asyncio.Event(), [], [0]
+
+    async def slow_put(ns, k, v, only_if_exists=False):
+        writes.append(v)
+        await gate.wait()
+        master.kv.put(ns, k, v)
+    master.kv_put = slow_put
+
+    def render():
+        renders[0] += 1
+        return f"n {renders[0]}\n"
+    pub = Publisher(render, master, 0)
+    first = asyncio.create_task(pub.publish())
+    while not writes:
+        await asyncio.sleep(0)
+    burst = [asyncio.create_task(pub.publish()) for _ in range(20)]   # asked while the first write is out
+    await asyncio.sleep(0)
+    gate.set()
+    assert await first == "n 1\n"
+    assert [await t for t in burst] == ["n 2\n"] * 20                   # rendered after each of them asked
+    assert len(writes) == 2 and master.kv.get(NAMESPACE, "0") == b"n 2\n"
+    assert await pub.publish() == "n 3\n"                              # a later scrape: a write of its own
+
+
 def _count(text: str, fe: int) -> int:
     m = re.search(r'^omni_api_requests_total\{frontend="%d",route="/v1/chat/completions",status="200"\} (\d+)'
                   % fe, text, re.M)
