@@ -195,8 +195,8 @@ class KvStore:
         old = [k for k, t in self._written.get(namespace, {}).items() if now - t > ttl]
         if old:
             logger.info("kv namespace %s: %d entries expired", namespace, len(old))
-            for k in old:
-                self._log(namespace, k, None)
+            if self._journal is not None and self.limits(namespace).persist:
+                self._journal.delete_many(namespace, old)   # one fsync for all: this runs on the master's loop
             self._remove(namespace, old)
 
     def _remove(self, namespace: str, keys: list[str]) -> None:

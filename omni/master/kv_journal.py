@@ -76,7 +76,15 @@ class Journal:
     def write(self, ns: str, key: str, value: bytes | None, at: float = 0.0) -> None:
         """Log a put (`value`) or a delete (None), durably."""
         rec = {"k": key, "d": 1} if value is None else {"k": key, "v": base64.b64encode(value).decode(), "t": at}
-        line = (json.dumps(rec) + "\n").encode()
+        self._append(ns, (json.dumps(rec) + "\n").encode())
+
+    def delete_many(self, ns: str, keys: list[str]) -> None:
+        """Log deletes of `keys` durably with one write and one fsync: an expiry of thousands of jobs,
+        an fsync each, held the master's event loop (heartbeats): 0.9 s for 3,000 on a test VM."""
+        if keys:
+            self._append(ns, "".join(json.dumps({"k": k, "d": 1}) + "\n" for k in keys).encode())
+
+    def _append(self, ns: str, line: bytes) -> None:
         with self._lock:
             log = self._logs.setdefault(ns, _Log())
             if log.file is None:
