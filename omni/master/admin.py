@@ -27,6 +27,9 @@ _MASTER = typer.Option(None, "--master", "-m", help="The omni master's HOST:PORT
 _STAGE = typer.Option(None, "--stage", help="Only these stage ids (repeat the flag); default: every stage.")
 _REPLICA = typer.Option(None, "--replica", help="Only these replica ids, as `omni status` lists them (repeat it).")
 _JSON = typer.Option(False, "--json", help="Print one JSON document.")
+# the master waits at most this long (server.MAX_COMMAND_TIMEOUT_S); inf passed min=0.1 alone
+MAX_TIMEOUT_S = 600.0
+_TIMEOUT_HELP = f"Seconds to wait for the acks (at most {MAX_TIMEOUT_S:g})."
 _TOKEN = typer.Option(None, "--omni-token", envvar="OMNI_TOKEN", help="The master's token (env OMNI_TOKEN).")
 _CERT = typer.Option(None, "--tls-cert", help="PEM client certificate (mTLS).")
 _KEY = typer.Option(None, "--tls-key", help="PEM private key of --tls-cert.")
@@ -88,7 +91,7 @@ def _run(kind: str, master: str | None, stage: list[int] | None, replica: list[s
 
 def drain(
     master: str | None = _MASTER, stage: list[int] = _STAGE, replica: list[str] = _REPLICA,
-    timeout: float = typer.Option(10.0, "--timeout", min=0.1, help="Seconds to wait for the acks."),
+    timeout: float = typer.Option(10.0, "--timeout", min=0.1, max=MAX_TIMEOUT_S, help=_TIMEOUT_HELP),
     json_: bool = _JSON, omni_token: str | None = _TOKEN,
     tls_cert: str | None = _CERT, tls_key: str | None = _KEY, tls_ca: str | None = _CA, force: bool = _FORCE,
 ) -> None:
@@ -98,7 +101,7 @@ def drain(
 
 def undrain(
     master: str | None = _MASTER, stage: list[int] = _STAGE, replica: list[str] = _REPLICA,
-    timeout: float = typer.Option(10.0, "--timeout", min=0.1, help="Seconds to wait for the acks."),
+    timeout: float = typer.Option(10.0, "--timeout", min=0.1, max=MAX_TIMEOUT_S, help=_TIMEOUT_HELP),
     json_: bool = _JSON, omni_token: str | None = _TOKEN,
     tls_cert: str | None = _CERT, tls_key: str | None = _KEY, tls_ca: str | None = _CA,
 ) -> None:
@@ -125,7 +128,7 @@ def _what_stops(st, stage: list[int] | None, replica: list[str] | None) -> list[
 def sleep(
     master: str | None = _MASTER, stage: list[int] = _STAGE, replica: list[str] = _REPLICA,
     level: int = typer.Option(1, "--level", min=1, max=2, help="1: free the KV cache; 2: also drop weights."),
-    timeout: float = typer.Option(60.0, "--timeout", min=0.1, help="Seconds to wait for the acks."),
+    timeout: float = typer.Option(60.0, "--timeout", min=0.1, max=MAX_TIMEOUT_S, help=_TIMEOUT_HELP),
     json_: bool = _JSON, omni_token: str | None = _TOKEN,
     tls_cert: str | None = _CERT, tls_key: str | None = _KEY, tls_ca: str | None = _CA, force: bool = _FORCE,
 ) -> None:
@@ -136,7 +139,7 @@ def sleep(
 
 def wakeup(
     master: str | None = _MASTER, stage: list[int] = _STAGE, replica: list[str] = _REPLICA,
-    timeout: float = typer.Option(60.0, "--timeout", min=0.1, help="Seconds to wait for the acks."),
+    timeout: float = typer.Option(60.0, "--timeout", min=0.1, max=MAX_TIMEOUT_S, help=_TIMEOUT_HELP),
     json_: bool = _JSON, omni_token: str | None = _TOKEN,
     tls_cert: str | None = _CERT, tls_key: str | None = _KEY, tls_ca: str | None = _CA,
 ) -> None:

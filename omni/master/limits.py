@@ -10,6 +10,7 @@ with the registry's entry cap (`MAX_ENTRIES_PER_ROLE`) the largest status stays 
 from __future__ import annotations
 
 import json
+import math
 from typing import Mapping
 
 from omni._proto import master_pb2 as pb
@@ -91,3 +92,11 @@ def parse_register(request: pb.RegisterRequest) -> tuple[dict | None, str | None
     if request.role not in (pb.STAGE, pb.FRONTEND):
         return None, f"role must be STAGE or FRONTEND, got {request.role}"
     return cfg, None
+
+
+def command_timeout(timeout_s: float) -> str | None:
+    """What is wrong with a SendCommand's timeout_s (0: the default), or None. NaN and negative waited
+    for no ack after the command had gone out: the replicas drained, the answer said timeout."""
+    if not math.isfinite(timeout_s) or timeout_s < 0:
+        return f"timeout_s must be a finite number of seconds >= 0 (0: the default), got {timeout_s}"
+    return None

@@ -262,6 +262,9 @@ class MasterServicer(pb_grpc.MasterServicer):
         if request.kind not in pb.CommandKind.values():   # never sent down: a stage could not name it either
             known = ", ".join(n for n in pb.CommandKind.keys() if n != "COMMAND_UNSPECIFIED")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown command kind {request.kind} (known: {known})")
+        problem = limits.command_timeout(request.timeout_s)
+        if problem:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         if request.args_json:
             try:
                 json.loads(request.args_json)

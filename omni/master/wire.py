@@ -107,5 +107,6 @@ def command_kind(kind: str) -> int:
     except ValueError:
         value = 0
     if value == 0:
-        raise ValueError(f"unknown command kind {kind!r}; use DRAIN, SLEEP, WAKE_UP or SHUTDOWN")
+        known = ", ".join(n for n in pb.CommandKind.keys() if n != "COMMAND_UNSPECIFIED")
+        raise ValueError(f"unknown command kind {kind!r}; use one of {known}")
     return value

@@ -172,3 +172,44 @@ def test_the_cli_refuses_stage_with_replica_by_flag_before_calling(monkeypatch):
     r = CliRunner().invoke(app, ["drain", "--master", "127.0.0.1:1", "--stage", "0", "--replica", "s1r0"])
     assert r.exit_code == 2, r.output
     assert "omni drain: --stage and --replica: give one, not both" in r.output, r.output
+
+
+def test_a_command_timeout_that_is_nan_negative_or_infinite_is_refused_before_sending(master):
+    """NaN and -1 were accepted: the DRAIN went down the stream, the master waited for no ack, answered
+    'no ack within nan s' and never marked the replica DRAINING although it drained."""
+    server, stub = master
+    got: list = []
+    stage = _stage(server.address, 0, 100, got)
+    try:
+        _wait(lambda: stage.get_status().replicas[0].state == "READY")
+        for t in (float("nan"), -1.0, float("inf"), float("-inf")):
+            says = _refused(lambda t=t: stub.SendCommand(pb.SendCommandRequest(kind=pb.DRAIN, timeout_s=t)))
+            assert "timeout_s must be a finite number of seconds >= 0" in says, says
+        assert got == [] and stage.get_status().replicas[0].state == "READY"
+        results = stage.send_command("WAKE_UP", timeout_s=0)        # 0 is the default wait
+        assert [(r.replica_id, r.ok) for r in results] == [("s0r0", True)] and got == ["WAKE_UP"]
+    finally:
+        stage.close()
+
+
+def test_an_unknown_command_kind_names_every_known_one():
+    from omni.master import wire
+
+    with pytest.raises(ValueError) as e:
+        wire.command_kind("pause")
+    for name in pb.CommandKind.keys():
+        assert (name in str(e.value)) == (name != "COMMAND_UNSPECIFIED"), str(e.value)
+
+
+@pytest.mark.parametrize("value", ["inf", "601"])
+def test_the_cli_refuses_a_timeout_the_master_would_not_wait_by_flag(monkeypatch, value):
+    from typer.testing import CliRunner
+
+    from omni.cli import app
+    from omni.master import admin, server
+
+    monkeypatch.delenv("OMNI_TOKEN", raising=False)
+    for verb in ("drain", "undrain", "sleep", "wakeup"):
+        r = CliRunner().invoke(app, [verb, "--master", "127.0.0.1:1", "--timeout", value])
+        assert r.exit_code == 2 and "--timeout" in r.output, (verb, r.output)    # before: cannot reach
+    assert admin.MAX_TIMEOUT_S == server.MAX_COMMAND_TIMEOUT_S
