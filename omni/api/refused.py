@@ -3,8 +3,8 @@
 The text routes ignore fields they do not know (OpenAI clients send extras), so a parameter
 that changes what the answer must be (structured output, beam search, a vocabulary limit) is
 declared here: a request setting it to anything but its no-op value is refused by name with the
-reason, never answered as if it were not there. Labels that change nothing (`user`, `metadata`,
-`store`, `service_tier`, `parallel_tool_calls`) stay ignored, as vLLM ignores them.
+reason, never answered as if it were not there. Labels that change nothing (`LABELS`: `user`,
+`session_id`, `prompt_cache_key` ...) stay ignored, as vLLM ignores them.
 """
 
 from __future__ import annotations
@@ -67,7 +67,18 @@ REFUSED: dict[str, tuple[list, str]] = {
     "mm_processor_kwargs": ([None, {}], "the multimodal processor takes no per-request arguments here"),
     "media_io_kwargs": ([None, {}], "media loading takes no per-request arguments here (omni fetches no URL)"),
     "ec_transfer_params": ([None], "disaggregated encoding is not supported by this server"),
+    "include_reasoning": ([None, True], "reasoning is not split from the content here (no reasoning parser); "
+                          "chat_template_kwargs {\"enable_thinking\": false} turns thinking off where the template reads it"),
+    "stream_interval": ([None, 1], "a stream sends the tokens as they come; chunks of N tokens are not supported"),
 }
+
+# Fields of vLLM's and OpenAI's requests that cannot change the answer here, so they stay ignored as vLLM
+# ignores them (a test holds every field of vLLM 0.32's and the openai client's requests to be omni's own,
+# refused, or here): labels for the caller's logs, caches and routers, and the render endpoints' options,
+# which vLLM ignores on chat and completions (omni has no render endpoint and returns no routed experts).
+LABELS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "safety_identifier", "session_id",
+          "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options", "return_token_offsets",
+          "mm_payload", "return_mm_kwargs", "routed_experts_prompt_start")
 
 # The same names as struct fields, so that decoding keeps them and openapi.json states the
 # values that pass (a mixin of the text requests).

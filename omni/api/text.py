@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import base64
 import functools
+import re
 import time
 import uuid
 
@@ -52,6 +53,20 @@ def usage_mode(opts: P.StreamOptions | None) -> str | None:
     return "continuous" if opts.continuous_usage_stats else "final"
 
 
+_ID = re.compile(r"[!-~]{1,256}")     # as protocol's request_id: it is echoed back
+
+
+def answer_id(request: Request, req: P._Sampling, prefix: str) -> str | None:
+    """The answer's id as vLLM 0.32's serving names it (_base_request_id): the X-Request-Id header over
+    the body's request_id, after `prefix`; None: a fresh one. The pipeline keeps ids of its own."""
+    rid = request.headers.get("x-request-id")
+    if rid is not None and not _ID.fullmatch(rid):
+        raise bad_request("the X-Request-Id header must be 1-256 printable ASCII characters without spaces",
+                          param="X-Request-Id")
+    rid = req.request_id if rid is None else rid
+    return rid and f"{prefix}-{rid}"
+
+
 def content_chars(messages: list[dict]) -> int:
     """Characters of the messages' text (audio parts count nothing; the template adds, never removes)."""
     n = 0
@@ -71,6 +86,7 @@ class TextRoutes:
         req = P.decode_body(raw, P.ChatCompletionRequest)
         self.fe.check_model(req.model)
         logprobs = P.check_sampling(req)
+        response_id = answer_id(request, req, "chatcmpl")
         self.fe.check_message_count(len(req.messages))
         audios: list = []
         messages = P.chat_messages(req, audios)
@@ -120,7 +136,7 @@ class TextRoutes:
                          stops=P.stop_list(req.stop), include_stop=bool(req.include_stop_str_in_output),
                          metrics=self.fe.metrics, route="/v1/chat/completions",
                          t0=self.fe.t0(request), eos_token_id=self.fe.tokenizer.eos_token_id, audio=audio,
-                         response_id=req.request_id and f"chatcmpl-{req.request_id}")
+                         response_id=response_id)
         if req.stream:
             body = functools.partial(self._chat_stream, wav_chunks=req.audio is None)
             return await until_disconnect(
@@ -221,6 +237,7 @@ class TextRoutes:
         req = P.decode_body(await request.body(), P.CompletionRequest)
         self.fe.check_model(req.model)
         logprobs = P.check_sampling(req)
+        response_id = answer_id(request, req, "cmpl")
         prompt = P.one_prompt(req.prompt)
         if isinstance(prompt, str):
             if not prompt:
@@ -242,7 +259,7 @@ class TextRoutes:
                          stops=P.stop_list(req.stop), include_stop=bool(req.include_stop_str_in_output),
                          metrics=self.fe.metrics, route="/v1/completions",
                          t0=self.fe.t0(request), eos_token_id=self.fe.tokenizer.eos_token_id,
-                         response_id=req.request_id and f"cmpl-{req.request_id}")
+                         response_id=response_id)
         if req.stream:
             return await until_disconnect(
                 request, lambda: self._open_stream(gen, self._completion_stream, usage_mode(req.stream_options)))

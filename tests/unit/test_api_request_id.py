@@ -53,3 +53,25 @@ async def test_moderation_is_refused_by_name(tokenizer):  # noqa: F811
     assert_error(await c.post("/v1/chat/completions", json=body), 400, "moderation", "moderation")
     assert (await c.post("/v1/chat/completions", json=chat_body(moderation=None))).status_code == 200
     assert len(orch.requests) == 1
+
+
+async def test_the_x_request_id_header_names_the_answer_over_the_body_as_vllm(tokenizer):  # noqa: F811
+    """vLLM 0.32's serving (_base_request_id) takes the header first; omni read only the body."""
+    orch, c = make(tokenizer)
+    h = {"X-Request-Id": "hdr-1"}
+    d = (await c.post("/v1/chat/completions", json=chat_body(request_id="body-1"), headers=h)).json()
+    assert d["id"] == "chatcmpl-hdr-1"
+    evs = sse_events((await c.post("/v1/chat/completions", json=chat_body(stream=True), headers=h)).text)
+    assert {e["id"] for e in evs} == {"chatcmpl-hdr-1"}
+    d = (await c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 2}, headers=h)).json()
+    assert d["id"] == "cmpl-hdr-1"
+    assert not any("hdr" in r.request_id for r in orch.requests)     # the pipeline's ids stay its own
+
+
+@pytest.mark.parametrize("rid", ["", "has space", "x" * 257])
+async def test_an_x_request_id_out_of_bounds_is_refused_by_name(tokenizer, rid):  # noqa: F811
+    orch, c = make(tokenizer)
+    h = {"X-Request-Id": rid}
+    assert_error(await c.post("/v1/chat/completions", json=chat_body(), headers=h), 400, "X-Request-Id")
+    assert_error(await c.post("/v1/completions", json={"prompt": "hi"}, headers=h), 400, "X-Request-Id")
+    assert orch.requests == []
