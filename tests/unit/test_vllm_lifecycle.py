@@ -310,8 +310,11 @@ from vllm.v1.engine.core import EngineCore
 EngineCore.step = lambda self: ({}, self.ran)
 EngineCore.step_with_batch_queue = lambda self: (None, self.ran)
 from omni.engines.vllm.core_steps import ENV, count_core_steps
+path = os.environ[ENV]
 count_core_steps()
 assert ENV not in os.environ   # the core's own children get none
+assert not os.path.exists(path)
+print("unlinked by the core", flush=True)
 core = EngineCore.__new__(EngineCore)
 for ran in (True, False, True):
     core.ran = ran
@@ -322,22 +325,25 @@ print("stepped", flush=True)
 
 
 @needs_vllm
-def test_the_engine_core_counts_the_steps_that_ran_the_model_and_the_file_is_gone_once_shared():
+def test_the_engine_core_counts_the_steps_that_ran_the_model_and_the_file_is_gone_once_shared(tmp_path):
     import os
     import subprocess
     import sys
 
     from omni.engines.vllm.core_steps import ENV, CoreSteps
 
-    steps = CoreSteps()
+    folder = tmp_path / "omni-stage"
+    folder.mkdir()
+    steps = CoreSteps(str(folder))   # the stage's own vLLM folder, swept once the stage is gone
     try:
-        assert os.stat(steps.path).st_mode & 0o077 == 0
+        assert os.path.dirname(steps.path) == str(folder) and os.stat(steps.path).st_mode & 0o077 == 0
         assert not steps.advanced()
         with steps.shared():
             out = subprocess.run([sys.executable, "-c", CORE_SIDE], env={**os.environ}, capture_output=True,
                                  text=True, timeout=120)
         assert out.returncode == 0, out.stderr[-2000:]
         assert ENV not in os.environ and not os.path.exists(steps.path)
+        assert "unlinked by the core" in out.stdout
         assert steps.advanced() and not steps.advanced()   # 3 steps ran the model: one change seen
         import struct
         assert struct.unpack_from("<Q", steps._map)[0] == 3

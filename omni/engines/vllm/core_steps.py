@@ -3,8 +3,10 @@
 vLLM's core sends nothing for a step that finishes no token (a chunk of a long prefill; with its log stats
 off, not even stats), so a CPU prefill longer than loop_stall_s looked like a hung EngineCore and the stage
 stopped heartbeating. The core bumps a counter in an 8-byte file after each step that ran the model; the
-stage reads it on each of its own steps and counts a change as progress. The file is unlinked once the core
-has mapped it, so nothing is left behind, whatever ends the processes.
+stage reads it on each of its own steps and counts a change as progress. The core unlinks the file once it has
+mapped it (one core per engine: omni runs data_parallel_size 1); until then it lives in the stage's own vLLM
+folder where there is one (omni/engines/vllm/args.prepare_env: swept once the stage is gone), so a stage
+killed while its core starts leaves nothing for long.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ _COUNT = struct.Struct("<Q")
 class CoreSteps:
     """The stage's side: makes the file and reads the count."""
 
-    def __init__(self) -> None:
-        fd, self.path = tempfile.mkstemp(prefix="omni-core-steps-")   # mode 0600
+    def __init__(self, folder: str | None = None) -> None:
+        fd, self.path = tempfile.mkstemp(prefix="omni-core-steps-", dir=folder)   # mode 0600
         try:
             os.ftruncate(fd, _COUNT.size)
             self._map: mmap.mmap | None = mmap.mmap(fd, _COUNT.size)
@@ -81,6 +83,8 @@ def count_core_steps() -> None:
         counter = mmap.mmap(fd, _COUNT.size)
     finally:
         os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(path)   # mapped: the count lives on; the name is not needed
     from vllm.v1.engine.core import EngineCore
 
     done = [0]

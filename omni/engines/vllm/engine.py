@@ -131,7 +131,7 @@ class VllmEngine(Engine):
                     raise ConfigError(f"{stage.label}: engine_args.{k} needs a multi-modal model")
         from vllm.v1.executor import Executor
 
-        self._core_steps = CoreSteps()
+        self._core_steps = CoreSteps(self._rpc_dir)
         try:
             with engine_core_dies_with_us(), self._core_steps.shared():
                 self._llm = LLMEngine(vllm_config=vllm_config, executor_class=Executor.get_class(vllm_config),
