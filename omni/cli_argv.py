@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import sys
 
 from omni.cli_secrets import json_flag, mask_json_flag
@@ -134,6 +135,7 @@ def spread_several_values(argv: list[str]) -> list[str]:
             if eq:
                 values = [inline]
             elif i < len(argv):       # its first value, whatever it looks like (as typer reads it)
+                _refuse_flag_as_value(name, argv[i])
                 values = [argv[i]]
                 i += 1
             else:
@@ -148,6 +150,7 @@ def spread_several_values(argv: list[str]) -> list[str]:
             items.append(arg)
             if name in takes or name.startswith(_VALUE_PREFIXES):
                 if not eq and i < len(argv):
+                    _refuse_flag_as_value(name, argv[i])
                     items.append(argv[i])
                     i += 1
                 _refuse_stray_secret(name, argv[i:i + 2], model_seen)
@@ -162,6 +165,15 @@ def spread_several_values(argv: list[str]) -> list[str]:
             for value in item[1]:
                 out += [item[0], value]
     return out
+
+
+def _refuse_flag_as_value(name: str, value: str) -> None:
+    """`--api-key $KEY --port 1` with KEY empty: the shell drops the word, and `--port` would be taken as the key
+    (the server then open, the next flag's value a key). A value shaped as a long flag is refused, as vLLM's
+    argparse refuses it ("expected at least one argument"); short words (-k1, -q) stay values."""
+    if re.fullmatch(r"--[A-Za-z][\w.-]*(=.*)?", value, re.DOTALL):
+        raise ConfigError(f"{name}: no value given (the next word is the flag {value.partition('=')[0]}); "
+                          "an empty value in a shell variable drops out of the command line")
 
 
 def _refuse_stray_secret(name: str, following: list[str], model_seen: bool) -> None:

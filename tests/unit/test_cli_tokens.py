@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from omni.cli import main
 from tests.e2e.harness import REPO
 
 
@@ -42,3 +43,30 @@ def test_a_token_still_reaches_the_command(monkeypatch):
     assert r.returncode == 0 and "--omni-token" in r.stdout and "--watch" in r.stdout
     r = omni("status", "--master", "127.0.0.1:1", "--omni-token", "t")
     assert r.returncode == 2 and "cannot reach the omni master" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("args, flag, swallowed", [
+    (["--served-model-name", "--api-key", "SECRETzq"], "--served-model-name", "--api-key"),
+    (["--api-key", "--served-model-name", "x"], "--api-key", "--served-model-name"),
+    (["--omni-token", "--dry-run"], "--omni-token", "--dry-run"),
+    (["--control-api-key", "--api-key=SECRETzq"], "--control-api-key", "--api-key"),
+    (["--api-key", "--max-num-batched-tokens", "8"], "--api-key", "--max-num-batched-tokens"),  # an engine flag
+    (["--stage-overrides", "--port", "0"], "--stage-overrides", "--port"),
+])
+def test_a_flag_is_never_taken_as_the_value_of_the_one_before(args, flag, swallowed, capsys):
+    """`--served-model-name $NAME --api-key $KEY` with NAME empty served '--api-key' and KEY, with no key at all
+    (and the key left readable in ps); `--omni-token $EMPTY --dry-run` started a server with the token
+    '--dry-run'. vLLM's argparse refuses them; so does omni, naming the flag, the secret not shown."""
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "smollm2", *args, "--dry-run"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    assert err.count("\n") == 1 and f"error: {flag}: no value given" in err and swallowed in err, err
+    assert "SECRETzq" not in err
+
+
+def test_a_value_that_only_starts_with_a_dash_is_still_a_value():
+    from omni.cli_argv import spread_several_values
+
+    assert spread_several_values(["serve", "m", "--api-key", "-k1", "--port", "-1"]) == \
+        ["serve", "m", "--api-key", "-k1", "--port", "-1"]
