@@ -162,14 +162,39 @@ def test_upsampling_keeps_a_pure_tone_at_its_frequency():
     assert np.abs(y[800:-800] - want[800:-800]).max() < 2e-2
 
 
-def test_resampling_evaluates_the_filter_once_per_phase_not_per_output_sample(monkeypatch):
-    """A 600 s 8-bit 1 kHz WAV is 600 KB; evaluating the sinc at each of its 9.6 M outputs' taps took 21 s of the
-    frontend's tokenizer thread. 1 kHz -> 16 kHz has 16 phases: the filter is evaluated 16 times, whatever
-    the length (counted, not timed: speed figures belong in benchmarks)."""
+def count_sinc(monkeypatch) -> list[int]:
     evaluated = []
     sinc = np.sinc
     monkeypatch.setattr(audio.np, "sinc", lambda v: evaluated.append(np.size(v)) or sinc(v))
+    audio._phase_weights.cache_clear()
+    return evaluated
+
+
+def test_resampling_evaluates_the_filter_once_per_phase_not_per_output_sample(monkeypatch):
+    """A 600 s 8-bit 1 kHz WAV is 600 KB; evaluating the sinc at each of its 9.6 M outputs' taps took 21 s of the
+    frontend's tokenizer thread. 1 kHz -> 16 kHz has 16 phases of 34 taps: the filter is evaluated at 16 x 34
+    points, whatever the length (counted, not timed: speed figures belong in benchmarks)."""
+    evaluated = count_sinc(monkeypatch)
     x = np.zeros(600 * 1000, np.float32)
     x[::97] = 0.5
     y = audio.resample(x, 1000, 16000)
-    assert y.size == 600 * 16000 and len(evaluated) == 16 and sum(evaluated) < 16 * 100
+    assert y.size == 600 * 16000 and evaluated == [16 * 34]
+
+
+@pytest.mark.parametrize("rate_in, seconds", [(1001, 1), (16001, 1), (1001, 10), (383999, 1)])
+def test_coprime_rates_evaluate_many_phases_per_numpy_call(monkeypatch, rate_in, seconds):
+    """1001 Hz -> 16 kHz has 16000 phases, about one per output of a one-second part: a Python step per phase
+    (a sinc call of 34 points each) cost 0.2 s of the tokenizer thread a part, 900 such parts 3 minutes.
+    Phases go to numpy by the block: a handful of calls, and no more points than the outputs' taps."""
+    evaluated = count_sinc(monkeypatch)
+    x = (0.3 * np.random.default_rng(rate_in).standard_normal(rate_in * seconds)).astype(np.float32)
+    y = audio.resample(x, rate_in, 16000)
+    taps = 2 * int(np.ceil(16 / (min(1.0, 16000 / rate_in) * 0.97)))
+    assert y.size == 16000 * seconds
+    assert len(evaluated) <= 1 + 16000 * taps // audio.BLOCK_ELEMS, len(evaluated)     # 15984 calls before
+    assert sum(evaluated) <= min(16000, y.size) * taps
+    if seconds == 1 and rate_in < 20000:      # 383999 Hz is compared on a shorter input above
+        assert np.abs(y - direct_resample(x, rate_in, 16000)).max() < 1e-5
+    if rate_in < 20000:     # the next part at these rates reuses the weights (one table, 2 MiB)
+        evaluated.clear()
+        assert np.array_equal(audio.resample(x, rate_in, 16000), y) and evaluated == []
