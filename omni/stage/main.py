@@ -205,13 +205,14 @@ def master_refusal(config: DeployConfig, stage_id: int, opts: StageOptions) -> s
 def _run_stage(config: DeployConfig, stage_id: int, opts: StageOptions, engine_flags: dict | None) -> int:
     from omni import latency_trace
     from omni.heap import freeze_after_startup
-    from omni.config import apply_engine_flags
+    from omni.config import apply_engine_flags, current_platform
 
     stage = apply_engine_flags(config, stage_id, engine_flags or {}).stage(stage_id)
     from omni.engines.factory import build_engine
     from omni.master.client import MasterClient
     from omni.orchestrator.limits import replica_limits
     from omni.stage.gpu_lock import one_load_per_gpu
+    from omni.stage.gpus import check_gpus
     from omni.stage.local_link import local_enabled
     from omni.stage.worker import StageWorker
     from omni.transport.factory import MultiConsumer, make_producer
@@ -237,7 +238,13 @@ def _run_stage(config: DeployConfig, stage_id: int, opts: StageOptions, engine_f
     advertise = opts.replica_address or default_advertise_host(opts.master_address)
     # Listeners bind the advertised address only (loopback on one host), never a wildcard.
     bind_host = advertise
-    select_devices(stage.devices)
+    outer = os.environ.get("CUDA_VISIBLE_DEVICES")
+    try:
+        select_devices(stage.devices)
+        check_gpus(stage.stage_id, label, stage.devices, outer, current_platform(), say=progress)
+    except OmniError as e:
+        progress(f"{label}: {e}; the engine is not loaded")
+        return 1
     loaded, load_lock = _stop_while_loading(stop, label)
     try:
         # stages sharing a GPU load one at a time: vLLM sizes its KV cache from the GPU's free memory

@@ -142,7 +142,7 @@ from pathlib import Path
 from omni.config import loads_json
 from omni.engines import factory
 from omni.errors import OmniError
-from omni.stage import main as stage_main
+from omni.stage import gpus, main as stage_main
 
 seen = {}
 
@@ -160,6 +160,7 @@ def build_engine(config, stage):     # is the stage's GPU held while its engine 
     raise OmniError("stop here")
 
 factory.build_engine = build_engine
+gpus.visible_gpus = lambda: (1, None)   # no GPU here: the stage sees the one it names
 rc = stage_main.run_stage(loads_json(open(sys.argv[1]).read()), 1, stage_main.StageOptions(master_address="127.0.0.1:9"))
 print(json.dumps({"rc": rc, **seen}), flush=True)
 """
