@@ -3,7 +3,8 @@
 Resolution order (each step validated once, at the end):
   bundled YAML for the model, or for a model folder by its config.json `model_type`
   (or --deploy-config FILE | bundled name)
-  -> base_config inheritance (deep merge, stages merged by stage_id)
+  -> base_config inheritance (deep merge, stages merged by stage_id), a base's `platforms.<cpu|cuda>`
+     section applied before a user's file merges over it (the file's values win)
   -> `platforms.<cpu|cuda>` section of the YAML (merged the same way)
   -> --stage-overrides (single-command mode)
   => config hash (identifies the pipeline; every replica must match the head)
@@ -283,8 +284,16 @@ def _load_raw(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
         if not base_path.exists():
             base_path = vllm_omni.bundled_path(base_path) or base_path    # vllm-omni's qwen3_omni_moe.yaml
         parent = _load_raw(base_path, seen + (path,))
-        data = merge_configs(parent, data)
+        data = merge_configs(_resolved_under(parent, path, base_path), data)
     return data
+
+
+def _resolved_under(parent: dict[str, Any], child: Path, parent_path: Path) -> dict[str, Any]:
+    """`parent` as `child` inherits it: under a user's file, with its platform section applied, so the file's own
+    values win over a bundled CPU sizing; bundled variants keep one platform section with their bases."""
+    if child.resolve().is_relative_to(DEPLOY_DIR):
+        return parent
+    return apply_platform(parent, current_platform(), str(parent_path))
 
 
 def apply_stage_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
@@ -436,7 +445,8 @@ def load(
     path = deploy_config_path(deploy_config) if deploy_config else default_config_path(model)
     data = _load_raw(path)
     if "model" not in data and not any(isinstance(s, dict) and "engine" in s for s in data.get("stages") or []):
-        data = merge_configs(_load_raw(_pipeline_of(model, path)), data)
+        pipeline = _pipeline_of(model, path)
+        data = merge_configs(_resolved_under(_load_raw(pipeline), path, pipeline), data)
     roles = data.pop(vllm_omni.LEGACY_ROLES, None)
     if roles is not None:
         vllm_omni.check_roles(data.get("stages") or [], roles, str(path))

@@ -38,6 +38,32 @@ def test_platform_section_merges_over_the_stages(tmp_path, monkeypatch):
     assert c.stages[1].engine_args == {"gpu_memory_utilization": 0.6, "max_num_seqs": 64, "num_threads": 1}
 
 
+@pytest.mark.parametrize("platform", ["cpu", "cuda"])
+def test_a_users_values_win_over_a_bundled_bases_platform_section(tmp_path, monkeypatch, platform):
+    """On CPU the bundled base's `platforms.cpu` was applied after the user's file: vllm-omni's qwen3_omni_moe.yaml
+    with max_num_seqs 16 / max_model_len 8192 resolved to 8 / 4096, a dtype: bfloat16 overlay to float32, unsaid."""
+    monkeypatch.setenv("OMNI_PLATFORM", platform)
+    overlay = tmp_path / "overlay.yaml"       # vllm-omni's deploy schema: no model, no engine
+    overlay.write_text("stages:\n  - {stage_id: 0, max_num_seqs: 16, max_model_len: 8192}\n")
+    c = cfg.load("Qwen/Qwen3-Omni-30B-A3B-Instruct", str(overlay))
+    assert (c.stages[0].engine_args["max_num_seqs"], c.stages[0].engine_args["max_model_len"]) == (16, 8192)
+    assert c.stages[0].engine_args.get("dtype") == ("float32" if platform == "cpu" else None)   # keys it left
+    child = tmp_path / "child.yaml"
+    child.write_text("base_config: smollm2-135m-instruct-vllm.yaml\nstages:\n"
+                     "  - {stage_id: 0, engine_args: {dtype: bfloat16, max_num_seqs: 4}}\n"
+                     "platforms: {cpu: {stages: [{stage_id: 0, engine_args: {max_num_seqs: 2}}]}}\n")
+    args = cfg.load("smollm2-vllm", str(child)).stages[0].engine_args
+    assert args["dtype"] == "bfloat16"
+    assert args["max_num_seqs"] == (2 if platform == "cpu" else 4)   # the file's own section still wins over it
+
+
+def test_a_bundled_variant_keeps_its_bases_platform_section(monkeypatch):
+    """qwen3-omni-moe-1gpu's GPU sizes are not a user's choice: on CPU the base's CPU sizing still applies."""
+    monkeypatch.setenv("OMNI_PLATFORM", "cpu")
+    args = cfg.load("Qwen/Qwen3-Omni-30B-A3B-Instruct", "qwen3-omni-moe-1gpu").stages[0].engine_args
+    assert (args["max_num_seqs"], args["max_model_len"], args["dtype"]) == (8, 4096, "float32")
+
+
 def test_hub_id_and_thinker_only_variant():
     c = cfg.load("Qwen/Qwen3-Omni-30B-A3B-Instruct")
     assert len(c.stages) == 3 and c.model == "Qwen/Qwen3-Omni-30B-A3B-Instruct"
