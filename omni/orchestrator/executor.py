@@ -54,6 +54,17 @@ class _Sink:
         self.outcome: str | None = None     # the core's, once the request left it (Finished)
 
 
+class _Lingering:
+    """A gone replica whose channel stays open: its process, and the requests that may read what it published
+    (found once when it went, plus any it sends to since), so a stage message checks these, not every request."""
+
+    __slots__ = ("process", "readers")
+
+    def __init__(self, process: tuple, readers: dict[str, None]):
+        self.process = process
+        self.readers = readers
+
+
 class Orchestrator:
     def __init__(
         self,
@@ -82,7 +93,7 @@ class Orchestrator:
         self._ctx = zmq.asyncio.Context()
         self._channels: dict[str, BaseChannel] = {}
         # SUSPECT or DEAD replicas (picking.process) whose channel stays open while tensors they published are read.
-        self._lingering: dict[str, tuple] = {}
+        self._lingering: dict[str, _Lingering] = {}
         self._local = local_enabled()     # OMNI_STAGE_CHANNEL: same-host replicas over LocalChannel
         self._sinks: dict[str, _Sink] = {}
         self._fetch = Fetcher()           # remote and large output tensors are read off the loop
@@ -98,7 +109,7 @@ class Orchestrator:
             return
         if kind != "REMOVED" and r.state not in GONE:
             was = self._lingering.pop(r.replica_id, None)
-            if was is not None and was != process(r):     # restarted under its id: its keys are others'
+            if was is not None and was.process != process(r):     # restarted under its id: its keys are others'
                 self._close(r.replica_id)
             return     # back: its channel serves again
         why = "gone" if kind == "REMOVED" else r.state.lower()
@@ -111,7 +122,8 @@ class Orchestrator:
         elif r.replica_id in self._channels:
             # A same-host stage frees all it published to a frontend whose channel closes, and one SUSPECT
             # or DEAD may be alive: what a later stage (or a read here) views would be reused under it.
-            self._lingering[r.replica_id] = process(r)
+            readers = {rid: None for rid, state in self.core.requests.items() if reads_from(state, r.replica_id)}
+            self._lingering[r.replica_id] = _Lingering(process(r), readers)
             self._close_unread()
 
     def _close(self, replica_id: str) -> None:
@@ -119,13 +131,20 @@ class Orchestrator:
         if ch is not None:
             ch.close()
 
-    def _reads_from(self, replica_id: str) -> bool:
-        return self._fetch.reading_from(replica_id) or any(
-            reads_from(state, replica_id) for state in self.core.requests.values())
+    def _reads_from(self, replica_id: str, readers: dict[str, None]) -> bool:
+        if self._fetch.reading_from(replica_id):
+            return True
+        while readers:     # one that stopped reading is dropped: amortised O(1) a call
+            rid = next(iter(readers))
+            state = self.core.requests.get(rid)
+            if state is not None and reads_from(state, replica_id):
+                return True
+            del readers[rid]
+        return False
 
     def _close_unread(self) -> None:
         """Close the channels of gone replicas whose tensors nothing reads any more (their frees went out)."""
-        for rid in [rid for rid in self._lingering if not self._reads_from(rid)]:
+        for rid in [rid for rid, g in self._lingering.items() if not self._reads_from(rid, g.readers)]:
             del self._lingering[rid]
             self._close(rid)
 
@@ -156,6 +175,9 @@ class Orchestrator:
             event = ev.StageError(ch.replica_id, ch.stage_id, msg)
         else:
             return
+        gone = self._lingering.get(ch.replica_id)
+        if gone is not None:    # the core drops it (moved off there), but should it keep its tensors: watched
+            gone.readers[msg.request_id.split("/", 1)[0]] = None
         self._apply(self.core.handle(event))
 
     # ------------------------------------------------------------ actions out

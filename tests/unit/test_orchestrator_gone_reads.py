@@ -34,15 +34,16 @@ class Recording(BaseChannel):
         pass
 
 
-@pytest.fixture
-def talker_done():
-    """Run r1 until the talker (s1r0) is done and code2wav (s2r0) holds its latents (shm keys 1, 2);
-    yields (orchestrator, topology, the channels by replica) on a running loop."""
+def running(before: int = 0):
+    """Run r1 until the talker (s1r0) is done and code2wav (s2r0) holds its latents (shm keys 1, 2), after
+    `before` text-only requests that stay in flight; yields (loop, orchestrator, topology) on a running loop."""
     async def start():
         topo = Topology()
         topo.apply(TopologyEvent("SNAPSHOT", list(ALL), 1))
         orch = Orchestrator(CONFIG, frontend_id="fe-test", topology=topo, detokenize=lambda t: "".join(map(chr, t)),
                             choose_transport=lambda a, b, c: c or "shm")
+        for i in range(before):
+            orch._apply(orch.core.submit(chat(f"q{i}", modalities=("text",))))
         orch._apply(orch.core.submit(chat()))
         chs = orch._channels
         orch._on_stage_message(chs["s0r0"], m.Output(request_id="r1", token_ids=ids("Hi. Yo!"), finished=True))
@@ -62,6 +63,16 @@ def talker_done():
     finally:
         executor.StageChannel = orig
         loop.close()
+
+
+@pytest.fixture
+def talker_done():
+    yield from running()
+
+
+@pytest.fixture
+def talker_done_among_many():
+    yield from running(before=200)
 
 
 def suspect(topo: Topology, replica_id: str, state: str = "SUSPECT", version: int = 2) -> None:
@@ -116,3 +127,37 @@ def test_a_lingering_replica_back_as_another_process_is_closed(talker_done):
     r = topo.replicas["s1r0"]
     topo.apply(TopologyEvent("UPDATED", [msgspec.structs.replace(r, state="READY", pid=2)], 3))
     assert talker.closed and "s1r0" not in orch._channels
+
+
+def test_a_stage_message_checks_the_requests_that_read_a_lingering_replica_not_every_request(
+        talker_done_among_many, monkeypatch):
+    """While a gone replica's channel stayed open, each stage message looked for its tensors in every request in
+    flight (500: 606 us a message, not 10, for up to request_timeout_s). Now the requests that read them are
+    found once, when it goes, and a message checks those that still may: counted, not timed."""
+    loop, orch, topo = talker_done_among_many
+    talker, thinker = orch._channels["s1r0"], orch._channels["s0r0"]
+    checked: list[str] = []
+    real = executor.reads_from
+    monkeypatch.setattr(executor, "reads_from", lambda state, rid: checked.append(state.rid) or real(state, rid))
+    suspect(topo, "s1r0")
+    assert not talker.closed and len(checked) <= 201 + 1        # the one look over all
+    checked.clear()
+    for k in range(100):
+        orch._on_stage_message(thinker, m.Output(request_id=f"q{k}", token_ids=[97]))
+    assert set(checked) == {"r1"} and len(checked) <= 100, len(checked)      # 100 x 201 before
+    assert not talker.closed
+    orch._on_stage_message(orch._channels["s2r0"], m.Output(request_id="r1", token_ids=[], finished=True))
+    assert frees(talker) == [1, 2] and talker.closed
+
+
+def test_a_request_a_lingering_replica_sends_to_is_watched(talker_done):
+    """Should the core keep a tensor a gone replica sends after it went, its channel stays open for that reader."""
+    loop, orch, topo = talker_done
+    talker = orch._channels["s1r0"]
+    suspect(topo, "s1r0")
+    gone = orch._lingering["s1r0"]
+    assert list(gone.readers) == ["r1"]
+    gone.readers.clear()        # as if r1 read nothing of it then
+    orch.core.handle = lambda event: []     # the core's answer does not matter here
+    orch._on_stage_message(talker, m.Output(request_id="r1/s1", token_ids=[]))
+    assert not talker.closed and list(gone.readers) == ["r1"]
