@@ -17,6 +17,8 @@ from omni._proto import master_pb2 as pb
 
 MAX_HOST_BYTES = 255                 # a DNS name's length
 MAX_VERSION_BYTES = 255
+MAX_INSTANCE_ID_BYTES = 64           # MasterClient sends a uuid4's 32 hex digits
+MAX_CONFIG_HASH_BYTES = 128          # omni.config.config_hash is 16 hex digits; room for a longer digest
 MAX_MAP_ENTRIES = 64                 # endpoints, capabilities
 MAX_ITEM_BYTES = 1024                # each key and each value of those
 MAX_REGISTRATION_BYTES = 8192        # host, version, endpoints and capabilities together
@@ -42,12 +44,14 @@ def _check_map(name: str, items: Mapping[str, str]) -> str | None:
 
 
 def registration_problem(host: str, version: str, endpoints: Mapping[str, str], capabilities: Mapping[str, str],
-                         config_json: str) -> str | None:
-    """What is too large in a RegisterRequest, naming the field; None when it fits."""
-    if _size(host) > MAX_HOST_BYTES:
-        return f"host: {_size(host)} bytes, at most {MAX_HOST_BYTES}"
-    if _size(version) > MAX_VERSION_BYTES:
-        return f"version: {_size(version)} bytes, at most {MAX_VERSION_BYTES}"
+                         config_json: str, instance_id: str = "", config_hash: str = "") -> str | None:
+    """What is too large in a RegisterRequest, naming the field; None when it fits. The instance id is kept in
+    each entry, and the first registrant's config_hash, when the master has none, goes out in every GetStatus."""
+    for name, text, cap in (("host", host, MAX_HOST_BYTES), ("version", version, MAX_VERSION_BYTES),
+                            ("instance_id", instance_id, MAX_INSTANCE_ID_BYTES),
+                            ("config_hash", config_hash, MAX_CONFIG_HASH_BYTES)):
+        if _size(text) > cap:
+            return f"{name}: {_size(text)} bytes, at most {cap}"
     for name, items in (("endpoints", endpoints), ("capabilities", capabilities)):
         problem = _check_map(name, items)
         if problem:
@@ -78,7 +82,7 @@ def extra_problem(extra: Mapping[str, float]) -> str | None:
 def parse_register(request: pb.RegisterRequest) -> tuple[dict | None, str | None]:
     """The request's pipeline config (None: it sent none), or what is wrong with the request, naming the field."""
     problem = registration_problem(request.host, request.version, request.endpoints, request.capabilities,
-                                   request.pipeline_config_json)
+                                   request.pipeline_config_json, request.instance_id, request.config_hash)
     if problem:   # every entry goes out whole in each GetStatus and topology snapshot
         return None, problem
     try:

@@ -49,6 +49,9 @@ def _refusal(fn) -> tuple[grpc.StatusCode, str]:
     ({"endpoints": {f"e{i}": "x" for i in range(65)}}, "endpoints: 65 entries, at most 64"),
     ({"capabilities": {f"c{i}": "x" * 1000 for i in range(9)}}, "endpoints and capabilities: 9"),
     ({"pipeline_config_json": '{"stages": [], "pad": "' + "x" * (1 << 20) + '"}'}, "pipeline_config_json: 1048"),
+    ({"instance_id": "i" * 65}, "instance_id: 65 bytes, at most 64"),      # kept in the entry
+    ({"instance_id": BIG}, "instance_id: 3145728 bytes"),
+    ({"config_hash": "c" * 129}, "config_hash: 129 bytes, at most 128"),
 ])
 def test_an_oversize_registration_is_refused_naming_the_field(master, fields, names):
     server, stub = master
@@ -59,11 +62,30 @@ def test_an_oversize_registration_is_refused_naming_the_field(master, fields, na
         assert c.get_status().replicas == []
 
 
+def test_a_config_hash_a_master_without_a_config_would_adopt_is_bounded():
+    """The first registrant's config_hash went out in every StatusResponse: 3 MiB of it passed gRPC's
+    default 4 MiB receive limit with the rest, so an older client's GetStatus failed."""
+    server = MasterServer(None, None, lease_ttl_s=5.0)
+    server.start()
+    try:
+        with MasterClient(server.address) as c:
+            with pytest.raises(BadRequest, match="config_hash: 3145728 bytes, at most 128"):
+                c.register("FRONTEND", config_hash=BIG, pipeline_config=CFG, host="h", pid=1)
+            status = c.get_status()
+            assert status.config_hash == "" and status.replicas == []
+            c.register("FRONTEND", config_hash=HASH, pipeline_config=CFG, host="h", pid=1)
+            assert c.get_status().config_hash == HASH
+    finally:
+        server.stop(grace=0.2)
+
+
 def test_what_a_real_stage_sends_is_well_inside():
     endpoints = {"channel": "tcp://203.0.113.200:45678", "local": "ipc:///tmp/omni-xxxxxxxx/stage-0-0.sock"}
     capabilities = {"can_sleep": "true", "engine": "vllm", "max_model_len": "32768", "max_prompt_len": "32768"}
+    client = MasterClient("127.0.0.1:1")        # its instance id, as it registers with it
     assert limits.registration_problem("node-17.cluster.example.internal", "0.1.0", endpoints, capabilities,
-                                       "{}" * 5000) is None
+                                       "{}" * 5000, client._instance_id, HASH) is None
+    client.close()
     from omni.metrics import BATCH_BUCKETS, BATCH_KEY, ENGINE_GAUGE, STEP_BUCKETS, STEP_KEY, Histogram
 
     extra = {k: 1.0 for k in ("steps", "step_s_total", "tensor_bytes_out", "tensor_bytes_in", "stalls",
