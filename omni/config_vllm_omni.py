@@ -44,6 +44,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from omni.config_legacy_runtime import apply_runtime
 from omni.errors import ConfigError
 
 # vllm-omni's bundled deploy names (its `pipeline:` keys, its deploy file stems) -> omni's bundled deploy.
@@ -361,14 +362,14 @@ def from_stage_args(data: dict[str, Any], source: str) -> dict[str, Any]:
     """A legacy stage config (`stage_args`) as a deploy overlay: runtime.devices -> devices,
     runtime.max_batch_size -> max_num_seqs, engine_args and default_sampling_params as they are; the
     topology it states (model_stage, engine_input_source, final_output) must be omni's pipeline's."""
-    unknown = sorted(set(data) - {"stage_args", "async_chunk"})
+    unknown = sorted(set(data) - {"stage_args", "async_chunk", "runtime"})
     if unknown:
         raise ConfigError(f"{source}: unknown top-level key(s) {', '.join(unknown)} in a stage config "
-                          "(it has stage_args and async_chunk)")
+                          "(it has stage_args, async_chunk and runtime)")
     entries = data["stage_args"]
     if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
         raise ConfigError(f"{source}: stage_args must be a list of stages")
-    out: dict[str, Any] = {k: v for k, v in data.items() if k != "stage_args"}
+    out: dict[str, Any] = {k: v for k, v in data.items() if k not in ("stage_args", "runtime")}
     stages, roles, dropped = [], {}, set()
     for e in entries:
         sid = e.get("stage_id")
@@ -410,6 +411,12 @@ def from_stage_args(data: dict[str, Any], source: str) -> dict[str, Any]:
     if dropped:
         note(source, f"{', '.join(sorted(dropped))}: vllm-omni's own classes and output kinds, ignored "
                      "(omni runs its own engine and processor for each stage)")
+    if "runtime" in data:
+        edges = {(i, sid) for sid, role in roles.items() if isinstance(role.get("inputs"), list)
+                 for i in role["inputs"] if isinstance(i, int)}
+        runtime_dropped = apply_runtime(data["runtime"], stages, edges, source)
+        if runtime_dropped:
+            note(source, f"runtime: {', '.join(runtime_dropped)}: dropped")
     out["stages"] = stages
     out[LEGACY_ROLES] = roles
     return out

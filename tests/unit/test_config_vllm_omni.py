@@ -259,6 +259,44 @@ def test_a_legacy_stage_config_that_is_not_omnis_pipeline_is_refused(tmp_path, c
     assert message in str(e.value)
 
 
+# vllm-omni's qwen2_5_omni.yaml (stage_configs, 2dfcb18) ends with this block.
+LEGACY_RUNTIME = """
+runtime:
+  enabled: true
+  defaults: {window_size: -1, max_inflight: 1}
+  edges:
+    - {from: 0, to: 1, window_size: -1}
+    - {from: 1, to: 2, window_size: -1}
+"""
+
+
+def test_a_legacy_stage_configs_runtime_block_is_read(tmp_path, capsys):
+    """The file was refused: "unknown top-level key(s) runtime in a stage config". max_inflight (requests a stage
+    holds at once) is max_num_seqs where a stage sets none; window_size -1 and enabled are named and dropped."""
+    c = cfg.load(QWEN25, write(tmp_path, LEGACY_QWEN25 + LEGACY_RUNTIME))
+    assert [s.engine_args["max_num_seqs"] for s in c.stages] == [3, 4, 1]    # the stages' own win
+    assert "runtime: enabled, window_size -1 (omni hands each stage's output on as it comes" in \
+        capsys.readouterr().err
+
+
+@pytest.mark.parametrize("change, message", [
+    (("window_size: -1, ", "window_size: 8, "), "runtime.defaults.window_size: 8 is not supported"),
+    (("- {from: 1, to: 2, window_size: -1}", "- {from: 1, to: 2, window_size: 4}"),
+     "runtime.edges[1].window_size: 4 is not supported"),
+    (("from: 1, to: 2", "from: 0, to: 2"), "runtime.edges[1]: 0 -> 2 is not an edge of stage_args"),
+    (("max_inflight: 1", "max_inflight: 0"), "runtime.defaults.max_inflight must be an integer >= 1, got 0"),
+    (("enabled: true", "enabled: yes-please"), "runtime.enabled must be true or false"),
+    (("enabled: true", "enabled: true\n  placement: x"), "runtime: unknown key(s) placement"),
+    (("max_inflight: 1}", "max_inflight: 1, batch_timeout: 10}"), "runtime.defaults: unknown key(s) batch_timeout"),
+])
+def test_a_legacy_runtime_value_omni_cannot_honour_is_refused_by_name(tmp_path, change, message):
+    text = LEGACY_RUNTIME.replace(*change)
+    assert text != LEGACY_RUNTIME
+    with pytest.raises(ConfigError) as e:
+        cfg.load(QWEN25, write(tmp_path, LEGACY_QWEN25 + text))
+    assert message in str(e.value)
+
+
 def test_a_legacy_stage_config_lists_every_stage(tmp_path):
     text = LEGACY_QWEN25.split("  - stage_id: 1")[0]
     with pytest.raises(ConfigError, match=r"stage_args lists stages \[0\]; omni's pipeline for this model has "
