@@ -17,6 +17,9 @@ class Unauthenticated(OmniError):
 # Trailing metadata of the master's RESOURCE_EXHAUSTED for a KV namespace at its limit (the caller's to fix);
 # gRPC's own (a message over the receive limit) and a registry at its limit are not the caller's.
 KV_FULL = ("omni-error", "kv-full")
+# An older master (before e7ea975) marks none: its KvFull messages, as the new one's, start so (omni/master/kv.py),
+# and gRPC's own ("Received message larger than max") and the registry's ("the master holds") do not.
+KV_FULL_TEXTS = ("kv namespace ", "the kv store ")
 
 
 def _kv_full(err: grpc.RpcError) -> bool:
@@ -48,7 +51,8 @@ def from_rpc_error(err: grpc.RpcError, address: str, streaming: bool = False) ->
         return BadRequest(details)
     if code is grpc.StatusCode.NOT_FOUND:
         return NotFound(details)
-    if code is grpc.StatusCode.RESOURCE_EXHAUSTED and not streaming and _kv_full(err):
+    if (code is grpc.StatusCode.RESOURCE_EXHAUSTED and not streaming
+            and (_kv_full(err) or details.startswith(KV_FULL_TEXTS))):
         return BadRequest(details)   # a KV namespace at its limit: the message names it (HTTP 400)
     name = code.name if code is not None else "UNKNOWN"
     return OmniError(f"omni master at {address}: {name}: {details}")

@@ -12,10 +12,12 @@ import pytest
 from omni._proto import master_pb2 as pb
 from omni._proto import master_pb2_grpc as pb_grpc
 from omni.errors import BadRequest, OmniError
-from omni.master import limits
+from omni.master import kv, limits
+from omni.master import server as server_mod
 from omni.master.client import AsyncMasterClient, MasterClient
 from omni.master.configdiff import hash_config
 from omni.master.errors import from_rpc_error
+from omni.master.kv import KvFull, KvStore, Limits
 from omni.master.registry import RegisterInput, Registry, RegistryFull, ReplicaState, Role
 from omni.master.server import MasterServer
 
@@ -186,6 +188,55 @@ def test_only_a_full_kv_namespace_is_the_callers_error():
                 await ac.close()
 
         asyncio.run(via_asyncio())
+    finally:
+        server.stop(grace=0.2)
+
+
+@pytest.mark.parametrize("details, callers", [
+    ("kv namespace 'voices' holds 1000 entries, the limit; delete some", True),
+    ("kv namespace 'jobs' holds 67108800 bytes; 300 more would pass its limit of 67108864", True),
+    ("the kv store holds 64 namespaces, the limit", True),
+    ("the kv store holds 268435400 bytes; 300 more would pass its limit of 268435456; delete some", True),
+    ("Received message larger than max (6291686 vs. 4194304)", False),
+    ("the master holds 256 FRONTEND entries (live and DEAD), the limit", False),
+])
+def test_a_full_kv_namespace_from_an_older_master_is_still_the_callers_error(details, callers):
+    """A master before e7ea975 marks no KvFull: in a rolling upgrade, a new frontend answered its full voices or
+    jobs namespace with a 500. Its messages are those of omni/master/kv.py; gRPC's own stays internal."""
+    err = from_rpc_error(_Err(grpc.StatusCode.RESOURCE_EXHAUSTED, details), "m:1")
+    assert isinstance(err, BadRequest) is callers and details in str(err)
+
+
+def test_every_kv_full_message_reads_as_the_callers_error_unmarked():
+    """Each KvFull text of kv.py starts as from_rpc_error looks for (kept in step with it)."""
+    store = KvStore(limits={"few": Limits(max_entries=1), "small": Limits(max_bytes=200)})
+    texts = []
+    for ns, key, value in (("few", "a", b""), ("few", "b", b""), ("small", "a", b"x" * 100),
+                           *((f"ns{i}", "k", b"") for i in range(kv.MAX_NAMESPACES))):
+        try:
+            store.put(ns, key, value)
+        except KvFull as e:
+            texts.append(str(e))
+    store._bytes["few"] = kv.MAX_TOTAL_BYTES        # the store's own byte limit
+    try:
+        store.put("small", "b", b"")
+    except KvFull as e:
+        texts.append(str(e))
+    assert len(texts) == 4, texts
+    for text in texts:
+        assert isinstance(from_rpc_error(_Err(grpc.StatusCode.RESOURCE_EXHAUSTED, text), "m:1"), BadRequest), text
+
+
+def test_an_unmarked_kv_full_through_the_client_is_a_400(monkeypatch):
+    monkeypatch.setattr(server_mod, "KV_FULL", ("omni-older", "1"))     # as a master before e7ea975 answers
+    server = MasterServer(CFG, HASH)
+    server.start()
+    try:
+        with MasterClient(server.address) as c:
+            for i in range(kv.MAX_NAMESPACES):
+                c.kv_put(f"ns{i}", "k", b"v")
+            with pytest.raises(BadRequest, match="the kv store holds 64 namespaces"):
+                c.kv_put("one-more", "k", b"v")
     finally:
         server.stop(grace=0.2)
 
