@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,3 +46,27 @@ def owned_tmp_dir(prefix: str = "omni-") -> str:
     with open(os.path.join(path, OWNER_FILE), "w") as f:
         f.write(str(os.getpid()))
     return path
+
+
+# Folders this process made that no exit of it may leave, os._exit included (where atexit runs nothing):
+# a stage stopped while its vLLM engine loads never reaches the engine's shutdown.
+_REMOVE_ON_EXIT: set[str] = set()
+
+
+def remove_on_exit(path: str) -> None:
+    """`path` is removed by remove_registered (the stage's exit paths call it) unless forgotten first."""
+    _REMOVE_ON_EXIT.add(path)
+
+
+def forget(path: str) -> None:
+    """Its owner removed `path` (or handed it on): no exit path needs to."""
+    _REMOVE_ON_EXIT.discard(path)
+
+
+def remove_registered() -> list[str]:
+    """Remove every folder registered with remove_on_exit; returns them."""
+    gone = sorted(_REMOVE_ON_EXIT)
+    for path in gone:
+        shutil.rmtree(path, ignore_errors=True)
+    _REMOVE_ON_EXIT.difference_update(gone)
+    return gone

@@ -119,7 +119,7 @@ def run_stage(config: DeployConfig, stage_id: int, opts: StageOptions,
     # The stage's `env` first, before anything here imports torch or vLLM (they read some variables as they
     # load) and before `devices` become CUDA_VISIBLE_DEVICES; the processes the engine starts inherit it.
     os.environ.update(config.stage(stage_id).env)
-    from omni import proctree
+    from omni import fsutil, proctree
 
     # Grandchildren orphaned by a dying child (vLLM's Worker) come back to us, not PID 1.
     proctree.become_subreaper()
@@ -131,6 +131,7 @@ def run_stage(config: DeployConfig, stage_id: int, opts: StageOptions,
         left = proctree.kill_descendants(grace_s=1.0, exclude=_own_helpers())
         if left:
             progress(f"stage {stage_id}: killed processes the engine left behind: {proctree.describe(left)}")
+        fsutil.remove_registered()   # what an engine that failed to load (or never shut down) made
         # Everything is released; what is left is the interpreter's exit, which joins the engine
         # library's threads (one waiting on a gone EngineCore held a stage past the launcher's 10 s).
         timer = threading.Timer(EXIT_WITHIN_S, os._exit, args=(code,))
@@ -150,7 +151,7 @@ def _stop_while_loading(stop: StopRequest, label: str) -> tuple[threading.Event,
     """A stop during the engine load ends the process at once: nothing is registered or served
     yet, and a load (vLLM: tens of seconds) does not look at the stop flag. The caller sets the
     event, under the lock, once the engine is loaded."""
-    from omni import proctree
+    from omni import fsutil, proctree
 
     loaded, lock = threading.Event(), threading.Lock()
 
@@ -162,6 +163,7 @@ def _stop_while_loading(stop: StopRequest, label: str) -> tuple[threading.Event,
                         return
                     progress(f"{label}: stopped while loading the engine")
                     proctree.kill_descendants(exclude=_own_helpers())
+                    fsutil.remove_registered()   # vLLM's ipc folder: the engine's shutdown never runs
                     os._exit(0)
     threading.Thread(target=watch, name="omni-stop-while-loading", daemon=True).start()
     return loaded, lock

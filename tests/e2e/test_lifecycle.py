@@ -211,7 +211,8 @@ def test_sigkill_of_a_vllm_stage_while_a_child_bootstraps_leaves_no_process_behi
     assert res["orphans"] == [], f"alive 5 s after the stage was SIGKILLed: {res['orphans']}"
 
 
-def launcher_tmp(pid: int) -> list[str]:
+def launcher_tmp(pid: int, owners=None) -> list[str]:
+    """The omni-* temp folders `pid` owns (`owners`: a test of the owner's pid instead)."""
     import glob
     import tempfile
 
@@ -221,11 +222,21 @@ def launcher_tmp(pid: int) -> list[str]:
     for d in glob.glob(os.path.join(tempfile.gettempdir(), "omni-*")):
         try:
             with open(os.path.join(d, OWNER_FILE)) as f:
-                if f.read().strip() == str(pid):
-                    out.append(d)
+                owner = f.read().strip()
         except OSError:
-            pass
+            continue
+        if (owners(int(owner)) if owners and owner.isdigit() else owner == str(pid)):
+            out.append(d)
     return out
+
+
+def in_session(sid: int):
+    def test(pid: int) -> bool:
+        try:
+            return os.getsid(pid) == sid
+        except OSError:
+            return False
+    return test
 
 
 @pytest.mark.vllm
@@ -240,6 +251,8 @@ def test_a_launcher_stopped_while_a_vllm_stage_loads_leaves_nothing(how):
         assert p.proc.poll() is None, p.output()
         tmp = launcher_tmp(sid)
         assert len(tmp) == 1, tmp
+        ipc = [d for d in launcher_tmp(sid, owners=in_session(sid)) if d not in tmp]   # the stage's, for vLLM
+        assert len(ipc) == 1, ipc
         t0 = time.monotonic()
         if how == "ctrl-c":
             p.interrupt(30)
@@ -249,6 +262,7 @@ def test_a_launcher_stopped_while_a_vllm_stage_loads_leaves_nothing(how):
             assert "did not stop" not in said and "Traceback" not in said, p.output()
             assert "stopped while loading the engine" in said, p.output()
             assert not os.path.exists(tmp[0])
+            assert not os.path.exists(ipc[0]), os.listdir(ipc[0])   # no engine shutdown ran: the stage's exit
         else:
             os.kill(sid, signal.SIGKILL)
             p.proc.wait(10)

@@ -54,7 +54,8 @@ def split_engine_args(label: str, args: dict[str, Any]) -> tuple[dict[str, Any],
 
 def prepare_env(num_threads: int | None, cpu: bool, kv_bytes_given: bool = False) -> str | None:
     """Environment the EngineCore process inherits; user-set values win. Returns the folder made for
-    vLLM's ipc sockets (None: the user chose one), which the engine removes at shutdown."""
+    vLLM's ipc sockets (None: the user chose one), which the engine removes at shutdown, and the stage's
+    exit (fsutil.remove_registered) where the engine never got that far."""
     for k, v in ENV_DEFAULTS.items():
         os.environ.setdefault(k, v)
     rpc_dir = None
@@ -63,7 +64,7 @@ def prepare_env(num_threads: int | None, cpu: bool, kv_bytes_given: bool = False
         # stop (its processes end without closing them): a folder of this stage's own instead.
         import shutil
 
-        from omni.fsutil import owned_tmp_dir
+        from omni.fsutil import owned_tmp_dir, remove_on_exit
 
         rpc_dir = owned_tmp_dir()
         if len(rpc_dir) + 1 + 36 > IPC_PATH_MAX:   # vLLM names a socket DIR/<uuid4>: a long TMPDIR's won't bind
@@ -71,6 +72,7 @@ def prepare_env(num_threads: int | None, cpu: bool, kv_bytes_given: bool = False
             rpc_dir = None
         else:
             os.environ["VLLM_RPC_BASE_PATH"] = rpc_dir
+            remove_on_exit(rpc_dir)   # a stop or failure mid-load never reaches the engine's shutdown
     if not cpu:
         return rpc_dir
     for k, v in CPU_ENV_DEFAULTS.items():

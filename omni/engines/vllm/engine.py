@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from omni import latency_trace
+from omni import fsutil, latency_trace
 from omni.config import DeployConfig, StageConfig
 from omni.engines.vllm import mm as vllm_mm
 # The args helpers are imported from here by the factory, benchmarks and tests.
@@ -442,6 +442,7 @@ class VllmEngine(Engine):
         self._core_steps.close()
         if self._rpc_dir is not None:   # vLLM's ipc sockets, which its processes leave behind
             shutil.rmtree(self._rpc_dir, ignore_errors=True)
+            fsutil.forget(self._rpc_dir)
             # A later engine of this process makes a folder of its own (it named this one, now gone).
             if os.environ.get("VLLM_RPC_BASE_PATH") == self._rpc_dir:
                 del os.environ["VLLM_RPC_BASE_PATH"]
