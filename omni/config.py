@@ -26,8 +26,8 @@ import yaml
 from omni import config_vllm_omni as vllm_omni
 from omni.config_checks import check_pipeline, check_sampling, check_yaml_shape, yaml_sections
 from omni.config_merge import deep_merge, merge_configs
-from omni.config_stage_checks import (check_connector_edge, check_engine_args, check_stage_override, normalise_stages,
-                                      unused_engine_arg)
+from omni.config_stage_checks import (blame_override, check_connector_edge, check_engine_args, check_stage_override,
+                                      normalise_stages, unused_engine_arg)
 from omni.errors import ConfigError
 # The config types of the image and video routes, kept where the rest of the deploy config is found.
 from omni.media_settings import ImageSettings, PromptExpansion, VideoSettings, validate_images  # noqa: F401
@@ -457,7 +457,12 @@ def load(
     vllm_omni.apply_carried(data, async_chunk, source)
     data["model"] = model   # the CLI's MODEL names the weights; the YAML the shape
     if stage_overrides:
-        data = apply_stage_overrides(data, stage_overrides)
+        base, data = data, apply_stage_overrides(data, stage_overrides)
+        try:
+            return parse(data, source=str(path))
+        except ConfigError as e:
+            parse(base, source=str(path))   # the YAML's own error stays the YAML's
+            raise blame_override(e, str(path), data.get("stages") or []) from None
     return parse(data, source=str(path))
 
 

@@ -35,7 +35,8 @@ from omni.config_checks import SAMPLING_RANGES
 from omni.errors import ConfigError
 
 __all__ = ["COUNT_ARGS", "FRAME_ARGS", "HUMAN_INTS", "RESERVED_ENV", "SERVING_ONLY_ARGS", "SUBTALKER", "SUBTALKER_ENGINES",
-           "check_connector_edge", "check_counts", "check_engine_args", "check_stage_override", "check_subtalker", "human_int",
+           "blame_override", "check_connector_edge", "check_counts", "check_engine_args", "check_stage_override",
+           "check_subtalker", "human_int",
            "normalise_devices", "normalise_env", "normalise_human_ints", "normalise_stages", "unused_engine_arg"]
 
 DEVICE_FORMS = "'cpu' or GPU indices into the visible GPUs: \"0\", \"0,1\" (or \"cuda:0,cuda:1\")"
@@ -252,6 +253,23 @@ def check_stage_override(stage: dict[str, Any], patch: dict[str, Any], fields: s
     nested = patch.get("engine_args")
     args = {**{k: v for k, v in patch.items() if k not in fields}, **(nested if isinstance(nested, dict) else {})}
     check_engine_args(args, str(stage.get("engine")), f"{where}.engine_args")
+
+
+def blame_override(error: ConfigError, source: str, stages: list) -> ConfigError:
+    """`error`, a refusal of the deploy as --stage-overrides patched it where the deploy alone passes, named by
+    the flag and the key path (stages[ID].key), not the YAML it patched (`source`); `stages`: the patched list."""
+    text = str(error).removeprefix(f"{source}: ")
+    found = re.fullmatch(r"(.*) - at `(.*)`", text, re.DOTALL)    # msgspec's, as config._yaml_path shows it
+    if found:
+        what, path = found.groups()
+        unknown = re.fullmatch(r"Object contains unknown field `(.*)`", what, re.DOTALL)
+        if unknown:
+            what, path = "unknown field", f"{path}.{unknown[1]}"
+        at = re.match(r"stages\[(\d+)\]", path)
+        if at and int(at[1]) < len(stages) and isinstance(stages[int(at[1])], dict):   # index -> stage id
+            path = f"stages[{stages[int(at[1])].get('stage_id')}]{path[at.end():]}"
+        text = f"{path}: {what}"
+    return ConfigError(f"--stage-overrides: {text}")
 
 
 def check_subtalker(value: Any, where: str) -> dict[str, Any]:

@@ -81,6 +81,27 @@ def test_devices_are_normalised_wherever_they_are_set(tmp_path, monkeypatch):
         load(tmp_path, THREE, "overrides.yaml", stage_overrides={"1": {"devices": "gpu1"}})
 
 
+@pytest.mark.parametrize("overrides, message", [
+    ({"0": {"default_sampling_params": {"max_tokns": 3}}},
+     "--stage-overrides: stages[0].default_sampling_params.max_tokns: unknown field"),
+    ({"2": {"default_sampling_params": {"max_tokens": "x"}}},
+     "--stage-overrides: stages[2].default_sampling_params.max_tokens: Expected `int | null`, got `str`"),
+    ({"0": {"final_output": "yes"}}, "--stage-overrides: stages[0].final_output: Expected `bool`, got `str`"),
+])
+def test_a_refused_stage_override_names_the_flag_not_the_yaml(tmp_path, overrides, message):
+    """It blamed the deploy YAML it patched: "omni/deploy/smollm2-135m-instruct.yaml: Object contains unknown
+    field `max_tokns` - at `stages[0].default_sampling_params`"."""
+    with pytest.raises(ConfigError) as e:
+        load(tmp_path, THREE, stage_overrides=overrides)
+    assert str(e.value) == message
+
+
+def test_the_yamls_own_error_still_names_the_yaml_under_stage_overrides(tmp_path):
+    text = THREE.replace("engine: a,", "engine: a, final_output: maybe,")
+    with pytest.raises(ConfigError, match=r"d\.yaml: Expected `bool`, got `str` - at `stages\[1\]\.final_output`"):
+        load(tmp_path, text, stage_overrides={"0": {"default_sampling_params": {"max_tokens": 3}}})
+
+
 def test_devices_null_over_a_base_leaves_the_visible_gpus_alone(tmp_path, monkeypatch):
     monkeypatch.setenv("OMNI_PLATFORM", "cuda")
     (tmp_path / "base.yaml").write_text(THREE.replace("inputs: [0]}", "inputs: [0], devices: '1'}"))
