@@ -73,3 +73,31 @@ def test_sleep_cycle_rebuilds_the_static_state(folder, france):
     assert engine._static is not None and engine._static is not old
     got = drive(engine, {"a": talker_pieces(france, "a", "chelsie", True, TALKER_TOKENS)})["a"]
     assert torch.equal(_codes(got), france.codes)
+
+
+@pytest.mark.parametrize("path", ["static", "eager"])
+def test_a_stream_ended_short_of_rows_after_prefill_is_an_error(engines, france, path):
+    """The final piece came after the prefill but the rows of generated ids 1.. never did: the request ends
+    with an error naming the rows (its slot freed), as the same shortage before the prefill does; it hung
+    open (not ready, never stepped) until request_timeout_s."""
+    from omni.engines.base import EngineRequest, SamplingParams
+
+    engine = engines[0] if path == "static" else engines[1]
+    n = len(france.prompt)
+    gen = france.generated
+    assert len(gen) > 3
+    engine.add_request(EngineRequest(request_id="short", prompt_token_ids=france.prompt, voice="chelsie",
+                                     tensors={"thinker_hidden": france.hidden[:n + 1]}, generated_ids=gen[:2],
+                                     final=False, sampling=SamplingParams(max_tokens=50)))
+    outs = list(engine.step())         # the prefill (and its first code)
+    assert engine.has_open_streams()
+    engine.add_request(EngineRequest(request_id="short", generated_ids=gen[2:], final=True))
+    assert engine.has_unfinished()     # the worker steps it: a step ends it
+    for _ in range(10):
+        outs += engine.step()
+        if outs and outs[-1].finished:
+            break
+    last = outs[-1]
+    assert last.finished and last.finish_reason == "error", outs
+    assert f"ended with {n + 1} thinker_hidden row(s)" in last.error and f"needs {n + 2}" in last.error
+    assert not engine.has_open_streams() and (engine._static is None or engine._static.owner == [])

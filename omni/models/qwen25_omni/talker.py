@@ -196,10 +196,19 @@ class Qwen25TalkerEngine(Qwen3TalkerEngine):
         return (r.cache is not None and r.done is None and r.next_codec is not None
                 and self._next_text(r) is not None)
 
+    def _starved(self, r: _Req25) -> int | None:
+        """The thinker_hidden rows a request needs that its ended stream never brought (None: not starved)."""
+        if not r.final:
+            return None
+        if r.cache is None:
+            return None if self._prefill_ready(r) else len(r.prompt) + 1
+        # after the final piece None only for the next text row (index n + step + 1) that never came
+        return None if self._next_text(r) is not None else len(r.prompt) + r.step + 2
+
     def _ready(self, r: _Req25) -> bool:
         if r.done is not None or self._no_audio(r):
             return True
-        if r.final and r.cache is None and not self._prefill_ready(r):
+        if self._starved(r) is not None:
             return True       # will end with an error: the rows never came
         return self._can_prefill(r) or self._can_decode(r)
 
@@ -208,9 +217,10 @@ class Qwen25TalkerEngine(Qwen3TalkerEngine):
             return
         if self._no_audio(r):
             r.done = "stop"
-        elif r.final and r.cache is None and not self._prefill_ready(r):
-            r.done, r.error = "error", (f"request {r.rid}: the thinker's stream ended with {r.n_rows} "
-                                        f"thinker_hidden row(s); the prefill needs {len(r.prompt) + 1}")
+        elif (need := self._starved(r)) is not None:
+            what = "the prefill" if r.cache is None else f"decode step {r.step + 1}"
+            r.done, r.frames, r.error = "error", [], (f"request {r.rid}: the thinker's stream ended with {r.n_rows} "
+                                                      f"thinker_hidden row(s); {what} needs {need}")
 
     def _project(self, x: torch.Tensor) -> torch.Tensor:
         return self.talker.thinker_to_talker_proj(x)

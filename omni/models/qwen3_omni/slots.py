@@ -60,6 +60,7 @@ class SlotRunner:
         for r in list(e._reqs.values()):
             self.settle(r)
             if r.done is not None:
+                self.release(r)       # settled in its slot (Qwen2.5: a row that never came)
                 continue
             if r.slot is not None:
                 if e._can_decode(r):
@@ -157,7 +158,7 @@ class SlotRunner:
     # -- the talker's part ----------------------------------------------------------
 
     def settle(self, r) -> None:
-        """End a request that will never need a slot (the engine says when)."""
+        """End a request that will never need a slot, or can never step again in one (the engine says when)."""
         self.engine._settle(r)
 
     def inputs(self, r) -> list[int]:
