@@ -206,10 +206,12 @@ def deploy_config_path(name: str) -> Path:
     """--deploy-config: a YAML file, or the name of a bundled one (`qwen3-omni-moe-thinker-only`)."""
     path = Path(name)
     if path.exists() or path.suffix in (".yaml", ".yml") or os.sep in name:
-        return path
+        return vllm_omni.vllm_omni_deploy(name) or path
     bundled = DEPLOY_DIR / f"{name}.yaml"
     if bundled.is_file():
         return bundled
+    if name in vllm_omni.BUNDLED:
+        return vllm_omni.vllm_omni_deploy(name)
     known = ", ".join(sorted(p.stem for p in DEPLOY_DIR.glob("*.yaml")))
     raise ConfigError(f"--deploy-config: {name!r} is neither a file nor a bundled deploy config ({known})")
 

@@ -79,6 +79,23 @@ def bundled_path(name: str | Path) -> Path | None:
     return DEPLOY_DIR / f"{BUNDLED[stem]}.yaml" if stem in BUNDLED else None
 
 
+def vllm_omni_deploy(name: str) -> Path | None:
+    """--deploy-config as vllm-omni's docs write it (vllm_omni/deploy/qwen3_omni_moe.yaml) where no such file is:
+    omni's bundled deploy for it, with a note; a vllm-omni file omni has none for is refused, listing what it has."""
+    path = Path(name)
+    if path.exists() or (path.stem not in BUNDLED and "vllm_omni" not in path.parts):
+        return None
+    ours = bundled_path(path)
+    if ours is None:
+        from omni.config import DEPLOY_DIR
+
+        raise ConfigError(f"--deploy-config: {name}: no such file, and omni has no variant like vllm-omni's "
+                          f"{path.name} (vllm-omni's names it reads: {', '.join(f'{k}.yaml' for k in BUNDLED)}; "
+                          f"its own: {', '.join(sorted(p.stem for p in DEPLOY_DIR.glob('*.yaml')))})")
+    note("--deploy-config", f"{name} is vllm-omni's bundled deploy; omni's {ours.stem} stands for it")
+    return ours
+
+
 def note(source: str, text: str) -> None:
     """One line on stderr, once per process (the CLI loads the config more than once)."""
     line = f"omni: {source}: {text}"

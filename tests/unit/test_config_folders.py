@@ -92,6 +92,31 @@ def test_unknown_bundled_name_lists_the_known_ones():
         cfg.load("Qwen/Qwen3-Omni-30B-A3B-Instruct", deploy_config="no-such-pipeline")
 
 
+@pytest.mark.parametrize("name, ours", [
+    ("vllm_omni/deploy/qwen3_omni_moe.yaml", "qwen3-omni-moe"),       # as vllm-omni's docs write it
+    ("qwen3_omni_moe_thinker_only.yaml", "qwen3-omni-moe-thinker-only"),
+    ("qwen3_omni_moe_thinker_only", "qwen3-omni-moe-thinker-only"),
+])
+def test_vllm_omnis_bundled_deploy_paths_are_omnis_bundled_deploys(tmp_path, monkeypatch, capsys, name, ours):
+    """They failed: "file not found: /work/main/qwen3_omni_moe.yaml", while base_config: qwen3_omni_moe.yaml
+    mapped to omni's file."""
+    monkeypatch.chdir(tmp_path)
+    assert cfg.deploy_config_path(name) == cfg.DEPLOY_DIR / f"{ours}.yaml"
+    assert f"{name} is vllm-omni's bundled deploy; omni's {ours} stands for it" in capsys.readouterr().err
+    (tmp_path / "qwen3_omni_moe.yaml").write_text("stages: []\n")    # a file of that name is the user's
+    assert str(cfg.deploy_config_path("qwen3_omni_moe.yaml")) == "qwen3_omni_moe.yaml"
+
+
+def test_a_vllm_omni_deploy_omni_has_no_variant_of_is_refused_listing_what_it_has(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as e:
+        cfg.deploy_config_path("vllm_omni/deploy/qwen3_omni_moe_multi_replicas.yaml")
+    assert "no variant like vllm-omni's qwen3_omni_moe_multi_replicas.yaml" in str(e.value)
+    assert "qwen3_omni_moe.yaml" in str(e.value) and "qwen3-omni-moe-1gpu" in str(e.value)
+    with pytest.raises(ConfigError, match="file not found"):      # any other missing file: as before
+        cfg.load("Qwen/Qwen3-Omni-30B-A3B-Instruct", "configs/mine.yaml")
+
+
 def test_bad_platforms_section_names_the_key(tmp_path, monkeypatch):
     monkeypatch.setenv("OMNI_PLATFORM", "cpu")
     p = tmp_path / "d.yaml"
