@@ -137,6 +137,9 @@ def build_engine(config, stage):     # where the engine would load: devices are 
 
 if __name__ == "__main__":
     proctree.become_subreaper = first_thing_after_env
+    from omni.stage import gpus
+
+    gpus.visible_gpus = lambda: (1, None)   # the platform is cuda here (OMNI_PLATFORM): the pinned GPU is there
     config = loads_json(open(sys.argv[1]).read())
     rc = stage_main.run_stage(config, 1, stage_main.StageOptions(master_address="127.0.0.1:9"))
     print(json.dumps({"rc": rc, **seen}))
