@@ -11,7 +11,7 @@ from typing import Any
 
 from omni.errors import ConfigError
 
-__all__ = ["PIPELINE_SECONDS", "SAMPLING_RANGES", "check_pipeline", "check_sampling", "check_yaml_shape",
+__all__ = ["PIPELINE_SECONDS", "SAMPLING_RANGES", "TALKER_REFUSED", "check_pipeline", "check_sampling", "check_yaml_shape",
            "yaml_sections"]
 
 # Seconds the pipeline waits on something; each must be a finite number > 0.
@@ -33,6 +33,12 @@ SAMPLING_RANGES = {
     "noise_w_scale": (lambda v: 0.0 <= v < math.inf, "finite and >= 0"),
 }
 
+# A talker engine's own sampling (default_sampling_params, a sampling_params_list entry) it cannot honour:
+# refused by name (config load, the frontend, the engine), never ignored; 0 (off) passes.
+_CODEC_PENALTY = "omni's talker penalises repeated codes with repetition_penalty only (as transformers' talker)"
+TALKER_REFUSED = {engine: {"presence_penalty": _CODEC_PENALTY, "frequency_penalty": _CODEC_PENALTY}
+                  for engine in ("qwen3_talker", "qwen25_talker")}
+
 
 def check_pipeline(pipeline: Any, source: str) -> None:
     for key in PIPELINE_SECONDS:
@@ -50,8 +56,12 @@ def check_pipeline(pipeline: Any, source: str) -> None:
                           f"got {pipeline.max_speech_chars}")
 
 
-def check_sampling(overrides: Any, where: str) -> None:
-    """A stage's default_sampling_params, range-checked as a request's own values are."""
+def check_sampling(overrides: Any, where: str, engine: str | None = None) -> None:
+    """A stage's default_sampling_params, range-checked as a request's own values are; `engine`: the
+    stage's, whose refused parameters (TALKER_REFUSED) are refused here too."""
+    for key, why in TALKER_REFUSED.get(engine or "", {}).items():
+        if getattr(overrides, key, None):
+            raise ConfigError(f"{where}.default_sampling_params.{key} is not supported by {engine}: {why}")
     for key, v in overrides.set().items():
         ok, wanted = SAMPLING_RANGES.get(key, (None, ""))
         if ok is not None and not ok(v):

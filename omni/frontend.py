@@ -19,6 +19,7 @@ from typing import Sequence
 
 from omni import latency_trace
 from omni.config import DeployConfig
+from omni.config_checks import TALKER_REFUSED
 from omni.errors import OmniError
 from omni.heap import freeze_after_startup
 
@@ -56,6 +57,12 @@ def refused_sampling(config: DeployConfig) -> dict[str, str]:
                                       "vLLM's speculative decoding, which takes no logit_bias"}
             return {}
     return {}
+
+
+def refused_stage_sampling(config: DeployConfig) -> dict[int, dict[str, str]]:
+    """Per later stage, what its engine refuses in a sampling_params_list entry (a talker's presence and
+    frequency penalties): a 400 naming the entry's field before the thinker runs, not the talker's error."""
+    return {s.stage_id: TALKER_REFUSED[s.engine] for s in config.stages if s.engine in TALKER_REFUSED}
 
 
 def model_context(model: str | None) -> int | None:
@@ -297,6 +304,7 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
             **_sampling_defaults(config),
         )
         app.state.frontend.refused_sampling = refused_sampling(config)
+        app.state.frontend.refused_stage_sampling = refused_stage_sampling(config)
         entry = next((s.stage_id for s in config.stages if "prompt" in s.inputs), None)
         if max_model_len is None and entry is not None:   # the head's own --max-model-len stays
             follow_context(app.state.frontend, topology, entry)

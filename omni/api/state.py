@@ -111,6 +111,8 @@ class FrontendState:
         self.sampling_defaults = sampling_defaults or SamplingOverrides()
         # param -> why this pipeline's prompt stage cannot take it (set by omni/frontend.py)
         self.refused_sampling: dict[str, str] = {}
+        # stage id -> {param: why} its engine refuses in a sampling_params_list entry (set by omni/frontend.py)
+        self.refused_stage_sampling: dict[int, dict[str, str]] = {}
         # Audio out through chat: a pipeline with an audio stage (a speech entry implies one).
         self.audio_out = speech_entry_stage is not None if audio_out is None else audio_out
         # The model's own speakers (Qwen3-Omni: chelsie, ethan, aiden), matched in any case;
@@ -292,6 +294,10 @@ class FrontendState:
                           repetition_penalty=e.repetition_penalty, ignore_eos=e.ignore_eos,
                           stop_token_ids=tuple(e.stop_token_ids))
             if i > 0:
+                for name, why in self.refused_stage_sampling.get(i, {}).items():
+                    if getattr(e, name):
+                        raise bad_request(f"{where}.{name} is not supported by stage {i}: {why}",
+                                          param=f"{where}.{name}")
                 if cap is not None and e.max_tokens is not None and e.max_tokens > cap:
                     raise bad_request(f"{where}.max_tokens={e.max_tokens} is above this server's limit of {cap}",
                                       param=f"{where}.max_tokens")

@@ -47,3 +47,20 @@ def test_stage_sampling_defaults_get_the_apis_ranges(tmp_path, key, value, wante
     with pytest.raises(ConfigError, match=rf"stages\[0\]\.default_sampling_params\.{key} must be {wanted}"):
         load(tmp_path, stages)
 
+
+
+@pytest.mark.parametrize("engine, refused", [("qwen3_talker", True), ("qwen25_talker", True), ("piper_talker", False),
+                                             (None, False)])
+def test_a_talkers_presence_and_frequency_penalties_are_refused_by_key(engine, refused):
+    """A Qwen-Omni talker has no presence/frequency penalty: its default_sampling_params naming one (not 0) is
+    refused naming the key, as the talker refuses it; other stages keep the range check alone."""
+    from omni.config_checks import check_sampling
+    from omni.sampling import SamplingOverrides
+
+    for key in ("presence_penalty", "frequency_penalty"):
+        check_sampling(SamplingOverrides(**{key: 0.0}), "stages[1]", engine)
+        if refused:
+            with pytest.raises(ConfigError, match=rf"stages\[1\]\.default_sampling_params\.{key} is not supported by"):
+                check_sampling(SamplingOverrides(**{key: 0.5}), "stages[1]", engine)
+        else:
+            check_sampling(SamplingOverrides(**{key: 0.5}), "stages[1]", engine)

@@ -66,3 +66,13 @@ def test_logit_bias_is_refused_where_the_thinker_captures_hidden_states(tmp_path
     got = refused_sampling(config)
     assert set(got) == ({"logit_bias"} if refused else set())
     assert not refused or "speculative decoding" in got["logit_bias"]
+
+
+@pytest.mark.parametrize("deploy, talker", [("qwen3-omni-moe", 1), ("qwen2.5-omni-7b", 1), ("qwen3-omni-moe-thinker-only", None)])
+def test_a_talkers_refused_sampling_is_named_for_its_stage(tmp_path, monkeypatch, deploy, talker):
+    from omni.frontend import refused_stage_sampling
+
+    monkeypatch.setenv("OMNI_PLATFORM", "cuda")
+    got = refused_stage_sampling(C.load(_folder(tmp_path, "m", 4096), deploy))
+    assert got == ({} if talker is None else {talker: {"presence_penalty": got[talker]["presence_penalty"],
+                                                       "frequency_penalty": got[talker]["frequency_penalty"]}})

@@ -171,3 +171,16 @@ async def test_the_voice_at_the_top_level_as_vllm_omni_takes_it(tokenizer):
     assert_error(r, 400, param="audio.voice", contains="audio.voice and speaker name different voices")
     r = await c.post("/v1/chat/completions", json=chat_body(speaker="uncle_fu"))
     assert_error(r, 404, contains="voice `uncle_fu` does not exist; available: ethan, chelsie")
+
+
+async def test_a_talker_entrys_presence_or_frequency_penalty_is_a_400_naming_it(tokenizer):
+    """The Qwen-Omni talkers take no presence/frequency penalty: an entry setting one for stage 1 is refused by
+    its path before the thinker runs (it was passed on and ignored); 0 (off) and the thinker's own pass."""
+    orch, c = make(tokenizer, num_stages=3)
+    c._transport.app.state.frontend.refused_stage_sampling = {1: {"presence_penalty": "codes", "frequency_penalty": "x"}}
+    for field in ("presence_penalty", "frequency_penalty"):
+        r = await c.post("/v1/chat/completions", json=chat_body(sampling_params_list=[{}, {field: 0.5}]))
+        assert_error(r, 400, param=f"sampling_params_list[1].{field}", contains="not supported by stage 1")
+    assert orch.requests == []
+    for entries in ([{}, {"presence_penalty": 0.0}], [{"presence_penalty": 0.5}, {}], [{}, {}, {"presence_penalty": 1}]):
+        assert (await c.post("/v1/chat/completions", json=chat_body(sampling_params_list=entries))).status_code == 200

@@ -17,7 +17,7 @@ marks the last piece.
   later pieces  generated ids (delta) in `generated_ids` or `prompt_token_ids`, including
                 the thinker's EOS if it stopped on it; ids after that EOS are ignored.
 Sampling: `request.overrides` over `request.sampling` as the Qwen3 talker (temperature <= 0 greedy; top_k,
-top_p, seed -> the request's own uniforms; max_tokens = transformers' talker_max_new_tokens);
+top_p, seed -> the request's own uniforms; max_tokens = transformers' talker_max_new_tokens; min_tokens, ignore_eos);
 repetition penalty 1.05 over the codec prompt ids and the codes so far; codec bos suppressed;
 codec eos or pad ends the utterance. Output `tensors["codes"]` int64 [1, n] per chunk.
 `codec_rows`: add the codec pad / bos embeddings to the last two prefill rows as the original
@@ -38,6 +38,7 @@ from omni.models.qwen3_omni.codes import Pick, pick, repetition_penalty
 from omni.models.qwen3_omni.sampling import Uniforms
 from omni.models.qwen25_omni.static_step import TEXT, TTS_EOS, TTS_PAD, static_runner25
 from omni.models.qwen3_omni.talker import Qwen3TalkerEngine, TalkerRequest
+from omni.models.qwen3_omni.talker_sampling import end_mask, hold_ends
 
 DEFAULT_SPEAKER = "chelsie"     # transformers' generate() default
 
@@ -77,6 +78,7 @@ class Qwen25TalkerEngine(Qwen3TalkerEngine):
         self.stop_codes = self.codec_stops = {self.ids.codec_eos, self.ids.codec_pad}
         self._suppress = torch.zeros(self.talker.codebook_size, dtype=torch.bool, device=self.device)
         self._suppress[self.ids.codec_bos] = True
+        self._ends = end_mask(self.talker.codebook_size, self.codec_stops, self.device)
         with torch.no_grad():
             rows = self.embed[[self.ids.tts_eos, self.ids.tts_pad]]
         self._tts = (None, rows[0], rows[1])
@@ -124,9 +126,10 @@ class Qwen25TalkerEngine(Qwen3TalkerEngine):
         th = self.config.thinker_config
         if any(t in (th.image_token_index, th.video_token_index) for t in prompt):
             raise EngineError(f"request {rid}: image/video prompts need 3-D talker positions (not supported)")
-        temperature, top_k, top_p, max_tokens, penalty, seed = self._sampling(req, rid)
-        code0 = Pick(temperature, top_k, top_p)
-        r = _Req25(rid, prompt, 0, None, code0, None if code0.greedy else Uniforms(seed, 1), penalty, max_tokens)
+        s = self._sampling(req)
+        code0 = Pick(s.temperature, s.top_k, s.top_p)
+        r = _Req25(rid, prompt, 0, None, code0, None if code0.greedy else Uniforms(s.seed, 1), s.penalty,
+                   s.max_tokens, s.min_tokens)
         r.speaker_bos = self.speakers[name]
         # transformers' repetition penalty also sees the talker's prompt ids (mask x n, pad, bos)
         r.history = [self.ids.codec_mask, self.ids.codec_pad, self.ids.codec_bos]
@@ -234,8 +237,8 @@ class Qwen25TalkerEngine(Qwen3TalkerEngine):
         emb = self.talker.get_input_embeddings()
         for r, row in zip(chosen, logits):
             row = repetition_penalty(row, r.history, r.penalty)
-            row = row.masked_fill(self._suppress, float("-inf"))
             frame = len(r.history) - 3      # the 3 prompt codes first
+            row = hold_ends(row.masked_fill(self._suppress, float("-inf")), frame, r.min_tokens, self._ends)
             code = pick(row, r.code0, None if r.uniforms is None else r.uniforms.rows(frame + 1)[-1, 0])
             r.history.append(code)
             if code in self.stop_codes:

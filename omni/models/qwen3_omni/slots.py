@@ -153,7 +153,7 @@ class SlotRunner:
         c = r.code0
         u = None if r.uniforms is None else r.uniforms.rows(min(r.max_tokens, self.dev.length))
         return self.dev.admit(r.slot, x, penalty=r.penalty, temperature=c.temperature, top_k=c.top_k,
-                              top_p=c.top_p, max_tokens=r.max_tokens, uniforms=u, **extra)
+                              top_p=c.top_p, max_tokens=r.max_tokens, uniforms=u, min_tokens=r.min_tokens, **extra)
 
     # -- the talker's part ----------------------------------------------------------
 

@@ -39,7 +39,7 @@ class SlotState:
         self.frame = torch.zeros(slots, dtype=torch.long, **z)           # code 0s chosen so far
         self.seen = torch.zeros((slots, vocab), dtype=torch.bool, **z)
         self.fparams = torch.zeros((slots, 3), **z)                      # penalty, temperature, top_p
-        self.iparams = torch.zeros((slots, 2), dtype=torch.long, **z)    # top_k, max_tokens
+        self.iparams = torch.zeros((slots, 3), dtype=torch.long, **z)    # top_k, max_tokens, min_tokens
         self.uniforms = torch.zeros((slots, length, groups), **z)
         self.codec_next = torch.zeros((slots, hidden), dtype=dtype, **z)
         self.inputs = torch.zeros((inputs + 1, slots), dtype=torch.long, **z)   # per row: inputs, then steps (0/1)
@@ -49,9 +49,12 @@ class SlotState:
         self.positions = torch.arange(length, **z)
         self.suppress = suppress
         self.stop = torch.tensor(stop_ids, dtype=torch.long, **z)
+        self.ends = torch.zeros(vocab, dtype=torch.bool, **z)           # the stop ids, held back before min_tokens
+        self.ends[self.stop] = True
 
     def admit(self, slot: int, x: torch.Tensor, *, penalty: float, temperature: float, top_k: int,
-              top_p: float, max_tokens: int, uniforms: torch.Tensor | None, seen: tuple[int, ...] = ()) -> torch.Tensor:
+              top_p: float, max_tokens: int, uniforms: torch.Tensor | None, seen: tuple[int, ...] = (),
+              min_tokens: int = 0) -> torch.Tensor:
         """Reset `slot` for a new request and prefill its rows x [T, H] -> the last normed hidden [H].
         `seen`: codes the repetition penalty counts from the start (Qwen2.5's prompt codes)."""
         t = x.shape[0]
@@ -63,7 +66,7 @@ class SlotState:
         if seen:
             self.seen[slot, torch.tensor(seen).to(self.device, non_blocking=True)] = True
         self.fparams[slot].copy_(torch.tensor([penalty, temperature, top_p]), non_blocking=True)
-        self.iparams[slot].copy_(torch.tensor([top_k, max_tokens]), non_blocking=True)
+        self.iparams[slot].copy_(torch.tensor([top_k, max_tokens, min_tokens]), non_blocking=True)
         if uniforms is not None:
             n = min(uniforms.shape[0], self.length)
             self.uniforms[slot, :n].copy_(uniforms[:n], non_blocking=True)
@@ -95,6 +98,7 @@ class SlotState:
         fp, ip, f = self.fparams[rows], self.iparams[rows], self.frame[rows]
         seen = self.seen[rows]
         logits = penalize(logits, seen, fp[:, 0]).masked_fill(self.suppress, float("-inf"))
+        logits = logits.masked_fill((f < ip[:, 2])[:, None] & self.ends, float("-inf"))    # min_tokens, ignore_eos
         greedy = fp[:, 1] <= 0
         u = None
         if sampled:

@@ -16,7 +16,8 @@ same request_id; `final` (default True) marks the last piece.
 Sampling: `request.overrides` (the stage's defaults) over `request.sampling` (temperature
 <= 0 is greedy; top_k, top_p, seed -> the request's own uniforms; max_tokens = the talker's max
 new tokens, as transformers' `talker_max_new_tokens`: at most max_tokens - 1 frames);
-repetition_penalty from the overrides, else the engine's (1.05); stop_token_ids only the codec's end.
+repetition_penalty from the overrides, else the engine's (1.05); stop_token_ids only the codec's end;
+min_tokens and ignore_eos from the overrides hold the codec's end back (talker_sampling.py).
 Residual codes: greedy when code 0 is, else engine arg `subtalker_sampling_params` (vllm-omni's; default top_k 50, top_p 0.8).
 Output: `tensors["codes"]` int64 [16, n] per chunk (first `first_chunk_frames`, then
 `chunk_frames`); finished at codec EOS ("stop") or max_tokens ("length").
@@ -35,7 +36,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import math
 import time
 from pathlib import Path
 from typing import Any
@@ -50,6 +50,7 @@ from omni.models.qwen3_omni.codes import Pick, pick, repetition_penalty, residua
 from omni.models.qwen3_omni.moe import probed_impl
 from omni.models.qwen3_omni.sampling import Uniforms
 from omni.models.qwen3_omni.slots import SlotRunner, static_runner
+from omni.models.qwen3_omni.talker_sampling import TalkerSampling, end_mask, hold_ends, talker_sampling
 from omni.models.qwen3_omni.weights import load_talker
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,7 @@ class TalkerRequest:
     uniforms: Uniforms | None          # the request's random stream (None: greedy)
     penalty: float
     max_tokens: int
+    min_tokens: int = 0               # no codec end before this many codes (talker_sampling.py)
     generated: list[int] = dataclasses.field(default_factory=list)
     text: tuple[list[int], bool] | None = None   # (trailing ids, thinker EOS seen), cached
     final: bool = False
@@ -114,6 +116,7 @@ class Qwen3TalkerEngine(StreamEngine):
         self.text_eos = set(text_eos_token_ids or [self.config.im_end_token_id])
         self.codec_stops = {self.ids.codec_eos}     # the codes a request may name as stop_token_ids
         self._suppress = suppress_mask(self.config.talker_config.text_config.vocab_size, self.ids.codec_eos, self.device)
+        self._ends = end_mask(self._suppress.shape[0], self.codec_stops, self.device)
         with torch.no_grad():
             self._tts = edges.tts_rows(self.talker, self.embed, self.ids)
             if static_decode and moe_impl is None:      # chosen once: a wake-up's rebuild keeps it
@@ -200,28 +203,15 @@ class Qwen3TalkerEngine(StreamEngine):
         if len(mm) != (0 if hidden is None else hidden.shape[0]):
             raise EngineError(f"request {rid}: the prompt has {len(mm)} audio placeholder(s) but "
                               f"mm_hidden has {0 if hidden is None else hidden.shape[0]} row(s)")
-        temperature, top_k, top_p, max_tokens, penalty, seed = self._sampling(req, rid)
-        code0 = Pick(temperature, top_k, top_p)
-        uniforms = None if code0.greedy else Uniforms(seed, self.config.talker_config.num_code_groups)
-        return TalkerRequest(rid, prompt, self.ids.speakers[name], hidden, code0, uniforms, penalty,
-                             max_tokens)
+        s = self._sampling(req)
+        code0 = Pick(s.temperature, s.top_k, s.top_p)
+        uniforms = None if code0.greedy else Uniforms(s.seed, self.config.talker_config.num_code_groups)
+        return TalkerRequest(rid, prompt, self.ids.speakers[name], hidden, code0, uniforms, s.penalty,
+                             s.max_tokens, s.min_tokens)
 
-    def _sampling(self, req: EngineRequest, rid: str) -> tuple[float, int, float, int, float, int | None]:
-        """The talker's sampling options (the stage's own over the request's), checked, and the seed
-        (None: unseeded)."""
-        s = req.effective_sampling()
-        temperature, top_k, top_p, max_tokens, seed = s.temperature, s.top_k, s.top_p, s.max_tokens, s.seed
-        penalty = req.overrides.repetition_penalty
-        penalty = self.repetition_penalty if penalty is None else penalty
-        if not set(req.overrides.stop_token_ids or ()) <= self.codec_stops:
-            raise EngineError(f"request {rid}: stop_token_ids {list(req.overrides.stop_token_ids)}: the talker "
-                              f"stops at its codec's end {sorted(self.codec_stops)} and at no other code")
-        if not (math.isfinite(temperature) and top_k >= 0 and 0 < top_p <= 1 and max_tokens >= 1
-                and math.isfinite(penalty) and penalty > 0):
-            raise EngineError(f"request {rid}: sampling needs a finite temperature, top_k >= 0, "
-                              f"0 < top_p <= 1, max_tokens >= 1 and repetition_penalty > 0; got "
-                              f"{temperature}, {top_k}, {top_p}, {max_tokens}, {penalty}")
-        return temperature, top_k, top_p, max_tokens, penalty, seed
+    def _sampling(self, req: EngineRequest) -> TalkerSampling:
+        """The talker's sampling (the stage's own over the request's), checked (talker_sampling.py)."""
+        return talker_sampling(self.name, req, self.repetition_penalty, self.codec_stops)
 
     def _ids(self, rid: str, ids) -> list[int]:
         try:
@@ -415,7 +405,7 @@ class Qwen3TalkerEngine(StreamEngine):
         go, go_hidden = [], []
         for r, row, h in zip(chosen, logits, hidden):
             row = repetition_penalty(row, r.history, r.penalty)
-            row = row.masked_fill(self._suppress, float("-inf"))
+            row = hold_ends(row.masked_fill(self._suppress, float("-inf")), len(r.history), r.min_tokens, self._ends)
             code = pick(row, r.code0, None if r.uniforms is None else r.uniforms.rows(len(r.history) + 1)[-1, 0])
             r.history.append(code)
             if code == self.ids.codec_eos:
