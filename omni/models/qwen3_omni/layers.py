@@ -88,11 +88,11 @@ class Layer:
         ln1, ln2 = (Norm(n.weight, n.variance_epsilon) for n in (layer.input_layernorm, layer.post_attention_layernorm))
         return cls(ln1, ln2, torch.cat([p.weight for p in projs]), bias, qk, a.o_proj.weight, mlp)
 
-    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [R, H] -> x + mlp(norm(x))."""
+    def feed_forward(self, x: torch.Tensor, many: bool = False) -> torch.Tensor:
+        """x [R, H] -> x + mlp(norm(x)); `many`: a prefill's rows (Moe.__call__)."""
         h = self.ln2(x)
         if isinstance(self.mlp, Moe):
-            return x + self.mlp(h)
+            return x + self.mlp(h, many)
         return x + gated_mlp(h, *self.mlp)
 
 
@@ -126,9 +126,9 @@ class Stack:
         q, k = rope(qk, cos, sin).split([self.nh, self.kv], dim=1)
         return q, k, v
 
-    def _out(self, layer: Layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    def _out(self, layer: Layer, x: torch.Tensor, attn: torch.Tensor, many: bool = False) -> torch.Tensor:
         """Residual + o_proj of the attention rows attn [R, nh * hd], then the feed-forward."""
-        return layer.feed_forward(x + F.linear(attn, layer.o))
+        return layer.feed_forward(x + F.linear(attn, layer.o), many)
 
     def prefill(self, x: torch.Tensor, slot: int) -> torch.Tensor:
         """One request's first rows x [T, H] into `slot` (positions 0..T-1) -> the normed hidden [T, H]."""
@@ -140,7 +140,7 @@ class Stack:
             self.k[i][slot, :, :t] = k[0]
             self.v[i][slot, :, :t] = v[0]
             attn = F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, enable_gqa=True)
-            x = self._out(layer, x, attn[0].transpose(0, 1).reshape(t, -1))
+            x = self._out(layer, x, attn[0].transpose(0, 1).reshape(t, -1), many=True)
         return self.norm(x)
 
     def decode(self, x: torch.Tensor, pos: torch.Tensor, width: int, mask: torch.Tensor | None) -> torch.Tensor:

@@ -10,7 +10,10 @@ on a GPU). Here every formulation keeps the routing on the device:
            over all rows round differently from products over the routed rows (~1e-9 off at 7
            rows; exact at one row).
   gather   each (row, expert) pair gathers its expert's weights and one bmm: no sort, but the
-           gathered weights grow with rows x top_k (small batches only; ~1e-9 off like dense).
+           gathered weights grow with rows x top_k (small batches only; ~1e-9 off like dense): a
+           call with many rows (a prefill: ~13.5 MiB a row at the real talker's size) loops instead.
+  looped   each expert over the rows routed to it, one host read of the counts (so never in a
+           captured decode): exact as grouped, memory bounded by the rows; gather's prefill.
 Measured (benchmarks/qwen3_moe.py) and chosen in `default_impl`. All sum a row's top-k expert
 outputs after weighting them, as transformers does; with top-2 (the tiny model) that sum is
 the same in any order.
@@ -54,10 +57,11 @@ class Moe:
     def num_experts(self) -> int:
         return self.router.shape[0]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [N, H] -> [N, H]."""
+    def __call__(self, x: torch.Tensor, many: bool = False) -> torch.Tensor:
+        """x [N, H] -> [N, H]; `many`: a prefill's rows, which gather would copy weights for pair by pair."""
         weights, experts = self.route(x)
-        return getattr(self, "_" + self.impl)(x, weights, experts) + self.shared_out(x)
+        impl = "looped" if many and self.impl == "gather" else self.impl
+        return getattr(self, "_" + impl)(x, weights, experts) + self.shared_out(x)
 
     def shared_out(self, x: torch.Tensor) -> torch.Tensor:
         """The gated shared expert."""
@@ -89,6 +93,21 @@ class Moe:
         gate, up = gu.chunk(2, dim=-1)
         out = torch.bmm(F.silu(gate) * up, self.down[flat].transpose(1, 2))[:, 0]
         return (out * weights.reshape(-1, 1)).view(n, self.top_k, h).sum(1)
+
+    def _looped(self, x, weights, experts):
+        n, h = x.shape
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        rows = x[order // self.top_k]
+        out = torch.empty_like(rows)
+        start = 0
+        for e, c in enumerate(counts):
+            if c:
+                out[start:start + c] = gated_mlp(rows[start:start + c], self.gate_up[e], self.down[e])
+            start += c
+        pairs = torch.empty_like(out).index_copy_(0, order, out)               # back to (row, k) order
+        return (pairs * weights.reshape(-1, 1)).view(n, self.top_k, h).sum(1)
 
     def _grouped(self, x, weights, experts):
         n, h = x.shape

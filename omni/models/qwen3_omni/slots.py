@@ -143,7 +143,15 @@ class SlotRunner:
             return None
         r.slot = len(self.owner)
         self.owner.append(r)
-        h = self.admit(r, x)
+        try:
+            h = self.admit(r, x)
+        except torch.OutOfMemoryError:        # this request's prefill is too large here: its error, the loop lives
+            self.release(r)
+            r.done, r.frames = "error", []
+            r.error = f"request {r.rid}: out of device memory in the talker prefill ({x.shape[0]} rows)"
+            if x.is_cuda:
+                torch.cuda.empty_cache()
+            return None
         r.cache = IN_SLOT
         r.pos = x.shape[0]
         self.engine._stats["prefill_tokens"] += x.shape[0]
