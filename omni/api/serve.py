@@ -11,6 +11,7 @@ from typing import Callable
 from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config
 
+from omni.api import http1
 from omni.api.limits import HttpLimits
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ async def serve(app, *, host: str = "127.0.0.1", port: int = 0, sock: socket.soc
     # complete: it is the header timeout as well as the keep-alive one. Not read_timeout: that
     # would cut SSE streams whose client sends nothing. Bodies are timed by LimitsMiddleware.
     config.keep_alive_timeout = limits.timeout_keep_alive
+    http1.install()   # HTTP/2 would escape that timer: see omni/api/http1.py
     config.include_server_header = False
     config.backlog = limits.backlog   # asyncio listen()s again on the socket it is given
     log.info("HTTP frontend listening on %s:%d", bound_host, bound_port)
