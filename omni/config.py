@@ -377,7 +377,7 @@ def validate(config: DeployConfig, source: str = "deploy config") -> None:
         where = f"{source}: stages[{s.stage_id}]"
         if s.num_replicas < 1:
             raise ConfigError(f"{where}.num_replicas must be >= 1, got {s.num_replicas}")
-        check_sampling(s.default_sampling_params, where)
+        check_sampling(s.default_sampling_params, where, s.engine)
         check_engine_args(s.engine_args, s.engine, f"{where}.engine_args")
         for i in s.inputs:
             if isinstance(i, int):

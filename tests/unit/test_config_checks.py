@@ -64,3 +64,11 @@ def test_a_talkers_presence_and_frequency_penalties_are_refused_by_key(engine, r
                 check_sampling(SamplingOverrides(**{key: 0.5}), "stages[1]", engine)
         else:
             check_sampling(SamplingOverrides(**{key: 0.5}), "stages[1]", engine)
+
+
+def test_a_deploys_talker_penalty_is_refused_at_load_naming_the_yaml_key():
+    """The refusal is applied when a deploy loads (--dry-run too), not only when the talker gets a request
+    after the thinker has run."""
+    with pytest.raises(ConfigError, match=r"stages\[1\]\.default_sampling_params\.frequency_penalty is not supported "
+                                          r"by qwen3_talker"):
+        cfg.load("m", "qwen3-omni-moe", {"1": {"default_sampling_params": {"frequency_penalty": 0.3}}})
