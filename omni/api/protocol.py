@@ -252,6 +252,8 @@ def decode_body(body: bytes, type_: type) -> Any:
         raise bad_request(f"invalid request: {msg}", param=param) from None
     except msgspec.DecodeError as e:
         raise bad_request(f"malformed JSON body: {e}") from None
+    except RecursionError:   # msgspec's answer past Python's recursion limit, not a DecodeError
+        raise bad_request("malformed JSON body: JSON nested too deeply") from None
 
 
 def _unsupported(req: _Sampling) -> str | None:

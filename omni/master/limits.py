@@ -89,6 +89,8 @@ def parse_register(request: pb.RegisterRequest) -> tuple[dict | None, str | None
         cfg = json.loads(request.pipeline_config_json) if request.pipeline_config_json else None
     except ValueError as e:
         return None, f"pipeline_config_json is not valid JSON: {e}"
+    except RecursionError:
+        return None, "pipeline_config_json is not valid JSON: nested too deeply"
     if cfg is not None and not isinstance(cfg, dict):
         return None, f"pipeline_config_json must be a JSON object, got {type(cfg).__name__}"
     if request.role == pb.ROLE_UNSPECIFIED:

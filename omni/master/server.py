@@ -268,7 +268,7 @@ class MasterServicer(pb_grpc.MasterServicer):
         if request.args_json:
             try:
                 json.loads(request.args_json)
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"args_json is not valid JSON: {e}")
         targets, problem = self._targets(request)
         if problem:
