@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from omni.api import routes
+from omni.api import browser, routes
 from omni.api.errors import api_error_response, error_response
 from omni.api.metrics import FrontendMetrics
 
@@ -86,18 +86,23 @@ class FrontendMiddleware:
             if not self.control_routes:
                 return error_response(403, f"{path} is disabled on this server (--disable-control-routes)",
                                       "permission_error", code="control_routes_disabled")
-            if self.control_key is not None:
-                if self._authorized(scope, self.control_key):
-                    return None
+            if self.control_key is not None and not self._authorized(scope, self.control_key):
                 return error_response(401, f"{path} needs the control API key (send Authorization: Bearer "
                                            "<control key>; see --control-api-key)", "invalid_request_error",
                                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-        guarded = path.startswith("/v1") or path in ("/tokenize", "/detokenize")
-        if self.key is not None and guarded and not self._authorized(scope, self.key):
-            return error_response(401, "invalid or missing API key (send Authorization: Bearer <key>)",
-                                  "invalid_request_error", code="invalid_api_key",
-                                  headers={"WWW-Authenticate": "Bearer"})
-        return None
+        keyed = self.control_key is not None and path in routes.CONTROL_PATHS
+        if not keyed and self.key is not None and (path.startswith("/v1") or path in ("/tokenize", "/detokenize")):
+            if not self._authorized(scope, self.key):
+                return error_response(401, "invalid or missing API key (send Authorization: Bearer <key>)",
+                                      "invalid_request_error", code="invalid_api_key",
+                                      headers={"WWW-Authenticate": "Bearer"})
+            keyed = True
+        if not keyed:   # a page in a browser cannot send the key cross-site, but can send the rest
+            refusal = browser.origin_refusal(scope)
+            if refusal is not None:
+                return refusal
+        forms = routes.JSON_BODIES.get((routes.label(path), scope["method"]))
+        return None if forms is None else browser.content_type_refusal(scope, forms=forms)
 
     @staticmethod
     def _authorized(scope, keys: tuple[bytes, ...]) -> bool:

@@ -20,9 +20,10 @@ from omni.api.errors import ErrorResponse
 REF = "#/components/schemas/{name}"
 ERROR = {"$ref": REF.format(name="ErrorResponse")}
 REASONS = {400: "Bad request: the message names the parameter", 401: "Missing or wrong API key",
-           403: "Control routes are disabled on this server", 404: "Not found (the message says what)",
+           403: "Control routes are disabled on this server, or a cross-site request (Origin) with no API key",
+           404: "Not found (the message says what)",
            408: "The request body did not arrive in time", 409: "Conflicts with the state of what it names",
-           413: "Request body too large", 415: "Unsupported content type",
+           413: "Request body too large",
            429: "Too many unfinished jobs on this frontend (the message names the limit)",
            500: "Internal error (a stage failed)", 503: "No READY replica, asleep, or the master is unreachable",
            504: "The request timed out in the pipeline"}
@@ -69,7 +70,7 @@ def statuses(r) -> list[int]:
         codes |= {400, 408}
     if r.path.startswith(GUARDED) or r.control:
         codes.add(401)
-    if r.control:
+    if r.control or r.method not in ("GET", "HEAD"):   # api/browser.py: another site's Origin
         codes.add(403)
     return sorted(codes)
 

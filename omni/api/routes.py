@@ -26,6 +26,7 @@ class RouteSpec:
     ok_status: int = 200
     body_required: bool = True
     query: tuple[tuple[str, dict], ...] = ()      # (name, JSON schema) of optional query parameters
+    forms: bool = False         # the body may also come as a form (api/browser.py checks the Content-Type)
 
 
 GENERATION = (404, 500, 503, 504)     # unknown model or voice; a stage failed; no replica or asleep; timeout
@@ -43,14 +44,14 @@ ROUTES: tuple[RouteSpec, ...] = (
     RouteSpec("/v1/images/generations", "POST", "images", "generations", P.ImageGenerationRequest,
               errors=GENERATION),
     # The Videos API: async, on the jobs' records (every frontend sees every video).
-    RouteSpec("/v1/videos", "POST", "videos", "create", P.VideoCreateRequest, errors=NEW_JOB),
+    RouteSpec("/v1/videos", "POST", "videos", "create", P.VideoCreateRequest, errors=NEW_JOB, forms=True),
     RouteSpec("/v1/videos", "GET", "videos", "list", errors=(400, 404, 503), query=LIST_QUERY),
     RouteSpec("/v1/videos/{video_id}", "GET", "videos", "retrieve", errors=JOB),
     RouteSpec("/v1/videos/{video_id}", "DELETE", "videos", "delete", errors=JOB),
     RouteSpec("/v1/videos/{video_id}/content", "GET", "videos", "content", ok=("video/mp4",), errors=(*JOB, 400, 409),
               query=(("variant", {"type": "string", "enum": ["video"], "default": "video"}),)),
     RouteSpec("/v1/audio/voices", "GET", "voices", "list", errors=(404, 503)),
-    RouteSpec("/v1/audio/voices", "POST", "voices", "add", P.VoiceSpec, ok_status=201, errors=(404, 409, 415, 503)),
+    RouteSpec("/v1/audio/voices", "POST", "voices", "add", P.VoiceSpec, ok_status=201, errors=(404, 409, 503)),
     RouteSpec("/v1/audio/voices/{name}", "DELETE", "voices", "delete", errors=(400, 404, 409, 503)),
     RouteSpec("/v1/omni/sleep", "POST", "control", "sleep", P.SleepRequest, control=True, body_required=False,
               errors=(503,)),
@@ -73,6 +74,7 @@ ROUTES: tuple[RouteSpec, ...] = (
 )
 
 CONTROL_PATHS = frozenset(r.path for r in ROUTES if r.control)
+JSON_BODIES = {(r.path, r.method): r.forms for r in ROUTES if r.body is not None}   # -> forms too
 _EXACT = frozenset(r.path for r in ROUTES if "{" not in r.path)
 _TEMPLATES = [(re.compile("^" + re.sub(r"\{\w+\}", "[^/]+", p) + "$"), p)
               for p in dict.fromkeys(r.path for r in ROUTES if "{" in r.path)]

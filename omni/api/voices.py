@@ -93,9 +93,6 @@ class VoiceRoutes:
             raise APIError(400, "voice presets are not available for this pipeline: its voices are the model's "
                                 f"speakers ({', '.join(self.fe.speakers)}), named in a chat's audio.voice, "
                                 "with no base or speed to set", code="voice_presets_unsupported")
-        ctype = request.headers.get("content-type", "")
-        if ctype.startswith("multipart/"):
-            raise APIError(415, "send the voice as JSON {\"name\", \"base\", \"speed\"}; multipart is not supported")
         spec = P.decode_body(await request.body(), P.VoiceSpec)
         voices = await self.fe.voices.list()
         builtin = [v["name"] for v in voices if v.get("builtin")]

@@ -1,0 +1,78 @@
+"""What a web page open in the operator's browser can make a frontend do. A page may send "simple"
+cross-site requests (no preflight) to 127.0.0.1: a POST with no body, a text/plain body, or a form.
+Omni answers no CORS preflight, so a request with an Authorization header never leaves such a page;
+a server without an API key is open to the rest, hence two checks (FrontendMiddleware runs them):
+- a JSON route takes only a JSON Content-Type (vLLM's 400 with its message; FastAPI's CVE-2021-32677),
+  so a text/plain or form body is never parsed as JSON;
+- a state-changing request whose Origin is not the server's own (Host, or X-Forwarded-Host, which a
+  page cannot set without a preflight) is a 403 on a route no key guards.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit
+
+from starlette.responses import Response
+
+from omni.api.errors import error_response
+
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+FORMS = ("multipart/form-data", "application/x-www-form-urlencoded")
+_DEFAULT_PORT = {"http": ":80", "https": ":443"}
+
+
+def _header(scope, name: bytes) -> bytes | None:
+    for k, v in scope["headers"]:
+        if k == name:
+            return v
+    return None
+
+
+def is_json(content_type: str) -> bool:
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or media.endswith("+json")
+
+
+def content_type_refusal(scope, *, forms: bool = False) -> Response | None:
+    """A body on a JSON route that does not say it is JSON (none said, text/plain, a form unless
+    `forms`) is refused before it is read; a request without a body is the route's to judge."""
+    length = _header(scope, b"content-length")
+    if (length is None or length == b"0") and _header(scope, b"transfer-encoding") is None:
+        return None
+    raw = _header(scope, b"content-type")
+    ctype = raw.decode("latin-1") if raw is not None else ""
+    if is_json(ctype) or (forms and ctype.split(";", 1)[0].strip().lower() in FORMS):
+        return None
+    takes = "application/json" + (" or a form (multipart/form-data, application/x-www-form-urlencoded)" if forms else "")
+    got = f"got {ctype[:100]!r}" if raw is not None else "none was sent"
+    return error_response(400, f"Unsupported Media Type: Content-Type must be {takes}; {got}",
+                          "invalid_request_error", param="Content-Type", code="unsupported_media_type")
+
+
+def _netloc(value: str, scheme: str) -> str:
+    value = value.strip().lower()
+    default = _DEFAULT_PORT.get(scheme)
+    return value[: -len(default)] if default and value.endswith(default) else value
+
+
+def origin_refusal(scope) -> Response | None:
+    """A state-changing request from another site's page (its Origin is not this server) is refused.
+    A request without Origin (curl, SDKs, a same-origin GET) passes."""
+    if scope["method"] in SAFE_METHODS:
+        return None
+    raw = _header(scope, b"origin")
+    if raw is None:
+        return None
+    origin = raw.decode("latin-1")
+    parts = urlsplit(origin) if origin != "null" else None
+    if parts is not None and parts.scheme and parts.netloc:
+        theirs = _netloc(parts.netloc, parts.scheme)
+        for name in (b"host", b"x-forwarded-host"):
+            ours = _header(scope, name)
+            if ours is not None and _netloc(ours.decode("latin-1").split(",")[0], parts.scheme) == theirs:
+                return None
+    host = (_header(scope, b"host") or b"").decode("latin-1")
+    return error_response(403, f"cross-site request refused: Origin {origin[:200]!r} is not this server "
+                               f"({host[:200]!r}), and no API key guards {scope['path']} (--api-key; behind a "
+                               "proxy, pass the Host or X-Forwarded-Host on)",
+                          "permission_error", param="Origin", code="cross_site_request")
