@@ -227,9 +227,12 @@ def serve(
     if disable_control_routes and control_api_key:
         raise ConfigError("--control-api-key and --disable-control-routes contradict each other: "
                           "a key guards the control routes, the other flag turns them off")
+    from omni.master.auth import refuse_open_master
     from omni.stage.main import check_replica_address
 
     check_replica_address(omni_replica_address)   # every mode: headless, stage 0, single-command
+    if not headless:                              # the modes that host the master
+        refuse_open_master(omni_master_address or "127.0.0.1", omni_token, "--omni-master-address")
     if omni_master_address in ("0.0.0.0", "::") and not omni_replica_address:
         print(f"omni: warning: --omni-master-address {omni_master_address} is a wildcard, so this process "
               "advertises 127.0.0.1 to its peers; stages on other hosts cannot reach it. Pass "

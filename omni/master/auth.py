@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
+import ipaddress
 import os
+import socket
 from pathlib import Path
 
 import grpc
@@ -93,6 +95,29 @@ class TlsFiles:
             raise ConfigError("a client certificate needs both --tls-cert and --tls-key")
         return grpc.ssl_channel_credentials(
             root_certificates=self._read("ca"), private_key=self._read("key"), certificate_chain=self._read("cert"))
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a bind address reaches this host only: 127.0.0.0/8, ::1, or a name that resolves to them alone."""
+    h = host.strip().strip("[]")
+    try:
+        addrs = [ipaddress.ip_address(h)]
+    except ValueError:
+        try:
+            addrs = [ipaddress.ip_address(i[4][0].split("%")[0]) for i in socket.getaddrinfo(h, None)]
+        except (OSError, ValueError):
+            return False
+    mapped = [getattr(a, "ipv4_mapped", None) or a for a in addrs]   # ::ffff:127.0.0.1 is loopback too
+    return bool(mapped) and all(a.is_loopback for a in mapped)
+
+
+def refuse_open_master(host: str, token: str | None, flag: str) -> None:
+    """A master bound beyond loopback without a token lets anyone who reaches it register a stage or send
+    sleep and drain: refused naming both flags (a stage's wildcard --omni-replica-address is refused likewise)."""
+    if not token and not is_loopback(host):
+        raise ConfigError(f"{flag} {host} opens the master to other hosts, and without --omni-token (or OMNI_TOKEN) "
+                          "it authenticates no one (anyone reaching it can register a stage or send sleep and drain); "
+                          "set --omni-token, or bind 127.0.0.1")
 
 
 def tls_from_options(cert: str | None, key: str | None, ca: str | None) -> TlsFiles | None:

@@ -17,7 +17,7 @@ import typer
 
 from omni.errors import ConfigError, OmniError
 from omni.master import DEFAULT_PORT
-from omni.master.auth import TlsFiles, tls_from_options
+from omni.master.auth import TlsFiles, refuse_open_master, tls_from_options
 from omni.master.types import Status
 from omni.signals import StopRequest
 
@@ -60,6 +60,7 @@ def master(
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        refuse_open_master(host, omni_token, "--host")
         config = _load_config(deploy_config) if deploy_config else None
         tls = tls_from_options(tls_cert, tls_key, tls_ca)
         if tls is not None:   # checked here, naming the flag: gRPC's own refusal reads "cannot bind"
