@@ -30,7 +30,8 @@ NO_OPS = {
     "log_error_stack": "omni's logs follow --log-level",
 }
 _TLS = "omni's HTTP API speaks plain HTTP: terminate TLS in a reverse proxy in front of it"
-_CORS = "omni sends no CORS headers: a browser client needs a reverse proxy that adds them"
+_CORS = ("omni sends no CORS headers: a browser client of another origin needs a reverse proxy that adds them, "
+         "and --api-key (without a key, cross-site writes are refused)")
 _TOOLS = "omni parses no tool calls out of model output: tool calling is not supported"
 _TEMPLATE = "omni renders chats with the model's own chat template: an override is not supported"
 REFUSED = {

@@ -73,6 +73,7 @@ def origin_refusal(scope) -> Response | None:
                 return None
     host = (_header(scope, b"host") or b"").decode("latin-1")
     return error_response(403, f"cross-site request refused: Origin {origin[:200]!r} is not this server "
-                               f"({host[:200]!r}), and no API key guards {scope['path']} (--api-key; behind a "
-                               "proxy, pass the Host or X-Forwarded-Host on)",
+                               f"({host[:200]!r}), and no API key guards {scope['path']} (set --api-key: a browser app "
+                               "of another origin, behind a proxy that adds CORS headers, sends it; a proxy that "
+                               "rewrites Host passes the Host or X-Forwarded-Host on)",
                           "permission_error", param="Origin", code="cross_site_request")

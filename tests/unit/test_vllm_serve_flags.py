@@ -34,7 +34,7 @@ def test_logging_flags_are_named_no_ops(capsys, flags, why):
 @pytest.mark.parametrize("flags, why", [
     (["--ssl-keyfile", "k.pem"], "plain HTTP: terminate TLS in a reverse proxy"),
     (["--ssl-certfile", "c.pem"], "plain HTTP: terminate TLS in a reverse proxy"),
-    (["--allowed-origins", '["*"]'], "no CORS headers"),
+    (["--allowed-origins", '["*"]'], "a reverse proxy that adds them, and --api-key"),
     (["--allowed-methods", '["*"]'], "no CORS headers"),
     (["--allowed-headers", '["*"]'], "no CORS headers"),
     (["--enable-auto-tool-choice"], "tool calling is not supported"),
