@@ -159,7 +159,7 @@ def serve(
     omni_master_address: Optional[str] = typer.Option(None, "--omni-master-address", help="Address of the omni master (the head hosts it)."),
     omni_master_port: Optional[int] = typer.Option(None, "--omni-master-port", help="Port of the omni master."),
     omni_token: Optional[str] = typer.Option(None, "--omni-token", envvar="OMNI_TOKEN", help="Shared token for the master and the data plane."),
-    omni_replica_address: Optional[str] = typer.Option(None, "--omni-replica-address", help="Address this replica advertises to peers (default: the local address that routes to the master)."),
+    omni_replica_address: Optional[str] = typer.Option(None, "--omni-replica-address", help="Address this replica advertises to peers and binds its listeners on (default: the local address that routes to the master; beyond loopback: needs --omni-token)."),
     tls_cert: Optional[str] = typer.Option(None, "--tls-cert", help="PEM certificate of the omni master (gRPC) run here: TLS, its address a name in the certificate. With --headless: the client certificate shown to an mTLS master. (vLLM's --ssl-* are for HTTP, which omni serves plain: refused.)"),
     tls_key: Optional[str] = typer.Option(None, "--tls-key", help="PEM private key of --tls-cert (a path; each process reads the file)."),
     tls_ca: Optional[str] = typer.Option(None, "--tls-ca", help="PEM CA that verifies the master (enables TLS with --headless). Where the master runs here: it also requires client certificates signed by it (mTLS); this host's processes present --tls-cert, which then needs serverAuth and clientAuth usage."),
@@ -230,7 +230,7 @@ def serve(
     from omni.master.auth import refuse_open_master
     from omni.stage.main import check_replica_address
 
-    check_replica_address(omni_replica_address)   # every mode: headless, stage 0, single-command
+    check_replica_address(omni_replica_address, omni_token)   # every mode: headless, stage 0, single-command
     if not headless:                              # the modes that host the master
         refuse_open_master(omni_master_address or "127.0.0.1", omni_token, "--omni-master-address")
     if omni_master_address in ("0.0.0.0", "::") and not omni_replica_address:

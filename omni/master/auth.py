@@ -113,11 +113,21 @@ def is_loopback(host: str) -> bool:
 
 def refuse_open_master(host: str, token: str | None, flag: str) -> None:
     """A master bound beyond loopback without a token lets anyone who reaches it register a stage or send
-    sleep and drain: refused naming both flags (a stage's wildcard --omni-replica-address is refused likewise)."""
+    sleep and drain: refused naming both flags (a stage's listeners likewise: refuse_open_stage)."""
     if not token and not is_loopback(host):
         raise ConfigError(f"{flag} {host} opens the master to other hosts, and without --omni-token (or OMNI_TOKEN) "
                           "it authenticates no one (anyone reaching it can register a stage or send sleep and drain); "
                           "set --omni-token, or bind 127.0.0.1")
+
+
+def refuse_open_stage(host: str, token: str | None, source: str) -> None:
+    """A stage's listeners (its channel, tensor servers) bound beyond loopback without a token take anyone who
+    reaches them: refused naming both flags, as an open master is. `source`: how the address was chosen."""
+    if not token and not is_loopback(host):
+        raise ConfigError(f"{source} opens this stage's listeners (its channel and tensor servers) to other hosts, "
+                          "and without --omni-token (or OMNI_TOKEN) they authenticate no one (anyone reaching them "
+                          "can send requests, or sleep and wake the stage); set --omni-token, or use a loopback "
+                          "--omni-replica-address")
 
 
 def tls_from_options(cert: str | None, key: str | None, ca: str | None) -> TlsFiles | None:

@@ -78,13 +78,18 @@ def is_wildcard(host: str) -> bool:
         return False
 
 
-def check_replica_address(address: str | None) -> None:
-    """ConfigError for a wildcard: a stage binds its listeners on the address it advertises, and a
-    wildcard would open them (the channel answers without --omni-token) on every interface."""
-    if address is not None and is_wildcard(address):
+def check_replica_address(address: str | None, token: str | None) -> None:
+    """ConfigError for a wildcard, or an address beyond loopback without a token: a stage binds its listeners
+    on the address it advertises, and there they would take anyone (every interface, for a wildcard)."""
+    from omni.master.auth import refuse_open_stage
+
+    if address is None:
+        return
+    if is_wildcard(address):
         raise ConfigError(f"--omni-replica-address {address!r} is a wildcard: a stage binds its listeners on the "
                           "address it advertises, so name this host's address (peers dial it), or leave the "
                           "flag out for the local address of the route to the master")
+    refuse_open_stage(address, token, f"--omni-replica-address {address}")
 
 
 def advertised_host(bind_host: str, master_address: str) -> str:
@@ -228,8 +233,13 @@ def _run_stage(config: DeployConfig, stage_id: int, opts: StageOptions, engine_f
     except OmniError as e:
         progress(f"{label}: {e}")
         return 1
+    from omni.master.auth import refuse_open_stage
+
+    advertise = opts.replica_address or default_advertise_host(opts.master_address)
     try:
-        check_replica_address(opts.replica_address)   # the children's --replica-address too
+        check_replica_address(opts.replica_address, opts.token)   # the children's --replica-address too
+        refuse_open_stage(advertise, opts.token, f"{advertise} (the local address of the route to the master; "
+                          "no --omni-replica-address given)")
     except ConfigError as e:
         progress(f"{label}: {e}")
         return 1
@@ -237,7 +247,6 @@ def _run_stage(config: DeployConfig, stage_id: int, opts: StageOptions, engine_f
     if refused:
         progress(f"{label}: {refused}; the engine is not loaded")
         return 1
-    advertise = opts.replica_address or default_advertise_host(opts.master_address)
     # Listeners bind the advertised address only (loopback on one host), never a wildcard.
     bind_host = advertise
     outer = os.environ.get("CUDA_VISIBLE_DEVICES")

@@ -4,6 +4,7 @@ peers to dial 0.0.0.0, so it is refused by name in every mode."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -62,3 +63,53 @@ def test_a_stage_given_a_wildcard_exits_before_its_engine():
                        timeout=120)
     assert r.returncode == 1, r.stderr
     assert "is a wildcard" in r.stderr and "loading engine" not in r.stderr
+
+
+def _errors(text: str) -> list[str]:
+    return [line for line in text.strip().splitlines() if not line.startswith("omni: warning:")]
+
+
+@pytest.mark.parametrize("mode", [
+    [],                                                     # single-command
+    ["--stage-id", "0", *MASTER],                           # the head
+    ["--stage-id", "1", "--headless", *MASTER],             # a headless stage
+    ["--stage-id", "1", "--headless", "--num-replicas", "2", *MASTER],   # the launcher's children
+])
+@pytest.mark.parametrize("address", ["192.0.2.2", "node-1.invalid"])
+def test_serve_refuses_an_address_beyond_loopback_without_a_token(mode, address, monkeypatch, capsys):
+    """The stage's ZMQ ROUTER and tensor servers listened there with keys from the empty token: anyone
+    reaching them got Welcome, sleep/wake_up/stats and AddRequest (inference around any --api-key)."""
+    from omni.cli import main
+
+    monkeypatch.delenv("OMNI_TOKEN", raising=False)
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "smollm2", "--omni-replica-address", address, *mode, "--dry-run"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err
+    assert f"--omni-replica-address {address} opens this stage's listeners" in err and "--omni-token" in err, err
+    assert len(_errors(err)) == 1, err
+    monkeypatch.setenv("OMNI_TOKEN", "t0ken")
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "smollm2", "--omni-replica-address", address, *mode, "--dry-run"])
+    assert e.value.code == 0, capsys.readouterr().err
+
+
+STAGE_BEYOND_LOOPBACK = """
+import sys
+from omni.config import load
+from omni.stage import main as m
+m.default_advertise_host = lambda master: "192.0.2.2"   # as on a host whose route to the master is a LAN
+address = sys.argv[1] or None
+sys.exit(m.run_stage(load("smollm2"), 0, m.StageOptions(master_address="127.0.0.1:1", replica_address=address)))
+"""
+
+
+@pytest.mark.parametrize("address", ["192.0.2.2", ""])
+def test_a_stage_beyond_loopback_without_a_token_exits_before_its_engine(address):
+    """A launcher's child given --replica-address, or a stage whose auto-detected address is on the network."""
+    env = {k: v for k, v in os.environ.items() if k != "OMNI_TOKEN"}
+    r = subprocess.run([sys.executable, "-c", STAGE_BEYOND_LOOPBACK, address], cwd=REPO, capture_output=True,
+                       text=True, timeout=120, env=env)
+    assert r.returncode == 1, r.stderr
+    assert "192.0.2.2" in r.stderr and "opens this stage's listeners" in r.stderr, r.stderr
+    assert "--omni-token" in r.stderr and "loading engine" not in r.stderr, r.stderr

@@ -120,7 +120,7 @@ def test_single_command_replica_address_reaches_the_stages(planned):
     """--omni-replica-address did nothing in single-command mode (the one the wildcard warning names)."""
     from omni import children
 
-    r = _serve("--omni-replica-address", "10.1.2.3")
+    r = _serve("--omni-replica-address", "10.1.2.3", "--omni-token", "t0ken")   # beyond loopback: needs one
     assert r.exit_code == 0, r.output
     assert planned["plan"].replica_address == "10.1.2.3"
     stages = [c for c in planned["children"] if c.kind == "stage"]
