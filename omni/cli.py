@@ -113,8 +113,10 @@ def _api_keys(given: list[str] | None) -> list[str]:
         if "" in given:
             _refuse_empty_key("--api-key", "OMNI_API_KEY", "")
         return list(dict.fromkeys(given))
-    key = os.environ.get("OMNI_API_KEY") or os.environ.get("VLLM_API_KEY") or None
-    _refuse_empty_key("--api-key", "OMNI_API_KEY", key)
+    # An empty one is refused, not passed over: OMNI_API_KEY= set with a VLLM_API_KEY is still a mistake.
+    env = "OMNI_API_KEY" if "OMNI_API_KEY" in os.environ else "VLLM_API_KEY"
+    _refuse_empty_key("--api-key", env, None)
+    key = os.environ.get(env)
     return [key] if key else []
 
 

@@ -54,6 +54,11 @@ HEADLESS = ["serve", "smollm2", "--stage-id", "1", "--headless", "--omni-master-
     # when the stage started)
     (["serve", "smollm2", "--max-num-seqs", "0", "--dry-run"], "--max-num-seqs must be an integer >= 1, got 0"),
     (["serve", "smollm2", "--max-num-batched-tokens", "0k", "--dry-run"], "--max-num-batched-tokens must be an"),
+    # a dtype the stage's engine does not take: refused by --dry-run too (it failed after the master and stages started)
+    (["serve", "smollm2", "--dtype", "half", "--dry-run"],
+     "--dtype (stage 0 (thinker)): 'half' is not a dtype engine torch_lm takes (bfloat16, float32)"),
+    (["serve", "smollm2", "--stage-overrides", '{"0": {"dtype": "auto"}}', "--dry-run"],
+     "--stage-overrides: stages[0].engine_args.dtype: 'auto' is not a dtype engine torch_lm takes"),
     (["serve", "smollm2", "--engine-args", '{"threads": true}', "--dry-run"],
      "--engine-args threads must be an integer >= 1, got True"),
     (["serve", "smollm2", "--stage-overrides", '{"0": {"max_num_seqs": -1}}', "--dry-run"],
@@ -106,6 +111,24 @@ def test_an_empty_api_key_in_the_environment_is_refused():
                        capture_output=True, text=True, timeout=60, env={**env, "OMNI_API_KEY": ""})
     assert r.returncode == 2 and "OMNI_API_KEY (the environment's --api-key) is empty" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("env, named", [
+    ({"VLLM_API_KEY": ""}, "VLLM_API_KEY"),                       # was: /v1 open
+    ({"OMNI_API_KEY": "", "VLLM_API_KEY": "k"}, "OMNI_API_KEY"),  # was: ['k'], the empty one passed over
+    ({"OMNI_API_KEY": "", "VLLM_API_KEY": ""}, "OMNI_API_KEY"),
+])
+def test_an_empty_key_in_either_variable_is_refused_by_name(env, named, monkeypatch, capsys):
+    from omni.cli import main
+
+    for name in ("OMNI_API_KEY", "VLLM_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "smollm2", "--dry-run"])
+    assert e.value.code == 2
+    assert f"{named} (the environment's --api-key) is empty" in capsys.readouterr().err
 
 
 @pytest.fixture
