@@ -158,7 +158,7 @@ def serve(
     stage_overrides: Optional[str] = typer.Option(None, "--stage-overrides", help='JSON patch per stage, e.g. \'{"0": {"max_model_len": 1024}}\' (also --stage-overrides.0.max_model_len 1024). Single-command mode.'),
     stage_id: Optional[int] = typer.Option(None, "--stage-id", help="Run only this stage (stage mode). 0 is the head: master + orchestrator + HTTP."),
     headless: bool = typer.Option(False, "--headless", help="Run the stage given by --stage-id without HTTP; connects to the master."),
-    omni_master_address: Optional[str] = typer.Option(None, "--omni-master-address", help="Address of the omni master (the head hosts it)."),
+    omni_master_address: Optional[str] = typer.Option(None, "--omni-master-address", help="Address of the omni master (the head hosts it; hosting it beyond loopback: needs --omni-token)."),
     omni_master_port: Optional[int] = typer.Option(None, "--omni-master-port", help="Port of the omni master."),
     omni_token: Optional[str] = typer.Option(None, "--omni-token", envvar="OMNI_TOKEN", help="Shared token for the master and the data plane."),
     omni_replica_address: Optional[str] = typer.Option(None, "--omni-replica-address", help="Address this replica advertises to peers and binds its listeners on (default: the local address that routes to the master; beyond loopback: needs --omni-token)."),

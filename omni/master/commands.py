@@ -33,7 +33,8 @@ _MASTER_HELP = "The omni master's HOST:PORT."
 
 
 def master(
-    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0 for every interface)."),
+    host: str = typer.Option("127.0.0.1", "--host",
+                             help="Address to listen on (0.0.0.0 for every interface; beyond loopback: needs --omni-token)."),
     port: int = typer.Option(DEFAULT_PORT, "--port", help="Port to listen on; 0 picks a free one (printed)."),
     omni_token: str | None = typer.Option(None, "--omni-token", envvar="OMNI_TOKEN", help=_TOKEN_HELP),
     lease_ttl: float = typer.Option(5.0, "--lease-ttl", min=0.1,

@@ -74,3 +74,18 @@ def test_what_counts_as_loopback(host, loopback):
         with pytest.raises(ConfigError, match="--host"):
             refuse_open_master(host, None, "--host")
     refuse_open_master(host, "t0ken", "--host")      # with a token any address is the operator's choice
+
+
+@pytest.mark.parametrize("command, flag", [(["master"], "--host"), (["serve"], "--omni-master-address"),
+                                           (["serve"], "--omni-replica-address")])
+def test_help_says_an_address_beyond_loopback_needs_a_token(command, flag):
+    """omni master --help offered 0.0.0.0 with no word of the token it now needs."""
+    import click
+    from typer.main import get_command
+
+    from omni.cli import app
+
+    group = get_command(app)
+    cmd = group.get_command(click.Context(group), command[0])
+    opt = next(p for p in cmd.params if flag in p.opts)
+    assert "beyond loopback: needs --omni-token" in opt.help, opt.help
