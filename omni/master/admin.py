@@ -2,10 +2,10 @@
 
 Each goes to the master (token/TLS like `omni status`), which sends it down the keep-alive
 stream of every targeted replica and collects their acks. Exit 0 when every targeted replica
-acked ok, 1 when one refused or did not answer, 2 when the master cannot be reached or the
-target names nothing, 130 on Ctrl-C (the calls run on a thread: commands.in_thread). Draining
-or sleeping the last READY, awake replica of a stage stops that stage: the master refuses it
-unless --force, and with --force the command says what it stops.
+acked ok, 1 when one refused or did not answer or the master refused the command (below), 2 when
+the master cannot be reached or the target names nothing, 130 on Ctrl-C (the calls run on a thread:
+commands.in_thread). Draining or sleeping the last READY, awake replica of a stage stops that stage:
+the master refuses it unless --force, and with --force the command says what it stops.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import json
 import msgspec
 import typer
 
-from omni.errors import OmniError
+from omni.errors import ConfigError, OmniError
 from omni.master import DEFAULT_PORT
 from omni.master.commands import (EXIT_INTERRUPTED, EXIT_NOT_READY, EXIT_OK, EXIT_UNREACHABLE, Interrupted,
                                   _local_master, _one_line, _table, client_tls, ctrl_c, in_thread)
@@ -68,8 +68,13 @@ def _run(kind: str, master: str | None, stage: list[int] | None, replica: list[s
             if force:
                 for line in _what_stops(st, stage, replica):
                     typer.echo(f"omni {verb}: --force: {line}", err=True)
-            results = in_thread(lambda: client.send_command(kind, stage or (), args, timeout_s=timeout,
-                                                            replica_ids=replica or (), keep_serving=not force), stop)
+            try:
+                results = in_thread(lambda: client.send_command(kind, stage or (), args, timeout_s=timeout,
+                                                                replica_ids=replica or (), keep_serving=not force),
+                                    stop)
+            except ConfigError as e:   # FAILED_PRECONDITION: the master refused (the last READY replica)
+                typer.echo(f"omni {verb}: {_one_line(str(e))}", err=True)
+                raise typer.Exit(EXIT_NOT_READY) from None
     except Interrupted:
         typer.echo(f"omni {verb}: interrupted (a command already sent may still reach its replicas: "
                    "see `omni status`)", err=True)

@@ -32,3 +32,18 @@ def test_admin_commands_target_the_local_serve_without_master(served, command):
     # The master answered: stage 0 is known there, with no replica registered yet.
     assert f"omni {command}: found `omni serve m`" in r.output and served.address in r.output, r.output
     assert f"omni {command}: no live stage replica matched" in r.output, r.output
+
+
+@pytest.mark.parametrize("command", ["drain", "sleep"])
+def test_a_command_the_master_refuses_exits_1_not_the_unreachable_2(served, command):
+    """Draining (or sleeping) a stage's last READY replica without --force is the master's FAILED_PRECONDITION:
+    a refusal (1, as the module says), not an unreachable master (2, as it was)."""
+    from omni.master.registry import RegisterInput, Role
+
+    rep, _ = served.registry.register(RegisterInput(role=Role.STAGE, stage_id=0, host="h", pid=9,
+                                               config_hash=hash_config(CFG)))
+    served.registry.heartbeat(rep.lease_id, None)   # READY (the master's loop is idle meanwhile)
+    r = CliRunner().invoke(app, [command, "--master", served.address, "--stage", "0", "--timeout", "1"])
+    assert r.exit_code == 1, r.output
+    assert f"{command} would stop stage 0: s0r0 is its last READY, awake replica" in r.output, r.output
+    assert "--force" in r.output and "Traceback" not in r.output
