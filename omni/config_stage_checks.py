@@ -34,10 +34,10 @@ from typing import Any, Callable
 from omni.config_checks import SAMPLING_RANGES
 from omni.errors import ConfigError
 
-__all__ = ["COUNT_ARGS", "FRAME_ARGS", "HUMAN_INTS", "RESERVED_ENV", "SERVING_ONLY_ARGS", "SUBTALKER", "SUBTALKER_ENGINES",
-           "blame_override", "check_connector_edge", "check_counts", "check_engine_args", "check_stage_override",
-           "check_subtalker", "human_int",
-           "normalise_devices", "normalise_env", "normalise_human_ints", "normalise_stages", "unused_engine_arg"]
+__all__ = ["COUNT_ARGS", "DTYPE_CHOICES", "FRAME_ARGS", "HUMAN_INTS", "RESERVED_ENV", "SERVING_ONLY_ARGS", "SUBTALKER",
+           "SUBTALKER_ENGINES", "blame_override", "check_connector_edge", "check_counts", "check_dtype",
+           "check_engine_args", "check_stage_override", "check_subtalker", "human_int", "normalise_devices",
+           "normalise_env", "normalise_human_ints", "normalise_stages", "unused_engine_arg"]
 
 DEVICE_FORMS = "'cpu' or GPU indices into the visible GPUs: \"0\", \"0,1\" (or \"cuda:0,cuda:1\")"
 
@@ -65,6 +65,12 @@ SUBTALKER_KEYS = ("do_sample", "temperature", "top_k", "top_p")
 SUBTALKER_ENGINES = ("qwen3_talker",)
 # Engine args in frames, >= 1 (Qwen3's code2wav re-decodes the tail a chunk holds back from >= 1 frame of context).
 FRAME_ARGS = {"qwen3_code2wav": ("first_chunk_frames", "chunk_frames", "context_frames")}
+# The dtypes each engine takes (torch_lm: its own two; vLLM: its --dtype choices; omni's torch engines: torch's
+# names, "auto" where they read the checkpoint's); checked at load, so --dry-run refuses `--dtype half` on torch_lm.
+_TORCH_DTYPES = ("float32", "float", "bfloat16", "float16", "half")
+DTYPE_CHOICES = {"torch_lm": ("bfloat16", "float32"), "vllm": ("auto", *_TORCH_DTYPES),
+                 "qwen_image": _TORCH_DTYPES, "wan": _TORCH_DTYPES,
+                 **dict.fromkeys(("qwen3_talker", "qwen3_code2wav", "qwen25_talker"), ("auto", *_TORCH_DTYPES))}
 # Counts every engine that takes them needs at >= 1, checked at load (and so by --dry-run): an engine
 # refused 0 only when its stage started, after the master and the other stages had.
 COUNT_ARGS = ("max_num_seqs", "max_num_batched_tokens", "num_threads", "threads", "max_batch_rows",
@@ -227,11 +233,19 @@ def check_engine_args(args: dict[str, Any], engine: str, where: str) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{where}.{key} must be a number of frames >= 1, got {value!r}")
     check_counts(args, lambda k: f"{where}.{k}")
+    check_dtype(args.get("dtype"), engine, f"{where}.dtype")
     if SUBTALKER in args:
         if engine not in SUBTALKER_ENGINES:
             raise ConfigError(f"{where}.{SUBTALKER}: not supported by engine {engine}: it samples Qwen3-Omni's code "
                               f"predictor (a frame's residual codes), which only {', '.join(SUBTALKER_ENGINES)} has")
         check_subtalker(args[SUBTALKER], f"{where}.{SUBTALKER}")
+
+
+def check_dtype(value: Any, engine: str, name: str) -> None:
+    """`value` as the dtype of an `engine` stage (DTYPE_CHOICES; other engines: their own check); `name` names it."""
+    choices = DTYPE_CHOICES.get(engine)
+    if value is not None and choices is not None and value not in choices:
+        raise ConfigError(f"{name}: {value!r} is not a dtype engine {engine} takes ({', '.join(choices)})")
 
 
 def check_counts(args: dict[str, Any], name: Callable[[str], str]) -> None:

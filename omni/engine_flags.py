@@ -203,6 +203,7 @@ def spread_flags(config: DeployConfig, flags: dict[str, Any]) -> dict[str, dict[
     """Single-command mode: {stage id: {arg: value}} for every stage whose engine takes each
     flag. A flag no stage takes is an error naming it and the stages, except flags that only
     size a GPU engine, which are named and ignored."""
+    from omni.config_stage_checks import check_dtype
     from omni.engines.factory import DEVICE_ONLY_ARGS, accepted_args, takes
     from omni.vllm_serve_flags import LOGGING_ONLY_ARGS, frontend_only
 
@@ -223,6 +224,8 @@ def spread_flags(config: DeployConfig, flags: dict[str, Any]) -> dict[str, dict[
                 raise ConfigError(f"{flag_name(key)}: vLLM's serve option, not supported by omni")
             raise ConfigError(vllm_omni_flags.refusal(key)
                               or f"{flag_name(key)}: no stage of this pipeline takes it ({_describe(config)})")
+        for s in takers if key == "dtype" else ():
+            check_dtype(value, s.engine, f"{flag_name(key)} ({s.label})")
         others = [s.label for s in config.stages if s not in takers]
         if others:
             print(f"omni: {flag_name(key)} applies to {', '.join(s.label for s in takers)}; "
