@@ -83,7 +83,8 @@ def vllm_omni_deploy(name: str) -> Path | None:
     """--deploy-config as vllm-omni's docs write it (vllm_omni/deploy/qwen3_omni_moe.yaml) where no such file is:
     omni's bundled deploy for it, with a note; a vllm-omni file omni has none for is refused, listing what it has."""
     path = Path(name)
-    if path.exists() or (path.stem not in BUNDLED and "vllm_omni" not in path.parts):
+    ours_like = path.stem in BUNDLED or any(path.stem.startswith(f"{k}_") for k in BUNDLED)  # _multi_replicas
+    if path.exists() or not (ours_like or "vllm_omni" in path.parts):
         return None
     ours = bundled_path(path)
     if ours is None:

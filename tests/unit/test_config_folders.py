@@ -252,3 +252,11 @@ def test_image_settings_are_checked_once(tmp_path, monkeypatch, images, says):
     path.write_text(json.dumps({"base_config": "qwen-image.yaml", "pipeline": {"images": images}}))
     with pytest.raises(ConfigError, match=says):
         cfg.load("Qwen/Qwen-Image", deploy_config=str(path))
+
+
+def test_a_bare_vllm_omni_variant_name_omni_has_none_of_is_refused_listing_what_it_has(tmp_path, monkeypatch):
+    """vllm-omni's qwen3_omni_moe_multi_replicas.yaml given bare (no vllm_omni/ folder) said 'file not found'."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"no such file, and omni has no variant like vllm-omni's "
+                                          r"qwen3_omni_moe_multi_replicas\.yaml"):
+        cfg.deploy_config_path("qwen3_omni_moe_multi_replicas.yaml")
