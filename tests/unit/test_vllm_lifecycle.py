@@ -87,6 +87,7 @@ def fake_engine(llm: FakeLLM | None = None):
     e._mm_tokens, e._mm_limits, e._hidden, e._rows_on = None, {}, None, False
     e._llm, e._waiter = llm or FakeLLM(), Waiter()
     e._core_steps = types.SimpleNamespace(advanced=lambda: False, close=lambda: None)
+    e._rpc_dir = None   # no ipc folder: shutdown removes none
     e.max_model_len, e.vocab_size = 1000, 1000
     e._can_sleep, e._sleeping, e._sleep_level = True, False, 0
     e._live, e._dead = {}, None
