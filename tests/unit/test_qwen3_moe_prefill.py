@@ -90,3 +90,34 @@ def test_an_out_of_memory_prefill_is_that_requests_error(engine, monkeypatch, fo
     assert engine._static.owner == [] and not engine.has_open_streams()
     monkeypatch.setattr(engine._static.dev.backbone, "prefill", real)
     assert drive(engine, {"next": [req("next")]})["next"][-1].finish_reason == "length"
+
+
+def test_an_out_of_memory_prefill_on_the_eager_path_is_that_requests_error(folder, monkeypatch):  # noqa: F811
+    """static_decode: false had no such guard: the error escaped step() and took the stage's loop down."""
+    from transformers import AutoTokenizer
+
+    from omni.engines.base import EngineRequest, SamplingParams
+    from omni.models.qwen3_omni.talker import Qwen3TalkerEngine
+
+    engine = Qwen3TalkerEngine(folder, static_decode=False, max_num_seqs=2)
+    tok = AutoTokenizer.from_pretrained(folder)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=True,
+                                     return_dict=True)["input_ids"]
+
+    def req(rid):
+        return EngineRequest(request_id=rid, prompt_token_ids=prompt, generated_ids=[100, 200], final=True,
+                             sampling=SamplingParams(max_tokens=4))
+
+    model = engine.talker.model
+    real = type(model).forward
+
+    def oom(self, *a, **kw):
+        if kw.get("inputs_embeds") is not None and kw["inputs_embeds"].shape[1] > 1:   # a prefill
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 27.00 GiB")
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(type(model), "forward", oom)
+    out = drive(engine, {"big": [req("big")]})["big"]
+    assert out[-1].finish_reason == "error" and "out of device memory in the talker prefill" in out[-1].error
+    monkeypatch.setattr(type(model), "forward", real)
+    assert drive(engine, {"next": [req("next")]})["next"][-1].finish_reason == "length"

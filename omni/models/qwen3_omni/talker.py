@@ -340,8 +340,15 @@ class Qwen3TalkerEngine(StreamEngine):
             return None
         r.cache = DynamicCache(config=self._cache_config())
         self._stats["prefill_tokens"] += x.shape[0]
-        return self.talker.model(inputs_embeds=x[None], past_key_values=r.cache,
-                                 use_cache=True).last_hidden_state[0, -1]
+        try:
+            return self.talker.model(inputs_embeds=x[None], past_key_values=r.cache,
+                                     use_cache=True).last_hidden_state[0, -1]
+        except torch.OutOfMemoryError:   # this request's prefill is too large here (as the static path's)
+            r.cache, r.done, r.frames = None, "error", []
+            r.error = f"request {r.rid}: out of device memory in the talker prefill ({x.shape[0]} rows)"
+            if x.is_cuda:
+                torch.cuda.empty_cache()
+            return None
 
     def _decode(self, reqs: list[TalkerRequest], x: torch.Tensor) -> torch.Tensor:
         """One talker forward for one new row per request (x [B, H]) -> last normed hidden [B, H].
