@@ -198,6 +198,7 @@ def serve(
     stage decode each utterance whole (--async-chunk: stream, whatever the deploy YAML says)."""
     from omni import config as cfg
     from omni import serve_modes, vllm_omni_flags, vllm_serve_flags
+    from omni.api import cors
     from omni.config_stage_checks import check_counts, normalise_human_ints
     from omni.engine_flags import context_length, flag_name, merge_overrides, parse_extra_flags, spread_flags
 
@@ -260,6 +261,9 @@ def serve(
              "tensor_parallel_size": tensor_parallel_size, "trust_remote_code": trust_remote_code}
     flags.update(parse_extra_flags(list(ctx.args)))
     check_counts(flags, flag_name)                  # named as typed: later they reach the stages as overrides
+    cors_flags = cors.take(flags, headless)         # vLLM's CORS options: the frontends answer those origins
+    if cors_flags:
+        http_limits = dataclasses.replace(http_limits, **cors_flags)
     vllm_serve_flags.take(flags)                    # vLLM's HTTP-server options: no-ops or refused
     orchestration = vllm_omni_flags.take(flags)     # vllm-omni's own options with a meaning here
     more = normalise_human_ints(_json_flag("--engine-args", engine_args) or {}, lambda k: f"--engine-args {k}")

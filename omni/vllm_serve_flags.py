@@ -30,13 +30,10 @@ NO_OPS = {
     "log_error_stack": "omni's logs follow --log-level",
 }
 _TLS = "omni's HTTP API speaks plain HTTP: terminate TLS in a reverse proxy in front of it"
-_CORS = ("omni sends no CORS headers: a browser client of another origin needs a reverse proxy that adds them, "
-         "and --api-key (without a key, cross-site writes are refused)")
 _TOOLS = "omni parses no tool calls out of model output: tool calling is not supported"
 _TEMPLATE = "omni renders chats with the model's own chat template: an override is not supported"
 REFUSED = {
     **dict.fromkeys(("ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "ssl_cert_reqs", "enable_ssl_refresh"), _TLS),
-    **dict.fromkeys(("allowed_origins", "allowed_methods", "allowed_headers", "allow_credentials"), _CORS),
     **dict.fromkeys(("enable_auto_tool_choice", "tool_call_parser", "tool_parser_plugin", "tool_server",
                      "exclude_tools_when_tool_choice_none", "expand_tools_even_if_tool_choice_none"), _TOOLS),
     **dict.fromkeys(("chat_template", "chat_template_content_format", "trust_request_chat_template"), _TEMPLATE),
@@ -76,7 +73,8 @@ REFUSED = {
 
 # EngineArgs fields that only set an engine's logging: where no stage takes them, named and ignored.
 LOGGING_ONLY_ARGS = ("disable_log_stats", "aggregate_engine_logging")
-_OWN = frozenset({"help", "model_tag", "headless", "api_server_count", "config", "host", "port", "api_key"})
+_OWN = frozenset({"help", "model_tag", "headless", "api_server_count", "config", "host", "port", "api_key",
+                  "allowed_origins", "allowed_methods", "allowed_headers", "allow_credentials"})   # api/cors.py
 
 
 def frontend_only(key: str) -> bool:

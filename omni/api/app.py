@@ -14,6 +14,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.routing import Route
 
+from omni.api import cors
 from omni.api.admin import AdminRoutes
 from omni.api.control import ControlRoutes
 from omni.api.http import FrontendMiddleware, by_method, endpoint, http_error
@@ -74,12 +75,15 @@ def build_app(orchestrator: OrchestratorLike, tokenizer: Any, *, served_model_na
     fe.num_stages = num_stages
     fe.default_modalities = tuple(default_modalities)
     routes = [Route(path, by_method(methods)) for path, methods in by_path.items()]
+    limits = limits or HttpLimits()
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error},
-                    middleware=[Middleware(FrontendMiddleware, frontend_index=frontend_index, api_key=api_key,
+                    middleware=[*cors.middleware(limits),   # outermost: a browser's preflight carries no key
+                                Middleware(FrontendMiddleware, frontend_index=frontend_index, api_key=api_key,
                                            metrics=fe.metrics, control_api_key=control_api_key,
-                                           control_routes=control_routes, fast=admin.fast()),
+                                           control_routes=control_routes, fast=admin.fast(),
+                                           allowed_origins=limits.allowed_origins),
                                # inside: a refused body still gets X-Omni-Frontend and is counted
-                               Middleware(LimitsMiddleware, limits=limits or HttpLimits())])
+                               Middleware(LimitsMiddleware, limits=limits)])
     app.state.frontend = fe
     app.state.jobs = jobs
     return app

@@ -1,6 +1,7 @@
 """What a web page open in the operator's browser can make a frontend do. A page may send "simple"
 cross-site requests (no preflight) to 127.0.0.1: a POST with no body, a text/plain body, or a form.
-Omni answers no CORS preflight, so a request with an Authorization header never leaves such a page;
+Omni answers no CORS preflight (but for --allowed-origins: cors.py), so a request with an Authorization
+header never leaves such a page;
 a server without an API key is open to the rest, hence two checks (FrontendMiddleware runs them):
 - a JSON route takes only a JSON Content-Type (vLLM's 400 with its message; FastAPI's CVE-2021-32677),
   so a text/plain or form body is never parsed as JSON;
@@ -55,15 +56,17 @@ def _netloc(value: str, scheme: str) -> str:
     return value[: -len(default)] if default and value.endswith(default) else value
 
 
-def origin_refusal(scope) -> Response | None:
-    """A state-changing request from another site's page (its Origin is not this server) is refused.
-    A request without Origin (curl, SDKs, a same-origin GET) passes."""
+def origin_refusal(scope, allowed: frozenset[str] = frozenset()) -> Response | None:
+    """A state-changing request from another site's page (its Origin is not this server, nor one of
+    --allowed-origins: `allowed`) is refused. A request without Origin (curl, SDKs, a same-origin GET) passes."""
     if scope["method"] in SAFE_METHODS:
         return None
     raw = _header(scope, b"origin")
     if raw is None:
         return None
     origin = raw.decode("latin-1")
+    if "*" in allowed or origin in allowed:
+        return None
     parts = urlsplit(origin) if origin != "null" else None
     if parts is not None and parts.scheme and parts.netloc:
         theirs = _netloc(parts.netloc, parts.scheme)
@@ -73,7 +76,7 @@ def origin_refusal(scope) -> Response | None:
                 return None
     host = (_header(scope, b"host") or b"").decode("latin-1")
     return error_response(403, f"cross-site request refused: Origin {origin[:200]!r} is not this server "
-                               f"({host[:200]!r}), and no API key guards {scope['path']} (set --api-key: a browser app "
-                               "of another origin, behind a proxy that adds CORS headers, sends it; a proxy that "
+                               f"({host[:200]!r}), and no API key guards {scope['path']} (a browser app of another "
+                               "origin: --allowed-origins, and --api-key to keep other pages out; a proxy that "
                                "rewrites Host passes the Host or X-Forwarded-Host on)",
                           "permission_error", param="Origin", code="cross_site_request")

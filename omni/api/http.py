@@ -32,8 +32,10 @@ class FrontendMiddleware:
 
     def __init__(self, app, *, frontend_index: int, api_key: str | Sequence[str] | None, metrics: FrontendMetrics,
                  control_api_key: str | None = None, control_routes: bool = True,
-                 fast: dict[tuple[str, str], Callable[[], tuple[int, bytes]]] | None = None):
+                 fast: dict[tuple[str, str], Callable[[], tuple[int, bytes]]] | None = None,
+                 allowed_origins: Sequence[str] = ()):
         self.app = app
+        self.allowed_origins = frozenset(allowed_origins)   # --allowed-origins: cross-site pages let in
         self.fast = fast or {}
         self.header = (b"x-omni-frontend", str(frontend_index).encode())
         self.key = _bearer_digests(api_key)            # None: no key, /v1 is open
@@ -98,7 +100,7 @@ class FrontendMiddleware:
                                       headers={"WWW-Authenticate": "Bearer"})
             keyed = True
         if not keyed:   # a page in a browser cannot send the key cross-site, but can send the rest
-            refusal = browser.origin_refusal(scope)
+            refusal = browser.origin_refusal(scope, self.allowed_origins)
             if refusal is not None:
                 return refusal
         forms = routes.JSON_BODIES.get((routes.label(path), scope["method"]))

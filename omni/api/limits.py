@@ -21,6 +21,11 @@ class HttpLimits:
     timeout_keep_alive: float = 5.0        # --timeout-keep-alive: idle connection / wait for a request head
     timeout_request_body: float = 60.0     # --timeout-request-body: head received -> whole body received
     backlog: int = 2048                    # --backlog: listen() queue of the HTTP socket
+    # vLLM's CORS flags (omni/api/cors.py): no origin answered unless --allowed-origins names some
+    allowed_origins: tuple[str, ...] = ()
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
 
     def __post_init__(self):
         for flag, value, low in (("--max-request-bytes", self.max_request_bytes, 1024),
@@ -35,7 +40,7 @@ class HttpLimits:
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "HttpLimits":
-        return cls(**(d or {}))
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in (d or {}).items()})
 
 
 def too_large(size: int | str, limit: int) -> APIError:

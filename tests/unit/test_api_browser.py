@@ -53,7 +53,7 @@ async def test_a_keyless_server_refuses_a_state_change_from_another_sites_page(t
     r = await c.post(path, content=body, headers={"Origin": origin, "Content-Type": "application/json"})
     err = assert_error(r, 403, param="Origin", contains="cross-site request refused")
     assert err["type"] == "permission_error" and err["code"] == "cross_site_request"
-    assert "set --api-key" in err["message"]    # the way for a browser app of another origin (a CORS proxy)
+    assert "--allowed-origins" in err["message"]    # the way for a browser app of another origin
     assert orch.sleeping is False and orch.requests == []
 
 

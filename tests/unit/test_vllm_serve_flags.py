@@ -34,9 +34,6 @@ def test_logging_flags_are_named_no_ops(capsys, flags, why):
 @pytest.mark.parametrize("flags, why", [
     (["--ssl-keyfile", "k.pem"], "plain HTTP: terminate TLS in a reverse proxy"),
     (["--ssl-certfile", "c.pem"], "plain HTTP: terminate TLS in a reverse proxy"),
-    (["--allowed-origins", '["*"]'], "a reverse proxy that adds them, and --api-key"),
-    (["--allowed-methods", '["*"]'], "no CORS headers"),
-    (["--allowed-headers", '["*"]'], "no CORS headers"),
     (["--enable-auto-tool-choice"], "tool calling is not supported"),
     (["--tool-call-parser", "hermes"], "tool calling is not supported"),
     (["--chat-template", "t.jinja"], "model's own chat template: an override is not supported"),
@@ -93,6 +90,13 @@ def test_engine_logging_flags_are_no_ops_where_no_stage_takes_them(capsys, flag)
     code, out, err = serve(capsys, flag)
     assert code == 0, err
     assert f"omni: {flag}: no stage of this pipeline takes it" in err and "ignored" in err
+
+
+def test_vllms_cors_flags_go_to_the_frontends_not_the_stages(capsys):
+    code, out, err = serve(capsys, "--allowed-origins", '["https://app.example"]', "--allowed-methods", '["POST"]',
+                           "--allow-credentials")
+    assert code == 0, err
+    assert json.loads(out)["engine_flags"] == {}
 
 
 def test_every_vllm_frontend_option_is_in_a_table():
