@@ -74,10 +74,45 @@ def kill_descendants(grace_s: float = 0.0, exclude: tuple[int, ...] = ()) -> lis
     return procs if grace_s <= 0 else alive
 
 
-def kill_group(pgid: int) -> bool:
-    """SIGKILL what is left of a process group whose leader is gone; True if something was."""
+TRACKER = "multiprocessing.resource_tracker"
+TRACKER_WAIT_S = 2.0
+
+
+def _group(pgid: int) -> list[psutil.Process]:
+    members = []
+    for p in psutil.process_iter():
+        try:
+            if os.getpgid(p.pid) == pgid:
+                members.append(p)
+        except (OSError, psutil.Error):   # gone meanwhile
+            pass
+    return members
+
+
+def _is_tracker(p: psutil.Process) -> bool:
     try:
-        os.killpg(pgid, signal.SIGKILL)
+        return TRACKER in " ".join(p.cmdline())
+    except psutil.Error:
+        return False
+
+
+def kill_group(pgid: int) -> bool:
+    """SIGKILL what is left of a process group whose leader is gone; True if something was.
+    multiprocessing's resource tracker goes last: once the others are gone it unlinks the shared memory
+    they left (a vLLM stage's EngineCore and Worker: ~400 MiB of /dev/shm) and exits. Killed with them
+    (the launcher's sweep, within 0.5 s of a stage's death), it left all of it."""
+    members = _group(pgid)
+    trackers = [p for p in members if _is_tracker(p)]
+    for p in members:
+        if p not in trackers:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+    if trackers:
+        psutil.wait_procs(trackers, timeout=TRACKER_WAIT_S)
+    try:
+        os.killpg(pgid, signal.SIGKILL)   # a tracker that did not finish, and any late member
         return True
     except (ProcessLookupError, PermissionError):
-        return False
+        return bool(members)
