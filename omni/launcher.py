@@ -438,19 +438,24 @@ class Launcher:
         return 0
 
     def shutdown(self, grace_s: float = 10.0) -> None:
-        # Frontends first (stop taking requests), then stages, then the master.
+        # Frontends first (stop taking requests), then stages, then the master. A stop request that comes
+        # while this runs (a second Ctrl-C) ends the grace: every child's process group is killed now.
+        asked = self._stop.count
         for kind in ("frontend", "stage"):
             group = [c for c in self.children if c.kind == kind and c.alive()]
             for c in group:
                 c.proc.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + grace_s
             for c in group:
-                try:
-                    c.proc.wait(max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
+                if not self._wait_child(c, deadline, asked):
+                    if self._stop.count > asked:
+                        break
                     progress(f"{c.name} did not stop within {grace_s:.0f} s; killing it")
                     c.proc.kill()
                     c.proc.wait()
+            if self._stop.count > asked:
+                self._kill_all()
+                break
             for c in group:
                 c.sweep()
         if self._listener is not None:
@@ -465,3 +470,23 @@ class Launcher:
             runfile.remove(self._runfile)
             self._runfile = None
         self._tmp.cleanup()
+
+    def _wait_child(self, c: Child, deadline: float, asked: int) -> bool:
+        """True once `c` exited; False at the deadline or on a new stop request (sliced, so one is seen)."""
+        while self._stop.count == asked:
+            try:
+                c.proc.wait(min(0.1, max(0.0, deadline - time.monotonic())))
+                return True
+            except subprocess.TimeoutExpired:
+                if time.monotonic() >= deadline:
+                    return False
+        return c.proc.poll() is not None
+
+    def _kill_all(self) -> None:
+        from omni.proctree import kill_group
+
+        progress("second stop request: killing every child now")
+        for c in self.children:
+            if c.proc is not None:
+                kill_group(c.proc.pid)   # the resource tracker last, so it still unlinks their shm
+                c.proc.wait()

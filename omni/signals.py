@@ -26,6 +26,7 @@ _SLICE_S = 0.1   # a wait returns to bytecode this often, so a pending handler r
 class StopRequest:
     def __init__(self) -> None:
         self.requested = False
+        self.count = 0   # requests so far: a second one during a graceful stop cuts it short
         self._r, self._w = os.pipe()
         os.set_blocking(self._r, False)
         os.set_blocking(self._w, False)
@@ -33,6 +34,7 @@ class StopRequest:
     def set(self, *_signal_args) -> None:
         """Usable as a signal handler."""
         self.requested = True
+        self.count += 1
         try:
             os.write(self._w, b"\0")
         except OSError:
