@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from omni.api.limits import HttpLimits
+from omni.backoff import RestartBackoff
 from omni.config import DeployConfig
 from omni.deathsig import pid_exists
 from omni.errors import OmniError
@@ -90,6 +91,7 @@ class Child:
     proc: subprocess.Popen | None = None
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=20))
     restarts: int = 0
+    backoff: RestartBackoff = field(default_factory=RestartBackoff)
     env: dict | None = None
     pass_fds: tuple[int, ...] = ()
 
@@ -102,6 +104,7 @@ class Child:
         )
         threading.Thread(target=self._pump, args=(self.proc,), daemon=True,
                          name=f"omni-log-{self.name}").start()
+        self.backoff.started()
 
     def _pump(self, proc: subprocess.Popen) -> None:
         # Reads to EOF whatever happens to our stderr: a child whose pipe nobody drains
@@ -417,14 +420,17 @@ class Launcher:
             for child in self.children:
                 if child.alive():
                     continue
+                if child.kind == "frontend":
+                    # A crashed frontend is replaced, later each time it dies soon again; the engines carry on.
+                    if not child.backoff.waiting():
+                        child.sweep()
+                        progress(f"{child.name} {child.exit_cause()}; restarting it in {child.backoff.died():g} s")
+                    elif child.backoff.due():
+                        child.restarts += 1
+                        child.start()
+                    continue
                 child.sweep()
                 code = child.proc.returncode
-                if child.kind == "frontend":
-                    # A crashed frontend is replaced; the engines carry on.
-                    progress(f"{child.name} exited with code {code}; restarting it")
-                    child.restarts += 1
-                    child.start()
-                    continue
                 alive = [c for c in self.children if c.kind == "stage" and c.stage_id == child.stage_id and c.alive()]
                 if alive:
                     progress(f"{child.name} exited with code {code}; {len(alive)} replica(s) of stage "

@@ -1,0 +1,61 @@
+"""A frontend that keeps dying is restarted later each time (0.5 s doubling to 30 s, back to 0.5 s after a
+60 s run), and its restart line says how it ended as a stage's does (exit_cause: signal or last words)."""
+
+from __future__ import annotations
+
+import sys
+
+from omni import config as cfg
+from omni.backoff import RestartBackoff
+from omni.launcher import Child, LaunchPlan, Launcher
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_the_delay_doubles_to_the_cap_and_resets_after_a_long_run():
+    clock = Clock()
+    b = RestartBackoff(clock=clock)
+    delays = []
+    for _ in range(9):
+        b.started()
+        clock.t += 1.0          # dies 1 s after each start
+        delays.append(b.died())
+        assert not b.due()
+        clock.t += delays[-1]
+        assert b.due()
+    assert delays == [0.5, 1, 2, 4, 8, 16, 30, 30, 30]
+    b.started()
+    clock.t += 60.0             # a run of a minute: the next crash is a new first one
+    assert b.died() == 0.5
+
+
+def test_the_supervisor_restarts_a_crashing_frontend_with_backoff(capsys):
+    clock = Clock()
+    launcher = Launcher(LaunchPlan(cfg.load("smollm2"), stages=[0], host_master=False, api_server_count=0))
+    crash = [sys.executable, "-c", "import os; os.kill(os.getpid(), 9)"]   # a signal: no race with the log pump
+    child = Child("api0", "frontend", crash, backoff=RestartBackoff(clock=clock))
+    launcher.children.append(child)
+    child.start()
+    ticks = []
+
+    def tick(timeout=None):     # the supervisor's 0.5 s wait: the clock moves, the crashed child is gone
+        child.proc.wait()
+        clock.t += 0.5
+        ticks.append(clock.t)
+        return len(ticks) > 20  # 10 s of supervision
+    launcher._stop.wait = tick
+    try:
+        assert launcher._supervise() == 0
+    finally:
+        launcher.shutdown()
+    # Restarts 0.5, 1, 2 and 4 s after each death (each check on a 0.5 s tick): 4 within 10 s, not 20.
+    assert child.restarts == 4
+    err = capsys.readouterr().err
+    assert "api0 was killed by SIGKILL; restarting it in 0.5 s" in err
+    assert "restarting it in 4 s" in err
