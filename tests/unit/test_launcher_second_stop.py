@@ -35,8 +35,11 @@ def _grandchild(child: Child, timeout_s: float = 30.0) -> int:
 
 
 def _gone(pid: int) -> bool:
+    """SIGKILL is delivered, not waited for: give the kernel a moment to end it (a zombie counts)."""
     try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        p = psutil.Process(pid)
+        _, alive = psutil.wait_procs([p], timeout=5.0)
+        return not alive or p.status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
 
