@@ -64,8 +64,23 @@ async def serve(app, *, host: str = "127.0.0.1", port: int = 0, sock: socket.soc
     log.info("HTTP frontend listening on %s:%d", bound_host, bound_port)
     if on_ready is not None:
         on_ready(bound_host, bound_port)
+    loop = asyncio.get_running_loop()
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(_quiet_cancel(shutdown_event, previous))
     try:
         await hypercorn_serve(app, config, shutdown_trigger=shutdown_event.wait)
     finally:
+        loop.set_exception_handler(previous)
         if owned:
             sock.close()
+
+
+def _quiet_cancel(stopping: asyncio.Event, previous):
+    """A stop with streams open cancels their connections' tasks; asyncio's stream protocol (Python 3.11)
+    then logged each CancelledError with a traceback at ERROR. During a stop that is one INFO line."""
+    def handle(loop, context):
+        if stopping.is_set() and isinstance(context.get("exception"), asyncio.CancelledError):
+            log.info("stopping: a connection's task was cancelled (%s)", context.get("message", "")[:120])
+            return
+        (previous or (lambda lp, ctx: lp.default_exception_handler(ctx)))(loop, context)
+    return handle
