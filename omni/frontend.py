@@ -237,6 +237,7 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
     logger.info("frontend %d: registering with the omni master at %s", index, master_address)
     reg = await asyncio.to_thread(
         smaster.register, "FRONTEND", -1, config_hash=config.config_hash(), pipeline_config=config.to_dict(),
+        replica_hint=index,   # fe{index}, as its metrics label and X-Omni-Frontend say (else in order of arrival)
         endpoints={"http": f"{advertise}:{port}"}, host=advertise, pid=os.getpid(), wait_s=30.0, stop=stop)
     if reg is None:                 # stopped while the master was away: nothing to undo
         smaster.close()
