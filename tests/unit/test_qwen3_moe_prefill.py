@@ -64,9 +64,8 @@ def test_a_prefill_never_gathers_a_decode_does(engine, monkeypatch, folder):
     assert max(rows for _, rows in calls) > len(prompt)
 
 
-def test_an_out_of_memory_prefill_is_that_requests_error(engine, monkeypatch, folder):
-    """torch.OutOfMemoryError (a RuntimeError, not the ValueError the prefill took) escaped step(); now the
-    request ends with an error naming it, its slot is free and the next request runs."""
+def _hi(folder):
+    """rid -> a short request whose thinker has finished (two text ids)."""
     from transformers import AutoTokenizer
 
     from omni.engines.base import EngineRequest, SamplingParams
@@ -74,11 +73,14 @@ def test_an_out_of_memory_prefill_is_that_requests_error(engine, monkeypatch, fo
     tok = AutoTokenizer.from_pretrained(folder)
     prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=True,
                                      return_dict=True)["input_ids"]
+    return lambda rid: EngineRequest(request_id=rid, prompt_token_ids=prompt, generated_ids=[100, 200], final=True,
+                                     sampling=SamplingParams(max_tokens=4))
 
-    def req(rid):
-        return EngineRequest(request_id=rid, prompt_token_ids=prompt, generated_ids=[100, 200], final=True,
-                             sampling=SamplingParams(max_tokens=4))
 
+def test_an_out_of_memory_prefill_is_that_requests_error(engine, monkeypatch, folder):
+    """torch.OutOfMemoryError (a RuntimeError, not the ValueError the prefill took) escaped step(); now the
+    request ends with an error naming it, its slot is free and the next request runs."""
+    req = _hi(folder)
     real = engine._static.dev.backbone.prefill
 
     def oom(x, slot):
@@ -94,20 +96,10 @@ def test_an_out_of_memory_prefill_is_that_requests_error(engine, monkeypatch, fo
 
 def test_an_out_of_memory_prefill_on_the_eager_path_is_that_requests_error(folder, monkeypatch):  # noqa: F811
     """static_decode: false had no such guard: the error escaped step() and took the stage's loop down."""
-    from transformers import AutoTokenizer
-
-    from omni.engines.base import EngineRequest, SamplingParams
     from omni.models.qwen3_omni.talker import Qwen3TalkerEngine
 
     engine = Qwen3TalkerEngine(folder, static_decode=False, max_num_seqs=2)
-    tok = AutoTokenizer.from_pretrained(folder)
-    prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=True,
-                                     return_dict=True)["input_ids"]
-
-    def req(rid):
-        return EngineRequest(request_id=rid, prompt_token_ids=prompt, generated_ids=[100, 200], final=True,
-                             sampling=SamplingParams(max_tokens=4))
-
+    req = _hi(folder)
     model = engine.talker.model
     real = type(model).forward
 
