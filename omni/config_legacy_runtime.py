@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from omni.config_stage_checks import is_count
 from omni.errors import ConfigError
 
 __all__ = ["apply_runtime"]
@@ -35,7 +36,7 @@ def apply_runtime(value: Any, stages: list[dict[str, Any]], edges: set[tuple[int
     windows = [_window(defaults, f"{where}.defaults")]
     if "max_inflight" in defaults:
         n = defaults["max_inflight"]
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        if not is_count(n):
             raise ConfigError(f"{where}.defaults.max_inflight must be an integer >= 1, got {n!r}")
         for stage in stages:
             args = stage.setdefault("engine_args", {})

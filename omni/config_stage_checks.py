@@ -36,7 +36,7 @@ from omni.errors import ConfigError
 
 __all__ = ["COUNT_ARGS", "DTYPE_CHOICES", "FRAME_ARGS", "HUMAN_INTS", "RESERVED_ENV", "SERVING_ONLY_ARGS", "SUBTALKER",
            "SUBTALKER_ENGINES", "blame_override", "check_connector_edge", "check_counts", "check_dtype",
-           "check_engine_args", "check_stage_override", "check_subtalker", "human_int", "normalise_devices",
+           "check_engine_args", "check_stage_override", "check_subtalker", "human_int", "is_count", "normalise_devices",
            "normalise_env", "normalise_human_ints", "normalise_stages", "unused_engine_arg"]
 
 DEVICE_FORMS = "'cpu' or GPU indices into the visible GPUs: \"0\", \"0,1\" (or \"cuda:0,cuda:1\")"
@@ -230,7 +230,7 @@ def check_engine_args(args: dict[str, Any], engine: str, where: str) -> None:
         raise ConfigError(f"{where}.{unused}")
     for key in FRAME_ARGS.get(engine, ()):
         value = args.get(key, 1)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not is_count(value):
             raise ConfigError(f"{where}.{key} must be a number of frames >= 1, got {value!r}")
     check_counts(args, lambda k: f"{where}.{k}")
     check_dtype(args.get("dtype"), engine, f"{where}.dtype")
@@ -248,12 +248,17 @@ def check_dtype(value: Any, engine: str, name: str) -> None:
         raise ConfigError(f"{name}: {value!r} is not a dtype engine {engine} takes ({', '.join(choices)})")
 
 
+def is_count(value: Any) -> bool:
+    """An integer >= 1 (YAML's true is a bool, no count)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 def check_counts(args: dict[str, Any], name: Callable[[str], str]) -> None:
     """COUNT_ARGS in `args` at >= 1; `name(key)` names a refused one (the flag, or the YAML key path)."""
     for key in COUNT_ARGS:
         value = args.get(key)
         n = human_int(value) if isinstance(value, str) and key in HUMAN_INTS else value
-        if value is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        if value is not None and not is_count(n):
             raise ConfigError(f"{name(key)} must be an integer >= 1, got {value!r}")
 
 

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from omni.config_legacy_runtime import apply_runtime
+from omni.config_stage_checks import is_count
 from omni.errors import ConfigError
 
 # vllm-omni's bundled deploy names (its `pipeline:` keys, its deploy file stems) -> omni's bundled deploy.
@@ -189,7 +190,7 @@ def _connectors(raw: Any, source: str) -> dict[str, tuple[str, dict[str, Any]]]:
             if key not in CONNECTOR_EXTRAS:
                 raise ConfigError(f"{where}.extra.{key} is not supported (omni takes "
                                   f"{', '.join(CONNECTOR_EXTRAS)})")
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_count(value):
                 # vllm-omni's 0 context cuts at frame edges, dropping the tail each chunk holds back; omni's
                 # code2wav decodes that tail again from the next chunk's left context (>= 1 frame).
                 raise ConfigError(f"{where}.extra.{key} must be a number of frames >= 1, got {value!r}")
