@@ -238,8 +238,9 @@ def _run_stage(config: DeployConfig, stage_id: int, opts: StageOptions, engine_f
     advertise = opts.replica_address or default_advertise_host(opts.master_address)
     try:
         check_replica_address(opts.replica_address, opts.token)   # the children's --replica-address too
-        refuse_open_stage(advertise, opts.token, f"{advertise} (the local address of the route to the master; "
-                          "no --omni-replica-address given)")
+        if opts.replica_address is None:   # the address it picked (a given one was checked just above)
+            refuse_open_stage(advertise, opts.token, f"{advertise} (the local address of the route to the master; "
+                              "no --omni-replica-address given)")
     except ConfigError as e:
         progress(f"{label}: {e}")
         return 1
