@@ -231,9 +231,12 @@ def serve(
         raise ConfigError("--control-api-key and --disable-control-routes contradict each other: "
                           "a key guards the control routes, the other flag turns them off")
     from omni.master.auth import refuse_open_master
-    from omni.stage.main import check_replica_address
+    from omni.stage.main import check_advertise, check_replica_address
 
-    check_replica_address(omni_replica_address, omni_token)   # every mode: headless, stage 0, single-command
+    if headless and omni_master_address is not None and omni_master_port is not None:
+        check_advertise(omni_replica_address, f"{omni_master_address}:{omni_master_port}", omni_token)
+    else:
+        check_replica_address(omni_replica_address, omni_token)   # stage 0, single-command
     if not headless:                              # the modes that host the master
         refuse_open_master(omni_master_address or "127.0.0.1", omni_token, "--omni-master-address")
     if omni_master_address in ("0.0.0.0", "::") and not omni_replica_address:

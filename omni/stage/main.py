@@ -92,6 +92,20 @@ def check_replica_address(address: str | None, token: str | None) -> None:
     refuse_open_stage(address, token, f"--omni-replica-address {address}")
 
 
+def check_advertise(replica_address: str | None, master_address: str, token: str | None) -> str:
+    """The address a stage advertises (and binds): the given --omni-replica-address, else the local address of
+    the route to the master; ConfigError where its listeners would be open (check_replica_address)."""
+    from omni.master.auth import refuse_open_stage
+
+    check_replica_address(replica_address, token)
+    if replica_address is not None:
+        return replica_address
+    picked = default_advertise_host(master_address)
+    refuse_open_stage(picked, token, f"{picked} (the local address of the route to the master; "
+                      "no --omni-replica-address given)")
+    return picked
+
+
 def advertised_host(bind_host: str, master_address: str) -> str:
     """What peers should dial for a listener bound on `bind_host`: itself, unless it is
     a wildcard (0.0.0.0, ::), then the local address that routes to the master."""
@@ -233,14 +247,8 @@ def _run_stage(config: DeployConfig, stage_id: int, opts: StageOptions, engine_f
     except OmniError as e:
         progress(f"{label}: {e}")
         return 1
-    from omni.master.auth import refuse_open_stage
-
-    advertise = opts.replica_address or default_advertise_host(opts.master_address)
     try:
-        check_replica_address(opts.replica_address, opts.token)   # the children's --replica-address too
-        if opts.replica_address is None:   # the address it picked (a given one was checked just above)
-            refuse_open_stage(advertise, opts.token, f"{advertise} (the local address of the route to the master; "
-                              "no --omni-replica-address given)")
+        advertise = check_advertise(opts.replica_address, opts.master_address, opts.token)   # children's too
     except ConfigError as e:
         progress(f"{label}: {e}")
         return 1

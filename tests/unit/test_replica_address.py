@@ -113,3 +113,22 @@ def test_a_stage_beyond_loopback_without_a_token_exits_before_its_engine(address
     assert r.returncode == 1, r.stderr
     assert "192.0.2.2" in r.stderr and "opens this stage's listeners" in r.stderr, r.stderr
     assert "--omni-token" in r.stderr and "loading engine" not in r.stderr, r.stderr
+
+
+def test_dry_run_refuses_a_headless_stage_whose_picked_address_is_beyond_loopback(monkeypatch, capsys):
+    """No --omni-replica-address: the stage picks the local address of the route to the master, and had been
+    refused only once started (after the dry run passed)."""
+    from omni.cli import main
+    from omni.stage import main as stage_main
+
+    monkeypatch.delenv("OMNI_TOKEN", raising=False)
+    monkeypatch.setattr(stage_main, "default_advertise_host", lambda master: "192.0.2.2")
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "smollm2", "--stage-id", "1", "--headless", *MASTER, "--dry-run"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err
+    assert "192.0.2.2 (the local address of the route to the master" in err and "--omni-token" in err, err
+    monkeypatch.setenv("OMNI_TOKEN", "t0ken")
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "smollm2", "--stage-id", "1", "--headless", *MASTER, "--dry-run"])
+    assert e.value.code == 0, capsys.readouterr().err
