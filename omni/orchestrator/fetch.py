@@ -26,14 +26,12 @@ an unknown-key error; the request's own failure is what its client gets then.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import queue
-import threading
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
+from omni.daemon_pool import DaemonPool
 from omni.errors import Unavailable
 from omni.orchestrator.types import PipelineOutput
 from omni.transport.base import SAME_HOST_ONLY, TensorRef
@@ -69,53 +67,13 @@ def on_loop(ref: TensorRef) -> bool:
     return ref.transport in SAME_HOST_ONLY and ref.nbytes <= LOOP_READ_BYTES
 
 
-class _DaemonPool:
-    """A fixed pool of daemon threads (a ThreadPoolExecutor's are joined at interpreter exit: a
-    read stuck on a silent host would hold the frontend's exit up to the transport's timeout,
-    past the launcher's stop grace). Nothing a read leaves half done needs finishing."""
-
-    def __init__(self, threads: int):
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._threads = [threading.Thread(target=self._work, name=f"omni-fetch-{i}", daemon=True)
-                         for i in range(threads)]
-        for t in self._threads:
-            t.start()
-
-    def submit(self, fn: Callable, *args: Any) -> concurrent.futures.Future:
-        f: concurrent.futures.Future = concurrent.futures.Future()
-        self._jobs.put((f, fn, args))
-        return f
-
-    def _work(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            f, fn, args = job
-            if not f.set_running_or_notify_cancel():
-                continue
-            try:
-                f.set_result(fn(*args))
-            except BaseException as e:
-                f.set_exception(e)
-
-    def shutdown(self) -> None:
-        """Cancel the reads not started; the running ones end on their own (their threads then stop)."""
-        while True:
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                job[0].cancel()
-        for _ in self._threads:
-            self._jobs.put(None)
-
-
 class Fetcher:
     """Reads off the event loop (remote or large), and the frees that wait for them (all on the loop's thread,
     except the reads themselves)."""
 
     def __init__(self, threads: int = FETCH_THREADS):
         self._threads = threads
-        self._pool: _DaemonPool | None = None
+        self._pool: DaemonPool | None = None
         self._closed = False
         # (producer replica, transport, key, incarnation) -> reads running; frees waiting for them: where to send each
         self._reading: dict[tuple[str, str, int, str], int] = {}
@@ -128,7 +86,7 @@ class Fetcher:
         if self._closed:
             raise Unavailable("frontend is shutting down: no more tensor reads")
         if self._pool is None:
-            self._pool = _DaemonPool(self._threads)
+            self._pool = DaemonPool(self._threads, "omni-fetch")
         k = (producer, ref.transport, ref.key, ref.incarnation)
         fut = asyncio.wrap_future(self._pool.submit(fill, consumer, out, ref))
         self._reading[k] = self._reading.get(k, 0) + 1

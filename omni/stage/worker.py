@@ -28,6 +28,7 @@ from omni.engines.base import Engine, EngineError, EngineOutput
 from omni.stage import held, messages as m
 from omni.stage.control import StageControl
 from omni.stage.expiry import IdleRequests, sweep
+from omni.stage.input_reads import InputReads
 from omni.stage.local_link import CLOSED, LocalPeers
 from omni.stage.loop_poll import LoopPoller
 from omni.stage.loop_watch import LoopWatch
@@ -106,6 +107,7 @@ class StageWorker:
         self.endpoint = f"tcp://{advertise_host or host}:{port}"
         # The loop waits here; a command from another thread wakes it (`_wake`).
         self._poll = LoopPoller(self._sock)
+        self._reads = InputReads(consumer, self._wake)   # remote inputs are read off the loop
         # Same-host frontends connect here; `local_endpoint` goes beside `endpoint` in the registration.
         self._local = LocalPeers(token, self._wake) if local_channel else None
         self.local_endpoint = self._local.endpoint if self._local is not None else ""
@@ -169,6 +171,9 @@ class StageWorker:
                 self._drain_socket()
             if self._local is not None and events:
                 self._local.service(events, self._receive, self._frontend_gone)
+            for ident, msg, read in self._reads.ready():
+                if not self._recent.ended(msg.request_id) and not self._refused(ident, msg.request_id, False):
+                    self._admit(ident, msg, read)
             if self.control.pending:
                 self.control.run_pending()
             if self._stop_request is not None and self._stop_request.is_set():
@@ -183,7 +188,7 @@ class StageWorker:
                 if stop_deadline is None:
                     stop_deadline = time.monotonic() + grace_s
                     logger.info("%s: stopping, %d request(s) in flight", self.stage.label, len(self._reqs))
-                if (not self._reqs and not self._held) or time.monotonic() > stop_deadline:
+                if (not self._reqs and not self._held and not self._reads) or time.monotonic() > stop_deadline:
                     break
             if self._held:
                 continue
@@ -196,6 +201,10 @@ class StageWorker:
                 if ready_fd is None or time.monotonic() - last_step >= STEP_IDLE_S:
                     last_step = time.monotonic()
                     self._step()
+        for ident, rid in self._reads.close():   # its read still running, or behind one
+            if rid not in self._reqs:
+                self.stats.errors_total += 1
+                self._send(ident, self._error(rid, f"{self.stage.label} is shutting down", "unavailable"))
         for rid in list(self._reqs):
             self._fail(rid, f"{self.stage.label} is shutting down", "unavailable")
         self.close()
@@ -240,6 +249,7 @@ class StageWorker:
             self._add(ident, msg)
         elif isinstance(msg, m.Abort):
             for rid in msg.request_ids:
+                self._reads.abort(rid)   # pieces still waiting for a read are never admitted
                 if self._reqs.pop(rid, None) is not None:
                     self.engine.abort(rid)
                 if not msg.keep_published:   # kept: freed by FreeTensors as a finished request's are
@@ -257,18 +267,28 @@ class StageWorker:
         rid = msg.request_id
         if self._recent.ended(rid):   # crossed its stream's end here on the way: nothing takes it (worker_state)
             return
-        # Draining or stopping refuses new work only; asleep, the engine can serve nothing (it
-        # refused to sleep with work open, or dropped it).
-        if self.engine.is_sleeping() or ((self.draining or self._stopping.is_set())
-                                         and rid not in self._reqs and rid not in self._recent):
+        if self._refused(ident, rid, rid not in self._reqs and rid not in self._recent and not self._reads.waits(rid)):
+            return
+        if not self._reads.take(ident, msg):   # else admitted once its (or an earlier piece's) read ends
+            self._admit(ident, msg)
+
+    def _refused(self, ident: bytes, rid: str, new: bool) -> bool:
+        """Draining or stopping refuses new work only; asleep, the engine can serve nothing (it
+        refused to sleep with work open, or dropped it)."""
+        if self.engine.is_sleeping() or ((self.draining or self._stopping.is_set()) and new):
             # The frontend's answer is 503: the stage is there, just not taking requests (how to undo it).
             how = ("asleep; `omni wakeup --stage {s}` or POST /v1/omni/wakeup wakes it" if self.engine.is_sleeping()
                    else "draining; `omni undrain --replica {r}` takes it back" if self.draining else "stopping")
             self._send(ident, self._error(rid, f"{self.stage.label} (replica {self.replica_id}) is "
                                                + how.format(s=self.stage.stage_id, r=self.replica_id), "unavailable"))
-            return
+            return True
+        return False
+
+    def _admit(self, ident: bytes, msg: m.AddRequest, read: Any = None) -> None:
+        """Into the engine; `read`: its remote tensors (or their read's error) from InputReads."""
+        rid = msg.request_id
         try:
-            self.engine.add_request(engine_request(msg, self._consumer, self.stats))
+            self.engine.add_request(engine_request(msg, self._consumer, self.stats, read))
             if latency_trace.on():
                 latency_trace.mark("added", rid)
         except (EngineError, TransportError, ValueError, TypeError) as e:
@@ -447,6 +467,7 @@ class StageWorker:
             self._local.drop(ident)
             self._frontends.discard(ident)
         self._held = deque(h for h in self._held if h.ident != ident)
+        self._reads.frontend_gone(ident)
         self._full_since.pop(ident, None)
         self._owed.forget(ident)
         for rid, req in list(self._reqs.items()):

@@ -112,7 +112,7 @@ def load_report(w: Any) -> dict:
     changes); the keep-alive thread sends a LoadSnapshot's copy."""
     return {
         "queue_len": w.engine.num_waiting(),
-        "in_flight": len(w._reqs),
+        "in_flight": len(w._reqs) + w._reads.new_requests(w._reqs),   # with those waiting for an input read
         "requests_total": w.stats.requests_total,
         "cpu_seconds": time.process_time(),
         "is_sleeping": w.engine.is_sleeping(),
@@ -163,13 +163,16 @@ class LoadSnapshot:
         return {**self._load, "cpu_seconds": time.process_time()}
 
 
-def engine_request(msg: m.AddRequest, consumer: Any, stats: WorkerStats) -> EngineRequest:
-    """The engine's request for an AddRequest, its tensors read through `consumer` (counted in `stats`)."""
+def engine_request(msg: m.AddRequest, consumer: Any, stats: WorkerStats, read: Any = None) -> EngineRequest:
+    """The engine's request for an AddRequest, its tensors read through `consumer` (counted in `stats`);
+    `read`: those already read off the loop (input_reads.py), or that read's error, raised here."""
+    if isinstance(read, BaseException):
+        raise read
     tensors = {}
     for name, ref in msg.tensors.items():
         if consumer is None:
             raise TransportError("this stage has no tensor consumer")
-        tensors[name] = consumer.get(ref)
+        tensors[name] = read[name] if read and name in read else consumer.get(ref)
         stats.tensor_bytes_in += ref.nbytes
         stats.count(f"tensor_bytes_in.{ref.transport}", ref.nbytes)
     for name, t in msg.inline.items():
