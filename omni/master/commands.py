@@ -106,7 +106,7 @@ def status(
     tls_key: str | None = typer.Option(None, "--tls-key", help="PEM private key of --tls-cert."),
     tls_ca: str | None = typer.Option(None, "--tls-ca", help="PEM CA to verify the master (enables TLS)."),
 ) -> None:
-    """Show the pipeline's replicas. Exit 0 when every stage has a READY replica, 1 if not, 2 if the
+    """Show the pipeline's replicas. Exit 0 when every stage has a READY, awake replica, 1 if not, 2 if the
     master cannot be reached, 130 on Ctrl-C before a view was shown (--watch: after one, as that view)."""
     from omni.master.client import MasterClient
 

@@ -56,10 +56,19 @@ class Status(msgspec.Struct, frozen=True):
     pipeline_config: dict
 
     def problems(self) -> list[str]:
-        """Why the pipeline cannot serve; empty when every stage has a READY replica."""
+        """Why the pipeline cannot serve; empty when every stage has a READY replica that is awake (an asleep
+        one answers every request with a 503, so a stage whose READY replicas all sleep serves nothing)."""
         if not self.has_config:
             return ["the master has no pipeline config yet (nothing has registered)"]
-        return [f"stage {s.stage_id} has no READY replica" for s in self.stages if s.ready_replicas == 0]
+        out = []
+        for s in self.stages:
+            ready = [r for r in self.replicas if r.role == "STAGE" and r.stage_id == s.stage_id and r.state == "READY"]
+            if s.ready_replicas == 0:
+                out.append(f"stage {s.stage_id} has no READY replica")
+            elif ready and all(r.is_sleeping for r in ready):
+                out.append(f"stage {s.stage_id} has no awake READY replica ({', '.join(r.replica_id for r in ready)} "
+                           f"asleep: `omni wakeup --stage {s.stage_id}`)")
+        return out
 
 
 class TopologyEvent(msgspec.Struct, frozen=True):

@@ -152,10 +152,25 @@ def test_render_table_and_problems():
     assert lines[3].split() == ["0", "s0r0", "h", "7", "READY", "4", "1", "0.2s", "yes"]
     assert lines[4].split()[:2] == ["1", "-"] and "NO REPLICA" in lines[4]
     assert lines[-1].split() == ["fe0", "h", "7", "READY", "9", "1"]
-    assert st.problems() == ["stage 1 has no READY replica"]
+    assert st.problems() == ["stage 0 has no awake READY replica (s0r0 asleep: `omni wakeup --stage 0`)",
+                             "stage 1 has no READY replica"]
     empty = Status([], [], "", False, 5.0, {})
     assert empty.problems() == ["the master has no pipeline config yet (nothing has registered)"]
     assert json.loads(json.dumps(wire.command_kind("sleep"))) == 2
+
+
+def test_a_stage_whose_ready_replicas_all_sleep_is_a_problem():
+    """Every request to an asleep stage is a 503 (`omni wakeup --stage K`): `omni status` said healthy, exit 0."""
+    awake, asleep = _rep(replica_id="s0r0", is_sleeping=False), _rep(replica_id="s0r1", replica_index=1)
+
+    def status(*reps):
+        return Status(replicas=list(reps), stages=[StageStatus(0, sum(r.state == "READY" for r in reps), len(reps))],
+                      config_hash="", has_config=True, lease_ttl_s=5.0, pipeline_config={})
+    assert status(asleep).problems() == ["stage 0 has no awake READY replica (s0r1 asleep: `omni wakeup --stage 0`)"]
+    assert status(awake, asleep).problems() == []
+    # an awake replica that is not READY serves nothing either: the asleep READY one is still the stage's verdict
+    assert status(asleep, _rep(replica_id="s0r2", state="DRAINING", is_sleeping=False)).problems() == [
+        "stage 0 has no awake READY replica (s0r1 asleep: `omni wakeup --stage 0`)"]
 
 
 def test_kv_put_only_if_exists_never_brings_back_a_deleted_key(tmp_path):
