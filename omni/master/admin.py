@@ -48,7 +48,7 @@ def _run(kind: str, master: str | None, stage: list[int] | None, replica: list[s
         raise typer.Exit(EXIT_UNREACHABLE)
     files = client_tls(verb, *tls)
     if master is None:
-        master, files = _local_master(verb, tls=files)
+        master, files = _local_master(verb, tls=files, only_one=True)
     try:
         # Ctrl-C only sets `stop`; the calls run on a thread (commands.in_thread: no KeyboardInterrupt in grpc).
         with ctrl_c() as stop, MasterClient(master, token=omni_token, tls=files, timeout_s=5.0) as client:

@@ -9,6 +9,7 @@ import math
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Callable, Iterator, TypeVar
 
@@ -150,14 +151,24 @@ def client_tls(verb: str, cert: str | None, key: str | None, ca: str | None) -> 
     return tls
 
 
-def _local_master(verb: str = "status", tls: TlsFiles | None = None) -> tuple[str, TlsFiles | None]:
+def _local_master(verb: str = "status", tls: TlsFiles | None = None,
+                  only_one: bool = False) -> tuple[str, TlsFiles | None]:
     """The master of the `omni serve` started on this host (its run file), says which it picked, and
-    how to connect to it: the given --tls-* files, else those that serve's own processes use."""
+    how to connect to it: the given --tls-* files, else those that serve's own processes use.
+    `only_one` (a command that changes state): of several, none is picked (exit 2, listing them), as
+    draining or sleeping the newest one by default could stop a deployment the user did not mean."""
     from omni import runfile
 
     runs = runfile.live_runs()
     if not runs:
         return f"127.0.0.1:{DEFAULT_PORT}", tls
+    if only_one and len(runs) > 1:
+        lines = [f"omni {verb}: {len(runs)} `omni serve` deployments run on this host; say which with --master:"]
+        for r in runs:
+            started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["started"])) if r.get("started") else "?"
+            lines.append(f"  --master {r['master']}  (`omni serve {r.get('model')}`, pid {r['pid']}, started {started})")
+        typer.echo("\n".join(lines), err=True)
+        raise typer.Exit(EXIT_UNREACHABLE)
     run = runs[0]
     more = f" (the newest of {len(runs)} on this host; --master picks another)" if len(runs) > 1 else ""
     if tls is None and isinstance(run.get("tls"), dict):

@@ -69,3 +69,26 @@ def test_a_bare_status_connects_with_the_runs_tls_files(run_dir):
     assert _local_master(tls=given) == ("127.0.0.1:5", given)
     runfile.remove(path)
     assert runfile.write("127.0.0.1:6", "m", None) and _local_master() == ("127.0.0.1:6", None)
+
+
+def test_a_state_changing_command_refuses_to_pick_one_of_several_deployments(run_dir, capsys):
+    """`omni drain/sleep/...` without --master acted on the newest of several `omni serve` on the host (only a
+    stderr line said so); now it lists them and asks for --master (exit 2). `omni status` still shows the newest."""
+    import typer
+
+    from omni.master.commands import _local_master
+
+    older = run_dir / "1.json"
+    older.write_text(json.dumps({"pid": os.getppid(), "master": "127.0.0.1:7", "model": "old", "started": 1.0}))
+    runfile.write("127.0.0.1:5", "new", None)
+    with pytest.raises(typer.Exit) as e:
+        _local_master("drain", only_one=True)
+    assert e.value.exit_code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "omni drain: 2 `omni serve` deployments run on this host; say which with --master:"
+    assert err[1].startswith(f"  --master 127.0.0.1:5  (`omni serve new`, pid {os.getpid()}, started ")
+    assert err[2].startswith(f"  --master 127.0.0.1:7  (`omni serve old`, pid {os.getppid()}, started 19")
+    assert _local_master("status") == ("127.0.0.1:5", None)      # status: the newest, as before
+    assert "the newest of 2 on this host" in capsys.readouterr().err
+    older.unlink()
+    assert _local_master("drain", only_one=True) == ("127.0.0.1:5", None)   # one: it is the one
