@@ -188,6 +188,7 @@ def serve(
     max_request_bytes: int = typer.Option(16 << 20, "--max-request-bytes", help="Largest HTTP request body; larger ones get 413, refused from Content-Length before reading."),
     timeout_keep_alive: float = typer.Option(5.0, "--timeout-keep-alive", help="Seconds an HTTP connection may sit idle, and may take to send a request's head (headers)."),
     timeout_request_body: float = typer.Option(60.0, "--timeout-request-body", help="Seconds a request body may take to arrive once its head did; later: 408."),
+    timeout_response_write: float = typer.Option(60.0, "--timeout-response-write", help="Seconds one write of a streaming response may wait for the client to take it (nginx's send_timeout); a client that reads nothing for longer has its response ended and its request cancelled."),
     backlog: int = typer.Option(2048, "--backlog", help="Listen backlog of the HTTP socket (connections the kernel queues before accept)."),
 ) -> None:
     """Serve MODEL's pipeline: everything on this host, the head (--stage-id 0), or one headless stage.
@@ -219,7 +220,8 @@ def serve(
     from omni.api.limits import HttpLimits
 
     http_limits = HttpLimits(max_request_bytes=max_request_bytes, timeout_keep_alive=timeout_keep_alive,
-                             timeout_request_body=timeout_request_body, backlog=backlog)
+                             timeout_request_body=timeout_request_body, timeout_response_write=timeout_response_write,
+                             backlog=backlog)
     cores = os.cpu_count() or 1
     if api_server_count > cores:
         print(f"omni: warning: --api-server-count {api_server_count} is more than the {cores} CPU cores here; "

@@ -16,7 +16,8 @@ HEAD_ONLY = {
     "served_model_names": "--served-model-name", "control_api_key": "--control-api-key",
     "disable_control_routes": "--disable-control-routes", "state_dir": "--state-dir",
     "max_request_bytes": "--max-request-bytes", "timeout_keep_alive": "--timeout-keep-alive",
-    "timeout_request_body": "--timeout-request-body", "backlog": "--backlog",
+    "timeout_request_body": "--timeout-request-body", "timeout_response_write": "--timeout-response-write",
+    "backlog": "--backlog",
 }
 
 

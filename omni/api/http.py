@@ -18,6 +18,7 @@ from starlette.responses import Response, StreamingResponse
 
 from omni.api import browser, routes
 from omni.api.errors import api_error_response, error_response
+from omni.api.limits import WRITE_TIMEOUT, HttpLimits
 from omni.api.metrics import FrontendMetrics
 
 log = logging.getLogger(__name__)
@@ -171,13 +172,19 @@ class DisconnectWatch:
 
 
 class ClosingStream(StreamingResponse):
-    """Streams until the body ends or the client leaves, then closes the body iterator
-    (Starlette cancels a stream on disconnect without closing it)."""
+    """Streams until the body ends, the client leaves or stops reading, then closes the body iterator
+    (Starlette cancels a stream on disconnect without closing it). A write the client does not take
+    within --timeout-response-write ends the response, as nginx's send_timeout: else a stalled reader
+    held the request, its stages' work and every output queued for it until it disconnected."""
 
     async def __call__(self, scope, receive, send):
         watch = DisconnectWatch(receive)
+        timeout = scope.get(WRITE_TIMEOUT, HttpLimits.timeout_response_write)
         try:
-            await self._stream(send, watch)
+            await self._stream(_timed(send, timeout), watch)
+        except _WriteTimeout:
+            log.info("%s: the client took no data for %g s (--timeout-response-write); response ended",
+                     scope["path"], timeout)
         except asyncio.CancelledError:
             if not watch.ours():
                 raise
@@ -199,6 +206,20 @@ class ClosingStream(StreamingResponse):
                 chunk = chunk.encode(self.charset)
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class _WriteTimeout(Exception):
+    """A write of the response not taken in time (not a TimeoutError: the body's own must pass)."""
+
+
+def _timed(send, timeout: float):
+    async def timed_send(message):
+        try:
+            async with asyncio.timeout(timeout):   # Hypercorn's send waits in drain() while the client reads nothing
+                await send(message)
+        except TimeoutError:
+            raise _WriteTimeout from None
+    return timed_send
 
 
 def endpoint(fn: Callable[..., Awaitable[Response]]):

@@ -1,8 +1,9 @@
 """The HTTP frontend's bounds on what a client can make it hold: request body size (refused
 from Content-Length before a byte is read; a chunked body is cut off at the cap), the time a
 request body may take to arrive, the wait for a request's head (Hypercorn's keep-alive timer,
-which runs from accept and from each response until the next head is complete) and the
-listen backlog. Streaming responses are never timed: only receiving the request is."""
+which runs from accept and from each response until the next head is complete), the wait for one
+write of a streaming response to be taken (a client that stops reading: http.ClosingStream) and
+the listen backlog. A stream's length is never timed: a client that keeps reading keeps it."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from omni.api.errors import APIError, error_response
 from omni.errors import ConfigError
 
 MIB = 1 << 20
+WRITE_TIMEOUT = "omni.timeout_response_write"   # the scope key ClosingStream reads it from
 
 
 @dataclass(frozen=True)
@@ -20,6 +22,7 @@ class HttpLimits:
     max_request_bytes: int = 16 * MIB      # --max-request-bytes
     timeout_keep_alive: float = 5.0        # --timeout-keep-alive: idle connection / wait for a request head
     timeout_request_body: float = 60.0     # --timeout-request-body: head received -> whole body received
+    timeout_response_write: float = 60.0   # --timeout-response-write: one chunk of a stream taken by the client
     backlog: int = 2048                    # --backlog: listen() queue of the HTTP socket
     # vLLM's CORS flags (omni/api/cors.py): no origin answered unless --allowed-origins names some
     allowed_origins: tuple[str, ...] = ()
@@ -31,6 +34,7 @@ class HttpLimits:
         for flag, value, low in (("--max-request-bytes", self.max_request_bytes, 1024),
                                  ("--timeout-keep-alive", self.timeout_keep_alive, 0.1),
                                  ("--timeout-request-body", self.timeout_request_body, 0.1),
+                                 ("--timeout-response-write", self.timeout_response_write, 0.1),
                                  ("--backlog", self.backlog, 1)):
             if not value >= low:
                 raise ConfigError(f"{flag} must be at least {low}, got {value}")
@@ -62,10 +66,12 @@ class LimitsMiddleware:
         self.app = app
         self.limit = limits.max_request_bytes
         self.timeout = limits.timeout_request_body
+        self.write_timeout = limits.timeout_response_write
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        scope[WRITE_TIMEOUT] = self.write_timeout
         declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
         if declared is not None:
             try:

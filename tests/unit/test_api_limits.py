@@ -83,7 +83,8 @@ async def test_a_body_under_the_cap_is_served(tokenizer):
 
 
 @pytest.mark.parametrize("field,value", [("max_request_bytes", 10), ("timeout_keep_alive", 0),
-                                         ("timeout_request_body", -1), ("backlog", 0)])
+                                         ("timeout_request_body", -1), ("timeout_response_write", 0.05),
+                                         ("backlog", 0)])
 def test_bad_limits_name_the_flag(field, value):
     with pytest.raises(ConfigError, match="--" + field.replace("_", "-")):
         HttpLimits(**{field: value})

@@ -72,7 +72,9 @@ HEADLESS = ["serve", "smollm2", "--stage-id", "1", "--headless", "--omni-master-
     ([*HEADLESS, "--state-dir", "/tmp/x", "--control-api-key", "k", "--disable-control-routes"],
      "--control-api-key, --disable-control-routes, --state-dir: not with --headless"),
     ([*HEADLESS, "--max-request-bytes", "2048", "--timeout-keep-alive", "1", "--timeout-request-body", "1",
-      "--backlog", "1"], "--max-request-bytes, --timeout-keep-alive, --timeout-request-body, --backlog: not with"),
+      "--timeout-response-write", "1", "--backlog", "1"],
+     "--max-request-bytes, --timeout-keep-alive, --timeout-request-body, --timeout-response-write, --backlog: not with"),
+    (["serve", "smollm2", "--timeout-response-write", "0", "--dry-run"], "--timeout-response-write must be at least 0.1"),
 ])
 def test_bad_flags_exit_2_naming_the_flag(args, message):
     r = omni(*args)
