@@ -65,9 +65,6 @@ def _run(kind: str, master: str | None, stage: list[int] | None, replica: list[s
                 typer.echo(f"omni {verb}: --stage {', '.join(map(str, bad))}: no such stage "
                            f"(the pipeline has {', '.join(map(str, sorted(stages))) or 'none'})", err=True)
                 raise typer.Exit(EXIT_UNREACHABLE)
-            if force:
-                for line in _what_stops(st, stage, replica):
-                    typer.echo(f"omni {verb}: --force: {line}", err=True)
             try:
                 results = in_thread(lambda: client.send_command(kind, stage or (), args, timeout_s=timeout,
                                                                 replica_ids=replica or (), keep_serving=not force),
@@ -87,7 +84,10 @@ def _run(kind: str, master: str | None, stage: list[int] | None, replica: list[s
     elif results:
         print("\n".join(_table(["STAGE", "REPLICA", "OK", "OUTCOME", "MESSAGE"],
                                [[str(r.stage_id), r.replica_id, "yes" if r.ok else "no", r.outcome, r.message]
-                                for r in results])))
+                                for r in results])), flush=True)
+    if force:   # after the outcome, for what did stop: a replica that refused (cannot sleep) still serves
+        for line in _what_stops(st, {r.replica_id for r in results if r.ok}):
+            typer.echo(f"omni {verb}: --force: {line}", err=True)
     if not results:
         typer.echo(f"omni {verb}: no live stage replica matched", err=True)
         raise typer.Exit(EXIT_UNREACHABLE)
@@ -114,25 +114,27 @@ def undrain(
     _run("UNDRAIN", master, stage, replica, {}, timeout, json_, omni_token, (tls_cert, tls_key, tls_ca))
 
 
-def _what_stops(st, stage: list[int] | None, replica: list[str] | None) -> list[str]:
-    """The stages left with no READY, awake replica once the targeted ones stop serving."""
+def _what_stops(st, stopped: set[str]) -> list[str]:
+    """The stages that `st` (before the command) had serving and that have no READY, awake replica now that
+    `stopped` (the replicas that acked ok) stopped serving."""
     lines = []
     for s in st.stages:
         serving = [r.replica_id for r in st.replicas if r.role == "STAGE" and r.stage_id == s.stage_id
                    and r.state == "READY" and not r.is_sleeping]
-        if replica:
-            hit = [r for r in serving if r in replica]
-        else:
-            hit = serving if not stage or s.stage_id in stage else []
-        if serving and len(hit) == len(serving):
-            lines.append(f"stage {s.stage_id} will have no READY replica ({', '.join(hit)}); "
+        if serving and all(r in stopped for r in serving):
+            lines.append(f"stage {s.stage_id} has no READY replica now ({', '.join(serving)}); "
                          "its requests fail until it is back")
     return lines
 
 
+# vLLM's levels; omni's own engines move their whole pipeline to host memory at level 1
+_LEVEL_HELP = ("1: offload the weights to host memory and discard the KV cache; "
+               "2: discard the weights too (read again from the model folder at wake-up).")
+
+
 def sleep(
     master: str | None = _MASTER, stage: list[int] = _STAGE, replica: list[str] = _REPLICA,
-    level: int = typer.Option(1, "--level", min=1, max=2, help="1: free the KV cache; 2: also drop weights."),
+    level: int = typer.Option(1, "--level", min=1, max=2, help=_LEVEL_HELP),
     timeout: float = typer.Option(60.0, "--timeout", min=0.1, max=MAX_TIMEOUT_S, help=_TIMEOUT_HELP),
     json_: bool = _JSON, omni_token: str | None = _TOKEN,
     tls_cert: str | None = _CERT, tls_key: str | None = _KEY, tls_ca: str | None = _CA, force: bool = _FORCE,
