@@ -43,6 +43,7 @@ class Generation:
         # The prompt as templated; the engine's own count replaces it once reported (_count_prompt).
         self.prompt_tokens = len(prompt_ids)
         self._engine_prompt = bool(prompt_ids)     # speech has no token prompt: nothing to count
+        self.engine_prompt_tokens: int | None = None   # the entry stage's own count (speech's input_tokens)
         self.completion_tokens = 0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None   # vLLM's: the stop string or stop token id that ended it
@@ -137,7 +138,10 @@ class Generation:
         return out.finished or (self._stop.stopped and not self._speaks)
 
     def _count_prompt(self, out: PipelineOutput | None) -> None:
-        if out is not None and out.num_prompt_tokens is not None and self._engine_prompt:
+        if out is None or out.num_prompt_tokens is None:
+            return
+        self.engine_prompt_tokens = out.num_prompt_tokens
+        if self._engine_prompt:
             # vLLM's prompt with the audio placeholders expanded: what its own server's usage counts
             self.prompt_tokens = out.num_prompt_tokens
 

@@ -1,8 +1,13 @@
-"""/v1/audio/speech: text in, WAV (whole) or raw s16le PCM (streamed as it is made) out."""
+"""/v1/audio/speech: text in, WAV (whole) or raw s16le PCM (streamed as it is made) out.
+
+A stream that fails after its headers went out: the SSE form ends with vllm-omni's
+`speech.audio.error` event; the raw form ends without its last chunk (a client reads an incomplete
+body, not a short file, as raw audio has no place for an error). Either is one log line."""
 
 from __future__ import annotations
 
 import base64
+import logging
 import uuid
 
 from starlette.requests import Request
@@ -11,13 +16,33 @@ from starlette.responses import Response
 from omni.api import protocol as P
 from omni.api import sse
 from omni.api.audio_metrics import AudioStream
-from omni.api.errors import APIError, bad_request
+from omni.api.errors import APIError, bad_request, error_body, to_api_error
 from omni.api.generation import Generation
 from omni.api.http import ClosingStream, until_disconnect
 from omni.api.refused import first_refused
 from omni.api.state import FrontendState
 from omni.api.wav import pcm16, streaming_wav_header, wav_bytes
 from omni.orchestrator.types import PipelineRequest
+
+log = logging.getLogger(__name__)
+
+
+class _Broken(Exception):
+    """The raw stream failed part-way: already logged, the response ends without its last chunk."""
+
+
+class RawAudioStream(ClosingStream):
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        except _Broken:
+            pass     # returning without the final chunk: Hypercorn closes the connection mid-body
+
+
+def _failed(request_id: str, form: str, e: Exception):
+    err = to_api_error(e)
+    log.warning("%s (speech, %s): failed part-way, %s: %s", request_id, form, err.type, err.message)
+    return err
 
 
 class SpeechRoutes:
@@ -65,26 +90,40 @@ class SpeechRoutes:
             async def body():
                 if req.response_format == "wav":      # stream_format "audio" with wav: a header of unknown length
                     yield streaming_wav_header(gen.first_sample_rate)
-                async for ev in gen.events():
-                    if ev[0] == "audio":
-                        yield pcm16(ev[1])
-            return ClosingStream(body(), media_type=f"audio/{req.response_format}",
+                try:
+                    async for ev in gen.events():
+                        if ev[0] == "audio":
+                            yield pcm16(ev[1])
+                except Exception as e:
+                    _failed(preq.request_id, "raw audio", e)
+                    raise _Broken from None
+            return RawAudioStream(body(), media_type=f"audio/{req.response_format}",
                                   headers={"X-Sample-Rate": str(gen.first_sample_rate)})
 
         async def stream_sse() -> Response:
             # OpenAI's stream_format "sse": speech.audio.delta events (base64 of the chunk: s16le for
-            # pcm, a whole WAV file each for wav), then speech.audio.done.
+            # pcm, a whole WAV file each for wav), then speech.audio.done with usage, or speech.audio.error.
             await gen.start()
             if not gen.first_sample_rate:   # as the raw stream and the whole answer: no audio is a 500
                 await gen.close()
                 raise APIError(500, "the pipeline finished without producing audio", type="stage_error")
 
             async def body():
-                async for ev in gen.events():
-                    if ev[0] == "audio" and ev[1]:
-                        chunk = pcm16(ev[1]) if req.response_format == "pcm" else wav_bytes(ev[1], gen.sample_rate)
-                        yield sse.event({"type": "speech.audio.delta", "audio": base64.b64encode(chunk).decode()})
-                yield sse.event({"type": "speech.audio.done"})
+                sent = False
+                try:
+                    async for ev in gen.events():
+                        if ev[0] == "audio" and ev[1]:
+                            chunk = pcm16(ev[1]) if req.response_format == "pcm" else wav_bytes(ev[1], gen.sample_rate)
+                            sent = True
+                            yield sse.event({"type": "speech.audio.delta", "audio": base64.b64encode(chunk).decode()})
+                except Exception as e:
+                    err = _failed(preq.request_id, "sse", e)
+                    error = error_body(err.message, err.type, err.param, err.code)["error"]
+                    if sent:    # vllm-omni's words for "the audio so far is not the answer"
+                        error.update(partial_audio=True, action="discard")
+                    yield sse.event({"type": "speech.audio.error", "error": error})
+                    return
+                yield sse.event({"type": "speech.audio.done", "usage": speech_usage(gen)})
             return ClosingStream(body(), media_type="text/event-stream",
                                  headers={**sse.HEADERS, "X-Sample-Rate": str(gen.first_sample_rate or "")})
 
@@ -106,3 +145,13 @@ class SpeechRoutes:
 
         return await until_disconnect(request, work)
 
+
+
+def speech_usage(gen: Generation) -> dict:
+    """speech.audio.done's usage: the input as the speech stage counted it (vllm-omni's input_tokens: the
+    text's tokens, or a phoneme stage's phonemes) and the audio's seconds. The stage's output tokens (codec
+    frames) do not reach the frontend, so output_tokens and total_tokens are left out, not made up."""
+    u: dict = {} if gen.engine_prompt_tokens is None else {"input_tokens": gen.engine_prompt_tokens}
+    if gen.audio is not None:
+        u.update(gen.audio.usage())
+    return u
