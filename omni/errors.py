@@ -49,6 +49,7 @@ class StageFailed(OmniError):
 
     def __init__(self, stage_id: int, replica_id: str, message: str, kind: str = INTERNAL):
         super().__init__(f"stage {stage_id} replica {replica_id}: {message}")
+        self.detail = message       # the stage's own words, without where they came from
         self.stage_id = stage_id
         self.replica_id = replica_id
         self.kind = kind if kind in KINDS else INTERNAL

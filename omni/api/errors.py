@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 
 import msgspec
 from starlette.responses import Response
@@ -63,6 +64,16 @@ HTTP_BY_KIND = {
 }
 
 
+# "EngineError: " / "ValueError: " (the stage worker's prefix), then an engine's "request <id>: ".
+_EXC_PREFIX = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception): ")
+_REQUEST_PREFIX = re.compile(r"^request (?:'[^']*'|\S+): ")
+
+
+def engine_sentence(message: str) -> str:
+    out = _REQUEST_PREFIX.sub("", _EXC_PREFIX.sub("", message, count=1), count=1)
+    return out or message
+
+
 def to_api_error(exc: BaseException) -> APIError:
     """Any exception -> APIError; unexpected ones become a 500 without a traceback in the body."""
     if isinstance(exc, APIError):
@@ -71,6 +82,11 @@ def to_api_error(exc: BaseException) -> APIError:
         status, type_ = HTTP_BY_KIND.get(exc.kind, HTTP_BY_KIND[errors.INTERNAL])
         if isinstance(exc, StageFailed) and exc.kind == errors.INTERNAL:
             type_ = "stage_error"
+        if isinstance(exc, StageFailed) and exc.kind == errors.CLIENT:
+            # The engine's own sentence: which replica, the exception's class and the internal request id
+            # are for the operator (logged here), not for the client.
+            log.info("request refused by %s", exc)
+            return APIError(status, engine_sentence(exc.detail), type=type_, param=getattr(exc, "param", None))
         return APIError(status, str(exc) or type(exc).__name__, type=type_, param=getattr(exc, "param", None))
     log.exception("unexpected error while serving a request")
     return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="internal_error")

@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from omni.errors import StageFailed
 from tests.unit.test_api import _wav_info, assert_error, make, tokenizer  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.anyio
@@ -102,3 +103,12 @@ async def test_time_to_first_audio_counts_every_answer_sent_chunk_by_chunk(token
     counts = {m.group(1): float(m.group(2)) for m in
               re.finditer(r"^vllm_omni:audio_(ttfp_s|underrun_s|duration_s)_count\{[^}]*\} (\S+)$", text, re.M)}
     assert counts == ({"ttfp_s": 1, "underrun_s": 1, "duration_s": 1} if streamed else {"duration_s": 1})
+
+
+async def test_a_refused_speech_reads_the_engines_sentence_without_internal_ids(tokenizer, caplog):
+    orch, c = make(tokenizer, speech_entry_stage=1)
+    orch.fail = StageFailed(1, "s1r0", "EngineError: request speech-0f3a: nothing to speak in text '—'", "client")
+    with caplog.at_level("INFO"):
+        err = assert_error(await c.post("/v1/audio/speech", json={"input": "—"}), 400)
+    assert err["message"] == "nothing to speak in text '—'"     # before: "stage 1 replica s1r0: EngineError: ..."
+    assert "stage 1 replica s1r0: EngineError: request speech-0f3a" in caplog.text    # the operator's log keeps it
