@@ -15,7 +15,9 @@ SPEED_MIN, SPEED_MAX = 0.25, 4.0     # OpenAI's range for speech's speed
 Speed = Annotated[float, msgspec.Meta(ge=SPEED_MIN, le=SPEED_MAX)]
 
 
-class SpeechRequest(msgspec.Struct, kw_only=True):
+class SpeechRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """OpenAI's /v1/audio/speech and vllm-omni's names for the same. A field not here is refused by name
+    (vllm-omni's x_vector_only_mode, initial_codec_chunk_frames ...: no stage here would honour them)."""
     # Something to say (not only whitespace) and no NUL: checked in speech.py for the message.
     input: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_SPEECH_CHARS,
                                        extra_json_schema={"pattern": r"^[^\x00]*[^\s\x00][^\x00]*$"})]
@@ -28,7 +30,7 @@ class SpeechRequest(msgspec.Struct, kw_only=True):
     # "audio" (the raw bytes as made; wav behind a header of unknown length)
     stream: bool = False
     stream_format: Literal["sse", "audio"] | None = None
-    # Declared so that they are refused by name (SPEECH_REFUSED), never silently ignored.
+    # Declared so that they are refused by name with the reason (SPEECH_REFUSED).
     instructions: Annotated[str | None, _refused(["", None])] = None
     language: Annotated[str | None, _refused([None])] = None
     task_type: Annotated[str | None, _refused([None])] = None

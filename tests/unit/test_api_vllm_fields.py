@@ -76,3 +76,17 @@ async def test_labels_are_answered_as_without_them(tokenizer):  # noqa: F811
     assert labelled["choices"] == plain["choices"] and labelled["usage"] == plain["usage"]
     r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, **LABELLED})
     assert r.status_code == 200, r.text
+
+
+def test_every_field_of_openais_speech_request_is_taken():
+    """Speech refuses a field it does not know: the openai client's must all be its own."""
+    openai_speech = pytest.importorskip("openai.types.audio.speech_create_params")
+    assert sorted(set(openai_speech.SpeechCreateParams.__annotations__) - set(P.SpeechRequest.__struct_fields__)) == []
+
+
+@pytest.mark.parametrize("field, value", [("foo", 1), ("x_vector_only_mode", True), ("initial_codec_chunk_frames", 4),
+                                          ("non_streaming_mode", True)])
+async def test_an_unknown_speech_field_is_refused_by_name(tokenizer, field, value):  # noqa: F811
+    orch, c = make(tokenizer, speech_entry_stage=1)
+    assert_error(await c.post("/v1/audio/speech", json={"input": "Hi.", field: value}), 400, field, field)
+    assert orch.requests == []
