@@ -80,7 +80,7 @@ class StreamOptions(msgspec.Struct):
 
 
 class AudioOptions(msgspec.Struct):
-    voice: str | None = None
+    voice: Annotated[str, msgspec.Meta(max_length=128)] | VoiceId | None = None   # OpenAI's str | {"id": ...}
     format: Literal["wav", "pcm16"] = "wav"
 
 
@@ -351,7 +351,8 @@ def stop_list(stop: str | list[str] | None) -> list[str]:
 
 def chat_voice(req: ChatCompletionRequest) -> str | None:
     """The voice a chat asks for: OpenAI's `audio.voice`, or vllm-omni's top-level `voice` / `speaker`."""
-    return one_voice({"audio.voice": req.audio.voice if req.audio else None, "voice": req.voice,
+    voice = req.audio.voice if req.audio else None
+    return one_voice({"audio.voice": voice.id if isinstance(voice, VoiceId) else voice, "voice": req.voice,
                       "speaker": req.speaker})
 
 

@@ -163,11 +163,14 @@ async def test_the_voice_at_the_top_level_as_vllm_omni_takes_it(tokenizer):
     orch, c = make(tokenizer, audio_out=True, speakers=("ethan", "chelsie"), default_modalities=("text", "audio"))
     orch.audio_chunks = 1
     for body, voice in (({"speaker": "Chelsie"}, "chelsie"), ({"voice": " ethan "}, "ethan"),
-                        ({"audio": {"voice": "chelsie"}, "speaker": "CHELSIE"}, "chelsie"), ({}, "ethan")):
+                        ({"audio": {"voice": "chelsie"}, "speaker": "CHELSIE"}, "chelsie"), ({}, "ethan"),
+                        ({"audio": {"voice": {"id": "chelsie"}, "format": "wav"}}, "chelsie")):   # OpenAI's VoiceID
         r = await c.post("/v1/chat/completions", json=chat_body(**body))
         assert r.status_code == 200, r.text
         assert orch.requests[-1].voice == voice
     r = await c.post("/v1/chat/completions", json=chat_body(audio={"voice": "ethan"}, speaker="chelsie"))
+    assert_error(r, 400, param="audio.voice", contains="audio.voice and speaker name different voices")
+    r = await c.post("/v1/chat/completions", json=chat_body(audio={"voice": {"id": "ethan"}}, speaker="chelsie"))
     assert_error(r, 400, param="audio.voice", contains="audio.voice and speaker name different voices")
     r = await c.post("/v1/chat/completions", json=chat_body(speaker="uncle_fu"))
     assert_error(r, 404, contains="voice `uncle_fu` does not exist; available: ethan, chelsie")
