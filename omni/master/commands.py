@@ -6,6 +6,7 @@ import contextlib
 import json
 import logging
 import math
+import queue
 import signal
 import sys
 import threading
@@ -101,7 +102,8 @@ def status(
         None, "--master", "-m",
         help=_MASTER_HELP + f" Default: the `omni serve` running on this host, else 127.0.0.1:{DEFAULT_PORT}."),
     json_: bool = typer.Option(False, "--json", help="Print one JSON document instead of tables."),
-    watch: bool = typer.Option(False, "--watch", help="Refresh on every topology change until Ctrl-C."),
+    watch: bool = typer.Option(False, "--watch", help="Refresh until Ctrl-C: at once when a replica comes, goes or "
+                               "changes state, sleep or drain; at most once a second for queue and request counts."),
     omni_token: str | None = typer.Option(None, "--omni-token", envvar="OMNI_TOKEN", help=_TOKEN_HELP),
     tls_cert: str | None = typer.Option(None, "--tls-cert", help="PEM client certificate (mTLS)."),
     tls_key: str | None = typer.Option(None, "--tls-key", help="PEM private key of --tls-cert."),
@@ -220,20 +222,63 @@ def in_thread(fn: Callable[[], T], stop: StopRequest) -> T:
     return box["value"]
 
 
+LOAD_REDRAW_S = 1.0   # --watch: load figures alone redraw at most this often
+
+
+def _shape(st: Status) -> tuple:
+    """What the view shows apart from load figures and ages: a change of it redraws at once."""
+    return (st.has_config, st.config_hash, [(s.stage_id, s.ready_replicas, s.live_replicas) for s in st.stages],
+            sorted((r.replica_id, r.role, r.stage_id, r.host, r.pid, r.state, r.is_sleeping, r.draining)
+                   for r in st.replicas))
+
+
+def _load(st: Status) -> list:
+    return sorted((r.replica_id, r.queue_len, r.in_flight, r.requests_total) for r in st.replicas)
+
+
 def _watch(client, json_: bool, stop: StopRequest) -> Status:
     """Print the view at the watch's SNAPSHOT (a printed line means the watch is registered: no
-    change after it is missed) and at every change, until Ctrl-C or the watch ends. -> the last view."""
+    change after it is missed), at once at every change of its shape (replicas, states, sleep, drain),
+    and at most every LOAD_REDRAW_S for a change of load figures alone: the master sends an event per
+    replica each load interval (a stage's CPU seconds always move), which redrew an idle deployment
+    3-4 times a second. Until Ctrl-C or the watch ends. -> the last view."""
     watch = client.watch()
     last: dict[str, Status] = {}
     clear = not json_ and sys.stdout.isatty()
+    events: queue.SimpleQueue = queue.SimpleQueue()   # True: an event; None: the watch ended; or its error
+
+    def pump() -> None:
+        try:
+            for _ in watch:
+                events.put(True)
+            events.put(None)
+        except BaseException as e:
+            events.put(e)
 
     def follow() -> None:
-        for _ in watch:
+        shown_at, held = 0.0, False   # held: a load change not yet shown
+        while True:
+            try:
+                items = [events.get(timeout=max(0.0, shown_at + LOAD_REDRAW_S - time.monotonic()) if held else None)]
+            except queue.Empty:
+                items = []            # the held load change is due
+            while not events.empty():
+                items.append(events.get())
+            for item in items:
+                if isinstance(item, BaseException):
+                    raise item
+            if None in items:
+                return
             st = client.get_status()
             if stop.is_set():
                 return
+            if "st" in last and _shape(st) == _shape(last["st"]):
+                held = _load(st) != _load(last["st"])
+                if not held or time.monotonic() - shown_at < LOAD_REDRAW_S:
+                    continue
             _show(st, json_, clear=clear and "st" in last)
-            last["st"] = st
+            last["st"], shown_at, held = st, time.monotonic(), False
+    threading.Thread(target=pump, name="omni-status-watch", daemon=True).start()
     try:
         in_thread(follow, stop)
     except Interrupted:
