@@ -119,9 +119,13 @@ class Jobs:
         if spec.endpoint not in self.handlers:
             raise bad_request(f"endpoint `{spec.endpoint}` cannot run as a job here; one of: "
                               f"{', '.join(self.handlers) or 'none'}", param="endpoint")
-        if spec.body.get("stream"):
-            raise bad_request("a job cannot stream; drop body.stream or call the endpoint directly",
-                              param="body.stream")
+        for name in ("stream", "stream_format"):     # a stream's bytes (SSE, a WAV of unknown length) are no result
+            if spec.body.get(name):
+                raise bad_request(f"a job cannot stream; drop body.{name} or call the endpoint directly",
+                                  param=f"body.{name}")
+        if spec.endpoint == "/v1/audio/speech" and spec.body.get("response_format") == "pcm":
+            raise bad_request("a job's result keeps no X-Sample-Rate, and raw pcm says no rate itself: ask for wav "
+                              "(its header carries the rate) or call the endpoint directly", param="body.response_format")
         body = msgspec.json.encode(spec.body)
         try:  # wrong types, missing fields and a route's own bounds are refused now, not as a failed job later
             check = self.checks.get(spec.endpoint)

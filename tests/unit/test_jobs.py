@@ -114,6 +114,10 @@ async def test_list_is_newest_first_with_limit(tokenizer, tmp_path):
     ({"endpoint": "/v1/audio/speech"}, "body", None),
     ({"endpoint": "/v1/audio/speech", "body": [1]}, "body", None),
     ({"endpoint": "/v1/chat/completions", "body": chat_body(stream=True)}, "body.stream", "stream"),
+    ({"endpoint": "/v1/audio/speech", "body": {**SPEECH, "stream_format": "sse"}}, "body.stream_format", "stream"),
+    ({"endpoint": "/v1/audio/speech", "body": {**SPEECH, "stream_format": "audio", "response_format": "wav"}},
+     "body.stream_format", "stream"),
+    ({"endpoint": "/v1/audio/speech", "body": {**SPEECH, "response_format": "pcm"}}, "body.response_format", "wav"),
     ({"endpoint": "/v1/audio/speech", "body": {"model": "tiny"}}, "body.input", "input"),
     ({"endpoint": "/v1/completions", "body": {"prompt": 5}}, "body.prompt", None),
     ({"endpoint": "/v1/audio/speech", "body": SPEECH, "priority": 1}, "priority", "priority"),   # refused, not ignored
