@@ -2,7 +2,7 @@
 EngineArgs field as --some-field VALUE): parsed from the command line and, in single-command
 mode, spread over the stages whose engine takes them.
 
-They are read as `vllm serve` reads them: its short forms (-q, -pp, -O3, -cc.mode; SHORT_FLAGS,
+They are read as `vllm serve` reads them: its short forms (-q, -pp, -O3, -cc.mode, -asc; SHORT_FLAGS,
 spelled out before typer parses the argv), dotted keys of a JSON flag (--compilation-config.mode 0
 is {"mode": 0}), human-readable integers (--max-num-batched-tokens 8k is 8000, 8K 8192)."""
 
@@ -33,6 +33,8 @@ SHORT_FLAGS = {"-q": "--quantization", "-pp": "--pipeline-parallel-size", "-tp":
                "-dpm": "--data-parallel-multi-port-external-lb", "-ep": "--enable-expert-parallel",
                "-sc": "--speculative-config", "-dc": "--diffusion-config", "-cc": "--compilation-config",
                "-ac": "--attention-config"}
+# vLLM serve's own short forms (vllm/entrypoints/launchers/cli_args.py), checked against its serve parser.
+SERVE_SHORT_FLAGS = {"-asc": "--api-server-count"}
 # Engine flags that take several values (vLLM's nargs="+": `--cudagraph-capture-sizes 1 2 4`, a list even with
 # one value), and vllm-omni's --lora-path; tests/unit/test_engine_flags.py checks them against vLLM's serve
 # parser (read here from a table: importing vLLM's parser costs seconds, and omni serve runs without vLLM).
@@ -51,7 +53,7 @@ def spell_out(argv: list[str], more: dict[str, str] | None = None) -> list[str]:
     from omni.cli_argv import _VALUE_PREFIXES, _serve_options   # the options typer reads a value for
 
     takes = _serve_options()[0]
-    table = {**SHORT_FLAGS, **(more or {})}
+    table = {**SHORT_FLAGS, **SERVE_SHORT_FLAGS, **(more or {})}
     out: list[str] = []
     value_next = False
     for i, arg in enumerate(argv):
@@ -61,7 +63,7 @@ def spell_out(argv: list[str], more: dict[str, str] | None = None) -> list[str]:
             out.append(arg)
             value_next = False
             continue
-        value_next = arg in takes or arg.startswith(_VALUE_PREFIXES) and "=" not in arg
+        value_next = table.get(arg, arg) in takes or arg.startswith(_VALUE_PREFIXES) and "=" not in arg
         head = re.split(r"[.=]", arg, maxsplit=1)[0]
         if head in table:
             out.append(table[head] + arg[len(head):])

@@ -11,7 +11,7 @@ import pytest
 
 from omni import config as cfg
 from omni.cli import main
-from omni.engine_flags import SEVERAL_VALUES, SHORT_FLAGS, parse_extra_flags, spell_out
+from omni.engine_flags import SERVE_SHORT_FLAGS, SEVERAL_VALUES, SHORT_FLAGS, parse_extra_flags, spell_out
 from omni.errors import ConfigError
 
 
@@ -208,3 +208,32 @@ def test_several_values_reach_the_vllm_stage_as_a_list(capsys):
     assert code == 0, err
     args = out["config"]["stages"][0]["engine_args"]
     assert args["cudagraph_capture_sizes"] == [1, 2, 4] and args["ignore_patterns"] == ["x/*"]
+
+
+def test_the_serve_short_forms_are_vllms():
+    """vLLM serve's own short form -asc (--api-server-count) was 'unexpected argument'; every short form of
+    its serve parser is spelled out."""
+    pytest.importorskip("vllm")
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    try:
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    except ImportError:
+        from vllm.entrypoints.openai.cli_args import make_arg_parser
+
+    parser = make_arg_parser(FlexibleArgumentParser())
+    theirs = {short: next(o for o in a.option_strings if o.startswith("--"))
+              for a in parser._actions for short in a.option_strings
+              if not short.startswith("--") and short != "-h"}
+    assert {**SHORT_FLAGS, **SERVE_SHORT_FLAGS} == theirs
+
+
+def test_asc_is_api_server_count(capsys):
+    assert spell_out(["serve", "m", "-asc", "2", "-asc=3", "--api-key", "-asc"]) == [
+        "serve", "m", "--api-server-count", "2", "--api-server-count=3", "--api-key", "-asc"]
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "smollm2", "-asc", "2", "--port", "0", "--dry-run"])
+    assert e.value.code == 0, capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "smollm2", "-asc", "0", "--dry-run"])
+    assert e.value.code == 2
+    assert "--api-server-count must be >= 1" in capsys.readouterr().err
