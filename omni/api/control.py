@@ -39,6 +39,15 @@ class ControlRoutes:
         return JSONResponse(await self.fe.orch.sleep(level))
 
     async def wake_up(self, request: Request) -> Response:
+        # vLLM's /wake_up takes `tags` (weights, kv_cache, scheduling) to wake part of the engine; omni's
+        # engines wake whole, so a tag is refused rather than answered as if that part alone woke.
+        body = await request.body()
+        fields = list(P.decode_body(body, dict)) if body.strip() else []
+        for name in [n for n, _ in request.query_params.multi_items()] + fields:
+            if name == "tags":
+                raise bad_request("`tags` is not supported: omni wakes every stage whole (weights, KV cache and "
+                                  "scheduling at once); call it without tags", param="tags")
+            raise bad_request(f"`{name}` is not supported: wakeup takes no parameters", param=name)
         return JSONResponse(await self.fe.orch.wake_up())
 
     async def is_sleeping(self, request: Request) -> Response:

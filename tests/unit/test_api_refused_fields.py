@@ -38,6 +38,18 @@ async def test_sleep_takes_the_level_from_the_query_string(tokenizer):  # noqa: 
     assert levels == [2, 2, 1]
 
 
+async def test_wakeup_refuses_vllms_tags_and_any_other_parameter_by_name(tokenizer):  # noqa: F811
+    orch, c = make(tokenizer)
+    orch.sleeping = True
+    assert_error(await c.post("/v1/omni/wakeup?tags=kv_cache"), 400, "tags", "wakes every stage whole")
+    assert_error(await c.post("/v1/omni/wakeup", json={"tags": ["weights"], "bogus": 1}), 400, "tags")
+    assert_error(await c.post("/v1/omni/wakeup", json={"bogus": 1}), 400, "bogus")
+    assert_error(await c.post("/v1/omni/wakeup?level=1"), 400, "level")
+    assert orch.sleeping     # nothing woke
+    assert (await c.post("/v1/omni/wakeup", json={})).status_code == 200 and not orch.sleeping
+    assert (await c.post("/v1/omni/wakeup")).status_code == 200
+
+
 async def test_a_voice_with_an_unknown_field_is_refused(tokenizer):  # noqa: F811
     _, c = make(tokenizer, speech_entry_stage=1, voices=InMemoryVoiceStore(("joe",)))
     assert_error(await c.post("/v1/audio/voices", json={"name": "amy", "sped": 2.0}), 400, "sped")
