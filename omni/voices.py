@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from omni.api.protocol_media import VOICE_NAME_RE
 from omni.errors import BadRequest, Conflict, NotFound
 
 NAMESPACE = "voices"
@@ -24,6 +25,7 @@ class MasterVoiceStore:
     async def get(self, name: str) -> dict[str, Any]:
         if name in BUILTIN:
             return BUILTIN[name]
+        _known_form(name)
         blob = await self._master.kv_get(NAMESPACE, name)
         if blob is None:
             raise NotFound(f"voice {name!r} does not exist")
@@ -44,5 +46,13 @@ class MasterVoiceStore:
     async def delete(self, name: str) -> None:
         if name in BUILTIN:
             raise Conflict(f"voice {name!r} is built in and cannot be deleted")
+        _known_form(name)
         if not await self._master.kv_delete(NAMESPACE, name):
             raise NotFound(f"voice {name!r} does not exist")
+
+
+def _known_form(name: str) -> None:
+    """Voices are added only under VOICE_NAME's rule: another name (over the KV's key length too, which the
+    master would refuse with its own message) names none."""
+    if not VOICE_NAME_RE.match(name):
+        raise NotFound(f"voice {name!r} does not exist")

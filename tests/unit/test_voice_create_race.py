@@ -11,6 +11,7 @@ import pytest
 from tests.unit.test_api import FakeOrchestrator, tokenizer  # noqa: F401
 from omni.api import build_app
 from omni.master.kv import KvStore
+from omni.errors import NotFound
 from omni.voices import MasterVoiceStore
 
 pytestmark = pytest.mark.anyio
@@ -84,3 +85,29 @@ async def test_two_frontends_creating_one_voice(tokenizer):  # noqa: F811
     won = r0 if r0.status_code == 201 else r1
     stored = [v for v in (await cs[0].get("/v1/audio/voices")).json()["data"] if v["name"] == "alice"]
     assert stored == [won.json()]
+
+
+async def test_a_name_no_voice_can_have_is_not_found_not_the_kv_message(tokenizer):  # noqa: F811
+    """DELETE of a name over the KV's 1024-character keys answered the master's own 400 'bad kv key in
+    namespace 'voices''; voice names are 1-64 characters, so such a name is a 404 like any unknown one."""
+    from omni.master.client import AsyncMasterClient
+    from omni.master.configdiff import hash_config
+    from omni.master.server import MasterServer
+
+    cfg = {"model": "m", "stages": [{"stage_id": 0, "engine_args": {}}]}
+    server = MasterServer(cfg, hash_config(cfg))
+    server.start()
+    master = AsyncMasterClient(server.address)
+    try:
+        app = build_app(FakeOrchestrator(tokenizer), tokenizer, served_model_name="tiny", max_model_len=128,
+                        speech_entry_stage=1, voices=MasterVoiceStore(master))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            for name in ("x" * 2000, "x" * 65, "a b", "nobody"):
+                r = await c.delete(f"/v1/audio/voices/{name}")
+                assert r.status_code == 404, (len(name), r.text[:200])
+                assert r.json()["error"]["type"] == "not_found_error" and "kv" not in r.text
+            with pytest.raises(NotFound):
+                await MasterVoiceStore(master).get("x" * 2000)
+    finally:
+        await master.close()
+        server.stop(grace=0.2)
