@@ -16,8 +16,8 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from omni.api import browser, routes
-from omni.api.errors import api_error_response, error_response
+from omni.api import browser, routes, sse
+from omni.api.errors import api_error_response, error_body, error_response
 from omni.api.limits import WRITE_TIMEOUT, HttpLimits
 from omni.api.metrics import FrontendMetrics
 
@@ -34,8 +34,9 @@ class FrontendMiddleware:
     def __init__(self, app, *, frontend_index: int, api_key: str | Sequence[str] | None, metrics: FrontendMetrics,
                  control_api_key: str | None = None, control_routes: bool = True,
                  fast: dict[tuple[str, str], Callable[[], tuple[int, bytes]]] | None = None,
-                 allowed_origins: Sequence[str] = ()):
+                 allowed_origins: Sequence[str] = (), streams: set | None = None):
         self.app = app
+        self.streams = streams                         # open streams' watches, ended at the server's stop
         self.allowed_origins = frozenset(allowed_origins)   # --allowed-origins: cross-site pages let in
         self.fast = fast or {}
         self.header = (b"x-omni-frontend", str(frontend_index).encode())
@@ -52,6 +53,8 @@ class FrontendMiddleware:
         if fast is not None and not _has_body(scope) and self._refusal(scope) is None:
             return await self._answer(scope["path"], fast, send, t0)
         scope["omni.t0"] = t0
+        if self.streams is not None:
+            scope[OPEN_STREAMS] = self.streams
         route = routes.label(scope["path"])
         status = 500
         self.metrics.started()
@@ -136,7 +139,8 @@ def _has_body(scope) -> bool:
 
 
 class DisconnectWatch:
-    """Cancels the current task when the client disconnects, until `close()`.
+    """Cancels the current task when the client disconnects, or at `stop()` (the server is stopping),
+    until `close()`.
 
     One plain asyncio task: an anyio task group (and Starlette's own, which it runs for a
     stream under ASGI spec < 2.4, Hypercorn's 2.1) cost ~0.1-0.2 ms more per request here,
@@ -144,21 +148,31 @@ class DisconnectWatch:
 
     def __init__(self, receive):
         self.task = asyncio.current_task()
-        self.gone = False
+        self.cut: str | None = None    # "gone" (the client left) or "stop" (the server stops): cancelled once
         self._closed = False
         self._counted = False          # our cancel's count on the task was taken back
         self._watcher = asyncio.ensure_future(self._watch(receive))
 
+    @property
+    def gone(self) -> bool:
+        return self.cut == "gone"
+
     async def _watch(self, receive) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
-        if not self._closed:
-            self.gone = True
+        self._cancel("gone")
+
+    def stop(self) -> None:
+        self._cancel("stop")
+
+    def _cancel(self, why: str) -> None:
+        if not self._closed and self.cut is None:
+            self.cut = why
             self.task.cancel()
 
     def ours(self) -> bool:
-        """After a CancelledError: True when it was this watch's alone (the client left)."""
-        if not self.gone or self._counted:
+        """After a CancelledError: True when it was this watch's alone (the client left, or the stop)."""
+        if self.cut is None or self._counted:
             return False
         self._counted = True
         return self.task.uncancel() == 0
@@ -166,7 +180,7 @@ class DisconnectWatch:
     def close(self) -> None:
         self._closed = True
         self._watcher.cancel()
-        if self.gone and not self._counted:   # our cancel was swallowed below us: balance its count
+        if self.cut is not None and not self._counted:   # our cancel was swallowed below us: balance its count
             self._counted = True
             self.task.uncancel()
 
@@ -175,20 +189,34 @@ class ClosingStream(StreamingResponse):
     """Streams until the body ends, the client leaves or stops reading, then closes the body iterator
     (Starlette cancels a stream on disconnect without closing it). A write the client does not take
     within --timeout-response-write ends the response, as nginx's send_timeout: else a stalled reader
-    held the request, its stages' work and every output queued for it until it disconnected."""
+    held the request, its stages' work and every output queued for it until it disconnected.
+    At the server's stop (`end_streams`) an SSE stream ends with an error event and [DONE]; a raw
+    audio stream is left without its last chunk, so its client sees the cut (a clean end would pass
+    a truncated WAV off as whole)."""
+
+    _open = False   # the head went out and the body's end did not
 
     async def __call__(self, scope, receive, send):
         watch = DisconnectWatch(receive)
         timeout = scope.get(WRITE_TIMEOUT, HttpLimits.timeout_response_write)
+        streams = scope.get(OPEN_STREAMS)
+        if streams is not None:
+            streams.add(watch)
+        send = _timed(send, timeout)
         try:
-            await self._stream(_timed(send, timeout), watch)
+            try:
+                await self._stream(send, watch)
+            except asyncio.CancelledError:
+                if not watch.ours():
+                    raise
+            if watch.cut == "stop" and self._open and self.media_type == "text/event-stream":
+                await send({"type": "http.response.body", "body": STOPPING, "more_body": False})
         except _WriteTimeout:
             log.info("%s: the client took no data for %g s (--timeout-response-write); response ended",
                      scope["path"], timeout)
-        except asyncio.CancelledError:
-            if not watch.ours():
-                raise
         finally:
+            if streams is not None:
+                streams.discard(watch)
             watch.close()
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()
@@ -196,16 +224,31 @@ class ClosingStream(StreamingResponse):
             await self.background()
 
     async def _stream(self, send, watch: DisconnectWatch) -> None:
-        # A cancel is delivered once and code below us may swallow it; `gone` stops the stream
+        # A cancel is delivered once and code below us may swallow it; `cut` stops the stream
         # at its next chunk regardless.
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        self._open = True
         async for chunk in self.body_iterator:
-            if watch.gone:
+            if watch.cut is not None:
                 return
             if not isinstance(chunk, bytes | memoryview):
                 chunk = chunk.encode(self.charset)
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        self._open = False
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+OPEN_STREAMS = "omni.open_streams"   # scope key: the server's set of open streams' watches
+STOPPING = (sse.event(error_body("server shutting down", "service_unavailable", code="server_shutting_down"))
+            + sse.DONE)
+
+
+def end_streams(streams: set) -> int:
+    """The server stops: every open stream ends now (SSE ones with STOPPING); how many were open."""
+    open_now = list(streams)
+    for watch in open_now:
+        watch.stop()
+    return len(open_now)
 
 
 class _WriteTimeout(Exception):

@@ -12,6 +12,7 @@ from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config
 
 from omni.api import http1
+from omni.api.http import end_streams
 from omni.api.limits import HttpLimits
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,8 @@ async def serve(app, *, host: str = "127.0.0.1", port: int = 0, sock: socket.soc
 
     `sock` (already bound, e.g. inherited from a parent) wins over host/port. `on_ready(host, port)`
     is called with the real bound address once the socket is ready (port 0 -> the kernel's pick).
+    The app's open streams (`app.state.streams`, build_app's) run on for the grace less a second, then
+    end cleanly (http.end_streams): Hypercorn's own end of the grace cancels them mid-body.
     """
     limits = limits or HttpLimits()
     owned = sock is None
@@ -67,12 +70,25 @@ async def serve(app, *, host: str = "127.0.0.1", port: int = 0, sock: socket.soc
     loop = asyncio.get_running_loop()
     previous = loop.get_exception_handler()
     loop.set_exception_handler(_quiet_cancel(shutdown_event, previous))
+    streams = getattr(getattr(app, "state", None), "streams", None)
+    ender = None if streams is None else asyncio.create_task(
+        _end_streams(shutdown_event, streams, max(0.0, graceful_timeout - 1.0)))
     try:
         await hypercorn_serve(app, config, shutdown_trigger=shutdown_event.wait)
     finally:
+        if ender is not None:
+            ender.cancel()
         loop.set_exception_handler(previous)
         if owned:
             sock.close()
+
+
+async def _end_streams(stopping: asyncio.Event, streams: set, after_s: float) -> None:
+    await stopping.wait()
+    await asyncio.sleep(after_s)   # the grace: streams that end by themselves by then end whole
+    n = end_streams(streams)
+    if n:
+        log.info("stopping: ended %d open stream(s) (SSE: a 'server shutting down' error event and [DONE])", n)
 
 
 def _quiet_cancel(stopping: asyncio.Event, previous):
