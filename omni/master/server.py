@@ -331,6 +331,8 @@ class MasterServicer(pb_grpc.MasterServicer):
                 rep = self.reg.by_replica_id(rid)
                 if rep is None or rep.state is ReplicaState.DEAD:
                     return [], f"no live replica {rid!r}"
+                if rep.role is not Role.STAGE:   # a frontend acks a command and does nothing: never a false ok
+                    return [], f"replica {rid!r} is an API frontend; commands reach stage replicas only"
                 reps.append(rep)
             return reps, None
         known = set(self.reg.stage_ids())

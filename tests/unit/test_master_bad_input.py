@@ -163,6 +163,27 @@ def test_a_command_naming_stages_and_replicas_is_refused_not_half_read(master):
             c.close()
 
 
+def test_a_command_aimed_at_a_frontend_is_refused_naming_it(master):
+    """DRAIN/SLEEP/SHUTDOWN with replica_ids=['fe0'] answered ok=True: the frontend acks every command
+    ("ignored by frontends") and does nothing."""
+    server, stub = master
+    fe = MasterClient(server.address)
+    fe.register("FRONTEND", config_hash=HASH, host="h", pid=200, replica_hint=0)
+    acked: list = []
+    fe.start_keepalive(lambda: {}, lambda cmd: (acked.append(cmd.kind), (True, "ignored by frontends"))[1],
+                       interval_s=0.1)
+    admin = MasterClient(server.address)
+    try:
+        _wait(lambda: [(r.replica_id, r.state) for r in admin.get_status().replicas] == [("fe0", "READY")])
+        for kind in ("DRAIN", "SLEEP", "SHUTDOWN"):
+            with pytest.raises(BadRequest, match="replica 'fe0' is an API frontend; commands reach stage replicas"):
+                admin.send_command(kind, (), {}, replica_ids=["fe0"], timeout_s=1.0)
+        assert acked == []
+    finally:
+        admin.close()
+        fe.close()
+
+
 def test_the_cli_refuses_stage_with_replica_by_flag_before_calling(monkeypatch):
     from typer.testing import CliRunner
 
