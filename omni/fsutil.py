@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import glob
+import logging
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
+
+logger = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -46,6 +50,32 @@ def owned_tmp_dir(prefix: str = "omni-") -> str:
     with open(os.path.join(path, OWNER_FILE), "w") as f:
         f.write(str(os.getpid()))
     return path
+
+
+def owner_of(folder: str) -> int | None:
+    """The pid an omni-* temp folder's owner file names; None where it names none."""
+    try:
+        with open(os.path.join(folder, OWNER_FILE)) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def sweep_stale_tmp(root: str | None = None, owner: int | None = None) -> list[str]:
+    """Remove the omni-* temp folders whose owner process is gone (SIGKILLed launchers, stages): only
+    `owner`'s where one is given (a stage its launcher saw die). Folders without an owner file are not
+    ours to judge."""
+    from omni.deathsig import pid_exists
+
+    swept = []
+    for d in glob.glob(os.path.join(root or tempfile.gettempdir(), "omni-*")):
+        pid = owner_of(d)
+        if pid is None or (owner is not None and pid != owner) or pid_exists(pid):
+            continue                          # its owner still runs (or someone else's process)
+        shutil.rmtree(d, ignore_errors=True)
+        swept.append(d)
+        logger.info("removed %s, left by pid %d that is gone", d, pid)
+    return swept
 
 
 # Folders this process made that no exit of it may leave, os._exit included (where atexit runs nothing):

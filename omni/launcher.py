@@ -27,9 +27,8 @@ from typing import TYPE_CHECKING
 from omni.api.limits import HttpLimits
 from omni.backoff import RestartBackoff
 from omni.config import DeployConfig
-from omni.deathsig import pid_exists
 from omni.errors import OmniError
-from omni.fsutil import OWNER_FILE
+from omni.fsutil import OWNER_FILE, sweep_stale_tmp
 from omni.signals import StopRequest
 from omni.vllm_omni_flags import Orchestration
 
@@ -58,27 +57,6 @@ def die_with_parent(parent_pid: int) -> None:
         pass
     if os.getppid() != parent_pid:   # the parent died before prctl took effect
         os._exit(1)
-
-
-def sweep_stale_tmp(root: str | None = None) -> list[str]:
-    """Remove the temp dirs of launchers that died without cleaning up (SIGKILL): an omni-* dir
-    whose owner file names a process that is gone. Dirs without one are not ours to judge."""
-    import glob
-    import shutil
-
-    swept = []
-    for d in glob.glob(os.path.join(root or tempfile.gettempdir(), "omni-*")):
-        try:
-            with open(os.path.join(d, OWNER_FILE)) as f:
-                pid = int(f.read().strip())
-        except (OSError, ValueError):
-            continue
-        if pid_exists(pid):
-            continue                          # its launcher still runs (or someone else's process)
-        shutil.rmtree(d, ignore_errors=True)
-        swept.append(d)
-        logger.info("removed %s, left by launcher pid %d that is gone", d, pid)
-    return swept
 
 
 @dataclass
@@ -129,13 +107,14 @@ class Child:
 
     def sweep(self) -> None:
         """Once the child is gone: kill what is left of its process group (an engine process
-        that outlived it). The group id stays taken while any member lives, so it names no
-        stranger."""
+        that outlived it; the group id stays taken while any member lives, so it names no
+        stranger), then remove the temp folders it owned (a vLLM stage's ipc sockets and FileStore)."""
         if self.proc is not None and self.proc.poll() is not None:
             from omni.proctree import kill_group
 
             if kill_group(self.proc.pid):
                 logger.info("%s: killed what was left of its process group", self.name)
+            sweep_stale_tmp(owner=self.proc.pid)
 
     def exit_cause(self, when: str = "") -> str:
         """How it ended: a signal names itself (older output would be stale), else its last words."""

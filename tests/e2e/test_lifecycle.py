@@ -10,6 +10,7 @@ ancestor survives" is "no live process is left in its session".
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import re
@@ -20,7 +21,7 @@ import time
 import psutil
 import pytest
 
-from tests.e2e.harness import READY, OmniProcess, unused_port, wait_until
+from tests.e2e.harness import READY, OmniProcess, omni_env, unused_port, wait_until
 
 try:
     import vllm  # noqa: F401
@@ -359,19 +360,61 @@ def test_a_master_stop_ends_open_streams_as_returned_rpcs():
 @needs_vllm
 def test_ctrl_c_of_a_serving_vllm_deployment_is_quiet_and_complete():
     """Steady state: Ctrl-C stops `omni serve` with a vLLM stage with no traceback from omni or
-    vLLM while it stops, and leaves no process of it behind. (On a loaded 2-core machine the vLLM
-    stage may overrun the launcher's 10 s grace and be killed; its group goes with it.)"""
-    p = OmniProcess("serve", "smollm2-vllm", "--port", "0")
-    with own_session(p) as sid:
-        p.http(400)
-        assert engine_core(sid) is not None
-        t0 = time.monotonic()
-        assert p.interrupt(60) == 0, p.output()
-        stop_s = time.monotonic() - t0
-        stopping = p.lines[next(i for i, line in enumerate(p.lines) if "shutting down" in line):]
-        assert not [line for line in stopping if "Traceback" in line], "\n".join(stopping)
-        assert session_left(sid, 10) == []
-        assert stop_s < 30, stop_s
+    vLLM while it stops, and leaves no process of it behind, nor its Workers' FileStore file. (On a loaded
+    2-core machine the vLLM stage may overrun the launcher's 10 s grace and be killed; its group goes with it.)"""
+    with private_tmp() as tmp:
+        p = OmniProcess("serve", "smollm2-vllm", "--port", "0", env=omni_env(TMPDIR=tmp))
+        with own_session(p) as sid:
+            p.http(400)
+            assert engine_core(sid) is not None
+            assert file_stores(tmp) and not file_stores(tmp, top=True)   # in the stage's own folder
+            t0 = time.monotonic()
+            assert p.interrupt(60) == 0, p.output()
+            stop_s = time.monotonic() - t0
+            stopping = p.lines[next(i for i, line in enumerate(p.lines) if "shutting down" in line):]
+            assert not [line for line in stopping if "Traceback" in line], "\n".join(stopping)
+            # The EngineCore and its Worker end within the stage's 3 s grace (they ran past it: vLLM killed them).
+            assert not [line for line in stopping if "force killing" in line], "\n".join(stopping)
+            assert session_left(sid, 10) == []
+            assert stop_s < 30, stop_s
+            assert file_stores(tmp) == [] and glob.glob(os.path.join(tmp, "omni-*")) == []
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_a_sigkilled_vllm_stage_leaves_no_file_store_or_folder():
+    """vLLM's Workers meet through a FileStore file (TMPDIR/vllm_dist_<hex>) that only their clean teardown
+    removed: a stage SIGKILLed under `omni serve` left it in the temp dir for good, and its own folder (vLLM's
+    ipc sockets) until the next launcher started. The file is in that folder, which the launcher's sweep of
+    the dead stage removes."""
+    with private_tmp() as tmp:
+        p = OmniProcess("serve", "smollm2-vllm", "--port", "0", env=omni_env(TMPDIR=tmp))
+        with own_session(p) as sid:
+            p.http(400)
+            stage = next(q for q in session(sid) if "--stage-id" in q.cmdline() and
+                         q.cmdline()[q.cmdline().index("--stage-id") + 1] == "0" and "stage" in q.cmdline())
+            stage.kill()
+            p.proc.wait(60)
+            assert session_left(sid, 10) == []
+            assert file_stores(tmp) == [], p.output()
+            assert glob.glob(os.path.join(tmp, "omni-*")) == [], p.output()
+
+
+@contextlib.contextmanager
+def private_tmp():
+    """A temp dir of the test's own (short: vLLM's socket paths), to see what a deployment leaves there."""
+    import shutil
+    import tempfile
+
+    path = tempfile.mkdtemp(prefix="t", dir="/tmp")
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def file_stores(tmp: str, top: bool = False) -> list[str]:
+    return glob.glob(os.path.join(tmp, "vllm_dist_*" if top else "**/vllm_dist_*"), recursive=True)
 
 
 def test_a_frontend_stopped_while_its_master_is_away_stops_at_once(tmp_path):

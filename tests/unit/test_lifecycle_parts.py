@@ -123,3 +123,24 @@ def test_a_child_log_is_drained_to_its_end_whatever_befalls_the_launcher_stderr(
             if t.name == "omni-log-loud":
                 t.join(10)
         assert "\ufffd" in "".join(out.parts)
+
+
+def test_the_sweep_of_a_dead_stage_removes_its_temp_folders_and_no_others(monkeypatch, tmp_path):
+    """A SIGKILLed vLLM stage's own folder (vLLM's ipc sockets, its Workers' FileStore file) went only with
+    the next launcher's start; its launcher's sweep of the dead stage removes it (another's stays)."""
+    import tempfile
+
+    from omni.fsutil import owned_tmp_dir
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    others = owned_tmp_dir()                                     # this process's: alive
+    code = ("import os, signal, sys; from omni.fsutil import owned_tmp_dir; d = owned_tmp_dir(); "
+            "open(os.path.join(d, 'vllm_dist_x'), 'w').close(); print(d, file=sys.stderr, flush=True); "
+            "os.kill(os.getpid(), signal.SIGKILL)")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    c = _child(code)
+    made = c.tail[-1]
+    assert os.path.dirname(made) == str(tmp_path) and os.path.isdir(made)
+    c.sweep()
+    assert not os.path.exists(made)
+    assert os.path.isdir(others)

@@ -4,7 +4,9 @@ They ask the kernel for SIGKILL when their parent dies (a SIGKILLed stage left i
 and Worker running under PID 1), and register omni's model classes with vLLM's registry in
 that process (a spawned interpreter starts with vLLM's own registry). Where the venv has omni's
 interpreter-start hook, the EngineCore and Worker ask for it already when their interpreter
-starts, before these entries run (omni/deathsig.py).
+starts, before these entries run (omni/deathsig.py). Once vLLM's own teardown is done they exit
+at once (exit_after_clean_end), and the EngineCore puts its Workers' FileStore file in the
+stage's own folder (file_store_in_stage_folder).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
+import uuid
 
 from omni.deathsig import PARENT_ENV, children_die_with_us
 from omni.engines.vllm.core_steps import count_core_steps
@@ -65,6 +69,7 @@ def run_engine_core_guarded(*args, **kwargs):
     _die_with_parent()
     register_models()
     count_core_steps()
+    file_store_in_stage_folder()
     WorkerProc.worker_main = staticmethod(run_worker_guarded)   # this process starts them
     make_worker = WorkerProc.make_worker_process
 
@@ -72,7 +77,7 @@ def run_engine_core_guarded(*args, **kwargs):
         with children_die_with_us():   # vLLM's executor starts Workers from the main thread
             return make_worker(*a, **kw)
     WorkerProc.make_worker_process = staticmethod(make_worker_dying_with_us)
-    return EngineCoreProc.run_engine_core(*args, **kwargs)
+    exit_after_clean_end(EngineCoreProc.run_engine_core, *args, **kwargs)
 
 
 def run_worker_guarded(*args, **kwargs):
@@ -80,7 +85,50 @@ def run_worker_guarded(*args, **kwargs):
 
     _die_with_parent()
     register_models()
-    return WorkerProc.worker_main(*args, **kwargs)
+    exit_after_clean_end(WorkerProc.worker_main, *args, **kwargs)
+
+
+def exit_after_clean_end(entry, *args, **kwargs) -> None:
+    """Run vLLM's process entry; when it ends cleanly (returns, or SystemExit 0 / None), exit as a forked
+    child does: atexit handlers (logging's flush, multiprocessing's finalizers), then os._exit(0), without
+    the interpreter's finalization. In a spawned EngineCore or Worker that finalization (a full GC and module
+    teardown over the model's heap) took 1-2 s of CPU after vLLM's teardown, so on a busy CPU host the pair
+    ran past the stage's 3 s shutdown grace and vLLM SIGKILLed both. A failure ends as before."""
+    try:
+        entry(*args, **kwargs)
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            raise
+    import atexit
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(0)
+
+
+def file_store_in_stage_folder() -> None:
+    """vLLM's Workers meet through a torch FileStore file, TMPDIR/vllm_dist_<hex>, that only their clean
+    teardown removes: each stage killed (or stopped mid-load) left one. Where the stage made its own vLLM
+    folder (args.prepare_env: VLLM_RPC_BASE_PATH, its owner file naming the stage), the file goes there,
+    which the stage's exit, its engine's shutdown and the launcher's sweep remove. Runs in the EngineCore,
+    which names the file."""
+    import multiprocessing
+
+    from omni.fsutil import owner_of
+
+    folder = os.environ.get("VLLM_RPC_BASE_PATH")
+    parent = multiprocessing.parent_process()
+    if not folder or parent is None or owner_of(folder) != parent.pid:
+        return   # a folder the user chose: vLLM's default place
+    from vllm.v1.executor import multiproc_executor, uniproc_executor
+
+    def init_method() -> str:
+        return f"file://{folder}/vllm_dist_{uuid.uuid4().hex}"
+    for module in (multiproc_executor, uniproc_executor):
+        if hasattr(module, "get_file_store_init_method"):
+            module.get_file_store_init_method = init_method
 
 
 def describe_exit(proc) -> str:
