@@ -234,6 +234,9 @@ class ClosingStream(StreamingResponse):
             if not isinstance(chunk, bytes | memoryview):
                 chunk = chunk.encode(self.charset)
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            # A loop turn per chunk: after a reset Hypercorn's send returns at once, and a backlog of queued
+            # outputs (taken without awaiting) would go into the dead connection before the watch saw it.
+            await asyncio.sleep(0)
         self._open = False
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 

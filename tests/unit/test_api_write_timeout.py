@@ -9,6 +9,7 @@ import asyncio
 import json
 import logging
 import socket
+import struct
 import time
 
 import numpy as np
@@ -94,3 +95,57 @@ async def test_a_stalled_reader_is_held_while_the_write_timeout_runs(tokenizer):
     body = {"model": "tiny", "input": "hello there", "stream_format": "audio", "response_format": "pcm"}
     cancelled, _ = await _stalled_stream(tokenizer, HttpLimits(timeout_response_write=30), body, 2)
     assert not cancelled
+
+
+class Backlog(FakeOrchestrator):
+    """N audio outputs already queued (the orchestrator's generate() takes queued ones without awaiting)."""
+
+    N = 4000
+
+    def __init__(self, tok):
+        super().__init__(tok)
+        self.yielded = 0
+
+    async def generate(self, request):
+        self.started_event.set()
+        pcm = np.zeros(1024, dtype="<f4").tobytes()
+        try:
+            for _ in range(self.N):
+                self.yielded += 1
+                yield PipelineOutput(request_id=request.request_id, stage_id=1, modality="audio", audio_pcm=pcm,
+                                     sample_rate=24000)
+        finally:
+            self.closed_event.set()
+
+
+async def test_a_reset_connection_stops_a_stream_with_outputs_queued(tokenizer):
+    """After a reset Hypercorn's send returns at once without a loop turn, so the disconnect watch never
+    ran and every queued output was converted and 'sent' into the closed connection, the loop held meanwhile."""
+    orch = Backlog(tokenizer)
+    limits = HttpLimits()
+    app = build_app(orch, tokenizer, served_model_name="tiny", max_model_len=128, speech_entry_stage=1,
+                    limits=limits)
+    stop, ready = asyncio.Event(), asyncio.get_running_loop().create_future()
+    server = asyncio.create_task(serve(app, shutdown_event=stop, on_ready=lambda h, p: ready.set_result(p),
+                                       graceful_timeout=1.0, limits=limits))
+    client = socket.socket()
+    try:
+        loop = asyncio.get_running_loop()
+        port = await asyncio.wait_for(ready, 10)
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        client.setblocking(False)
+        await loop.sock_connect(client, ("127.0.0.1", port))
+        payload = json.dumps({"model": "tiny", "input": "hello there", "stream_format": "audio",
+                              "response_format": "pcm"}).encode()
+        await loop.sock_sendall(client, b"POST /v1/audio/speech HTTP/1.1\r\nhost: t\r\ncontent-type: "
+                                b"application/json\r\ncontent-length: " + str(len(payload)).encode()
+                                + b"\r\n\r\n" + payload)
+        assert (await asyncio.wait_for(loop.sock_recv(client, 4096), 10)).startswith(b"HTTP/1.1 200")
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        client.close()                                    # RST, with the rest of the backlog still queued
+        await asyncio.wait_for(orch.closed_event.wait(), 10)
+        assert orch.yielded < Backlog.N // 2, f"{orch.yielded} of {Backlog.N} outputs sent into a reset connection"
+    finally:
+        client.close()
+        stop.set()
+        await asyncio.wait_for(server, 10)
