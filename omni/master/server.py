@@ -25,28 +25,14 @@ from omni.master.auth import TlsFiles, TokenInterceptor
 from omni.master.errors import KV_FULL
 from omni.master.kv import KvError, KvFull, KvStore
 from omni.master.registry import (
-    LIVE_STATES, BadRegistration, ConfigMismatch, Event, LeaseUnknown, Load, RegisterInput, Registry, RegistryFull,
-    ReplicaState, Role,
+    BadRegistration, ConfigMismatch, Event, LeaseUnknown, Load, RegisterInput, Registry, RegistryFull, Role,
 )
+from omni.master.targets import command_targets, would_stop
 
 logger = logging.getLogger(__name__)
 
 WATCH_BACKLOG = 10_000
 MAX_COMMAND_TIMEOUT_S = 600.0
-
-
-def _would_stop(kind: int, stopped: dict[int, list[str]], reg: Registry, pending: set[str]) -> str:
-    verb = {pb.DRAIN: "drain", pb.SLEEP: "sleep"}[kind]
-    undo = {pb.DRAIN: "omni undrain", pb.SLEEP: "omni wakeup"}[kind]
-    parts = []
-    for sid, rids in sorted(stopped.items()):
-        name = reg.stage_config(sid).get("name")
-        parts.append(f"stage {sid}" + (f" ({name})" if name else "") + f": {', '.join(rids)} "
-                     + ("is its last" if len(rids) == 1 else "are its last") + " READY, awake replica"
-                     + ("" if len(rids) == 1 else "s")
-                     + "".join(f" ({rid}: a drain or sleep is being sent to it)" for rid in rids if rid in pending))
-    return (f"{verb} would stop {'; '.join(parts)}; its requests would fail until `{undo}`. "
-            "Repeat with --force to do it anyway")
 
 
 def sweep_tick(lease_ttl_s: float) -> float:
@@ -270,7 +256,7 @@ class MasterServicer(pb_grpc.MasterServicer):
                 json.loads(request.args_json)
             except (ValueError, RecursionError) as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"args_json is not valid JSON: {e}")
-        targets, problem = self._targets(request)
+        targets, problem = command_targets(self.reg, request)
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         stopping = [r.replica_id for r in targets] if request.kind in (pb.DRAIN, pb.SLEEP) else []
@@ -278,7 +264,7 @@ class MasterServicer(pb_grpc.MasterServicer):
             stopped = self.reg.last_serving(set(stopping) | set(self._stopping))
             if stopped:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                    _would_stop(request.kind, stopped, self.reg, set(self._stopping)))
+                                    would_stop(request.kind, stopped, self.reg, set(self._stopping)))
         self._stopping.update(stopping)      # no await since the check: no other command came between
         try:
             return await self._send(request, targets)
@@ -321,31 +307,6 @@ class MasterServicer(pb_grpc.MasterServicer):
         logger.info("command %s %s: %d/%d ok", pb.CommandKind.Name(request.kind), command_id[:8],
                     sum(r.ok for r in results), len(results))
         return pb.SendCommandResponse(command_id=command_id, results=results)
-
-    def _targets(self, request: pb.SendCommandRequest):
-        if request.replica_ids and request.stage_ids:   # neither may be dropped silently, nor guessed at
-            return [], "stage_ids and replica_ids: give one, not both (a replica id names its stage)"
-        if request.replica_ids:
-            reps = []
-            for rid in request.replica_ids:
-                rep = self.reg.by_replica_id(rid)
-                if rep is None or rep.state is ReplicaState.DEAD:
-                    return [], f"no live replica {rid!r}"
-                if rep.role is not Role.STAGE:   # a frontend acks a command and does nothing: never a false ok
-                    return [], f"replica {rid!r} is an API frontend; commands reach stage replicas only"
-                reps.append(rep)
-            return reps, None
-        known = set(self.reg.stage_ids())
-        wanted = set(request.stage_ids) or known
-        unknown = sorted(wanted - known)
-        if unknown:
-            return [], f"stage(s) {', '.join(map(str, unknown))} not in the pipeline (stages: {sorted(known)})"
-        # SLEEP/WAKE_UP reach every live replica: one without a keep-alive stream (SUSPECT, REGISTERING) is
-        # reported "disconnected", not skipped (it would come back awake, or asleep, unnoticed).
-        ok_states = {pb.DRAIN: {ReplicaState.READY}, pb.UNDRAIN: {ReplicaState.DRAINING}, pb.SLEEP: LIVE_STATES,
-                     pb.WAKE_UP: LIVE_STATES}.get(request.kind, {ReplicaState.READY, ReplicaState.DRAINING})
-        return [r for r in self.reg.replicas()
-                if r.role is Role.STAGE and r.stage_id in wanted and r.state in ok_states], None
 
     async def _kv(self, context, fn: Callable, *args):
         try:
