@@ -403,6 +403,7 @@ class Launcher:
                     # A crashed frontend is replaced, later each time it dies soon again; the engines carry on.
                     if not child.backoff.waiting():
                         child.sweep()
+                        self._frontend_gone(child)
                         progress(f"{child.name} {child.exit_cause()}; restarting it in {child.backoff.died():g} s")
                     elif child.backoff.due():
                         child.restarts += 1
@@ -421,6 +422,16 @@ class Launcher:
                 return 1
         progress("shutting down")
         return 0
+
+    def _frontend_gone(self, child: Child) -> None:
+        """Our master marks the dead frontend DEAD now: restarted within the lease TTL, it found fe{index} still
+        SUSPECT and took the next free index for good; its jobs read frontend_gone and its metrics drop now."""
+        if self.master is None or child.proc is None:
+            return
+        from omni.stage.main import advertised_host   # the host it registered under
+
+        gone = self.master.process_exited(advertised_host(self.plan.host, self.master_address), child.proc.pid)
+        logger.info("%s (pid %d): marked DEAD in the master: %s", child.name, child.proc.pid, gone or "no entry")
 
     def shutdown(self, grace_s: float = 10.0) -> None:
         # Frontends first (stop taking requests), then stages, then the master. A stop request that comes

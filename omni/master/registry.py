@@ -75,6 +75,7 @@ class Trigger(enum.Enum):
     UNDRAIN = "UNDRAIN"
     STREAM_BROKEN = "STREAM_BROKEN"
     LEASE_EXPIRED = "LEASE_EXPIRED"
+    EXITED = "EXITED"   # the launcher that hosts the master reaped the process
 
 
 S, T = ReplicaState, Trigger
@@ -98,6 +99,7 @@ TRANSITIONS: dict[tuple[ReplicaState, Trigger], ReplicaState] = {
     (S.DRAINING, T.STREAM_BROKEN): S.SUSPECT,
     (S.SUSPECT, T.STREAM_BROKEN): S.SUSPECT,
     **{(state, T.LEASE_EXPIRED): S.DEAD for state in LIVE_STATES},
+    **{(state, T.EXITED): S.DEAD for state in LIVE_STATES},
 }
 
 
@@ -397,6 +399,16 @@ class Registry:
             if serving and all(rid in replica_ids for rid in serving):
                 out[sid] = serving
         return out
+
+    def exited(self, role: Role, host: str, pid: int) -> list[Event]:
+        """The process is known to be gone (its launcher reaped it): its live entries are DEAD now, not a lease
+        TTL later, so their index is free for the process that replaces it."""
+        events: list[Event] = []
+        for rep in list(self._by_lease.values()):
+            if rep.role is role and (rep.host, rep.pid) == (host, pid) and rep.state in LIVE_STATES:
+                rep.dead_at = self._clock()
+                events += self._apply(rep, T.EXITED)
+        return events
 
     def deregister(self, lease_id: str) -> tuple[bool, list[Event]]:
         rep = self._by_lease.pop(lease_id, None)

@@ -366,6 +366,7 @@ class MasterServer:
         self._grace = 1.0
         self._started = threading.Event()
         self._start_error: BaseException | None = None
+        self._servicer: MasterServicer | None = None
 
     @property
     def address(self) -> str:
@@ -395,6 +396,24 @@ class MasterServer:
         self._thread = None
         self._kv.close()
 
+    def process_exited(self, host: str, pid: int, role: Role = Role.FRONTEND) -> list[str]:
+        """For the launcher that hosts this master: a child it reaped is DEAD here now, not a lease TTL later
+        (its restart would find its index held). Run on the loop, as every registry access -> ids marked."""
+        servicer, loop = self._servicer, self._loop
+        if servicer is None or loop is None or not loop.is_running():
+            return []
+
+        async def mark() -> list[str]:
+            events = self.registry.exited(role, host, pid)
+            servicer.publish(events)
+            return [e.replica.replica_id for e in events]
+
+        try:
+            return asyncio.run_coroutine_threadsafe(mark(), loop).result(timeout=5.0)
+        except (TimeoutError, RuntimeError) as e:   # a stopping master: the lease expires it as before
+            logger.info("could not mark pid %d on %s gone: %r", pid, host, e)
+            return []
+
     def __enter__(self) -> "MasterServer":
         self.start()
         return self
@@ -421,7 +440,7 @@ class MasterServer:
         self._stop_event = asyncio.Event()
         interceptors = [TokenInterceptor(self._token)] if self._token else []
         server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
-        servicer = MasterServicer(self.registry, self._kv)
+        servicer = self._servicer = MasterServicer(self.registry, self._kv)
         pb_grpc.add_MasterServicer_to_server(servicer, server)
         target = f"{self.host}:{self.port}"
         try:

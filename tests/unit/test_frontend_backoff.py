@@ -59,3 +59,54 @@ def test_the_supervisor_restarts_a_crashing_frontend_with_backoff(capsys):
     err = capsys.readouterr().err
     assert "api0 was killed by SIGKILL; restarting it in 0.5 s" in err
     assert "restarting it in 4 s" in err
+
+
+FRONTEND = """
+import os, sys, time
+from omni.master.client import MasterClient
+c = MasterClient(sys.argv[1])
+c.register("FRONTEND", -1, config_hash=sys.argv[2], host="127.0.0.1", pid=os.getpid(), replica_hint=0)
+c.start_keepalive(lambda: {}, lambda cmd: (True, ""), interval_s=0.1)
+time.sleep(60)
+"""
+
+
+def test_a_reaped_frontend_is_dead_in_the_master_at_once_so_its_restart_is_fe_index_again():
+    """Restarted within the lease TTL, a frontend found fe0 still READY/SUSPECT and registered as fe2 for
+    good (omni status then no longer matched X-Omni-Frontend); its jobs read in_progress for a lease."""
+    import os
+    import signal
+    import time
+
+    from omni.master.client import MasterClient
+
+    plan = LaunchPlan(cfg.load("smollm2"), stages=[], api_server_count=0)
+    launcher = Launcher(plan)
+    launcher.start_master()
+    child = Child("api0", "frontend", [sys.executable, "-c", FRONTEND, launcher.master_address,
+                                       plan.config.config_hash()], index=0)
+    launcher.children.append(child)
+    admin = MasterClient(launcher.master_address)
+    try:
+        child.start()
+        deadline = time.monotonic() + 30
+        while [(r.replica_id, r.state) for r in admin.get_status().replicas] != [("fe0", "READY")]:
+            assert child.alive() and time.monotonic() < deadline, "the frontend did not register"
+            time.sleep(0.05)
+        pid = child.proc.pid
+        os.kill(pid, signal.SIGKILL)
+        child.proc.wait()
+        ticks = []
+        launcher._stop.wait = lambda timeout=None: ticks.append(1) or len(ticks) > 1   # one supervision pass
+        assert launcher._supervise() == 0
+        assert [(r.replica_id, r.state, r.pid) for r in admin.get_status().replicas] == [("fe0", "DEAD", pid)]
+        new = MasterClient(launcher.master_address)
+        try:
+            reg = new.register("FRONTEND", -1, config_hash=plan.config.config_hash(), host="127.0.0.1",
+                               pid=pid + 1, replica_hint=0)
+            assert reg.replica_id == "fe0"
+        finally:
+            new.close()
+    finally:
+        admin.close()
+        launcher.shutdown()

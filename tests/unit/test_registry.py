@@ -425,3 +425,15 @@ def test_last_serving_names_the_stages_a_command_would_stop(reg):
     assert reg.last_serving({"s0r0", "s1r0"}) == {0: ["s0r0"]}
     reg.heartbeat(c.lease_id, Load(is_sleeping=True))                 # asleep: serves nothing
     assert reg.last_serving({"s1r0"}) == {1: ["s1r0"]}
+
+
+def test_exited_marks_only_that_processes_live_frontend_dead(reg):
+    fe, _ = reg.register(RegisterInput(role=Role.FRONTEND, stage_id=-1, host="h1", pid=7, config_hash=HASH))
+    other, _ = reg.register(RegisterInput(role=Role.FRONTEND, stage_id=-1, host="h2", pid=7, config_hash=HASH))
+    st, _ = reg.register(stage(pid=7))
+    assert kinds(reg.exited(Role.FRONTEND, "h1", 7)) == [("UPDATED", "fe0", S.DEAD)]
+    assert (other.state, st.state) == (S.REGISTERING, S.REGISTERING)
+    assert reg.exited(Role.FRONTEND, "h1", 7) == []      # DEAD is final
+    again, _ = reg.register(RegisterInput(role=Role.FRONTEND, stage_id=-1, host="h1", pid=8, config_hash=HASH,
+                                          replica_hint=0))
+    assert again.replica_id == "fe0"
