@@ -95,12 +95,14 @@ def prompt_ids(tokenizer):
 
 
 @pytest.fixture(scope="module")
-def started(prompt_ids):
+def started(prompt_ids, tmp_path_factory):
     """The server and the reference subprocess, started together (both load vLLM)."""
     from omni.models.resolve import resolve_model
 
+    # vLLM's offline engine leaves its ipc sockets in VLLM_RPC_BASE_PATH (default: the temp dir itself).
+    env = {**vllm_env(), "VLLM_RPC_BASE_PATH": str(tmp_path_factory.mktemp("ipc"))}
     ref = subprocess.Popen([sys.executable, "-c", REFERENCE, resolve_model(MODEL), json.dumps(prompt_ids),
-                            str(MAX_TOKENS), json.dumps(SHAPED), str(LOGPROBS_K)], cwd=REPO, env=vllm_env(),
+                            str(MAX_TOKENS), json.dumps(SHAPED), str(LOGPROBS_K)], cwd=REPO, env=env,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     # The server gets no vLLM env: the engine sets its own defaults.
     p = OmniProcess("serve", MODEL, "--stage-overrides", json.dumps({"0": STAGE0}), "--port", "0")
