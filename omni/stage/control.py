@@ -38,6 +38,8 @@ class StageControl:
     def call(self, method: str, args: dict) -> Any:
         engine = self.worker.engine
         if method == "sleep":
+            if self.worker._reads:   # taken by the engine when their read ends: open work, as its own are
+                raise EngineError("cannot sleep with request(s) waiting for their input tensors' read")
             engine.sleep(int(args.get("level", 1)))
             return {"is_sleeping": engine.is_sleeping()}
         if method == "wake_up":

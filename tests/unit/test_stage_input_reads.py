@@ -277,3 +277,24 @@ def test_a_request_still_waiting_for_its_read_at_stop_gets_unavailable():
         consumer.gate.set()
         s.close()
         _stop(w, t)
+
+
+def test_sleep_is_refused_while_a_request_waits_for_its_read():
+    """The read once held the loop, so SLEEP came after the request was in the engine, which refuses to sleep
+    with work open; off the loop, SLEEP slipped in and the request was refused 'asleep' when its read ended."""
+    consumer, engine = GatedConsumer(), RecordingEngine()
+    w, t = _run(consumer, engine)
+    s = dealer(w.endpoint)
+    try:
+        assert hello(s).ok
+        s.send(add("r1", 10, {"x": _far_ref(5)}))
+        assert consumer.started.wait(10)
+        ok, message = w.command("SLEEP")
+        assert not ok and "waiting for their input" in message and not engine.is_sleeping(), message
+        consumer.gate.set()
+        out = recv(s)
+        assert out.request_id == "r1" and not isinstance(out, m.RequestError), out
+    finally:
+        consumer.gate.set()
+        s.close()
+        _stop(w, t)
