@@ -122,7 +122,7 @@ def _what_stops(st, stopped: set[str]) -> list[str]:
         serving = [r.replica_id for r in st.replicas if r.role == "STAGE" and r.stage_id == s.stage_id
                    and r.state == "READY" and not r.is_sleeping]
         if serving and all(r in stopped for r in serving):
-            lines.append(f"stage {s.stage_id} has no READY replica now ({', '.join(serving)}); "
+            lines.append(f"stage {s.stage_id} has no awake READY replica now ({', '.join(serving)}); "
                          "its requests fail until it is back")
     return lines
 

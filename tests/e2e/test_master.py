@@ -527,7 +527,7 @@ def test_drain_cli_refuses_the_last_replica_without_force_and_undrain_takes_it_b
     assert watch.view["s1r0"].state == "READY"
     forced = _cli("drain", "--master", master.address, "--stage", "1", "--force")
     assert forced.returncode == 0, forced.stderr
-    assert "--force: stage 1 has no READY replica now (s1r0)" in forced.stderr
+    assert "--force: stage 1 has no awake READY replica now (s1r0)" in forced.stderr
     watch.state("s1r0", "DRAINING", 5)
     back = _cli("undrain", "--master", master.address, "--stage", "1", "--json")
     assert back.returncode == 0, back.stderr

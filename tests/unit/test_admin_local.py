@@ -76,7 +76,7 @@ def test_force_says_what_stopped_after_the_outcome_and_only_for_replicas_that_ac
         lines = r.output.splitlines()
         forced = [i for i, line in enumerate(lines) if "--force" in line]
         assert [lines[i] for i in forced] == [
-            "omni sleep: --force: stage 0 has no READY replica now (s0r0); its requests fail until it is back"]
+            "omni sleep: --force: stage 0 has no awake READY replica now (s0r0); its requests fail until it is back"]
         table = next(i for i, line in enumerate(lines) if "Code2WavEngine cannot sleep" in line)
         assert forced[0] > table                 # after the outcome it describes
     finally:
