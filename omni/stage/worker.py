@@ -38,6 +38,7 @@ from omni.stage.curve import secure_server
 from omni.stage.producers import OutputProducers
 from omni.stage.published import Published
 from omni.transport.base import ProducerFull, TensorProducer, TransportError
+from omni.transport.local import PeerClosed
 
 logger = logging.getLogger(__name__)
 
@@ -438,7 +439,7 @@ class StageWorker:
                     return False
             except TransportError as e:
                 self.stats.count("channel_msgs_out.local", -1)
-                self._frontend_gone(ident, str(e))
+                self._frontend_gone(ident, CLOSED if isinstance(e, PeerClosed) else str(e))
                 return True
             except ValueError as e:   # over the size cap: ZMQ would drop the whole connection
                 self.stats.count("channel_msgs_out.local", -1)

@@ -38,6 +38,10 @@ _STATUS = struct.Struct("<B")   # hello reply: 0 ok, 1 refused
 MAX_MESSAGE_BYTES = 64 << 10    # refs and acks only; tensors travel apart
 
 
+class PeerClosed(TransportError):
+    """A send found the peer's end closed (it stopped or restarted): an end, not a fault."""
+
+
 class LocalChannel:
     """One end of a connected channel; messages keep their boundaries and order."""
 
@@ -64,6 +68,8 @@ class LocalChannel:
             self._sock.send(data, 0 if wait else socket.MSG_DONTWAIT)
         except BlockingIOError:
             return False
+        except (BrokenPipeError, ConnectionResetError) as e:
+            raise PeerClosed(f"local channel: send failed: {e}") from e
         except OSError as e:
             raise TransportError(f"local channel: send failed: {e}") from e
         return True

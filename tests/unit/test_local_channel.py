@@ -219,3 +219,20 @@ def test_shm_empty_then_put_copies_nothing():
     finally:
         consumer.close()
         producer.close()
+
+
+def test_a_send_to_a_closed_peer_is_peer_closed_not_a_fault():
+    """A stage's send to a frontend that stopped: its 'frontend is gone' is an INFO line, not a WARNING
+    at every frontend stop ('Broken pipe')."""
+    from omni.transport.local import PeerClosed
+
+    listener = LocalListener(token="t")
+    try:
+        client = connect_local(listener.name, "t")
+        server = listener.accept(timeout=DEADLINE)
+        client.close()
+        with pytest.raises(PeerClosed, match="send failed"):
+            server.send(b"x", wait=False)
+        server.close()
+    finally:
+        listener.close()
