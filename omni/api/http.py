@@ -190,11 +190,17 @@ class ClosingStream(StreamingResponse):
     (Starlette cancels a stream on disconnect without closing it). A write the client does not take
     within --timeout-response-write ends the response, as nginx's send_timeout: else a stalled reader
     held the request, its stages' work and every output queued for it until it disconnected.
-    At the server's stop (`end_streams`) an SSE stream ends with an error event and [DONE]; a raw
-    audio stream is left without its last chunk, so its client sees the cut (a clean end would pass
-    a truncated WAV off as whole)."""
+    At the server's stop (`end_streams`) the stream ends with `stopping` (its route's error event: chat's
+    STOPPING, speech's speech.audio.error; a callable is asked then); None leaves it without its last chunk,
+    so a raw audio client sees the cut (a clean end would pass a truncated WAV off as whole). A stream whose
+    closing event (an sse.Last) already went out is ended as it is."""
 
     _open = False   # the head went out and the body's end did not
+    _last = False   # the body's closing event (an sse.Last) was handed to send
+
+    def __init__(self, content, *args, stopping: bytes | Callable[[], bytes] | None = None, **kwargs):
+        super().__init__(content, *args, **kwargs)
+        self.stopping = stopping
 
     async def __call__(self, scope, receive, send):
         watch = DisconnectWatch(receive)
@@ -209,8 +215,8 @@ class ClosingStream(StreamingResponse):
             except asyncio.CancelledError:
                 if not watch.ours():
                     raise
-            if watch.cut == "stop" and self._open and self.media_type == "text/event-stream":
-                await send({"type": "http.response.body", "body": STOPPING, "more_body": False})
+            if watch.cut == "stop" and self._open:
+                await self._stopped(send)
         except _WriteTimeout:
             log.info("%s: the client took no data for %g s (--timeout-response-write); response ended",
                      scope["path"], timeout)
@@ -233,12 +239,19 @@ class ClosingStream(StreamingResponse):
                 return
             if not isinstance(chunk, bytes | memoryview):
                 chunk = chunk.encode(self.charset)
+            self._last = isinstance(chunk, sse.Last)
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
             # A loop turn per chunk: after a reset Hypercorn's send returns at once, and a backlog of queued
             # outputs (taken without awaiting) would go into the dead connection before the watch saw it.
             await asyncio.sleep(0)
         self._open = False
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _stopped(self, send) -> None:
+        # The closing event may still sit in the send or the loop turn after it: the stream is whole.
+        ending = b"" if self._last else self.stopping() if callable(self.stopping) else self.stopping
+        if ending is not None:    # None: returning without the last chunk, Hypercorn cuts the connection
+            await send({"type": "http.response.body", "body": ending, "more_body": False})
 
 
 OPEN_STREAMS = "omni.open_streams"   # scope key: the server's set of open streams' watches
@@ -247,7 +260,7 @@ STOPPING = (sse.event(error_body("server shutting down", "service_unavailable", 
 
 
 def end_streams(streams: set) -> int:
-    """The server stops: every open stream ends now (SSE ones with STOPPING); how many were open."""
+    """The server stops: every open stream ends now (with its `stopping`); how many were open."""
     open_now = list(streams)
     for watch in open_now:
         watch.stop()

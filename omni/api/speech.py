@@ -2,7 +2,8 @@
 
 A stream that fails after its headers went out: the SSE form ends with vllm-omni's
 `speech.audio.error` event; the raw form ends without its last chunk (a client reads an incomplete
-body, not a short file, as raw audio has no place for an error). Either is one log line."""
+body, not a short file, as raw audio has no place for an error). Either is one log line.
+The server's stop ends them the same way (the error: server_shutting_down)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,17 @@ def _failed(request_id: str, form: str, e: Exception):
     err = to_api_error(e)
     log.warning("%s (speech, %s): failed part-way, %s: %s", request_id, form, err.type, err.message)
     return err
+
+
+SHUTTING_DOWN = APIError(503, "server shutting down", type="service_unavailable", code="server_shutting_down")
+
+
+def _error_event(err: APIError, sent: bool) -> sse.Last:
+    """vllm-omni's speech.audio.error, the SSE form's last event (it sends no [DONE])."""
+    error = error_body(err.message, err.type, err.param, err.code)["error"]
+    if sent:    # vllm-omni's words for "the audio so far is not the answer"
+        error.update(partial_audio=True, action="discard")
+    return sse.Last(sse.event({"type": "speech.audio.error", "error": error}))
 
 
 class SpeechRoutes:
@@ -108,8 +120,10 @@ class SpeechRoutes:
                 await gen.close()
                 raise APIError(500, "the pipeline finished without producing audio", type="stage_error")
 
+            sent = False     # audio went out: an error event then says to discard it
+
             async def body():
-                sent = False
+                nonlocal sent
                 try:
                     async for ev in gen.events():
                         if ev[0] == "audio" and ev[1]:
@@ -117,15 +131,12 @@ class SpeechRoutes:
                             sent = True
                             yield sse.event({"type": "speech.audio.delta", "audio": base64.b64encode(chunk).decode()})
                 except Exception as e:
-                    err = _failed(preq.request_id, "sse", e)
-                    error = error_body(err.message, err.type, err.param, err.code)["error"]
-                    if sent:    # vllm-omni's words for "the audio so far is not the answer"
-                        error.update(partial_audio=True, action="discard")
-                    yield sse.event({"type": "speech.audio.error", "error": error})
+                    yield _error_event(_failed(preq.request_id, "sse", e), sent)
                     return
-                yield sse.event({"type": "speech.audio.done", "usage": speech_usage(gen)})
+                yield sse.Last(sse.event({"type": "speech.audio.done", "usage": speech_usage(gen)}))
             return ClosingStream(body(), media_type="text/event-stream",
-                                 headers={**sse.HEADERS, "X-Sample-Rate": str(gen.first_sample_rate or "")})
+                                 headers={**sse.HEADERS, "X-Sample-Rate": str(gen.first_sample_rate or "")},
+                                 stopping=lambda: _error_event(SHUTTING_DOWN, sent))
 
         if as_sse:
             return await until_disconnect(request, stream_sse)

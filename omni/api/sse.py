@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import msgspec
 
-DONE = b"data: [DONE]\n\n"
+
+class Last(bytes):
+    """A stream's closing event ([DONE], speech.audio.done or .error): once it went out the stream is
+    whole, so a server stop ends it as it is (http.ClosingStream) rather than adding an error after it."""
+
+
+DONE = Last(b"data: [DONE]\n\n")
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _enc = msgspec.json.Encoder()
 

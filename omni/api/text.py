@@ -37,7 +37,7 @@ from omni.api import sse
 from omni.api.audio_metrics import AudioStream
 from omni.api.errors import bad_request, error_body, to_api_error
 from omni.api.generation import Generation
-from omni.api.http import ClosingStream, until_disconnect
+from omni.api.http import STOPPING, ClosingStream, until_disconnect
 from omni.api.state import OFFLOAD_CHARS, FrontendState
 from omni.api.wav import pcm16, wav_bytes
 from omni.orchestrator.types import PipelineRequest
@@ -146,7 +146,7 @@ class TextRoutes:
     async def _open_stream(self, gen: Generation, body, usage: str | None) -> Response:
         # Wait for the first output before sending headers, so early failures get a real status.
         await gen.start()
-        return ClosingStream(body(gen, usage), media_type="text/event-stream", headers=sse.HEADERS)
+        return ClosingStream(body(gen, usage), media_type="text/event-stream", headers=sse.HEADERS, stopping=STOPPING)
 
     def _chunk(self, gen: Generation, obj: str, choice: dict | None, usage: dict | None = None,
                modality: str | None = None) -> bytes:

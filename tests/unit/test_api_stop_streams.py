@@ -1,7 +1,8 @@
 """A frontend's graceful stop (SIGINT/SIGTERM: serve()'s shutdown event) with streams open: Hypercorn lets
 them run for its grace, then cancels them mid-body. Now an SSE stream still open a second before the grace
-ends gets an OpenAI-style error event and [DONE] (its request is cancelled in its stages); a raw audio stream
-is left cut (no last chunk), so a truncated WAV does not pass for a whole one. A real Hypercorn server."""
+ends gets its route's error event (chat: OpenAI-style and [DONE]; speech: speech.audio.error) and its request
+is cancelled in its stages; a raw audio stream is left cut (no last chunk), so a truncated WAV does not pass
+for a whole one. A real Hypercorn server, but for the stop racing a stream's last event."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import json
 import httpx
 import pytest
 
-from omni.api import build_app
+from omni.api import build_app, sse
+from omni.api.http import OPEN_STREAMS, STOPPING, ClosingStream, end_streams
 from omni.api.serve import serve
 from tests.unit.test_api import FakeOrchestrator, chat_body, tokenizer  # noqa: F401 (fixture)
 
@@ -76,13 +78,67 @@ async def test_a_stream_that_ends_within_the_grace_ends_whole(tokenizer):
     assert not any("server shutting down" in e for e in events), events
 
 
-async def test_a_raw_audio_stream_is_left_cut_not_ended_clean(tokenizer):
-    class Hanging(FakeOrchestrator):
-        async def generate(self, request):
-            async for out in super().generate(request):
-                yield out
-                await asyncio.Event().wait()     # one chunk, then nothing
+class Hanging(FakeOrchestrator):
+    async def generate(self, request):
+        async for out in super().generate(request):
+            yield out
+            await asyncio.Event().wait()     # one chunk, then nothing
 
+
+async def test_a_speech_sse_stream_ends_with_its_own_error_event_and_no_done(tokenizer):
+    h = Hanging(tokenizer)
+    h.audio_chunks = 3
+    lines, error, took = await _stop_during(h, "/v1/audio/speech", {"model": "tiny", "input": "hello",
+                                                                    "stream_format": "sse"})
+    assert error is None, f"the stream was cut: {error!r}; read {lines}"
+    events = [json.loads(ln[6:]) for ln in lines if ln.startswith("data: ")]   # before: a [DONE] line failed here
+    assert [e["type"] for e in events] == ["speech.audio.delta", "speech.audio.error"], events
+    # the audio that went out is not the answer: the shape a stage failure part-way has
+    assert events[-1]["error"] == {"message": "server shutting down", "type": "service_unavailable", "param": None,
+                                   "code": "server_shutting_down", "partial_audio": True, "action": "discard"}
+    assert took < GRACE_S, took
+    assert h.closed, "the request was not cancelled upstream"
+
+
+async def _stop_while_sending(body, *, stopping) -> list:
+    """A slow client: the body's second chunk sits in the send when the server's stop comes."""
+    streams, sent, never, draining = set(), [], asyncio.Event(), asyncio.Event()
+
+    async def send(msg):
+        sent.append(msg)
+        if len(sent) == 3:           # the head, the first chunk, then this one is still draining
+            draining.set()
+            await never.wait()
+
+    async def receive():
+        await never.wait()
+
+    stream = ClosingStream(body, media_type="text/event-stream", stopping=stopping)
+    task = asyncio.create_task(stream({"type": "http", "path": "/v1/x", OPEN_STREAMS: streams}, receive, send))
+    await asyncio.wait_for(draining.wait(), 5)
+    assert end_streams(streams) == 1
+    await asyncio.wait_for(task, 5)
+    return [(m.get("body"), m.get("more_body")) for m in sent[1:]]
+
+
+async def test_a_stop_while_the_last_event_drains_ends_the_stream_as_it_is():
+    async def chat():
+        yield b"data: 1\n\n"
+        yield sse.DONE
+
+    # before: STOPPING followed the [DONE] (a second [DONE])
+    assert await _stop_while_sending(chat(), stopping=STOPPING) == [
+        (b"data: 1\n\n", True), (sse.DONE, True), (b"", False)]
+
+    async def unfinished():
+        yield b"data: 1\n\n"
+        yield b"data: 2\n\n"       # not a closing event: the stop still says why it ended
+
+    assert await _stop_while_sending(unfinished(), stopping=STOPPING) == [
+        (b"data: 1\n\n", True), (b"data: 2\n\n", True), (STOPPING, False)]
+
+
+async def test_a_raw_audio_stream_is_left_cut_not_ended_clean(tokenizer):
     h = Hanging(tokenizer)
     h.audio_chunks = 3
     body = {"model": "tiny", "input": "hello", "stream_format": "audio", "response_format": "pcm"}
