@@ -45,14 +45,18 @@ class Unavailable(OmniError):
 
 class StageFailed(OmniError):
     """A stage replica failed a request (or died holding it); `kind` is the stage's word
-    for it (a request the engine refused is a client error, a dead replica unavailable)."""
+    for it (a request the engine refused is a client error, a dead replica unavailable).
+    `entry_rid`: the request's id when the stage is its entry stage, the one that read the client's own
+    input (set by the orchestrator); a later stage's input was another stage's output."""
 
-    def __init__(self, stage_id: int, replica_id: str, message: str, kind: str = INTERNAL):
+    def __init__(self, stage_id: int, replica_id: str, message: str, kind: str = INTERNAL, *,
+                 entry_rid: str | None = None):
         super().__init__(f"stage {stage_id} replica {replica_id}: {message}")
         self.detail = message       # the stage's own words, without where they came from
         self.stage_id = stage_id
         self.replica_id = replica_id
         self.kind = kind if kind in KINDS else INTERNAL
+        self.entry_rid = entry_rid
 
 
 class RequestTimeout(OmniError):

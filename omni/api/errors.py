@@ -64,14 +64,19 @@ HTTP_BY_KIND = {
 }
 
 
-# "EngineError: " / "ValueError: " (the stage worker's prefix), then an engine's "request <id>: ".
-_EXC_PREFIX = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception): ")
-_REQUEST_PREFIX = re.compile(r"^request (?:'[^']*'|\S+): ")
+_EXC_PREFIX = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception): ")   # the stage worker's "EngineError: "
 
 
-def engine_sentence(message: str) -> str:
-    out = _REQUEST_PREFIX.sub("", _EXC_PREFIX.sub("", message, count=1), count=1)
-    return out or message
+def engine_sentence(exc: StageFailed) -> str | None:
+    """A refusal by the stage that read the client's own input (the request's entry stage), in the engine's
+    words: without the worker's "EngineError: " and the engine's "request <this request's id>: ". None for
+    a later stage: what it refused came from another stage, so where it failed is the news."""
+    if exc.entry_rid is None:
+        return None
+    out = _EXC_PREFIX.sub("", exc.detail, count=1)
+    for prefix in (f"request {exc.entry_rid}: ", f"request {exc.entry_rid!r}: "):
+        out = out.removeprefix(prefix)
+    return out or exc.detail
 
 
 def to_api_error(exc: BaseException) -> APIError:
@@ -83,10 +88,12 @@ def to_api_error(exc: BaseException) -> APIError:
         if isinstance(exc, StageFailed) and exc.kind == errors.INTERNAL:
             type_ = "stage_error"
         if isinstance(exc, StageFailed) and exc.kind == errors.CLIENT:
-            # The engine's own sentence: which replica, the exception's class and the internal request id
-            # are for the operator (logged here), not for the client.
-            log.info("request refused by %s", exc)
-            return APIError(status, engine_sentence(exc.detail), type=type_, param=getattr(exc, "param", None))
+            sentence = engine_sentence(exc)
+            if sentence is not None:
+                # Which replica, the exception's class and the internal request id are for the operator.
+                log.info("request refused by %s", exc)
+                return APIError(status, sentence, type=type_, param=getattr(exc, "param", None))
+            log.warning("request refused by %s (past its entry stage: the input came from another stage)", exc)
         return APIError(status, str(exc) or type(exc).__name__, type=type_, param=getattr(exc, "param", None))
     log.exception("unexpected error while serving a request")
     return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="internal_error")

@@ -156,7 +156,8 @@ class OrchestratorCore:
             # Refused as unavailable (draining or asleep since it was picked) before any output: moved.
             if e.error.kind != errors.UNAVAILABLE or not self._replay(state, st.replica, [e.stage_id],
                                                                       e.error.message, refused=True):
-                self._fail(state, StageFailed(e.stage_id, e.replica_id, e.error.message, e.error.kind))
+                entry = state.rid if e.stage_id == state.req.entry_stage else None
+                self._fail(state, StageFailed(e.stage_id, e.replica_id, e.error.message, e.error.kind, entry_rid=entry))
 
     def _on_cancel(self, e: ev.Cancel) -> None:
         state = self.requests.get(e.request_id)

@@ -377,7 +377,8 @@ async def test_orchestrator_errors_map_to_status(tokenizer):
 
 async def test_error_kinds_map_to_status_at_the_edge(tokenizer):
     orch, c = make(tokenizer)
-    for error, status, type_ in ((StageFailed(0, "r0", "prompt too long", kind="client"), 400, "invalid_request_error"),
+    for error, status, type_ in ((StageFailed(0, "r0", "prompt too long", kind="client", entry_rid="x"), 400,
+                                  "invalid_request_error"),
                                  (StageFailed(1, "r1", "replica is dead", kind="unavailable"), 503,
                                   "service_unavailable"),
                                  (StageFailed(0, "r0", "engine step failed"), 500, "stage_error"),

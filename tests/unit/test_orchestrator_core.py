@@ -400,6 +400,22 @@ def test_stage_error_carries_its_kind():
     assert of(acts, ev.AbortStage) == [ev.AbortStage("s0r0", ("r1",))]
 
 
+def test_a_refusal_names_its_request_only_from_the_entry_stage():
+    """Only the entry stage read the client's own input: the frontend answers its refusal in the engine's
+    words; a later stage refused another stage's output, and the answer keeps which stage it was."""
+    core = make_core(*ALL)
+    core.submit(PipelineRequest(request_id="sp", text="—", entry_stage=1, modalities=("audio",)))
+    acts = core.handle(ev.StageError("s1r0", 1, m.RequestError("sp", "EngineError: request sp: nothing to speak",
+                                                               1, "s1r0", kind="client")))
+    assert of(acts, ev.Fail)[0].error.entry_rid == "sp"
+    core.submit(PipelineRequest(request_id="sp2", text="Hi.", entry_stage=1, modalities=("audio",)))
+    core.handle(output("s1r0", 1, "sp2", tensors={"latents": ref(1)}))
+    acts = core.handle(ev.StageError("s2r0", 2, m.RequestError("sp2", "EngineError: request sp2: codes must lie in "
+                                                               "[0, 4)", 2, "s2r0", kind="client")))
+    err = of(acts, ev.Fail)[0].error
+    assert err.kind == errors.CLIENT and err.stage_id == 2 and err.entry_rid is None
+
+
 def test_client_abort_aborts_every_started_stage_and_frees_inputs():
     core = make_core(*ALL)
     core.submit(PipelineRequest(request_id="sp", text="A. B.", entry_stage=1, modalities=("audio",)))

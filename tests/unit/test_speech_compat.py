@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from omni.api.errors import to_api_error
 from omni.errors import StageFailed
 from tests.unit.test_api import _wav_info, assert_error, make, tokenizer  # noqa: F401 (a fixture)
 
@@ -107,8 +108,24 @@ async def test_time_to_first_audio_counts_every_answer_sent_chunk_by_chunk(token
 
 async def test_a_refused_speech_reads_the_engines_sentence_without_internal_ids(tokenizer, caplog):
     orch, c = make(tokenizer, speech_entry_stage=1)
-    orch.fail = StageFailed(1, "s1r0", "EngineError: request speech-0f3a: nothing to speak in text '—'", "client")
+    orch.fail = StageFailed(1, "s1r0", "EngineError: request speech-0f3a: nothing to speak in text '—'", "client",
+                            entry_rid="speech-0f3a")     # the orchestrator's word: speech's entry stage refused it
     with caplog.at_level("INFO"):
         err = assert_error(await c.post("/v1/audio/speech", json={"input": "—"}), 400)
     assert err["message"] == "nothing to speak in text '—'"     # before: "stage 1 replica s1r0: EngineError: ..."
     assert "stage 1 replica s1r0: EngineError: request speech-0f3a" in caplog.text    # the operator's log keeps it
+
+
+def test_a_refusal_past_the_entry_stage_keeps_where_it_failed(caplog):
+    """A later stage's input came from another stage (code2wav's codes from the talker), so its refusal, a bug's
+    TypeError among them, is not the client's sentence: stage, replica and class stay, and a WARNING says so."""
+    e = StageFailed(2, "s2r0", "TypeError: 'NoneType' object is not subscriptable", "client")
+    with caplog.at_level("WARNING"):
+        err = to_api_error(e)
+    assert err.status == 400 and err.message == "stage 2 replica s2r0: TypeError: 'NoneType' object is not subscriptable"
+    assert "past its entry stage" in caplog.text        # before: the bare sentence, and an INFO line only
+    # at the entry stage only this request's id goes: another "request <word>: " is the engine's sentence
+    e = StageFailed(0, "s0r0", "ValueError: request length: 3 > 2", "client", entry_rid="chatcmpl-1")
+    assert to_api_error(e).message == "request length: 3 > 2"      # before: "3 > 2"
+    e = StageFailed(0, "s0r0", "EngineError: request 'chatcmpl-1': the prompt is empty", "client", entry_rid="chatcmpl-1")
+    assert to_api_error(e).message == "the prompt is empty"
