@@ -198,7 +198,7 @@ def serve(
     --omni-heartbeat-timeout set omni's start-up bound and lease; --no-async-chunk makes the audio
     stage decode each utterance whole (--async-chunk: stream, whatever the deploy YAML says)."""
     from omni import config as cfg
-    from omni import serve_modes, vllm_omni_flags, vllm_serve_flags
+    from omni import mm_limits, serve_modes, vllm_omni_flags, vllm_serve_flags
     from omni.api import cors
     from omni.config_stage_checks import check_counts, normalise_human_ints
     from omni.engine_flags import context_length, flag_name, merge_overrides, parse_extra_flags, spread_flags
@@ -266,6 +266,7 @@ def serve(
              "tensor_parallel_size": tensor_parallel_size, "trust_remote_code": trust_remote_code}
     flags.update(parse_extra_flags(list(ctx.args)))
     check_counts(flags, flag_name)                  # named as typed: later they reach the stages as overrides
+    mm_limits.check(flags, flag_name)
     cors_flags = cors.take(flags, headless)         # vLLM's CORS options: the frontends answer those origins
     if cors_flags:
         http_limits = dataclasses.replace(http_limits, **cors_flags)
@@ -273,6 +274,7 @@ def serve(
     orchestration = vllm_omni_flags.take(flags)     # vllm-omni's own options with a meaning here
     more = normalise_human_ints(_json_flag("--engine-args", engine_args) or {}, lambda k: f"--engine-args {k}")
     check_counts(more, lambda k: f"--engine-args {k}")
+    mm_limits.check(more, lambda k: f"--engine-args {k}")
     flags.update(more)
     async_chunk = flags.pop("async_chunk", None)    # also --engine-args' (vllm-omni's OmniEngineArgs field)
     if async_chunk is not None and not isinstance(async_chunk, bool):

@@ -31,6 +31,7 @@ from __future__ import annotations
 import re
 from typing import Any, Callable
 
+from omni import mm_limits
 from omni.config_checks import SAMPLING_RANGES
 from omni.errors import ConfigError
 
@@ -233,6 +234,7 @@ def check_engine_args(args: dict[str, Any], engine: str, where: str) -> None:
         if not is_count(value):
             raise ConfigError(f"{where}.{key} must be a number of frames >= 1, got {value!r}")
     check_counts(args, lambda k: f"{where}.{k}")
+    mm_limits.check(args, lambda k: f"{where}.{k}")
     check_dtype(args.get("dtype"), engine, f"{where}.dtype")
     if SUBTALKER in args:
         if engine not in SUBTALKER_ENGINES:

@@ -213,3 +213,33 @@ def test_the_flag_form_is_refused_with_the_same_reason(capsys, flag, why):
     err = capsys.readouterr().err
     assert e.value.code == 2
     assert f"omni: error: {flag}: vLLM's serve option, not supported: " in err and why in err, err
+
+
+# ---------------------------------------------------------------- limit_mm_per_prompt
+
+
+@pytest.mark.parametrize("limits, message", [
+    ('{"image": 1}', "limit_mm_per_prompt.image: 1 is not supported: omni takes no image input"),
+    ('{"video": {"count": 2}}', "limit_mm_per_prompt.video: 2 is not supported: omni takes no video input"),
+    ('{"image": {"width": 64}}', "limit_mm_per_prompt.image: 999 is not supported"),   # vLLM's count when unset
+    ('{"audio": -1}', "limit_mm_per_prompt.audio must be a count >= 0"),
+    ('3', "limit_mm_per_prompt must be a mapping of modality -> count"),
+])
+def test_mm_limits_omni_cannot_serve_are_refused_at_load(tmp_path, capsys, limits, message):
+    """{"image": 1} passed --dry-run, and every image_url part was still a 400."""
+    with pytest.raises(ConfigError, match=rf"d\.yaml: stages\[0\]\.engine_args\.{message}"):
+        load(tmp_path, stage0(f"engine_args: {{limit_mm_per_prompt: {limits}}}"))
+    with pytest.raises(ConfigError, match=rf"^--stage-overrides: stages\[0\]\.engine_args\.{message}"):
+        load(tmp_path, stage0("engine_args: {}"), stage_overrides={"0": {"limit_mm_per_prompt": json.loads(limits)}})
+    tail = message.removeprefix("limit_mm_per_prompt")
+    for flags, named in ((["--limit-mm-per-prompt", limits], "--limit-mm-per-prompt"),
+                         (["--engine-args", f'{{"limit_mm_per_prompt": {limits}}}'], "--engine-args limit_mm_per_prompt")):
+        with pytest.raises(SystemExit) as e:
+            main(["serve", "smollm2", *flags, "--dry-run"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"omni: error: {named}{tail}" in err, err
+
+
+def test_mm_limits_vllm_takes_pass(tmp_path):
+    c = load(tmp_path, stage0('engine_args: {limit_mm_per_prompt: {audio: {count: 2, length: 16000}, image: 0}}'))
+    assert c.stages[0].engine_args["limit_mm_per_prompt"]["audio"] == {"count": 2, "length": 16000}

@@ -57,13 +57,39 @@ def test_bad_multimodal_requests_name_the_problem(prompt, tensors, needle):
     assert needle in str(e.value)
 
 
-def test_default_limits_cover_the_models_modalities_unless_configured():
+def test_default_limits_cover_the_models_modalities_under_the_configs_own():
     args: dict = {}
     vllm_mm.default_limits(args, {"audio", "image"})
     assert args["limit_mm_per_prompt"] == {"audio": 1, "image": 0}
-    args = {"limit_mm_per_prompt": {"audio": 3}}
+    # a modality the config leaves out keeps omni's default (vLLM's would be 999: images and video on)
+    args = {"limit_mm_per_prompt": {"audio": {"count": 3}}}
     vllm_mm.default_limits(args, {"audio", "image", "video"})
-    assert args["limit_mm_per_prompt"] == {"audio": 3}
+    assert args["limit_mm_per_prompt"] == {"audio": {"count": 3}, "image": 0, "video": 0}
+    args = {"limit_mm_per_prompt": {"image": 0, "video": 0}}
+    vllm_mm.default_limits(args, {"audio", "image", "video"})
+    assert args["limit_mm_per_prompt"] == {"audio": 1, "image": 0, "video": 0}
+
+
+@pytest.mark.parametrize("configured, audio", [
+    ({"audio": {"count": 2}, "image": 0, "video": 0}, 2),   # vLLM's options form: was "'>' not supported"
+    ({"image": 0, "video": 0}, 1),                          # audio left out: omni's default, not 0
+    ({"audio": {"length": 16000}}, 999),                    # options without a count: vLLM's 999
+])
+def test_the_stage_reads_limits_as_vllm_does(configured, audio):
+    from vllm.config.multimodal import MultiModalConfig
+
+    args = {"limit_mm_per_prompt": configured}
+    vllm_mm.default_limits(args, {"audio", "image", "video"})
+    mm = MultiModalConfig(limit_per_prompt=args["limit_mm_per_prompt"])
+    limits = vllm_mm.stage_limits(SimpleNamespace(model_config=SimpleNamespace(multimodal_config=mm)),
+                                  {"audio", "image", "video"})
+    assert limits == {"audio": audio, "image": 0, "video": 0}
+    prompt, two = [1, AUDIO, AUDIO], {"audio_0": torch.ones(4), "audio_1": torch.ones(4)}
+    if audio >= 2:
+        assert vllm_mm.build_prompt(req(prompt, **two), prompt, TOKENS, limits)[1] == 2
+    else:
+        with pytest.raises(EngineError, match=f"2 audios, this stage takes at most {audio} per prompt"):
+            vllm_mm.build_prompt(req(prompt, **two), prompt, TOKENS, limits)
 
 
 def _hf(accept=1, layers=2):

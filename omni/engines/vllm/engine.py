@@ -124,7 +124,7 @@ class VllmEngine(Engine):
             self._rows_on = omni_args.get("hidden_rows_layer") is not None
             engine_args, vllm_config = engine_config(stage.label, model_path, vllm_args, skip_tokenizer=False)
             self._mm_tokens = tokens
-            self._mm_limits = dict(vllm_args["limit_mm_per_prompt"])
+            self._mm_limits = vllm_mm.stage_limits(vllm_config, tokens.modalities())
         else:
             for k in ("mm_hidden_layer", "hidden_rows_layer"):
                 if omni_args.get(k) is not None:

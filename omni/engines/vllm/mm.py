@@ -20,13 +20,11 @@ from typing import Any
 
 import numpy as np
 
+from omni import mm_limits
 from omni.engines.base import EngineError, EngineRequest
 
 AUDIO_SAMPLE_RATE = 16000
 AUDIO_KEY = re.compile(r"audio_(\d+)$")
-# Default per-prompt limits for multi-modal models: audio only (images and video need a
-# torchvision with kernels, which a CPU install lacks).
-DEFAULT_MM_LIMITS = {"audio": 1, "image": 0, "video": 0}
 # Longer audio is refused before it reaches the feature extractor.
 MAX_AUDIO_SECONDS = 600
 
@@ -50,9 +48,15 @@ class MmTokens:
 
 
 def default_limits(vllm_args: dict[str, Any], supported: set[str]) -> None:
-    """Set limit_mm_per_prompt for the modalities the model has, unless the stage config did."""
-    if "limit_mm_per_prompt" not in vllm_args:
-        vllm_args["limit_mm_per_prompt"] = {k: v for k, v in DEFAULT_MM_LIMITS.items() if k in supported}
+    """limit_mm_per_prompt as the stage config set it, over omni's defaults for the modalities the model has
+    (audio only: images and video need a torchvision with kernels, which a CPU install lacks)."""
+    vllm_args["limit_mm_per_prompt"] = mm_limits.merged(vllm_args.get("limit_mm_per_prompt"), supported)
+
+
+def stage_limits(vllm_config: Any, supported: set[str]) -> dict[str, int]:
+    """Each modality's count as vLLM reads limit_mm_per_prompt (a count or options mapping; 999 when unset)."""
+    mm = vllm_config.model_config.multimodal_config
+    return {m: mm.get_limit_per_prompt(m) for m in supported}
 
 
 def audio_items(request: EngineRequest) -> list[np.ndarray]:
