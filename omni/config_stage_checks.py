@@ -43,6 +43,7 @@ __all__ = ["COUNT_ARGS", "DTYPE_CHOICES", "FRAME_ARGS", "HUMAN_INTS", "RESERVED_
 DEVICE_FORMS = "'cpu' or GPU indices into the visible GPUs: \"0\", \"0,1\" (or \"cuda:0,cuda:1\")"
 
 _REVISION = "omni loads MODEL as it is on disk: serve a folder holding the revision you want"
+_NO_FETCH = "omni fetches no URL: send input_audio or data: URLs"
 _GENERATION = "omni's sampling defaults are each stage's default_sampling_params in the deploy YAML"
 # EngineArgs fields only vLLM's serving layer reads: refused as engine args and as `omni serve` flags.
 SERVING_ONLY_ARGS = {
@@ -53,6 +54,11 @@ SERVING_ONLY_ARGS = {
     "code_revision": _REVISION,
     "generation_config": _GENERATION,
     "override_generation_config": _GENERATION,
+    # vLLM's chat parser reads them as it loads a message's media; omni's frontend decodes the parts itself
+    **dict.fromkeys(("allowed_media_domains", "allowed_local_media_path"), _NO_FETCH),
+    "media_io_kwargs": f"{_NO_FETCH}; it decodes WAV audio itself and takes no media loading arguments",
+    "interleave_mm_strings": "omni's frontend hands each audio part to the chat template where it stands in the "
+                             "message",
 }
 # Engine args only: `omni serve` has the flag of its own.
 _ENGINE_ARGS_ONLY = {"served_model_name": "the API's model name is `omni serve --served-model-name`",

@@ -206,6 +206,11 @@ def test_engine_args_vllm_acts_on_still_pass(tmp_path):
     ("--code-revision", "loads MODEL as it is on disk"),
     ("--override-generation-config", "default_sampling_params in the deploy YAML"),
     ("--tokenizer-revision", "loads MODEL as it is on disk"),
+    # they were put into the thinker's engine args, and file:// and http URLs stayed 400s
+    ("--allowed-media-domains", "omni fetches no URL: send input_audio or data: URLs"),
+    ("--allowed-local-media-path", "omni fetches no URL: send input_audio or data: URLs"),
+    ("--media-io-kwargs", "takes no media loading arguments"),
+    ("--interleave-mm-strings", "where it stands in the message"),
 ])
 def test_the_flag_form_is_refused_with_the_same_reason(capsys, flag, why):
     with pytest.raises(SystemExit) as e:
