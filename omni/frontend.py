@@ -59,6 +59,17 @@ def refused_sampling(config: DeployConfig) -> dict[str, str]:
     return {}
 
 
+def audio_limit(config: DeployConfig) -> int | None:
+    """The audio parts a chat may carry: the prompt stage's limit_mm_per_prompt as its vLLM engine reads it
+    (omni.mm_limits), so extra parts are refused before they are decoded; None: not a vLLM stage."""
+    from omni import mm_limits
+
+    for s in config.stages:
+        if "prompt" in s.inputs:
+            return mm_limits.audio_limit(s.engine_args) if s.engine == "vllm" else None
+    return None
+
+
 def refused_stage_sampling(config: DeployConfig) -> dict[int, dict[str, str]]:
     """Per later stage, what its engine refuses in a sampling_params_list entry (a talker's presence and
     frequency penalties): a 400 naming the entry's field before the thinker runs, not the talker's error."""
@@ -306,6 +317,7 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
         )
         app.state.frontend.refused_sampling = refused_sampling(config)
         app.state.frontend.refused_stage_sampling = refused_stage_sampling(config)
+        app.state.frontend.audio_limit = audio_limit(config)
         entry = next((s.stage_id for s in config.stages if "prompt" in s.inputs), None)
         if max_model_len is None and entry is not None:   # the head's own --max-model-len stays
             follow_context(app.state.frontend, topology, entry)

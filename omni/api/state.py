@@ -8,6 +8,7 @@ import base64
 import binascii
 import concurrent.futures
 import os
+import re
 import struct
 import threading
 import time
@@ -113,6 +114,8 @@ class FrontendState:
         self.refused_sampling: dict[str, str] = {}
         # stage id -> {param: why} its engine refuses in a sampling_params_list entry (set by omni/frontend.py)
         self.refused_stage_sampling: dict[int, dict[str, str]] = {}
+        # the audio parts a chat may carry (the prompt stage's limit_mm_per_prompt; set by omni/frontend.py)
+        self.audio_limit: int | None = None
         # Audio out through chat: a pipeline with an audio stage (a speech entry implies one).
         self.audio_out = speech_entry_stage is not None if audio_out is None else audio_out
         # The model's own speakers (Qwen3-Omni: chelsie, ethan, aiden), matched in any case;
@@ -345,6 +348,10 @@ class FrontendState:
     def audio_inputs(self, audios: list) -> dict:
         """(param path, InputAudio) pairs -> the thinker's inline inputs `audio_<i>`: float32 mono at
         16 kHz. Runs on the tokenizer thread (decoding and resampling are CPU work)."""
+        if self.audio_limit is not None and len(audios) > self.audio_limit:   # before any part is decoded
+            part = re.match(r"messages\[\d+\]\.content\[\d+\]", audios[self.audio_limit][0]).group(0)
+            raise bad_request(f"At most {self.audio_limit} audio(s) may be provided in one prompt; {part} is audio "
+                              f"part {self.audio_limit + 1} (limit_mm_per_prompt)", param=part)
         inputs = {}
         total = 0.0
         for i, (where, ia) in enumerate(audios):

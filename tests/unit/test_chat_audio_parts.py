@@ -84,3 +84,23 @@ async def test_audio_parts_adding_up_past_the_total_limit_are_a_400_naming_it(to
     assert_error(r, 400, param="messages[0].content[1].input_audio.data",
                  contains=f"add up to 1000 s; the limit is {MAX_AUDIO_TOTAL_SECONDS} s a request")
     assert orch.requests == []
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_audio_parts_past_the_prompt_stages_limit_are_a_400_naming_the_first_extra(tokenizer, anyio_backend):
+    """They reached the thinker, every part decoded and resampled, and came back a 400 with no param; now the
+    frontend counts them first (the payloads here are not even base64: none is decoded)."""
+    orch = FakeOrchestrator(tokenizer)
+    app = build_app(orch, tokenizer, served_model_name="tiny", max_model_len=128)
+    app.state.frontend.audio_token_id = tokenizer.convert_tokens_to_ids("<|im_start|>")   # takes audio
+    app.state.frontend.audio_limit = 1
+    bad = {"type": "input_audio", "input_audio": {"data": "not base64!", "format": "wav"}}
+    url = {"type": "audio_url", "audio_url": {"url": "data:audio/wav;base64,bm90IGEgd2F2"}}
+    body = chat_body(messages=[{"role": "user", "content": "hi"},
+                               {"role": "user", "content": [bad, {"type": "text", "text": "and"}, url, bad]}])
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        r = await client.post("/v1/chat/completions", json=body)
+    assert_error(r, 400, param="messages[1].content[2]",
+                 contains="At most 1 audio(s) may be provided in one prompt; messages[1].content[2] is audio part 2")
+    assert orch.requests == []

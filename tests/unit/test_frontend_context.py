@@ -76,3 +76,19 @@ def test_a_talkers_refused_sampling_is_named_for_its_stage(tmp_path, monkeypatch
     got = refused_stage_sampling(C.load(_folder(tmp_path, "m", 4096), deploy))
     assert got == ({} if talker is None else {talker: {"presence_penalty": got[talker]["presence_penalty"],
                                                        "frequency_penalty": got[talker]["frequency_penalty"]}})
+
+
+@pytest.mark.parametrize("stage, limit", [
+    ({"engine": "vllm", "engine_args": {}}, 1),                                           # omni's default
+    ({"engine": "vllm", "engine_args": {"limit_mm_per_prompt": {"audio": {"count": 3}}}}, 3),   # vLLM's options form
+    ({"engine": "vllm", "engine_args": {"limit_mm_per_prompt": {"image": 0, "video": 0}}}, 1),  # audio left out
+    ({"engine": "vllm", "engine_args": {"limit_mm_per_prompt": {"audio": {"length": 9}}}}, 999),   # vLLM's unset count
+    ({"engine": "vllm", "engine_args": {"limit_mm_per_prompt": {"audio": 4}, "language_model_only": True}}, 0),
+    ({"engine": "torch_lm", "engine_args": {}}, None),
+])
+def test_the_frontend_counts_audio_parts_as_the_prompt_stage_reads_its_limit(stage, limit):
+    from omni.frontend import audio_limit
+
+    stages = [types.SimpleNamespace(inputs=("prompt",), **stage), types.SimpleNamespace(inputs=(0,), engine="x",
+                                                                                        engine_args={})]
+    assert audio_limit(types.SimpleNamespace(stages=stages)) == limit
