@@ -17,6 +17,7 @@ from typing import Any, Sequence
 from starlette.requests import Request
 
 from omni import audio
+from omni.api.audio_tokens import tower_of
 from omni.api.detok import decoder_for
 from omni.api.errors import APIError, bad_request
 from omni.api.metrics import FrontendMetrics
@@ -127,6 +128,8 @@ class FrontendState:
             self.default_voice = default_voice or "joe"
         token = getattr(tokenizer, "audio_token", None) if tokenizer is not None else None
         self.audio_token_id = tokenizer.convert_tokens_to_ids(token) if token else None
+        # The thinker's audio tower (the tokenizer's folder is the prompt stage's model): what a part costs.
+        self.audio_tower = tower_of(getattr(tokenizer, "name_or_path", None))
         self.metrics = FrontendMetrics(frontend_index, self.model)
         # async () -> the other live frontends' published metrics texts (set by omni/frontend.py)
         self.peer_metrics = None
@@ -170,13 +173,15 @@ class FrontendState:
                               f"the {what} contain {chars} characters (more than {bound}, the most that "
                               f"{self.max_model_len} tokens can hold). Reduce the {what}.", param=param)
 
-    def check_audio_prompt(self, n_prompt: int) -> None:
-        """A chat answered with audio: the talker prefills the whole prompt into its own max_model_len."""
+    def check_audio_prompt(self, n_prompt: int, n_audio: int = 0) -> None:
+        """A chat answered with audio: the talker prefills the whole prompt, each audio part expanded to its
+        tower's positions (`n_audio` of the `n_prompt`), into its own max_model_len."""
         limit = self.audio_prompt_len
         if limit is not None and n_prompt > limit:
+            of = f" ({n_audio} of them for the audio)" if n_audio else ""
             raise bad_request(f"This request asks for audio, and the talker that speaks it takes prompts of at most "
                               f"{limit} tokens (its context, max_model_len, holds the prompt and the speech). However, "
-                              f"your messages are {n_prompt} tokens. Reduce the messages, or ask for text only "
+                              f"your messages are {n_prompt} tokens{of}. Reduce the messages, or ask for text only "
                               f'(modalities: ["text"]).', param="messages")
 
     def check_message_count(self, n: int) -> None:
@@ -376,8 +381,19 @@ class FrontendState:
                 raise bad_request(f"the audio parts up to {where} add up to {total:.0f} s; the limit is "
                                   f"{MAX_AUDIO_TOTAL_SECONDS} s a request", param=data)
             pcm = audio.resample(samples, rate, AUDIO_IN_RATE)
+            tower = self.audio_tower
+            if tower is not None and pcm.size < tower.min_samples:
+                raise bad_request(f"{data} is {samples.size / rate * 1000:.1f} ms long; the {tower.name} audio "
+                                  f"tower takes at least {tower.min_samples / AUDIO_IN_RATE * 1000:.1f} ms "
+                                  f"({tower.min_samples} samples at {AUDIO_IN_RATE} Hz)", param=data)
             inputs[f"audio_{i}"] = InlineTensor("float32", (int(pcm.size),), pcm.astype("<f4").tobytes())
         return inputs
+
+    def audio_positions(self, inputs: dict) -> int:
+        """The thinker's prompt positions of the audio inputs once vLLM expands them (one a part without a
+        known tower: its placeholder)."""
+        tower = self.audio_tower
+        return sum(tower.positions(t.shape[0]) if tower else 1 for t in inputs.values())
 
     def check_audio_placeholders(self, prompt_ids: list[int], n: int) -> None:
         found = sum(1 for t in prompt_ids if t == self.audio_token_id)

@@ -119,15 +119,18 @@ class TextRoutes:
                                            kwargs, P.chat_ending(req), req.add_special_tokens)
         if audios:
             self.fe.check_audio_placeholders(prompt_ids, len(audios))
+        # The prompt as the stages see it: vLLM expands each audio's one placeholder to its tower's positions.
+        n_audio = self.fe.audio_positions(inputs)
+        n_prompt = len(prompt_ids) - len(inputs) + n_audio
         if "audio" in modalities:
-            self.fe.check_audio_prompt(len(prompt_ids))
+            self.fe.check_audio_prompt(n_prompt, n_audio)
         if req.max_completion_tokens is not None:
-            mt = self.fe.max_tokens(req.max_completion_tokens, len(prompt_ids), "max_completion_tokens", "messages")
+            mt = self.fe.max_tokens(req.max_completion_tokens, n_prompt, "max_completion_tokens", "messages")
         else:
-            mt = self.fe.max_tokens(req.max_tokens, len(prompt_ids), "max_tokens", "messages")
+            mt = self.fe.max_tokens(req.max_tokens, n_prompt, "max_tokens", "messages")
         sampling, stages = self.fe.sampling(req, mt, logprobs), {}
         if req.sampling_params_list is not None:
-            sampling, stages = self.fe.listed_sampling(req.sampling_params_list, sampling, len(prompt_ids))
+            sampling, stages = self.fe.listed_sampling(req.sampling_params_list, sampling, n_prompt)
         preq = PipelineRequest(request_id=f"chatcmpl-{uuid.uuid4().hex}", prompt_token_ids=prompt_ids,
                                sampling=sampling, stage_overrides=stages, modalities=modalities, voice=voice, speed=speed,
                                # stages that feed a talker capture what it needs only then
