@@ -190,3 +190,30 @@ def test_bad_multimodal_requests_are_refused_by_name_and_the_engine_serves_on(en
             engine.add_request(req)
     got = run(engine, [EngineRequest(request_id="after", prompt_token_ids=text_ids, sampling=sp)])
     assert len(got["after"]["ids"]) == 2
+
+
+def test_sampled_requests_with_capture_on_are_exact_and_follow_their_seeds(engine, tok, served):
+    """Capture runs vLLM's speculative path, so every sampled token goes through its rejection
+    sampler, whose CPU fallbacks left the per-token temperature/top-k/top-p unfilled: the first
+    sampled request read garbage top-k indices and killed the EngineCore (omni/engines/vllm/cpu_sampling.py)."""
+    text_ids = served["text"][0]
+    greedy = served["text"][1]["ids"]
+
+    def sp(**kw):
+        return SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **kw)
+    hot = {"temperature": 2.0, "top_p": 0.95, "top_k": 100}
+    batch = {
+        "default": sp(temperature=0.4, top_p=0.9, top_k=1),   # the Qwen3-Omni deploy's thinker defaults
+        "greedy": sp(),
+        "seed1": sp(seed=1, **hot), "seed2": sp(seed=2, **hot), "unseeded": sp(**hot),
+    }
+    first = run(engine, [EngineRequest(request_id=k, prompt_token_ids=text_ids, sampling=v)
+                         for k, v in batch.items()])
+    again = run(engine, [EngineRequest(request_id="seed1", prompt_token_ids=text_ids, sampling=batch["seed1"])])
+    vocab = engine.vocab_size
+    for k, g in first.items():
+        assert len(g["ids"]) == MAX_TOKENS and all(0 <= t < vocab for t in g["ids"]), k
+    # top_k 1 and greedy pick the argmax, beside sampled requests in the same batch.
+    assert first["default"]["ids"] == greedy and first["greedy"]["ids"] == greedy
+    assert again["seed1"]["ids"] == first["seed1"]["ids"]
+    assert first["seed1"]["ids"] != first["seed2"]["ids"] and first["seed1"]["ids"] != greedy

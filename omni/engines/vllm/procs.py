@@ -6,7 +6,8 @@ that process (a spawned interpreter starts with vLLM's own registry). Where the 
 interpreter-start hook, the EngineCore and Worker ask for it already when their interpreter
 starts, before these entries run (omni/deathsig.py). Once vLLM's own teardown is done they exit
 at once (exit_after_clean_end), and the EngineCore puts its Workers' FileStore file in the
-stage's own folder (file_store_in_stage_folder).
+stage's own folder (file_store_in_stage_folder). On CPU both make vLLM's sampling do what it does
+on a GPU (cpu_sampling.py: two rejection-sampler kernels, a seeded generator's rewind).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import sys
 import uuid
 
 from omni.deathsig import PARENT_ENV, children_die_with_us
+from omni.engines.vllm import cpu_sampling
 from omni.engines.vllm.core_steps import count_core_steps
 
 # Architectures whose vLLM class omni replaces with a subclass (omni/engines/vllm/models.py).
@@ -68,6 +70,7 @@ def run_engine_core_guarded(*args, **kwargs):
 
     _die_with_parent()
     register_models()
+    cpu_sampling.install()   # a uniproc executor samples in this process
     count_core_steps()
     file_store_in_stage_folder()
     WorkerProc.worker_main = staticmethod(run_worker_guarded)   # this process starts them
@@ -85,6 +88,7 @@ def run_worker_guarded(*args, **kwargs):
 
     _die_with_parent()
     register_models()
+    cpu_sampling.install()
     exit_after_clean_end(WorkerProc.worker_main, *args, **kwargs)
 
 
