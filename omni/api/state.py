@@ -128,6 +128,9 @@ class FrontendState:
             self.default_voice = default_voice or "joe"
         token = getattr(tokenizer, "audio_token", None) if tokenizer is not None else None
         self.audio_token_id = tokenizer.convert_tokens_to_ids(token) if token else None
+        # The special tokens that mark where an audio, image or video goes (each part's one placeholder).
+        self.placeholders = {k: (t, tokenizer.convert_tokens_to_ids(t)) for k in ("audio", "image", "video")
+                             if tokenizer is not None and (t := getattr(tokenizer, f"{k}_token", None))}
         # The thinker's audio tower (the tokenizer's folder is the prompt stage's model): what a part costs.
         self.audio_tower = tower_of(getattr(tokenizer, "name_or_path", None))
         self.metrics = FrontendMetrics(frontend_index, self.model)
@@ -395,11 +398,21 @@ class FrontendState:
         tower = self.audio_tower
         return sum(tower.positions(t.shape[0]) if tower else 1 for t in inputs.values())
 
-    def check_audio_placeholders(self, prompt_ids: list[int], n: int) -> None:
-        found = sum(1 for t in prompt_ids if t == self.audio_token_id)
-        if found != n:
-            raise bad_request(f"the chat template placed {found} audio placeholder(s) for {n} audio part(s)",
-                              param="messages")
+    def check_placeholders(self, prompt_ids: list[int], n_audio: int, param: str = "messages") -> None:
+        """One placeholder per audio part, none for images and video (chat takes none): a placeholder typed
+        in the text (`param`: messages, or a completion's prompt) would otherwise fail in the thinker."""
+        for kind, (token, tid) in self.placeholders.items():
+            found, want = prompt_ids.count(tid), n_audio if kind == "audio" else 0
+            if found > want:
+                what = f"{want} audio part(s)" if kind == "audio" else f"no {kind} parts (this server takes none)"
+                one = param != "messages"
+                raise bad_request(f"the {param} hold{'s' * one} `{token}` {found - want} time(s) more than "
+                                  f"{'its' if one else 'their'} parts need: it is the special token that marks where "
+                                  f"{'an' if kind != 'video' else 'a'} {kind} goes, and the {param} "
+                                  f"carr{'ies' if one else 'y'} {what}; remove it from the text", param=param)
+            if found < want:
+                raise bad_request(f"the chat template placed {found} audio placeholder(s) for {want} audio part(s)",
+                                  param="messages")
 
     def t0(self, request: Request) -> float:
         return request.scope.get("omni.t0", time.monotonic())

@@ -117,8 +117,7 @@ class TextRoutes:
         # by the body too: a million empty messages are seconds of templating with no content
         prompt_ids = await self.fe.offload(max(chars, len(raw)) > OFFLOAD_CHARS, self.fe.render_chat, messages,
                                            kwargs, P.chat_ending(req), req.add_special_tokens)
-        if audios:
-            self.fe.check_audio_placeholders(prompt_ids, len(audios))
+        self.fe.check_placeholders(prompt_ids, len(audios))
         # The prompt as the stages see it: vLLM expands each audio's one placeholder to its tower's positions.
         n_audio = self.fe.audio_positions(inputs)
         n_prompt = len(prompt_ids) - len(inputs) + n_audio
@@ -256,6 +255,7 @@ class TextRoutes:
         mt = self.fe.max_tokens(req.max_tokens, len(prompt_ids), "max_tokens", "prompt", default=16)   # length first
         if not isinstance(prompt, str):
             self.fe.check_token_ids(prompt_ids, "prompt token id", "prompt")
+        self.fe.check_placeholders(prompt_ids, 0, "prompt")
         preq = PipelineRequest(request_id=f"cmpl-{uuid.uuid4().hex}", prompt_token_ids=prompt_ids,
                                sampling=self.fe.sampling(req, mt, logprobs))
         gen = Generation(self.fe.orch, preq, decode=self.fe.decode, prompt_ids=prompt_ids,

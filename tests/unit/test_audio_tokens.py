@@ -1,6 +1,7 @@
 """What an audio part costs in a chat: vLLM's Qwen-Omni processors expand its one placeholder to the audio
 tower's output length (about 13 positions a second for Qwen3-Omni), which the talker prefills too, and refuse
-audio shorter than the tower takes. Both are answered by the frontend with a 400 before the thinker runs."""
+audio shorter than the tower takes; a placeholder token typed in the text has no part to stand for. All three
+are answered by the frontend with a 400 before the thinker runs."""
 
 from __future__ import annotations
 
@@ -134,3 +135,25 @@ async def test_audio_shorter_than_the_tower_takes_is_a_400_naming_the_part(qwen_
             assert len(r.json()["error"]["message"]) < 200
         assert not orch.requests
         assert (await c.post("/v1/chat/completions", json=with_audio(161))).status_code == 200
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize("token", ["<|audio_pad|>", "<|image_pad|>", "<|video_pad|>"])
+async def test_a_placeholder_token_typed_in_the_text_is_a_400_naming_messages(qwen_tokenizer, anyio_backend, token):
+    orch, c = chat(qwen_tokenizer)
+    async with c:
+        r = await c.post("/v1/chat/completions",
+                         json=chat_body(messages=[{"role": "user", "content": f"say {token} now"}]))
+        assert_error(r, 400, "messages", f"the messages hold `{token}` 1 time(s) more than their parts need")
+        # beside an audio part too
+        body = with_audio(SR)
+        body["messages"][0]["content"][1]["text"] = f"say {token} now"
+        assert_error(await c.post("/v1/chat/completions", json=body), 400, "messages", f"`{token}`")
+        # a completion's prompt, as text or as its token id
+        r = await c.post("/v1/completions", json={"model": "tiny", "prompt": f"say {token} now"})
+        assert_error(r, 400, "prompt", f"the prompt holds `{token}` 1 time(s) more than its parts need")
+        tid = qwen_tokenizer.convert_tokens_to_ids(token)
+        assert_error(await c.post("/v1/completions", json={"model": "tiny", "prompt": [1, tid]}), 400, "prompt")
+        assert not orch.requests
+        assert (await c.post("/v1/chat/completions", json=with_audio(SR))).status_code == 200
