@@ -82,3 +82,26 @@ def test_a_discarded_sample_leaves_its_generator_as_before(monkeypatch):
     assert sorted(gens) == [0, 1]
     assert torch.equal(gens[1].get_state(), before[1])       # as if it never drew
     assert not torch.equal(gens[0].get_state(), before[0])   # a kept sample's draw stays
+
+
+def test_a_vllm_without_what_the_patches_replace_fails_at_start(monkeypatch):
+    import vllm
+    from vllm.utils import cpu_triton_utils
+
+    rewind = cpu_sampling.rewind_discarded_draws
+    with monkeypatch.context() as m:   # the real CPUModelRunner stays as it is
+        m.setattr(cpu_sampling, "rewind_discarded_draws", lambda cls: None)
+        m.delattr(cpu_triton_utils, "_expand_kernel_impl")
+        with pytest.raises(RuntimeError, match=rf"vLLM {vllm.__version__}: .*no _expand_kernel_impl"):
+            cpu_sampling.install()
+    assert cpu_sampling.rewind_discarded_draws is rewind
+    with pytest.raises(RuntimeError, match="Renamed has no _bookkeeping_sync"):
+        cpu_sampling.rewind_discarded_draws(type("Renamed", (), {"sample_tokens": _Runner.sample_tokens}))
+
+    class Moved(_Runner):
+        def __init__(self):
+            super().__init__([False])
+            del self.discard_request_mask
+    cpu_sampling.rewind_discarded_draws(Moved)
+    with pytest.raises(RuntimeError, match="Moved has no discard_request_mask"):
+        Moved()

@@ -76,7 +76,15 @@ def rejection_random_sample_kernel(output_token_ids, cu_num_draft_tokens, draft_
 def rewind_discarded_draws(runner_cls) -> None:
     """Patch a model runner class: snapshot the generators of the requests whose sample this step
     discards before it samples, and put those states back in place of vLLM's offset rewind."""
+    _require(runner_cls.__name__, [n for n in ("sample_tokens", "_bookkeeping_sync") if not hasattr(runner_cls, n)])
     sample_tokens, bookkeeping_sync = runner_cls.sample_tokens, runner_cls._bookkeeping_sync
+    init = runner_cls.__init__
+
+    def checked_init(self, *args, **kwargs):   # the attributes the patch reads are the instance's
+        init(self, *args, **kwargs)
+        found = {"discard_request_mask": hasattr(self, "discard_request_mask"),
+                 "input_batch.generators": hasattr(getattr(self, "input_batch", None), "generators")}
+        _require(runner_cls.__name__, [name for name, ok in found.items() if not ok])
 
     def sample(self, *args, **kwargs):
         gens = self.input_batch.generators
@@ -97,7 +105,16 @@ def rewind_discarded_draws(runner_cls) -> None:
         finally:
             gens.update(held)
 
-    runner_cls.sample_tokens, runner_cls._bookkeeping_sync = sample, bookkeep
+    runner_cls.__init__, runner_cls.sample_tokens, runner_cls._bookkeeping_sync = checked_init, sample, bookkeep
+
+
+def _require(owner: str, missing: list[str]) -> None:
+    """A vLLM that renamed what these patches replace would bring back the crash they fix, silently."""
+    if missing:
+        import vllm
+
+        raise RuntimeError(f"omni's CPU sampling patch does not fit vLLM {vllm.__version__}: {owner} has no "
+                           f"{', '.join(missing)} (omni/engines/vllm/cpu_sampling.py)")
 
 
 def install() -> None:
@@ -115,5 +132,7 @@ def install() -> None:
     if not HAS_TRITON:
         from vllm.utils import cpu_triton_utils
 
+        _require("vllm.utils.cpu_triton_utils", [n for n in ("_expand_kernel_impl", "_rejection_random_sample_kernel_impl")
+                                                 if not hasattr(cpu_triton_utils, n)])
         cpu_triton_utils._expand_kernel_impl = expand_kernel
         cpu_triton_utils._rejection_random_sample_kernel_impl = rejection_random_sample_kernel
