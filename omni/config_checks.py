@@ -11,7 +11,8 @@ from typing import Any
 
 from omni.errors import ConfigError
 
-__all__ = ["PIPELINE_SECONDS", "SAMPLING_RANGES", "TALKER_REFUSED", "check_pipeline", "check_sampling", "check_yaml_shape",
+__all__ = ["CODEC_STOP_KEYS", "PIPELINE_SECONDS", "SAMPLING_RANGES", "TALKER_REFUSED", "talker_refusal", "check_pipeline",
+           "check_sampling", "check_yaml_shape",
            "yaml_sections"]
 
 # Seconds the pipeline waits on something; each must be a finite number > 0.
@@ -38,6 +39,21 @@ SAMPLING_RANGES = {
 _CODEC_PENALTY = "omni's talker penalises repeated codes with repetition_penalty only (as transformers' talker)"
 TALKER_REFUSED = {engine: {"presence_penalty": _CODEC_PENALTY, "frequency_penalty": _CODEC_PENALTY}
                   for engine in ("qwen3_talker", "qwen25_talker")}
+# The codes a talker's own stop_token_ids may name (its codec's end): these keys of the model's talker_config.
+CODEC_STOP_KEYS = {"qwen3_talker": ("codec_eos_token_id",),
+                   "qwen25_talker": ("tts_codec_end_token_id", "tts_codec_pad_token_id")}
+
+
+def talker_refusal(refused: dict[str, str], own: Any, codec_stops: set[int] | None) -> tuple[str, str] | None:
+    """The field of a talker's own sampling (a sampling_params_list entry, its deploy defaults) the talker
+    cannot honour and why, or None: the engine raises it, the frontend answers it before the thinker runs.
+    refused: its TALKER_REFUSED; codec_stops None: not known (stop_token_ids is then the engine's to check)."""
+    for name, why in refused.items():
+        if getattr(own, name, None):
+            return name, why
+    if codec_stops is not None and not set(own.stop_token_ids or ()) <= codec_stops:
+        return "stop_token_ids", f"the talker stops at its codec's end {sorted(codec_stops)} and at no other code"
+    return None
 
 
 def check_pipeline(pipeline: Any, source: str) -> None:

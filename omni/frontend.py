@@ -19,7 +19,7 @@ from typing import Sequence
 
 from omni import latency_trace
 from omni.config import DeployConfig
-from omni.config_checks import TALKER_REFUSED
+from omni.config_checks import CODEC_STOP_KEYS, TALKER_REFUSED
 from omni.errors import OmniError
 from omni.heap import freeze_after_startup
 
@@ -76,15 +76,35 @@ def refused_stage_sampling(config: DeployConfig) -> dict[int, dict[str, str]]:
     return {s.stage_id: TALKER_REFUSED[s.engine] for s in config.stages if s.engine in TALKER_REFUSED}
 
 
-def model_context(model: str | None) -> int | None:
-    """max_position_embeddings of a local model's config.json: the text model's (text_config, or
-    thinker_config.text_config for Qwen-Omni); None when it is not at hand."""
+def stage_codec_stops(config: DeployConfig) -> dict[int, set[int]]:
+    """Per talker stage, the codes its sampling_params_list entry may name as stop_token_ids (its codec's
+    end, from the model's config.json as the talker reads it); a talker whose model is not at hand is left out."""
+    out = {}
+    for s in config.stages:
+        talker = (_model_config(s.model or config.model) or {}).get("talker_config") \
+            if s.engine in CODEC_STOP_KEYS else None
+        ids = [talker.get(k) for k in CODEC_STOP_KEYS[s.engine]] if isinstance(talker, dict) else []
+        if ids and all(isinstance(i, int) for i in ids):
+            out[s.stage_id] = set(ids)
+    return out
+
+
+def _model_config(model: str | None) -> dict | None:
     from omni.models.resolve import resolve_model
 
     try:
         with open(os.path.join(resolve_model(model or ""), "config.json")) as f:
             cfg = json.load(f)
     except (OmniError, OSError, ValueError):
+        return None
+    return cfg if isinstance(cfg, dict) else None
+
+
+def model_context(model: str | None) -> int | None:
+    """max_position_embeddings of a local model's config.json: the text model's (text_config, or
+    thinker_config.text_config for Qwen-Omni); None when it is not at hand."""
+    cfg = _model_config(model)
+    if cfg is None:
         return None
     thinker = cfg.get("thinker_config") or {}
     for c in (thinker.get("text_config"), thinker, cfg.get("text_config"), cfg):
@@ -317,6 +337,7 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
         )
         app.state.frontend.refused_sampling = refused_sampling(config)
         app.state.frontend.refused_stage_sampling = refused_stage_sampling(config)
+        app.state.frontend.stage_codec_stops = stage_codec_stops(config)
         app.state.frontend.audio_limit = audio_limit(config)
         entry = next((s.stage_id for s in config.stages if "prompt" in s.inputs), None)
         if max_model_len is None and entry is not None:   # the head's own --max-model-len stays

@@ -23,6 +23,7 @@ from omni.api.errors import APIError, bad_request
 from omni.api.metrics import FrontendMetrics
 from omni.api.protocol_media import preset_speed
 from omni.api.voices import InMemoryVoiceStore
+from omni.config_checks import talker_refusal
 from omni.engines.base import SamplingParams
 from omni.errors import NotFound
 from omni.orchestrator.types import OrchestratorLike
@@ -115,6 +116,7 @@ class FrontendState:
         self.refused_sampling: dict[str, str] = {}
         # stage id -> {param: why} its engine refuses in a sampling_params_list entry (set by omni/frontend.py)
         self.refused_stage_sampling: dict[int, dict[str, str]] = {}
+        self.stage_codec_stops: dict[int, set[int]] = {}   # stage id -> what its entry's stop_token_ids may name
         # the audio parts a chat may carry (the prompt stage's limit_mm_per_prompt; set by omni/frontend.py)
         self.audio_limit: int | None = None
         # Audio out through chat: a pipeline with an audio stage (a speech entry implies one).
@@ -305,10 +307,11 @@ class FrontendState:
                           repetition_penalty=e.repetition_penalty, ignore_eos=e.ignore_eos,
                           stop_token_ids=tuple(e.stop_token_ids))
             if i > 0:
-                for name, why in self.refused_stage_sampling.get(i, {}).items():
-                    if getattr(e, name):
-                        raise bad_request(f"{where}.{name} is not supported by stage {i}: {why}",
-                                          param=f"{where}.{name}")
+                refused = talker_refusal(self.refused_stage_sampling.get(i, {}), e, self.stage_codec_stops.get(i))
+                if refused is not None:
+                    name, why = refused
+                    raise bad_request(f"{where}.{name}={getattr(e, name)} is not supported by stage {i}: {why}",
+                                      param=f"{where}.{name}")
                 if cap is not None and e.max_tokens is not None and e.max_tokens > cap:
                     raise bad_request(f"{where}.max_tokens={e.max_tokens} is above this server's limit of {cap}",
                                       param=f"{where}.max_tokens")

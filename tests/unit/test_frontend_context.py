@@ -92,3 +92,24 @@ def test_the_frontend_counts_audio_parts_as_the_prompt_stage_reads_its_limit(sta
     stages = [types.SimpleNamespace(inputs=("prompt",), **stage), types.SimpleNamespace(inputs=(0,), engine="x",
                                                                                         engine_args={})]
     assert audio_limit(types.SimpleNamespace(stages=stages)) == limit
+
+
+@pytest.mark.parametrize("deploy, tiny, edges", [("qwen3-omni-moe", "qwen3_omni", "qwen3_omni"),
+                                                 ("qwen2.5-omni-7b", "qwen25_omni", "qwen25_omni")])
+def test_the_frontend_reads_a_talkers_codec_stops_as_the_talker_does(tmp_path, monkeypatch, deploy, tiny, edges):
+    """The codes a talker's sampling_params_list entry may name as stop_token_ids, from config.json: the
+    talker's own (TalkerIds.from_config of the same config); a model not at hand leaves the stage out."""
+    import collections
+    import importlib
+
+    from omni.frontend import stage_codec_stops
+
+    config = importlib.import_module(f"omni.models.{tiny}.tiny").build_config(collections.defaultdict(int))
+    ids = importlib.import_module(f"omni.models.{edges}.edges").TalkerIds.from_config(config)
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text(config.to_json_string())
+    monkeypatch.setenv("OMNI_PLATFORM", "cuda")
+    want = {ids.codec_eos} | ({ids.codec_pad} if tiny == "qwen25_omni" else set())
+    assert stage_codec_stops(C.load(str(d), deploy)) == {1: want}
+    assert stage_codec_stops(C.load(_folder(tmp_path, "bare", 4096), deploy)) == {}

@@ -187,3 +187,15 @@ async def test_a_talker_entrys_presence_or_frequency_penalty_is_a_400_naming_it(
     assert orch.requests == []
     for entries in ([{}, {"presence_penalty": 0.0}], [{"presence_penalty": 0.5}, {}], [{}, {}, {"presence_penalty": 1}]):
         assert (await c.post("/v1/chat/completions", json=chat_body(sampling_params_list=entries))).status_code == 200
+
+
+async def test_a_talker_entrys_stop_token_ids_past_its_codec_end_is_a_400_naming_it(tokenizer):
+    """The talker stops at its codec's end only: an entry naming another code is refused by its path before the
+    thinker runs (it reached the talker, which failed it with stage, replica and class and a WARNING)."""
+    orch, c = make(tokenizer, num_stages=3)
+    c._transport.app.state.frontend.stage_codec_stops = {1: {2150}}
+    r = await c.post("/v1/chat/completions", json=chat_body(sampling_params_list=[{}, {"stop_token_ids": [2150, 5]}]))
+    assert_error(r, 400, param="sampling_params_list[1].stop_token_ids", contains="codec's end [2150] and at no other")
+    assert orch.requests == []
+    for entries in ([{}, {"stop_token_ids": [2150]}], [{"stop_token_ids": [5]}, {}], [{}, {}, {"stop_token_ids": [5]}]):
+        assert (await c.post("/v1/chat/completions", json=chat_body(sampling_params_list=entries))).status_code == 200

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from omni.config_checks import TALKER_REFUSED
+from omni.config_checks import TALKER_REFUSED, talker_refusal
 from omni.engines.base import EngineError, EngineRequest
 
 
@@ -33,13 +33,11 @@ class TalkerSampling:
 def talker_sampling(engine: str, req: EngineRequest, default_penalty: float, codec_stops: set[int]) -> TalkerSampling:
     rid, own = req.request_id, req.overrides
     s = req.effective_sampling()
-    for name, why in TALKER_REFUSED.get(engine, {}).items():
-        if getattr(own, name):
-            raise EngineError(f"request {rid}: the talker's {name} is not supported: {why}")
+    refused = talker_refusal(TALKER_REFUSED.get(engine, {}), own, codec_stops)   # the frontend's check too
+    if refused is not None:
+        name, why = refused
+        raise EngineError(f"request {rid}: the talker's {name} is not supported: {why}; got {_shown(getattr(own, name))}")
     penalty = default_penalty if own.repetition_penalty is None else own.repetition_penalty
-    if not set(own.stop_token_ids or ()) <= codec_stops:
-        raise EngineError(f"request {rid}: stop_token_ids {list(own.stop_token_ids)}: the talker "
-                          f"stops at its codec's end {sorted(codec_stops)} and at no other code")
     top_k = 0 if s.top_k == -1 else s.top_k
     min_tokens = s.max_tokens if own.ignore_eos else own.min_tokens or 0
     if not (math.isfinite(s.temperature) and top_k >= 0 and 0 < s.top_p <= 1 and s.max_tokens >= 1
@@ -48,6 +46,10 @@ def talker_sampling(engine: str, req: EngineRequest, default_penalty: float, cod
                           f"0 < top_p <= 1, max_tokens >= 1, repetition_penalty > 0 and min_tokens >= 0; got "
                           f"{s.temperature}, {s.top_k}, {s.top_p}, {s.max_tokens}, {penalty}, {min_tokens}")
     return TalkerSampling(s.temperature, top_k, s.top_p, s.max_tokens, penalty, s.seed, min(min_tokens, s.max_tokens))
+
+
+def _shown(v) -> object:
+    return list(v) if isinstance(v, tuple) else v
 
 
 def hold_ends(row: torch.Tensor, chosen: int, min_tokens: int, ends: torch.Tensor) -> torch.Tensor:
