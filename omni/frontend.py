@@ -127,6 +127,21 @@ def follow_context(fe, topology, stage_id: int) -> None:
     update()
 
 
+def follow_audio_limit(fe, topology, stage_id: int) -> None:
+    """Keep fe.audio_limit at the largest that the prompt stage's live replicas registered (a head's or a
+    headless replica's own --limit-mm-per-prompt is not in the deploy config the frontend reads); None (no
+    early check: the stage refuses) while a live one registered none."""
+    from omni.orchestrator.limits import max_model_len
+
+    def update(_r=None, _kind=None) -> None:
+        limits = [max_model_len(r, "audio_limit") for r in topology.stage_replicas(stage_id)]
+        if limits:
+            fe.audio_limit = None if None in limits else max(limits)
+
+    topology.on_change(update)
+    update()
+
+
 def _sampling_defaults(config: DeployConfig) -> dict:
     for s in config.stages:
         if "prompt" in s.inputs:
@@ -343,6 +358,8 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
         if max_model_len is None and entry is not None:   # the head's own --max-model-len stays
             follow_context(app.state.frontend, topology, entry)
         follow_audio_prompt(app.state.frontend, topology)
+        if entry is not None:
+            follow_audio_limit(app.state.frontend, topology, entry)
         publisher = asyncio.create_task(publish_metrics(app, amaster, topology, index, stop))
         freeze_after_startup()
         latency_trace.enable(f"frontend{index}")

@@ -21,9 +21,10 @@ MAX_INLINE_BYTES = MAX_MESSAGE_BYTES - (8 << 20)
 
 def replica_limits(engine) -> dict[str, str]:
     """Capabilities a stage replica registers with: the limits its engine was built with. max_prompt_len:
-    the longest client prompt a later stage takes (a talker prefills it into its own KV cache)."""
+    the longest client prompt a later stage takes (a talker prefills it into its own KV cache); audio_limit:
+    the audio parts a prompt may carry (a vLLM stage's limit_mm_per_prompt as vLLM read it)."""
     out = {}
-    for key in ("max_model_len", "max_prompt_len"):
+    for key in ("max_model_len", "max_prompt_len", "audio_limit"):
         limit = getattr(engine, key, None)
         if isinstance(limit, int):
             out[key] = str(limit)

@@ -113,3 +113,26 @@ def test_the_frontend_reads_a_talkers_codec_stops_as_the_talker_does(tmp_path, m
     want = {ids.codec_eos} | ({ids.codec_pad} if tiny == "qwen25_omni" else set())
     assert stage_codec_stops(C.load(str(d), deploy)) == {1: want}
     assert stage_codec_stops(C.load(_folder(tmp_path, "bare", 4096), deploy)) == {}
+
+
+def test_the_audio_count_follows_what_the_prompt_stages_replicas_register():
+    """A head's (or a headless replica's) own --limit-mm-per-prompt is not in the deploy config the frontend
+    reads: the replicas register the count their vLLM engine read, and the largest live one is the limit."""
+    from omni.frontend import follow_audio_limit
+    from omni.orchestrator.limits import replica_limits
+
+    def rep(stage_id, rid, engine=None):
+        return msgspec.structs.replace(replica(stage_id, rid), capabilities=replica_limits(engine))
+    fe = types.SimpleNamespace(audio_limit=1)      # the deploy config's
+    topo = Topology()
+    follow_audio_limit(fe, topo, 0)
+    topo.apply(TopologyEvent("SNAPSHOT", [rep(1, "t", types.SimpleNamespace(audio_limit=9))], 1))
+    assert fe.audio_limit == 1                     # nothing live for stage 0 yet; another stage's is not its
+    topo.apply(TopologyEvent("ADDED", [rep(0, "a", types.SimpleNamespace(audio_limit=2))], 2))
+    assert fe.audio_limit == 2
+    topo.apply(TopologyEvent("ADDED", [rep(0, "b", types.SimpleNamespace(audio_limit=0))], 3))
+    assert fe.audio_limit == 2                     # the largest: the stage refuses what its replica cannot take
+    topo.apply(TopologyEvent("ADDED", [rep(0, "c")], 4))
+    assert fe.audio_limit is None                  # a replica that registered none: no early check
+    topo.apply(TopologyEvent("REMOVED", [rep(0, "c"), rep(0, "a", types.SimpleNamespace(audio_limit=2))], 5))
+    assert fe.audio_limit == 0

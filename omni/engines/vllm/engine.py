@@ -147,6 +147,7 @@ class VllmEngine(Engine):
         mc = vllm_config.model_config
         self.model_path = model_path
         self.max_model_len = mc.max_model_len
+        self.audio_limit = self._mm_limits.get("audio", 0)   # registered: the frontend counts audio parts by it
         self.vocab_size = mc.get_vocab_size()
         self._can_sleep = bool(mc.enable_sleep_mode)
         self._sleeping = False
