@@ -217,3 +217,10 @@ def test_sampled_requests_with_capture_on_are_exact_and_follow_their_seeds(engin
     assert first["default"]["ids"] == greedy and first["greedy"]["ids"] == greedy
     assert again["seed1"]["ids"] == first["seed1"]["ids"]
     assert first["seed1"]["ids"] != first["seed2"]["ids"] and first["seed1"]["ids"] != greedy
+    # top_k with no top_p < 1 in the batch: vLLM's top-k-only CPU path, which died on the rejection
+    # sampler's zero rows (a request sending top_p 1.0 to the Qwen3-Omni deploy, whose top_k is 1).
+    alone = run(engine, [EngineRequest(request_id="k1", prompt_token_ids=text_ids,
+                                       sampling=sp(temperature=0.4, top_p=1.0, top_k=1)),
+                         EngineRequest(request_id="k5", prompt_token_ids=text_ids, sampling=sp(temperature=0.7, top_k=5))])
+    assert alone["k1"]["ids"] == greedy
+    assert len(alone["k5"]["ids"]) == MAX_TOKENS and all(0 <= t < vocab for t in alone["k5"]["ids"])

@@ -105,3 +105,27 @@ def test_a_vllm_without_what_the_patches_replace_fails_at_start(monkeypatch):
     cpu_sampling.rewind_discarded_draws(Moved)
     with pytest.raises(RuntimeError, match="Moved has no discard_request_mask"):
         Moved()
+
+
+def test_top_k_alone_on_the_rejection_samplers_zero_rows_is_a_no_op(monkeypatch):
+    """A step without drafts hands the rejection sampler's constraints zero rows; with top_k and no top_p < 1
+    vLLM's CPU path took k.max() of nothing and the Worker died (a Qwen-Omni thinker with capture on)."""
+    from vllm.utils import cpu_triton_utils
+    from vllm.v1.sample.ops import topk_topp_sampler as tts
+
+    empty, no_k = torch.empty(0, 100), torch.empty(0, dtype=torch.int32)
+    original = tts.apply_top_k_only
+    with monkeypatch.context() as m:   # vLLM's modules as they were after the test
+        m.setattr(cpu_sampling, "rewind_discarded_draws", lambda cls: None)
+        m.setattr(tts, "apply_top_k_only", original)
+        for name in ("_expand_kernel_impl", "_rejection_random_sample_kernel_impl"):
+            m.setattr(cpu_triton_utils, name, getattr(cpu_triton_utils, name))
+        if not getattr(original, "omni_empty_safe", False):
+            with pytest.raises(RuntimeError):
+                tts.apply_top_k_top_p_pytorch(empty, no_k, None, allow_cpu_sync=True)
+        cpu_sampling.install()
+        cpu_sampling.install()   # once is enough: not wrapped twice
+        assert tts.apply_top_k_top_p_pytorch(empty, no_k, None, allow_cpu_sync=True).shape == (0, 100)
+        logits, k = torch.randn(3, 100, generator=torch.Generator().manual_seed(0)), torch.tensor([1, 5, 100])
+        assert torch.equal(tts.apply_top_k_top_p_pytorch(logits.clone(), k.clone(), None, allow_cpu_sync=True),
+                           original(logits.clone(), k.clone()))

@@ -76,6 +76,8 @@ def rejection_random_sample_kernel(output_token_ids, cu_num_draft_tokens, draft_
 def rewind_discarded_draws(runner_cls) -> None:
     """Patch a model runner class: snapshot the generators of the requests whose sample this step
     discards before it samples, and put those states back in place of vLLM's offset rewind."""
+    if runner_cls.__dict__.get("omni_rewinds_by_state"):   # installed once per class
+        return
     _require(runner_cls.__name__, [n for n in ("sample_tokens", "_bookkeeping_sync") if not hasattr(runner_cls, n)])
     sample_tokens, bookkeeping_sync = runner_cls.sample_tokens, runner_cls._bookkeeping_sync
     init = runner_cls.__init__
@@ -106,6 +108,17 @@ def rewind_discarded_draws(runner_cls) -> None:
             gens.update(held)
 
     runner_cls.__init__, runner_cls.sample_tokens, runner_cls._bookkeeping_sync = checked_init, sample, bookkeep
+    runner_cls.omni_rewinds_by_state = True
+
+
+def empty_safe_top_k(top_k_only):
+    """vLLM's CPU top-k-only path (no request with top_p < 1) takes k.max(), which raises on the zero rows the
+    rejection sampler passes when a step has no drafts: the Worker died (top_k with top_p 1, e.g. a request
+    sending top_p 1.0 to the Qwen3-Omni deploy, whose top_k is 1). Zero rows have nothing to mask."""
+    def apply_top_k_only(logits, k):
+        return logits if logits.shape[0] == 0 else top_k_only(logits, k)
+    apply_top_k_only.omni_empty_safe = True
+    return apply_top_k_only
 
 
 def _require(owner: str, missing: list[str]) -> None:
@@ -136,3 +149,9 @@ def install() -> None:
                                                  if not hasattr(cpu_triton_utils, n)])
         cpu_triton_utils._expand_kernel_impl = expand_kernel
         cpu_triton_utils._rejection_random_sample_kernel_impl = rejection_random_sample_kernel
+    from vllm.v1.sample.ops import topk_topp_sampler
+
+    top_k_only = getattr(topk_topp_sampler, "apply_top_k_only", None)
+    _require("vllm.v1.sample.ops.topk_topp_sampler", [] if top_k_only else ["apply_top_k_only"])
+    if not getattr(top_k_only, "omni_empty_safe", False):
+        topk_topp_sampler.apply_top_k_only = empty_safe_top_k(top_k_only)
