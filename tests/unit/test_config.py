@@ -187,3 +187,15 @@ def test_backpressure_settings_are_checked():
         {"stage_id": 1, "engine": "pooler", "inputs": [0], "final_output": True, "final_output_type": "embedding"}]}
     with pytest.raises(ConfigError, match=r"stages\[0\].connectors.1.arena_bytes must be >= 4096"):
         parse(bad_arena, source="x.yaml")
+
+
+def test_no_bundled_deploy_seeds_requests_by_default():
+    """A deploy's default seed stands in for a client's missing one: Qwen2.5-Omni's (vllm-omni's 42) made every
+    unseeded request's text and audio the same. As in vLLM and OpenAI's API, only a client's seed repeats."""
+    from pathlib import Path
+
+    import yaml
+
+    for path in sorted((Path(cfg.__file__).parent / "deploy").glob("*.yaml")):
+        for stage in yaml.safe_load(path.read_text()).get("stages") or []:
+            assert "seed" not in (stage.get("default_sampling_params") or {}), (path.name, stage.get("name"))
