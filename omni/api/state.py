@@ -9,6 +9,7 @@ import binascii
 import concurrent.futures
 import os
 import re
+import secrets
 import struct
 import threading
 import time
@@ -316,6 +317,8 @@ class FrontendState:
                     raise bad_request(f"{where}.max_tokens={e.max_tokens} is above this server's limit of {cap}",
                                       param=f"{where}.max_tokens")
                 mt = e.max_tokens or min(VLLM_MAX_TOKENS, cap or VLLM_MAX_TOKENS)
+                if common["seed"] is None:   # no seed (left out or -1): not the request's, which an unset override keeps
+                    common["seed"] = secrets.randbits(63)
                 stages[i] = SamplingOverrides(max_tokens=mt, min_tokens=e.min_tokens, **common)
                 continue
             mt = self.max_tokens(e.max_tokens, n_prompt, f"{where}.max_tokens", "messages", default=VLLM_MAX_TOKENS)

@@ -199,3 +199,18 @@ async def test_a_talker_entrys_stop_token_ids_past_its_codec_end_is_a_400_naming
     assert orch.requests == []
     for entries in ([{}, {"stop_token_ids": [2150]}], [{"stop_token_ids": [5]}, {}], [{}, {}, {"stop_token_ids": [5]}]):
         assert (await c.post("/v1/chat/completions", json=chat_body(sampling_params_list=entries))).status_code == 200
+
+
+async def test_a_later_entry_without_a_seed_does_not_take_entry_0s(tokenizer):
+    """An unset override keeps the request's value, so a talker entry's seed -1 (or none) ran with entry 0's seed
+    and its audio repeated; each entry is whole, and vLLM's default is no seed."""
+    orch, c = make(tokenizer)
+    for _ in range(2):
+        r = await c.post("/v1/chat/completions", json=chat_body(
+            sampling_params_list=[{"seed": 1}, {"temperature": 0.9, "seed": -1}, {"temperature": 0.9}]))
+        assert r.status_code == 200, r.text
+    first, second = (req.stage_overrides for req in orch.requests)
+    for i in (1, 2):
+        assert first[i].seed is not None and first[i].seed != 1, first[i]
+        assert first[i].seed != second[i].seed
+    assert orch.requests[0].sampling.seed == 1
