@@ -167,28 +167,35 @@ def test_an_abort_during_the_read_is_honoured(silent_stage):
     assert [a[0] for a in engine.added] == ["r2", "r3"] and "r1" not in engine.aborted
 
 
-def test_a_read_that_ends_after_its_abort_is_dropped():
+@pytest.fixture
+def gated():
+    """A stage whose remote reads wait for `consumer.gate`, and a frontend socket said hello."""
     consumer, engine = GatedConsumer(), RecordingEngine()
     w, t = _run(consumer, engine)
     s = dealer(w.endpoint)
     try:
         assert hello(s).ok
-        s.send(add("r1", 10, {"x": _far_ref()}))
-        assert consumer.started.wait(10)
-        s.send(enc.encode(m.Abort(["r1"])))
-        s.send(add("r2", 20))
-        # Before: the loop sat in r1's read until the gate's 10 s were up; r1's error came first.
-        out = recv(s)
-        assert out.request_id == "r2" and out.finished
-        consumer.gate.set()   # r1's read succeeds now, after its abort
-        s.send(add("r3", 30))
-        assert recv(s).request_id == "r3"
-        assert not s.poll(300)   # nothing of r1
-        assert [a[0] for a in engine.added] == ["r2", "r3"]
+        yield consumer, engine, w, s, t
     finally:
         consumer.gate.set()
         s.close()
         _stop(w, t)
+
+
+def test_a_read_that_ends_after_its_abort_is_dropped(gated):
+    consumer, engine, w, s, t = gated
+    s.send(add("r1", 10, {"x": _far_ref()}))
+    assert consumer.started.wait(10)
+    s.send(enc.encode(m.Abort(["r1"])))
+    s.send(add("r2", 20))
+    # Before: the loop sat in r1's read until the gate's 10 s were up; r1's error came first.
+    out = recv(s)
+    assert out.request_id == "r2" and out.finished
+    consumer.gate.set()   # r1's read succeeds now, after its abort
+    s.send(add("r3", 30))
+    assert recv(s).request_id == "r3"
+    assert not s.poll(300)   # nothing of r1
+    assert [a[0] for a in engine.added] == ["r2", "r3"]
 
 
 def test_a_read_not_started_is_cancelled_by_its_abort():
@@ -213,88 +220,57 @@ def test_a_read_not_started_is_cancelled_by_its_abort():
         reads.close()
 
 
-def test_a_stream_piece_behind_a_read_is_taken_while_draining():
-    consumer, engine = GatedConsumer(), RecordingEngine()
-    w, t = _run(consumer, engine)
-    s = dealer(w.endpoint)
-    try:
-        assert hello(s).ok
-        s.send(add("r1", 10, {"x": _far_ref()}, max_tokens=2))
-        assert consumer.started.wait(10)
-        assert w.command("DRAIN")[0]
-        s.send(add("r1", 11, max_tokens=2))   # r1's next piece: r1 is no new request
-        s.send(add("r2", 20))                  # a new one is refused
-        err = recv(s)
-        assert isinstance(err, m.RequestError) and err.request_id == "r2" and "draining" in err.message
-        consumer.gate.set()
-        assert [recv(s).request_id for _ in range(2)] == ["r1", "r1"]
-        assert [a[:2] for a in engine.added] == [("r1", [10]), ("r1", [11])]
-    finally:
-        consumer.gate.set()
-        s.close()
-        _stop(w, t)
+def test_a_stream_piece_behind_a_read_is_taken_while_draining(gated):
+    consumer, engine, w, s, t = gated
+    s.send(add("r1", 10, {"x": _far_ref()}, max_tokens=2))
+    assert consumer.started.wait(10)
+    assert w.command("DRAIN")[0]
+    s.send(add("r1", 11, max_tokens=2))   # r1's next piece: r1 is no new request
+    s.send(add("r2", 20))                  # a new one is refused
+    err = recv(s)
+    assert isinstance(err, m.RequestError) and err.request_id == "r2" and "draining" in err.message
+    consumer.gate.set()
+    assert [recv(s).request_id for _ in range(2)] == ["r1", "r1"]
+    assert [a[:2] for a in engine.added] == [("r1", [10]), ("r1", [11])]
 
 
-def test_a_later_piece_waits_for_an_earlier_one_still_being_read():
-    consumer, engine = GatedConsumer(), RecordingEngine()
-    w, t = _run(consumer, engine)
-    s = dealer(w.endpoint)
-    try:
-        assert hello(s).ok
-        s.send(add("r1", 10, {"x": _far_ref(5)}, max_tokens=3))
-        assert consumer.started.wait(10)
-        s.send(add("r1", 11, max_tokens=3))      # the stream's next piece: nothing to read, still waits
-        s.send(add("r1/s2", 12, max_tokens=3))   # another part of the same request
-        s.send(add("r9", 90))                    # another request goes by
-        out = recv(s)
-        assert out.request_id == "r9"
-        assert [a[0] for a in engine.added] == ["r9"]
-        consumer.gate.set()
-        deadline = time.monotonic() + 10
-        while len(engine.added) < 4 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert engine.added[1:] == [("r1", [10], ("x",)), ("r1", [11], ()), ("r1/s2", [12], ())]
-    finally:
-        s.close()
-        _stop(w, t)
+def test_a_later_piece_waits_for_an_earlier_one_still_being_read(gated):
+    consumer, engine, w, s, t = gated
+    s.send(add("r1", 10, {"x": _far_ref(5)}, max_tokens=3))
+    assert consumer.started.wait(10)
+    s.send(add("r1", 11, max_tokens=3))      # the stream's next piece: nothing to read, still waits
+    s.send(add("r1/s2", 12, max_tokens=3))   # another part of the same request
+    s.send(add("r9", 90))                    # another request goes by
+    out = recv(s)
+    assert out.request_id == "r9"
+    assert [a[0] for a in engine.added] == ["r9"]
+    consumer.gate.set()
+    deadline = time.monotonic() + 10
+    while len(engine.added) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.added[1:] == [("r1", [10], ("x",)), ("r1", [11], ()), ("r1/s2", [12], ())]
 
 
-def test_a_request_still_waiting_for_its_read_at_stop_gets_unavailable():
-    consumer, engine = GatedConsumer(), RecordingEngine()
-    w, t = _run(consumer, engine)
-    s = dealer(w.endpoint)
-    try:
-        assert hello(s).ok
-        s.send(add("r1", 10, {"x": _far_ref(5)}))
-        assert consumer.started.wait(10)
-        w.stop()
-        err = recv(s)
-        assert isinstance(err, m.RequestError) and err.request_id == "r1" and err.kind == "unavailable"
-        assert "shutting down" in err.message
-        t.join(10)
-        assert not t.is_alive() and engine.added == []
-    finally:
-        consumer.gate.set()
-        s.close()
-        _stop(w, t)
+def test_a_request_still_waiting_for_its_read_at_stop_gets_unavailable(gated):
+    consumer, engine, w, s, t = gated
+    s.send(add("r1", 10, {"x": _far_ref(5)}))
+    assert consumer.started.wait(10)
+    w.stop()
+    err = recv(s)
+    assert isinstance(err, m.RequestError) and err.request_id == "r1" and err.kind == "unavailable"
+    assert "shutting down" in err.message
+    t.join(10)
+    assert not t.is_alive() and engine.added == []
 
 
-def test_sleep_is_refused_while_a_request_waits_for_its_read():
+def test_sleep_is_refused_while_a_request_waits_for_its_read(gated):
     """The read once held the loop, so SLEEP came after the request was in the engine, which refuses to sleep
     with work open; off the loop, SLEEP slipped in and the request was refused 'asleep' when its read ended."""
-    consumer, engine = GatedConsumer(), RecordingEngine()
-    w, t = _run(consumer, engine)
-    s = dealer(w.endpoint)
-    try:
-        assert hello(s).ok
-        s.send(add("r1", 10, {"x": _far_ref(5)}))
-        assert consumer.started.wait(10)
-        ok, message = w.command("SLEEP")
-        assert not ok and "waiting for their input" in message and not engine.is_sleeping(), message
-        consumer.gate.set()
-        out = recv(s)
-        assert out.request_id == "r1" and not isinstance(out, m.RequestError), out
-    finally:
-        consumer.gate.set()
-        s.close()
-        _stop(w, t)
+    consumer, engine, w, s, t = gated
+    s.send(add("r1", 10, {"x": _far_ref(5)}))
+    assert consumer.started.wait(10)
+    ok, message = w.command("SLEEP")
+    assert not ok and "waiting for their input" in message and not engine.is_sleeping(), message
+    consumer.gate.set()
+    out = recv(s)
+    assert out.request_id == "r1" and not isinstance(out, m.RequestError), out
