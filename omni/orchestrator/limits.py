@@ -58,11 +58,18 @@ def fit(stage_id: int, replicas: list[ReplicaInfo], req: PipelineRequest | None)
     n_prompt = len(req.prompt_token_ids)
     need = n_prompt + req.sampling.max_tokens
     ok = [r for r in replicas if (max_model_len(r) or need) >= need]
-    if ok or not replicas:
-        return ok, ""
-    largest = max(max_model_len(r) or 0 for r in replicas)
-    return ok, (f"{need} tokens ({n_prompt} in the prompt, {req.sampling.max_tokens} max_tokens), more than the "
-                f"max_model_len of every {{which}} replica (the largest is {largest})")
+    if not ok and replicas:
+        largest = max(max_model_len(r) or 0 for r in replicas)
+        return ok, (f"{need} tokens ({n_prompt} in the prompt, {req.sampling.max_tokens} max_tokens), more than the "
+                    f"max_model_len of every {{which}} replica (the largest is {largest})")
+    n_audio = req.num_audio_inputs
+    # audio_limit: replicas may be built with different limit_mm_per_prompt (the frontend admits up to the largest)
+    by_audio = [r for r in ok if (limit := max_model_len(r, "audio_limit")) is None or limit >= n_audio]
+    if by_audio or not ok:
+        return by_audio, ""
+    largest = max(max_model_len(r, "audio_limit") or 0 for r in ok)
+    return by_audio, (f"{n_audio} audio parts, more than the limit_mm_per_prompt of every {{which}} replica that "
+                      f"fits its tokens (the largest is {largest})")
 
 
 def check_inline(req: PipelineRequest) -> None:

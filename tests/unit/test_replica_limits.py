@@ -89,3 +89,28 @@ def test_a_replay_goes_only_to_a_replica_whose_max_model_len_takes_the_request()
         assert isinstance(err, StageFailed) and err.kind == errors.UNAVAILABLE
         assert ("replica is suspect; not replayed: the request needs 4100 tokens (4000 in the prompt, 100 max_tokens), "
                 "more than the max_model_len of every other READY replica (the largest is 1024) of the stage") in str(err)
+
+
+def test_audio_parts_go_only_to_replicas_whose_limit_takes_them():
+    """The frontend admits up to the largest audio_limit among the thinker's replicas; the router sent such a
+    request to the least loaded one, whose stage then refused it (a 400 one time in two)."""
+    def audio(rid: str, limit: int | None):
+        r = replica(0, rid)
+        return msgspec.structs.replace(r, capabilities={"audio_limit": str(limit)} if limit is not None else {})
+
+    def with_audio(rid: str, n: int) -> PipelineRequest:
+        return msgspec.structs.replace(request(rid, 10), num_audio_inputs=n)
+
+    # "a" sorts first and would win every tie on load; it takes one audio part.
+    core = make_core(audio("a-one", 1), audio("b-two", 2))
+    for i in range(3):
+        core.submit(with_audio(f"two{i}", 2))
+        assert core.requests[f"two{i}"].stages[0].replica.replica_id == "b-two"
+    core.submit(with_audio("one", 1))
+    assert core.requests["one"].stages[0].replica.replica_id == "a-one"
+    core = make_core(audio("a-one", 1), audio("b-unknown", None))   # no limit registered: the stage checks
+    core.submit(with_audio("two", 2))
+    assert core.requests["two"].stages[0].replica.replica_id == "b-unknown"
+    core = make_core(audio("a-one", 1))
+    with pytest.raises(BadRequest, match=r"2 audio parts, more than the limit_mm_per_prompt .*the largest is 1"):
+        core.submit(with_audio("three", 2))
