@@ -169,7 +169,8 @@ def test_vllm_omnis_sampling_params_list_equals_the_reference(server, reference,
     r = httpx.post(server + "/v1/chat/completions", timeout=120, json={
         "model": NAME, "messages": [{"role": "user", "content": "Hi"}], "modalities": ["text", "audio"],
         "sampling_params_list": [stages[0], bad]})
-    assert r.status_code == 400 and f"stop_token_ids [{eos}, 5]" in r.text, r.text
+    assert r.status_code == 400 and f"stop_token_ids=[{eos}, 5]" in r.text, r.text   # before the thinker runs
+    assert r.json()["error"]["param"] == "sampling_params_list[1].stop_token_ids", r.text
 
 
 @pytest.mark.parametrize("modalities", [["text", "audio"], ["audio"]])

@@ -65,7 +65,8 @@ async def test_seed_minus_one_is_no_seed(tokenizer):
         r = await c.post(path, json=body)
         assert r.status_code == 200, r.text
         req = orch.requests[-1]
-        assert req.sampling.seed is None and all(o.seed is None for o in req.stage_overrides.values())
+        # a later stage's entry without a seed draws its own (an unset override would keep the request's)
+        assert req.sampling.seed is None and all(o.seed is not None for o in req.stage_overrides.values())
     assert (await c.post("/v1/completions", json={"prompt": "hi", "seed": 7})).status_code == 200
     assert orch.requests[-1].sampling.seed == 7
 

@@ -214,7 +214,8 @@ def test_bad_options_and_ids(talker, france):
     with pytest.raises(EngineError, match="max_tokens >= 1"):
         talker.add_request(EngineRequest(**base, overrides=SamplingOverrides(max_tokens=0)))
     eos = talker.ids.codec_eos          # vllm-omni's talker sampling names it as stop_token_ids
-    with pytest.raises(EngineError, match=rf"stop_token_ids \[{eos}, 7\]: the talker stops at its codec's end \[{eos}\]"):
+    with pytest.raises(EngineError, match=rf"stop_token_ids is not supported: the talker stops at its codec's end "
+                                          rf"\[{eos}\] and at no other code; got \[{eos}, 7\]"):
         talker.add_request(EngineRequest(**base, overrides=SamplingOverrides(stop_token_ids=(eos, 7))))
     talker.add_request(EngineRequest(request_id="o2", prompt_token_ids=france.prompt, final=False,
                                      overrides=SamplingOverrides(stop_token_ids=(eos,))))
