@@ -8,7 +8,6 @@ its own channel to every stage replica it routes to.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import signal
@@ -22,6 +21,7 @@ from omni.config import DeployConfig
 from omni.config_checks import CODEC_STOP_KEYS, TALKER_REFUSED
 from omni.errors import OmniError
 from omni.heap import freeze_after_startup
+from omni.models.resolve import model_config
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ def stage_codec_stops(config: DeployConfig) -> dict[int, set[int]]:
     end, from the model's config.json as the talker reads it); a talker whose model is not at hand is left out."""
     out = {}
     for s in config.stages:
-        talker = (_model_config(s.model or config.model) or {}).get("talker_config") \
+        talker = (model_config(s.model or config.model) or {}).get("talker_config") \
             if s.engine in CODEC_STOP_KEYS else None
         ids = [talker.get(k) for k in CODEC_STOP_KEYS[s.engine]] if isinstance(talker, dict) else []
         if ids and all(isinstance(i, int) for i in ids):
@@ -89,21 +89,10 @@ def stage_codec_stops(config: DeployConfig) -> dict[int, set[int]]:
     return out
 
 
-def _model_config(model: str | None) -> dict | None:
-    from omni.models.resolve import resolve_model
-
-    try:
-        with open(os.path.join(resolve_model(model or ""), "config.json")) as f:
-            cfg = json.load(f)
-    except (OmniError, OSError, ValueError):
-        return None
-    return cfg if isinstance(cfg, dict) else None
-
-
 def model_context(model: str | None) -> int | None:
     """max_position_embeddings of a local model's config.json: the text model's (text_config, or
     thinker_config.text_config for Qwen-Omni); None when it is not at hand."""
-    cfg = _model_config(model)
+    cfg = model_config(model)
     if cfg is None:
         return None
     thinker = cfg.get("thinker_config") or {}

@@ -6,8 +6,6 @@ vLLM's processor with an error that dumps the waveform). Both as vLLM 0.32 compu
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -47,10 +45,6 @@ TOWERS = {"qwen3_omni_moe": AudioTower("Qwen3-Omni", 161, qwen3_positions),
 
 def tower_of(model_dir: str | None) -> AudioTower | None:
     """The audio tower of the model in `model_dir` (its config.json's model_type); None: not one we know."""
-    if not model_dir:
-        return None
-    try:
-        with open(os.path.join(model_dir, "config.json")) as f:
-            return TOWERS.get(json.load(f).get("model_type"))
-    except (OSError, ValueError, AttributeError):
-        return None
+    from omni.models.resolve import model_config
+
+    return TOWERS.get((model_config(model_dir) or {}).get("model_type")) if model_dir else None

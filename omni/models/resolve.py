@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,6 +78,17 @@ def resolve_model(name_or_path: str) -> str:
         f"Hugging Face cache "
         f"(omni does not download from the hub); bundled models: "
         + ", ".join(f"{e.model_id} (from {e.source})" for e in BUNDLED))
+
+
+def model_config(name_or_path: str | None) -> dict | None:
+    """A model's config.json as a dict, or None when the model is not at hand or the file is not a
+    JSON object: for callers that only tune limits or messages by it, never for loading."""
+    try:
+        with open(os.path.join(resolve_model(name_or_path or ""), "config.json")) as f:
+            cfg = json.load(f)
+    except (ConfigError, OSError, ValueError):
+        return None
+    return cfg if isinstance(cfg, dict) else None
 
 
 def _hf_cache_snapshot(repo_id: str) -> str | None:

@@ -157,3 +157,10 @@ async def test_a_placeholder_token_typed_in_the_text_is_a_400_naming_messages(qw
         assert_error(await c.post("/v1/completions", json={"model": "tiny", "prompt": [1, tid]}), 400, "prompt")
         assert not orch.requests
         assert (await c.post("/v1/chat/completions", json=with_audio(SR))).status_code == 200
+
+
+@pytest.mark.parametrize("content", ['{"model_type": "unknown_omni"}', "[1, 2]", "not json"])
+def test_a_folder_whose_config_names_no_known_tower_has_none(tmp_path, content):
+    (tmp_path / "config.json").write_text(content)
+    assert tower_of(str(tmp_path)) is None
+    assert tower_of(str(tmp_path / "missing")) is None and tower_of(None) is None
