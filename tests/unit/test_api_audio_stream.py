@@ -12,7 +12,7 @@ import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from benchmarks import omni_chat_client as oc
-from tests.unit.test_api import chat_body, make, sse_events, tokenizer  # noqa: F401 (fixture)
+from tests.unit.api_fakes import chat_body, make, sse_events, tokenizer  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.anyio
 RATE = 22050

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.unit.test_api import assert_error, chat_body, make, tokenizer  # noqa: F401 (fixture)
+from tests.unit.api_fakes import assert_error, chat_body, make, tokenizer  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.anyio
 EVIL = {"Origin": "https://evil.example"}

@@ -9,7 +9,7 @@ import pytest
 from omni.api.cors import take
 from omni.api.limits import HttpLimits
 from omni.errors import ConfigError
-from tests.unit.test_api import assert_error, chat_body, make, tokenizer  # noqa: F401 (fixture)
+from tests.unit.api_fakes import assert_error, chat_body, make, tokenizer  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.anyio
 APP = "https://app.example"

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from omni.api import build_app
-from tests.unit.test_api import FakeOrchestrator
+from tests.unit.api_fakes import FakeOrchestrator
 
 _scalars = st.none() | st.booleans() | st.integers(-2**70, 2**70) | \
     st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20)
@@ -58,7 +58,7 @@ def _client():
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
         from transformers import PreTrainedTokenizerFast
 
-        from tests.unit.test_api import CHAT_TEMPLATE, CORPUS
+        from tests.unit.api_fakes import CHAT_TEMPLATE, CORPUS
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()

@@ -18,7 +18,7 @@ from omni.config import ImageSettings, PromptExpansion
 from omni.sampling import SamplingOverrides
 from omni.errors import StageFailed
 from omni.orchestrator.types import PipelineOutput, PipelineRequest
-from tests.unit.test_api import tokenizer  # noqa: F401  (a byte-level BPE with a chat template)
+from tests.unit.api_fakes import tokenizer  # noqa: F401  (a byte-level BPE with a chat template)
 
 pytestmark = pytest.mark.anyio
 SETTINGS = ImageSettings(default_size="64x32", max_pixels=128 * 128, default_steps=7, max_steps=20, max_n=3)

@@ -14,7 +14,7 @@ from omni.api import voices as voices_mod
 from omni.api.jobs import Jobs, LocalKv, Results
 from omni.api.limits import HttpLimits
 from omni.errors import BadRequest, ConfigError
-from tests.unit.test_api import FakeOrchestrator, assert_error, chat_body, tokenizer  # noqa: F401 (fixture)
+from tests.unit.api_fakes import FakeOrchestrator, assert_error, chat_body, tokenizer  # noqa: F401 (fixture)
 from tests.unit.test_jobs import settle
 
 pytestmark = pytest.mark.anyio

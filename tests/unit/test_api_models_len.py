@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.unit.test_api import make, tokenizer  # noqa: F401
+from tests.unit.api_fakes import make, tokenizer  # noqa: F401
 
 pytestmark = pytest.mark.anyio
 

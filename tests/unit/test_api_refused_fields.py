@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.unit.test_api import InMemoryVoiceStore, assert_error, make, tokenizer  # noqa: F401
+from omni.api import InMemoryVoiceStore
+from tests.unit.api_fakes import assert_error, make, tokenizer  # noqa: F401
 
 pytestmark = pytest.mark.anyio
 

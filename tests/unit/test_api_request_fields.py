@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from omni.api import build_app
-from tests.unit.test_api import FakeOrchestrator, assert_error, chat_body, tokenizer  # noqa: F401 (fixture)
+from tests.unit.api_fakes import FakeOrchestrator, assert_error, chat_body, tokenizer  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.anyio
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from omni.api import build_app
 from omni.api.routes import CONTROL_PATHS, ROUTES, label, openapi_spec
-from tests.unit.test_api import FakeOrchestrator, tokenizer  # noqa: F401 (fixture)
+from tests.unit.api_fakes import FakeOrchestrator, tokenizer  # noqa: F401 (fixture)
 
 
 def test_labels_name_the_template_not_the_id():

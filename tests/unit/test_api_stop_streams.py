@@ -15,7 +15,7 @@ import pytest
 from omni.api import build_app, sse
 from omni.api.http import OPEN_STREAMS, STOPPING, ClosingStream, end_streams
 from omni.api.serve import serve
-from tests.unit.test_api import FakeOrchestrator, chat_body, tokenizer  # noqa: F401 (fixture)
+from tests.unit.api_fakes import FakeOrchestrator, chat_body, tokenizer  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.anyio
 GRACE_S = 1.5     # open streams are ended at GRACE_S - 1

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from tests.unit.test_api import chat_body, make, sse_events, tokenizer  # noqa: F401
+from tests.unit.api_fakes import chat_body, make, sse_events, tokenizer  # noqa: F401
 
 pytestmark = pytest.mark.anyio
 

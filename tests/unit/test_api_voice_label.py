@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from tests.unit.test_api import FakeOrchestrator, chat_body, tokenizer  # noqa: F401
+from tests.unit.api_fakes import FakeOrchestrator, chat_body, tokenizer  # noqa: F401
 from omni.api import build_app
 
 import httpx

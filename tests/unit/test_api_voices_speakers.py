@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.unit.test_api import assert_error, make, tokenizer  # noqa: F401
+from tests.unit.api_fakes import assert_error, make, tokenizer  # noqa: F401
 
 pytestmark = pytest.mark.anyio
 

@@ -19,7 +19,7 @@ from omni.api import build_app
 from omni.api.limits import HttpLimits
 from omni.api.serve import serve
 from omni.orchestrator.types import PipelineOutput
-from tests.unit.test_api import FakeOrchestrator, tokenizer  # noqa: F401 (fixture)
+from tests.unit.api_fakes import FakeOrchestrator, tokenizer  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.anyio
 WRITE_S = 0.5

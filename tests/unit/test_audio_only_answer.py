@@ -15,7 +15,7 @@ from omni.api.generation import Generation
 from omni.api.metrics import FrontendMetrics
 from omni.engines.base import SamplingParams
 from omni.orchestrator.types import PipelineOutput, PipelineRequest
-from tests.unit.test_api import anyio_backend, chat_body, make, sse_events, tokenizer  # noqa: F401
+from tests.unit.api_fakes import anyio_backend, chat_body, make, sse_events, tokenizer  # noqa: F401
 
 pytestmark = pytest.mark.anyio
 

@@ -12,7 +12,7 @@ import torch
 from omni.master.types import TopologyEvent
 from omni.orchestrator.limits import follow_audio_prompt, replica_limits
 from omni.orchestrator.topology import Topology
-from tests.unit.test_api import anyio_backend, assert_error, chat_body, make, tokenizer  # noqa: F401
+from tests.unit.api_fakes import anyio_backend, assert_error, chat_body, make, tokenizer  # noqa: F401
 from tests.unit.test_orchestrator_core import replica
 
 L = 32     # the talkers' max_model_len here

@@ -14,7 +14,7 @@ import pytest
 
 from omni.api import build_app
 from omni.api.audio_tokens import TOWERS, tower_of
-from tests.unit.test_api import FakeOrchestrator, assert_error, chat_body
+from tests.unit.api_fakes import FakeOrchestrator, assert_error, chat_body
 from tests.unit.test_audio_in import pcm_wav
 
 SR = 16000

@@ -10,7 +10,7 @@ import pytest
 from omni.api import build_app
 from omni.api import protocol as P
 from omni.api.errors import APIError
-from tests.unit.test_api import FakeOrchestrator, assert_error, chat_body, tokenizer  # noqa: F401 (fixture)
+from tests.unit.api_fakes import FakeOrchestrator, assert_error, chat_body, tokenizer  # noqa: F401 (fixture)
 from tests.unit.test_audio_in import SIG, pcm_wav, with_rate
 
 WAV = base64.b64encode(b"RIFF....WAVEfmt ").decode()

@@ -13,7 +13,7 @@ from omni._proto import master_pb2 as pb
 from omni._proto import master_pb2_grpc as pb_grpc
 from omni.master.configdiff import hash_config
 from omni.master.server import MasterServer
-from tests.unit.test_api import assert_error, make, tokenizer  # noqa: F401 (fixture)
+from tests.unit.api_fakes import assert_error, make, tokenizer  # noqa: F401 (fixture)
 
 DEPTH = 100_000
 LISTS = "[" * DEPTH + "]" * DEPTH

@@ -15,7 +15,7 @@ from omni.api import build_app
 from omni.api.jobs import Jobs, LocalKv, Results
 from omni.errors import Unavailable
 from omni.voices import MasterVoiceStore
-from tests.unit.test_api import FakeOrchestrator, assert_error, chat_body, tokenizer  # noqa: F401 (fixture)
+from tests.unit.api_fakes import FakeOrchestrator, assert_error, chat_body, tokenizer  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.anyio
 

@@ -14,7 +14,7 @@ import torch
 from omni.api import build_app
 from omni.engines.logprobs import Logprobs, from_vllm
 from omni.stage import messages as m
-from tests.unit.test_api import FakeOrchestrator, chat_body, sse_events, tokenizer  # noqa: F401
+from tests.unit.api_fakes import FakeOrchestrator, chat_body, sse_events, tokenizer  # noqa: F401
 from tests.unit.test_torch_lm import PROMPTS, engine, req, run, tiny, tokens  # noqa: F401 (fixtures)
 
 

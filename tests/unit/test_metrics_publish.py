@@ -11,7 +11,7 @@ from types import SimpleNamespace as NS
 import httpx
 import pytest
 
-from tests.unit.test_api import FakeOrchestrator, chat_body, tokenizer  # noqa: F401
+from tests.unit.api_fakes import FakeOrchestrator, chat_body, tokenizer  # noqa: F401
 from omni.api import build_app
 from omni.api.metrics_merge import NAMESPACE, Publisher
 from omni.errors import BadRequest

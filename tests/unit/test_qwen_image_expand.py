@@ -12,7 +12,7 @@ from omni.models.qwen_image.processors import lm_to_dit
 from omni.orchestrator.request_state import ProcessorContext
 from omni.orchestrator.types import PipelineRequest
 from omni.stage.messages import Output
-from tests.unit.test_api import tokenizer  # noqa: F401  (a byte-level BPE fixture)
+from tests.unit.api_fakes import tokenizer  # noqa: F401  (a byte-level BPE fixture)
 
 PARAMS = ImageParams(width=32, height=32, num_inference_steps=2, guidance_scale=1.0, seed=3)
 

@@ -10,7 +10,7 @@ import torch
 
 from omni.engines.base import SamplingOverrides, SamplingParams
 from omni.engines.torch_lm_sampling import shape_logits
-from tests.unit.test_api import assert_error, chat_body, make, tokenizer  # noqa: F401 (fixture)
+from tests.unit.api_fakes import assert_error, chat_body, make, tokenizer  # noqa: F401 (fixture)
 from tests.unit.test_torch_lm import EOS, PROMPTS, engine, req, run, tiny, tokens  # noqa: F401 (fixtures)
 
 

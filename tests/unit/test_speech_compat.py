@@ -9,7 +9,8 @@ import pytest
 
 from omni.api.errors import to_api_error
 from omni.errors import StageFailed
-from tests.unit.test_api import _wav_info, assert_error, make, tokenizer  # noqa: F401 (a fixture)
+from tests.unit.api_fakes import assert_error, make, tokenizer  # noqa: F401 (a fixture)
+from tests.unit.test_api_speech import _wav_info
 
 pytestmark = pytest.mark.anyio
 

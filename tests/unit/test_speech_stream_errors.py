@@ -9,7 +9,7 @@ import pytest
 
 from omni.errors import StageFailed
 from omni.orchestrator.types import PipelineOutput
-from tests.unit.test_api import make, tokenizer  # noqa: F401 (a fixture)
+from tests.unit.api_fakes import make, tokenizer  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.anyio
 

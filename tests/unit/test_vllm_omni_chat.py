@@ -10,7 +10,7 @@ from omni.errors import BadRequest, ConfigError
 from omni.orchestrator import events as ev
 from omni.orchestrator.types import PipelineRequest
 from omni.sampling import SamplingOverrides
-from tests.unit.test_api import assert_error, chat_body, make, tokenizer  # noqa: F401 (a fixture)
+from tests.unit.api_fakes import assert_error, chat_body, make, tokenizer  # noqa: F401 (a fixture)
 from tests.unit.test_orchestrator_core import ALL, chat, ids, make_core, of, output
 
 pytestmark = pytest.mark.anyio

@@ -5,7 +5,7 @@ defaults, completions' 16-token default) and the ones it refuses by name instead
 
 import pytest
 
-from tests.unit.test_api import assert_error, chat_body, make, sse_events, tokenizer  # noqa: F401 (a fixture)
+from tests.unit.api_fakes import assert_error, chat_body, make, sse_events, tokenizer  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.anyio
 

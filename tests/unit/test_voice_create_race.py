@@ -8,7 +8,7 @@ import asyncio
 import httpx
 import pytest
 
-from tests.unit.test_api import FakeOrchestrator, tokenizer  # noqa: F401
+from tests.unit.api_fakes import FakeOrchestrator, tokenizer  # noqa: F401
 from omni.api import build_app
 from omni.master.kv import KvStore
 from omni.errors import NotFound
