@@ -59,6 +59,9 @@ SERVING_ONLY_ARGS = {
     "media_io_kwargs": f"{_NO_FETCH}; it decodes WAV audio itself and takes no media loading arguments",
     "interleave_mm_strings": "omni's frontend hands each audio part to the chat template where it stands in the "
                              "message",
+    # read by vLLM's engine too: with image/video limits 0 it keeps encoder room for their embeddings
+    "enable_mm_embeds": "omni's chat takes no image_embeds / audio_embeds parts (a 400 naming the part's type): "
+                        "send input_audio or data: URLs",
 }
 # Engine args only: `omni serve` has the flag of its own.
 _ENGINE_ARGS_ONLY = {"served_model_name": "the API's model name is `omni serve --served-model-name`",

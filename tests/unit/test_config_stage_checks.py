@@ -220,6 +220,18 @@ def test_the_flag_form_is_refused_with_the_same_reason(capsys, flag, why):
     assert f"omni: error: {flag}: vLLM's serve option, not supported: " in err and why in err, err
 
 
+@pytest.mark.parametrize("model", ["smollm2", vo_tests.QWEN3])
+def test_enable_mm_embeds_is_refused_by_name(capsys, model):
+    """It went into the thinker's engine args (vLLM then keeps encoder room for image and video embeddings),
+    while omni's chat answers every image_embeds / audio_embeds part with a 400."""
+    with pytest.raises(SystemExit) as e:
+        main(["serve", model, "--enable-mm-embeds", "--dry-run"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    assert "omni: error: --enable-mm-embeds: vLLM's serve option, not supported: omni's chat takes no image_embeds" \
+        in err, err
+
+
 # ---------------------------------------------------------------- limit_mm_per_prompt
 
 
