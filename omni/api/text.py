@@ -133,7 +133,8 @@ class TextRoutes:
         preq = PipelineRequest(request_id=f"chatcmpl-{uuid.uuid4().hex}", prompt_token_ids=prompt_ids,
                                sampling=sampling, stage_overrides=stages, modalities=modalities, voice=voice, speed=speed,
                                # stages that feed a talker capture what it needs only then
-                               audio_out="audio" in modalities, num_audio_inputs=len(inputs), inputs=inputs)
+                               audio_out="audio" in modalities, num_audio_inputs=len(inputs), inputs=inputs,
+                               prompt_positions=n_prompt)
         gen = Generation(self.fe.orch, preq, decode=self.fe.decode, prompt_ids=prompt_ids,
                          stops=P.stop_list(req.stop), include_stop=bool(req.include_stop_str_in_output),
                          metrics=self.fe.metrics, route="/v1/chat/completions",

@@ -55,7 +55,8 @@ def fit(stage_id: int, replicas: list[ReplicaInfo], req: PipelineRequest | None)
     ('N tokens (P in the prompt, M max_tokens)') and the largest limit there is."""
     if req is None or req.prompt_token_ids is None or req.entry_stage != stage_id:
         return replicas, ""
-    n_prompt = len(req.prompt_token_ids)
+    # as the frontend admitted it: an audio part is its tower's positions, not its one placeholder id
+    n_prompt = req.prompt_positions if req.prompt_positions is not None else len(req.prompt_token_ids)
     need = n_prompt + req.sampling.max_tokens
     ok = [r for r in replicas if (max_model_len(r) or need) >= need]
     if not ok and replicas:

@@ -35,6 +35,9 @@ class PipelineRequest(msgspec.Struct, kw_only=True):
     inputs: dict[str, InlineTensor] = {}
     # /v1/images/generations: what the diffusion stage makes of the prompt (`text`).
     image: ImageParams | None = None
+    # The prompt's length as the entry stage's vLLM counts it (each audio placeholder expanded to its tower's
+    # positions): what routing checks against a replica's max_model_len. None: len(prompt_token_ids).
+    prompt_positions: int | None = None
 
 
 class PipelineOutput(msgspec.Struct, kw_only=True):

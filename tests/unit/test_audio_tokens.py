@@ -121,6 +121,8 @@ async def test_max_tokens_counts_the_audio_positions_against_the_context(qwen_to
         assert_error(r, 400, "max_tokens", "maximum context length is 256")
         assert (await c.post("/v1/chat/completions", json=with_audio(10 * SR, max_tokens=100))).status_code == 200
         assert orch.requests[-1].sampling.max_tokens == 100
+        req = orch.requests[-1]       # the router sizes it as admitted: 130 positions for the one placeholder id
+        assert req.prompt_positions == len(req.prompt_token_ids) - 1 + 130
 
 
 @pytest.mark.anyio

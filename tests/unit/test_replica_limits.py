@@ -114,3 +114,15 @@ def test_audio_parts_go_only_to_replicas_whose_limit_takes_them():
     core = make_core(audio("a-one", 1))
     with pytest.raises(BadRequest, match=r"2 audio parts, more than the limit_mm_per_prompt .*the largest is 1"):
         core.submit(with_audio("three", 2))
+
+
+def test_a_chat_with_audio_goes_only_to_a_replica_whose_max_model_len_takes_its_expanded_prompt():
+    """The frontend admits a chat by its prompt as vLLM expands each audio part (prompt_positions) against the
+    largest replica; sized by its 100 unexpanded ids the router picked the smaller one, which refused it."""
+    core = make_core(limited(0, "a-small", 2048), limited(0, "b-big", 8192))
+    req = msgspec.structs.replace(request("r", 100, max_tokens=16), num_audio_inputs=1, prompt_positions=3999)
+    core.submit(req)
+    assert core.requests["r"].stages[0].replica.replica_id == "b-big"
+    core = make_core(limited(0, "a-small", 2048))
+    with pytest.raises(BadRequest, match=r"needs 4015 tokens \(3999 in the prompt, 16 max_tokens\)"):
+        core.submit(msgspec.structs.replace(req, request_id="r2"))
