@@ -24,7 +24,7 @@ import msgspec
 import yaml
 
 from omni import config_vllm_omni as vllm_omni
-from omni.config_checks import check_pipeline, check_sampling, check_yaml_shape, yaml_sections
+from omni.config_checks import check_pipeline, check_sampling, check_talker_defaults, check_yaml_shape, yaml_sections
 from omni.config_merge import deep_merge, merge_configs
 from omni.config_stage_checks import (blame_override, check_connector_edge, check_engine_args, check_stage_override,
                                       normalise_stages, unused_engine_arg)
@@ -412,6 +412,7 @@ def validate(config: DeployConfig, source: str = "deploy config") -> None:
     if not any(s.final_output for s in config.stages):
         raise ConfigError(f"{source}: no stage has final_output: true")
     check_pipeline(config.pipeline, source)
+    check_talker_defaults(config, source)   # reads the model's config.json: its talker's codec end
     dm = config.pipeline.default_modalities
     if not dm or not set(dm) <= {"text", "audio"} or ("audio" in dm and config.final_stage("audio") is None):
         raise ConfigError(f"{source}: pipeline.default_modalities must be text and/or audio (audio only with an "

@@ -12,8 +12,7 @@ from typing import Any
 from omni.errors import ConfigError
 
 __all__ = ["CODEC_STOP_KEYS", "PIPELINE_SECONDS", "SAMPLING_RANGES", "TALKER_REFUSED", "talker_refusal", "check_pipeline",
-           "check_sampling", "check_yaml_shape",
-           "yaml_sections"]
+           "check_sampling", "check_talker_defaults", "check_yaml_shape", "stage_codec_stops", "yaml_sections"]
 
 # Seconds the pipeline waits on something; each must be a finite number > 0.
 PIPELINE_SECONDS = ("request_timeout_s", "startup_timeout_s", "lease_ttl_s", "stall_timeout_s")
@@ -54,6 +53,34 @@ def talker_refusal(refused: dict[str, str], own: Any, codec_stops: set[int] | No
     if codec_stops is not None and not set(own.stop_token_ids or ()) <= codec_stops:
         return "stop_token_ids", f"the talker stops at its codec's end {sorted(codec_stops)} and at no other code"
     return None
+
+
+def stage_codec_stops(config: Any) -> dict[int, set[int]]:
+    """Per talker stage, the codes its own stop_token_ids may name (its codec's end, from the model's
+    config.json as the talker reads it); a talker whose model is not at hand is left out."""
+    from omni.models.resolve import model_config
+
+    out = {}
+    for s in config.stages:
+        talker = (model_config(s.model or config.model) or {}).get("talker_config") \
+            if s.engine in CODEC_STOP_KEYS else None
+        ids = [talker.get(k) for k in CODEC_STOP_KEYS[s.engine]] if isinstance(talker, dict) else []
+        if ids and all(isinstance(i, int) for i in ids):
+            out[s.stage_id] = set(ids)
+    return out
+
+
+def check_talker_defaults(config: Any, source: str) -> None:
+    """A talker's default_sampling_params that its talker refuses (talker_refusal): every request that takes
+    them would fail at the talker after the thinker ran, so the deploy is refused when it loads."""
+    stops = stage_codec_stops(config)
+    for s in config.stages:
+        refused = talker_refusal(TALKER_REFUSED.get(s.engine, {}), s.default_sampling_params, stops.get(s.stage_id))
+        if refused is not None:
+            name, why = refused
+            got = getattr(s.default_sampling_params, name)
+            raise ConfigError(f"{source}: stages[{s.stage_id}].default_sampling_params.{name} is not supported by "
+                              f"{s.engine}: {why}; got {list(got) if isinstance(got, tuple) else got}")
 
 
 def check_pipeline(pipeline: Any, source: str) -> None:

@@ -18,7 +18,7 @@ from typing import Sequence
 
 from omni import latency_trace
 from omni.config import DeployConfig
-from omni.config_checks import CODEC_STOP_KEYS, TALKER_REFUSED
+from omni.config_checks import TALKER_REFUSED, stage_codec_stops
 from omni.errors import OmniError
 from omni.heap import freeze_after_startup
 from omni.models.resolve import model_config
@@ -74,19 +74,6 @@ def refused_stage_sampling(config: DeployConfig) -> dict[int, dict[str, str]]:
     """Per later stage, what its engine refuses in a sampling_params_list entry (a talker's presence and
     frequency penalties): a 400 naming the entry's field before the thinker runs, not the talker's error."""
     return {s.stage_id: TALKER_REFUSED[s.engine] for s in config.stages if s.engine in TALKER_REFUSED}
-
-
-def stage_codec_stops(config: DeployConfig) -> dict[int, set[int]]:
-    """Per talker stage, the codes its sampling_params_list entry may name as stop_token_ids (its codec's
-    end, from the model's config.json as the talker reads it); a talker whose model is not at hand is left out."""
-    out = {}
-    for s in config.stages:
-        talker = (model_config(s.model or config.model) or {}).get("talker_config") \
-            if s.engine in CODEC_STOP_KEYS else None
-        ids = [talker.get(k) for k in CODEC_STOP_KEYS[s.engine]] if isinstance(talker, dict) else []
-        if ids and all(isinstance(i, int) for i in ids):
-            out[s.stage_id] = set(ids)
-    return out
 
 
 def model_context(model: str | None) -> int | None:

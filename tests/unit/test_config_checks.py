@@ -72,3 +72,31 @@ def test_a_deploys_talker_penalty_is_refused_at_load_naming_the_yaml_key():
     with pytest.raises(ConfigError, match=r"stages\[1\]\.default_sampling_params\.frequency_penalty is not supported "
                                           r"by qwen3_talker"):
         cfg.load("m", "qwen3-omni-moe", {"1": {"default_sampling_params": {"frequency_penalty": 0.3}}})
+
+
+@pytest.mark.parametrize("deploy, tiny", [("qwen3-omni-moe", "qwen3_omni"), ("qwen2.5-omni-7b", "qwen25_omni")])
+def test_a_deploys_talker_stop_token_ids_past_its_codec_end_are_refused_at_load(tmp_path, monkeypatch, deploy, tiny):
+    """The talker refuses stop_token_ids other than its codec's end (config_checks.talker_refusal): a deploy
+    whose talker defaults named another code loaded, and every request then failed at the talker after the
+    thinker ran. The same rule applies when the deploy loads (--dry-run too), naming the YAML key."""
+    import collections
+    import importlib
+
+    config = importlib.import_module(f"omni.models.{tiny}.tiny").build_config(collections.defaultdict(int))
+    ids = importlib.import_module(f"omni.models.{tiny}.edges").TalkerIds.from_config(config)
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(config.to_json_string())
+    monkeypatch.setenv("OMNI_PLATFORM", "cuda")
+    yaml_path = tmp_path / "d.yaml"
+    yaml_path.write_text(f"base_config: {cfg.deploy_config_path(deploy)}\nstages:\n  - stage_id: 1\n"
+                         f"    default_sampling_params: {{stop_token_ids: [{ids.codec_eos}, 3]}}\n")
+    with pytest.raises(ConfigError, match=rf"d\.yaml: stages\[1\]\.default_sampling_params\.stop_token_ids is not "
+                                          rf"supported by .*_talker: the talker stops at its codec's end .*; got "
+                                          rf"\[{ids.codec_eos}, 3\]"):
+        cfg.load(str(model), str(yaml_path))
+    with pytest.raises(ConfigError, match=r"--stage-overrides: stages\[1\]\.default_sampling_params\.stop_token_ids"):
+        cfg.load(str(model), deploy, {"1": {"default_sampling_params": {"stop_token_ids": [3]}}})
+    ok = cfg.load(str(model), deploy, {"1": {"default_sampling_params": {"stop_token_ids": [ids.codec_eos]}}})
+    assert ok.stages[1].default_sampling_params.stop_token_ids == (ids.codec_eos,)
+    cfg.load(str(tmp_path / "absent"), str(yaml_path))   # the model not at hand: the talker checks
