@@ -97,19 +97,25 @@ class OmniProcess:
 
     def kill(self) -> None:
         """SIGKILL the launcher's group and every process it started (its children run in their own
-        groups: left to their PR_SET_PDEATHSIG, they would finish a graceful stop under the next test)."""
+        groups: left to their PR_SET_PDEATHSIG, they would finish a graceful stop under the next test),
+        then unlink the /dev/shm segments they held that no live process maps any more: the tree's
+        resource tracker dies with it, so vLLM's psm_* rings (hundreds of MB each) would stay."""
         import psutil
 
-        tree = processes_under(self.proc.pid)
+        tree = freeze(self.proc.pid)
         try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        for q in tree:
-            with contextlib.suppress(psutil.Error):
-                q.kill()
+            held = shm_held([self.proc.pid, *(q.pid for q in tree)])
+        finally:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            for q in tree:
+                with contextlib.suppress(psutil.Error):
+                    q.kill()
         self.proc.wait(10)
         psutil.wait_procs(tree, timeout=10)
+        unlink_unheld(held)
 
     def stop(self, timeout: float = 60.0) -> list[int]:
         """Stop as a user would (Ctrl-C), then wait until the launcher and every process it had
@@ -129,10 +135,10 @@ class OmniProcess:
                 pass
         left = wait_gone(tree, max(0.0, deadline - time.monotonic()))
         if left or self.proc.poll() is None:
+            self.kill()   # the launcher's session holds what is left: kill() reaps their shm too
             for p in left:
                 with contextlib.suppress(psutil.NoSuchProcess):
                     p.kill()
-            self.kill()
             left = wait_gone(left, 10)
             assert not left, f"still running 10 s after SIGKILL: {[p.pid for p in left]}"
         return pids
@@ -183,6 +189,91 @@ def wait_gone(procs: list, timeout: float) -> list:
 def processes_under(pid: int) -> list:
     """The live descendants of pid (psutil processes)."""
     return [q for q in map(_process, descendants(pid)) if q is not None]
+
+
+def freeze(pid: int) -> list:
+    """SIGSTOP pid's descendants and the rest of its session (a child reparented to PID 1 keeps
+    it) until no new one appears, so none maps a segment after shm_held looked; returns them."""
+    import psutil
+
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGSTOP)
+    seen: dict[int, object] = {}
+    for _ in range(5):
+        new = [q for q in (*processes_under(pid), *map(_process, session_of(pid)))
+               if q is not None and q.pid != pid and q.pid not in seen]
+        if not new:
+            break
+        for q in new:
+            seen[q.pid] = q
+            with contextlib.suppress(psutil.Error):
+                q.suspend()
+    return list(seen.values())
+
+
+def session_of(sid: int) -> list[int]:
+    """Pids of session `sid` (its leader included)."""
+    out = []
+    for pid in _pids():
+        with contextlib.suppress(OSError):
+            if os.getsid(pid) == sid:
+                out.append(pid)
+    return out
+
+
+def _pids() -> list[int]:
+    return [int(d) for d in os.listdir("/proc") if d.isdigit()]
+
+
+def shm_held(pids) -> dict[str, int]:
+    """The /dev/shm entries (name: inode) these processes map or hold open. By inode, not by the
+    path maps shows: glibc's sem_open maps a temp file it then links as sem.NAME and unlinks, so a
+    semaphore's mapping reads /dev/shm/sem.XXXXXX (deleted)."""
+    shm = os.stat("/dev/shm").st_dev
+    inodes: set[int] = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    if "/dev/shm/" in line:
+                        dev, ino = line.split()[3:5]
+                        major, minor = (int(x, 16) for x in dev.split(":"))
+                        if os.makedev(major, minor) == shm:
+                            inodes.add(int(ino))
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    st = os.stat(f"/proc/{pid}/fd/{fd}")
+                    if st.st_dev == shm:
+                        inodes.add(st.st_ino)
+    return {name: ino for name, ino in _shm_entries().items() if ino in inodes}
+
+
+def _shm_entries() -> dict[str, int]:
+    out = {}
+    with os.scandir("/dev/shm") as it:
+        for e in it:
+            with contextlib.suppress(OSError):
+                if e.is_file(follow_symlinks=False):
+                    out[e.name] = e.inode()
+    return out
+
+
+def unlink_unheld(held: dict[str, int]) -> list[str]:
+    """Unlink those of `held` (shm_held's answer for a tree now dead) that no live process maps or
+    holds open and whose name still names the same inode; returns them. Only the dead tree's
+    entries go in: another test's segment is never among them."""
+    if not held:
+        return []
+    still = shm_held(_pids())
+    now = _shm_entries()
+    gone = []
+    for name, ino in sorted(held.items()):
+        if name not in still and now.get(name) == ino:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"/dev/shm/{name}")
+                gone.append(name)
+    return gone
 
 
 def unused_port() -> int:

@@ -1,0 +1,85 @@
+"""tests/e2e/harness.py: OmniProcess.kill() SIGKILLs a whole tree, its resource tracker with it;
+the /dev/shm segments the tree held and no live process still maps are unlinked, no other."""
+
+from __future__ import annotations
+
+import os
+import re
+import uuid
+
+from tests.e2e.harness import OmniProcess, processes_under, shm_held, unlink_unheld
+from tests.unit.shm_child import SIZE, hold
+
+
+def names(n: int) -> list[str]:
+    tag = uuid.uuid4().hex[:8]
+    return [f"omni-test-harness-{tag}-{i}" for i in range(n)]
+
+
+def exists(name: str) -> bool:
+    return os.path.exists(f"/dev/shm/{name}")
+
+
+def test_kill_unlinks_the_segments_its_tree_held_and_no_other():
+    own, grandchild, shared, other = names(4)
+    with open(f"/dev/shm/{other}", "wb") as f:   # nobody maps it: not the tree's, it stays
+        f.truncate(SIZE)
+    kept = hold(shared)                          # the tree maps it, and so does this live process
+    p = OmniProcess("tree", own, grandchild, shared, module="tests.unit.shm_child")
+    try:
+        p.wait_for(re.compile("^ready$"), 60)
+        assert {own, grandchild, shared} <= shm_held([p.proc.pid, *(c.pid for c in processes_under(p.proc.pid))]).keys()
+        p.kill()
+        assert not exists(own) and not exists(grandchild)   # before the fix both stayed
+        assert exists(shared) and exists(other)
+    finally:
+        kept.close()
+        for n in (own, grandchild, shared, other):
+            if exists(n):
+                os.unlink(f"/dev/shm/{n}")
+
+
+def test_unlink_unheld_leaves_a_mapped_segment_and_a_missing_one_alone():
+    mapped, gone = names(2)
+    m = hold(mapped)
+    try:
+        held = shm_held([os.getpid()])
+        assert mapped in held
+        assert unlink_unheld({**held, gone: 1}) == []
+        assert exists(mapped)
+    finally:
+        m.close()
+    assert unlink_unheld({mapped: held[mapped]}) == [mapped]
+    assert not exists(mapped)
+
+
+def test_unlink_unheld_leaves_a_name_that_now_names_another_segment():
+    (name,) = names(1)
+    m = hold(name)
+    held = shm_held([os.getpid()])
+    m.close()
+    os.unlink(f"/dev/shm/{name}")
+    with open(f"/dev/shm/{name}", "wb") as f:   # the name made again: someone else's now
+        f.truncate(SIZE)
+    try:
+        assert unlink_unheld({name: held[name]}) == []
+        assert exists(name)
+    finally:
+        os.unlink(f"/dev/shm/{name}")
+
+
+def test_a_named_semaphore_is_found_by_its_inode():
+    """sem_open maps a temp file sem.XXXXXX, links it as sem.NAME and unlinks the temp: maps shows
+    the temp name, deleted (vLLM's multiprocessing locks are such semaphores)."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.sem_open.restype = ctypes.c_void_p
+    (name,) = names(1)
+    sem = libc.sem_open(f"/{name}".encode(), os.O_CREAT | os.O_EXCL, 0o600, 1)
+    assert sem not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
+    try:
+        assert f"sem.{name}" in shm_held([os.getpid()])
+    finally:
+        libc.sem_close(ctypes.c_void_p(sem))
+        libc.sem_unlink(f"/{name}".encode())
