@@ -259,7 +259,7 @@ class Jobs:
     # ---- state
 
     async def _get(self, job_id: str, what: str = "job") -> dict:
-        if not JOB_ID_RE.match(job_id):
+        if not JOB_ID_RE.fullmatch(job_id):   # match: `$` takes "job-...\n" too
             raise _not_found(job_id, what)
         blob = await self.kv.kv_get(NAMESPACE, job_id)
         if blob is None:

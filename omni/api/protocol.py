@@ -18,6 +18,7 @@ from omni.api.errors import bad_request
 from omni.api.protocol_media import (  # noqa: F401 (re-exported: the routes name them P.*)
     MAX_IMAGE_PROMPT_CHARS,
     MAX_SPEECH_CHARS,
+    END,
     SPEECH_REFUSED,
     VOICE_NAME,
     VOICE_NAME_RE,
@@ -109,13 +110,13 @@ class _Sampling(RefusedParams, kw_only=True):
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=2.0)] | None = None   # extension (vLLM)
-    logit_bias: dict[Annotated[str, msgspec.Meta(pattern=r"^[0-9]+$")],
+    logit_bias: dict[Annotated[str, msgspec.Meta(pattern=r"^[0-9]+" + END)],
                      Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]] | None = None
     # extension (vLLM); more than the request's max_tokens: max_tokens ends it first
     min_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
     # extension (vLLM): the answer's id is chatcmpl- / cmpl- and this, as vLLM's; the stages keep ids of
     # their own (two requests may send one id). Printable ASCII, no spaces: it is echoed back.
-    request_id: Annotated[str, msgspec.Meta(pattern=r"^[!-~]{1,256}$")] | None = None
+    request_id: Annotated[str, msgspec.Meta(pattern=r"^[!-~]{1,256}" + END)] | None = None
     # Declared so that they are refused by name (check_sampling), never silently ignored.
     response_format: Annotated[dict | None, _refused([{"type": "text"}, {}, None])] = None
     tools: Annotated[list | None, _refused([[], None])] = None

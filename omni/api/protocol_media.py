@@ -13,6 +13,9 @@ from omni.api.refused import refused as _refused
 from omni.config_checks import MAX_SPEECH_CHARS
 SPEED_MIN, SPEED_MAX = 0.25, 4.0     # OpenAI's range for speech's speed
 Speed = Annotated[float, msgspec.Meta(ge=SPEED_MIN, le=SPEED_MAX)]
+# A pattern's end: msgspec checks patterns with re.search, where `$` also matches before a final "\n" ("joe\n"
+# passed as joe's name); `\Z` would fix that but is no JSON Schema (ECMA) regex, and the schemas carry these.
+END = r"$(?!\n)"
 
 
 class SpeechRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -70,7 +73,7 @@ class ImageGenerationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields
     prompt: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_IMAGE_PROMPT_CHARS)]
     model: str | None = None
     n: Annotated[int, msgspec.Meta(ge=1, le=16)] | None = None
-    size: Annotated[str, msgspec.Meta(pattern=r"^[0-9]{1,5}x[0-9]{1,5}$")] | None = None   # "WxH"
+    size: Annotated[str, msgspec.Meta(pattern=r"^[0-9]{1,5}x[0-9]{1,5}" + END)] | None = None   # "WxH"
     response_format: Annotated[str, _refused(["b64_json"])] = "b64_json"
     user: Annotated[str, msgspec.Meta(max_length=256)] | None = None      # OpenAI's end-user label
     seed: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] | None = None
@@ -91,7 +94,7 @@ class VideoCreateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     The deployment's bounds (pipeline.videos) are checked in omni/api/videos.py."""
     prompt: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_IMAGE_PROMPT_CHARS)]
     model: str | None = None
-    size: Annotated[str, msgspec.Meta(pattern=r"^[0-9]{1,5}x[0-9]{1,5}$")] | None = None   # "WxH"
+    size: Annotated[str, msgspec.Meta(pattern=r"^[0-9]{1,5}x[0-9]{1,5}" + END)] | None = None   # "WxH"
     seconds: Annotated[float, msgspec.Meta(gt=0, le=3600)] | None = None   # OpenAI's ("4"): frames = seconds x fps
     width: Annotated[int, msgspec.Meta(ge=1, le=16384)] | None = None
     height: Annotated[int, msgspec.Meta(ge=1, le=16384)] | None = None
@@ -104,7 +107,7 @@ class VideoCreateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     user: Annotated[str, msgspec.Meta(max_length=256)] | None = None
 
 
-VOICE_NAME = r"^[A-Za-z0-9_-]{1,64}$"
+VOICE_NAME = r"^[A-Za-z0-9_-]{1,64}" + END
 
 
 class VoiceSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

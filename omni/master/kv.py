@@ -230,7 +230,7 @@ def entry_bytes(key: str, value: bytes) -> int:
 
 
 def _check(namespace: str, key: str | None) -> None:
-    if not _NAMESPACE_RE.match(namespace or ""):
+    if not _NAMESPACE_RE.fullmatch(namespace or ""):   # match's `$` takes a final "\n" too
         raise KvError(f"bad kv namespace {namespace!r}: use 1-128 of [A-Za-z0-9_.-], not starting with '.' or '-'")
     if key is not None and not (0 < len(key) <= MAX_KEY_LEN):
         raise KvError(f"bad kv key in namespace {namespace!r}: must be 1-{MAX_KEY_LEN} characters")
