@@ -26,10 +26,13 @@ from omni.api.protocol_media import (  # noqa: F401 (re-exported: the routes nam
     SpeechRequest,
     Speed,
     VideoCreateRequest,
+    Voice,
     VoiceId,
+    VoiceName,
     VoiceSpec,
     check_speed,
     check_voice_spec,
+    voice_name,
 )
 from omni.api.refused import RefusedParams, first_refused
 from omni.api.refused import refused as _refused
@@ -81,7 +84,7 @@ class StreamOptions(msgspec.Struct):
 
 
 class AudioOptions(msgspec.Struct):
-    voice: Annotated[str, msgspec.Meta(max_length=128)] | VoiceId | None = None   # OpenAI's str | {"id": ...}
+    voice: Voice = None
     format: Literal["wav", "pcm16"] = "wav"
 
 
@@ -162,8 +165,8 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     continue_final_message: bool | None = False   # extension (vLLM): the model continues the last message
     echo: Annotated[bool | None, _refused([False, None])] = None
     # extension (vllm-omni): the voice at the top level, where OpenAI's clients put it in `audio`
-    voice: Annotated[str, msgspec.Meta(max_length=128)] | None = None
-    speaker: Annotated[str, msgspec.Meta(max_length=128)] | None = None
+    voice: VoiceName | None = None
+    speaker: VoiceName | None = None
     # extension (vllm-omni): entry i is stage i's sampling; entry 0 replaces the request's own fields
     sampling_params_list: Annotated[list[StageSampling], msgspec.Meta(max_length=MAX_STAGES)] | None = None
     max_completion_tokens: MaxTokens | None = None
@@ -353,8 +356,7 @@ def stop_list(stop: str | list[str] | None) -> list[str]:
 def chat_voice(req: ChatCompletionRequest) -> str | None:
     """The voice a chat asks for: OpenAI's `audio.voice`, or vllm-omni's top-level `voice` / `speaker`."""
     voice = req.audio.voice if req.audio else None
-    return one_voice({"audio.voice": voice.id if isinstance(voice, VoiceId) else voice, "voice": req.voice,
-                      "speaker": req.speaker})
+    return one_voice({"audio.voice": voice_name(voice), "voice": req.voice, "speaker": req.speaker})
 
 
 def one_voice(named: dict[str, str | None]) -> str | None:

@@ -16,6 +16,19 @@ Speed = Annotated[float, msgspec.Meta(ge=SPEED_MIN, le=SPEED_MAX)]
 # A pattern's end: msgspec checks patterns with re.search, where `$` also matches before a final "\n" ("joe\n"
 # passed as joe's name); `\Z` would fix that but is no JSON Schema (ECMA) regex, and the schemas carry these.
 END = r"$(?!\n)"
+VoiceName = Annotated[str, msgspec.Meta(max_length=128)]
+
+
+class VoiceId(msgspec.Struct):
+    """OpenAI's voice object: `{"id": "..."}`."""
+    id: VoiceName
+
+
+Voice = VoiceName | VoiceId | None     # OpenAI's str | {"id": ...}; None: the default voice (chat and speech)
+
+
+def voice_name(voice: Voice) -> str | None:
+    return voice.id if isinstance(voice, VoiceId) else voice
 
 
 class SpeechRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -25,8 +38,8 @@ class SpeechRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     input: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_SPEECH_CHARS,
                                        extra_json_schema={"pattern": r"^[^\x00]*[^\s\x00][^\x00]*$"})]
     model: str | None = None
-    voice: Annotated[str, msgspec.Meta(max_length=128)] | VoiceId | None = None   # None: the default voice
-    speaker: Annotated[str, msgspec.Meta(max_length=128)] | None = None            # vllm-omni's name for it
+    voice: Voice = None
+    speaker: VoiceName | None = None            # vllm-omni's name for it
     response_format: Literal["wav", "pcm"] = "wav"
     speed: Speed = 1.0
     # OpenAI's / vllm-omni's streaming: "sse" (speech.audio.delta events; `stream: true` alone picks it),
@@ -42,11 +55,6 @@ class SpeechRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     sample_rate: Annotated[int | None, _refused([None])] = None
     seed: Annotated[int | None, _refused([None])] = None
     max_new_tokens: Annotated[int | None, _refused([None])] = None
-
-
-class VoiceId(msgspec.Struct):
-    """OpenAI's voice object: `{"id": "..."}`."""
-    id: Annotated[str, msgspec.Meta(max_length=128)]
 
 
 # Why each refused /v1/audio/speech field is not taken (speech.py names the first one set), in

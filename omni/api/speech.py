@@ -81,8 +81,7 @@ class SpeechRoutes:
             raise bad_request(f"{refused[0]} is not supported: {refused[1]}", param=refused[0])
         as_sse = req.stream_format == "sse" or (req.stream and req.stream_format is None)
         as_raw = not as_sse and (req.response_format == "pcm" or req.stream_format == "audio")
-        asked = P.one_voice({"voice": req.voice.id if isinstance(req.voice, P.VoiceId) else req.voice,
-                             "speaker": req.speaker})
+        asked = P.one_voice({"voice": P.voice_name(req.voice), "speaker": req.speaker})
         voice, speed = await self.fe.voice(asked, req.speed)
         preq = PipelineRequest(request_id=f"speech-{uuid.uuid4().hex}", text=req.input,
                                entry_stage=self.fe.speech_stage, modalities=("audio",), voice=voice, speed=speed)

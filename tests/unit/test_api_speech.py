@@ -109,3 +109,15 @@ async def test_chat_with_audio(tokenizer):
     assert chunks[-1]["delta"] == {"audio": audio[-1]} and set(audio[-1]) == {"id", "transcript", "expires_at"}
     assert_error(await c.post("/v1/chat/completions", json={**body, "audio": {"format": "mp3"}}), 400,
                  "audio.format")
+
+
+def test_chat_and_speech_take_one_voice_field():
+    """One type for OpenAI's voice (a name or {"id": name}) in chat's audio and speech, one reading of it."""
+    from typing import get_type_hints
+
+    from omni.api import protocol as P
+
+    def voice(t):
+        return get_type_hints(t, include_extras=True)["voice"]
+    assert voice(P.SpeechRequest) == voice(P.AudioOptions) == P.Voice
+    assert P.voice_name(P.VoiceId("amy")) == P.voice_name("amy") == "amy" and P.voice_name(None) is None
