@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import math
 import threading
 import time
 from collections import deque
@@ -28,6 +27,7 @@ from omni.engines.base import Engine, EngineError, EngineOutput
 from omni.stage import held, messages as m
 from omni.stage.control import StageControl
 from omni.stage.expiry import IdleRequests, sweep
+from omni.stage.holds import Holds
 from omni.stage.input_reads import InputReads
 from omni.stage.local_link import CLOSED, LocalPeers
 from omni.stage.loop_poll import LoopPoller
@@ -79,6 +79,7 @@ class StageWorker:
         self._published = Published(published_ttl_s)
         self._idle = IdleRequests(published_ttl_s)
         self._recent = RecentBases()   # requests taken lately: draining refuses only others
+        self._holds = Holds(engine)
         # Backpressure: while anything is held, the engine is not stepped, so memory
         # stays bounded by the producers' limits plus one step's output.
         self._held: deque[HeldOutput] = deque()
@@ -156,7 +157,7 @@ class StageWorker:
                 self.loop_watch.waiting()
             # Held output is retried every few ms (a full frontend queue gives no event);
             # a FreeTensors from a consumer wakes the poll at once.
-            timeout = 5 if self._held else (busy_timeout if busy else self._idle_ms())
+            timeout = 5 if self._held else (busy_timeout if busy else self._holds.idle_ms())
             if self._local is not None:
                 self._local.watch_writable()
             if ready_fd is not None and watching == bool(self._held):
@@ -210,11 +211,6 @@ class StageWorker:
             self._fail(rid, f"{self.stage.label} is shutting down", "unavailable")
         self.close()
 
-    def _idle_ms(self) -> int:
-        """The poll's wait with nothing to step: 1 s, or until a request's hold ends."""
-        until = self.engine.held_until()
-        return 1000 if until is None else min(1000, max(0, math.ceil((until - time.monotonic()) * 1000)))
-
     def _drain_socket(self) -> None:
         while True:
             try:
@@ -256,8 +252,7 @@ class StageWorker:
                 if not msg.keep_published:   # kept: freed by FreeTensors as a finished request's are
                     self._free_owner(rid)     # a request done here may still own tensors the frontend got
         elif isinstance(msg, m.Release):
-            for rid in msg.request_ids:
-                self.engine.release(rid)
+            self._holds.release(msg.request_ids)   # also one before its hold began (holds.py)
         elif isinstance(msg, m.FreeTensors):
             if self._producers.free_sent(msg.transport, msg.keys, msg.incarnation):
                 self._published.freed(msg.transport, msg.keys)
@@ -357,6 +352,7 @@ class StageWorker:
     def _emit(self, out: EngineOutput, step_s: float) -> None:
         if out.finished:
             self._recent.end(out.request_id)
+            self._holds.end(out.request_id)
         # Nothing overtakes held output, so while anything is held this output waits too.
         if self._held or not self._publish(out, step_s):
             req = self._reqs.get(out.request_id)
@@ -390,8 +386,8 @@ class StageWorker:
         if not req.started:
             req.started = True
             queue_s = max(0.0, time.monotonic() - req.added_at - step_s)
-            if req.hold_s and not out.finished:
-                self.engine.hold(out.request_id, time.monotonic() + req.hold_s)
+            if not out.finished:
+                self._holds.begin(out.request_id, req.hold_s)
         msg = m.output_of(out, refs, queue_s, step_s)
         if out.finished:
             del self._reqs[out.request_id]

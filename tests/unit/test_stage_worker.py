@@ -60,9 +60,10 @@ class CountEngine(Engine):
         return self.sleeping
 
 
-def running(stage: StageConfig, engine: Engine):
-    """A worker running on a thread; stopped (by a deadline) when the test is done."""
-    w = StageWorker(stage, engine, token="secret", replica_id=f"s{stage.stage_id}r0")
+def running(stage: StageConfig, engine: Engine, **kw):
+    """A worker running on a thread (`kw`: StageWorker's, e.g. consumer); stopped (by a deadline) when the
+    test is done."""
+    w = StageWorker(stage, engine, token="secret", replica_id=f"s{stage.stage_id}r0", **kw)
     t = threading.Thread(target=w.run, kwargs={"grace_s": 1.0}, daemon=True)
     t.start()
     yield w, engine
