@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from omni.api import browser, routes, sse
-from omni.api.errors import api_error_response, error_body, error_response
+from omni.api.errors import APIError, api_error_response, error_body, error_response
 from omni.api.limits import WRITE_TIMEOUT, HttpLimits
 from omni.api.metrics import FrontendMetrics
 
@@ -153,10 +153,6 @@ class DisconnectWatch:
         self._counted = False          # our cancel's count on the task was taken back
         self._watcher = asyncio.ensure_future(self._watch(receive))
 
-    @property
-    def gone(self) -> bool:
-        return self.cut == "gone"
-
     async def _watch(self, receive) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
@@ -255,8 +251,10 @@ class ClosingStream(StreamingResponse):
 
 
 OPEN_STREAMS = "omni.open_streams"   # scope key: the server's set of open streams' watches
-STOPPING = (sse.event(error_body("server shutting down", "service_unavailable", code="server_shutting_down"))
-            + sse.DONE)
+# The server stops under an open stream: chat's SSE ends with this error and [DONE], speech's with its own
+# speech.audio.error carrying it.
+SHUTTING_DOWN = APIError(503, "server shutting down", type="service_unavailable", code="server_shutting_down")
+STOPPING = sse.event(error_body(SHUTTING_DOWN.message, SHUTTING_DOWN.type, code=SHUTTING_DOWN.code)) + sse.DONE
 
 
 def end_streams(streams: set) -> int:

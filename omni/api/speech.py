@@ -19,7 +19,7 @@ from omni.api import sse
 from omni.api.audio_metrics import AudioStream
 from omni.api.errors import APIError, bad_request, error_body, to_api_error
 from omni.api.generation import Generation
-from omni.api.http import ClosingStream, until_disconnect
+from omni.api.http import SHUTTING_DOWN, ClosingStream, until_disconnect
 from omni.api.refused import first_refused
 from omni.api.state import FrontendState
 from omni.api.wav import pcm16, streaming_wav_header, wav_bytes
@@ -44,9 +44,6 @@ def _failed(request_id: str, form: str, e: Exception):
     err = to_api_error(e)
     log.warning("%s (speech, %s): failed part-way, %s: %s", request_id, form, err.type, err.message)
     return err
-
-
-SHUTTING_DOWN = APIError(503, "server shutting down", type="service_unavailable", code="server_shutting_down")
 
 
 def _error_event(err: APIError, sent: bool) -> sse.Last:

@@ -146,3 +146,14 @@ async def test_a_raw_audio_stream_is_left_cut_not_ended_clean(tokenizer):
     assert isinstance(error, httpx.RemoteProtocolError), error   # the client can tell it was cut
     assert took < GRACE_S + 0.5, took
     assert h.closed
+
+
+def test_chat_and_speech_end_a_stopped_stream_with_one_error():
+    """One definition: chat's error event and speech's speech.audio.error carry the same error."""
+    from omni.api import speech
+    from omni.api.http import SHUTTING_DOWN
+
+    assert speech.SHUTTING_DOWN is SHUTTING_DOWN
+    chat_error = json.loads(STOPPING.split(b"\n\n")[0].removeprefix(b"data: "))["error"]
+    assert chat_error == {"message": SHUTTING_DOWN.message, "type": SHUTTING_DOWN.type, "param": None,
+                          "code": SHUTTING_DOWN.code}
