@@ -42,9 +42,11 @@ class LocalKv:
     async def kv_get(self, namespace: str, key: str) -> bytes | None:
         return self._data.get(namespace, {}).get(key)
 
-    async def kv_list(self, namespace: str, prefix: str = "") -> dict[str, bytes]:
+    async def kv_list(self, namespace: str, prefix: str = "", max_entries: int = 100_000,
+                      start_after: str = "") -> dict[str, bytes]:
         items = self._data.get(namespace, {})
-        return {k: items[k] for k in sorted(items) if k.startswith(prefix)}
+        keys = [k for k in sorted(items) if k.startswith(prefix) and k > start_after]
+        return {k: items[k] for k in keys[:max_entries]}
 
     async def kv_delete(self, namespace: str, key: str) -> bool:
         return self._data.get(namespace, {}).pop(key, None) is not None

@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import time
-import uuid
 from typing import Any, Awaitable, Callable
 
 import msgspec
@@ -22,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from omni.api import protocol as P
-from omni.api.listing import list_page
+from omni.api import listing
 from omni.api.errors import APIError, bad_request, to_api_error
 from omni.api.job_store import JOB_ID_RE, LocalKv, Results, encode_record  # noqa: F401 (LocalKv: re-exported)
 from omni.errors import Unavailable
@@ -51,6 +50,7 @@ MAX_QUEUED = 64
 # How often a frontend removes results whose record is gone: the master expires job records
 # (omni/master/kv.py), and nothing else deletes their files.
 SWEEP_S = 3600.0
+ID_PREFIXES = ("job-", "video_")   # video_: the Videos API's (omni/api/videos.py)
 
 Handler = Callable[[Request], Awaitable[Response]]
 # body -> None, or the APIError the route would answer before running anything (it decodes the body itself)
@@ -105,6 +105,9 @@ class Jobs:
         self._watcher: asyncio.Task | None = None
         self._sweeper: asyncio.Task | None = None
         self._slots = asyncio.Semaphore(MAX_RUNNING)
+        # When records() last read the whole namespace, and whether it held ids made before they sorted
+        # by time (a master's state from an older omni): while it may, a list reads every record.
+        self._legacy_seen: tuple[float, bool] | None = None
 
     def bind(self, handlers: dict[str, Handler], checks: dict[str, Check] | None = None) -> None:
         """The endpoints jobs may run (only those this pipeline serves), path -> route handler; `checks`:
@@ -148,7 +151,7 @@ class Jobs:
                            f"running, {MAX_QUEUED} queued); retry once some finish or delete some",
                            type="rate_limit_error", code="too_many_jobs")
         now = time.time_ns()
-        record = {"id": f"{prefix}{uuid.uuid4().hex}", "object": "omni.job", "endpoint": endpoint,
+        record = {"id": listing.job_id(prefix, now), "object": "omni.job", "endpoint": endpoint,
                   "status": "queued", "created_at": now // 10**9, "completed_at": None,
                   "frontend": self.frontend_index, "error": None, "content_type": None, "bytes": None,
                   "owner": self.owner, "created_ns": now, **(extra or {})}
@@ -165,7 +168,7 @@ class Jobs:
         return _public(record)
 
     async def list(self, request: Request) -> Response:
-        return JSONResponse(list_page(request, await self.records(), "job"))
+        return JSONResponse(await self.page(request, "job"))
 
     async def retrieve(self, request: Request) -> Response:
         return JSONResponse(await self.record(request.path_params["job_id"]))
@@ -182,11 +185,34 @@ class Jobs:
 
     async def records(self, endpoint: str | None = None) -> list[dict]:
         """Every job's public record (of one endpoint), newest first."""
-        records = [json.loads(v) for v in (await self.kv.kv_list(NAMESPACE)).values()]
+        entries = await self.kv.kv_list(NAMESPACE)
+        self._legacy_seen = (time.monotonic(), any(map(listing.is_legacy, entries)))
+        records = [json.loads(v) for v in entries.values()]
         records = [r for r in records if endpoint is None or r.get("endpoint") == endpoint]
         records.sort(key=lambda r: r.get("created_ns", 0), reverse=True)
         live = self._live()
         return [self._view(r, live) for r in records]
+
+    async def page(self, request: Request, what: str, prefixes: tuple[str, ...] = ID_PREFIXES,
+                   endpoint: str | None = None, view: Callable[[dict], dict] = lambda job: job) -> dict:
+        """One page of the list (`view` of each public record, newest first) as OpenAI's list object:
+        the `limit` + 1 records after the cursor under each of `prefixes` (their keys sort by time),
+        merged. order=asc, or a namespace that may hold ids from before, reads every record."""
+        limit, order, after = listing.list_params(request, what)
+        seen = self._legacy_seen
+        if order == "asc" or seen is None or seen[1] or time.monotonic() - seen[0] > SWEEP_S:
+            items = [view(r) for r in await self.records(endpoint)]
+            return listing.list_page(request, items, what)
+        if after is not None and (not after.startswith(prefixes) or not JOB_ID_RE.fullmatch(after)
+                                  or await self.kv.kv_get(NAMESPACE, after) is None):
+            raise listing.no_such_cursor(after, what)
+        entries: dict[str, bytes] = {}
+        for prefix in prefixes:
+            start = prefix + listing.order_key(after) if after else ""
+            entries.update(await self.kv.kv_list(NAMESPACE, prefix, max_entries=limit + 1, start_after=start))
+        keys = sorted(entries, key=listing.order_key)[:limit + 1]
+        live = self._live()
+        return listing.page([view(self._view(json.loads(entries[k]), live)) for k in keys], limit, what)
 
     async def record(self, job_id: str, what: str = "job") -> dict:
         return self._view(await self._get(job_id, what), self._live())

@@ -1,7 +1,13 @@
 """OpenAI's list parameters (`limit`, `order`, `after`) for the job and video lists; any other query
-parameter is refused by name (it was ignored: `GET /v1/omni/jobs?after=...` gave the first page)."""
+parameter is refused by name (it was ignored: `GET /v1/omni/jobs?after=...` gave the first page).
+
+Job ids sort as their jobs were made, newest first (`job_id`), so a page is the next `limit` keys of
+the master's KV after the cursor, not the whole namespace (10,000 records, up to 64 MiB, per call)."""
 
 from __future__ import annotations
+
+import re
+import uuid
 
 from starlette.requests import Request
 
@@ -12,10 +18,26 @@ PARAMS = ("limit", "order", "after")
 QUERY = (("limit", {"type": "integer", "minimum": 1, "maximum": 100, "default": 20}),
          ("order", {"type": "string", "enum": ["asc", "desc"], "default": "desc"}),
          ("after", {"type": "string"}))
+# An id made before ids sorted by time: uuid4's hex (version 4, variant 10xx). A new id's 17th digit is 0.
+LEGACY_ID_RE = re.compile(r"[0-9a-f]{12}4[0-9a-f]{3}[89ab][0-9a-f]{15}")
+NS_MAX = (1 << 64) - 1
 
 
-def list_page(request: Request, items: list[dict], what: str) -> dict:
-    """One page of `items` (newest first) as an OpenAI list object."""
+def job_id(prefix: str, created_ns: int) -> str:
+    """`prefix` + 32 hex digits: the creation time counted down (a later job sorts first), then random."""
+    return f"{prefix}{NS_MAX - created_ns:016x}0{uuid.uuid4().hex[:15]}"
+
+
+def order_key(job_id: str) -> str:
+    return job_id[-32:]
+
+
+def is_legacy(job_id: str) -> bool:
+    return LEGACY_ID_RE.fullmatch(order_key(job_id)) is not None
+
+
+def list_params(request: Request, what: str) -> tuple[int, str, str | None]:
+    """(limit, order, after) of a list request, each checked."""
     q = request.query_params
     unknown = sorted(set(q) - set(PARAMS))
     if unknown:
@@ -31,14 +53,29 @@ def list_page(request: Request, items: list[dict], what: str) -> dict:
     order = q.get("order", "desc")
     if order not in ("asc", "desc"):
         raise bad_request(f"order={order} must be asc or desc", param="order")
+    return limit, order, q.get("after")
+
+
+def no_such_cursor(after: str, what: str) -> APIError:
+    # a cursor naming nothing: not found (a well-formed request, so not a 400)
+    return APIError(404, f"after={after} is no {what} in this list", param="after", code="not_found")
+
+
+def page(items: list[dict], limit: int, what: str) -> dict:
+    """An OpenAI list object of the first `limit` of `items` (those after the cursor, in order)."""
+    data = items[:limit]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": len(items) > limit}
+
+
+def list_page(request: Request, items: list[dict], what: str) -> dict:
+    """One page of `items` (newest first) as an OpenAI list object."""
+    limit, order, after = list_params(request, what)
     if order == "asc":
         items = items[::-1]
-    after = q.get("after")
     if after is not None:
         ids = [item["id"] for item in items]
-        if after not in ids:   # a cursor naming nothing: not found (a well-formed request, so not a 400)
-            raise APIError(404, f"after={after} is no {what} in this list", param="after", code="not_found")
+        if after not in ids:
+            raise no_such_cursor(after, what)
         items = items[ids.index(after) + 1:]
-    page = items[:limit]
-    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+    return page(items, limit, what)

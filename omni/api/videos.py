@@ -26,7 +26,6 @@ from starlette.responses import JSONResponse, Response
 
 from omni.api import mp4
 from omni.api import protocol as P
-from omni.api.listing import list_page
 from omni.api.errors import APIError, bad_request
 from omni.api.images import check_prompt, check_size, denoising, media_outputs, parse_size
 from omni.api.jobs import Jobs
@@ -165,8 +164,7 @@ class VideoRoutes:
 
     async def list(self, request: Request) -> Response:
         self.served()
-        videos = [video_object(r) for r in await self.jobs.records(ROUTE)]
-        return JSONResponse(list_page(request, videos, "video"))
+        return JSONResponse(await self.jobs.page(request, "video", (PREFIX,), ROUTE, video_object))
 
     async def retrieve(self, request: Request) -> Response:
         self.served()

@@ -473,13 +473,14 @@ class AsyncMasterClient:
         resp = await self._unary("KvGet", pb.KvGetRequest(namespace=namespace, key=key))
         return resp.value if resp.found else None
 
-    async def kv_list(self, namespace: str, prefix: str = "", max_entries: int = 100_000) -> dict[str, bytes]:
-        """Every entry (page by page, up to max_entries)."""
+    async def kv_list(self, namespace: str, prefix: str = "", max_entries: int = 100_000,
+                      start_after: str = "") -> dict[str, bytes]:
+        """Every entry after `start_after` in key order (page by page, up to max_entries)."""
         out: dict[str, bytes] = {}
-        after = ""
+        after = start_after
         while len(out) < max_entries:
-            resp = await self._unary("KvList", pb.KvListRequest(namespace=namespace, prefix=prefix,
-                                                                start_after=after))
+            resp = await self._unary("KvList", pb.KvListRequest(namespace=namespace, prefix=prefix, start_after=after,
+                                                                limit=max_entries - len(out)))
             out.update((e.key, e.value) for e in resp.entries)
             after = resp.next_start_after
             if not after:

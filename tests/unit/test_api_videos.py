@@ -68,8 +68,8 @@ class MasterKv(LocalKv):
     async def kv_get(self, namespace, key):
         return self.store.get(namespace, key)
 
-    async def kv_list(self, namespace, prefix=""):
-        return self.store.list(namespace, prefix)[0]
+    async def kv_list(self, namespace, prefix="", max_entries=100_000, start_after=""):
+        return self.store.list(namespace, prefix, max_entries, start_after)[0]
 
     async def kv_delete(self, namespace, key):
         return self.store.delete(namespace, key)

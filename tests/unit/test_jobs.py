@@ -191,9 +191,9 @@ class CountingKv(LocalKv):
         self.calls.append(("kv_get", key))
         return await super().kv_get(namespace, key)
 
-    async def kv_list(self, namespace, prefix=""):
+    async def kv_list(self, namespace, prefix="", **kw):
         self.calls.append(("kv_list", namespace))
-        return await super().kv_list(namespace, prefix)
+        return await super().kv_list(namespace, prefix, **kw)
 
 
 async def test_the_deletion_watcher_reads_its_running_jobs_records_only(tokenizer, tmp_path, monkeypatch):
