@@ -39,7 +39,7 @@ def atomic_write(path: str | os.PathLike, data: bytes) -> None:
 
 
 # In an omni-* temp folder: the pid of the process it belongs to, so a dead one's can be swept
-# (launcher.sweep_stale_tmp).
+# (sweep_stale_tmp, below).
 OWNER_FILE = "launcher.pid"
 
 

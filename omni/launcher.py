@@ -403,13 +403,14 @@ class Launcher:
                     # A crashed frontend is replaced, later each time it dies soon again; the engines carry on.
                     if not child.backoff.waiting():
                         child.sweep()
-                        self._frontend_gone(child)
+                        self._exited(child)
                         progress(f"{child.name} {child.exit_cause()}; restarting it in {child.backoff.died():g} s")
                     elif child.backoff.due():
                         child.restarts += 1
                         child.start()
                     continue
                 child.sweep()
+                self._exited(child)   # DEAD now; its requests already moved when its stream broke (SUSPECT)
                 code = child.proc.returncode
                 alive = [c for c in self.children if c.kind == "stage" and c.stage_id == child.stage_id and c.alive()]
                 if alive:
@@ -423,14 +424,20 @@ class Launcher:
         progress("shutting down")
         return 0
 
-    def _frontend_gone(self, child: Child) -> None:
-        """Our master marks the dead frontend DEAD now: restarted within the lease TTL, it found fe{index} still
-        SUSPECT and took the next free index for good; its jobs read frontend_gone and its metrics drop now."""
+    def _exited(self, child: Child) -> None:
+        """Our master marks the reaped child DEAD now, not a lease TTL later: a frontend restarted within the TTL
+        found fe{index} still SUSPECT and took the next free index for good (its jobs read frontend_gone and its
+        metrics drop now); a stage replica stayed SUSPECT in `omni status` and its slot held."""
         if self.master is None or child.proc is None:
             return
-        from omni.stage.main import advertised_host   # the host it registered under
+        from omni.master.registry import Role
+        from omni.stage.main import advertised_host, default_advertise_host   # the host it registered under
 
-        gone = self.master.process_exited(advertised_host(self.plan.host, self.master_address), child.proc.pid)
+        if child.kind == "frontend":
+            role, host = Role.FRONTEND, advertised_host(self.plan.host, self.master_address)
+        else:
+            role, host = Role.STAGE, self.plan.replica_address or default_advertise_host(self.master_address)
+        gone = self.master.process_exited(host, child.proc.pid, role)
         logger.info("%s (pid %d): marked DEAD in the master: %s", child.name, child.proc.pid, gone or "no entry")
 
     def shutdown(self, grace_s: float = 10.0) -> None:

@@ -396,9 +396,10 @@ class MasterServer:
         self._thread = None
         self._kv.close()
 
-    def process_exited(self, host: str, pid: int, role: Role = Role.FRONTEND) -> list[str]:
-        """For the launcher that hosts this master: a child it reaped is DEAD here now, not a lease TTL later
-        (its restart would find its index held). Run on the loop, as every registry access -> ids marked."""
+    def process_exited(self, host: str, pid: int, role: Role) -> list[str]:
+        """For the launcher that hosts this master: a child it reaped (frontend or stage replica) is DEAD here now,
+        not a lease TTL later (a restart would find its index held). Run on the loop, as every registry access
+        -> ids marked."""
         servicer, loop = self._servicer, self._loop
         if servicer is None or loop is None or not loop.is_running():
             return []

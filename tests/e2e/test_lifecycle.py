@@ -269,7 +269,7 @@ def test_a_launcher_stopped_while_a_vllm_stage_loads_leaves_nothing(how):
             p.proc.wait(10)
         assert session_left(sid, 10) == []
         if how == "sigkill":
-            from omni.launcher import sweep_stale_tmp
+            from omni.fsutil import sweep_stale_tmp
 
             assert os.path.exists(tmp[0])              # a SIGKILLed launcher cannot clean up ...
             assert tmp[0] in sweep_stale_tmp()         # ... the next one sweeps it

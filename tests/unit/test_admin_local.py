@@ -52,9 +52,7 @@ def test_a_command_the_master_refuses_exits_1_not_the_unreachable_2(served, comm
 def test_force_says_what_stopped_after_the_outcome_and_only_for_replicas_that_acked_ok(run_dir, monkeypatch):
     """`omni sleep --force` printed 'stage 1 will have no READY replica' before sending, then stage 1's replica
     answered that it cannot sleep (Code2Wav): the warning named a stage that kept serving."""
-    import time
-
-    from omni.master.client import MasterClient
+    from tests.unit.master_peers import keep_alive, ready
 
     monkeypatch.delenv("OMNI_TOKEN", raising=False)
     cfg = {"model": "m", "stages": [{"stage_id": 0, "engine_args": {}}, {"stage_id": 1, "engine_args": {}}]}
@@ -63,14 +61,8 @@ def test_force_says_what_stopped_after_the_outcome_and_only_for_replicas_that_ac
     clients = []
     try:
         for sid, answer in ((0, (True, "asleep")), (1, (False, "Code2WavEngine cannot sleep"))):
-            c = MasterClient(server.address)
-            c.register("STAGE", sid, config_hash=hash_config(cfg))
-            c.start_keepalive(lambda: {}, lambda cmd, answer=answer: answer, interval_s=0.1)
-            clients.append(c)
-        deadline = time.monotonic() + 10
-        while not all(s.ready_replicas for s in clients[0].get_status().stages):
-            assert time.monotonic() < deadline, "the replicas never became READY"
-            time.sleep(0.05)
+            clients.append(keep_alive(server.address, "STAGE", sid, hash_config(cfg), lambda cmd, a=answer: a))
+        ready(clients[0], 2)
         r = CliRunner().invoke(app, ["sleep", "--master", server.address, "--force", "--timeout", "5"])
         assert r.exit_code == 1, r.output     # stage 1 refused
         lines = r.output.splitlines()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from omni import config as cfg
 from omni.backoff import RestartBackoff
@@ -61,52 +62,71 @@ def test_the_supervisor_restarts_a_crashing_frontend_with_backoff(capsys):
     assert "restarting it in 4 s" in err
 
 
-FRONTEND = """
+ROOT = str(Path(__file__).resolve().parents[2])
+PEER = """
 import os, sys, time
-from omni.master.client import MasterClient
-c = MasterClient(sys.argv[1])
-c.register("FRONTEND", -1, config_hash=sys.argv[2], host="127.0.0.1", pid=os.getpid(), replica_hint=0)
-c.start_keepalive(lambda: {}, lambda cmd: (True, ""), interval_s=0.1)
+sys.path.insert(0, sys.argv[5])
+from tests.unit.master_peers import keep_alive
+keep_alive(sys.argv[1], sys.argv[3], int(sys.argv[4]), sys.argv[2], host="127.0.0.1", pid=os.getpid(), replica_hint=0)
 time.sleep(60)
 """
+
+
+def reaped(role: str, stage_id: int, kind: str, name: str):
+    """A launcher with its master and one child of `kind` registered as `role` (READY), SIGKILLed and reaped;
+    one supervision pass run: (launcher, admin client, the child's pid, what _supervise returned)."""
+    import os
+    import signal
+
+    from omni.master.client import MasterClient
+    from tests.unit.master_peers import wait_until
+
+    plan = LaunchPlan(cfg.load("smollm2"), stages=[], api_server_count=0)
+    launcher = Launcher(plan)
+    launcher.start_master()
+    child = Child(name, kind, [sys.executable, "-c", PEER, launcher.master_address, plan.config.config_hash(), role,
+                               str(stage_id), ROOT], stage_id=stage_id, index=0)
+    launcher.children.append(child)
+    admin = MasterClient(launcher.master_address)
+    child.start()
+    wait_until(lambda: [r.state for r in admin.get_status().replicas] == ["READY"] or not child.alive(),
+               timeout=30, what="the child did not register")
+    assert child.alive()
+    pid = child.proc.pid
+    os.kill(pid, signal.SIGKILL)
+    child.proc.wait()
+    ticks = []
+    launcher._stop.wait = lambda timeout=None: ticks.append(1) or len(ticks) > 1   # one supervision pass
+    return launcher, admin, pid, launcher._supervise()
 
 
 def test_a_reaped_frontend_is_dead_in_the_master_at_once_so_its_restart_is_fe_index_again():
     """Restarted within the lease TTL, a frontend found fe0 still READY/SUSPECT and registered as fe2 for
     good (omni status then no longer matched X-Omni-Frontend); its jobs read in_progress for a lease."""
-    import os
-    import signal
-    import time
-
     from omni.master.client import MasterClient
 
-    plan = LaunchPlan(cfg.load("smollm2"), stages=[], api_server_count=0)
-    launcher = Launcher(plan)
-    launcher.start_master()
-    child = Child("api0", "frontend", [sys.executable, "-c", FRONTEND, launcher.master_address,
-                                       plan.config.config_hash()], index=0)
-    launcher.children.append(child)
-    admin = MasterClient(launcher.master_address)
+    launcher, admin, pid, code = reaped("FRONTEND", -1, "frontend", "api0")
     try:
-        child.start()
-        deadline = time.monotonic() + 30
-        while [(r.replica_id, r.state) for r in admin.get_status().replicas] != [("fe0", "READY")]:
-            assert child.alive() and time.monotonic() < deadline, "the frontend did not register"
-            time.sleep(0.05)
-        pid = child.proc.pid
-        os.kill(pid, signal.SIGKILL)
-        child.proc.wait()
-        ticks = []
-        launcher._stop.wait = lambda timeout=None: ticks.append(1) or len(ticks) > 1   # one supervision pass
-        assert launcher._supervise() == 0
+        assert code == 0
         assert [(r.replica_id, r.state, r.pid) for r in admin.get_status().replicas] == [("fe0", "DEAD", pid)]
         new = MasterClient(launcher.master_address)
         try:
-            reg = new.register("FRONTEND", -1, config_hash=plan.config.config_hash(), host="127.0.0.1",
+            reg = new.register("FRONTEND", -1, config_hash=launcher.plan.config.config_hash(), host="127.0.0.1",
                                pid=pid + 1, replica_hint=0)
             assert reg.replica_id == "fe0"
         finally:
             new.close()
+    finally:
+        admin.close()
+        launcher.shutdown()
+
+
+def test_a_reaped_stage_replica_is_dead_in_the_master_at_once():
+    """The launcher marked only reaped frontends: a reaped stage replica stayed SUSPECT for a lease TTL."""
+    launcher, admin, pid, code = reaped("STAGE", 0, "stage", "stage0")
+    try:
+        assert code == 1   # its stage's last replica: the launcher shuts down
+        assert [(r.replica_id, r.state, r.pid) for r in admin.get_status().replicas] == [("s0r0", "DEAD", pid)]
     finally:
         admin.close()
         launcher.shutdown()

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from omni.launcher import OWNER_FILE, sweep_stale_tmp
+from omni.fsutil import OWNER_FILE, sweep_stale_tmp
 
 
 def test_temp_dirs_of_dead_launchers_are_swept_and_no_others(tmp_path):

@@ -4,7 +4,6 @@ broken keep-alive stream."""
 from __future__ import annotations
 
 import json
-import time
 
 import grpc
 import pytest
@@ -16,6 +15,7 @@ from omni.master.client import MasterClient
 from omni.master.configdiff import hash_config
 from omni.master.server import MasterServer
 from omni.master.types import Registration
+from tests.unit.master_peers import keep_alive, wait_until
 
 CFG = {"model": "m", "stages": [{"stage_id": 0, "name": "a"}, {"stage_id": 1, "name": "b"}]}
 HASH = hash_config(CFG)
@@ -33,23 +33,9 @@ def master():
         server.stop(grace=0.2)
 
 
-def _wait(pred, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "condition not met before the deadline"
-        time.sleep(0.02)
-
-
 def _stage(address: str, stage_id: int, pid: int, got: list) -> MasterClient:
-    c = MasterClient(address)
-    c.register("STAGE", stage_id, config_hash=HASH, host="h", pid=pid)
-
-    def on_command(cmd):
-        got.append(cmd.kind)
-        return True, cmd.kind
-
-    c.start_keepalive(lambda: {}, on_command, interval_s=0.1)
-    return c
+    return keep_alive(address, "STAGE", stage_id, HASH, lambda cmd: (got.append(cmd.kind), (True, cmd.kind))[1],
+                      host="h", pid=pid)
 
 
 # -- an unknown command kind (version skew) -----------------------------------------------------
@@ -82,7 +68,7 @@ def test_the_master_refuses_a_command_kind_it_cannot_name_before_sending_it(mast
     got: list = []
     stage = _stage(server.address, 0, 100, got)
     try:
-        _wait(lambda: stage.get_status().replicas[0].state == "READY")
+        wait_until(lambda: stage.get_status().replicas[0].state == "READY")
         with pytest.raises(grpc.RpcError) as e:
             stub.SendCommand(pb.SendCommandRequest(kind=6, timeout_s=1.0))
         assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT
@@ -151,7 +137,7 @@ def test_a_command_naming_stages_and_replicas_is_refused_not_half_read(master):
     stages = [_stage(server.address, 0, 100, got0), _stage(server.address, 1, 101, got1)]
     admin = MasterClient(server.address)
     try:
-        _wait(lambda: all(r.state == "READY" for r in admin.get_status().replicas))
+        wait_until(lambda: all(r.state == "READY" for r in admin.get_status().replicas))
         assert "give one, not both" in _refused(lambda: stub.SendCommand(pb.SendCommandRequest(
             kind=pb.DRAIN, stage_ids=[0], replica_ids=["s1r0"], timeout_s=1.0)))
         with pytest.raises(BadRequest, match="stage_ids and replica_ids: give one, not both"):
@@ -167,14 +153,12 @@ def test_a_command_aimed_at_a_frontend_is_refused_naming_it(master):
     """DRAIN/SLEEP/SHUTDOWN with replica_ids=['fe0'] answered ok=True: the frontend acks every command
     ("ignored by frontends") and does nothing."""
     server, stub = master
-    fe = MasterClient(server.address)
-    fe.register("FRONTEND", config_hash=HASH, host="h", pid=200, replica_hint=0)
     acked: list = []
-    fe.start_keepalive(lambda: {}, lambda cmd: (acked.append(cmd.kind), (True, "ignored by frontends"))[1],
-                       interval_s=0.1)
+    fe = keep_alive(server.address, "FRONTEND", -1, HASH, lambda cmd: (acked.append(cmd.kind), (True, "ignored"))[1],
+                    host="h", pid=200, replica_hint=0)
     admin = MasterClient(server.address)
     try:
-        _wait(lambda: [(r.replica_id, r.state) for r in admin.get_status().replicas] == [("fe0", "READY")])
+        wait_until(lambda: [(r.replica_id, r.state) for r in admin.get_status().replicas] == [("fe0", "READY")])
         for kind in ("DRAIN", "SLEEP", "SHUTDOWN"):
             with pytest.raises(BadRequest, match="replica 'fe0' is an API frontend; commands reach stage replicas"):
                 admin.send_command(kind, (), {}, replica_ids=["fe0"], timeout_s=1.0)
@@ -202,7 +186,7 @@ def test_a_command_timeout_that_is_nan_negative_or_infinite_is_refused_before_se
     got: list = []
     stage = _stage(server.address, 0, 100, got)
     try:
-        _wait(lambda: stage.get_status().replicas[0].state == "READY")
+        wait_until(lambda: stage.get_status().replicas[0].state == "READY")
         for t in (float("nan"), -1.0, float("inf"), float("-inf")):
             says = _refused(lambda t=t: stub.SendCommand(pb.SendCommandRequest(kind=pb.DRAIN, timeout_s=t)))
             assert "timeout_s must be a finite number of seconds >= 0" in says, says

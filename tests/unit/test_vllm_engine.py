@@ -155,7 +155,7 @@ def test_vllms_ipc_sockets_go_to_a_folder_of_the_stages_own(monkeypatch, short_t
 
     from omni.engines.vllm.args import prepare_env
     from omni.fsutil import OWNER_FILE
-    from omni.launcher import sweep_stale_tmp
+    from omni.fsutil import sweep_stale_tmp
 
     monkeypatch.setattr(tempfile, "tempdir", short_tmp)
     monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
