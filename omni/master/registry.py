@@ -23,6 +23,7 @@ Replica states and their transitions (`TRANSITIONS`; `next_state` applies it):
     DRAINING     STREAM_BROKEN    SUSPECT
     SUSPECT      STREAM_BROKEN    SUSPECT
     any live     LEASE_EXPIRED    DEAD   (no heartbeat for lease_ttl_s)
+    any live     EXITED           DEAD   (the launcher that hosts the master reaped the process: `exited`)
     any          deregister       removed
 
 Whether a replica drains is the stage's own word once it reports: a heartbeat's `draining` is taken
@@ -406,8 +407,7 @@ class Registry:
         events: list[Event] = []
         for rep in list(self._by_lease.values()):
             if rep.role is role and (rep.host, rep.pid) == (host, pid) and rep.state in LIVE_STATES:
-                rep.dead_at = self._clock()
-                events += self._apply(rep, T.EXITED)
+                events += self._mark_dead(rep, T.EXITED)
         return events
 
     def deregister(self, lease_id: str) -> tuple[bool, list[Event]]:
@@ -432,8 +432,7 @@ class Registry:
             if rep.state in LIVE_STATES and now - max(rep.last_seen, self._grace_from) > self.lease_ttl_s:
                 logger.warning("replica %s (pid %d on %s): no heartbeat for %.1f s, lease expired",
                                rep.replica_id, rep.pid, rep.host, now - rep.last_seen)
-                rep.dead_at = now
-                events += self._apply(rep, T.LEASE_EXPIRED)
+                events += self._mark_dead(rep, T.LEASE_EXPIRED)
             elif rep.state is S.DEAD and rep.dead_at is not None and now - rep.dead_at >= self._dead_retention_s:
                 _, removed = self.deregister(rep.lease_id)
                 events += removed
@@ -442,6 +441,11 @@ class Registry:
         return events
 
     # -- helpers ----------------------------------------------------------------------------
+    def _mark_dead(self, rep: Replica, trigger: Trigger) -> list[Event]:
+        """A live replica is DEAD: kept listed `dead_retention_s` from now, its slot free for the next one."""
+        rep.dead_at = self._clock()
+        return self._apply(rep, trigger)
+
     def _apply(self, rep: Replica, trigger: Trigger) -> list[Event]:
         new = next_state(rep.state, trigger, rep.draining)
         if new is rep.state:

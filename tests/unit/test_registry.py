@@ -437,3 +437,18 @@ def test_exited_marks_only_that_processes_live_frontend_dead(reg):
     again, _ = reg.register(RegisterInput(role=Role.FRONTEND, stage_id=-1, host="h1", pid=8, config_hash=HASH,
                                           replica_hint=0))
     assert again.replica_id == "fe0"
+
+
+def test_the_module_docstring_lists_every_transition():
+    """The table in registry.py's docstring lacked `any live -EXITED-> DEAD`."""
+    import re
+
+    from omni.master import registry
+
+    rows = re.findall(r"^ {4}(any live|[A-Z]+) +([A-Z_]+) +([A-Z]+)", registry.__doc__, re.M)
+    for (state, trigger), target in registry.TRANSITIONS.items():
+        # a READY outcome is DRAINING for a draining replica (next_state); the table may name either first
+        targets = {target.value, "DRAINING"} if target is registry.S.READY else {target.value}
+        assert any(t == trigger.value and n in targets
+                   and (s == state.value or (s == "any live" and state in registry.LIVE_STATES))
+                   for s, t, n in rows), f"{state.value} {trigger.value} -> {target.value} is not in the docstring"
