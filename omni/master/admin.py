@@ -119,8 +119,7 @@ def _what_stops(st, stopped: set[str]) -> list[str]:
     `stopped` (the replicas that acked ok) stopped serving."""
     lines = []
     for s in st.stages:
-        serving = [r.replica_id for r in st.replicas if r.role == "STAGE" and r.stage_id == s.stage_id
-                   and r.state == "READY" and not r.is_sleeping]
+        serving = [r.replica_id for r in st.serving(s.stage_id)]
         if serving and all(r in stopped for r in serving):
             lines.append(f"stage {s.stage_id} has no awake READY replica now ({', '.join(serving)}); "
                          "its requests fail until it is back")

@@ -55,17 +55,24 @@ class Status(msgspec.Struct, frozen=True):
     lease_ttl_s: float
     pipeline_config: dict
 
+    def ready(self, stage_id: int) -> list[ReplicaInfo]:
+        """The stage's READY replicas, asleep or not."""
+        return [r for r in self.replicas if r.role == "STAGE" and r.stage_id == stage_id and r.state == "READY"]
+
+    def serving(self, stage_id: int) -> list[ReplicaInfo]:
+        """The stage's replicas that serve: READY and awake (an asleep one answers every request with a 503)."""
+        return [r for r in self.ready(stage_id) if not r.is_sleeping]
+
     def problems(self) -> list[str]:
-        """Why the pipeline cannot serve; empty when every stage has a READY replica that is awake (an asleep
-        one answers every request with a 503, so a stage whose READY replicas all sleep serves nothing)."""
+        """Why the pipeline cannot serve; empty when every stage has a serving replica."""
         if not self.has_config:
             return ["the master has no pipeline config yet (nothing has registered)"]
         out = []
         for s in self.stages:
-            ready = [r for r in self.replicas if r.role == "STAGE" and r.stage_id == s.stage_id and r.state == "READY"]
+            ready = self.ready(s.stage_id)
             if s.ready_replicas == 0:
                 out.append(f"stage {s.stage_id} has no READY replica")
-            elif ready and all(r.is_sleeping for r in ready):
+            elif ready and not self.serving(s.stage_id):
                 out.append(f"stage {s.stage_id} has no awake READY replica ({', '.join(r.replica_id for r in ready)} "
                            f"asleep: `omni wakeup --stage {s.stage_id}`)")
         return out

@@ -173,6 +173,18 @@ def test_a_stage_whose_ready_replicas_all_sleep_is_a_problem():
         "stage 0 has no awake READY replica (s0r1 asleep: `omni wakeup --stage 0`)"]
 
 
+def test_a_stages_serving_replicas_are_its_ready_awake_ones():
+    """One definition for `omni status` (problems) and `omni sleep --force` (admin._what_stops)."""
+    reps = [_rep(replica_id="s0r0", is_sleeping=False), _rep(replica_id="s0r1", replica_index=1),
+            _rep(replica_id="s0r2", state="DRAINING", is_sleeping=False),
+            _rep(stage_id=1, replica_id="s1r0", is_sleeping=False),
+            _rep(stage_id=-1, replica_id="fe0", role="FRONTEND", is_sleeping=False)]
+    st = Status(reps, [StageStatus(0, 2, 3), StageStatus(1, 1, 1)], "", True, 5.0, {})
+    assert [r.replica_id for r in st.ready(0)] == ["s0r0", "s0r1"]
+    assert [r.replica_id for r in st.serving(0)] == ["s0r0"]
+    assert [r.replica_id for r in st.serving(-1)] == []
+
+
 def test_kv_put_only_if_exists_never_brings_back_a_deleted_key(tmp_path):
     """A conditional write: an update (a job's status) that a delete in between must not undo."""
     now = [1000.0]
