@@ -188,7 +188,7 @@ def serve(
     max_request_bytes: int = typer.Option(16 << 20, "--max-request-bytes", help="Largest HTTP request body; larger ones get 413, refused from Content-Length before reading."),
     timeout_keep_alive: float = typer.Option(5.0, "--timeout-keep-alive", help="Seconds an HTTP connection may sit idle, and may take to send a request's head (headers)."),
     timeout_request_body: float = typer.Option(60.0, "--timeout-request-body", help="Seconds a request body may take to arrive once its head did; later: 408."),
-    timeout_response_write: float = typer.Option(60.0, "--timeout-response-write", help="Seconds one write of a streaming response may wait for the client to take it (nginx's send_timeout); a client that reads nothing for longer has its response ended and its request cancelled."),
+    timeout_response_write: float = typer.Option(60.0, "--timeout-response-write", help="Seconds one write of a response (a stream's chunk, 64 KiB of a whole body) may wait for the client to take it (nginx's send_timeout); a client that reads nothing for longer has its response ended, its connection closed and its request cancelled."),
     backlog: int = typer.Option(2048, "--backlog", help="Listen backlog of the HTTP socket (connections the kernel queues before accept)."),
 ) -> None:
     """Serve MODEL's pipeline: everything on this host, the head (--stage-id 0), or one headless stage.

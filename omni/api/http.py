@@ -18,7 +18,7 @@ from starlette.responses import Response, StreamingResponse
 
 from omni.api import browser, routes, sse
 from omni.api.errors import APIError, api_error_response, error_body, error_response
-from omni.api.limits import WRITE_TIMEOUT, HttpLimits
+from omni.api.limits import WRITE_TIMEOUT, HttpLimits, WriteTimeout, timed_send
 from omni.api.metrics import FrontendMetrics
 
 log = logging.getLogger(__name__)
@@ -204,7 +204,7 @@ class ClosingStream(StreamingResponse):
         streams = scope.get(OPEN_STREAMS)
         if streams is not None:
             streams.add(watch)
-        send = _timed(send, timeout)
+        send = timed_send(send, timeout)
         try:
             try:
                 await self._stream(send, watch)
@@ -213,7 +213,7 @@ class ClosingStream(StreamingResponse):
                     raise
             if watch.cut == "stop" and self._open:
                 await self._stopped(send)
-        except _WriteTimeout:
+        except WriteTimeout:
             log.info("%s: the client took no data for %g s (--timeout-response-write); response ended",
                      scope["path"], timeout)
         finally:
@@ -263,20 +263,6 @@ def end_streams(streams: set) -> int:
     for watch in open_now:
         watch.stop()
     return len(open_now)
-
-
-class _WriteTimeout(Exception):
-    """A write of the response not taken in time (not a TimeoutError: the body's own must pass)."""
-
-
-def _timed(send, timeout: float):
-    async def timed_send(message):
-        try:
-            async with asyncio.timeout(timeout):   # Hypercorn's send waits in drain() while the client reads nothing
-                await send(message)
-        except TimeoutError:
-            raise _WriteTimeout from None
-    return timed_send
 
 
 def endpoint(fn: Callable[..., Awaitable[Response]]):

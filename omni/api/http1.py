@@ -7,13 +7,23 @@ for this (its h2 is always on), so its TCP server is given a protocol wrapper th
 HTTP/1.1: the prior-knowledge preface gets a 505 and the connection closes; an `Upgrade: h2c` is
 ignored (RFC 9110 lets a server) and the request answered in HTTP/1.1. Written against Hypercorn
 0.18.0 (pinned): tests/unit/test_http1_only.py checks it on a real socket.
+
+A response the app ends before its last byte (a client that took no data within --timeout-response-write,
+a raw audio stream cut at the stop) closes the connection: Hypercorn kept it open, waiting, with what the
+client had not read still buffered. What a client that is not reading still has queued is dropped with a
+reset (a plain close would wait for it to be read); tests/unit/test_api_write_timeout.py checks it.
 """
 
 from __future__ import annotations
 
+import socket
+import struct
+
+import h11
 import hypercorn.asyncio.tcp_server as _tcp_server
 from hypercorn.events import Closed
 from hypercorn.protocol import ProtocolWrapper
+from hypercorn.protocol.events import StreamClosed
 from hypercorn.protocol.h11 import H11Protocol
 
 
@@ -27,6 +37,20 @@ class _H11Only(H11Protocol):
             await self._send_error_response(505)
             raise _Http2Refused
         # Anything else, `Upgrade: h2c` included, is served as the HTTP/1.1 request it is.
+
+    async def stream_send(self, event) -> None:
+        if isinstance(event, StreamClosed) and self.connection.our_state is h11.SEND_BODY:
+            await self._close_stream()      # the app ended an unfinished response: nothing can follow it
+            transport = getattr(getattr(getattr(self.send, "__self__", None), "writer", None), "transport", None)
+            if transport is not None and transport.get_write_buffer_size():
+                sock = transport.get_extra_info("socket")
+                if sock is not None:        # the kernel's queue goes too: an RST, not a FIN behind unread data
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                transport.abort()
+            else:
+                await self.send(Closed())
+            return
+        await super().stream_send(event)
 
 
 class Http11OnlyWrapper(ProtocolWrapper):

@@ -2,18 +2,23 @@
 from Content-Length before a byte is read; a chunked body is cut off at the cap), the time a
 request body may take to arrive, the wait for a request's head (Hypercorn's keep-alive timer,
 which runs from accept and from each response until the next head is complete), the wait for one
-write of a streaming response to be taken (a client that stops reading: http.ClosingStream) and
-the listen backlog. A stream's length is never timed: a client that keeps reading keeps it."""
+write of a response to be taken (a client that stops reading: a whole body here, a stream's chunk in
+http.ClosingStream; the connection then closes, omni.api.http1) and the listen backlog. A stream's
+length is never timed: a client that keeps reading keeps it."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import asdict, dataclass
 
 from omni.api.errors import APIError, error_response
 from omni.errors import ConfigError
 
+log = logging.getLogger(__name__)
+
 MIB = 1 << 20
+WRITE_PIECE = 64 * 1024   # Hypercorn's writer waits in drain() above 64 KiB buffered
 WRITE_TIMEOUT = "omni.timeout_response_write"   # the scope key ClosingStream reads it from
 
 
@@ -57,10 +62,39 @@ def body_timeout(seconds: float) -> APIError:
                     code="request_timeout")
 
 
+class WriteTimeout(Exception):
+    """A write of the response not taken in time (not a TimeoutError: the body's own must pass)."""
+
+
+def timed_send(send, timeout: float):
+    async def timed(message):
+        try:
+            async with asyncio.timeout(timeout):   # Hypercorn's send waits in drain() while the client reads nothing
+                await send(message)
+        except TimeoutError:
+            raise WriteTimeout from None
+    return timed
+
+
+def in_pieces(send):
+    """A whole body goes out in WRITE_PIECE pieces, each its own write: the deadline is on the client's
+    progress (nginx's send_timeout), not on the time a slow link takes for all of it."""
+    async def pieces(message):
+        body = message.get("body", b"")
+        if message["type"] != "http.response.body" or len(body) <= WRITE_PIECE:
+            return await send(message)
+        view, more = memoryview(body), message.get("more_body", False)
+        for at in range(0, len(view), WRITE_PIECE):
+            await send({"type": "http.response.body", "body": view[at:at + WRITE_PIECE],
+                        "more_body": more or at + WRITE_PIECE < len(view)})
+    return pieces
+
+
 class LimitsMiddleware:
     """Refuse a declared body over the cap before reading it; count what arrives, and bound the
     time until the body is complete. The errors are raised from `receive`, inside the route, so
-    they answer as OpenAI error bodies; Hypercorn then closes the connection (body unread)."""
+    they answer as OpenAI error bodies; Hypercorn then closes the connection (body unread). Each
+    write of the response waits at most --timeout-response-write for the client to take it."""
 
     def __init__(self, app, *, limits: HttpLimits):
         self.app = app
@@ -103,4 +137,8 @@ class LimitsMiddleware:
                 complete = True
             return message
 
-        await self.app(scope, limited_receive, send)
+        try:
+            await self.app(scope, limited_receive, in_pieces(timed_send(send, self.write_timeout)))
+        except WriteTimeout:   # a whole body (a stream's chunk is ClosingStream's): the connection closes
+            log.info("%s: the client took no data for %g s (--timeout-response-write); response ended",
+                     scope["path"], self.write_timeout)

@@ -149,3 +149,91 @@ async def test_a_reset_connection_stops_a_stream_with_outputs_queued(tokenizer):
         client.close()
         stop.set()
         await asyncio.wait_for(server, 10)
+
+
+class BigSpeech(FakeOrchestrator):
+    """A finite speech whose whole body (a 16 MiB WAV) is more than the socket buffers and asyncio's take."""
+
+    async def generate(self, request):
+        self.started_event.set()
+        pcm = np.zeros(1 << 20, dtype="<f4").tobytes()
+        for _ in range(8):
+            yield PipelineOutput(request_id=request.request_id, stage_id=1, modality="audio", audio_pcm=pcm,
+                                 sample_rate=24000)
+        self.closed_event.set()
+
+
+async def _whole_body(tok, caplog, write_s: float, read_every_s: float | None) -> tuple[int, int, bool, bool]:
+    """A non-streaming speech request from a client that reads nothing for 3 s, then reads for 5 s (read_every_s
+    None: a tiny receive buffer, so the server's send waits), or that pauses read_every_s after each 256 KiB
+    (the kernel's buffers: a tiny window stalls TCP itself); -> (body bytes read, Content-Length, whether
+    the connection ended, whether the write timeout was logged)."""
+    limits = HttpLimits(timeout_response_write=write_s)
+    app = build_app(BigSpeech(tok), tok, served_model_name="tiny", max_model_len=128, speech_entry_stage=1,
+                    limits=limits)
+    stop, ready = asyncio.Event(), asyncio.get_running_loop().create_future()
+    server = asyncio.create_task(serve(app, shutdown_event=stop, on_ready=lambda h, p: ready.set_result(p),
+                                       graceful_timeout=1.0, limits=limits))
+    loop = asyncio.get_running_loop()
+    client = socket.socket()
+    try:
+        port = await asyncio.wait_for(ready, 10)
+        if read_every_s is None:
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        client.setblocking(False)
+        await loop.sock_connect(client, ("127.0.0.1", port))
+        payload = json.dumps({"model": "tiny", "input": "hello there", "response_format": "wav"}).encode()
+        await loop.sock_sendall(client, b"POST /v1/audio/speech HTTP/1.1\r\nhost: t\r\ncontent-type: "
+                                b"application/json\r\ncontent-length: " + str(len(payload)).encode()
+                                + b"\r\n\r\n" + payload)
+        if read_every_s is None:
+            await asyncio.sleep(3)      # the client reads nothing: the write timeout passes several times over
+        got, ended, head = bytearray(), False, -1   # bytes += would copy the body at every read
+        deadline = time.monotonic() + (5 if read_every_s is None else 30)
+        while time.monotonic() < deadline:
+            try:
+                chunk = await asyncio.wait_for(loop.sock_recv(client, 64 * 1024), deadline - time.monotonic())
+            except ConnectionResetError:
+                chunk = b""
+            except TimeoutError:
+                break
+            if not chunk:
+                ended = True
+                break
+            got += chunk
+            head = got.find(b"\r\n\r\n") if head < 0 else head
+            if head >= 0 and len(got) - head - 4 >= length(got[:head]):
+                break                   # the whole body
+            if read_every_s is not None and len(got) // (256 * 1024) > (len(got) - len(chunk)) // (256 * 1024):
+                await asyncio.sleep(read_every_s)   # a pause after each 256 KiB
+        logged = any("--timeout-response-write" in r.getMessage() for r in caplog.records)
+        return len(got) - head - 4, length(got[:head]), ended, logged
+    finally:
+        client.close()
+        stop.set()
+        await asyncio.wait_for(server, 10)
+
+
+def length(head: bytes) -> int:
+    found = [line for line in bytes(head).split(b"\r\n") if line.lower().startswith(b"content-length:")]
+    return int(found[0].split(b":")[1])
+
+
+async def test_a_whole_body_the_client_does_not_take_ends_its_connection(tokenizer, caplog):
+    """--timeout-response-write covered streams only: a whole body (a speech WAV, a chat JSON with logprobs)
+    a client never read held its connection and Hypercorn's buffered copy of it until the client left."""
+    with caplog.at_level(logging.INFO):
+        read, declared, ended, logged = await _whole_body(tokenizer, caplog, WRITE_S, None)
+    assert declared == 44 + 8 * 2 * (1 << 20)
+    assert ended and logged and read < declared, f"{read} of {declared} bytes, ended {ended}: the stalled " \
+                                                 "response was not ended"
+
+
+async def test_a_slow_reader_of_a_whole_body_gets_all_of_it(tokenizer, caplog):
+    """The deadline is on each 64 KiB piece, not on the whole body: a client that keeps reading, for longer
+    than the timeout in all, is not cut off."""
+    with caplog.at_level(logging.INFO):
+        t0 = time.monotonic()
+        read, declared, ended, logged = await _whole_body(tokenizer, caplog, 1.0, 0.05)
+    assert time.monotonic() - t0 > 1.0
+    assert (read, ended, logged) == (declared, False, False)
