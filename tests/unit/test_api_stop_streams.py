@@ -21,11 +21,6 @@ pytestmark = pytest.mark.anyio
 GRACE_S = 1.5     # open streams are ended at GRACE_S - 1
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 async def _stop_during(orch, path: str, body: dict) -> tuple[list[str], BaseException | None, float]:
     """Stream `body`; once a first piece arrived, stop the server. The lines read, how the read ended
     (None: a complete response) and how long after the stop it did."""

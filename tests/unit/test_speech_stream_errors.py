@@ -14,11 +14,6 @@ from tests.unit.api_fakes import make, tokenizer  # noqa: F401 (a fixture)
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 def _dies_after(orch, n: int, prompt_tokens: int | None = 7):
     """The pipeline sends `n` audio chunks, then its code2wav replica is gone."""
     async def generate(request):

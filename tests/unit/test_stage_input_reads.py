@@ -15,10 +15,9 @@ from omni.config import StageConfig
 from omni.engines.base import EngineRequest, SamplingParams
 from omni.stage import messages as m
 from omni.stage.input_reads import InputReads
-from omni.stage.worker import StageWorker
 from omni.transport.base import TensorRef, TransportError
 from omni.transport.factory import MultiConsumer
-from tests.unit.test_stage_worker import CountEngine, dealer, enc, hello, recv
+from tests.unit.test_stage_worker import CountEngine, dealer, enc, hello, load_when, recv, running
 
 READ_TIMEOUT_S = 3.0
 
@@ -91,17 +90,8 @@ def _far_ref(key: int = 5) -> TensorRef:
 
 
 def _run(consumer, engine):
-    w = StageWorker(StageConfig(stage_id=1, engine="count", name="reader"), engine, token="secret",
-                    replica_id="s1r0", consumer=consumer)
-    t = threading.Thread(target=w.run, kwargs={"grace_s": 1.0}, daemon=True)
-    t.start()
-    return w, t
-
-
-def _stop(w, t):
-    w.stop()
-    t.join(10)
-    assert not t.is_alive()
+    """A reading stage on a thread: next() starts it, next(gen, None) stops it."""
+    return running(StageConfig(stage_id=1, engine="count", name="reader"), engine, consumer=consumer)
 
 
 @pytest.fixture
@@ -113,13 +103,15 @@ def silent():
 
 @pytest.fixture
 def silent_stage(silent):
-    engine = RecordingEngine()
-    w, t = _run(MultiConsumer({"tcp": {"timeout": READ_TIMEOUT_S}}, token="secret"), engine)
+    gen = _run(MultiConsumer({"tcp": {"timeout": READ_TIMEOUT_S}}, token="secret"), RecordingEngine())
+    w, engine = next(gen)
     s = dealer(w.endpoint)
-    assert hello(s).ok
-    yield w, engine, s, silent
-    s.close()
-    _stop(w, t)
+    try:
+        assert hello(s).ok
+        yield w, engine, s, silent
+    finally:
+        s.close()
+        next(gen, None)
 
 
 def add(rid: str, prompt: int, tensors: dict | None = None, max_tokens: int = 1) -> bytes:
@@ -140,7 +132,7 @@ def test_a_silent_producer_holds_only_the_request_that_reads_from_it(silent_stag
     assert got == {m.Output, m.UtilityResult}, (first, second)
     out = first if isinstance(first, m.Output) else second
     assert out.request_id == "r2" and out.token_ids == [21] and out.finished
-    assert w.load()["in_flight"] == 1   # r1, waiting for its read
+    load_when(w, lambda load: load["in_flight"] == 1)   # r1, waiting for its read
     err = recv(s)
     # The read's error is r1's, as it was when read inline: TransportError, kind internal.
     assert isinstance(err, m.RequestError) and err.request_id == "r1" and err.kind == "internal"
@@ -157,7 +149,7 @@ def test_an_abort_during_the_read_is_honoured(silent_stage):
     s.send(add("r2", 20))
     out = recv(s)
     assert out.request_id == "r2" and out.finished
-    assert w.load()["in_flight"] == 0
+    load_when(w, lambda load: load["in_flight"] == 0)
     assert silent.closed.wait(READ_TIMEOUT_S + 5)   # r1's read ended (timed out)
     s.send(add("r3", 30))   # its end went through the loop before r3's output comes
     out = recv(s)
@@ -170,20 +162,21 @@ def test_an_abort_during_the_read_is_honoured(silent_stage):
 @pytest.fixture
 def gated():
     """A stage whose remote reads wait for `consumer.gate`, and a frontend socket said hello."""
-    consumer, engine = GatedConsumer(), RecordingEngine()
-    w, t = _run(consumer, engine)
+    consumer = GatedConsumer()
+    gen = _run(consumer, RecordingEngine())
+    w, engine = next(gen)
     s = dealer(w.endpoint)
     try:
         assert hello(s).ok
-        yield consumer, engine, w, s, t
+        yield consumer, engine, w, s
     finally:
         consumer.gate.set()
         s.close()
-        _stop(w, t)
+        next(gen, None)   # stops it; fails if its loop did not end
 
 
 def test_a_read_that_ends_after_its_abort_is_dropped(gated):
-    consumer, engine, w, s, t = gated
+    consumer, engine, w, s = gated
     s.send(add("r1", 10, {"x": _far_ref()}))
     assert consumer.started.wait(10)
     s.send(enc.encode(m.Abort(["r1"])))
@@ -221,7 +214,7 @@ def test_a_read_not_started_is_cancelled_by_its_abort():
 
 
 def test_a_stream_piece_behind_a_read_is_taken_while_draining(gated):
-    consumer, engine, w, s, t = gated
+    consumer, engine, w, s = gated
     s.send(add("r1", 10, {"x": _far_ref()}, max_tokens=2))
     assert consumer.started.wait(10)
     assert w.command("DRAIN")[0]
@@ -235,7 +228,7 @@ def test_a_stream_piece_behind_a_read_is_taken_while_draining(gated):
 
 
 def test_a_later_piece_waits_for_an_earlier_one_still_being_read(gated):
-    consumer, engine, w, s, t = gated
+    consumer, engine, w, s = gated
     s.send(add("r1", 10, {"x": _far_ref(5)}, max_tokens=3))
     assert consumer.started.wait(10)
     s.send(add("r1", 11, max_tokens=3))      # the stream's next piece: nothing to read, still waits
@@ -252,21 +245,19 @@ def test_a_later_piece_waits_for_an_earlier_one_still_being_read(gated):
 
 
 def test_a_request_still_waiting_for_its_read_at_stop_gets_unavailable(gated):
-    consumer, engine, w, s, t = gated
+    consumer, engine, w, s = gated
     s.send(add("r1", 10, {"x": _far_ref(5)}))
     assert consumer.started.wait(10)
     w.stop()
     err = recv(s)
     assert isinstance(err, m.RequestError) and err.request_id == "r1" and err.kind == "unavailable"
-    assert "shutting down" in err.message
-    t.join(10)
-    assert not t.is_alive() and engine.added == []
+    assert "shutting down" in err.message and engine.added == []   # the loop's end: gated's teardown
 
 
 def test_sleep_is_refused_while_a_request_waits_for_its_read(gated):
     """The read once held the loop, so SLEEP came after the request was in the engine, which refuses to sleep
     with work open; off the loop, SLEEP slipped in and the request was refused 'asleep' when its read ended."""
-    consumer, engine, w, s, t = gated
+    consumer, engine, w, s = gated
     s.send(add("r1", 10, {"x": _far_ref(5)}))
     assert consumer.started.wait(10)
     ok, message = w.command("SLEEP")

@@ -66,10 +66,22 @@ def running(stage: StageConfig, engine: Engine, **kw):
     w = StageWorker(stage, engine, token="secret", replica_id=f"s{stage.stage_id}r0", **kw)
     t = threading.Thread(target=w.run, kwargs={"grace_s": 1.0}, daemon=True)
     t.start()
-    yield w, engine
-    w.stop()
-    t.join(10)
+    try:
+        yield w, engine
+    finally:
+        w.stop()
+        t.join(10)
     assert not t.is_alive()
+
+
+def load_when(w: StageWorker, pred, timeout: float = 10.0) -> dict:
+    """The load the keep-alive sends (taken on the loop thread: w.load() is that thread's only) once `pred`
+    holds of it; at most 0.05 s old, and taken after each command."""
+    deadline = time.monotonic() + timeout
+    while not pred(load := w.load_snapshot.read()):
+        assert time.monotonic() < deadline, f"the load never settled: {load}"
+        time.sleep(0.01)
+    return load
 
 
 @pytest.fixture
@@ -113,7 +125,7 @@ def test_request_streams_outputs_back_to_its_frontend(worker):
     assert [o.token_ids for o in outs] == [[11], [12], [13]]
     assert [o.finished for o in outs] == [False, False, True]
     assert outs[0].queue_s is not None and outs[0].queue_s >= 0
-    assert w.load()["requests_total"] == 1 and w.load()["in_flight"] == 0
+    load_when(w, lambda load: load["requests_total"] == 1 and load["in_flight"] == 0)
     s.close()
 
 
@@ -178,14 +190,15 @@ def test_abort_stops_a_request(worker):
         msg = recv(s)
         if isinstance(msg, m.UtilityResult):
             break
-    assert "long" in engine.aborted and w.load()["in_flight"] == 0
+    assert "long" in engine.aborted
+    load_when(w, lambda load: load["in_flight"] == 0)
     s.close()
 
 
 def test_commands_sleep_wake_and_drain(worker):
     w, engine = worker
     assert w.command("SLEEP", {"level": 1}) == (True, "sleeping")
-    assert engine.sleeping and w.load()["is_sleeping"]
+    assert engine.sleeping and w.load_snapshot.read()["is_sleeping"]
     assert w.command("WAKE_UP") == (True, "awake")
     assert not engine.sleeping
     ok, msg = w.command("BOGUS")
@@ -228,7 +241,7 @@ def test_waking_an_engine_that_cannot_sleep_is_ok_and_only_sleep_says_it_cannot(
     assert w.command("WAKE_UP") == (True, "awake")
     ok, msg = w.command("SLEEP", {"level": 1})
     assert not ok and "SleeplessEngine cannot sleep on this platform" in msg, msg
-    assert w.command("WAKE_UP") == (True, "awake") and not w.load()["is_sleeping"]
+    assert w.command("WAKE_UP") == (True, "awake") and not w.load_snapshot.read()["is_sleeping"]
 
 
 class ReadyFdEngine(CountEngine):
