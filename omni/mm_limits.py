@@ -58,3 +58,15 @@ def check(args: dict[str, Any], name: Callable[[str], str]) -> None:
         if modality in NOT_TAKEN and n > 0:
             raise ConfigError(f"{where}.{modality}: {n} is not supported: omni takes no {modality} input "
                               f"(the API refuses {modality}_url parts); set it to 0 or leave it out")
+
+
+# One sentence per check, said alike by the frontend (which checks first), the router and the vLLM stage
+# (the backstop for a request that reached it some other way).
+def too_many_audios(n: int, limit: int, where: str = "") -> str:
+    """`n` audio parts past a limit_mm_per_prompt of `limit` (vLLM's own words first); `where`: whose limit."""
+    return f"At most {limit} audio(s) may be provided in one prompt{where}; this one has {n} (limit_mm_per_prompt)"
+
+
+def placeholders_off(kind: str, found: int, parts: int, token: str) -> str:
+    """A prompt whose `kind` placeholders (`token`) are not one per part of that kind."""
+    return f"the prompt holds {found} {kind} placeholder(s) ({token}) for {parts} {kind} part(s)"

@@ -18,6 +18,7 @@ from typing import Any, Sequence
 from starlette.requests import Request
 
 from omni import audio
+from omni.mm_limits import placeholders_off, too_many_audios
 from omni.api.audio_tokens import tower_of
 from omni.api.detok import decoder_for
 from omni.api.errors import APIError, bad_request
@@ -364,8 +365,8 @@ class FrontendState:
         16 kHz. Runs on the tokenizer thread (decoding and resampling are CPU work)."""
         if self.audio_limit is not None and len(audios) > self.audio_limit:   # before any part is decoded
             part = re.match(r"messages\[\d+\]\.content\[\d+\]", audios[self.audio_limit][0]).group(0)
-            raise bad_request(f"At most {self.audio_limit} audio(s) may be provided in one prompt; {part} is audio "
-                              f"part {self.audio_limit + 1} (limit_mm_per_prompt)", param=part)
+            raise bad_request(f"{too_many_audios(len(audios), self.audio_limit)}; {part} is the first past it",
+                              param=part)
         inputs = {}
         total = 0.0
         for i, (where, ia) in enumerate(audios):
@@ -409,16 +410,13 @@ class FrontendState:
         in the text (`param`: messages, or a completion's prompt) would otherwise fail in the thinker."""
         for kind, (token, tid) in self.placeholders.items():
             found, want = prompt_ids.count(tid), n_audio if kind == "audio" else 0
+            off = placeholders_off(kind, found, want, f"`{token}`")
             if found > want:
-                what = f"{want} audio part(s)" if kind == "audio" else f"no {kind} parts (this server takes none)"
-                one = param != "messages"
-                raise bad_request(f"the {param} hold{'s' * one} `{token}` {found - want} time(s) more than "
-                                  f"{'its' if one else 'their'} parts need: it is the special token that marks where "
-                                  f"{'an' if kind != 'video' else 'a'} {kind} goes, and the {param} "
-                                  f"carr{'ies' if one else 'y'} {what}; remove it from the text", param=param)
+                none = "" if kind == "audio" else f" (this server takes no {kind} parts)"
+                raise bad_request(f"{off}{none}: `{token}` typed in the {param} is the special token that marks where "
+                                  f"{'an' if kind != 'video' else 'a'} {kind} goes; remove it from the text", param=param)
             if found < want:
-                raise bad_request(f"the chat template placed {found} audio placeholder(s) for {want} audio part(s)",
-                                  param="messages")
+                raise bad_request(f"{off}: the chat template placed too few", param="messages")
 
     def t0(self, request: Request) -> float:
         return request.scope.get("omni.t0", time.monotonic())

@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 
 from omni.config import StageConfig
+from omni.mm_limits import too_many_audios
 from omni.errors import BadRequest
 from omni.master.types import ReplicaInfo
 from omni.orchestrator.types import PipelineRequest
@@ -51,8 +52,8 @@ def follow_audio_prompt(fe, topology) -> None:
 
 
 def fit(stage_id: int, replicas: list[ReplicaInfo], req: PipelineRequest | None) -> tuple[list[ReplicaInfo], str]:
-    """The replicas whose limits take REQ at stage `stage_id`, and when none does, what it needs
-    ('N tokens (P in the prompt, M max_tokens)') and the largest limit there is."""
+    """The replicas whose limits take REQ at stage `stage_id`, and when none does, why: a sentence naming what
+    it needs and the largest limit there is, `{which}` left for the replicas' description."""
     if req is None or req.prompt_token_ids is None or req.entry_stage != stage_id:
         return replicas, ""
     # as the frontend admitted it: an audio part is its tower's positions, not its one placeholder id
@@ -61,16 +62,15 @@ def fit(stage_id: int, replicas: list[ReplicaInfo], req: PipelineRequest | None)
     ok = [r for r in replicas if (max_model_len(r) or need) >= need]
     if not ok and replicas:
         largest = max(max_model_len(r) or 0 for r in replicas)
-        return ok, (f"{need} tokens ({n_prompt} in the prompt, {req.sampling.max_tokens} max_tokens), more than the "
-                    f"max_model_len of every {{which}} replica (the largest is {largest})")
+        return ok, (f"the request needs {need} tokens ({n_prompt} in the prompt, {req.sampling.max_tokens} max_tokens), "
+                    f"more than the max_model_len of every {{which}} replica (the largest is {largest})")
     n_audio = req.num_audio_inputs
     # audio_limit: replicas may be built with different limit_mm_per_prompt (the frontend admits up to the largest)
     by_audio = [r for r in ok if (limit := max_model_len(r, "audio_limit")) is None or limit >= n_audio]
     if by_audio or not ok:
         return by_audio, ""
     largest = max(max_model_len(r, "audio_limit") or 0 for r in ok)
-    return by_audio, (f"{n_audio} audio parts, more than the limit_mm_per_prompt of every {{which}} replica that "
-                      f"fits its tokens (the largest is {largest})")
+    return by_audio, too_many_audios(n_audio, largest, " to any {which} replica that fits its tokens")
 
 
 def check_inline(req: PipelineRequest) -> None:
@@ -85,7 +85,8 @@ def fitting(stage: StageConfig, replicas: list[ReplicaInfo], req: PipelineReques
     """The replicas whose limits take REQ at this stage; a 400 naming the limit when none does."""
     ok, why = fit(stage.stage_id, replicas, req)
     if why:
-        raise BadRequest(f"This request needs {why.format(which=f'ready {stage.label}')}.")
+        why = why.format(which=f"ready {stage.label}")
+        raise BadRequest(f"{why[:1].upper()}{why[1:]}.")
     return ok
 
 

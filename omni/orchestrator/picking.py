@@ -55,6 +55,6 @@ def replay_target(replicas: list[ReplicaInfo], dead: ReplicaInfo, same_host: boo
               and (not same_host or r.host == dead.host)]
     others, why = fit(dead.stage_id, others, req)
     if why:
-        return StageFailed(dead.stage_id, dead.replica_id, f"{reason}; not replayed: the request needs "
-                           + why.format(which="other READY") + " of the stage", errors.UNAVAILABLE)
+        return StageFailed(dead.stage_id, dead.replica_id, f"{reason}; not replayed: {why.format(which='other READY')}",
+                           errors.UNAVAILABLE)
     return min(awake_first(others), key=load) if others else None

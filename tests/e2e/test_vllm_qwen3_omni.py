@@ -182,7 +182,7 @@ def test_bad_multimodal_requests_are_refused_by_name_and_the_engine_serves_on(en
         "1 audio placeholder(s)": EngineRequest(request_id="b2", prompt_token_ids=audio_ids, sampling=sp),
         "must be a 1-D mono waveform": EngineRequest(
             request_id="b3", prompt_token_ids=audio_ids, tensors={"audio_0": torch.zeros(2, 1600)}, sampling=sp),
-        "image placeholders": EngineRequest(request_id="b4", prompt_token_ids=text_ids[:3] + [image] + text_ids[3:],
+        "1 image placeholder(s)": EngineRequest(request_id="b4", prompt_token_ids=text_ids[:3] + [image] + text_ids[3:],
                                             sampling=sp),
     }
     for needle, req in bad.items():

@@ -102,5 +102,6 @@ async def test_audio_parts_past_the_prompt_stages_limit_are_a_400_naming_the_fir
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
         r = await client.post("/v1/chat/completions", json=body)
     assert_error(r, 400, param="messages[1].content[2]",
-                 contains="At most 1 audio(s) may be provided in one prompt; messages[1].content[2] is audio part 2")
+                 contains="At most 1 audio(s) may be provided in one prompt; this one has 3 (limit_mm_per_prompt); "
+                          "messages[1].content[2] is the first past it")
     assert orch.requests == []

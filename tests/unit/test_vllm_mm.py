@@ -41,15 +41,16 @@ def test_text_prompt_has_no_multimodal_data():
 
 
 @pytest.mark.parametrize("prompt, tensors, needle", [
-    ([1, AUDIO], {}, "has 1 audio placeholder(s) (token 5) but the request carries 0"),
-    ([1, 2], {"audio_0": torch.ones(10)}, "has 0 audio placeholder(s)"),
+    ([1, AUDIO], {}, "the prompt holds 1 audio placeholder(s) (token 5) for 0 audio part(s)"),
+    ([1, 2], {"audio_0": torch.ones(10)}, "holds 0 audio placeholder(s) (token 5) for 1 audio part(s)"),
     ([1, AUDIO], {"image_0": torch.ones(3, 4, 4)}, "'image_0' refused: images and video are not supported"),
     ([1, AUDIO], {"wave": torch.ones(4)}, "'wave' refused: it takes audio_0, audio_1"),
     ([1, AUDIO], {"audio_1": torch.ones(4)}, "numbered audio_0..audio_0"),
     ([1, AUDIO], {"audio_0": torch.ones(2, 4)}, "audio_0 must be a 1-D mono waveform, got shape [2, 4]"),
     ([1, AUDIO], {"audio_0": torch.tensor([0.0, float("nan")])}, "non-finite samples"),
-    ([1, IMAGE, AUDIO], {"audio_0": torch.ones(4)}, "holds image placeholders (token 6)"),
-    ([AUDIO] * 3, {f"audio_{i}": torch.ones(4) for i in range(3)}, "3 audios, this stage takes at most 2"),
+    ([1, IMAGE, AUDIO], {"audio_0": torch.ones(4)}, "holds 1 image placeholder(s) (token 6) for 0 image part(s)"),
+    ([AUDIO] * 3, {f"audio_{i}": torch.ones(4) for i in range(3)},
+     "At most 2 audio(s) may be provided in one prompt to this stage; this one has 3"),
 ])
 def test_bad_multimodal_requests_name_the_problem(prompt, tensors, needle):
     with pytest.raises(EngineError) as e:
@@ -88,7 +89,7 @@ def test_the_stage_reads_limits_as_vllm_does(configured, audio):
     if audio >= 2:
         assert vllm_mm.build_prompt(req(prompt, **two), prompt, TOKENS, limits)[1] == 2
     else:
-        with pytest.raises(EngineError, match=f"2 audios, this stage takes at most {audio} per prompt"):
+        with pytest.raises(EngineError, match=rf"At most {audio} audio\(s\) may be .* to this stage; this one has 2"):
             vllm_mm.build_prompt(req(prompt, **two), prompt, TOKENS, limits)
 
 

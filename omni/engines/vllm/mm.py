@@ -96,18 +96,17 @@ def build_prompt(request: EngineRequest, prompt: list[int], tokens: MmTokens,
     for name in ("image", "video"):
         tid = getattr(tokens, name)
         if tid is not None and tid in prompt:
-            raise EngineError(f"request {rid!r}: the prompt holds {name} placeholders (token {tid}); images and "
-                              "video are not supported by this stage")
+            off = mm_limits.placeholders_off(name, prompt.count(tid), 0, f"token {tid}")
+            raise EngineError(f"request {rid!r}: {off}; images and video are not supported by this stage")
     n_pad = prompt.count(tokens.audio) if tokens.audio is not None else 0
     if audios and tokens.audio is None:
         raise EngineError(f"request {rid!r}: this model takes no audio input")
     if n_pad != len(audios):
-        raise EngineError(f"request {rid!r}: the prompt has {n_pad} audio placeholder(s) (token {tokens.audio}) "
-                          f"but the request carries {len(audios)} audio tensor(s); put one "
-                          "<|audio_start|><|audio_pad|><|audio_end|> per audio")
+        off = mm_limits.placeholders_off("audio", n_pad, len(audios), f"token {tokens.audio}")
+        raise EngineError(f"request {rid!r}: {off}; put one <|audio_start|><|audio_pad|><|audio_end|> per audio")
     if len(audios) > limits.get("audio", 0):
-        raise EngineError(f"request {rid!r}: {len(audios)} audios, this stage takes at most "
-                          f"{limits.get('audio', 0)} per prompt (engine_args.limit_mm_per_prompt)")
+        over = mm_limits.too_many_audios(len(audios), limits.get("audio", 0), " to this stage")
+        raise EngineError(f"request {rid!r}: {over}")
     out: dict[str, Any] = {"prompt_token_ids": prompt}
     if audios:
         out["multi_modal_data"] = {"audio": [(a, AUDIO_SAMPLE_RATE) for a in audios]}
