@@ -43,7 +43,7 @@ def check_address(address: str) -> str:
 def _channel(address: str, tls: TlsFiles | None, aio: bool = False):
     # gRPC's own reconnect backoff grows to 120 s; after a master restart that, not our
     # keep-alive backoff, would decide when stages re-register. Cap it at ours.
-    options = [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_permit_without_calls", 1),
+    options = [("grpc.keepalive_time_ms", limits.KEEPALIVE_MS), ("grpc.keepalive_permit_without_calls", 1),
                ("grpc.initial_reconnect_backoff_ms", int(BACKOFF_START_S * 1000)),
                ("grpc.min_reconnect_backoff_ms", int(BACKOFF_START_S * 1000)),
                ("grpc.max_reconnect_backoff_ms", int(BACKOFF_MAX_S * 1000)),

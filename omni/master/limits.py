@@ -28,6 +28,10 @@ MAX_EXTRA_BYTES = 8192               # its keys together
 MAX_CONFIG_BYTES = 1 << 20           # pipeline_config_json
 MAX_ENTRIES_PER_ROLE = 256           # live and DEAD entries of stages, and of frontends
 MAX_RECEIVE_BYTES = 32 << 20         # the clients' receive limit (gRPC's default: 4 MiB)
+# Clients ping an idle channel this often, so a dead master is seen without a call waiting on it. The
+# server must allow it: gRPC's default (no pings without a call, none under 5 min without data) answers
+# the third with a GOAWAY "too_many_pings", and a call then on the connection fails.
+KEEPALIVE_MS = 10_000
 
 
 def _size(text: str) -> int:

@@ -35,6 +35,12 @@ WATCH_BACKLOG = 10_000
 MAX_COMMAND_TIMEOUT_S = 600.0
 
 
+def server_options() -> list[tuple[str, int]]:
+    """Allow the clients' keep-alive pings on idle connections (limits.KEEPALIVE_MS, half that for slack)."""
+    return [("grpc.so_reuseport", 0), ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_ping_interval_without_data_ms", limits.KEEPALIVE_MS // 2)]
+
+
 def sweep_tick(lease_ttl_s: float) -> float:
     return max(0.05, min(0.25, lease_ttl_s / 10))
 
@@ -440,7 +446,7 @@ class MasterServer:
     async def _serve(self) -> None:
         self._stop_event = asyncio.Event()
         interceptors = [TokenInterceptor(self._token)] if self._token else []
-        server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
+        server = grpc.aio.server(interceptors=interceptors, options=server_options())
         servicer = self._servicer = MasterServicer(self.registry, self._kv)
         pb_grpc.add_MasterServicer_to_server(servicer, server)
         target = f"{self.host}:{self.port}"
