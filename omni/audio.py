@@ -62,12 +62,11 @@ _PCM, _FLOAT, _EXTENSIBLE = 1, 3, 0xFFFE
 # Sample rates taken: a header's rate is any u32, and resampling from 4 GHz costs millions of taps
 # per output sample (gigabytes for one request).
 MIN_RATE, MAX_RATE = 1000, 384000
-# Above STEP_ABOVE a WAV's rate must be a multiple of RATE_STEP (88200, 96000, 176400, 352800 ... all are), so
-# its ratio to 16 kHz (AUDIO_IN_RATE) reduces to at most 640 filter phases: the weights fit one block, stay
-# cached and cost milliseconds. A coprime rate such as 383999 Hz has 16000 phases, 50 MB of weights evaluated
-# again for each part (0.2-0.65 s of CPU above ~127 kHz); no recorder writes one. Below, any rate's table
-# fits the cache, so odd rates (44056 Hz, a resampled 16001 Hz) stay taken.
-RATE_STEP, STEP_ABOVE = 25, 96000
+# A WAV's rate is a multiple of this (8000, 11025, 22050, 44100, 48000, 352800 ... all are), so its ratio to
+# 16 kHz (AUDIO_IN_RATE) reduces to at most 640 filter phases: the weights fit one block, stay cached and cost
+# milliseconds. A coprime rate such as 383999 Hz has 16000 phases, 50 MB of weights evaluated again for each
+# part (0.2-0.65 s of CPU above ~127 kHz); no recorder writes one.
+RATE_STEP = 25
 # Filter-matrix elements per resampling block (a few MB per working array at any ratio).
 BLOCK_ELEMS = 1 << 20
 
@@ -102,9 +101,9 @@ def _decode_samples(body: bytes, tag: int, channels: int, rate: int, bits: int) 
         raise ValueError(f"WAV header says {channels} channels at {rate} Hz")
     if not MIN_RATE <= rate <= MAX_RATE:
         raise ValueError(f"WAV sample rate {rate} Hz is outside {MIN_RATE}..{MAX_RATE} Hz")
-    if rate > STEP_ABOVE and rate % RATE_STEP:
-        raise ValueError(f"WAV sample rate {rate} Hz is not a multiple of {RATE_STEP} Hz (above {STEP_ABOVE} Hz "
-                         f"it must be, as 176400 and 192000 are): resample it to a standard rate")
+    if rate % RATE_STEP:
+        raise ValueError(f"WAV sample rate {rate} Hz is not a multiple of {RATE_STEP} Hz (as 8000, 16000, 22050, "
+                         f"44100 and 48000 are): resample it to a standard rate")
     width = bits // 8
     usable = len(body) - len(body) % (width * channels) if width else 0
     body = body[:usable]
@@ -134,8 +133,8 @@ def resample(x: np.ndarray, rate_in: int, rate_out: int, half_taps: int = 16) ->
     weights are evaluated once (never more points than the outputs' taps), many phases per numpy call
     (L is up to 16000 at coprime rates: a Python step per phase cost 0.2 s for a one-second part), and
     kept for the next part at the same rates where the table fits the cache's 4 blocks (a coprime rate
-    above ~127 kHz does not: 0.2-0.65 s of CPU each part; read_wav takes only rates in RATE_STEP steps above
-    STEP_ABOVE, at most 640 phases to 16 kHz). Blocks keep the working memory small."""
+    above ~127 kHz does not: 0.2-0.65 s of CPU each part; read_wav takes only rates in RATE_STEP steps,
+    at most 640 phases to 16 kHz). Blocks keep the working memory small."""
     if rate_in == rate_out or x.size == 0:
         return x.astype(np.float32, copy=False)
     for r in (rate_in, rate_out):   # the filter's width grows with rate_in / rate_out

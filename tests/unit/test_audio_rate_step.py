@@ -1,4 +1,4 @@
-"""Above 96 kHz a chat audio part's WAV rate must be a multiple of audio.RATE_STEP (25 Hz): a coprime rate such as
+"""A chat audio part's WAV rate must be a multiple of audio.RATE_STEP (25 Hz): a coprime rate such as
 383999 Hz has 16000 phases to 16 kHz, whose 50 MB of filter weights never fit the cache, so each part
 cost 0.2-0.65 s of the frontend's CPU; every rate a recorder writes is such a multiple and resamples
 from weights the cache keeps."""
@@ -19,15 +19,10 @@ STANDARD = (1000, 5000, 6000, 7350, 8000, 11025, 12000, 16000, 22050, 24000, 320
             88200, 96000, 176400, 192000, 352800, 384000)
 
 
-@pytest.mark.parametrize("rate", [383999, 191999, 127997, 96001])
-def test_a_high_rate_off_the_step_is_refused_naming_it(rate):
+@pytest.mark.parametrize("rate", [383999, 191999, 127997, 44101, 16001])
+def test_a_rate_off_the_step_is_refused_naming_it(rate):
     with pytest.raises(ValueError, match=f"sample rate {rate} Hz is not a multiple of 25 Hz"):
         audio.read_wav(with_rate(pcm_wav(SIG, 16000, 1), rate))
-
-
-@pytest.mark.parametrize("rate", [44056, 44101, 16001, 95999])
-def test_an_odd_rate_up_to_96_khz_is_taken(rate):
-    assert audio.read_wav(with_rate(pcm_wav(SIG, 16000, 1), rate))[1] == rate
 
 
 def test_every_standard_rate_is_taken_and_its_weights_fit_one_cached_block(monkeypatch):
