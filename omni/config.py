@@ -137,6 +137,11 @@ class DeployConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         return [s.stage_id for s in self.stages if stage_id in s.upstream()]
 
 
+def prompt_stage(config: Any) -> StageConfig | None:
+    """The entry stage: the first that takes the rendered chat (inputs: [prompt])."""
+    return next((s for s in config.stages if "prompt" in s.inputs), None)
+
+
 def config_hash(data: dict[str, Any]) -> str:
     blob = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()[:16]

@@ -17,7 +17,7 @@ import time
 from typing import Sequence
 
 from omni import latency_trace
-from omni.config import DeployConfig
+from omni.config import DeployConfig, prompt_stage
 from omni.config_checks import TALKER_REFUSED, stage_codec_stops
 from omni.errors import OmniError
 from omni.heap import freeze_after_startup
@@ -27,47 +27,32 @@ logger = logging.getLogger(__name__)
 
 
 def _tokenizer_model(config: DeployConfig) -> str | None:
-    for s in config.stages:
-        if "prompt" in s.inputs:
-            return s.model or config.model
-    return None
+    s = prompt_stage(config)
+    return None if s is None else s.model or config.model
 
 
 def _max_model_len(config: DeployConfig) -> int:
     """The prompt stage's context until its replicas report theirs (follow_context): its max_model_len,
     else for vLLM the model's own (vLLM's default; the bundled GPU deploys set none), else 2048."""
-    for s in config.stages:
-        if "prompt" in s.inputs:
-            if "max_model_len" in s.engine_args:
-                return int(s.engine_args["max_model_len"])
-            own = model_context(s.model or config.model) if s.engine == "vllm" else None
-            return own or 2048
-    return 2048
+    s = prompt_stage(config)
+    if s is None:
+        return 2048
+    if "max_model_len" in s.engine_args:
+        return int(s.engine_args["max_model_len"])
+    own = model_context(s.model or config.model) if s.engine == "vllm" else None
+    return own or 2048
 
 
 def refused_sampling(config: DeployConfig) -> dict[str, str]:
     """Sampling parameters the prompt stage's engine refuses for every request: a vLLM stage that captures
     hidden states for a talker (mm_hidden_layer, hidden_rows_layer) does it through vLLM's speculative
     decoding, which takes no logit_bias (nor min_p, refused everywhere): a 400 naming it, not vLLM's."""
-    for s in config.stages:
-        if "prompt" in s.inputs:
-            if s.engine == "vllm" and any(s.engine_args.get(k) is not None
-                                          for k in ("mm_hidden_layer", "hidden_rows_layer")):
-                return {"logit_bias": f"its {s.label} captures hidden states for the talker through "
-                                      "vLLM's speculative decoding, which takes no logit_bias"}
-            return {}
+    s = prompt_stage(config)
+    if s is not None and s.engine == "vllm" and any(s.engine_args.get(k) is not None
+                                                    for k in ("mm_hidden_layer", "hidden_rows_layer")):
+        return {"logit_bias": f"its {s.label} captures hidden states for the talker through "
+                              "vLLM's speculative decoding, which takes no logit_bias"}
     return {}
-
-
-def audio_limit(config: DeployConfig) -> int | None:
-    """The audio parts a chat may carry: the prompt stage's limit_mm_per_prompt as its vLLM engine reads it
-    (omni.mm_limits), so extra parts are refused before they are decoded; None: not a vLLM stage."""
-    from omni import mm_limits
-
-    for s in config.stages:
-        if "prompt" in s.inputs:
-            return mm_limits.audio_limit(s.engine_args) if s.engine == "vllm" else None
-    return None
 
 
 def refused_stage_sampling(config: DeployConfig) -> dict[int, dict[str, str]]:
@@ -89,44 +74,15 @@ def model_context(model: str | None) -> int | None:
     return None
 
 
-def follow_context(fe, topology, stage_id: int) -> None:
-    """Keep fe.max_model_len at the largest that the prompt stage's live replicas registered (what
-    its engine was built with; the orchestrator sends a request to one it fits)."""
-    from omni.orchestrator.limits import max_model_len
-
-    def update(_r=None, _kind=None) -> None:
-        limits = [n for n in map(max_model_len, topology.stage_replicas(stage_id)) if n]
-        if limits:
-            fe.max_model_len = max(limits)
-
-    topology.on_change(update)
-    update()
-
-
-def follow_audio_limit(fe, topology, stage_id: int) -> None:
-    """Keep fe.audio_limit at the largest that the prompt stage's live replicas registered (a head's or a
-    headless replica's own --limit-mm-per-prompt is not in the deploy config the frontend reads); None (no
-    early check: the stage refuses) while a live one registered none."""
-    from omni.orchestrator.limits import max_model_len
-
-    def update(_r=None, _kind=None) -> None:
-        limits = [max_model_len(r, "audio_limit") for r in topology.stage_replicas(stage_id)]
-        if limits:
-            fe.audio_limit = None if None in limits else max(limits)
-
-    topology.on_change(update)
-    update()
-
-
 def _sampling_defaults(config: DeployConfig) -> dict:
-    for s in config.stages:
-        if "prompt" in s.inputs:
-            d = s.default_sampling_params
-            out: dict = {"sampling_defaults": d}
-            if d.max_tokens is not None:
-                out["default_max_tokens"] = d.max_tokens
-            return out
-    return {}
+    s = prompt_stage(config)
+    if s is None:
+        return {}
+    d = s.default_sampling_params
+    out: dict = {"sampling_defaults": d}
+    if d.max_tokens is not None:
+        out["default_max_tokens"] = d.max_tokens
+    return out
 
 
 async def follow_topology(master, topology, stop: asyncio.Event) -> None:
@@ -223,7 +179,7 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
     from omni.master.client import AsyncMasterClient, MasterClient
     from omni.models.resolve import resolve_model
     from omni.orchestrator.executor import Orchestrator
-    from omni.orchestrator.limits import follow_audio_prompt
+    from omni.orchestrator.limits import follow_limits
     from omni.orchestrator.topology import Topology
     from omni.stage.main import advertised_host
     from omni.transport.factory import MultiConsumer
@@ -280,7 +236,9 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
     smaster.start_keepalive(load, lambda cmd: (True, "ignored by frontends"), interval_s=1.0)
     synced = asyncio.Event()
     topology.on_change(lambda r, kind: synced.set())
-    watcher = asyncio.create_task(follow_topology(amaster, topology, stop))
+    # Not `stop`: the topology and metrics follow on through a stop's drain (--shutdown-timeout).
+    done = asyncio.Event()
+    watcher = asyncio.create_task(follow_topology(amaster, topology, done))
     jobs = publisher = None
     try:
         # Take connections only once the topology is known, so none is answered 503; a stop request
@@ -329,19 +287,15 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
         app.state.frontend.refused_sampling = refused_sampling(config)
         app.state.frontend.refused_stage_sampling = refused_stage_sampling(config)
         app.state.frontend.stage_codec_stops = stage_codec_stops(config)
-        app.state.frontend.audio_limit = audio_limit(config)
-        entry = next((s.stage_id for s in config.stages if "prompt" in s.inputs), None)
-        if max_model_len is None and entry is not None:   # the head's own --max-model-len stays
-            follow_context(app.state.frontend, topology, entry)
-        follow_audio_prompt(app.state.frontend, topology)
-        if entry is not None:
-            follow_audio_limit(app.state.frontend, topology, entry)
-        publisher = asyncio.create_task(publish_metrics(app, amaster, topology, index, stop))
+        # the head's own --max-model-len stays
+        follow_limits(app.state.frontend, topology, config, follow_context=max_model_len is None)
+        publisher = asyncio.create_task(publish_metrics(app, amaster, topology, index, done))
         freeze_after_startup()
         latency_trace.enable(f"frontend{index}")
         await serve(app, sock=sock, shutdown_event=stop, limits=limits)
     finally:
         stop.set()
+        done.set()
         watcher.cancel()
         if publisher is not None:
             publisher.cancel()

@@ -5,8 +5,8 @@ vLLM takes a count per modality or a mapping with `count` (and profiling sizes):
 (MultiModalConfig.get_limit_per_prompt). omni's defaults (audio 1, image 0, video 0) stay under what a
 config sets (`merged`), so {"audio": 3} does not turn images and video on at 999: omni's frontend takes
 no image or video input, and vLLM would profile a vision tower for them. A count above 0 for image or
-video is refused at load (`check`), so --dry-run refuses it too. The frontend reads the audio count
-from the same config (`audio_limit`) and refuses extra audio parts before decoding them.
+video is refused at load (`check`), so --dry-run refuses it too. The frontend refuses extra audio parts
+before decoding them by the count each thinker replica's vLLM read and registered (capabilities audio_limit).
 """
 
 from __future__ import annotations
@@ -32,13 +32,6 @@ def merged(limits: dict[str, Any] | None, modalities: set[str] | None = None) ->
     """`limits` over omni's defaults (those of `modalities`; None: all of them)."""
     base = {k: v for k, v in DEFAULT_MM_LIMITS.items() if modalities is None or k in modalities}
     return {**base, **(limits or {})}
-
-
-def audio_limit(engine_args: dict[str, Any]) -> int:
-    """The audio parts a vLLM stage with these engine args takes per prompt."""
-    if engine_args.get("language_model_only"):
-        return 0
-    return count(merged(engine_args.get(KEY)).get("audio", UNSET))
 
 
 def check(args: dict[str, Any], name: Callable[[str], str]) -> None:

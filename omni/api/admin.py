@@ -28,7 +28,7 @@ class AdminRoutes:
 
     def _models(self) -> bytes:
         """As vLLM's: a card per served name, in --served-model-name's order; then the other names
-        answered to (aliases). Encoded again only when max_model_len changed (follow_context sets
+        answered to (aliases). Encoded again only when max_model_len changed (limits.follow_limits sets
         it from the prompt stage's replicas as they register)."""
         fe = self.fe
         if self._models_for != fe.max_model_len:

@@ -100,7 +100,7 @@ class FrontendState:
         self.names = {*self.served_names, *model_aliases}
         self.frontend_index = frontend_index
         self.max_model_len = max_model_len
-        # Audio out: the longest prompt every talker takes (its own KV cache; limits.follow_audio_prompt).
+        # Audio out: the longest prompt every talker takes (its own KV cache; limits.follow_limits).
         self.audio_prompt_len: int | None = None
         self.default_max_tokens = default_max_tokens
         self.max_tokens_limit = max_tokens_limit
@@ -119,7 +119,8 @@ class FrontendState:
         # stage id -> {param: why} its engine refuses in a sampling_params_list entry (set by omni/frontend.py)
         self.refused_stage_sampling: dict[int, dict[str, str]] = {}
         self.stage_codec_stops: dict[int, set[int]] = {}   # stage id -> what its entry's stop_token_ids may name
-        # the audio parts a chat may carry (the prompt stage's limit_mm_per_prompt; set by omni/frontend.py)
+        # the audio parts a chat may carry: what the prompt stage's live replicas registered (limits.follow_limits;
+        # None: the stage checks)
         self.audio_limit: int | None = None
         # Audio out through chat: a pipeline with an audio stage (a speech entry implies one).
         self.audio_out = speech_entry_stage is not None if audio_out is None else audio_out

@@ -6,8 +6,10 @@ that keeps failing stops being the least loaded one."""
 from __future__ import annotations
 
 import collections
+import functools
+from typing import Any, Callable
 
-from omni.config import StageConfig
+from omni.config import StageConfig, prompt_stage
 from omni.mm_limits import too_many_audios
 from omni.errors import BadRequest
 from omni.master.types import ReplicaInfo
@@ -32,23 +34,47 @@ def replica_limits(engine) -> dict[str, str]:
     return out
 
 
-def max_model_len(r: ReplicaInfo, key: str = "max_model_len") -> int | None:
+def capability(r: ReplicaInfo, key: str, parse: Callable[[str], Any] = int) -> Any:
+    """`key` as replica `r` registered it, parsed; None where it registered none (or no such value)."""
     try:
-        return int(r.capabilities[key])
+        return parse(r.capabilities[key])
     except (KeyError, ValueError):
         return None
 
 
-def follow_audio_prompt(fe, topology) -> None:
-    """Keep fe.audio_prompt_len at the smallest max_prompt_len that live replicas (talkers) registered:
-    the orchestrator picks a talker whatever its limit, so a prompt for audio must fit every one."""
+def max_model_len(r: ReplicaInfo, key: str = "max_model_len") -> int | None:
+    return capability(r, key)
+
+
+def follow_capability(topology, key: str, reduce: Callable[[list], Any], apply: Callable[[Any], None],
+                      stage_id: int | None = None, parse: Callable[[str], Any] = int) -> None:
+    """On every topology change, apply(reduce(values)): `key` as each live replica of stage `stage_id` (None: of
+    every stage) registered it, None for one that registered none; [] while none is live."""
     def update(_r=None, _kind=None) -> None:
-        stages = {r.stage_id for r in topology.replicas.values()}
-        fe.audio_prompt_len = min((n for s in stages for r in topology.stage_replicas(s)
-                                   if (n := max_model_len(r, "max_prompt_len"))), default=None)
+        stages = [stage_id] if stage_id is not None else sorted({r.stage_id for r in topology.replicas.values()})
+        apply(reduce([capability(r, key, parse) for s in stages for r in topology.stage_replicas(s)]))
 
     topology.on_change(update)
     update()
+
+
+def follow_limits(fe, topology, config, follow_context: bool = True) -> None:
+    """Keep the frontend's request checks at what the live replicas registered (replica_limits), not at the
+    deploy config (a head's or headless replica's own flags are not in it):
+    - max_model_len: the largest of the entry stage's (a request goes to one it fits); kept while none registered
+      (the deploy's, or the model's own); follow_context False: the head's own --max-model-len stays;
+    - audio_limit: the largest of the entry stage's; None (the stage checks) while a live one registered none;
+    - audio_prompt_len: the smallest max_prompt_len of any stage's (talkers: the orchestrator picks one whatever
+      its limit, so a prompt for audio must fit every one)."""
+    entry = None if (first := prompt_stage(config)) is None else first.stage_id
+    if entry is not None and follow_context:
+        follow_capability(topology, "max_model_len", lambda v: max(filter(None, v), default=fe.max_model_len),
+                          functools.partial(setattr, fe, "max_model_len"), entry)
+    if entry is not None:
+        follow_capability(topology, "audio_limit", lambda v: None if not v or None in v else max(v),
+                          functools.partial(setattr, fe, "audio_limit"), entry)
+    follow_capability(topology, "max_prompt_len", lambda v: min(filter(None, v), default=None),
+                      functools.partial(setattr, fe, "audio_prompt_len"))
 
 
 def fit(stage_id: int, replicas: list[ReplicaInfo], req: PipelineRequest | None) -> tuple[list[ReplicaInfo], str]:

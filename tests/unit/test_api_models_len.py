@@ -1,4 +1,4 @@
-"""GET /v1/models reports the context as it is now: omni/frontend.py follow_context sets max_model_len
+"""GET /v1/models reports the context as it is now: orchestrator/limits.follow_limits sets max_model_len
 from the prompt stage's replicas as they register, after the app was built."""
 
 from __future__ import annotations

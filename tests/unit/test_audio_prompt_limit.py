@@ -5,12 +5,14 @@ asking for audio is a 400 naming it, not a failure mid-stream after the thinker 
 
 from __future__ import annotations
 
+import types
+
 import msgspec
 import pytest
 import torch
 
 from omni.master.types import TopologyEvent
-from omni.orchestrator.limits import follow_audio_prompt, replica_limits
+from omni.orchestrator.limits import follow_limits, replica_limits
 from omni.orchestrator.topology import Topology
 from tests.unit.api_fakes import anyio_backend, assert_error, chat_body, make, tokenizer  # noqa: F401
 from tests.unit.test_orchestrator_core import replica
@@ -70,8 +72,8 @@ def talker(rid: str, limit: int | None, state: str = "READY"):
 def test_the_frontend_follows_the_smallest_talker_limit():
     topo = Topology()
     topo.apply(TopologyEvent("SNAPSHOT", [replica(0, "s0r0"), talker("s1r0", 4089)], 1))
-    fe = type("FE", (), {})()
-    follow_audio_prompt(fe, topo)
+    fe = type("FE", (), {"stage_codec_stops": {}})()
+    follow_limits(fe, topo, types.SimpleNamespace(stages=()))
     assert fe.audio_prompt_len == 4089
     topo.apply(TopologyEvent("UPDATED", [talker("s1r1", 1017)], 2))
     assert fe.audio_prompt_len == 1017                  # a request may be sent to either

@@ -10,8 +10,9 @@ import msgspec
 import pytest
 
 from omni import config as C
-from omni.frontend import _max_model_len, follow_context, refused_sampling
+from omni.frontend import _max_model_len, refused_sampling
 from omni.master.types import TopologyEvent
+from omni.orchestrator.limits import follow_limits, replica_limits
 from omni.orchestrator.topology import Topology
 from tests.unit.test_orchestrator_core import replica
 
@@ -40,13 +41,23 @@ def test_a_model_that_is_not_at_hand_or_not_vllm_keeps_2048(tmp_path):
     assert _max_model_len(types.SimpleNamespace(stages=[stage], model=None)) == 2048
 
 
+# thinker -> talker -> code2wav, as follow_limits reads a deploy
+PIPELINE = types.SimpleNamespace(stages=[types.SimpleNamespace(stage_id=i, inputs=inputs)
+                                         for i, inputs in enumerate([("prompt",), (0,), (1,)])])
+
+
+def frontend(**kw):
+    return types.SimpleNamespace(**{"max_model_len": 2048, "audio_limit": None, "audio_prompt_len": None,
+                                    "stage_codec_stops": {}, **kw})
+
+
 def test_the_limit_follows_what_the_prompt_stages_replicas_register():
     def rep(stage_id, rid, limit=None):
         return msgspec.structs.replace(replica(stage_id, rid),
                                        capabilities={"max_model_len": str(limit)} if limit else {})
-    fe = types.SimpleNamespace(max_model_len=2048)
+    fe = frontend()
     topo = Topology()
-    follow_context(fe, topo, 0)
+    follow_limits(fe, topo, PIPELINE)
     topo.apply(TopologyEvent("SNAPSHOT", [rep(0, "a"), rep(1, "t", 99_999)], 1))
     assert fe.max_model_len == 2048          # nothing registered for stage 0 yet; another stage's is not its
     topo.apply(TopologyEvent("ADDED", [rep(0, "b", 40960)], 2))
@@ -78,20 +89,12 @@ def test_a_talkers_refused_sampling_is_named_for_its_stage(tmp_path, monkeypatch
                                                        "frequency_penalty": got[talker]["frequency_penalty"]}})
 
 
-@pytest.mark.parametrize("stage, limit", [
-    ({"engine": "vllm", "engine_args": {}}, 1),                                           # omni's default
-    ({"engine": "vllm", "engine_args": {"limit_mm_per_prompt": {"audio": {"count": 3}}}}, 3),   # vLLM's options form
-    ({"engine": "vllm", "engine_args": {"limit_mm_per_prompt": {"image": 0, "video": 0}}}, 1),  # audio left out
-    ({"engine": "vllm", "engine_args": {"limit_mm_per_prompt": {"audio": {"length": 9}}}}, 999),   # vLLM's unset count
-    ({"engine": "vllm", "engine_args": {"limit_mm_per_prompt": {"audio": 4}, "language_model_only": True}}, 0),
-    ({"engine": "torch_lm", "engine_args": {}}, None),
-])
-def test_the_frontend_counts_audio_parts_as_the_prompt_stage_reads_its_limit(stage, limit):
-    from omni.frontend import audio_limit
-
-    stages = [types.SimpleNamespace(inputs=("prompt",), **stage), types.SimpleNamespace(inputs=(0,), engine="x",
-                                                                                        engine_args={})]
-    assert audio_limit(types.SimpleNamespace(stages=stages)) == limit
+def test_the_head_keeps_its_own_max_model_len():
+    fe = frontend(max_model_len=1000)
+    topo = Topology()
+    follow_limits(fe, topo, PIPELINE, follow_context=False)
+    topo.apply(TopologyEvent("SNAPSHOT", [msgspec.structs.replace(replica(0, "a"), capabilities={"max_model_len": "9"})], 1))
+    assert fe.max_model_len == 1000
 
 
 @pytest.mark.parametrize("deploy, tiny, edges", [("qwen3-omni-moe", "qwen3_omni", "qwen3_omni"),
@@ -117,17 +120,15 @@ def test_the_frontend_reads_a_talkers_codec_stops_as_the_talker_does(tmp_path, m
 
 def test_the_audio_count_follows_what_the_prompt_stages_replicas_register():
     """A head's (or a headless replica's) own --limit-mm-per-prompt is not in the deploy config the frontend
-    reads: the replicas register the count their vLLM engine read, and the largest live one is the limit."""
-    from omni.frontend import follow_audio_limit
-    from omni.orchestrator.limits import replica_limits
-
+    reads: the replicas register the count their vLLM engine read, and the largest live one is the limit;
+    before any did (requests are then 503: no READY replica) there is none, whatever the deploy says."""
     def rep(stage_id, rid, engine=None):
         return msgspec.structs.replace(replica(stage_id, rid), capabilities=replica_limits(engine))
-    fe = types.SimpleNamespace(audio_limit=1)      # the deploy config's
+    fe = frontend()
     topo = Topology()
-    follow_audio_limit(fe, topo, 0)
+    follow_limits(fe, topo, PIPELINE)
     topo.apply(TopologyEvent("SNAPSHOT", [rep(1, "t", types.SimpleNamespace(audio_limit=9))], 1))
-    assert fe.audio_limit == 1                     # nothing live for stage 0 yet; another stage's is not its
+    assert fe.audio_limit is None                  # nothing live for stage 0 yet; another stage's is not its
     topo.apply(TopologyEvent("ADDED", [rep(0, "a", types.SimpleNamespace(audio_limit=2))], 2))
     assert fe.audio_limit == 2
     topo.apply(TopologyEvent("ADDED", [rep(0, "b", types.SimpleNamespace(audio_limit=0))], 3))
@@ -136,3 +137,5 @@ def test_the_audio_count_follows_what_the_prompt_stages_replicas_register():
     assert fe.audio_limit is None                  # a replica that registered none: no early check
     topo.apply(TopologyEvent("REMOVED", [rep(0, "c"), rep(0, "a", types.SimpleNamespace(audio_limit=2))], 5))
     assert fe.audio_limit == 0
+    topo.apply(TopologyEvent("REMOVED", [rep(0, "b")], 6))
+    assert fe.audio_limit is None
