@@ -190,6 +190,7 @@ def serve(
     timeout_request_body: float = typer.Option(60.0, "--timeout-request-body", help="Seconds a request body may take to arrive once its head did; later: 408."),
     timeout_response_write: float = typer.Option(60.0, "--timeout-response-write", help="Seconds one write of a response (a stream's chunk, 64 KiB of a whole body) may wait for the client to take it (nginx's send_timeout); a client that reads nothing for longer has its response ended, its connection closed and its request cancelled."),
     backlog: int = typer.Option(2048, "--backlog", help="Listen backlog of the HTTP socket (connections the kernel queues before accept)."),
+    shutdown_timeout: Optional[int] = typer.Option(None, "--shutdown-timeout", help="vLLM's: on Ctrl-C/SIGTERM the API frontends take no new requests and let in-flight ones finish for up to this many seconds (the stages serve them meanwhile), then end open streams with a 'server shutting down' error; 0: at once. Unset: 5 s of grace."),
 ) -> None:
     """Serve MODEL's pipeline: everything on this host, the head (--stage-id 0), or one headless stage.
 
@@ -221,7 +222,7 @@ def serve(
 
     http_limits = HttpLimits(max_request_bytes=max_request_bytes, timeout_keep_alive=timeout_keep_alive,
                              timeout_request_body=timeout_request_body, timeout_response_write=timeout_response_write,
-                             backlog=backlog)
+                             backlog=backlog, shutdown_timeout=shutdown_timeout)
     cores = os.cpu_count() or 1
     if api_server_count > cores:
         print(f"omni: warning: --api-server-count {api_server_count} is more than the {cores} CPU cores here; "

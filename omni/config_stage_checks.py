@@ -67,7 +67,9 @@ SERVING_ONLY_ARGS = {
 _ENGINE_ARGS_ONLY = {"served_model_name": "the API's model name is `omni serve --served-model-name`",
                      # lifted out of engine_args wherever omni reads them (config_vllm_omni.lift_chunk)
                      "async_chunk": "it is the stage's own key (stages[i].async_chunk) or `omni serve "
-                                    "--async-chunk / --no-async-chunk`"}
+                                    "--async-chunk / --no-async-chunk`",
+                     # omni stops a stage's engine itself, after the frontends drained what it serves
+                     "shutdown_timeout": "a stop's drain is `omni serve --shutdown-timeout` (the API frontends')"}
 # vllm-omni's sampling of Qwen3's code predictor (the 15 residual codes of a frame), and the engines that have one
 # (tests/unit/test_config_stage_keys.py checks this against the engines' own arguments).
 SUBTALKER = "subtalker_sampling_params"

@@ -421,7 +421,8 @@ class Launcher:
                 progress(f"{child.name} {child.exit_cause()}; no replica of stage {child.stage_id} "
                          f"is left; shutting down")
                 return 1
-        progress("shutting down")
+        drain = self.plan.http_limits.shutdown_timeout if self.plan.api_server_count else None
+        progress("shutting down" + (f"; in-flight requests may take up to {drain} s (--shutdown-timeout)" if drain else ""))
         return 0
 
     def _exited(self, child: Child) -> None:
@@ -441,19 +442,25 @@ class Launcher:
         logger.info("%s (pid %d): marked DEAD in the master: %s", child.name, child.proc.pid, gone or "no entry")
 
     def shutdown(self, grace_s: float = 10.0) -> None:
-        # Frontends first (stop taking requests), then stages, then the master. A stop request that comes
-        # while this runs (a second Ctrl-C) ends the grace: every child's process group is killed now.
+        # Frontends first (stop taking requests; their in-flight ones run on for --shutdown-timeout while the
+        # stages serve them), then stages, then the master. A stop request that comes while this runs (a
+        # second Ctrl-C) ends the grace: every child's process group is killed now. Our copy of the listener
+        # closes first: once the frontends close theirs, new connections are refused, not left queued.
         asked = self._stop.count
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
         for kind in ("frontend", "stage"):
             group = [c for c in self.children if c.kind == kind and c.alive()]
             for c in group:
                 c.proc.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + grace_s
+            drain = self.plan.http_limits.shutdown_timeout if kind == "frontend" else None
+            deadline = time.monotonic() + grace_s + (drain or 0)
             for c in group:
                 if not self._wait_child(c, deadline, asked):
                     if self._stop.count > asked:
                         break
-                    progress(f"{c.name} did not stop within {grace_s:.0f} s; killing it")
+                    progress(f"{c.name} did not stop within {grace_s + (drain or 0):.0f} s; killing it")
                     c.proc.kill()
                     c.proc.wait()
             if self._stop.count > asked:
@@ -461,9 +468,6 @@ class Launcher:
                 break
             for c in group:
                 c.sweep()
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
         if self.master is not None:
             self.master.stop(grace=1.0)
             self.master = None

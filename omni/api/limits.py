@@ -29,6 +29,7 @@ class HttpLimits:
     timeout_request_body: float = 60.0     # --timeout-request-body: head received -> whole body received
     timeout_response_write: float = 60.0   # --timeout-response-write: one chunk of a stream taken by the client
     backlog: int = 2048                    # --backlog: listen() queue of the HTTP socket
+    shutdown_timeout: int | None = None    # --shutdown-timeout: a stop's drain of in-flight requests (None: 5 s)
     # vLLM's CORS flags (omni/api/cors.py): no origin answered unless --allowed-origins names some
     allowed_origins: tuple[str, ...] = ()
     allowed_methods: tuple[str, ...] = ("*",)
@@ -43,6 +44,9 @@ class HttpLimits:
                                  ("--backlog", self.backlog, 1)):
             if not value >= low:
                 raise ConfigError(f"{flag} must be at least {low}, got {value}")
+        n = self.shutdown_timeout
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+            raise ConfigError(f"--shutdown-timeout must be a whole number of seconds >= 0, got {n!r}")
 
     def to_dict(self) -> dict:
         return asdict(self)

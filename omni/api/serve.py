@@ -41,12 +41,15 @@ async def serve(app, *, host: str = "127.0.0.1", port: int = 0, sock: socket.soc
                 graceful_timeout: float = 5.0, limits: HttpLimits | None = None) -> None:
     """Serve `app` until `shutdown_event` is set, then stop within `graceful_timeout`.
 
-    `sock` (already bound, e.g. inherited from a parent) wins over host/port. `on_ready(host, port)`
-    is called with the real bound address once the socket is ready (port 0 -> the kernel's pick).
-    The app's open streams (`app.state.streams`, build_app's) run on for the grace less a second, then
-    end cleanly (http.end_streams): Hypercorn's own end of the grace cancels them mid-body.
+    `sock` (already bound, e.g. inherited from a parent) wins over host/port; it is closed at the stop.
+    `on_ready(host, port)` is called with the real bound address once the socket is ready (port 0 -> the
+    kernel's pick). The app's open streams (`app.state.streams`, build_app's) run on for the grace less a
+    second, then end cleanly (http.end_streams): Hypercorn's own end of the grace cancels them mid-body.
+    `limits.shutdown_timeout` N (vLLM's --shutdown-timeout) replaces the grace: streams end N s after the
+    stop (0: at once), and Hypercorn waits a second more for their closing events.
     """
     limits = limits or HttpLimits()
+    streams_after, graceful_timeout = drain_times(limits.shutdown_timeout, graceful_timeout)
     owned = sock is None
     if sock is None:
         sock = bind_socket(host, port, backlog=limits.backlog)
@@ -71,16 +74,31 @@ async def serve(app, *, host: str = "127.0.0.1", port: int = 0, sock: socket.soc
     previous = loop.get_exception_handler()
     loop.set_exception_handler(_quiet_cancel(shutdown_event, previous))
     streams = getattr(getattr(app, "state", None), "streams", None)
-    ender = None if streams is None else asyncio.create_task(
-        _end_streams(shutdown_event, streams, max(0.0, graceful_timeout - 1.0)))
+    ender = None if streams is None else asyncio.create_task(_end_streams(shutdown_event, streams, streams_after))
+    closer = asyncio.create_task(_close_at_stop(shutdown_event, sock))
     try:
         await hypercorn_serve(app, config, shutdown_trigger=shutdown_event.wait)
     finally:
+        closer.cancel()
         if ender is not None:
             ender.cancel()
         loop.set_exception_handler(previous)
         if owned:
             sock.close()
+
+
+def drain_times(shutdown_timeout: int | None, graceful_timeout: float) -> tuple[float, float]:
+    """(seconds open streams run on after a stop, Hypercorn's grace) for --shutdown-timeout (None: not given)."""
+    if shutdown_timeout is None:
+        return max(0.0, graceful_timeout - 1.0), graceful_timeout
+    return float(shutdown_timeout), shutdown_timeout + 1.0
+
+
+async def _close_at_stop(stopping: asyncio.Event, sock: socket.socket) -> None:
+    """Hypercorn closes its copy of the listener at the stop; ours (and the launcher's, omni/launcher.py) too,
+    so a connection made during the drain is refused rather than queued unanswered until the last one closes."""
+    await stopping.wait()
+    sock.close()
 
 
 async def _end_streams(stopping: asyncio.Event, streams: set, after_s: float) -> None:
