@@ -12,7 +12,8 @@ from typing import Any
 from omni.errors import ConfigError
 
 __all__ = ["CODEC_STOP_KEYS", "PIPELINE_SECONDS", "SAMPLING_RANGES", "TALKER_REFUSED", "talker_refusal", "check_pipeline",
-           "check_sampling", "check_talker_defaults", "check_yaml_shape", "stage_codec_stops", "yaml_sections"]
+           "check_sampling", "check_talker_defaults", "check_yaml_shape", "codec_stops", "stage_codec_stops",
+           "yaml_sections"]
 
 # Seconds the pipeline waits on something; each must be a finite number > 0.
 PIPELINE_SECONDS = ("request_timeout_s", "startup_timeout_s", "lease_ttl_s", "stall_timeout_s")
@@ -38,7 +39,8 @@ SAMPLING_RANGES = {
 _CODEC_PENALTY = "omni's talker penalises repeated codes with repetition_penalty only (as transformers' talker)"
 TALKER_REFUSED = {engine: {"presence_penalty": _CODEC_PENALTY, "frequency_penalty": _CODEC_PENALTY}
                   for engine in ("qwen3_talker", "qwen25_talker")}
-# The codes a talker's own stop_token_ids may name (its codec's end): these keys of the model's talker_config.
+# The codes a talker's own stop_token_ids may name (its codec's end): these keys of the model's talker_config,
+# read by the talker (which registers them: capabilities codec_stops) and by the load-time check alike.
 CODEC_STOP_KEYS = {"qwen3_talker": ("codec_eos_token_id",),
                    "qwen25_talker": ("tts_codec_end_token_id", "tts_codec_pad_token_id")}
 
@@ -55,18 +57,26 @@ def talker_refusal(refused: dict[str, str], own: Any, codec_stops: set[int] | No
     return None
 
 
+def codec_stops(engine: str, talker_config: Any) -> set[int] | None:
+    """The codes talker `engine` stops at (CODEC_STOP_KEYS of its talker_config: the config object the talker
+    loads, or config.json's mapping); None: not a talker, or the config lacks one of them."""
+    keys = CODEC_STOP_KEYS.get(engine, ())
+    get = talker_config.get if isinstance(talker_config, dict) else lambda k: getattr(talker_config, k, None)
+    ids = [get(k) for k in keys] if talker_config is not None else []
+    return set(ids) if ids and all(isinstance(i, int) and not isinstance(i, bool) for i in ids) else None
+
+
 def stage_codec_stops(config: Any) -> dict[int, set[int]]:
-    """Per talker stage, the codes its own stop_token_ids may name (its codec's end, from the model's
-    config.json as the talker reads it); a talker whose model is not at hand is left out."""
+    """Per talker stage, the codes its own stop_token_ids may name, from the model's config.json read as the
+    talker reads it (codec_stops); a talker whose model is not at hand is left out."""
     from omni.models.resolve import model_config
 
     out = {}
     for s in config.stages:
-        talker = (model_config(s.model or config.model) or {}).get("talker_config") \
-            if s.engine in CODEC_STOP_KEYS else None
-        ids = [talker.get(k) for k in CODEC_STOP_KEYS[s.engine]] if isinstance(talker, dict) else []
-        if ids and all(isinstance(i, int) for i in ids):
-            out[s.stage_id] = set(ids)
+        if s.engine in CODEC_STOP_KEYS:
+            stops = codec_stops(s.engine, (model_config(s.model or config.model) or {}).get("talker_config"))
+            if stops is not None:
+                out[s.stage_id] = stops
     return out
 
 

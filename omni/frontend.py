@@ -18,7 +18,7 @@ from typing import Sequence
 
 from omni import latency_trace
 from omni.config import DeployConfig, prompt_stage
-from omni.config_checks import TALKER_REFUSED, stage_codec_stops
+from omni.config_checks import TALKER_REFUSED
 from omni.errors import OmniError
 from omni.heap import freeze_after_startup
 from omni.models.resolve import model_config
@@ -286,7 +286,6 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
         )
         app.state.frontend.refused_sampling = refused_sampling(config)
         app.state.frontend.refused_stage_sampling = refused_stage_sampling(config)
-        app.state.frontend.stage_codec_stops = stage_codec_stops(config)
         # the head's own --max-model-len stays
         follow_limits(app.state.frontend, topology, config, follow_context=max_model_len is None)
         publisher = asyncio.create_task(publish_metrics(app, amaster, topology, index, done))

@@ -118,9 +118,9 @@ class FrontendState:
         self.refused_sampling: dict[str, str] = {}
         # stage id -> {param: why} its engine refuses in a sampling_params_list entry (set by omni/frontend.py)
         self.refused_stage_sampling: dict[int, dict[str, str]] = {}
-        self.stage_codec_stops: dict[int, set[int]] = {}   # stage id -> what its entry's stop_token_ids may name
-        # the audio parts a chat may carry: what the prompt stage's live replicas registered (limits.follow_limits;
-        # None: the stage checks)
+        # What the live replicas registered (orchestrator/limits.follow_limits): stage id -> what its
+        # sampling_params_list entry's stop_token_ids may name; the audio parts a chat may carry (None: the stage checks)
+        self.stage_codec_stops: dict[int, set[int]] = {}
         self.audio_limit: int | None = None
         # Audio out through chat: a pipeline with an audio stage (a speech entry implies one).
         self.audio_out = speech_entry_stage is not None if audio_out is None else audio_out

@@ -25,12 +25,16 @@ MAX_INLINE_BYTES = MAX_MESSAGE_BYTES - (8 << 20)
 def replica_limits(engine) -> dict[str, str]:
     """Capabilities a stage replica registers with: the limits its engine was built with. max_prompt_len:
     the longest client prompt a later stage takes (a talker prefills it into its own KV cache); audio_limit:
-    the audio parts a prompt may carry (a vLLM stage's limit_mm_per_prompt as vLLM read it)."""
+    the audio parts a prompt may carry (a vLLM stage's limit_mm_per_prompt as vLLM read it); codec_stops: the
+    codes a talker's own stop_token_ids may name (its codec's end), comma-separated."""
     out = {}
     for key in ("max_model_len", "max_prompt_len", "audio_limit"):
         limit = getattr(engine, key, None)
         if isinstance(limit, int):
             out[key] = str(limit)
+    stops = getattr(engine, "codec_stops", None)
+    if stops:
+        out["codec_stops"] = ",".join(map(str, sorted(stops)))
     return out
 
 
@@ -44,6 +48,10 @@ def capability(r: ReplicaInfo, key: str, parse: Callable[[str], Any] = int) -> A
 
 def max_model_len(r: ReplicaInfo, key: str = "max_model_len") -> int | None:
     return capability(r, key)
+
+
+def codes(value: str) -> frozenset[int]:
+    return frozenset(int(c) for c in value.split(","))
 
 
 def follow_capability(topology, key: str, reduce: Callable[[list], Any], apply: Callable[[Any], None],
@@ -65,7 +73,9 @@ def follow_limits(fe, topology, config, follow_context: bool = True) -> None:
       (the deploy's, or the model's own); follow_context False: the head's own --max-model-len stays;
     - audio_limit: the largest of the entry stage's; None (the stage checks) while a live one registered none;
     - audio_prompt_len: the smallest max_prompt_len of any stage's (talkers: the orchestrator picks one whatever
-      its limit, so a prompt for audio must fit every one)."""
+      its limit, so a prompt for audio must fit every one);
+    - stage_codec_stops[stage]: the codes every live replica of that stage takes as stop_token_ids; left out
+      (the talker checks) while one registered none."""
     entry = None if (first := prompt_stage(config)) is None else first.stage_id
     if entry is not None and follow_context:
         follow_capability(topology, "max_model_len", lambda v: max(filter(None, v), default=fe.max_model_len),
@@ -75,6 +85,16 @@ def follow_limits(fe, topology, config, follow_context: bool = True) -> None:
                           functools.partial(setattr, fe, "audio_limit"), entry)
     follow_capability(topology, "max_prompt_len", lambda v: min(filter(None, v), default=None),
                       functools.partial(setattr, fe, "audio_prompt_len"))
+    for stage in sorted(s.stage_id for s in config.stages):
+        follow_capability(topology, "codec_stops", lambda v: None if not v or None in v else frozenset.intersection(*v),
+                          functools.partial(_set_stops, fe.stage_codec_stops, stage), stage, codes)
+
+
+def _set_stops(stops: dict, stage: int, value: frozenset[int] | None) -> None:
+    if value is None:
+        stops.pop(stage, None)
+    else:
+        stops[stage] = set(value)
 
 
 def fit(stage_id: int, replicas: list[ReplicaInfo], req: PipelineRequest | None) -> tuple[list[ReplicaInfo], str]:

@@ -55,7 +55,7 @@ def test_a_talker_registers_the_longest_prompt_its_kv_cache_prefills(tmp_path_fa
     caps = replica_limits(e)
     n = int(caps["max_prompt_len"])
     # Not max_model_len: that bounds prompt + max_tokens at the entry stage (limits.fitting).
-    assert set(caps) == {"max_prompt_len"}
+    assert set(caps) == {"max_prompt_len", "codec_stops"}
     # The static step refuses a prefill of L rows or more (slots.py): n fits, n + 1 need not.
     assert rows(e, n) < L <= rows(e, n + 1)
     e.shutdown()

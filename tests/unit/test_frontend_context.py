@@ -99,13 +99,14 @@ def test_the_head_keeps_its_own_max_model_len():
 
 @pytest.mark.parametrize("deploy, tiny, edges", [("qwen3-omni-moe", "qwen3_omni", "qwen3_omni"),
                                                  ("qwen2.5-omni-7b", "qwen25_omni", "qwen25_omni")])
-def test_the_frontend_reads_a_talkers_codec_stops_as_the_talker_does(tmp_path, monkeypatch, deploy, tiny, edges):
-    """The codes a talker's sampling_params_list entry may name as stop_token_ids, from config.json: the
-    talker's own (TalkerIds.from_config of the same config); a model not at hand leaves the stage out."""
+def test_the_load_check_reads_a_talkers_codec_stops_as_the_talker_does(tmp_path, monkeypatch, deploy, tiny, edges):
+    """The codes a talker's default stop_token_ids may name, from config.json (check_talker_defaults): the
+    keys the talker reads its own from (config_checks.codec_stops), the ids it stops at (TalkerIds.from_config
+    of the same config); a model not at hand leaves the stage out."""
     import collections
     import importlib
 
-    from omni.frontend import stage_codec_stops
+    from omni.config_checks import codec_stops, stage_codec_stops
 
     config = importlib.import_module(f"omni.models.{tiny}.tiny").build_config(collections.defaultdict(int))
     ids = importlib.import_module(f"omni.models.{edges}.edges").TalkerIds.from_config(config)
@@ -114,7 +115,9 @@ def test_the_frontend_reads_a_talkers_codec_stops_as_the_talker_does(tmp_path, m
     (d / "config.json").write_text(config.to_json_string())
     monkeypatch.setenv("OMNI_PLATFORM", "cuda")
     want = {ids.codec_eos} | ({ids.codec_pad} if tiny == "qwen25_omni" else set())
-    assert stage_codec_stops(C.load(str(d), deploy)) == {1: want}
+    loaded = C.load(str(d), deploy)
+    assert codec_stops(loaded.stages[1].engine, config.talker_config) == want
+    assert stage_codec_stops(loaded) == {1: want}
     assert stage_codec_stops(C.load(_folder(tmp_path, "bare", 4096), deploy)) == {}
 
 
@@ -139,3 +142,25 @@ def test_the_audio_count_follows_what_the_prompt_stages_replicas_register():
     assert fe.audio_limit == 0
     topo.apply(TopologyEvent("REMOVED", [rep(0, "b")], 6))
     assert fe.audio_limit is None
+
+
+def test_the_frontend_checks_a_talkers_stop_token_ids_against_what_its_replicas_register():
+    """A sampling_params_list entry's stop_token_ids are answered before the thinker runs by the codes the
+    talker stage's live replicas stop at (replica_limits: codec_stops), not by config.json's keys; where
+    one registered none, or none is live, the talker checks."""
+    def rep(stage_id, rid, stops=None):
+        return msgspec.structs.replace(replica(stage_id, rid),
+                                       capabilities=replica_limits(types.SimpleNamespace(codec_stops=stops)))
+    fe = frontend()
+    topo = Topology()
+    follow_limits(fe, topo, PIPELINE)
+    topo.apply(TopologyEvent("SNAPSHOT", [rep(0, "thinker"), rep(1, "a", {8292, 8293})], 1))
+    assert fe.stage_codec_stops == {1: {8292, 8293}}
+    topo.apply(TopologyEvent("ADDED", [rep(1, "b", {8292})], 2))
+    assert fe.stage_codec_stops == {1: {8292}}       # any may be picked: the codes every one takes
+    topo.apply(TopologyEvent("ADDED", [rep(1, "c")], 3))
+    assert fe.stage_codec_stops == {}
+    topo.apply(TopologyEvent("REMOVED", [rep(1, "c"), rep(1, "b")], 4))
+    assert fe.stage_codec_stops == {1: {8292, 8293}}
+    topo.apply(TopologyEvent("REMOVED", [rep(1, "a")], 5))
+    assert fe.stage_codec_stops == {}

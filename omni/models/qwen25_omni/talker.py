@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from omni.config_checks import codec_stops
 from omni.engines.base import EngineError, EngineRequest
 from omni.models.qwen25_omni import edges
 from omni.models.qwen25_omni.weights import load_speakers, load_talker
@@ -75,7 +76,7 @@ class Qwen25TalkerEngine(Qwen3TalkerEngine):
         self.ids = edges.TalkerIds.from_config(self.config)
         self.codec_rows = codec_rows
         self.text_eos = set(text_eos_token_ids or [self.config.thinker_config.text_config.eos_token_id])
-        self.stop_codes = self.codec_stops = {self.ids.codec_eos, self.ids.codec_pad}
+        self.stop_codes = self.codec_stops = codec_stops(self.name, self.config.talker_config)
         self._suppress = torch.zeros(self.talker.codebook_size, dtype=torch.bool, device=self.device)
         self._suppress[self.ids.codec_bos] = True
         self._ends = end_mask(self.talker.codebook_size, self.codec_stops, self.device)

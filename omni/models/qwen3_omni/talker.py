@@ -43,6 +43,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from omni.config_checks import codec_stops
 from omni.engines.base import EngineError, EngineOutput, EngineRequest, StreamEngine
 from omni.engines.offload import IdleOffload
 from omni.models.qwen3_omni import edges
@@ -114,7 +115,7 @@ class Qwen3TalkerEngine(StreamEngine):
         self.config, self.talker, self.embed = parts or load_talker(model_dir, dtype=dtype, device=device)
         self.ids = edges.TalkerIds.from_config(self.config)
         self.text_eos = set(text_eos_token_ids or [self.config.im_end_token_id])
-        self.codec_stops = {self.ids.codec_eos}     # the codes a request may name as stop_token_ids
+        self.codec_stops = codec_stops(self.name, self.config.talker_config)   # its ends, also a request's stop_token_ids
         self._suppress = suppress_mask(self.config.talker_config.text_config.vocab_size, self.ids.codec_eos, self.device)
         self._ends = end_mask(self._suppress.shape[0], self.codec_stops, self.device)
         with torch.no_grad():
@@ -415,7 +416,7 @@ class Qwen3TalkerEngine(StreamEngine):
             row = hold_ends(row.masked_fill(self._suppress, float("-inf")), len(r.history), r.min_tokens, self._ends)
             code = pick(row, r.code0, None if r.uniforms is None else r.uniforms.rows(len(r.history) + 1)[-1, 0])
             r.history.append(code)
-            if code == self.ids.codec_eos:
+            if code in self.codec_stops:
                 r.done = "stop"
             elif len(r.history) >= r.max_tokens:
                 r.done = "length"     # as transformers: the last code 0 gets no residual codes
