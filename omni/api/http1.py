@@ -12,6 +12,8 @@ A response the app ends before its last byte (a client that took no data within 
 a raw audio stream cut at the stop) closes the connection: Hypercorn kept it open, waiting, with what the
 client had not read still buffered. What a client that is not reading still has queued is dropped with a
 reset (a plain close would wait for it to be read); tests/unit/test_api_write_timeout.py checks it.
+A request pipelined behind one whose connection ends no longer holds the connection's task for good
+(tests/unit/test_http1_pipelined.py).
 """
 
 from __future__ import annotations
@@ -49,8 +51,22 @@ class _H11Only(H11Protocol):
                 transport.abort()
             else:
                 await self.send(Closed())
-            return
-        await super().stream_send(event)
+        else:
+            await super().stream_send(event)
+        if isinstance(event, StreamClosed) and self.connection.our_state is not h11.IDLE:
+            await self._end_reading()       # not recycled (cut, ended, shutting down): no request follows
+
+    async def handle(self, event) -> None:
+        await super().handle(event)
+        if isinstance(event, Closed):       # the peer left or a write failed
+            await self._end_reading()
+
+    async def _end_reading(self) -> None:
+        """End a reader paused behind a pipelined request: h11 answers PAUSED until our response is DONE
+        and Hypercorn sets can_read only to recycle, so once the connection ended its reader (and the
+        connection's task) waited for good."""
+        self.connection.next_event = lambda: h11.ConnectionClosed()
+        await self.can_read.set()
 
 
 class Http11OnlyWrapper(ProtocolWrapper):
