@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 
 from omni import envs
@@ -44,9 +45,9 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
     if a.parent_pid:
-        from omni.launcher import die_with_parent
+        from omni.proctree import die_with_parent
 
-        die_with_parent(a.parent_pid)
+        die_with_parent(signal.SIGTERM, a.parent_pid)   # even when the launcher is SIGKILLed
     with open(a.config) as f:
         config_json = f.read()
     from omni.master.auth import TlsFiles

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any, Callable
 
 from omni.errors import ConfigError
@@ -43,6 +44,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Microseconds a stage loop (and a blocking LocalChannel.recv) polls without blocking before it
     # sleeps: a message landing meanwhile skips the wake-up of a halted vCPU. 0 turns it off.
     "OMNI_SPIN_US": lambda: _spin_us(os.environ.get("OMNI_SPIN_US", "50")),
+    # The id a launcher's child registers under with the master (a uuid4's hex, new at each start), so the
+    # launcher marks the entries of a child it reaped by it, not by host and pid; unset, a random one.
+    "OMNI_INSTANCE_ID": lambda: _instance_id(os.environ.get("OMNI_INSTANCE_ID")),
 }
 
 
@@ -58,6 +62,15 @@ def _api_keys(value: str | None) -> list[str]:
         # never echo the value: it holds keys
         raise ConfigError("OMNI_API_KEYS: expected a JSON list of non-empty strings (the API keys)")
     return keys
+
+
+def _instance_id(value: str | None) -> str | None:
+    if not value:
+        return None
+    if re.fullmatch(r"[0-9a-f]{32}", value) is None:
+        raise ConfigError(f"OMNI_INSTANCE_ID={value[:40]!r}: expected 32 lowercase hex digits (a uuid4's hex, "
+                          "as the launcher sets it)")
+    return value
 
 
 def _spin_us(value: str) -> int:

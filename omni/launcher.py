@@ -9,7 +9,6 @@ package; they die with the parent (PR_SET_PDEATHSIG) so nothing is orphaned.
 from __future__ import annotations
 
 import collections
-import ctypes
 import json
 import logging
 import os
@@ -21,6 +20,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -37,7 +37,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-PR_SET_PDEATHSIG = 1
 # Lines of a stage's own engine processes (vLLM prefixes "(EngineCore pid=N) ", "(Worker pid=N) ").
 ENGINE_LINE = re.compile(r"\([\w.-]+ pid=\d+\) ")
 
@@ -47,16 +46,6 @@ def progress(msg: str) -> None:
         print(f"omni: {msg}", file=sys.stderr, flush=True)
     except OSError:
         pass   # our stderr is gone (a closed pipe): shutdown must still run to its end
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """Called first thing in a child: SIGTERM when the parent dies, even by SIGKILL."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
-    if os.getppid() != parent_pid:   # the parent died before prctl took effect
-        os._exit(1)
 
 
 @dataclass
@@ -72,12 +61,15 @@ class Child:
     backoff: RestartBackoff = field(default_factory=RestartBackoff)
     env: dict | None = None
     pass_fds: tuple[int, ...] = ()
+    instance_id: str = ""     # what this start of it registers under (envs.OMNI_INSTANCE_ID)
 
     def start(self) -> None:
         # Own process group: a terminal's Ctrl-C reaches the parent only, which then
         # stops the children in order. No preexec_fn, so no fork() under gRPC's threads.
+        self.instance_id = uuid.uuid4().hex
+        env = {**(os.environ if self.env is None else self.env), "OMNI_INSTANCE_ID": self.instance_id}
         self.proc = subprocess.Popen(
-            self.argv + ["--parent-pid", str(os.getpid())], stderr=subprocess.PIPE, env=self.env,
+            self.argv + ["--parent-pid", str(os.getpid())], stderr=subprocess.PIPE, env=env,
             process_group=0, text=True, errors="replace", bufsize=1, pass_fds=self.pass_fds,
         )
         threading.Thread(target=self._pump, args=(self.proc,), daemon=True,
@@ -438,7 +430,7 @@ class Launcher:
             role, host = Role.FRONTEND, advertised_host(self.plan.host, self.master_address)
         else:
             role, host = Role.STAGE, self.plan.replica_address or default_advertise_host(self.master_address)
-        gone = self.master.process_exited(host, child.proc.pid, role)
+        gone = self.master.process_exited(host, child.proc.pid, role, child.instance_id)
         logger.info("%s (pid %d): marked DEAD in the master: %s", child.name, child.proc.pid, gone or "no entry")
 
     def shutdown(self, grace_s: float = 10.0) -> None:

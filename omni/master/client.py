@@ -17,6 +17,7 @@ from typing import AsyncIterator, Callable, Iterable
 import grpc
 
 from omni._proto import master_pb2 as pb
+from omni import envs
 from omni._proto import master_pb2_grpc as pb_grpc
 from omni.errors import BadRequest, OmniError, Unavailable
 from omni.master import limits, wire
@@ -147,7 +148,8 @@ class MasterClient:
         self._stub = pb_grpc.MasterStub(self._channel)
         self._lock = threading.Lock()
         self._reg_request: pb.RegisterRequest | None = None
-        self._instance_id = uuid.uuid4().hex   # who we are to the master beyond host and pid
+        # Who we are to the master beyond host and pid: our launcher's id for us, if it started us.
+        self._instance_id = envs.OMNI_INSTANCE_ID or uuid.uuid4().hex
         self._registration: Registration | None = None
         self._ka_thread: threading.Thread | None = None
         self._ka_stop = threading.Event()

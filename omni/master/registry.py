@@ -401,13 +401,22 @@ class Registry:
                 out[sid] = serving
         return out
 
-    def exited(self, role: Role, host: str, pid: int) -> list[Event]:
+    def exited(self, role: Role, host: str, pid: int, instance_id: str = "") -> list[Event]:
         """The process is known to be gone (its launcher reaped it): its live entries are DEAD now, not a lease
-        TTL later, so their index is free for the process that replaces it."""
+        TTL later, so their index is free for the process that replaces it. Host and pid alone are not one
+        process (two containers on a host address often share pids): `instance_id`, the one its launcher gave
+        it, picks its entries; "" (not known) marks none where entries of several processes match."""
+        reps = [rep for rep in self._by_lease.values()
+                if rep.role is role and (rep.host, rep.pid) == (host, pid) and rep.state in LIVE_STATES]
+        if instance_id:
+            reps = [rep for rep in reps if rep.instance_id == instance_id]
+        elif len({rep.instance_id for rep in reps}) > 1:
+            logger.warning("pid %d on %s exited: %d processes registered under that host and pid, none marked "
+                           "(their leases expire them)", pid, host, len(reps))
+            return []
         events: list[Event] = []
-        for rep in list(self._by_lease.values()):
-            if rep.role is role and (rep.host, rep.pid) == (host, pid) and rep.state in LIVE_STATES:
-                events += self._mark_dead(rep, T.EXITED)
+        for rep in reps:
+            events += self._mark_dead(rep, T.EXITED)
         return events
 
     def deregister(self, lease_id: str) -> tuple[bool, list[Event]]:

@@ -402,7 +402,7 @@ class MasterServer:
         self._thread = None
         self._kv.close()
 
-    def process_exited(self, host: str, pid: int, role: Role) -> list[str]:
+    def process_exited(self, host: str, pid: int, role: Role, instance_id: str = "") -> list[str]:
         """For the launcher that hosts this master: a child it reaped (frontend or stage replica) is DEAD here now,
         not a lease TTL later (a restart would find its index held). Run on the loop, as every registry access
         -> ids marked."""
@@ -411,7 +411,7 @@ class MasterServer:
             return []
 
         async def mark() -> list[str]:
-            events = self.registry.exited(role, host, pid)
+            events = self.registry.exited(role, host, pid, instance_id)
             servicer.publish(events)
             return [e.replica.replica_id for e in events]
 
