@@ -11,9 +11,9 @@ from typing import Any
 
 from omni.errors import ConfigError
 
-__all__ = ["CODEC_STOP_KEYS", "PIPELINE_SECONDS", "SAMPLING_RANGES", "TALKER_REFUSED", "talker_refusal", "check_pipeline",
-           "check_sampling", "check_talker_defaults", "check_yaml_shape", "codec_stops", "stage_codec_stops",
-           "yaml_sections"]
+__all__ = ["CODEC_STOP_KEYS", "PIPELINE_SECONDS", "SAMPLING_RANGES", "TALKER_REFUSED", "UNSAMPLED", "VOCODERS",
+           "talker_refusal", "check_pipeline", "check_sampling", "check_talker_defaults", "check_yaml_shape",
+           "codec_stops", "stage_codec_stops", "unsampled_refusal", "yaml_sections"]
 
 # Seconds the pipeline waits on something; each must be a finite number > 0.
 PIPELINE_SECONDS = ("request_timeout_s", "startup_timeout_s", "lease_ttl_s", "stall_timeout_s")
@@ -39,6 +39,37 @@ SAMPLING_RANGES = {
 _CODEC_PENALTY = "omni's talker penalises repeated codes with repetition_penalty only (as transformers' talker)"
 TALKER_REFUSED = {engine: {"presence_penalty": _CODEC_PENALTY, "frequency_penalty": _CODEC_PENALTY}
                   for engine in ("qwen3_talker", "qwen25_talker")}
+# Later-stage engines that sample no tokens: the sampling_params_list fields each honours and why it takes no
+# other; an entry setting another away from vLLM's default is refused by name. An engine not here samples
+# (an LM; a talker, less its TALKER_REFUSED). Vocoders take an entry whole and use what they can (token2wav: its
+# seed): vllm-omni's example clients send its code2wav an entry (temperature 0, repetition_penalty 1.1,
+# max_tokens 65536) that vllm-omni ignores too; refusing it would fail those clients on a Qwen pipeline.
+UNSAMPLED = {
+    "piper_talker": ((), "Piper's talker speaks the text; it samples no tokens (its noise is the deploy's "
+                         "noise_scale and noise_w_scale, drawn without a seed)"),
+    "hidden_pooler": ((), "a pooler returns hidden states; it samples no tokens"),
+    "qwen_image": ((), "a diffusion stage takes its steps and seed from the image request"),
+    "wan": ((), "a diffusion stage takes its steps and seed from the video request"),
+}
+VOCODERS = ("qwen3_code2wav", "qwen25_token2wav", "piper_code2wav")
+_OFF = {"top_k": (-1,), "seed": (-1,)}         # an entry's other spellings of vLLM's default (off)
+
+
+def unsampled_refusal(engine: str | None, entry: Any) -> tuple[str, str] | None:
+    """The first field of a sampling_params_list `entry` set away from its default that stage engine `engine`
+    (UNSAMPLED) does not honour, and why; None: it honours the entry (or samples: talker_refusal).
+    `detokenize` is what omni does anyway, for every stage."""
+    honours, why = UNSAMPLED.get(engine or "", (None, ""))
+    if honours is None:
+        return None
+    blank = type(entry)()
+    for name in entry.__struct_fields__:
+        v = getattr(entry, name)
+        if name not in honours and name != "detokenize" and v != getattr(blank, name) and v not in _OFF.get(name, ()):
+            return name, why
+    return None
+
+
 # The codes a talker's own stop_token_ids may name (its codec's end): these keys of the model's talker_config,
 # read by the talker (which registers them: capabilities codec_stops) and by the load-time check alike.
 CODEC_STOP_KEYS = {"qwen3_talker": ("codec_eos_token_id",),

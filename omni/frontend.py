@@ -61,6 +61,13 @@ def refused_stage_sampling(config: DeployConfig) -> dict[int, dict[str, str]]:
     return {s.stage_id: TALKER_REFUSED[s.engine] for s in config.stages if s.engine in TALKER_REFUSED}
 
 
+def stage_sampling(fe, config: DeployConfig) -> None:
+    """What FrontendState checks a sampling_params_list entry against: each talker's refused fields and each
+    stage's engine (config_checks.UNSAMPLED, VOCODERS)."""
+    fe.refused_stage_sampling = refused_stage_sampling(config)
+    fe.stage_engines = {s.stage_id: s.engine for s in config.stages}
+
+
 def model_context(model: str | None) -> int | None:
     """max_position_embeddings of a local model's config.json: the text model's (text_config, or
     thinker_config.text_config for Qwen-Omni); None when it is not at hand."""
@@ -285,7 +292,7 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
             **_sampling_defaults(config),
         )
         app.state.frontend.refused_sampling = refused_sampling(config)
-        app.state.frontend.refused_stage_sampling = refused_stage_sampling(config)
+        stage_sampling(app.state.frontend, config)
         # the head's own --max-model-len stays
         follow_limits(app.state.frontend, topology, config, follow_context=max_model_len is None)
         publisher = asyncio.create_task(publish_metrics(app, amaster, topology, index, done))

@@ -25,7 +25,7 @@ from omni.api.errors import APIError, bad_request
 from omni.api.metrics import FrontendMetrics
 from omni.api.protocol_media import preset_speed
 from omni.api.voices import InMemoryVoiceStore
-from omni.config_checks import talker_refusal
+from omni.config_checks import VOCODERS, talker_refusal, unsampled_refusal
 from omni.engines.base import SamplingParams
 from omni.errors import NotFound
 from omni.orchestrator.types import OrchestratorLike
@@ -118,6 +118,7 @@ class FrontendState:
         self.refused_sampling: dict[str, str] = {}
         # stage id -> {param: why} its engine refuses in a sampling_params_list entry (set by omni/frontend.py)
         self.refused_stage_sampling: dict[int, dict[str, str]] = {}
+        self.stage_engines: dict[int, str] = {}    # stage id -> its engine (set by omni/frontend.py)
         # What the live replicas registered (orchestrator/limits.follow_limits): stage id -> what its
         # sampling_params_list entry's stop_token_ids may name; the audio parts a chat may carry (None: the stage checks)
         self.stage_codec_stops: dict[int, set[int]] = {}
@@ -310,12 +311,15 @@ class FrontendState:
                           repetition_penalty=e.repetition_penalty, ignore_eos=e.ignore_eos,
                           stop_token_ids=tuple(e.stop_token_ids))
             if i > 0:
-                refused = talker_refusal(self.refused_stage_sampling.get(i, {}), e, self.stage_codec_stops.get(i))
+                engine = self.stage_engines.get(i)
+                refused = (talker_refusal(self.refused_stage_sampling.get(i, {}), e, self.stage_codec_stops.get(i))
+                           or unsampled_refusal(engine, e))
                 if refused is not None:
                     name, why = refused
-                    raise bad_request(f"{where}.{name}={getattr(e, name)} is not supported by stage {i}: {why}",
-                                      param=f"{where}.{name}")
-                if cap is not None and e.max_tokens is not None and e.max_tokens > cap:
+                    raise bad_request(f"{where}.{name}={getattr(e, name)} is not supported by stage {i}"
+                                      f"{f' ({engine})' if engine else ''}: {why}", param=f"{where}.{name}")
+                # a vocoder ignores max_tokens: vllm-omni's clients send its code2wav 65536
+                if cap is not None and e.max_tokens is not None and e.max_tokens > cap and engine not in VOCODERS:
                     raise bad_request(f"{where}.max_tokens={e.max_tokens} is above this server's limit of {cap}",
                                       param=f"{where}.max_tokens")
                 mt = e.max_tokens or min(VLLM_MAX_TOKENS, cap or VLLM_MAX_TOKENS)

@@ -214,3 +214,50 @@ async def test_a_later_entry_without_a_seed_does_not_take_entry_0s(tokenizer):
         assert first[i].seed is not None and first[i].seed != 1, first[i]
         assert first[i].seed != second[i].seed
     assert orch.requests[0].sampling.seed == 1
+
+
+def _pipeline_of(tmp_path, deploy: str, fe) -> None:
+    """`fe` checks entries as omni/frontend.py sets it up for `deploy` (a folder of no weights)."""
+    from omni.frontend import stage_sampling
+
+    (tmp_path / "config.json").write_text("{}")
+    stage_sampling(fe, cfg.load(str(tmp_path), deploy))
+
+
+@pytest.mark.parametrize("entry, field", [({"max_tokens": 1}, "max_tokens"), ({"temperature": 2.0}, "temperature"),
+                                          ({"seed": 1}, "seed"), ({"stop_token_ids": [5]}, "stop_token_ids"),
+                                          ({"top_k": 5}, "top_k"), ({"min_tokens": 2}, "min_tokens")])
+async def test_an_entry_for_piper_s_talker_setting_what_it_does_not_sample_is_a_400_naming_it(
+        tokenizer, tmp_path, entry, field):
+    """The default pipeline's Piper talker samples no tokens: an entry's max_tokens, temperature, seed, stops
+    ... were passed on and ignored (max_tokens 1 gave 2.2 s of audio, one seed two different ones)."""
+    orch, c = make(tokenizer, num_stages=3)
+    _pipeline_of(tmp_path, "smollm2-135m-instruct", c._transport.app.state.frontend)
+    r = await c.post("/v1/chat/completions", json=chat_body(sampling_params_list=[{"max_tokens": 8}, entry]))
+    assert_error(r, 400, param=f"sampling_params_list[1].{field}",
+                 contains="is not supported by stage 1 (piper_talker): Piper's talker speaks the text")
+    assert orch.requests == []
+
+
+async def test_an_entry_of_defaults_for_piper_s_talker_and_any_for_its_vocoder_pass(tokenizer, tmp_path):
+    orch, c = make(tokenizer, num_stages=3, max_tokens_limit=100)
+    _pipeline_of(tmp_path, "smollm2-135m-instruct", c._transport.app.state.frontend)
+    for talker in ({}, {"temperature": 1.0, "top_k": -1, "seed": -1, "top_p": 1.0, "detokenize": False,
+                        "stop_token_ids": [], "repetition_penalty": 1.0, "presence_penalty": 0}):
+        r = await c.post("/v1/chat/completions", json=chat_body(sampling_params_list=[{}, talker, EXAMPLE[2]]))
+        assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("deploy", ["qwen3-omni-moe", "qwen2.5-omni-7b"])
+async def test_vllm_omnis_example_entries_pass_on_the_qwen_pipelines(tokenizer, tmp_path, monkeypatch, deploy):
+    """vllm-omni's example clients send code2wav an entry (temperature 0, repetition_penalty 1.1, max_tokens
+    65536) that its vocoder does not sample with: taken whole, even past the server's max_tokens limit."""
+    monkeypatch.setenv("OMNI_PLATFORM", "cuda")
+    orch, c = make(tokenizer, num_stages=3, max_tokens_limit=5000)
+    _pipeline_of(tmp_path, deploy, c._transport.app.state.frontend)
+    talker = {k: v for k, v in EXAMPLE[1].items() if k != "stop_token_ids"}   # the Qwen3 codec end, in the example
+    r = await c.post("/v1/chat/completions", json=chat_body(sampling_params_list=[EXAMPLE[0], talker, EXAMPLE[2]]))
+    assert r.status_code == 200, r.text
+    assert orch.requests[0].stage_overrides[2].seed == 42        # Qwen2.5's token2wav draws its noise from it
+    r = await c.post("/v1/chat/completions", json=chat_body(sampling_params_list=[{}, {"max_tokens": 9000}]))
+    assert_error(r, 400, param="sampling_params_list[1].max_tokens", contains="above this server's limit of 5000")
