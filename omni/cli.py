@@ -172,7 +172,8 @@ def serve(
     control_api_key: Optional[str] = typer.Option(None, "--control-api-key", envvar="OMNI_CONTROL_API_KEY", help="Require 'Authorization: Bearer KEY' with this key (not --api-key) on the control routes /v1/omni/sleep and /v1/omni/wakeup."),
     disable_control_routes: bool = typer.Option(False, "--disable-control-routes", help="Answer 403 on /v1/omni/sleep and /v1/omni/wakeup (the master's `omni sleep`/`omni wakeup` still work)."),
     served_model_names: Optional[List[str]] = typer.Option(None, "--served-model-name", help="Model name(s) the API answers to; takes several (--served-model-name A B), the first is the one it reports (default: MODEL). MODEL and the deploy's aliases are answered to as well."),  # noqa: B008 (typer's list option)
-    num_replicas: Optional[int] = typer.Option(None, "--num-replicas", "--omni-dp-size-local", help="Replicas of the stage(s) run here. 0 with --stage-id 0 (the head): only the master and the HTTP frontends run here; stage 0 runs headless on other hosts."),
+    num_replicas: Optional[int] = typer.Option(None, "--num-replicas", help="Replicas of the stage(s) run here (no --stage-id: of every stage). 0 with --stage-id 0 (the head): only the master and the HTTP frontends run here; stage 0 runs headless on other hosts."),
+    omni_dp_size_local: Optional[int] = typer.Option(None, "--omni-dp-size-local", help="vllm-omni's: replicas of the --stage-id stage run here (as --num-replicas); other than 1 needs --stage-id."),
     max_model_len: Optional[str] = typer.Option(None, "--max-model-len", help="Engine flag: context length (2048, 32k, 32K); in stage mode this replica's (and the head's frontends')."),
     max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs", help="Per-stage engine flag: max concurrent sequences."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Per-stage engine flag: bfloat16 | float32."),
@@ -227,6 +228,7 @@ def serve(
     if api_server_count > cores:
         print(f"omni: warning: --api-server-count {api_server_count} is more than the {cores} CPU cores here; "
               "extra frontends only add contention", file=sys.stderr)
+    num_replicas = serve_modes.replicas(num_replicas, omni_dp_size_local, stage_id)
     if num_replicas is not None and num_replicas < (0 if stage_id == 0 and not headless else 1):
         raise ConfigError(f"--num-replicas must be >= 1 (0 only on the head, --stage-id 0 without --headless), "
                           f"got {num_replicas}")

@@ -8,7 +8,7 @@ from typing import Any
 
 from omni.errors import ConfigError
 
-__all__ = ["HEAD_ONLY", "check_state_dir", "refuse_head_only"]
+__all__ = ["HEAD_ONLY", "check_state_dir", "refuse_head_only", "replicas"]
 
 # serve's parameter -> its flag: the HTTP frontends' and the master's, which a headless stage runs neither of.
 HEAD_ONLY = {
@@ -42,3 +42,22 @@ def check_state_dir(state_dir: str | None, headless: bool, dry_run: bool) -> Non
     from omni.master.kv import check_state_dir as check
 
     check(state_dir, create=not dry_run)
+
+
+def replicas(num_replicas: int | None, dp_size_local: int | None, stage_id: int | None) -> int | None:
+    """The replicas run here: omni's --num-replicas (with no --stage-id: of every stage), or vllm-omni's
+    --omni-dp-size-local, which as in vllm-omni counts only the replicas of this process's --stage-id: other
+    than 1 without it is refused (it ran N replicas of every stage), 1 is vllm-omni's default."""
+    if dp_size_local is None:
+        return num_replicas
+    if dp_size_local < 1:
+        raise ConfigError(f"--omni-dp-size-local must be >= 1, got {dp_size_local}")
+    if stage_id is None:
+        if dp_size_local != 1:
+            raise ConfigError("--omni-dp-size-local != 1 requires --stage-id to be set (omni's --num-replicas N "
+                              "runs N replicas of every stage)")
+        return num_replicas
+    if num_replicas is not None and num_replicas != dp_size_local:
+        raise ConfigError(f"--num-replicas {num_replicas} and --omni-dp-size-local {dp_size_local} both count "
+                          "this stage's replicas; pass one")
+    return dp_size_local

@@ -68,13 +68,13 @@ def test_long_prompts_avoid_the_replica_with_the_smaller_max_model_len(tmp_path)
 
 
 def test_num_replicas_in_single_command_mode(tmp_path):
-    """`--num-replicas` (vllm-omni's --omni-dp-size-local) without --stage-id: every stage gets N."""
+    """`--num-replicas` without --stage-id: every stage gets N (vllm-omni's --omni-dp-size-local refuses it)."""
     from omni.models.resolve import resolve_model
 
     config = tmp_path / "lm.yaml"
     config.write_text(DEPLOY)
     p = OmniProcess("serve", resolve_model(MODEL), "--deploy-config", str(config), "--port", "0",
-                    "--omni-dp-size-local", "2")
+                    "--num-replicas", "2")
     try:
         master = p.master_address(120)
         p.http(300)

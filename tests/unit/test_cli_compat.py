@@ -26,7 +26,7 @@ def test_vllm_serve_flags_are_accepted_and_spread_over_the_stages_that_take_them
     args, err = dry_run("smollm2", "--omni", "--max-model-len", "512", "-tp", "1", "--trust-remote-code",
                         "--max-num-seqs", "4", "--dtype", "float32")
     assert args[0]["max_model_len"] == 512 and args[0]["max_num_seqs"] == 4 and args[0]["dtype"] == "float32"
-    plain = dry_run("smollm2", "--omni-dp-size-local", "2")[0]
+    plain = dry_run("smollm2", "--num-replicas", "2")[0]
     assert plain["num_replicas"] == 2
     assert args[1] == plain[1] and args[2] == plain[2]   # what the deploy file gives them, nothing of the flags
     assert "not to stage 1 (talker), stage 2 (code2wav)" in err
@@ -47,6 +47,30 @@ def test_a_flag_no_stage_takes_is_an_error_naming_flag_and_stages(flags, message
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and message in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_omni_dp_size_local_counts_the_stage_ids_replicas_and_needs_it_as_in_vllm_omni():
+    """vllm-omni's --omni-dp-size-local is this process's replicas of its --stage-id; other than 1 without one
+    it refuses. omni took it as --num-replicas and ran N replicas of every stage."""
+    r = subprocess.run([sys.executable, "-m", "omni.cli", "serve", "smollm2", "--omni-dp-size-local", "2",
+                        "--dry-run"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--omni-dp-size-local != 1 requires --stage-id to be set" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    head = ("--stage-id", "0", "--omni-master-address", "127.0.0.1", "--omni-master-port", "1")
+    assert dry_run("smollm2", *head, "--omni-dp-size-local", "2")[0]["num_replicas"] == 2
+    assert dry_run("smollm2", "--omni-dp-size-local", "1")[0]["num_replicas"] is None    # vllm-omni's default
+
+
+@pytest.mark.parametrize("given, message", [
+    ((None, 0, 1), "--omni-dp-size-local must be >= 1, got 0"),
+    ((2, 3, 1), "--num-replicas 2 and --omni-dp-size-local 3 both count this stage's replicas; pass one"),
+])
+def test_a_bad_omni_dp_size_local_is_named(given, message):
+    from omni.serve_modes import replicas
+
+    with pytest.raises(ConfigError, match=message):
+        replicas(*given)
+    assert replicas(2, 2, 1) == 2 and replicas(3, None, None) == 3 and replicas(None, 1, None) is None
 
 
 def test_stage_mode_flags_stay_per_replica():
