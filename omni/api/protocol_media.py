@@ -41,7 +41,7 @@ class SpeechRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     voice: Voice = None
     speaker: VoiceName | None = None            # vllm-omni's name for it
     response_format: Literal["wav", "pcm"] = "wav"
-    speed: Speed = 1.0
+    speed: Speed | None = 1.0                   # null: 1.0, as vllm-omni takes it
     # OpenAI's / vllm-omni's streaming: "sse" (speech.audio.delta events; `stream: true` alone picks it),
     # "audio" (the raw bytes as made; wav behind a header of unknown length)
     stream: bool = False

@@ -72,14 +72,15 @@ class SpeechRoutes:
         if req.response_format not in ("wav", "pcm"):
             raise bad_request(f"response_format `{req.response_format}` is not supported (wav, pcm)",
                               param="response_format")
-        P.check_speed(req.speed)
+        speed = 1.0 if req.speed is None else req.speed
+        P.check_speed(speed)
         refused = first_refused(req, P.SPEECH_REFUSED)
         if refused is not None:
             raise bad_request(f"{refused[0]} is not supported: {refused[1]}", param=refused[0])
         as_sse = req.stream_format == "sse" or (req.stream and req.stream_format is None)
         as_raw = not as_sse and (req.response_format == "pcm" or req.stream_format == "audio")
         asked = P.one_voice({"voice": P.voice_name(req.voice), "speaker": req.speaker})
-        voice, speed = await self.fe.voice(asked, req.speed)
+        voice, speed = await self.fe.voice(asked, speed)
         preq = PipelineRequest(request_id=f"speech-{uuid.uuid4().hex}", text=req.input,
                                entry_stage=self.fe.speech_stage, modalities=("audio",), voice=voice, speed=speed)
         audio = AudioStream(self.fe.metrics.audio, self.fe.model, voice,

@@ -130,3 +130,12 @@ def test_a_refusal_past_the_entry_stage_keeps_where_it_failed(caplog):
     assert to_api_error(e).message == "request length: 3 > 2"      # before: "3 > 2"
     e = StageFailed(0, "s0r0", "EngineError: request 'chatcmpl-1': the prompt is empty", "client", entry_rid="chatcmpl-1")
     assert to_api_error(e).message == "the prompt is empty"
+
+
+async def test_speed_null_is_the_default(tokenizer):
+    # vllm-omni's speed is `float | None = 1.0`: its clients may send null
+    orch, c = make(tokenizer, speech_entry_stage=1)
+    orch.audio_chunks = 1
+    r = await c.post("/v1/audio/speech", json={"input": "hi", "speed": None})
+    assert r.status_code == 200, r.text
+    assert orch.requests[-1].speed == 1.0
