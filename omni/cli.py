@@ -37,7 +37,8 @@ def _scalar(text: str) -> Any:
 
 # vllm-omni's short forms, spelled out before parsing (as options they would crowd the long names
 # out of --help's column).
-SHORT_FLAGS = {"-oma": "--omni-master-address", "-omp": "--omni-master-port", "-ora": "--omni-replica-address"}
+SHORT_FLAGS = {"-oma": "--omni-master-address", "-omp": "--omni-master-port", "-ora": "--omni-replica-address",
+               "-dac": "--diffusion-attention-config"}
 
 
 def fold_dotted_args(argv: list[str], flags: tuple[str, ...] = JSON_FLAGS) -> list[str]:

@@ -224,7 +224,7 @@ def spread_flags(config: DeployConfig, flags: dict[str, Any]) -> dict[str, dict[
                 continue
             if frontend_only(key):
                 raise ConfigError(f"{flag_name(key)}: vLLM's serve option, not supported by omni")
-            raise ConfigError(vllm_omni_flags.refusal(key)
+            raise ConfigError(vllm_omni_flags.refusal(key, value)
                               or f"{flag_name(key)}: no stage of this pipeline takes it ({_describe(config)})")
         for s in takers if key == "dtype" else ():
             check_dtype(value, s.engine, f"{flag_name(key)} ({s.label})")

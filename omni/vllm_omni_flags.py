@@ -27,6 +27,8 @@ NO_OPS = {
     "replica_id": "deprecated in vllm-omni too: the master assigns replica ids",
 }
 # The rest of vllm-omni's serve options, by what they are for: refused by name where no engine takes them.
+# Keyed by every spelling as parse_extra_flags reads it (--dlo-no-use-allgather: dlo_no_use_allgather), not by
+# argparse dest; a --no-X of its BooleanOptionalAction flags is X false (NEGATED); -dac is omni.cli.SHORT_FLAGS'.
 OTHERS = {
     "diffusion": ("num_gpus", "model_class_name", "diffusion_load_format", "lora_path", "lora_backend",
                   "lora_scale", "diffusion_compile_granularity", "diffusion_compile_dynamic", "fa_deterministic",
@@ -36,10 +38,10 @@ OTHERS = {
                   "hsdp_replicate_size", "diffusion_attention_backend", "fastvideo_vsa_topk",
                   "diffusion_attention_config", "cache_backend", "cache_config", "video_output_transport",
                   "enable_cache_dit_summary", "step_execution", "request_batch_max_wait_ms", "vae_use_slicing",
-                  "vae_use_tiling", "enable_multithread_weight_load", "enable_broadcast_weight_load",
+                  "vae_use_tiling", "disable_multithread_weight_load", "enable_broadcast_weight_load",
                   "num_weight_load_threads", "diffusion_offload_config", "enable_cpu_offload",
                   "enable_layerwise_offload", "enable_distributed_layerwise_offload", "dlo_use_allgather",
-                  "dlo_resident_layers", "host_weight_runtime_mode", "host_weight_runtime_root",
+                  "dlo_no_use_allgather", "dlo_resident_layers", "host_weight_runtime_mode", "host_weight_runtime_root",
                   "dlo_host_registration_limit_gib", "boundary_ratio", "flow_shift", "diffusion_kv_cache_dtype",
                   "diffusion_kv_cache_skip_steps", "diffusion_kv_cache_skip_layers", "cfg_parallel_size",
                   "vae_patch_parallel_size", "text_encoder_tp_size", "vae_parallel_mode",
@@ -51,6 +53,7 @@ OTHERS = {
                      "no_guardrails", "guardrails", "robot_openpi_idle_timeout"),
 }
 _KIND = {name: kind for kind, names in OTHERS.items() for name in names}
+NEGATED = ("guardrails", "diffusion_compile_dynamic", "ulysses_a2a_permute")   # vllm-omni's --no-X forms
 
 
 @dataclass
@@ -99,12 +102,14 @@ WHY = {"diffusion": "omni's image and video stages take their settings from the 
        "orchestrator": "omni has no such setting"}
 
 
-def refusal(key: str) -> str | None:
-    """Why a vllm-omni option no stage's engine takes is not there, or None (not one of vllm-omni's)."""
+def refusal(key: str, value: Any = None) -> str | None:
+    """Why a vllm-omni option no stage's engine takes is not there, or None (not one of vllm-omni's); `value`
+    False: given as --no-X (vllm-omni has only --no-guardrails, not --guardrails)."""
     kind = _KIND.get(key)
     if kind is None:
         return None
-    flag = "--no-guardrails" if key == "guardrails" else f"--{key.replace('_', '-')}"
+    negated = key in NEGATED and (value is False or key == "guardrails")
+    flag = f"--{'no-' if negated else ''}{key.replace('_', '-')}"
     why = "omni's processes log to stderr (redirect it)" if key == "log_file" else WHY[kind]
     return f"{flag}: vllm-omni's {kind} option, not supported: {why}"
 

@@ -55,11 +55,29 @@ def test_the_cli_passes_them_on_and_names_the_no_ops():
     (["--task-type", "Base"], "--task-type: vllm-omni's speech option, not supported"),
     (["--log-file", "/tmp/x.log"], "--log-file: vllm-omni's orchestrator option, not supported: omni's processes log"),
     (["--no-guardrails"], "--no-guardrails: vllm-omni's orchestrator option"),
+    # spellings other than the argparse dest: a short form, a store_false flag, a --no- form
+    (["-dac", "{}"], "--diffusion-attention-config: vllm-omni's diffusion option, not supported"),
+    (["--disable-multithread-weight-load"], "--disable-multithread-weight-load: vllm-omni's diffusion option"),
+    (["--dlo-no-use-allgather"], "--dlo-no-use-allgather: vllm-omni's diffusion option"),
+    (["--no-diffusion-compile-dynamic"], "--no-diffusion-compile-dynamic: vllm-omni's diffusion option"),
 ])
 def test_other_vllm_omni_options_are_named_as_vllm_omnis(flag, message):
     r = serve(*flag)
     assert r.returncode == 2 and message in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("key, value, flag", [
+    ("disable_multithread_weight_load", True, "--disable-multithread-weight-load"),
+    ("dlo_no_use_allgather", True, "--dlo-no-use-allgather"), ("dlo_use_allgather", True, "--dlo-use-allgather"),
+    ("ulysses_a2a_permute", False, "--no-ulysses-a2a-permute"), ("ulysses_a2a_permute", True, "--ulysses-a2a-permute"),
+    ("usp", 2, "--usp"), ("ring", 2, "--ring"), ("guardrails", False, "--no-guardrails"),
+])
+def test_each_spelling_of_a_vllm_omni_option_is_named_as_typed(key, value, flag):
+    """vllm-omni's option strings, not its argparse dests: --disable-multithread-weight-load (dest
+    enable_multithread_weight_load) and --dlo-no-use-allgather were 'no stage of this pipeline takes it'."""
+    assert vf.refusal(key, value).startswith(f"{flag}: vllm-omni's ")
+    assert vf.refusal("enable_multithread_weight_load", True) is None     # a dest, no flag of vllm-omni's
 
 
 def test_the_short_master_flags():
