@@ -1,5 +1,6 @@
 """Voices shared by every frontend: stored once in the master's KV store (persisted
-there when the master has a --state-dir), built-in voices always present."""
+there when the master has a --state-dir), built-in voices always present. Names are
+case-insensitive: "Mine" and "mine" are one voice, stored as "mine"."""
 
 from __future__ import annotations
 
@@ -23,36 +24,55 @@ class MasterVoiceStore:
         return [dict(v) for v in {**voices, **BUILTIN}.values()]
 
     async def get(self, name: str) -> dict[str, Any]:
-        if name in BUILTIN:
-            return BUILTIN[name]
-        _known_form(name)
-        blob = await self._master.kv_get(NAMESPACE, name)
-        if blob is None:
+        found = await self._find(name)
+        if found is None:
             raise NotFound(f"voice {name!r} does not exist")
-        return json.loads(blob)
+        return found[1]
 
     async def add(self, name: str, spec: dict[str, Any]) -> dict[str, Any]:
-        if name in BUILTIN:
+        key = name.lower()
+        if key in BUILTIN:
             raise Conflict(f"voice {name!r} is built in and cannot be replaced")
-        base = spec.get("base", "joe")
+        base = str(spec.get("base", "joe")).lower()
         if base not in BUILTIN:
             raise BadRequest(f"voice base {base!r} is not a built-in voice ({', '.join(BUILTIN)})")
-        record = {"name": name, "base": base, "speed": float(spec.get("speed", 1.0)), "builtin": False}
+        if await self._find(name) is not None:     # in any case, e.g. "Mine" stored under that case before
+            raise Conflict(f"voice `{name}` already exists; delete it first")
+        record = {"name": key, "base": base, "speed": float(spec.get("speed", 1.0)), "builtin": False}
         # Create-only in one call: of two frontends adding the name at once, one gets the 409.
-        if not await self._master.kv_put(NAMESPACE, name, json.dumps(record).encode(), only_if_absent=True):
+        if not await self._master.kv_put(NAMESPACE, key, json.dumps(record).encode(), only_if_absent=True):
             raise Conflict(f"voice `{name}` already exists; delete it first")
         return record
 
     async def delete(self, name: str) -> None:
-        if name in BUILTIN:
+        if name.lower() in BUILTIN:
             raise Conflict(f"voice {name!r} is built in and cannot be deleted")
-        _known_form(name)
-        if not await self._master.kv_delete(NAMESPACE, name):
+        found = await self._find(name)
+        if found is None or not await self._master.kv_delete(NAMESPACE, found[0]):
             raise NotFound(f"voice {name!r} does not exist")
 
+    async def _find(self, name: str) -> tuple[str, dict[str, Any]] | None:
+        """(KV key, record) of a voice in any case. Voices are stored under the lower-cased name (vllm-omni
+        lower-cases them); one stored before under another case is found by listing, on a miss only."""
+        key = name.lower()
+        if key in BUILTIN:
+            return key, BUILTIN[key]
+        if not _known_form(name, raising=False):
+            return None
+        blob = await self._master.kv_get(NAMESPACE, key)
+        if blob is not None:
+            return key, json.loads(blob)
+        for k, b in (await self._master.kv_list(NAMESPACE)).items():
+            if k.lower() == key:
+                return k, json.loads(b)
+        return None
 
-def _known_form(name: str) -> None:
+
+def _known_form(name: str, raising: bool = True) -> bool:
     """Voices are added only under VOICE_NAME's rule: another name (over the KV's key length too, which the
     master would refuse with its own message) names none."""
-    if not VOICE_NAME_RE.match(name):
+    if VOICE_NAME_RE.match(name):
+        return True
+    if raising:
         raise NotFound(f"voice {name!r} does not exist")
+    return False

@@ -131,7 +131,7 @@ def check_voice_spec(spec: VoiceSpec, builtin: list[str]) -> None:
     if not VOICE_NAME_RE.match(spec.name):
         raise bad_request(f"voice name `{spec.name}` must be 1-64 letters, digits, '_' or '-'",
                           param="name")
-    if spec.base not in builtin:
+    if spec.base.lower() not in builtin:     # names in any case, as a request's voice
         raise bad_request(f"base voice `{spec.base}` is not a built-in voice ({', '.join(builtin)})",
                           param="base")
     check_speed(spec.speed)

@@ -3,7 +3,7 @@
 A store is anything with these async methods (the lead plugs in a master-backed one so
 every frontend sees the same voices):
     list() -> list[{"name", "base", "speed", "builtin"}]
-    get(name) -> one entry (optional; used when present, else list() is searched)
+    get(name) -> one entry, the name in any case (optional; used when present, else list() is searched)
     add(name, spec: {"base", "speed"}) -> the stored entry
     delete(name) -> None
 raising omni.errors.Conflict (built-in or duplicate), BadRequest or NotFound (unknown name).
@@ -37,34 +37,37 @@ class VoiceStoreLike(Protocol):
 
 
 class InMemoryVoiceStore:
+    """Names are case-insensitive, stored lower-cased (as vllm-omni keeps them)."""
+
     def __init__(self, builtin: tuple[str, ...] = ("joe",)):
         self._voices: dict[str, dict] = {
-            n: {"name": n, "base": n, "speed": 1.0, "builtin": True} for n in builtin}
+            n.lower(): {"name": n.lower(), "base": n.lower(), "speed": 1.0, "builtin": True} for n in builtin}
 
     async def list(self) -> list[dict]:
         return [dict(v) for v in self._voices.values()]
 
     async def get(self, name: str) -> dict:
-        v = self._voices.get(name)
+        v = self._voices.get(name.lower())
         if v is None:
             raise NotFound(f"voice `{name}` does not exist")
         return dict(v)
 
     async def add(self, name: str, spec: dict) -> dict:
-        if name in self._voices:
+        key = name.lower()
+        if key in self._voices:
             raise Conflict(f"voice `{name}` already exists; delete it first")
-        entry = {"name": name, "base": spec["base"], "speed": float(spec.get("speed", 1.0)),
+        entry = {"name": key, "base": spec["base"].lower(), "speed": float(spec.get("speed", 1.0)),
                  "builtin": False}
-        self._voices[name] = entry
+        self._voices[key] = entry
         return dict(entry)
 
     async def delete(self, name: str) -> None:
-        v = self._voices.get(name)
+        v = self._voices.get(name.lower())
         if v is None:
             raise NotFound(f"voice `{name}` does not exist")
         if v["builtin"]:
             raise Conflict(f"voice `{name}` is built in and cannot be deleted")
-        del self._voices[name]
+        del self._voices[name.lower()]
 
 
 class VoiceRoutes:
