@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from omni.api import protocol as P
+from omni.api.browser import FORMS
 from omni.api.errors import APIError
 from omni.errors import Conflict, NotFound
 
@@ -86,12 +87,20 @@ class VoiceRoutes:
         return [{"name": s, "base": s, "speed": 1.0, "builtin": True} for s in self.fe.speakers]
 
     async def list(self, request: Request) -> Response:
+        """omni's list (`data`) and vllm-omni's keys beside it: `voices` (every name) and `uploaded_voices`
+        (the presets; vllm-omni's uploads, which clients check a name against)."""
         self._need_voices()
         voices = self._speaker_entries() if self.fe.speakers else await self.fe.voices.list()
-        return JSONResponse({"object": "list", "data": voices})
+        return JSONResponse({"object": "list", "data": voices, "voices": [v["name"] for v in voices],
+                             "uploaded_voices": [v for v in voices if not v.get("builtin")]})
 
     async def add(self, request: Request) -> Response:
         self._need_voices()
+        if request.headers.get("content-type", "").split(";", 1)[0].strip().lower() in FORMS:
+            # vllm-omni's upload (-F name= -F audio_sample=@f.wav): refused unread
+            raise APIError(400, "audio_sample: voice cloning (uploading a voice sample) is not supported by this "
+                                "server; a POST of JSON {\"name\", \"base\", \"speed\"} makes a preset of a built-in "
+                                "voice", param="audio_sample", code="voice_cloning_unsupported")
         if self.fe.speakers:
             raise APIError(400, "voice presets are not available for this pipeline: its voices are the model's "
                                 f"speakers ({', '.join(self.fe.speakers)}), named in a chat's audio.voice, "

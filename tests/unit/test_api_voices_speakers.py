@@ -27,7 +27,8 @@ async def test_speakers_are_the_voices(tokenizer):  # noqa: F811
     assert r.status_code == 200, r.text
     assert r.json() == {"object": "list", "data": [
         {"name": "chelsie", "base": "chelsie", "speed": 1.0, "builtin": True},
-        {"name": "ethan", "base": "ethan", "speed": 1.0, "builtin": True}]}
+        {"name": "ethan", "base": "ethan", "speed": 1.0, "builtin": True}],
+        "voices": ["chelsie", "ethan"], "uploaded_voices": []}
     r = await c.post("/v1/audio/voices", json={"name": "fast", "base": "ethan", "speed": 2})
     err = assert_error(r, 400, None, "presets are not available")
     assert err["code"] == "voice_presets_unsupported" and "chelsie, ethan" in err["message"]

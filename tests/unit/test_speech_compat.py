@@ -70,7 +70,7 @@ async def test_a_pipeline_that_makes_no_audio_is_a_500_on_every_speech_answer(to
 @pytest.mark.parametrize("field, value, contains", [
     ("instructions", "Speak cheerfully", "voices take no style instructions"),
     ("task_type", "Base", "vllm-omni's Qwen3-TTS option"),
-    ("ref_audio", "data:audio/wav;base64,AAAA", "upload a voice through /v1/audio/voices"),
+    ("ref_audio", "data:audio/wav;base64,AAAA", "voice cloning is not supported"),
     ("sample_rate", 16000, "the audio comes at the model's own rate"),
     ("seed", 3, "not sampled from a seed"),
 ])
