@@ -18,6 +18,7 @@ from omni.api.errors import bad_request
 from omni.api.protocol_media import (  # noqa: F401 (re-exported: the routes name them P.*)
     MAX_IMAGE_PROMPT_CHARS,
     MAX_SPEECH_CHARS,
+    CHAT_SPEECH_REFUSED,
     END,
     SPEECH_REFUSED,
     VOICE_NAME,
@@ -175,6 +176,16 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     logprobs: bool | None = None
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None   # needs logprobs: true
     add_special_tokens: bool = False     # extension (vLLM): BOS etc. on top of the template's
+    # vllm-omni's TTS fields (CHAT_SPEECH_REFUSED), declared to be refused by name
+    ref_audio: Annotated[str | list | None, _refused([None, ""])] = None
+    ref_text: Annotated[str | None, _refused([None, ""])] = None
+    task_type: Annotated[str | None, _refused([None, ""])] = None
+    language: Annotated[str | None, _refused([None, ""])] = None
+    instructions: Annotated[str | None, _refused([None, ""])] = None
+    speaker_embedding: Annotated[list | None, _refused([None, []])] = None
+    x_vector_only_mode: Annotated[bool | None, _refused([None, False])] = None
+    max_new_tokens: Annotated[int | None, _refused([None])] = None
+    extra_params: Annotated[dict | None, _refused([None, {}])] = None
 
 
 _IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
@@ -289,7 +300,8 @@ def check_sampling(req: _Sampling) -> int | None:
     name = _unsupported(req)
     if name is not None:
         raise bad_request(f"{name} is not supported by this server yet", param=name)
-    named = first_refused(req)
+    named = first_refused(req) or (first_refused(req, CHAT_SPEECH_REFUSED)
+                                   if isinstance(req, ChatCompletionRequest) else None)
     if named is not None:
         raise bad_request(f"{named[0]}: {named[1]}", param=named[0])
     if req.stream_options is not None and not req.stream:

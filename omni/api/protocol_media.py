@@ -71,6 +71,18 @@ SPEECH_REFUSED = {name: ([None, ""], why) for name, why in {
 }.items()}
 
 
+# vllm-omni's TTS fields as its benchmark merges them into a chat body (Seed-TTS rows): a chat naming one is
+# refused by name (protocol.check_sampling), never answered in the default voice. Unset or a no-op value passes.
+CHAT_SPEECH_REFUSED = {
+    **{name: SPEECH_REFUSED[name] for name in ("ref_audio", "ref_text", "task_type", "language", "instructions")},
+    "speaker_embedding": ([None, []], "voice cloning is not supported by this server"),
+    "x_vector_only_mode": ([None, False], "voice cloning is not supported by this server"),
+    "max_new_tokens": ([None], "vllm-omni's TTS limit; here max_tokens / max_completion_tokens bound the text, "
+                               "and the speech ends with it"),
+    "extra_params": ([None, {}], "vllm-omni's TTS model options reach no stage of this pipeline"),
+}
+
+
 MAX_IMAGE_PROMPT_CHARS = 4000
 
 
