@@ -16,7 +16,8 @@ delta when that token has no text, e.g. EOS) with `stop_reason` (the stop string
 id that ended it, else null; completions chunks carry it null before), that chunk carries its tokens' logprobs, and
 `stream_options.include_usage` adds one `choices: []` chunk with the usage after it
 (`continuous_usage_stats` also puts the usage so far on every chunk).
-Non-streaming chat puts the whole WAV (`audio.format` "pcm16": raw s16le) in `message.audio.data` (base64).
+Non-streaming chat puts the whole WAV (`audio.format` "pcm16": raw s16le) in `message.audio.data` (base64) of
+its own choice after the text's, as vllm-omni answers (_chat_full).
 """
 
 from __future__ import annotations
@@ -202,27 +203,35 @@ class TextRoutes:
         yield sse.DONE
 
     async def _chat_full(self, gen: Generation, fmt: str = "wav") -> Response:
-        """`fmt`: audio.format, "wav" (a whole file) or "pcm16" (raw s16le, as OpenAI returns it)."""
+        """`fmt`: audio.format, "wav" (a whole file) or "pcm16" (raw s16le, as OpenAI returns it).
+        With text and audio, vllm-omni's shape: a text choice, then an audio choice (both index 0, as
+        vllm-omni numbers them: message.audio, content null, transcript "" as the text is the first
+        choice's, finish_reason "stop"); its example clients read each choice's audio or else its content.
+        Audio only: that one choice, its transcript the text, finish_reason the answer's."""
         await gen.start()
         audio = bytearray()
         async for ev in gen.events():
             if ev[0] == "audio":
                 audio += ev[1]
-        # audio only: the text is the audio's transcript alone
-        message: dict = {"role": "assistant", "content": gen.text if "text" in gen.request.modalities else ""}
+        with_text = "text" in gen.request.modalities
+        choices = []
+        if with_text:
+            choices.append({"index": 0, "message": {"role": "assistant", "content": gen.text},
+                            "logprobs": self._chat_logprobs(gen, last=False),
+                            "finish_reason": gen.finish_reason, "stop_reason": gen.stop_reason})
         if gen.audio is not None:     # asked for: also with nothing speakable (no data), for its transcript
             pcm = bytes(audio)
             data = (pcm16(pcm) if fmt == "pcm16" else wav_bytes(pcm, gen.sample_rate)) if pcm else b""
-            message["audio"] = {"id": f"audio-{gen.id}", "data": base64.b64encode(data).decode(),
-                                "format": fmt, "expires_at": int(time.time()) + AUDIO_TTL_S,
-                                "transcript": gen.text}
+            record = {"id": f"audio-{gen.id}", "data": base64.b64encode(data).decode(), "format": fmt,
+                      "expires_at": int(time.time()) + AUDIO_TTL_S, "transcript": "" if with_text else gen.text}
             if fmt == "pcm16" and gen.sample_rate:
-                message["audio"]["sample_rate"] = gen.sample_rate    # raw samples do not say it
+                record["sample_rate"] = gen.sample_rate    # raw samples do not say it
+            choices.append({"index": 0, "message": {"role": "assistant", "content": None, "audio": record},
+                            "logprobs": None if with_text else self._chat_logprobs(gen, last=False),
+                            "finish_reason": "stop" if with_text else gen.finish_reason,
+                            "stop_reason": None if with_text else gen.stop_reason})
         body = {"id": gen.id, "object": "chat.completion", "created": int(time.time()),
-                "model": self.fe.model,
-                "choices": [{"index": 0, "message": message, "logprobs": self._chat_logprobs(gen, last=False),
-                             "finish_reason": gen.finish_reason, "stop_reason": gen.stop_reason}],
-                "usage": gen.usage()}
+                "model": self.fe.model, "choices": choices, "usage": gen.usage()}
         return Response(msgspec.json.encode(body), media_type="application/json")
 
     def _chat_logprobs(self, gen: Generation, last: bool) -> dict | None:

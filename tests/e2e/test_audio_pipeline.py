@@ -211,11 +211,12 @@ def chat_stream(url):
 
 
 def test_chat_with_audio_returns_text_and_a_wav(chat_full):
-    msg = chat_full["choices"][0]["message"]
-    text = msg["content"]
+    text_choice, audio_choice = chat_full["choices"]     # vllm-omni's shape: the audio in a choice of its own
+    text = text_choice["message"]["content"]
     assert sentences(text) >= 2, text   # several talker sub-requests
-    audio = msg["audio"]
-    assert audio["format"] == "wav" and audio["transcript"] == text and audio["id"]
+    audio = audio_choice["message"]["audio"]
+    assert audio["format"] == "wav" and audio["transcript"] == "" and audio["id"]
+    assert audio_choice["message"]["content"] is None and audio_choice["finish_reason"] == "stop"
     d = seconds(wav_samples(base64.b64decode(audio["data"])))
     assert len(text) / 30 < d < len(text) / 6 + 0.5, (text, d)
     assert chat_full["choices"][0]["finish_reason"] == "stop"
@@ -227,12 +228,12 @@ def test_a_stop_string_cuts_the_text_and_the_audio_goes_on(url, chat_full):
     stop = second[:8]                  # inside the second sentence
     r = httpx.post(f"{url}/v1/chat/completions", json=chat_body(stop=[stop]), timeout=180)
     assert r.status_code == 200, r.text
-    choice = r.json()["choices"][0]
+    choice, spoken = r.json()["choices"]
     cut = text[:text.index(stop)]
-    assert choice["message"]["content"] == cut and choice["message"]["audio"]["transcript"] == cut
+    assert choice["message"]["content"] == cut
     assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop)
     # The first sentence at least is spoken (and what the thinker sent before the stop was seen).
-    d = seconds(wav_samples(base64.b64decode(choice["message"]["audio"]["data"])))
+    d = seconds(wav_samples(base64.b64decode(spoken["message"]["audio"]["data"])))
     assert len(cut) / 30 < d, (cut, d)
     assert r.json()["usage"]["audio_duration_s"] > 0
 
@@ -240,8 +241,9 @@ def test_a_stop_string_cuts_the_text_and_the_audio_goes_on(url, chat_full):
 def test_an_audio_only_chat_counts_its_text_and_carries_it_as_the_transcript(url, chat_full):
     r = httpx.post(f"{url}/v1/chat/completions", json=chat_body(modalities=["audio"]), timeout=180)
     assert r.status_code == 200, r.text
-    msg = r.json()["choices"][0]["message"]
-    assert msg["audio"]["transcript"] == chat_full["choices"][0]["message"]["content"] and msg["content"] == ""
+    (choice,) = r.json()["choices"]
+    msg = choice["message"]
+    assert msg["audio"]["transcript"] == chat_full["choices"][0]["message"]["content"] and msg["content"] is None
     assert r.json()["usage"]["completion_tokens"] == chat_full["usage"]["completion_tokens"]
 
 
@@ -257,9 +259,9 @@ def test_streamed_audio_starts_before_the_text_ends(chat_stream):
 
 
 def test_streamed_reply_joins_to_the_non_streaming_one(chat_full, chat_stream):
-    msg = chat_full["choices"][0]["message"]
+    msg = chat_full["choices"][1]["message"]
     text = "".join(v for k, v in chat_stream if k == "text")
-    assert text == msg["content"]
+    assert text == chat_full["choices"][0]["message"]["content"]
     end = next(v for k, v in chat_stream if k == "audio_end")
     assert end["transcript"] == text
     streamed = np.frombuffer(b"".join(v for k, v in chat_stream if k == "audio"), dtype="<i2")
@@ -384,7 +386,7 @@ def test_audio_metrics_count_each_request_and_its_seconds(url):
     body = oc.payload(MODEL, CATS[0]["content"], 64, {"modalities": ["text", "audio"]})
     got = asyncio.run(vllm_omni_chat(url, body))
     whole = httpx.post(f"{url}/v1/chat/completions", json=chat_body(), timeout=180).json()
-    wav = wav_samples(base64.b64decode(whole["choices"][0]["message"]["audio"]["data"]))
+    wav = wav_samples(base64.b64decode(whole["choices"][1]["message"]["audio"]["data"]))
     after = audio_figures(url)
     delta = {k: after[k] - before[k] for k in AUDIO}
     # First audio once per streamed request (the whole one has none), seconds once per request.

@@ -26,8 +26,9 @@ async def test_an_audio_only_answer_with_nothing_speakable_keeps_its_transcript(
     orch.audio_chunks = 0          # the talker found nothing to speak: zero audio
     body = chat_body(modalities=["audio"], audio={"voice": "joe", "format": fmt})
     d = (await c.post("/v1/chat/completions", json=body)).json()
+    assert len(d["choices"]) == 1      # audio only: the audio choice alone, its transcript the text
     msg = d["choices"][0]["message"]
-    assert msg["content"] == "" and d["usage"]["completion_tokens"] > 0
+    assert msg["content"] is None and d["usage"]["completion_tokens"] > 0
     assert msg["audio"]["transcript"] == "....." and msg["audio"]["data"] == ""
     assert msg["audio"]["format"] == fmt and msg["audio"]["id"] == f"audio-{d['id']}"
     evs = sse_events((await c.post("/v1/chat/completions", json={**body, "stream": True})).text)
@@ -40,8 +41,9 @@ async def test_an_audio_only_answer_with_nothing_speakable_keeps_its_transcript(
 async def test_text_and_audio_with_nothing_speakable_closes_with_the_audio_record(tokenizer):  # noqa: F811
     orch, c = make(tokenizer, speech_entry_stage=1)
     body = chat_body(modalities=["text", "audio"], audio={"voice": "joe", "format": "wav"})
-    msg = (await c.post("/v1/chat/completions", json=body)).json()["choices"][0]["message"]
-    assert msg["content"] == "hello world" and msg["audio"]["transcript"] == "hello world"
+    choices = (await c.post("/v1/chat/completions", json=body)).json()["choices"]
+    assert choices[0]["message"]["content"] == "hello world"
+    assert choices[1]["message"]["audio"]["transcript"] == "" and choices[1]["message"]["audio"]["data"] == ""
     evs = sse_events((await c.post("/v1/chat/completions", json={**body, "stream": True})).text)
     assert [e["choices"][0]["delta"]["audio"]["transcript"] for e in evs
             if e["choices"] and "audio" in e["choices"][0]["delta"]] == ["hello world"]
