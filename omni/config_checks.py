@@ -39,14 +39,15 @@ SAMPLING_RANGES = {
 _CODEC_PENALTY = "omni's talker penalises repeated codes with repetition_penalty only (as transformers' talker)"
 TALKER_REFUSED = {engine: {"presence_penalty": _CODEC_PENALTY, "frequency_penalty": _CODEC_PENALTY}
                   for engine in ("qwen3_talker", "qwen25_talker")}
-# Later-stage engines that sample no tokens: the sampling_params_list fields each honours and why it takes no
-# other; an entry setting another away from vLLM's default is refused by name. An engine not here samples
-# (an LM; a talker, less its TALKER_REFUSED). Vocoders take an entry whole and use what they can (token2wav: its
-# seed): vllm-omni's example clients send its code2wav an entry (temperature 0, repetition_penalty 1.1,
-# max_tokens 65536) that vllm-omni ignores too; refusing it would fail those clients on a Qwen pipeline.
+# Engines that sample no tokens: the sampling fields each honours and why it takes no other; a sampling_params_list
+# entry setting another away from vLLM's default, or a deploy's default_sampling_params setting one, is refused by
+# name. An engine not here samples (an LM; a talker, less its TALKER_REFUSED). Vocoders take an entry whole and use
+# what they can (token2wav: its seed): vllm-omni's example clients send its code2wav an entry (temperature 0,
+# repetition_penalty 1.1, max_tokens 65536) that vllm-omni ignores too; refusing it would fail those clients on a
+# Qwen pipeline.
 UNSAMPLED = {
-    "piper_talker": ((), "Piper's talker speaks the text; it samples no tokens (its noise is the deploy's "
-                         "noise_scale and noise_w_scale, drawn without a seed)"),
+    "piper_talker": (("noise_scale", "noise_w_scale"), "Piper's talker speaks the text; it samples no tokens (its "
+                     "noise is the deploy's noise_scale and noise_w_scale, drawn without a seed)"),
     "hidden_pooler": ((), "a pooler returns hidden states; it samples no tokens"),
     "qwen_image": ((), "a diffusion stage takes its steps and seed from the image request"),
     "wan": ((), "a diffusion stage takes its steps and seed from the video request"),
@@ -142,9 +143,14 @@ def check_pipeline(pipeline: Any, source: str) -> None:
 
 def check_sampling(overrides: Any, where: str, engine: str | None = None) -> None:
     """A stage's default_sampling_params, range-checked as a request's own values are; `engine`: the
-    stage's, whose refused parameters (TALKER_REFUSED) are refused here too."""
+    stage's, whose refused parameters (TALKER_REFUSED; UNSAMPLED: any it does not honour) are refused here too."""
     for key, why in TALKER_REFUSED.get(engine or "", {}).items():
         if getattr(overrides, key, None):
+            raise ConfigError(f"{where}.default_sampling_params.{key} is not supported by {engine}: {why}")
+    honours, why = UNSAMPLED.get(engine or "", (None, ""))
+    # Any value, vLLM's default too: unlike a client's whole entry, a deploy names only what it means to set.
+    for key in overrides.set() if honours is not None else ():
+        if key not in honours:
             raise ConfigError(f"{where}.default_sampling_params.{key} is not supported by {engine}: {why}")
     for key, v in overrides.set().items():
         ok, wanted = SAMPLING_RANGES.get(key, (None, ""))

@@ -49,7 +49,7 @@ def test_stage_sampling_defaults_get_the_apis_ranges(tmp_path, key, value, wante
 
 
 
-@pytest.mark.parametrize("engine, refused", [("qwen3_talker", True), ("qwen25_talker", True), ("piper_talker", False),
+@pytest.mark.parametrize("engine, refused", [("qwen3_talker", True), ("qwen25_talker", True), ("torch_lm", False),
                                              (None, False)])
 def test_a_talkers_presence_and_frequency_penalties_are_refused_by_key(engine, refused):
     """A Qwen-Omni talker has no presence/frequency penalty: its default_sampling_params naming one (not 0) is
@@ -100,3 +100,22 @@ def test_a_deploys_talker_stop_token_ids_past_its_codec_end_are_refused_at_load(
     ok = cfg.load(str(model), deploy, {"1": {"default_sampling_params": {"stop_token_ids": [ids.codec_eos]}}})
     assert ok.stages[1].default_sampling_params.stop_token_ids == (ids.codec_eos,)
     cfg.load(str(tmp_path / "absent"), str(yaml_path))   # the model not at hand: the talker checks
+
+
+@pytest.mark.parametrize("deploy, stage, engine", [("smollm2-135m-instruct", 1, "piper_talker"),
+                                                   ("lm-pooler", 1, "hidden_pooler"), ("qwen-image", 0, "qwen_image"),
+                                                   ("wan2.1-t2v", 0, "wan")])
+@pytest.mark.parametrize("key, value", [("temperature", 0.5), ("seed", 7), ("top_p", 1.0), ("max_tokens", 16)])
+def test_default_sampling_an_engine_that_samples_no_tokens_ignores_is_refused_at_load(deploy, stage, engine, key,
+                                                                                     value):
+    """A Piper talker's (any config_checks.UNSAMPLED engine's) default_sampling_params temperature, seed ... were
+    taken and ignored; they are refused naming the YAML key, as its sampling_params_list entry is."""
+    with pytest.raises(ConfigError, match=rf"stages\[{stage}\]\.default_sampling_params\.{key} is not supported by "
+                                          rf"{engine}: .*samples no tokens|stages\[{stage}\]\.default_sampling_params"
+                                          rf"\.{key} is not supported by {engine}: a diffusion stage"):
+        cfg.load("m", deploy, {str(stage): {"default_sampling_params": {key: value}}})
+
+
+def test_piper_talkers_noise_scales_stay_its_own_sampling():
+    c = cfg.load("m", "smollm2-135m-instruct", {"1": {"default_sampling_params": {"noise_scale": 0.5}}})
+    assert c.stages[1].default_sampling_params.set() == {"noise_scale": 0.5, "noise_w_scale": 0.0}
