@@ -415,7 +415,7 @@ def test_steps_with_work_report_their_time_and_batch():
     gen = running(StageConfig(stage_id=1, engine="count", name="counter"), RunningCountEngine())
     w, _ = next(gen)
     try:
-        assert w.load()["extra"].get(f"{BATCH_KEY}.sum") is None      # no work yet, nothing reported
+        assert load_when(w, lambda load: True)["extra"].get(f"{BATCH_KEY}.sum") is None   # no work yet, nothing reported
         s = dealer(w.endpoint)
         assert hello(s).ok
         for rid in ("a", "b"):
@@ -423,7 +423,7 @@ def test_steps_with_work_report_their_time_and_batch():
                                            sampling=SamplingParams(max_tokens=3))))
         outs = [recv(s) for _ in range(6)]
         assert sum(o.finished for o in outs) == 2
-        extra = w.load()["extra"]
+        extra = load_when(w, lambda load: load["extra"].get(f"{BATCH_KEY}.sum") == 6)["extra"]
         batch = Histogram.from_flat(BATCH_BUCKETS, BATCH_KEY, extra)
         steps = Histogram.from_flat(STEP_BUCKETS, STEP_KEY, extra)
         assert batch.sum == 6 and 3 <= sum(batch.counts) <= 6
@@ -443,7 +443,8 @@ def test_steps_without_output_count_the_requests_the_engine_had_ready():
         assert hello(s).ok
         s.send(enc.encode(m.AddRequest(request_id="q", prompt_token_ids=[1], sampling=SamplingParams(max_tokens=3))))
         assert recv(s).finished
-        batch = Histogram.from_flat(BATCH_BUCKETS, BATCH_KEY, w.load()["extra"])
+        extra = load_when(w, lambda load: load["extra"].get(f"{BATCH_KEY}.sum") == 3)["extra"]
+        batch = Histogram.from_flat(BATCH_BUCKETS, BATCH_KEY, extra)
         assert sum(batch.counts) == 3 and batch.sum == 3      # two quiet steps and the one that answered
         s.close()
     finally:

@@ -12,7 +12,7 @@ from omni.stage import expiry
 from omni.stage import messages as m
 from omni.stage.worker import StageWorker
 from omni.stage.worker_state import HeldOutput, InFlight
-from tests.unit.test_stage_worker import dealer, enc, hello, recv
+from tests.unit.test_stage_worker import dealer, enc, hello, load_when, recv
 
 
 class Streams(StreamEngine):
@@ -90,7 +90,8 @@ def test_a_stream_whose_zmq_frontend_went_unseen_is_dropped_after_the_ttl():
             assert recv(live).request_id == "fed"
             live.poll(300)
         assert time.monotonic() - start > 1.5 and "fed" in eng.s and "fed" in w._reqs
-        assert "dead" not in eng.s and "dead" not in w._reqs and w.load()["in_flight"] == 1
+        assert "dead" not in eng.s and "dead" not in w._reqs
+        load_when(w, lambda load: load["in_flight"] == 1)
         live.send(enc.encode(m.AddRequest(request_id="fed", prompt_token_ids=[1], final=True)))
         assert recv(live).finished
         ok, msg = w.command("SLEEP", {"level": 1}, timeout=10)
