@@ -126,3 +126,10 @@ def talker_path(request):
         return
     with _on_cuda(request):
         yield "graphed"
+
+
+@pytest.fixture
+def anyio_backend():
+    """anyio's own fixture runs each async test on every backend installed (trio too, were it installed by
+    something); omni's servers and fakes are asyncio's."""
+    return "asyncio"

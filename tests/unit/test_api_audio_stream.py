@@ -18,11 +18,6 @@ pytestmark = pytest.mark.anyio
 RATE = 22050
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 def pcm16_of(events: list) -> bytes:
     """Today's parser: the joined base64 `delta.audio.data` of the audio chunks."""
     return b"".join(base64.b64decode(e["choices"][0]["delta"]["audio"]["data"]) for e in events

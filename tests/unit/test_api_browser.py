@@ -13,11 +13,6 @@ EVIL = {"Origin": "https://evil.example"}
 JSON_BODY = b'{"model": "tiny", "messages": [{"role": "user", "content": "say hello"}]}'
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 @pytest.mark.parametrize("ctype", ["text/plain;charset=UTF-8", "application/x-www-form-urlencoded",
                                    "multipart/form-data; boundary=x", None])
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize", "/v1/omni/jobs"])

@@ -17,11 +17,6 @@ PREFLIGHT = {"Origin": APP, "Access-Control-Request-Method": "POST",
              "Access-Control-Request-Headers": "authorization, content-type"}
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 async def test_without_allowed_origins_no_origin_is_answered(tokenizer):  # noqa: F811
     _, c = make(tokenizer)
     r = await c.post("/v1/chat/completions", json=chat_body(), headers={"Origin": APP})

@@ -24,11 +24,6 @@ pytestmark = pytest.mark.anyio
 SETTINGS = ImageSettings(default_size="64x32", max_pixels=128 * 128, default_steps=7, max_steps=20, max_n=3)
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 class FakeImages:
     """Answers an image request with n images whose pixels encode the row index."""
 

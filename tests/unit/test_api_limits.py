@@ -20,11 +20,6 @@ from tests.unit.test_jobs import settle
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 def app_with(tokenizer, **limits):
     return build_app(FakeOrchestrator(tokenizer), tokenizer, served_model_name="tiny", max_model_len=128,
                      limits=HttpLimits(**limits))

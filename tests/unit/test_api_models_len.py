@@ -10,11 +10,6 @@ from tests.unit.api_fakes import make, tokenizer  # noqa: F401
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 async def test_models_follow_max_model_len(tokenizer):  # noqa: F811
     _, c = make(tokenizer, model_aliases=["b"])
     fe = c._transport.app.state.frontend

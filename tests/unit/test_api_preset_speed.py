@@ -10,11 +10,6 @@ from tests.unit.api_fakes import assert_error, make, tokenizer  # noqa: F401
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 @pytest.mark.parametrize("preset, asked", [(4.0, 4.0), (0.25, 0.5), (3.0, 1.5)])
 async def test_a_product_out_of_range_is_refused_by_name(tokenizer, preset, asked):  # noqa: F811
     orch, c = make(tokenizer, speech_entry_stage=1)

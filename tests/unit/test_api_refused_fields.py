@@ -11,11 +11,6 @@ from tests.unit.api_fakes import assert_error, make, tokenizer  # noqa: F401
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 async def test_sleep_takes_the_level_from_the_query_string(tokenizer):  # noqa: F811
     orch, c = make(tokenizer)
     levels = []

@@ -16,11 +16,6 @@ from tests.unit.api_fakes import FakeOrchestrator, assert_error, chat_body, toke
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 def client(tokenizer, **kw):
     orch = FakeOrchestrator(tokenizer, kw.pop("reply", "hello world"))
     kw.setdefault("served_model_name", "tiny")

@@ -10,11 +10,6 @@ from tests.unit.api_fakes import assert_error, chat_body, make, sse_events, toke
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 async def test_request_id_is_the_answers_id_as_vllm(tokenizer):  # noqa: F811
     orch, c = make(tokenizer)
     d = (await c.post("/v1/chat/completions", json=chat_body(request_id="trace-42"))).json()

@@ -15,11 +15,6 @@ pytestmark = pytest.mark.anyio
 REPORTED = 500
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 def reporting(orch, first_only: bool = True):
     """The orchestrator's outputs carry the engine's prompt count (from the first on, or on the first only)."""
     plain = orch.generate

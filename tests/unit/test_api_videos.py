@@ -27,11 +27,6 @@ SETTINGS = VideoSettings(default_size="48x32", max_pixels=64 * 64, default_steps
                          max_frames=9, default_fps=8, max_fps=30)
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 def frames_for(p) -> np.ndarray:
     rng = np.random.default_rng(p.seed % 1000)
     return rng.integers(0, 256, (p.n, p.num_frames, p.height, p.width, 3), dtype=np.uint8)

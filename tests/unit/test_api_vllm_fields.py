@@ -13,11 +13,6 @@ from tests.unit.api_fakes import assert_error, chat_body, make, sse_events, toke
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 def _vllm_requests():
     pytest.importorskip("vllm")
     try:

@@ -15,11 +15,6 @@ import httpx
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 async def test_a_speaker_in_any_case_is_one_series(tokenizer):  # noqa: F811
     orch = FakeOrchestrator(tokenizer)
     orch.audio_chunks = 1

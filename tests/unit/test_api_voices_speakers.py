@@ -11,11 +11,6 @@ from tests.unit.api_fakes import assert_error, make, tokenizer  # noqa: F401
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 def documented(spec: dict, path: str, method: str, status: int) -> bool:
     return str(status) in spec["paths"][path][method]["responses"]
 

@@ -25,11 +25,6 @@ pytestmark = pytest.mark.anyio
 WRITE_S = 0.5
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 class EndlessAudio(FakeOrchestrator):
     """Audio chunks of 128 KiB (as s16le) for as long as they are taken; each waits a loop turn, as a
     real stage's output does (after a reset, Hypercorn's send returns at once without yielding)."""

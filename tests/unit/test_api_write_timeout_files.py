@@ -24,11 +24,6 @@ from tests.unit.test_api_write_timeout import length
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 class BigSpeech(FakeOrchestrator):
     """A 16 MiB WAV: more than the socket buffers and asyncio's take."""
 

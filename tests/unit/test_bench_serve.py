@@ -13,11 +13,6 @@ from benchmarks import serve
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 def chat_stream(bodies: list) -> httpx.MockTransport:
     def handler(request: httpx.Request) -> httpx.Response:
         bodies.append(json.loads(request.content))

@@ -16,11 +16,6 @@ from tests.unit.api_fakes import assert_error, chat_body, make, tokenizer  # noq
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 async def test_a_voice_name_with_a_trailing_newline_is_refused(tokenizer):  # noqa: F811
     orch, c = make(tokenizer, speech_entry_stage=1, voices=InMemoryVoiceStore(("joe",)))
     for name in ("joe\n", "slow-joe\n"):

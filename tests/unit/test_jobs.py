@@ -22,11 +22,6 @@ pytestmark = pytest.mark.anyio
 SPEECH = {"model": "tiny", "input": "Hello there.", "voice": "joe"}
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 def frontend(tokenizer, kv, results_dir, index=0, host="h0", live=None, **kw):
     orch = FakeOrchestrator(tokenizer)
     orch.audio_chunks = 3

@@ -21,11 +21,6 @@ NS_MAX = (1 << 64) - 1
 T0 = 1_700_000_000 * 10**9
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 class CountingKv(LocalKv):
     def __init__(self):
         super().__init__()

@@ -129,11 +129,6 @@ def alone(tok, t):
     return tok.decode([t], skip_special_tokens=False)
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 @pytest.mark.anyio
 async def test_chat_logprobs_whole_and_streamed(tokenizer):
     orch, c = make(tokenizer)

@@ -21,11 +21,6 @@ from omni.master.kv import KvError, KvStore
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 class FakeMaster:
     """AsyncMasterClient over the master's own KvStore, its errors mapped as the client maps them."""
 

@@ -24,11 +24,6 @@ from tests.unit.test_orchestrator_stream_end import Q3
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 def make() -> tuple[Orchestrator, dict[str, FakeChannel]]:
     topo = Topology()
     topo.apply(TopologyEvent("SNAPSHOT", list(ALL), 1))

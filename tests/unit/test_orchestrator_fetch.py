@@ -38,11 +38,6 @@ BLOCK_S = 3.0           # how long a blocked read waits for its release before i
 WAIT_S = 10.0           # the test's deadline for anything it waits on
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 class Consumer:
     """Reads return a tensor full of the ref's key; keys in `blocked` wait for `release`,
     keys in `fail` raise."""

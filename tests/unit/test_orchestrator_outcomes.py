@@ -27,11 +27,6 @@ CONFIG = parse({"model": "m", "stages": [{"stage_id": 0, "engine": "count", "fin
                                           "final_output_type": "text"}]}, source="test")
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 class FakeChannel:
     kind = "zmq"
 

@@ -27,11 +27,6 @@ from tests.unit.test_cli import HEADLESS, omni
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 def test_the_flag_reaches_the_frontends(monkeypatch):
     """Before: `omni serve smollm2 --shutdown-timeout 30` failed with 'no stage of this pipeline takes it'."""
     from omni.cli import main

@@ -15,11 +15,6 @@ from tests.unit.test_api_speech import _wav_info
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 def events(body: str) -> list[dict]:
     frames = [f for f in body.split("\n\n") if f]
     assert all(f.startswith("data: ") for f in frames), frames

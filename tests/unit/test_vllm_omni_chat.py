@@ -24,11 +24,6 @@ EXAMPLE = [{"temperature": 0.4, "top_p": 0.9, "top_k": 1, "max_tokens": 50, "see
             "repetition_penalty": 1.1}]
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 async def test_each_entry_is_its_stages_sampling_and_entry_0_the_requests(tokenizer):
     orch, c = make(tokenizer)
     r = await c.post("/v1/chat/completions", json=chat_body(temperature=1.5, max_tokens=9,

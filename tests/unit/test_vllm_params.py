@@ -10,11 +10,6 @@ from tests.unit.api_fakes import assert_error, chat_body, make, sse_events, toke
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 @pytest.mark.parametrize("field, value", [
     ("guided_json", {"type": "object"}), ("structured_outputs", {"choice": ["a"]}), ("guided_choice", ["a", "b"]),
     ("functions", [{"name": "f"}]), ("function_call", "auto"), ("min_p", 0.1), ("use_beam_search", True),

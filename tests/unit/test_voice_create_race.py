@@ -17,11 +17,6 @@ from omni.voices import MasterVoiceStore
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 def test_kv_put_only_if_absent_creates_once():
     kv = KvStore()
     assert kv.put("voices", "a", b"1", only_if_absent=True) is True
