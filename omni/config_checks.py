@@ -19,17 +19,18 @@ __all__ = ["CODEC_STOP_KEYS", "PIPELINE_SECONDS", "SAMPLING_RANGES", "TALKER_REF
 PIPELINE_SECONDS = ("request_timeout_s", "startup_timeout_s", "lease_ttl_s", "stall_timeout_s")
 MAX_SPEECH_CHARS = 4096     # OpenAI's limit on /v1/audio/speech input
 # The sampling ranges of a request (omni/api/protocol.py check_sampling) and of a stage's
-# default_sampling_params; the Piper noise scales: any finite value >= 0. NaN fails every one of these.
+# default_sampling_params; the Piper noise scales: any finite value >= 0. NaN fails every one of these. Integers
+# stay in int64 (vLLM's seed bound): a stage's message cannot carry more.
 SAMPLING_RANGES = {
-    "max_tokens": (lambda v: v >= 1, ">= 1"),
+    "max_tokens": (lambda v: 1 <= v < 2**63, ">= 1 (and below 2**63)"),
     "temperature": (lambda v: 0.0 <= v <= 2.0, "in [0, 2]"),
     "top_p": (lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
-    "top_k": (lambda v: v >= -1, "-1, 0 (off) or positive"),
-    "seed": (lambda v: -(2**63) <= v < 2**64, "a 64-bit integer"),
+    "top_k": (lambda v: -1 <= v < 2**63, "-1, 0 (off) or positive (below 2**63)"),
+    "seed": (lambda v: -(2**63) <= v < 2**63, "a 64-bit signed integer"),
     "repetition_penalty": (lambda v: 0.0 < v <= 2.0, "in (0, 2]"),
     "presence_penalty": (lambda v: -2.0 <= v <= 2.0, "in [-2, 2]"),
     "frequency_penalty": (lambda v: -2.0 <= v <= 2.0, "in [-2, 2]"),
-    "min_tokens": (lambda v: v >= 0, ">= 0"),
+    "min_tokens": (lambda v: 0 <= v < 2**63, ">= 0 (and below 2**63)"),
     "noise_scale": (lambda v: 0.0 <= v < math.inf, "finite and >= 0"),
     "noise_w_scale": (lambda v: 0.0 <= v < math.inf, "finite and >= 0"),
 }

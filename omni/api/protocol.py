@@ -90,8 +90,14 @@ class AudioOptions(msgspec.Struct):
 
 
 Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
-MaxTokens = Annotated[int, msgspec.Meta(ge=1)]
-TokenId = Annotated[int, msgspec.Meta(ge=0)]
+# JSON integers have no size; a stage's message (msgpack) holds 64 bits. Every integer a stage gets is
+# bounded to int64, vLLM's bound on seed, so a larger one is a 400 naming it, not encoding's 500.
+INT64_MAX = 2**63 - 1
+MaxTokens = Annotated[int, msgspec.Meta(ge=1, le=INT64_MAX)]
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
+TopK = Annotated[int, msgspec.Meta(ge=-1, le=INT64_MAX)]             # -1 and 0: off
+Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=INT64_MAX)]
+MinTokens = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
 StopString = Annotated[str, msgspec.Meta(min_length=1)]
 MAX_STOP_STRINGS = 16
 
@@ -101,9 +107,8 @@ class _Sampling(RefusedParams, kw_only=True):
     max_tokens: MaxTokens | None = None
     temperature: Annotated[float, msgspec.Meta(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, msgspec.Meta(ge=-1)] | None = None             # extension; -1 and 0: off
-    # msgspec bounds only int64: the top is checked in check_sampling
-    seed: Annotated[int, msgspec.Meta(ge=-(2**63), extra_json_schema={"maximum": 2**64 - 1})] | None = None
+    top_k: TopK | None = None             # extension
+    seed: Seed | None = None
     stop: StopString | Annotated[list[StopString], msgspec.Meta(max_length=MAX_STOP_STRINGS)] | None = None
     stop_token_ids: list[TokenId] | None = None  # extension
     ignore_eos: bool = False               # extension
@@ -117,7 +122,7 @@ class _Sampling(RefusedParams, kw_only=True):
     logit_bias: dict[Annotated[str, msgspec.Meta(pattern=r"^[0-9]+" + END)],
                      Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]] | None = None
     # extension (vLLM); more than the request's max_tokens: max_tokens ends it first
-    min_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    min_tokens: MinTokens = 0
     # extension (vLLM): the answer's id is chatcmpl- / cmpl- and this, as vLLM's; the stages keep ids of
     # their own (two requests may send one id). Printable ASCII, no spaces: it is echoed back.
     request_id: Annotated[str, msgspec.Meta(pattern=r"^[!-~]{1,256}" + END)] | None = None
@@ -142,14 +147,14 @@ class StageSampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_tokens: MaxTokens | None = None
     temperature: Annotated[float, msgspec.Meta(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
-    top_k: Annotated[int, msgspec.Meta(ge=-1)] = 0                       # -1 and 0: off
-    seed: Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)] | None = None
+    top_k: TopK = 0
+    seed: Seed | None = None
     stop_token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=64)] = []
     ignore_eos: bool = False
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
     repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=2.0)] = 1.0
-    min_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    min_tokens: MinTokens = 0
     detokenize: bool = True
 
 

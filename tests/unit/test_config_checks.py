@@ -41,6 +41,10 @@ def test_pipeline_sizes_are_range_checked(tmp_path, pipeline, match):
     ("temperature", ".inf", r"in \[0, 2\]"), ("presence_penalty", "3", r"in \[-2, 2\]"),
     ("top_k", "-2", "-1, 0 \\(off\\) or positive"), ("min_tokens", "-1", ">= 0"),
     ("noise_scale", ".inf", "finite and >= 0"), ("stop_token_ids", "[-1]", "non-negative"),
+    # past int64 a stage's message cannot carry it
+    ("max_tokens", str(2**64), r">= 1 \(and below 2\*\*63\)"), ("seed", str(2**63), "a 64-bit signed integer"),
+    ("top_k", str(2**63), r"-1, 0 \(off\) or positive \(below 2\*\*63\)"),
+    ("min_tokens", str(2**63), r">= 0 \(and below 2\*\*63\)"),
 ])
 def test_stage_sampling_defaults_get_the_apis_ranges(tmp_path, key, value, wanted):
     stages = STAGES.replace("final_output: true", f"default_sampling_params: {{{key}: {value}}}, final_output: true")
