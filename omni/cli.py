@@ -293,8 +293,8 @@ def serve(
         config = cfg.load(model, deploy_config, merge_overrides(spread_flags(config, flags), user_overrides),
                           async_chunk)
         flags = {}
-    if stage_id is not None:
-        config.stage(stage_id)   # names the valid range when out of it
+    if stage_id is not None:   # this stage's flags by the same rule, before anything starts; names a bad id's range
+        flags = spread_flags(config, flags, stage_id).get(str(stage_id), {})
     serve_modes.check_state_dir(state_dir, headless, dry_run)
     if dry_run:
         from omni.master.configdiff import shown   # users put HF_TOKEN and the like in env: the keys only

@@ -19,7 +19,7 @@ from omni.config_stage_checks import human_int, normalise_human_ints
 from omni.errors import ConfigError
 
 if TYPE_CHECKING:
-    from omni.config import DeployConfig
+    from omni.config import DeployConfig, StageConfig
 
 # vLLM's short forms of engine flags (vllm/engine/arg_utils.py; tests/unit/test_engine_flags.py checks
 # them against vLLM's parser). -O is its own: -O3, -O=3, -O 3 are --optimization-level 3.
@@ -197,38 +197,40 @@ def _set_dotted(out: dict[str, Any], key: str, path: str, value: str, flag: str)
 
 
 
-def _describe(config: DeployConfig) -> str:
-    return ", ".join(f"{s.label}: {s.engine}" for s in config.stages)
+def _describe(stages: tuple[StageConfig, ...]) -> str:
+    return ", ".join(f"{s.label}: {s.engine}" for s in stages)
 
 
-def spread_flags(config: DeployConfig, flags: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def spread_flags(config: DeployConfig, flags: dict[str, Any], stage_id: int | None = None) -> dict[str, dict[str, Any]]:
     """Single-command mode: {stage id: {arg: value}} for every stage whose engine takes each
     flag. A flag no stage takes is an error naming it and the stages, except flags that only
-    size a GPU engine, which are named and ignored."""
+    size a GPU engine, which are named and ignored. `stage_id` (stage mode): that stage alone, by the
+    same rule, before anything starts (its engine would refuse the key only once built)."""
     from omni.config_stage_checks import check_dtype
     from omni.engines.factory import DEVICE_ONLY_ARGS, accepted_args, takes
     from omni.vllm_serve_flags import LOGGING_ONLY_ARGS, frontend_only
 
-    accepted = {s.engine: accepted_args(s.engine) for s in config.stages}
+    stages = config.stages if stage_id is None else (config.stage(stage_id),)
+    accepted = {s.engine: accepted_args(s.engine) for s in stages}
+    who = (f"no stage of this pipeline takes it ({_describe(stages)})" if stage_id is None
+           else f"stage {stage_id}'s engine ({stages[0].engine}) does not take it")
     out: dict[str, dict[str, Any]] = {}
     for key, value in flags.items():
         # None: an engine that takes any keyword (it ignores them), or vLLM not installed here.
-        takers = [s for s in config.stages
+        takers = [s for s in stages
                   if (s.engine == "vllm" if accepted[s.engine] is None
                       else takes(s.engine, key, value, accepted[s.engine]))]
         if not takers:
             if key in DEVICE_ONLY_ARGS or key in LOGGING_ONLY_ARGS or key == "enable_sleep_mode":
                 # omni's own engines sleep without it, and log no engine stats
-                print(f"omni: {flag_name(key)}: no stage of this pipeline takes it ({_describe(config)}); "
-                      "ignored", file=sys.stderr, flush=True)
+                print(f"omni: {flag_name(key)}: {who}; ignored", file=sys.stderr, flush=True)
                 continue
             if frontend_only(key):
                 raise ConfigError(f"{flag_name(key)}: vLLM's serve option, not supported by omni")
-            raise ConfigError(vllm_omni_flags.refusal(key, value)
-                              or f"{flag_name(key)}: no stage of this pipeline takes it ({_describe(config)})")
+            raise ConfigError(vllm_omni_flags.refusal(key, value) or f"{flag_name(key)}: {who}")
         for s in takers if key == "dtype" else ():
             check_dtype(value, s.engine, f"{flag_name(key)} ({s.label})")
-        others = [s.label for s in config.stages if s not in takers]
+        others = [s.label for s in stages if s not in takers]
         if others:
             print(f"omni: {flag_name(key)} applies to {', '.join(s.label for s in takers)}; "
                   f"not to {', '.join(others)} (their engines do not take it)", file=sys.stderr, flush=True)

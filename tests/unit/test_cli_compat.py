@@ -74,9 +74,11 @@ def test_a_bad_omni_dp_size_local_is_named(given, message):
 
 
 def test_stage_mode_flags_stay_per_replica():
-    args, _ = dry_run("smollm2", "--stage-id", "1", "--headless", "--omni-master-address", "127.0.0.1",
-                      "--omni-master-port", "1", "--gpu-memory-utilization", "0.5")
-    assert args["flags"] == {"gpu_memory_utilization": 0.5}
+    args, err = dry_run("smollm2", "--stage-id", "1", "--headless", "--omni-master-address", "127.0.0.1",
+                        "--omni-master-port", "1", "--threads", "2", "--gpu-memory-utilization", "0.5")
+    assert args["flags"] == {"threads": 2} and "threads" not in args[1]
+    # as in single-command mode: GPU sizing the stage's engine does not take is named and dropped
+    assert "--gpu-memory-utilization: stage 1's engine (piper_talker) does not take it; ignored" in err
 
 
 def test_a_stage_drops_gpu_args_its_engine_does_not_take(capsys):
