@@ -41,6 +41,8 @@ class OmniProcess:
             stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True,
         )
         self.lines: list[str] = []
+        self._tree: set = set()      # psutil processes of its tree, recorded while its pid was its own
+        self._noted = 0.0
         self._eof = False            # the pump has read all the output
         self._cond = threading.Condition()
         threading.Thread(target=self._pump, daemon=True).start()
@@ -61,9 +63,11 @@ class OmniProcess:
         exited = None
         with self._cond:
             while True:
+                self._note_tree(every_s=0.5)
                 for line in self.lines[seen:]:
                     m = pattern.search(line)
                     if m:
+                        self._note_tree()   # as it was when ready: what kill() acts on once it is reaped
                         return m
                 seen = len(self.lines)
                 if self.proc.poll() is not None:
@@ -95,21 +99,35 @@ class OmniProcess:
             os.killpg(self.proc.pid, signal.SIGINT)
         return self.proc.wait(timeout)
 
+    def _note_tree(self, every_s: float = 0.0) -> None:
+        """Record the launcher's tree while its pid, group and session number are still its own (it runs,
+        or exited unreaped): once reaped, the number may be another run's launcher's."""
+        if self.proc.returncode is None and time.monotonic() - self._noted >= every_s:
+            self._noted = time.monotonic()
+            found = (*processes_under(self.proc.pid), *map(_process, session_of(self.proc.pid)))
+            self._tree.update(q for q in found if q is not None and q.pid != self.proc.pid)
+
+    def _recorded_tree(self) -> list:
+        """The recorded processes that still run (psutil tells a reused pid by its start time), with the
+        descendants they have now."""
+        return _live_with_children(self._tree)
+
     def kill(self) -> None:
         """SIGKILL the launcher's group and every process it started (its children run in their own
         groups: left to their PR_SET_PDEATHSIG, they would finish a graceful stop under the next test),
         then unlink the /dev/shm segments they held that no live process maps any more: the tree's
-        resource tracker dies with it, so vLLM's psm_* rings (hundreds of MB each) would stay."""
+        resource tracker dies with it, so vLLM's psm_* rings (hundreds of MB each) would stay.
+        A launcher already reaped: only what was recorded while it ran, never its pid's number."""
         import psutil
 
-        tree = freeze(self.proc.pid)
+        own = self.proc.returncode is None   # unreaped: its pid, group and session are still its own
+        tree = freeze(self.proc.pid) if own else freeze_recorded(self._tree)
         try:
-            held = shm_held([self.proc.pid, *(q.pid for q in tree)])
+            held = shm_held([*([self.proc.pid] if own else []), *(q.pid for q in tree)])
         finally:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            if own:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
             for q in tree:
                 with contextlib.suppress(psutil.Error):
                     q.kill()
@@ -124,7 +142,8 @@ class OmniProcess:
         Returns the pids of that tree (for checks on what they left, e.g. in /dev/shm)."""
         import psutil
 
-        tree = processes_under(self.proc.pid)
+        self._note_tree()
+        tree = self._recorded_tree()
         pids = [self.proc.pid, *(p.pid for p in tree)]
         deadline = time.monotonic() + timeout
         if self.proc.poll() is None:
@@ -193,15 +212,26 @@ def processes_under(pid: int) -> list:
 
 def freeze(pid: int) -> list:
     """SIGSTOP pid's descendants and the rest of its session (a child reparented to PID 1 keeps
-    it) until no new one appears, so none maps a segment after shm_held looked; returns them."""
-    import psutil
-
+    it) until no new one appears, so none maps a segment after shm_held looked; returns them.
+    Only for an unreaped child's pid: a reaped one's number may be anyone's."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGSTOP)
+    return _suspend_until_no_new(lambda seen: [q for q in (*processes_under(pid), *map(_process, session_of(pid)))
+                                              if q is not None and q.pid != pid])
+
+
+def freeze_recorded(known) -> list:
+    """freeze() for a reaped launcher: the psutil processes `known` from while it ran that still run,
+    and their descendants, by process (start time checked), never by pid, group or session number."""
+    return _suspend_until_no_new(lambda seen: _live_with_children([*known, *seen.values()]))
+
+
+def _suspend_until_no_new(find) -> list:
+    import psutil
+
     seen: dict[int, object] = {}
     for _ in range(5):
-        new = [q for q in (*processes_under(pid), *map(_process, session_of(pid)))
-               if q is not None and q.pid != pid and q.pid not in seen]
+        new = [q for q in find(seen) if q.pid not in seen]
         if not new:
             break
         for q in new:
@@ -209,6 +239,21 @@ def freeze(pid: int) -> list:
             with contextlib.suppress(psutil.Error):
                 q.suspend()
     return list(seen.values())
+
+
+def _live_with_children(procs) -> list:
+    """Those of `procs` (psutil processes) still running, and their descendants (psutil leaves out a
+    child older than its parent: a reused pid's)."""
+    import psutil
+
+    out: dict[int, object] = {}
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            if _runs(p):
+                out.setdefault(p.pid, p)
+                for c in p.children(recursive=True):
+                    out.setdefault(c.pid, c)
+    return list(out.values())
 
 
 def session_of(sid: int) -> list[int]:

@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import os
 import re
+import signal
+import subprocess
 import uuid
 
+import psutil
+
+from tests.e2e import harness
 from tests.e2e.harness import OmniProcess, processes_under, shm_held, unlink_unheld
 from tests.unit.shm_child import SIZE, hold
 
@@ -37,6 +42,40 @@ def test_kill_unlinks_the_segments_its_tree_held_and_no_other():
             p.kill()
         kept.close()
         for n in (own, grandchild, shared, other):
+            if exists(n):
+                os.unlink(f"/dev/shm/{n}")
+
+
+def test_a_reaped_launchers_kill_acts_on_its_recorded_tree_only(monkeypatch):
+    """Tests call kill() in a finalizer after the launcher exited and poll() reaped it: its pid, group and
+    session number may be another run's launcher's by then. kill() SIGSTOPped and SIGKILLed that group and
+    that session's processes (here a stand-in session) and unlinked their segments; now it acts only on the
+    processes recorded while the launcher ran: the child left behind goes, with its segment."""
+    own, left = names(2)
+    p = OmniProcess("tree", own, left, module="tests.unit.shm_child")
+    other = subprocess.Popen(["sleep", "300"], start_new_session=True)   # another run's session
+    child = None
+    try:
+        p.wait_for(re.compile("^ready$"), 60)
+        (child,) = processes_under(p.proc.pid)       # `hold left`, in its own group as a stage is
+        os.kill(p.proc.pid, signal.SIGKILL)
+        p.proc.wait(10)                              # reaped: the number is free for anyone
+        groups = []
+        monkeypatch.setattr(harness.os, "killpg", lambda pgid, sig: groups.append((pgid, sig)))
+        monkeypatch.setattr(harness, "session_of", lambda sid: [other.pid])   # the number reused
+        p.kill()
+        assert groups == []                          # no group by number
+        assert other.poll() is None and psutil.Process(other.pid).status() != psutil.STATUS_STOPPED
+        assert not child.is_running() and not exists(left)
+    finally:
+        monkeypatch.undo()
+        other.kill()
+        other.wait(10)
+        if p.proc.poll() is None:
+            p.kill()
+        if child is not None and child.is_running():   # were the kill to have missed it
+            child.kill()
+        for n in (own, left):
             if exists(n):
                 os.unlink(f"/dev/shm/{n}")
 
