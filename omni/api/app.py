@@ -77,15 +77,18 @@ def build_app(orchestrator: OrchestratorLike, tokenizer: Any, *, served_model_na
     routes = [Route(path, by_method(methods)) for path, methods in by_path.items()]
     limits = limits or HttpLimits()
     streams: set = set()   # open streams, which serve() ends cleanly at its stop
+    in_flight: set = set()   # requests serve() answers 503 at its stop if they have not begun to
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error},
                     middleware=[*cors.middleware(limits),   # outermost: a browser's preflight carries no key
                                 Middleware(FrontendMiddleware, frontend_index=frontend_index, api_key=api_key,
                                            metrics=fe.metrics, control_api_key=control_api_key,
                                            control_routes=control_routes, fast=admin.fast(),
-                                           allowed_origins=limits.allowed_origins, streams=streams),
+                                           allowed_origins=limits.allowed_origins, streams=streams,
+                                           in_flight=in_flight),
                                # inside: a refused body still gets X-Omni-Frontend and is counted
                                Middleware(LimitsMiddleware, limits=limits)])
     app.state.frontend = fe
     app.state.jobs = jobs
     app.state.streams = streams
+    app.state.in_flight = in_flight
     return app

@@ -34,9 +34,10 @@ class FrontendMiddleware:
     def __init__(self, app, *, frontend_index: int, api_key: str | Sequence[str] | None, metrics: FrontendMetrics,
                  control_api_key: str | None = None, control_routes: bool = True,
                  fast: dict[tuple[str, str], Callable[[], tuple[int, bytes]]] | None = None,
-                 allowed_origins: Sequence[str] = (), streams: set | None = None):
+                 allowed_origins: Sequence[str] = (), streams: set | None = None, in_flight: set | None = None):
         self.app = app
         self.streams = streams                         # open streams' watches, ended at the server's stop
+        self.in_flight = in_flight                     # requests' InFlight, answered 503 at the stop if unanswered
         self.allowed_origins = frozenset(allowed_origins)   # --allowed-origins: cross-site pages let in
         self.fast = fast or {}
         self.header = (b"x-omni-frontend", str(frontend_index).encode())
@@ -58,11 +59,13 @@ class FrontendMiddleware:
         route = routes.label(scope["path"])
         status = 500
         self.metrics.started()
+        flight = InFlight(self.in_flight)
 
         async def send_wrapper(message):
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                flight.started = True
                 message = {**message, "headers": [*message.get("headers", []), self.header]}
             await send(message)
 
@@ -70,8 +73,14 @@ class FrontendMiddleware:
             refusal = self._refusal(scope)
             if refusal is not None:
                 return await refusal(scope, receive, send_wrapper)
-            await self.app(scope, receive, send_wrapper)
+            try:
+                await self.app(scope, receive, send_wrapper)
+            except asyncio.CancelledError:
+                if not flight.ours():
+                    raise
+                await api_error_response(SHUTTING_DOWN)(scope, receive, send_wrapper)
         finally:
+            flight.close()
             self.metrics.finished(route, status, time.monotonic() - t0)
 
     async def _answer(self, path: str, fast, send, t0: float) -> None:
@@ -179,6 +188,46 @@ class DisconnectWatch:
         if self.cut is not None and not self._counted:   # our cancel was swallowed below us: balance its count
             self._counted = True
             self.task.uncancel()
+
+
+class InFlight:
+    """A request in its set until it is answered. At the server's stop (`end_requests`, when the drain ends) one
+    whose response has not begun is cancelled (its stages' work with it) and answered SHUTTING_DOWN's 503: else
+    Hypercorn's end of the grace cancelled it into a bare 500. Streams that began end by their own watch."""
+
+    def __init__(self, requests: set | None):
+        self.task = asyncio.current_task()
+        self.started = False     # the response's head went out
+        self.cut = False         # stop() cancelled the task; its count is taken back once (ours / close)
+        self._requests = requests
+        if requests is not None:
+            requests.add(self)
+
+    def stop(self) -> bool:
+        if self.started or self.cut:
+            return False
+        self.cut = True
+        self.task.cancel()
+        return True
+
+    def ours(self) -> bool:
+        """After a CancelledError: True when the stop's cancel was the only one and nothing went out yet."""
+        if not self.cut:
+            return False
+        self.cut = False
+        return self.task.uncancel() == 0 and not self.started
+
+    def close(self) -> None:
+        if self._requests is not None:
+            self._requests.discard(self)
+        if self.cut:   # swallowed below us: balance its count
+            self.cut = False
+            self.task.uncancel()
+
+
+def end_requests(requests: set) -> int:
+    """The drain ended: every request not yet answering is answered 503 now; how many were."""
+    return sum(f.stop() for f in list(requests))
 
 
 class ClosingStream(StreamingResponse):

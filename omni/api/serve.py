@@ -12,7 +12,7 @@ from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config
 
 from omni.api import http1
-from omni.api.http import end_streams
+from omni.api.http import end_requests, end_streams
 from omni.api.limits import HttpLimits
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,7 @@ async def serve(app, *, host: str = "127.0.0.1", port: int = 0, sock: socket.soc
     `on_ready(host, port)` is called with the real bound address once the socket is ready (port 0 -> the
     kernel's pick). The app's open streams (`app.state.streams`, build_app's) run on for the grace less a
     second, then end cleanly (http.end_streams): Hypercorn's own end of the grace cancels them mid-body.
+    Requests not yet answering then (`app.state.in_flight`) are answered 503 server_shutting_down (http.end_requests).
     `limits.shutdown_timeout` N (vLLM's --shutdown-timeout) replaces the grace: streams end N s after the
     stop (0: at once), and Hypercorn waits a second more for their closing events.
     """
@@ -73,8 +74,11 @@ async def serve(app, *, host: str = "127.0.0.1", port: int = 0, sock: socket.soc
     loop = asyncio.get_running_loop()
     previous = loop.get_exception_handler()
     loop.set_exception_handler(_quiet_cancel(shutdown_event, previous))
-    streams = getattr(getattr(app, "state", None), "streams", None)
-    ender = None if streams is None else asyncio.create_task(_end_streams(shutdown_event, streams, streams_after))
+    state = getattr(app, "state", None)
+    streams, in_flight = getattr(state, "streams", None), getattr(state, "in_flight", None)
+    ender = None if streams is None and in_flight is None else asyncio.create_task(
+        _end_streams(shutdown_event, set() if streams is None else streams,
+                     set() if in_flight is None else in_flight, streams_after))
     closer = asyncio.create_task(_close_at_stop(shutdown_event, sock))
     try:
         await hypercorn_serve(app, config, shutdown_trigger=shutdown_event.wait)
@@ -101,12 +105,15 @@ async def _close_at_stop(stopping: asyncio.Event, sock: socket.socket) -> None:
     sock.close()
 
 
-async def _end_streams(stopping: asyncio.Event, streams: set, after_s: float) -> None:
+async def _end_streams(stopping: asyncio.Event, streams: set, in_flight: set, after_s: float) -> None:
     await stopping.wait()
-    await asyncio.sleep(after_s)   # the grace: streams that end by themselves by then end whole
+    await asyncio.sleep(after_s)   # the grace: requests that end by themselves by then end whole
     n = end_streams(streams)
     if n:
         log.info("stopping: ended %d open stream(s) (SSE: a 'server shutting down' error event and [DONE])", n)
+    n = end_requests(in_flight)
+    if n:
+        log.info("stopping: answered %d unanswered request(s) 503 server_shutting_down", n)
 
 
 def _quiet_cancel(stopping: asyncio.Event, previous):
