@@ -19,8 +19,13 @@ class MasterVoiceStore:
         self._master = master
 
     async def list(self) -> list[dict[str, Any]]:
+        """Every voice; a preset an older omni stored under another case of a built-in or stored name ("JOE",
+        "Mine" beside "mine") says which voice a request naming it gets (`shadowed_by`), and DELETE removes it."""
         stored = await self._master.kv_list(NAMESPACE)
         voices = {name: json.loads(blob) for name, blob in stored.items()}
+        for name, v in voices.items():
+            if name != name.lower() and (name.lower() in BUILTIN or name.lower() in voices):
+                v["shadowed_by"] = name.lower()
         return [dict(v) for v in {**voices, **BUILTIN}.values()]
 
     async def get(self, name: str) -> dict[str, Any]:
@@ -45,6 +50,12 @@ class MasterVoiceStore:
         return record
 
     async def delete(self, name: str) -> None:
+        # A record under this exact key first: one an older omni stored as "JOE" is shadowed by the built-in
+        # voice (or "Mine" by "mine") and would otherwise hold a place of MAX_VOICES for good.
+        if (name not in BUILTIN and _known_form(name, raising=False)
+                and await self._master.kv_get(NAMESPACE, name) is not None
+                and await self._master.kv_delete(NAMESPACE, name)):
+            return
         if name.lower() in BUILTIN:
             raise Conflict(f"voice {name!r} is built in and cannot be deleted")
         found = await self._find(name)

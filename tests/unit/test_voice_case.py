@@ -64,3 +64,26 @@ async def test_a_preset_stored_under_another_case_is_still_found(tokenizer):  # 
         assert_error(await c.post("/v1/audio/voices", json={"name": "OLD"}), 409)
         assert (await c.delete("/v1/audio/voices/oLd")).status_code == 200
         assert master.kv.get(NAMESPACE, "Old") is None
+
+
+async def test_a_preset_stored_under_a_shadowed_name_is_listed_as_such_and_deleted_by_its_own_name(tokenizer):  # noqa: F811
+    """Before: an older omni's "JOE" preset (and "Mine" beside "mine") was listed as a voice of its own, a request
+    naming it got another voice, and DELETE /v1/audio/voices/JOE was a 409 'built in': a MAX_VOICES place for good."""
+    master = DeletingMaster()
+    for name in ("JOE", "Mine", "mine"):
+        master.kv.put(NAMESPACE, name, json.dumps({"name": name, "base": "joe", "speed": 2.0 if name != "mine" else 0.5,
+                                                   "builtin": False}).encode())
+    orch, c = _client(tokenizer, MasterVoiceStore(master))
+    async with c:
+        listed = {v["name"]: v for v in (await c.get("/v1/audio/voices")).json()["data"]}
+        assert listed["JOE"]["shadowed_by"] == "joe" and listed["Mine"]["shadowed_by"] == "mine"
+        assert "shadowed_by" not in listed["joe"] and "shadowed_by" not in listed["mine"]
+        r = await c.post("/v1/audio/speech", json={"input": "hi", "voice": "JOE"})
+        assert r.status_code == 200 and orch.requests[-1].speed != 2.0   # the built-in voice, as listed
+        assert (await c.delete("/v1/audio/voices/JOE")).status_code == 200
+        assert (await c.delete("/v1/audio/voices/Mine")).status_code == 200
+        assert master.kv.get(NAMESPACE, "JOE") is None and master.kv.get(NAMESPACE, "Mine") is None
+        assert master.kv.get(NAMESPACE, "mine") is not None
+        assert_error(await c.delete("/v1/audio/voices/JOE"), 409)      # now only the built-in voice
+        assert_error(await c.delete("/v1/audio/voices/joe"), 409)
+        assert [v["name"] for v in (await c.get("/v1/audio/voices")).json()["data"]] == ["mine", "joe"]
