@@ -91,8 +91,9 @@ def context_length(value: str | None) -> int | None:
     return n
 
 
-def flag_name(key: str) -> str:
-    return "--" + key.replace("_", "-")
+def flag_name(key: str, value: Any = None) -> str:
+    """The flag as typed: parse_extra_flags reads `--no-x` as x = false."""
+    return ("--no-" if value is False else "--") + key.replace("_", "-")
 
 
 def parse_extra_flags(args: list[str]) -> dict[str, Any]:
@@ -223,11 +224,11 @@ def spread_flags(config: DeployConfig, flags: dict[str, Any], stage_id: int | No
         if not takers:
             if key in DEVICE_ONLY_ARGS or key in LOGGING_ONLY_ARGS or key == "enable_sleep_mode":
                 # omni's own engines sleep without it, and log no engine stats
-                print(f"omni: {flag_name(key)}: {who}; ignored", file=sys.stderr, flush=True)
+                print(f"omni: {flag_name(key, value)}: {who}; ignored", file=sys.stderr, flush=True)
                 continue
             if frontend_only(key):
-                raise ConfigError(f"{flag_name(key)}: vLLM's serve option, not supported by omni")
-            raise ConfigError(vllm_omni_flags.refusal(key, value) or f"{flag_name(key)}: {who}")
+                raise ConfigError(f"{flag_name(key, value)}: vLLM's serve option, not supported by omni")
+            raise ConfigError(vllm_omni_flags.refusal(key, value) or f"{flag_name(key, value)}: {who}")
         for s in takers if key == "dtype" else ():
             check_dtype(value, s.engine, f"{flag_name(key)} ({s.label})")
         others = [s.label for s in stages if s not in takers]

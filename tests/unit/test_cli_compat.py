@@ -41,6 +41,7 @@ def test_a_gpu_only_flag_no_cpu_stage_takes_is_named_not_crashed_on():
 @pytest.mark.parametrize("flags, message", [
     (["-tp", "2"], "--tensor-parallel-size: no stage of this pipeline takes it (stage 0 (thinker): torch_lm"),
     (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype: no stage of this pipeline takes it"),
+    (["--no-such-flag"], "--no-such-flag: no stage of this pipeline takes it"),   # was named --such-flag
 ])
 def test_a_flag_no_stage_takes_is_an_error_naming_flag_and_stages(flags, message):
     r = subprocess.run([sys.executable, "-m", "omni.cli", "serve", "smollm2", *flags, "--dry-run"], cwd=REPO,
