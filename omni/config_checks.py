@@ -157,8 +157,9 @@ def check_sampling(overrides: Any, where: str, engine: str | None = None) -> Non
         ok, wanted = SAMPLING_RANGES.get(key, (None, ""))
         if ok is not None and not ok(v):
             raise ConfigError(f"{where}.default_sampling_params.{key} must be {wanted}, got {v}")
-    if any(t < 0 for t in overrides.stop_token_ids or ()):
-        raise ConfigError(f"{where}.default_sampling_params.stop_token_ids must be non-negative, "
+    # int64 as a request's (protocol.TokenId): past it the stage's message cannot carry the id
+    if any(not 0 <= t < 2**63 for t in overrides.stop_token_ids or ()):
+        raise ConfigError(f"{where}.default_sampling_params.stop_token_ids must be token ids in [0, 2**63), "
                           f"got {list(overrides.stop_token_ids)}")
 
 

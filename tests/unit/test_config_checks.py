@@ -40,7 +40,9 @@ def test_pipeline_sizes_are_range_checked(tmp_path, pipeline, match):
     ("temperature", "-0.1", r"in \[0, 2\]"), ("temperature", ".nan", r"in \[0, 2\]"),
     ("temperature", ".inf", r"in \[0, 2\]"), ("presence_penalty", "3", r"in \[-2, 2\]"),
     ("top_k", "-2", "-1, 0 \\(off\\) or positive"), ("min_tokens", "-1", ">= 0"),
-    ("noise_scale", ".inf", "finite and >= 0"), ("stop_token_ids", "[-1]", "non-negative"),
+    ("noise_scale", ".inf", "finite and >= 0"), ("stop_token_ids", "[-1]", r"token ids in \[0, 2\*\*63\)"),
+    ("stop_token_ids", f"[5, {2**64}]", r"token ids in \[0, 2\*\*63\)"),   # failed only when sent to the stage
+    ("stop_token_ids", f"[{2**63}]", r"token ids in \[0, 2\*\*63\)"),
     # past int64 a stage's message cannot carry it
     ("max_tokens", str(2**64), r">= 1 \(and below 2\*\*63\)"), ("seed", str(2**63), "a 64-bit signed integer"),
     ("top_k", str(2**63), r"-1, 0 \(off\) or positive \(below 2\*\*63\)"),
