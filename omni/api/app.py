@@ -65,7 +65,9 @@ def build_app(orchestrator: OrchestratorLike, tokenizer: Any, *, served_model_na
     served = {"text": tokenizer is not None, "speech": speech_entry_stage is not None, "images": images is not None}
     jobs.bind({r.path: handlers[(r.path, r.method)] for r in ROUTES
                if r.path in BODY_TYPES and r.method == "POST" and served.get(r.family, True)},
-              checks={IMAGES: families["images"].check})
+              checks={IMAGES: families["images"].check, "/v1/chat/completions": families["text"].chat_request,
+                      "/v1/completions": families["text"].completion_request,
+                      "/v1/audio/speech": families["speech"].speech_request})
     by_path: dict[str, dict] = {}
     for r in ROUTES:
         by_path.setdefault(r.path, {})[r.method] = handlers[(r.path, r.method)]

@@ -53,8 +53,9 @@ SWEEP_S = 3600.0
 ID_PREFIXES = ("job-", "video_")   # video_: the Videos API's (omni/api/videos.py)
 
 Handler = Callable[[Request], Awaitable[Response]]
-# body -> None, or the APIError the route would answer before running anything (it decodes the body itself)
-Check = Callable[[bytes], Awaitable[None]]
+# body -> the route's work up to running it (its result is dropped), raising the APIError the route would
+# answer before running anything: the body's type, fields refused by name, ranges, the model, the voice
+Check = Callable[[bytes], Awaitable[object]]
 # -> (HTTP status, content type, body) of a job's work: a route's answer, or the Videos API's MP4
 Work = Callable[[], Awaitable["tuple[int, str, bytes]"]]
 # -> {(host, pid)} of the registered frontends, or None while that is unknown (no topology yet)
@@ -111,7 +112,8 @@ class Jobs:
 
     def bind(self, handlers: dict[str, Handler], checks: dict[str, Check] | None = None) -> None:
         """The endpoints jobs may run (only those this pipeline serves), path -> route handler; `checks`:
-        path -> the route's own refusals of a body, run at create time (the image route's bounds)."""
+        path -> the route's own preparation of a body, run at create time, so a job is refused as the route
+        would refuse the body (an endpoint without one gets its body's type checked only)."""
         self.handlers = {p: h for p, h in handlers.items() if p in BODY_TYPES}
         self.checks = {p: c for p, c in (checks or {}).items() if p in self.handlers}
 
@@ -137,7 +139,8 @@ class Jobs:
             else:
                 P.decode_body(body, BODY_TYPES[spec.endpoint])
         except APIError as e:
-            raise APIError(e.status, f"body: {e.message}", param=f"body.{e.param}" if e.param else "body") from None
+            raise APIError(e.status, f"body: {e.message}", type=e.type, param=f"body.{e.param}" if e.param else "body",
+                           code=e.code) from None
         endpoint = spec.endpoint    # the closure keeps the encoded body only, not the decoded one too
         return JSONResponse(await self.submit(endpoint, lambda: self._call(endpoint, body)))
 

@@ -59,31 +59,10 @@ class SpeechRoutes:
         self.fe = fe
 
     async def speech(self, request: Request) -> Response:
-        self.fe.need_speech()
-        req = P.decode_body(await request.body(), P.SpeechRequest)
-        self.fe.check_model(req.model)
-        if not req.input.strip():
-            raise bad_request("input must not be empty", param="input")
-        if "\x00" in req.input:
-            raise bad_request("input contains a NUL character (\\u0000)", param="input")
-        if len(req.input) > self.fe.max_speech_chars:
-            raise bad_request(f"input is {len(req.input)} characters; the limit is {self.fe.max_speech_chars}",
-                              param="input")
-        if req.response_format not in ("wav", "pcm"):
-            raise bad_request(f"response_format `{req.response_format}` is not supported (wav, pcm)",
-                              param="response_format")
-        speed = 1.0 if req.speed is None else req.speed
-        P.check_speed(speed)
-        refused = first_refused(req, P.SPEECH_REFUSED)
-        if refused is not None:
-            raise bad_request(f"{refused[0]} is not supported: {refused[1]}", param=refused[0])
+        req, preq = await self.speech_request(await request.body())
         as_sse = req.stream_format == "sse" or (req.stream and req.stream_format is None)
         as_raw = not as_sse and (req.response_format == "pcm" or req.stream_format == "audio")
-        asked = P.one_voice({"voice": P.voice_name(req.voice), "speaker": req.speaker})
-        voice, speed = await self.fe.voice(asked, speed)
-        preq = PipelineRequest(request_id=f"speech-{uuid.uuid4().hex}", text=req.input,
-                               entry_stage=self.fe.speech_stage, modalities=("audio",), voice=voice, speed=speed)
-        audio = AudioStream(self.fe.metrics.audio, self.fe.model, voice,
+        audio = AudioStream(self.fe.metrics.audio, self.fe.model, preq.voice,
                             self.fe.t0(request), streamed=as_sse or as_raw)
         gen = Generation(self.fe.orch, preq, decode=self.fe.decode, prompt_ids=[], stops=[], metrics=self.fe.metrics,
                          route="/v1/audio/speech", t0=self.fe.t0(request), audio=audio)
@@ -153,6 +132,31 @@ class SpeechRoutes:
 
         return await until_disconnect(request, work)
 
+    async def speech_request(self, raw: bytes) -> tuple[P.SpeechRequest, PipelineRequest]:
+        """The body and its pipeline request, or the 4xx the route answers before running anything (a job's
+        submit runs this too)."""
+        self.fe.need_speech()
+        req = P.decode_body(raw, P.SpeechRequest)
+        self.fe.check_model(req.model)
+        if not req.input.strip():
+            raise bad_request("input must not be empty", param="input")
+        if "\x00" in req.input:
+            raise bad_request("input contains a NUL character (\\u0000)", param="input")
+        if len(req.input) > self.fe.max_speech_chars:
+            raise bad_request(f"input is {len(req.input)} characters; the limit is {self.fe.max_speech_chars}",
+                              param="input")
+        if req.response_format not in ("wav", "pcm"):
+            raise bad_request(f"response_format `{req.response_format}` is not supported (wav, pcm)",
+                              param="response_format")
+        speed = 1.0 if req.speed is None else req.speed
+        P.check_speed(speed)
+        refused = first_refused(req, P.SPEECH_REFUSED)
+        if refused is not None:
+            raise bad_request(f"{refused[0]} is not supported: {refused[1]}", param=refused[0])
+        named = {"voice": P.voice_name(req.voice), "speaker": req.speaker}
+        voice, speed = await self.fe.voice(P.one_voice(named), speed, param=P.voice_field(named))
+        return req, PipelineRequest(request_id=f"speech-{uuid.uuid4().hex}", text=req.input,
+                                    entry_stage=self.fe.speech_stage, modalities=("audio",), voice=voice, speed=speed)
 
 
 def speech_usage(gen: Generation) -> dict:

@@ -82,12 +82,29 @@ class TextRoutes:
         self.fe = fe
 
     async def chat(self, request: Request) -> Response:
+        req, preq = await self.chat_request(await request.body())
+        audio = None
+        if preq.audio_out:
+            audio = AudioStream(self.fe.metrics.audio, self.fe.model, preq.voice,
+                                self.fe.t0(request), streamed=bool(req.stream))
+        gen = Generation(self.fe.orch, preq, decode=self.fe.decode, prompt_ids=preq.prompt_token_ids,
+                         stops=P.stop_list(req.stop), include_stop=bool(req.include_stop_str_in_output),
+                         metrics=self.fe.metrics, route="/v1/chat/completions",
+                         t0=self.fe.t0(request), eos_token_id=self.fe.tokenizer.eos_token_id, audio=audio,
+                         response_id=answer_id(request, req, "chatcmpl"))
+        if req.stream:
+            body = functools.partial(self._chat_stream, wav_chunks=req.audio is None)
+            return await until_disconnect(
+                request, lambda: self._open_stream(gen, body, usage_mode(req.stream_options)))
+        return await until_disconnect(request, lambda: self._chat_full(gen, req.audio.format if req.audio else "wav"))
+
+    async def chat_request(self, raw: bytes) -> tuple[P.ChatCompletionRequest, PipelineRequest]:
+        """The body and its pipeline request, or the 4xx chat answers before running anything (a job's
+        submit runs this too, so a job is refused as the route refuses it)."""
         self.fe.need_text()
-        raw = await request.body()
         req = P.decode_body(raw, P.ChatCompletionRequest)
         self.fe.check_model(req.model)
         logprobs = P.check_sampling(req)
-        response_id = answer_id(request, req, "chatcmpl")
         self.fe.check_message_count(len(req.messages))
         audios: list = []
         messages = P.chat_messages(req, audios)
@@ -99,15 +116,11 @@ class TextRoutes:
                 raise bad_request("modality `audio` is not available: this pipeline has no speech stage",
                                   param="modalities")
         voice = speed = None
-        audio = None
         if "audio" in modalities:
             fmt = req.audio.format if req.audio else "wav"
             if fmt not in ("wav", "pcm16"):
                 raise bad_request(f"audio.format `{fmt}` is not supported (wav, pcm16)", param="audio.format")
-            asked = P.chat_voice(req)
-            voice, speed = await self.fe.voice(asked)
-            audio = AudioStream(self.fe.metrics.audio, self.fe.model, voice,
-                                self.fe.t0(request), streamed=bool(req.stream))
+            voice, speed = await self.fe.voice(P.chat_voice(req))
         inputs = {}
         if audios:
             self.fe.need_audio_in()
@@ -136,16 +149,7 @@ class TextRoutes:
                                # stages that feed a talker capture what it needs only then
                                audio_out="audio" in modalities, num_audio_inputs=len(inputs), inputs=inputs,
                                prompt_positions=n_prompt)
-        gen = Generation(self.fe.orch, preq, decode=self.fe.decode, prompt_ids=prompt_ids,
-                         stops=P.stop_list(req.stop), include_stop=bool(req.include_stop_str_in_output),
-                         metrics=self.fe.metrics, route="/v1/chat/completions",
-                         t0=self.fe.t0(request), eos_token_id=self.fe.tokenizer.eos_token_id, audio=audio,
-                         response_id=response_id)
-        if req.stream:
-            body = functools.partial(self._chat_stream, wav_chunks=req.audio is None)
-            return await until_disconnect(
-                request, lambda: self._open_stream(gen, body, usage_mode(req.stream_options)))
-        return await until_disconnect(request, lambda: self._chat_full(gen, req.audio.format if req.audio else "wav"))
+        return req, preq
 
     async def _open_stream(self, gen: Generation, body, usage: str | None) -> Response:
         # Wait for the first output before sending headers, so early failures get a real status.
@@ -245,11 +249,23 @@ class TextRoutes:
                 if gen.want_logprobs and (entries or not last) else None)
 
     async def completions(self, request: Request) -> Response:
+        req, preq = await self.completion_request(await request.body())
+        gen = Generation(self.fe.orch, preq, decode=self.fe.decode, prompt_ids=preq.prompt_token_ids,
+                         stops=P.stop_list(req.stop), include_stop=bool(req.include_stop_str_in_output),
+                         metrics=self.fe.metrics, route="/v1/completions",
+                         t0=self.fe.t0(request), eos_token_id=self.fe.tokenizer.eos_token_id,
+                         response_id=answer_id(request, req, "cmpl"))
+        if req.stream:
+            return await until_disconnect(
+                request, lambda: self._open_stream(gen, self._completion_stream, usage_mode(req.stream_options)))
+        return await until_disconnect(request, lambda: self._completion_full(gen))
+
+    async def completion_request(self, raw: bytes) -> tuple[P.CompletionRequest, PipelineRequest]:
+        """As chat_request, for completions."""
         self.fe.need_text()
-        req = P.decode_body(await request.body(), P.CompletionRequest)
+        req = P.decode_body(raw, P.CompletionRequest)
         self.fe.check_model(req.model)
         logprobs = P.check_sampling(req)
-        response_id = answer_id(request, req, "cmpl")
         prompt = P.one_prompt(req.prompt)
         if isinstance(prompt, str):
             if not prompt:
@@ -268,15 +284,7 @@ class TextRoutes:
         self.fe.check_placeholders(prompt_ids, 0, "prompt")
         preq = PipelineRequest(request_id=f"cmpl-{uuid.uuid4().hex}", prompt_token_ids=prompt_ids,
                                sampling=self.fe.sampling(req, mt, logprobs))
-        gen = Generation(self.fe.orch, preq, decode=self.fe.decode, prompt_ids=prompt_ids,
-                         stops=P.stop_list(req.stop), include_stop=bool(req.include_stop_str_in_output),
-                         metrics=self.fe.metrics, route="/v1/completions",
-                         t0=self.fe.t0(request), eos_token_id=self.fe.tokenizer.eos_token_id,
-                         response_id=response_id)
-        if req.stream:
-            return await until_disconnect(
-                request, lambda: self._open_stream(gen, self._completion_stream, usage_mode(req.stream_options)))
-        return await until_disconnect(request, lambda: self._completion_full(gen))
+        return req, preq
 
     async def tokenize(self, request: Request) -> Response:
         """vLLM's /tokenize; frontend work only (no stage is involved)."""

@@ -13,7 +13,7 @@ import pytest
 
 from omni.api import build_app
 from omni.api.jobs import Jobs, LocalKv, Results
-from omni.errors import Unavailable
+from omni.errors import StageFailed, Unavailable
 from omni.voices import MasterVoiceStore
 from tests.unit.api_fakes import FakeOrchestrator, assert_error, chat_body, tokenizer  # noqa: F401 (fixture)
 
@@ -124,12 +124,12 @@ async def test_bad_job_requests_are_400(tokenizer, tmp_path, body, param, contai
 
 
 async def test_inner_error_is_a_failed_job(tokenizer, tmp_path):
-    _, jobs, c = frontend(tokenizer, LocalKv(), tmp_path)
-    job = (await c.post("/v1/omni/jobs", json={"endpoint": "/v1/audio/speech",
-                                              "body": {**SPEECH, "model": "nope"}})).json()
+    orch, jobs, c = frontend(tokenizer, LocalKv(), tmp_path)
+    orch.fail = StageFailed(1, "r0", "the talker broke")    # a body the route refuses is a 400 at submit instead
+    job = (await c.post("/v1/omni/jobs", json={"endpoint": "/v1/audio/speech", "body": SPEECH})).json()
     await settle(jobs)
     got = (await c.get(f"/v1/omni/jobs/{job['id']}")).json()
-    assert got["status"] == "failed" and "`nope` does not exist" in got["error"]["message"]
+    assert got["status"] == "failed" and "the talker broke" in got["error"]["message"]
     assert got["content_type"] is None and got["completed_at"] is not None
     assert_error(await c.get(f"/v1/omni/jobs/{job['id']}/content"), 409, contains="failed")
 
