@@ -370,10 +370,17 @@ def stop_list(stop: str | list[str] | None) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop)
 
 
-def chat_voice(req: ChatCompletionRequest) -> str | None:
-    """The voice a chat asks for: OpenAI's `audio.voice`, or vllm-omni's top-level `voice` / `speaker`."""
+def chat_voice(req: ChatCompletionRequest) -> tuple[str | None, str]:
+    """The voice a chat asks for (OpenAI's `audio.voice`, or vllm-omni's top-level `voice` / `speaker`)
+    and the field that named it."""
     voice = req.audio.voice if req.audio else None
-    return one_voice({"audio.voice": voice_name(voice), "voice": req.voice, "speaker": req.speaker})
+    named = {"audio.voice": voice_name(voice), "voice": req.voice, "speaker": req.speaker}
+    return one_voice(named), voice_field(named)
+
+
+def voice_field(named: dict[str, str | None]) -> str:
+    """The field the client named its voice in (the first of `named` when none did): an unknown voice's 404 names it."""
+    return next((k for k, v in named.items() if v and v.strip()), next(iter(named)))
 
 
 def one_voice(named: dict[str, str | None]) -> str | None:

@@ -332,18 +332,17 @@ class FrontendState:
                                       **common)
         return sampling, stages
 
-    async def voice(self, name: str | None, speed: float = 1.0) -> tuple[str, float | None]:
+    async def voice(self, name: str | None, speed: float = 1.0, param: str = "voice") -> tuple[str, float | None]:
         """Resolve a voice (maybe a preset) to what the speech stage needs: a base voice and speed
-        (None: the model's speakers have no speed)."""
+        (None: the model's speakers have no speed). `param`: the field that named it, for the 404."""
         if self.speakers:
             key = (name or self.default_voice).lower()
             if key not in self.speakers:
-                raise _no_voice(f"voice `{name}` does not exist; available: {', '.join(self.speakers)}",
-                                "audio.voice")
+                raise _no_voice(f"voice `{name}` does not exist; available: {', '.join(self.speakers)}", param)
             return key, None
         name = name or self.default_voice
         if self.voices is None:
-            raise _no_voice(f"voice `{name}` does not exist; this pipeline has no voices", "voice")
+            raise _no_voice(f"voice `{name}` does not exist; this pipeline has no voices", param)
         get = getattr(self.voices, "get", None)
         v = None
         if get is not None:  # the master-backed store looks one name up without listing all
@@ -355,7 +354,7 @@ class FrontendState:
             v = next((x for x in await self.voices.list() if x["name"] == name), None)
         if v is None:
             known = [x["name"] for x in await self.voices.list()]
-            raise _no_voice(f"voice `{name}` does not exist; available: {', '.join(known) or 'none'}", "voice")
+            raise _no_voice(f"voice `{name}` does not exist; available: {', '.join(known) or 'none'}", param)
         return v["base"], preset_speed(speed, name, float(v.get("speed", 1.0)))
 
     # ---- audio input (chat `input_audio` parts)

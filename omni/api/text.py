@@ -120,7 +120,8 @@ class TextRoutes:
             fmt = req.audio.format if req.audio else "wav"
             if fmt not in ("wav", "pcm16"):
                 raise bad_request(f"audio.format `{fmt}` is not supported (wav, pcm16)", param="audio.format")
-            voice, speed = await self.fe.voice(P.chat_voice(req))
+            asked, field = P.chat_voice(req)
+            voice, speed = await self.fe.voice(asked, param=field)
         inputs = {}
         if audios:
             self.fe.need_audio_in()

@@ -167,8 +167,17 @@ async def test_the_voice_at_the_top_level_as_vllm_omni_takes_it(tokenizer):
     assert_error(r, 400, param="audio.voice", contains="audio.voice and speaker name different voices")
     r = await c.post("/v1/chat/completions", json=chat_body(audio={"voice": {"id": "ethan"}}, speaker="chelsie"))
     assert_error(r, 400, param="audio.voice", contains="audio.voice and speaker name different voices")
-    r = await c.post("/v1/chat/completions", json=chat_body(speaker="uncle_fu"))
-    assert_error(r, 404, contains="voice `uncle_fu` does not exist; available: ethan, chelsie")
+    # an unknown voice's 404 names the field the client used, not one it did not send
+    for field, body in (("speaker", {"speaker": "uncle_fu"}), ("voice", {"voice": "uncle_fu"}),
+                        ("audio.voice", {"audio": {"voice": "uncle_fu"}})):
+        r = await c.post("/v1/chat/completions", json=chat_body(**body))
+        assert_error(r, 404, param=field, contains="voice `uncle_fu` does not exist; available: ethan, chelsie")
+    _, piper = make(tokenizer, speech_entry_stage=1)       # voices from the store (Piper's, presets)
+    for field, body in (("speaker", {"speaker": "bob"}), ("audio.voice", {"audio": {"voice": "bob"}})):
+        r = await piper.post("/v1/chat/completions", json=chat_body(modalities=["text", "audio"], **body))
+        assert_error(r, 404, param=field, contains="voice `bob` does not exist")
+    r = await piper.post("/v1/audio/speech", json={"model": "tiny", "input": "hi", "speaker": "bob"})
+    assert_error(r, 404, param="speaker", contains="voice `bob` does not exist")
 
 
 async def test_a_talker_entrys_presence_or_frequency_penalty_is_a_400_naming_it(tokenizer):
