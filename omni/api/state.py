@@ -274,6 +274,8 @@ class FrontendState:
         def pick(value, default, fallback):
             return value if value is not None else default if default is not None else fallback
 
+        if req.stop_token_ids:    # vLLM's stage refuses them too, but in words naming no field
+            self.check_token_ids(req.stop_token_ids, "stop_token_ids entry", "stop_token_ids")
         top_k = pick(req.top_k, d.top_k, 0)
         bias = {int(k): float(v) for k, v in (req.logit_bias or {}).items()}
         vocab = len(self.tokenizer) if self.tokenizer is not None else None
@@ -310,6 +312,8 @@ class FrontendState:
                           presence_penalty=e.presence_penalty, frequency_penalty=e.frequency_penalty,
                           repetition_penalty=e.repetition_penalty, ignore_eos=e.ignore_eos,
                           stop_token_ids=tuple(e.stop_token_ids))
+            if i == 0 and e.stop_token_ids:    # the prompt stage's vocabulary is the tokenizer's
+                self.check_token_ids(e.stop_token_ids, "stop_token_ids entry", f"{where}.stop_token_ids")
             if i > 0:
                 engine = self.stage_engines.get(i)
                 refused = (talker_refusal(self.refused_stage_sampling.get(i, {}), e, self.stage_codec_stops.get(i))
