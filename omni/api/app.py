@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.routing import Route
 
-from omni.api import cors
+from omni.api import cors, unsupported
 from omni.api.admin import AdminRoutes
 from omni.api.control import ControlRoutes
 from omni.api.http import FrontendMiddleware, by_method, endpoint, http_error
@@ -76,7 +76,7 @@ def build_app(orchestrator: OrchestratorLike, tokenizer: Any, *, served_model_na
     fe.videos = videos
     fe.num_stages = num_stages
     fe.default_modalities = tuple(default_modalities)
-    routes = [Route(path, by_method(methods)) for path, methods in by_path.items()]
+    routes = [Route(path, by_method(methods)) for path, methods in by_path.items()] + unsupported.routes()
     limits = limits or HttpLimits()
     streams: set = set()   # open streams, which serve() ends cleanly at its stop
     in_flight: set = set()   # requests serve() answers 503 at its stop if they have not begun to
