@@ -16,8 +16,8 @@ delta when that token has no text, e.g. EOS) with `stop_reason` (the stop string
 id that ended it, else null; completions chunks carry it null before), that chunk carries its tokens' logprobs, and
 `stream_options.include_usage` adds one `choices: []` chunk with the usage after it
 (`continuous_usage_stats` also puts the usage so far on every chunk).
-Non-streaming chat puts the whole WAV (`audio.format` "pcm16": raw s16le) in `message.audio.data` (base64) of
-its own choice after the text's, as vllm-omni answers (_chat_full).
+Non-streaming chat puts the whole WAV (`audio.format` "pcm16": raw s16le) in `message.audio.data` (base64):
+OpenAI's one choice with a request's `audio` object, else vllm-omni's choice after the text's (_chat_full).
 """
 
 from __future__ import annotations
@@ -96,7 +96,8 @@ class TextRoutes:
             body = functools.partial(self._chat_stream, wav_chunks=req.audio is None)
             return await until_disconnect(
                 request, lambda: self._open_stream(gen, body, usage_mode(req.stream_options)))
-        return await until_disconnect(request, lambda: self._chat_full(gen, req.audio.format if req.audio else "wav"))
+        return await until_disconnect(request, lambda: self._chat_full(gen, req.audio.format if req.audio else "wav",
+                                                                       openai=req.audio is not None))
 
     async def chat_request(self, raw: bytes) -> tuple[P.ChatCompletionRequest, PipelineRequest]:
         """The body and its pipeline request, or the 4xx chat answers before running anything (a job's
@@ -207,18 +208,20 @@ class TextRoutes:
             yield sse.event(error_body(err.message, err.type, err.param, err.code))
         yield sse.DONE
 
-    async def _chat_full(self, gen: Generation, fmt: str = "wav") -> Response:
+    async def _chat_full(self, gen: Generation, fmt: str = "wav", openai: bool = True) -> Response:
         """`fmt`: audio.format, "wav" (a whole file) or "pcm16" (raw s16le, as OpenAI returns it).
-        With text and audio, vllm-omni's shape: a text choice, then an audio choice (both index 0, as
-        vllm-omni numbers them: message.audio, content null, transcript "" as the text is the first
-        choice's, finish_reason "stop"); its example clients read each choice's audio or else its content.
-        Audio only: that one choice, its transcript the text, finish_reason the answer's."""
+        `openai`: the request sent OpenAI's `audio` object. With text and audio and no such object,
+        vllm-omni's shape: a text choice, then an audio choice (both index 0, as vllm-omni numbers them:
+        message.audio, content null, transcript "" as the text is the first choice's, finish_reason
+        "stop"); its example clients (which send no `audio`) read each choice's audio or else its content.
+        Else OpenAI's: one choice, content null, message.audio with the text as its transcript."""
         await gen.start()
         audio = bytearray()
         async for ev in gen.events():
             if ev[0] == "audio":
                 audio += ev[1]
-        with_text = "text" in gen.request.modalities
+        # vllm-omni's separate text choice only for its clients: OpenAI's read choices[0].message.audio
+        with_text = "text" in gen.request.modalities and not (openai and gen.audio is not None)
         choices = []
         if with_text:
             choices.append({"index": 0, "message": {"role": "assistant", "content": gen.text},

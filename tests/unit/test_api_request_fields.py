@@ -70,13 +70,13 @@ async def test_non_streaming_chat_honours_audio_format(tokenizer):
     orch, fe, c = client(tokenizer, speech_entry_stage=1)
     orch.audio_chunks = 2                 # two chunks of 100 float32 samples, +-0.5
     body = chat_body(modalities=["text", "audio"], audio={"voice": "joe", "format": "pcm16"})
-    audio = (await c.post("/v1/chat/completions", json=body)).json()["choices"][1]["message"]["audio"]
+    audio = (await c.post("/v1/chat/completions", json=body)).json()["choices"][0]["message"]["audio"]
     raw = base64.b64decode(audio["data"])
     assert audio["format"] == "pcm16" and audio["sample_rate"] == 22050 and not raw.startswith(b"RIFF")
     assert np.frombuffer(raw, "<i2").tolist() == [16384] * 100 + [-16384] * 100
     wav = (await c.post("/v1/chat/completions", json={**body, "audio": {"format": "wav"}})).json()
-    assert wav["choices"][1]["message"]["audio"]["format"] == "wav"
-    assert base64.b64decode(wav["choices"][1]["message"]["audio"]["data"]).startswith(b"RIFF")
+    assert wav["choices"][0]["message"]["audio"]["format"] == "wav"
+    assert base64.b64decode(wav["choices"][0]["message"]["audio"]["data"]).startswith(b"RIFF")
     for fmt in ("mp3", "flac", "opus", "aac"):     # OpenAI's others: refused by name
         assert_error(await c.post("/v1/chat/completions", json={**body, "audio": {"format": fmt}}), 400,
                      "audio.format")

@@ -1,8 +1,10 @@
-"""Non-streaming chat with text and audio in vllm-omni's shape (serving_chat.py
-chat_completion_full_generator): a text choice, then an audio choice (index 0 both, as vllm-omni numbers
-them; message.audio with content null and transcript ""; finish_reason "stop"). vllm-omni's example
-clients loop `if choice.message.audio: save ... elif choice.message.content: print`; with one choice
-holding both they never printed the text. The official openai client parses it."""
+"""Non-streaming chat with text and audio. A request without an `audio` object (vllm-omni's clients send
+none) gets vllm-omni's shape (serving_chat.py chat_completion_full_generator): a text choice, then an
+audio choice (index 0 both, as vllm-omni numbers them; message.audio with content null and transcript "";
+finish_reason "stop"). vllm-omni's example clients loop `if choice.message.audio: save ... elif
+choice.message.content: print`; with one choice holding both they never printed the text. A request with
+OpenAI's `audio` object gets OpenAI's shape: one choice, content null, the text as the audio's transcript,
+which OpenAI's documented `completion.choices[0].message.audio.data` reads."""
 
 from __future__ import annotations
 
@@ -54,3 +56,17 @@ async def test_text_only_and_audio_only_have_one_choice(tokenizer):  # noqa: F81
     assert only["message"]["content"] is None and only["message"]["audio"]["transcript"] == "hello world"
     assert only["finish_reason"] == "stop"
     ChatCompletion.model_validate(d)
+
+
+async def test_openais_audio_object_gets_openais_one_choice(tokenizer):  # noqa: F811
+    orch, c = make(tokenizer, speech_entry_stage=1)
+    orch.audio_chunks = 2
+    body = chat_body(modalities=["text", "audio"], audio={"voice": "joe", "format": "wav"}, logprobs=True)
+    d = (await c.post("/v1/chat/completions", json=body)).json()
+    (only,) = d["choices"]
+    assert only["index"] == 0 and only["finish_reason"] == "stop" and only["logprobs"] is not None
+    assert only["message"]["content"] is None and only["message"]["audio"]["transcript"] == "hello world"
+    # OpenAI's documented code (platform.openai.com/docs/guides/audio, audio output)
+    completion = ChatCompletion.model_validate(d)
+    wav_bytes = base64.b64decode(completion.choices[0].message.audio.data)
+    assert wav_bytes.startswith(b"RIFF") and completion.choices[0].message.audio.transcript == "hello world"
