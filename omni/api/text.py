@@ -4,11 +4,11 @@ chat), and vLLM's /tokenize and /detokenize (frontend work only).
 Streaming audio in chat (our choice, documented in docs): text deltas go to
 `delta.content`; each audio delta is its own chunk with
 `delta.audio = {"id", "data": base64 PCM16 LE mono, "format": "pcm16", "sample_rate"}`,
-and the finishing chunk carries `delta.audio = {"id", "transcript", "expires_at"}`.
-With audio asked for, every chunk also names its `modality` ("text" or "audio"), as vllm-omni's
-stream does (its benchmark client reads it); a request without an `audio` object (that client
-sends none) gets each chunk's `data` as a WAV file of that chunk (`"format": "wav"`), which is
-what the client decodes; OpenAI's clients send `audio` and get raw pcm16 as OpenAI streams it.
+and the finishing chunk carries `delta.audio = {"id", "transcript", "expires_at"}` beside its `content`.
+Every chat chunk but the usage chunk names its `modality` ("text" or "audio"), as vllm-omni's
+stream does (its clients read it); a request without an `audio` object (vllm-omni's clients
+send none) gets each chunk's audio as a WAV file of that chunk (`"format": "wav"`), also in
+`delta.content`, where vllm-omni puts it; OpenAI's clients send `audio` and get raw pcm16 as OpenAI streams it.
 The usage of a request with audio adds `audio_duration_s` and `audio_ttfp_s`.
 
 As vLLM's server streams: `finish_reason` rides on the chunk with the last token (an empty
@@ -172,15 +172,15 @@ class TextRoutes:
         audio_id = f"audio-{gen.id}"
         obj = "chat.completion.chunk"
         running = usage == "continuous"
-        # Audio asked for: vllm-omni's `modality` on every chunk, and the closing audio record (its
-        # transcript) also when nothing was speakable.
+        # Audio asked for: the closing audio record (its transcript), also when nothing was speakable.
         spoken = gen.audio is not None
 
         def chunk(delta, finish=None, logprobs=None, modality="text"):
             choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             if finish is not None:
                 choice["stop_reason"] = gen.stop_reason   # only on the finishing chunk, as vLLM sends it
-            return self._chunk(gen, obj, choice, gen.usage() if running else None, modality if spoken else None)
+            # vllm-omni's `modality` on every chunk, text-only too: its example client prints only "text" ones
+            return self._chunk(gen, obj, choice, gen.usage() if running else None, modality)
 
         try:
             yield chunk({"role": "assistant", "content": ""})
@@ -192,11 +192,14 @@ class TextRoutes:
                         data, fmt = wav_bytes(ev[1], ev[2]), "wav"
                     else:
                         data, fmt = pcm16(ev[1]), "pcm16"
-                    yield chunk({"audio": {"id": audio_id, "data": base64.b64encode(data).decode(), "format": fmt,
-                                           "sample_rate": ev[2]}}, modality="audio")
+                    b64 = base64.b64encode(data).decode()
+                    delta = {"audio": {"id": audio_id, "data": b64, "format": fmt, "sample_rate": ev[2]}}
+                    if wav_chunks:    # vllm-omni's clients read an audio chunk's delta.content
+                        delta = {"content": b64, **delta}
+                    yield chunk(delta, modality="audio")
                 else:
-                    # The finishing chunk: the last token's text, or with audio the closing record.
-                    delta = {"content": ev[1]} if ev[1] or not spoken else {}
+                    # The finishing chunk: the last token's text ("" too, as vLLM's), with audio the closing record.
+                    delta = {"content": ev[1]}
                     if spoken:
                         delta["audio"] = {"id": audio_id, "transcript": gen.text,
                                           "expires_at": int(time.time()) + AUDIO_TTL_S}

@@ -73,12 +73,47 @@ async def test_vllm_omni_parse_of_wav_chunks_equals_the_pcm16_stream(tokenizer):
     assert parse_like_vllm_omni(raw.content, 0).dropped_chunks == 3
 
 
-async def test_text_only_chunks_stay_as_vllm_sends_them(tokenizer):
+async def test_text_only_chunks_are_vllms_with_vllm_omnis_modality(tokenizer):
     _, c = make(tokenizer, speech_entry_stage=1)
     evs = sse_events((await c.post("/v1/chat/completions", json={**chat_body(), "stream": True,
                                                                    "stream_options": {"include_usage": True}})).text)
-    assert all("modality" not in e for e in evs)
+    # vllm-omni names every chunk's modality, text-only too (its example client prints only "text" ones);
+    # the usage chunk is vLLM's own, without it
+    assert [e.get("modality") for e in evs] == ["text"] * (len(evs) - 1) + [None]
+    for e in evs:
+        ChatCompletionChunk.model_validate(e)       # an extra key: the openai package reads every chunk
     assert set(evs[-1]["usage"]) == {"prompt_tokens", "completion_tokens", "total_tokens"}
+
+
+def example_stream_loop(events: list) -> tuple[str, list[bytes]]:
+    """vllm-omni's Qwen3-Omni example client's stream loop (openai_chat_completion_client_for_multimodal_
+    generation.py): an audio chunk's delta.content is a WAV to save, a text chunk's content is printed."""
+    printed, saved = "", []
+    for e in events:
+        cc = ChatCompletionChunk.model_validate(e)
+        for choice in cc.choices:
+            content = getattr(choice.delta, "content", None)
+            modality = getattr(cc, "modality", None)
+            if modality == "audio" and content:
+                saved.append(base64.b64decode(content))
+            elif modality == "text":
+                printed += str(content)       # the client prints it as it is: None shows
+    return printed, saved
+
+
+@pytest.mark.parametrize("modalities", [["text"], ["text", "audio"]])
+async def test_vllm_omnis_example_client_prints_the_text_and_saves_each_wav(tokenizer, modalities):
+    orch, c = make(tokenizer, speech_entry_stage=1)
+    orch.audio_chunks = 2 if "audio" in modalities else 0     # the fake speaks whatever is asked
+    body = {**chat_body(modalities=modalities), "stream": True}
+    printed, saved = example_stream_loop(sse_events((await c.post("/v1/chat/completions", json=body)).text))
+    assert printed == "hello world"
+    assert len(saved) == orch.audio_chunks and all(w.startswith(b"RIFF") for w in saved)
+    # OpenAI's clients send `audio`: raw pcm16 in delta.audio only, content never base64
+    orch.audio_chunks = 2
+    openai_body = {**body, "modalities": ["text", "audio"], "audio": {"voice": "joe", "format": "pcm16"}}
+    evs = sse_events((await c.post("/v1/chat/completions", json=openai_body)).text)
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in evs if e["choices"]) == "hello world"
 
 
 async def test_whole_chat_with_audio_has_the_audio_usage(tokenizer):
