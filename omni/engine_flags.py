@@ -208,7 +208,7 @@ def spread_flags(config: DeployConfig, flags: dict[str, Any], stage_id: int | No
     size a GPU engine, which are named and ignored. `stage_id` (stage mode): that stage alone, by the
     same rule, before anything starts (its engine would refuse the key only once built)."""
     from omni.config_stage_checks import check_dtype
-    from omni.engines.factory import DEVICE_ONLY_ARGS, accepted_args, takes
+    from omni.engines.factory import DEVICE_ONLY_ARGS, accepted_args, known_elsewhere, takes
     from omni.vllm_serve_flags import LOGGING_ONLY_ARGS, frontend_only
 
     stages = config.stages if stage_id is None else (config.stage(stage_id),)
@@ -222,7 +222,10 @@ def spread_flags(config: DeployConfig, flags: dict[str, Any], stage_id: int | No
                   if (s.engine == "vllm" if accepted[s.engine] is None
                       else takes(s.engine, key, value, accepted[s.engine]))]
         if not takers:
-            if key in DEVICE_ONLY_ARGS or key in LOGGING_ONLY_ARGS or key == "enable_sleep_mode":
+            # stage mode: one command line is often shared by every stage (vllm-omni's multi-node style),
+            # so a key another engine takes is named and dropped, as engine_args_for does for the YAML
+            if key in DEVICE_ONLY_ARGS or key in LOGGING_ONLY_ARGS or key == "enable_sleep_mode" or (
+                    stage_id is not None and not frontend_only(key) and known_elsewhere(key)):
                 # omni's own engines sleep without it, and log no engine stats
                 print(f"omni: {flag_name(key, value)}: {who}; ignored", file=sys.stderr, flush=True)
                 continue

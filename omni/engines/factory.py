@@ -151,7 +151,7 @@ def engine_args_for(stage: StageConfig) -> dict[str, Any]:
         elif k in NEUTRAL_ARGS:
             raise ConfigError(f"{stage.label}: engine {stage.engine} runs on one device per replica; "
                               f"{k}={v!r} is not supported (use num_replicas for more)")
-        elif k in DEVICE_ONLY_ARGS or _known_elsewhere(k):
+        elif k in DEVICE_ONLY_ARGS or known_elsewhere(k):
             dropped.append(k)
         else:
             kept[k] = v
@@ -161,7 +161,7 @@ def engine_args_for(stage: StageConfig) -> dict[str, Any]:
     return kept
 
 
-def _known_elsewhere(key: str) -> bool:
+def known_elsewhere(key: str) -> bool:
     for name in ("vllm", *ENGINE_CLASSES):
         accepted = accepted_args(name)
         if accepted and key in accepted:
