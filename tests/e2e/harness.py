@@ -107,10 +107,15 @@ class OmniProcess:
             found = (*processes_under(self.proc.pid), *map(_process, session_of(self.proc.pid)))
             self._tree.update(q for q in found if q is not None and q.pid != self.proc.pid)
 
+    def _known(self) -> list:
+        """What was recorded while the launcher ran and, once it is reaped, what is left in its session:
+        a child it started after the last record has no parent left to find it by."""
+        return [*self._tree, *(left_in_session(self.proc.pid) if self.proc.returncode is not None else ())]
+
     def _recorded_tree(self) -> list:
         """The recorded processes that still run (psutil tells a reused pid by its start time), with the
         descendants they have now."""
-        return _live_with_children(self._tree)
+        return _live_with_children(self._known())
 
     def kill(self) -> None:
         """SIGKILL the launcher's group and every process it started (its children run in their own
@@ -121,7 +126,7 @@ class OmniProcess:
         import psutil
 
         own = self.proc.returncode is None   # unreaped: its pid, group and session are still its own
-        tree = freeze(self.proc.pid) if own else freeze_recorded(self._tree)
+        tree = freeze(self.proc.pid) if own else freeze_recorded(self._known())
         try:
             held = shm_held([*([self.proc.pid] if own else []), *(q.pid for q in tree)])
         finally:
@@ -254,6 +259,14 @@ def _live_with_children(procs) -> list:
                 for c in p.children(recursive=True):
                     out.setdefault(c.pid, c)
     return list(out.values())
+
+
+def left_in_session(sid: int) -> list:
+    """The processes of a reaped leader's session `sid`. Linux keeps a number in use while a session or
+    group holds it, so while any is left the number cannot lead another session: they are the old
+    leader's. A live process numbered `sid` means ours had emptied and the number was reused: none."""
+    pids = session_of(sid)
+    return [] if sid in pids else [q for q in map(_process, pids) if q is not None]
 
 
 def session_of(sid: int) -> list[int]:

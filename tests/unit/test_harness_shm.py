@@ -12,7 +12,7 @@ import uuid
 import psutil
 
 from tests.e2e import harness
-from tests.e2e.harness import OmniProcess, processes_under, shm_held, unlink_unheld
+from tests.e2e.harness import OmniProcess, processes_under, shm_held, unlink_unheld, wait_until
 from tests.unit.shm_child import SIZE, hold
 
 
@@ -62,7 +62,8 @@ def test_a_reaped_launchers_kill_acts_on_its_recorded_tree_only(monkeypatch):
         p.proc.wait(10)                              # reaped: the number is free for anyone
         groups = []
         monkeypatch.setattr(harness.os, "killpg", lambda pgid, sig: groups.append((pgid, sig)))
-        monkeypatch.setattr(harness, "session_of", lambda sid: [other.pid])   # the number reused
+        # the number reused: it leads a live session again
+        monkeypatch.setattr(harness, "session_of", lambda sid: [sid, other.pid])
         p.kill()
         assert groups == []                          # no group by number
         assert other.poll() is None and psutil.Process(other.pid).status() != psutil.STATUS_STOPPED
@@ -76,6 +77,31 @@ def test_a_reaped_launchers_kill_acts_on_its_recorded_tree_only(monkeypatch):
         if child is not None and child.is_running():   # were the kill to have missed it
             child.kill()
         for n in (own, left):
+            if exists(n):
+                os.unlink(f"/dev/shm/{n}")
+
+
+def test_a_reaped_launchers_kill_finds_a_child_it_started_after_the_last_record():
+    """A child started after the last record (a restarted stage) has no parent left once the launcher is
+    reaped: kill() missed it and its segment. Its session is still the launcher's (the number stays in
+    use while any member lives), so kill() takes what is left there."""
+    own, late = names(2)
+    p = OmniProcess("late", own, late, module="tests.unit.shm_child")
+    child = None
+    try:
+        p.wait_for(re.compile("^ready$"), 60)   # the last record: before the child exists
+        os.kill(p.proc.pid, signal.SIGUSR1)
+        wait_until(lambda: exists(late) and processes_under(p.proc.pid), 60, "the late child")
+        (child,) = processes_under(p.proc.pid)
+        os.kill(p.proc.pid, signal.SIGKILL)
+        p.proc.wait(10)
+        assert child not in p._tree                 # not recorded: found only through the session
+        p.kill()
+        assert not child.is_running() and not exists(late)
+    finally:
+        if child is not None and child.is_running():
+            child.kill()
+        for n in (own, late):
             if exists(n):
                 os.unlink(f"/dev/shm/{n}")
 
