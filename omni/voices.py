@@ -24,8 +24,9 @@ class MasterVoiceStore:
         stored = await self._master.kv_list(NAMESPACE)
         voices = {name: json.loads(blob) for name, blob in stored.items()}
         for name, v in voices.items():
-            if name != name.lower() and (name.lower() in BUILTIN or name.lower() in voices):
-                v["shadowed_by"] = name.lower()
+            winner = _winner(name.lower(), voices)
+            if name != winner:
+                v["shadowed_by"] = winner
         return [dict(v) for v in {**voices, **BUILTIN}.values()]
 
     async def get(self, name: str) -> dict[str, Any]:
@@ -87,3 +88,11 @@ def _known_form(name: str, raising: bool = True) -> bool:
     if raising:
         raise NotFound(f"voice {name!r} does not exist")
     return False
+
+
+def _winner(key: str, voices: dict[str, Any]) -> str:
+    """The voice a request naming `key` in any case gets (as _find looks: built-in, the lower-cased
+    record, else the first stored key of that name in the KV's order)."""
+    if key in BUILTIN or key in voices:
+        return key
+    return min(n for n in voices if n.lower() == key)

@@ -87,3 +87,18 @@ async def test_a_preset_stored_under_a_shadowed_name_is_listed_as_such_and_delet
         assert_error(await c.delete("/v1/audio/voices/JOE"), 409)      # now only the built-in voice
         assert_error(await c.delete("/v1/audio/voices/joe"), 409)
         assert [v["name"] for v in (await c.get("/v1/audio/voices")).json()["data"]] == ["mine", "joe"]
+
+
+async def test_presets_differing_only_in_case_list_the_one_a_request_gets(tokenizer):  # noqa: F811
+    """An older omni's "MINE" and "Mine" with no "mine": a request for either gets the first in the KV's
+    order; the other was listed as a voice of its own."""
+    master = DeletingMaster()
+    for name, speed in (("MINE", 2.0), ("Mine", 0.5)):
+        master.kv.put(NAMESPACE, name, json.dumps({"name": name, "base": "joe", "speed": speed,
+                                                   "builtin": False}).encode())
+    orch, c = _client(tokenizer, MasterVoiceStore(master))
+    async with c:
+        listed = {v["name"]: v for v in (await c.get("/v1/audio/voices")).json()["data"]}
+        assert "shadowed_by" not in listed["MINE"] and listed["Mine"]["shadowed_by"] == "MINE"
+        r = await c.post("/v1/audio/speech", json={"input": "hi", "voice": "Mine"})
+        assert r.status_code == 200 and orch.requests[-1].speed == 2.0   # MINE's, as listed
