@@ -405,7 +405,7 @@ def test_audio_metrics_count_each_request_and_its_seconds(url):
     # The vllm-omni parse of the WAV chunks and today's parse of the pcm16 chunks: the same audio
     # (two requests: code2wav's chunk boundaries may differ, as between streamed and whole above).
     a, b = np.frombuffer(pcm, dtype="<i2"), np.frombuffer(got.pcm, dtype="<i2")
-    assert len(a) == len(b) == len(wav) and got.text == whole["choices"][0]["message"]["content"]
+    assert len(a) == len(b) == len(wav) and got.text == whole["choices"][0]["message"]["audio"]["transcript"]
     assert np.abs(a.astype(np.int32) - b.astype(np.int32)).max() <= 0.01 * 32767
     assert 0 < got.audio_ttfp < got.latency and got.audio_rtf > 0
     # The speech stages' own step figures reach /metrics through their load reports (~1 s behind).
