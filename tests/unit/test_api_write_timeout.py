@@ -183,24 +183,7 @@ async def _whole_body(tok, caplog, write_s: float, read_every_s: float | None) -
                                 + b"\r\n\r\n" + payload)
         if read_every_s is None:
             await asyncio.sleep(3)      # the client reads nothing: the write timeout passes several times over
-        got, ended, head = bytearray(), False, -1   # bytes += would copy the body at every read
-        deadline = time.monotonic() + (5 if read_every_s is None else 30)
-        while time.monotonic() < deadline:
-            try:
-                chunk = await asyncio.wait_for(loop.sock_recv(client, 64 * 1024), deadline - time.monotonic())
-            except ConnectionResetError:
-                chunk = b""
-            except TimeoutError:
-                break
-            if not chunk:
-                ended = True
-                break
-            got += chunk
-            head = got.find(b"\r\n\r\n") if head < 0 else head
-            if head >= 0 and len(got) - head - 4 >= length(got[:head]):
-                break                   # the whole body
-            if read_every_s is not None and len(got) // (256 * 1024) > (len(got) - len(chunk)) // (256 * 1024):
-                await asyncio.sleep(read_every_s)   # a pause after each 256 KiB
+        got, ended, head = await read_response(client, 5 if read_every_s is None else 30, read_every_s)
         logged = any("--timeout-response-write" in r.getMessage() for r in caplog.records)
         return len(got) - head - 4, length(got[:head]), ended, logged
     finally:
@@ -212,6 +195,31 @@ async def _whole_body(tok, caplog, write_s: float, read_every_s: float | None) -
 def length(head: bytes) -> int:
     found = [line for line in bytes(head).split(b"\r\n") if line.lower().startswith(b"content-length:")]
     return int(found[0].split(b":")[1])
+
+
+async def read_response(client: socket.socket, within_s: float, read_every_s: float | None = None):
+    """(bytes read, whether the server ended the connection, the head's end) of one HTTP response read
+    from `client` for at most `within_s`; `read_every_s`: a pause after each 256 KiB (a slow reader)."""
+    loop = asyncio.get_running_loop()
+    got, ended, head = bytearray(), False, -1   # bytes += would copy the body at every read
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            chunk = await asyncio.wait_for(loop.sock_recv(client, 64 * 1024), deadline - time.monotonic())
+        except ConnectionResetError:
+            chunk = b""
+        except TimeoutError:
+            break
+        if not chunk:
+            ended = True
+            break
+        got += chunk
+        head = got.find(b"\r\n\r\n") if head < 0 else head
+        if head >= 0 and len(got) - head - 4 >= length(got[:head]):
+            break                   # the whole body
+        if read_every_s is not None and len(got) // (256 * 1024) > (len(got) - len(chunk)) // (256 * 1024):
+            await asyncio.sleep(read_every_s)
+    return got, ended, head
 
 
 async def test_a_whole_body_the_client_does_not_take_ends_its_connection(tokenizer, caplog):

@@ -19,7 +19,7 @@ from omni.api.limits import HttpLimits
 from omni.api.serve import serve
 from omni.orchestrator.types import PipelineOutput
 from tests.unit.api_fakes import FakeOrchestrator, tokenizer  # noqa: F401 (fixture)
-from tests.unit.test_api_write_timeout import length
+from tests.unit.test_api_write_timeout import length, read_response
 
 pytestmark = pytest.mark.anyio
 
@@ -60,22 +60,7 @@ async def _download(tok, tmp_path, caplog, write_s: float, stall_s: float) -> tu
         await loop.sock_connect(client, ("127.0.0.1", port))
         await loop.sock_sendall(client, f"GET /v1/omni/jobs/{job['id']}/content HTTP/1.1\r\nhost: t\r\n\r\n".encode())
         await asyncio.sleep(stall_s)
-        got, ended, head = bytearray(), False, -1
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            try:
-                chunk = await asyncio.wait_for(loop.sock_recv(client, 64 * 1024), deadline - time.monotonic())
-            except ConnectionResetError:
-                chunk = b""
-            except TimeoutError:
-                break
-            if not chunk:
-                ended = True
-                break
-            got += chunk
-            head = got.find(b"\r\n\r\n") if head < 0 else head
-            if head >= 0 and len(got) - head - 4 >= length(got[:head]):
-                break
+        got, ended, head = await read_response(client, 5)
         logged = any("--timeout-response-write" in r.getMessage() for r in caplog.records)
         return len(got) - head - 4, length(got[:head]), ended, logged
     finally:
