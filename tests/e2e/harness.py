@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from types import SimpleNamespace
 from pathlib import Path
 
 import httpx
@@ -389,3 +390,14 @@ def until_frontend(url: str, index: str, method: str, path: str, tries: int = 20
         c.close()
     assert r.headers["x-omni-frontend"] == index
     return r
+
+
+def answer(r):
+    """The answer's text and audio: OpenAI's shape (a request with an `audio` object: one choice, the text
+    as the audio's transcript) or vllm-omni's (none: a text choice, then an audio choice)."""
+    audio = next((c.message.audio for c in r.choices if c.message.audio), None)
+    text = next((c.message.content for c in r.choices if not c.message.audio), None)
+    if text is None and audio is not None:
+        assert len(r.choices) == 1 and r.choices[0].message.content is None
+        text = audio.transcript
+    return SimpleNamespace(content=text, audio=audio)

@@ -13,14 +13,13 @@ import json
 import struct
 import threading
 import wave
-from types import SimpleNamespace
 
 import httpx
 import numpy as np
 import pytest
 
 from benchmarks import omni_chat_client as oc
-from tests.e2e.harness import OmniProcess, omni_env
+from tests.e2e.harness import OmniProcess, answer, omni_env
 from tests.unit.qwen3_ref import Reference, tone
 
 try:
@@ -122,17 +121,6 @@ def chat(url: str, text: str, voice: str = "Ethan", audio_in: bool | str = False
         model=NAME, messages=[SYSTEM, {"role": "user", "content": content}],
         max_tokens=THINKER_TOKENS, temperature=0, modalities=["text", "audio"],
         audio={"voice": voice, "format": "wav"}, **kw)
-
-
-def answer(r):
-    """The answer's text and audio: OpenAI's shape (a request with an `audio` object: one choice, the text
-    as the audio's transcript) or vllm-omni's (none: a text choice, then an audio choice)."""
-    audio = next((c.message.audio for c in r.choices if c.message.audio), None)
-    text = next((c.message.content for c in r.choices if not c.message.audio), None)
-    if text is None and audio is not None:
-        assert len(r.choices) == 1 and r.choices[0].message.content is None
-        text = audio.transcript
-    return SimpleNamespace(content=text, audio=audio)
 
 
 def test_text_only_chat_equals_the_reference_text(server, reference, tiny):
