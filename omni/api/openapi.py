@@ -142,6 +142,13 @@ def narrow(components: dict, f: Facts) -> None:
         if s is not None:
             s["items"]["maximum"] = f.vocab_size - 1
         _cap_token_ids(prop("CompletionRequest", "prompt"), f.vocab_size - 1)
+        for name in ("ChatCompletionRequest", "CompletionRequest"):   # the frontend checks them (state.py)
+            _cap_token_ids(prop(name, "stop_token_ids"), f.vocab_size - 1)
+        s = prop("ChatCompletionRequest", "sampling_params_list")
+        if s is not None and "StageSampling" in components:   # entry 0 is the prompt stage's: its vocabulary
+            entry = copy.deepcopy(components["StageSampling"])
+            _cap_token_ids(entry.get("properties", {}).get("stop_token_ids"), f.vocab_size - 1)
+            first(s)["prefixItems"] = [entry]
     s = prop("SpeechRequest", "input")
     if s is not None and f.max_speech_chars is not None:
         s["maxLength"] = min(s.get("maxLength", f.max_speech_chars), f.max_speech_chars)
