@@ -127,15 +127,17 @@ class SmallKv(LocalKv):
 
 async def test_a_job_error_is_cut_to_fit_the_kv(tokenizer, tmp_path):
     jobs = Jobs(SmallKv(64 << 10), Results(tmp_path))
-    app = build_app(FakeOrchestrator(tokenizer), tokenizer, served_model_name="tiny", max_model_len=128, jobs=jobs)
+    orch = FakeOrchestrator(tokenizer)
+    # a stage's error echoing a long field (an unknown model is refused at submit now: 811aebf)
+    orch.fail = BadRequest("the stage says: " + "m" * 1_500_000)
+    app = build_app(orch, tokenizer, served_model_name="tiny", max_model_len=128, jobs=jobs)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
-        # a client error echoing a long field: an unknown 1.5 MB model name
-        r = await c.post("/v1/omni/jobs", json={"endpoint": "/v1/chat/completions",
-                                                "body": chat_body(model="m" * 1_500_000)})
+        r = await c.post("/v1/omni/jobs", json={"endpoint": "/v1/chat/completions", "body": chat_body()})
         assert r.status_code == 200, r.text
         await settle(jobs)
         job = (await c.get(f"/v1/omni/jobs/{r.json()['id']}")).json()
-        assert job["status"] == "failed" and job["error"]["code"] == "model_not_found", job
+        assert job["status"] == "failed" and job["error"]["type"] == "invalid_request_error", job
+        assert len(job["error"]["message"]) < 64 << 10, len(job["error"]["message"])
         listed = await c.get("/v1/omni/jobs")
         assert listed.status_code == 200 and listed.json()["data"][0]["id"] == job["id"]
 
