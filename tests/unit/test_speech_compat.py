@@ -51,7 +51,7 @@ async def test_the_voice_as_speaker_or_an_id_object(tokenizer):
         assert orch.requests[-1].voice == "joe"
     assert_error(await c.post("/v1/audio/speech", json={"input": "hi", "voice": "joe", "speaker": "amy"}), 400,
                  "voice", "voice and speaker name different voices")
-    assert_error(await c.post("/v1/audio/speech", json={"input": "hi", "speaker": "nobody"}), 404, "voice")
+    assert_error(await c.post("/v1/audio/speech", json={"input": "hi", "speaker": "nobody"}), 404, "speaker")
 
 
 @pytest.mark.parametrize("body", [{"stream": True}, {"stream_format": "audio", "response_format": "pcm"}, {}])
