@@ -1,11 +1,14 @@
 """The fakes and helpers of the HTTP API's unit tests: a tiny byte-level BPE tokenizer with a chat
 template, an orchestrator that replies one token per output (and can fail, hang or sleep), an app on
-an in-memory ASGI client, and the checks of SSE framing and of OpenAI's error body."""
+an in-memory ASGI client or served by omni's Hypercorn on a thread, and the checks of SSE framing and of
+OpenAI's error body."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import threading
 
 import httpx
 import numpy as np
@@ -14,6 +17,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from omni.api import build_app
+from omni.api.limits import HttpLimits
+from omni.api.serve import serve
 from omni.errors import StageFailed
 from omni.orchestrator.types import PipelineOutput, PipelineRequest
 
@@ -116,6 +121,31 @@ def make(tokenizer, **kw):
     app = build_app(orch, tokenizer, **kw)
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
     return orch, client
+
+
+@contextlib.contextmanager
+def served_in_thread(app, limits: HttpLimits):
+    """(host, port) of `app` served by omni's `serve` on its own thread's loop, for blocking clients;
+    stopped (its graceful stop, 1 s) and joined on exit."""
+    loop = asyncio.new_event_loop()
+    ready, addr, stop = threading.Event(), [], []
+
+    async def main():
+        stop.append(asyncio.Event())
+        await serve(app, shutdown_event=stop[0], graceful_timeout=1.0, limits=limits,
+                    on_ready=lambda h, p: (addr.append((h, p)), ready.set()))
+
+    thread = threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True)
+    thread.start()
+    try:
+        assert ready.wait(10), "the server did not start"
+        yield addr[0]
+    finally:
+        if stop:
+            loop.call_soon_threadsafe(stop[0].set)
+        thread.join(10)
+        if not thread.is_alive():
+            loop.close()
 
 
 def sse_events(body: str) -> list:

@@ -3,16 +3,14 @@ keep-alive timer and stayed open for good. Real sockets on 127.0.0.1: the timer 
 
 from __future__ import annotations
 
-import asyncio
 import socket
 import struct
-import threading
 import time
 
 import pytest
 
 from omni.api.limits import HttpLimits
-from omni.api.serve import serve
+from tests.unit.api_fakes import served_in_thread
 
 KEEP_ALIVE = 0.5
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -36,23 +34,8 @@ async def hello(scope, receive, send):
 @pytest.fixture
 def server():
     """(host, port) of `serve` on a thread's loop, keep-alive timer KEEP_ALIVE."""
-    loop = asyncio.new_event_loop()
-    ready = threading.Event()
-    addr: list = []
-    stop: list = []
-
-    async def main():
-        stop.append(asyncio.Event())
-        await serve(hello, shutdown_event=stop[0], graceful_timeout=1.0, limits=HttpLimits(timeout_keep_alive=KEEP_ALIVE),
-                    on_ready=lambda h, p: (addr.append((h, p)), ready.set()))
-
-    thread = threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True)
-    thread.start()
-    assert ready.wait(10), "the server did not start"
-    yield addr[0]
-    loop.call_soon_threadsafe(stop[0].set)
-    thread.join(10)
-    loop.close()
+    with served_in_thread(hello, HttpLimits(timeout_keep_alive=KEEP_ALIVE)) as addr:
+        yield addr
 
 
 def read_until_closed(sock: socket.socket, deadline_s: float, *, every: bytes = b"") -> tuple[bytes, float]:

@@ -5,39 +5,23 @@ Hypercorn (omni/api/serve.py): the upgrade's answer is Hypercorn's."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import socket
-import threading
 
 import httpx
 import pytest
 
 from omni.api.app import build_app
 from omni.api.limits import HttpLimits
-from omni.api.serve import serve
-from tests.unit.api_fakes import FakeOrchestrator, tokenizer  # noqa: F401 (fixture)
+from tests.unit.api_fakes import FakeOrchestrator, served_in_thread, tokenizer  # noqa: F401 (fixture)
 
 
 @pytest.fixture
 def server(tokenizer):  # noqa: F811
     """(host, port) of the frontend app served by omni's Hypercorn on a thread's loop."""
     app = build_app(FakeOrchestrator(tokenizer, "hi"), tokenizer, served_model_name="tiny", max_model_len=128)
-    loop = asyncio.new_event_loop()
-    ready, addr, stop = threading.Event(), [], []
-
-    async def main():
-        stop.append(asyncio.Event())
-        await serve(app, shutdown_event=stop[0], graceful_timeout=1.0, limits=HttpLimits(),
-                    on_ready=lambda h, p: (addr.append((h, p)), ready.set()))
-
-    thread = threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True)
-    thread.start()
-    assert ready.wait(10), "the server did not start"
-    yield addr[0]
-    loop.call_soon_threadsafe(stop[0].set)
-    thread.join(10)
-    loop.close()
+    with served_in_thread(app, HttpLimits()) as addr:
+        yield addr
 
 
 def upgrade(addr, path: str) -> tuple[int, dict]:
