@@ -11,7 +11,7 @@ from typing import Any
 
 from omni.errors import ConfigError
 
-__all__ = ["CODEC_STOP_KEYS", "PIPELINE_SECONDS", "SAMPLING_RANGES", "TALKER_REFUSED", "UNSAMPLED", "VOCODERS",
+__all__ = ["CODEC_STOP_KEYS", "NOISE_KEYS", "PIPELINE_SECONDS", "SAMPLING_RANGES", "TALKER_REFUSED", "UNSAMPLED", "VOCODERS",
            "talker_refusal", "check_pipeline", "check_sampling", "check_talker_defaults", "check_yaml_shape",
            "codec_stops", "stage_codec_stops", "unsampled_refusal", "yaml_sections"]
 
@@ -54,6 +54,8 @@ UNSAMPLED = {
     "wan": ((), "a diffusion stage takes its steps and seed from the video request"),
 }
 VOCODERS = ("qwen3_code2wav", "qwen25_token2wav", "piper_code2wav")
+# Piper's VITS noise priors: no other engine reads them, so another stage's default naming one is refused.
+NOISE_KEYS = UNSAMPLED["piper_talker"][0]
 _OFF = {"top_k": (-1,), "seed": (-1,)}         # an entry's other spellings of vLLM's default (off)
 
 
@@ -145,6 +147,10 @@ def check_pipeline(pipeline: Any, source: str) -> None:
 def check_sampling(overrides: Any, where: str, engine: str | None = None) -> None:
     """A stage's default_sampling_params, range-checked as a request's own values are; `engine`: the
     stage's, whose refused parameters (TALKER_REFUSED; UNSAMPLED: any it does not honour) are refused here too."""
+    for key in NOISE_KEYS if engine != "piper_talker" else ():
+        if getattr(overrides, key) is not None:
+            raise ConfigError(f"{where}.default_sampling_params.{key} is not supported by {engine}: it is Piper's "
+                              f"VITS noise prior, which only piper_talker reads")
     for key, why in TALKER_REFUSED.get(engine or "", {}).items():
         if getattr(overrides, key, None):
             raise ConfigError(f"{where}.default_sampling_params.{key} is not supported by {engine}: {why}")

@@ -23,7 +23,7 @@ from omni.transport.base import TensorRef
 
 CONFIG = parse({"model": "m", "pipeline": {"speech_entry_stage": 1}, "stages": [
     {"stage_id": 0, "name": "thinker", "engine": "count", "final_output": True, "final_output_type": "text"},
-    {"stage_id": 1, "name": "talker", "engine": "count", "inputs": [0],
+    {"stage_id": 1, "name": "talker", "engine": "piper_talker", "inputs": [0],
      "processor": "omni.models.piper.processors:thinker_to_talker", "default_sampling_params": {"noise_scale": 0.0}},
     {"stage_id": 2, "name": "code2wav", "engine": "count", "inputs": [1],
      "processor": "omni.models.piper.processors:talker_to_code2wav", "final_output": True, "final_output_type": "audio"},
