@@ -6,6 +6,7 @@ writer's drain()) and a raw client socket with a tiny receive buffer that never 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import socket
@@ -47,30 +48,22 @@ async def _stalled_stream(tok, limits: HttpLimits, body: dict, wait_s: float):
     cancelled upstream within `wait_s` of its start."""
     orch = EndlessAudio(tok)
     app = build_app(orch, tok, served_model_name="tiny", max_model_len=128, speech_entry_stage=1, limits=limits)
-    stop, ready = asyncio.Event(), asyncio.get_running_loop().create_future()
-    server = asyncio.create_task(serve(app, shutdown_event=stop, on_ready=lambda h, p: ready.set_result(p),
-                                       graceful_timeout=1.0, limits=limits))
-    client = socket.socket()
-    try:
-        port = await asyncio.wait_for(ready, 10)
-        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)   # before connect: the window stays small
-        client.setblocking(False)
-        await asyncio.get_running_loop().sock_connect(client, ("127.0.0.1", port))
-        payload = json.dumps(body).encode()
-        await asyncio.get_running_loop().sock_sendall(client, b"POST /v1/audio/speech HTTP/1.1\r\nhost: t\r\n"
-                                                      b"content-type: application/json\r\ncontent-length: "
-                                                      + str(len(payload)).encode() + b"\r\n\r\n" + payload)
-        await asyncio.wait_for(orch.started_event.wait(), 10)
-        t0 = time.monotonic()
-        try:
-            await asyncio.wait_for(orch.closed_event.wait(), wait_s)
-        except TimeoutError:
-            return False, None
-        return True, time.monotonic() - t0
-    finally:
-        client.close()   # the peer leaves: Hypercorn's connection ends either way
-        stop.set()
-        await asyncio.wait_for(server, 10)
+    async with served(app, limits) as port:
+        with socket.socket() as client:   # closed first: the peer leaves, Hypercorn's connection ends either way
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)   # before connect: the window stays small
+            client.setblocking(False)
+            await asyncio.get_running_loop().sock_connect(client, ("127.0.0.1", port))
+            payload = json.dumps(body).encode()
+            await asyncio.get_running_loop().sock_sendall(client, b"POST /v1/audio/speech HTTP/1.1\r\nhost: t\r\n"
+                                                          b"content-type: application/json\r\ncontent-length: "
+                                                          + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+            await asyncio.wait_for(orch.started_event.wait(), 10)
+            t0 = time.monotonic()
+            try:
+                await asyncio.wait_for(orch.closed_event.wait(), wait_s)
+            except TimeoutError:
+                return False, None
+            return True, time.monotonic() - t0
 
 
 @pytest.mark.parametrize("fmt", [{"stream_format": "audio", "response_format": "pcm"}, {"stream_format": "sse"}])
@@ -120,30 +113,22 @@ async def test_a_reset_connection_stops_a_stream_with_outputs_queued(tokenizer):
     limits = HttpLimits()
     app = build_app(orch, tokenizer, served_model_name="tiny", max_model_len=128, speech_entry_stage=1,
                     limits=limits)
-    stop, ready = asyncio.Event(), asyncio.get_running_loop().create_future()
-    server = asyncio.create_task(serve(app, shutdown_event=stop, on_ready=lambda h, p: ready.set_result(p),
-                                       graceful_timeout=1.0, limits=limits))
-    client = socket.socket()
-    try:
-        loop = asyncio.get_running_loop()
-        port = await asyncio.wait_for(ready, 10)
-        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        client.setblocking(False)
-        await loop.sock_connect(client, ("127.0.0.1", port))
-        payload = json.dumps({"model": "tiny", "input": "hello there", "stream_format": "audio",
-                              "response_format": "pcm"}).encode()
-        await loop.sock_sendall(client, b"POST /v1/audio/speech HTTP/1.1\r\nhost: t\r\ncontent-type: "
-                                b"application/json\r\ncontent-length: " + str(len(payload)).encode()
-                                + b"\r\n\r\n" + payload)
-        assert (await asyncio.wait_for(loop.sock_recv(client, 4096), 10)).startswith(b"HTTP/1.1 200")
-        client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        client.close()                                    # RST, with the rest of the backlog still queued
-        await asyncio.wait_for(orch.closed_event.wait(), 10)
-        assert orch.yielded < Backlog.N // 2, f"{orch.yielded} of {Backlog.N} outputs sent into a reset connection"
-    finally:
-        client.close()
-        stop.set()
-        await asyncio.wait_for(server, 10)
+    loop = asyncio.get_running_loop()
+    async with served(app, limits) as port:
+        with socket.socket() as client:
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            client.setblocking(False)
+            await loop.sock_connect(client, ("127.0.0.1", port))
+            payload = json.dumps({"model": "tiny", "input": "hello there", "stream_format": "audio",
+                                  "response_format": "pcm"}).encode()
+            await loop.sock_sendall(client, b"POST /v1/audio/speech HTTP/1.1\r\nhost: t\r\ncontent-type: "
+                                    b"application/json\r\ncontent-length: " + str(len(payload)).encode()
+                                    + b"\r\n\r\n" + payload)
+            assert (await asyncio.wait_for(loop.sock_recv(client, 4096), 10)).startswith(b"HTTP/1.1 200")
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            client.close()                                    # RST, with the rest of the backlog still queued
+            await asyncio.wait_for(orch.closed_event.wait(), 10)
+            assert orch.yielded < Backlog.N // 2, f"{orch.yielded} of {Backlog.N} outputs sent into a reset connection"
 
 
 class BigSpeech(FakeOrchestrator):
@@ -166,28 +151,35 @@ async def _whole_body(tok, caplog, write_s: float, read_every_s: float | None) -
     limits = HttpLimits(timeout_response_write=write_s)
     app = build_app(BigSpeech(tok), tok, served_model_name="tiny", max_model_len=128, speech_entry_stage=1,
                     limits=limits)
-    stop, ready = asyncio.Event(), asyncio.get_running_loop().create_future()
+    loop = asyncio.get_running_loop()
+    async with served(app, limits) as port:
+        with socket.socket() as client:
+            if read_every_s is None:
+                client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            client.setblocking(False)
+            await loop.sock_connect(client, ("127.0.0.1", port))
+            payload = json.dumps({"model": "tiny", "input": "hello there", "response_format": "wav"}).encode()
+            await loop.sock_sendall(client, b"POST /v1/audio/speech HTTP/1.1\r\nhost: t\r\ncontent-type: "
+                                    b"application/json\r\ncontent-length: " + str(len(payload)).encode()
+                                    + b"\r\n\r\n" + payload)
+            if read_every_s is None:
+                await asyncio.sleep(3)      # the client reads nothing: the write timeout passes several times over
+            got, ended, head = await read_response(client, 5 if read_every_s is None else 30, read_every_s)
+            logged = any("--timeout-response-write" in r.getMessage() for r in caplog.records)
+            return len(got) - head - 4, length(got[:head]), ended, logged
+
+
+@contextlib.asynccontextmanager
+async def served(app, limits: HttpLimits, stop: asyncio.Event | None = None):
+    """The port of `app` served by omni's Hypercorn as a task on this loop; stopped (grace 1 s unless
+    limits.shutdown_timeout says) at the exit, or earlier by setting `stop`."""
+    stop = asyncio.Event() if stop is None else stop
+    ready = asyncio.get_running_loop().create_future()
     server = asyncio.create_task(serve(app, shutdown_event=stop, on_ready=lambda h, p: ready.set_result(p),
                                        graceful_timeout=1.0, limits=limits))
-    loop = asyncio.get_running_loop()
-    client = socket.socket()
     try:
-        port = await asyncio.wait_for(ready, 10)
-        if read_every_s is None:
-            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        client.setblocking(False)
-        await loop.sock_connect(client, ("127.0.0.1", port))
-        payload = json.dumps({"model": "tiny", "input": "hello there", "response_format": "wav"}).encode()
-        await loop.sock_sendall(client, b"POST /v1/audio/speech HTTP/1.1\r\nhost: t\r\ncontent-type: "
-                                b"application/json\r\ncontent-length: " + str(len(payload)).encode()
-                                + b"\r\n\r\n" + payload)
-        if read_every_s is None:
-            await asyncio.sleep(3)      # the client reads nothing: the write timeout passes several times over
-        got, ended, head = await read_response(client, 5 if read_every_s is None else 30, read_every_s)
-        logged = any("--timeout-response-write" in r.getMessage() for r in caplog.records)
-        return len(got) - head - 4, length(got[:head]), ended, logged
+        yield await asyncio.wait_for(ready, 10)
     finally:
-        client.close()
         stop.set()
         await asyncio.wait_for(server, 10)
 

@@ -16,10 +16,9 @@ import pytest
 from omni.api import build_app
 from omni.api.jobs import Jobs, LocalKv, Results
 from omni.api.limits import HttpLimits
-from omni.api.serve import serve
 from omni.orchestrator.types import PipelineOutput
 from tests.unit.api_fakes import FakeOrchestrator, tokenizer  # noqa: F401 (fixture)
-from tests.unit.test_api_write_timeout import length, read_response
+from tests.unit.test_api_write_timeout import length, read_response, served
 
 pytestmark = pytest.mark.anyio
 
@@ -41,32 +40,26 @@ async def _download(tok, tmp_path, caplog, write_s: float, stall_s: float) -> tu
     jobs = Jobs(LocalKv(), Results(tmp_path))
     app = build_app(BigSpeech(tok), tok, served_model_name="tiny", max_model_len=128, speech_entry_stage=1,
                     jobs=jobs, limits=limits)
-    stop, ready = asyncio.Event(), asyncio.get_running_loop().create_future()
-    server = asyncio.create_task(serve(app, shutdown_event=stop, on_ready=lambda h, p: ready.set_result(p),
-                                       graceful_timeout=1.0, limits=limits))
     loop = asyncio.get_running_loop()
-    client = socket.socket()
     try:
-        port = await asyncio.wait_for(ready, 10)
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
-            job = (await c.post("/v1/omni/jobs", json={"endpoint": "/v1/audio/speech", "body": {
-                "model": "tiny", "input": "hello there", "response_format": "wav"}})).json()
-            deadline = time.monotonic() + 30
-            while (await c.get(f"/v1/omni/jobs/{job['id']}")).json()["status"] != "completed":
-                assert time.monotonic() < deadline, "the job did not complete"
-                await asyncio.sleep(0.1)
-        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)   # before connect: the window stays small
-        client.setblocking(False)
-        await loop.sock_connect(client, ("127.0.0.1", port))
-        await loop.sock_sendall(client, f"GET /v1/omni/jobs/{job['id']}/content HTTP/1.1\r\nhost: t\r\n\r\n".encode())
-        await asyncio.sleep(stall_s)
-        got, ended, head = await read_response(client, 5)
-        logged = any("--timeout-response-write" in r.getMessage() for r in caplog.records)
-        return len(got) - head - 4, length(got[:head]), ended, logged
+        async with served(app, limits) as port:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
+                job = (await c.post("/v1/omni/jobs", json={"endpoint": "/v1/audio/speech", "body": {
+                    "model": "tiny", "input": "hello there", "response_format": "wav"}})).json()
+                deadline = time.monotonic() + 30
+                while (await c.get(f"/v1/omni/jobs/{job['id']}")).json()["status"] != "completed":
+                    assert time.monotonic() < deadline, "the job did not complete"
+                    await asyncio.sleep(0.1)
+            with socket.socket() as client:
+                client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)   # before connect: the window stays small
+                client.setblocking(False)
+                await loop.sock_connect(client, ("127.0.0.1", port))
+                await loop.sock_sendall(client, f"GET /v1/omni/jobs/{job['id']}/content HTTP/1.1\r\nhost: t\r\n\r\n".encode())
+                await asyncio.sleep(stall_s)
+                got, ended, head = await read_response(client, 5)
+                logged = any("--timeout-response-write" in r.getMessage() for r in caplog.records)
+                return len(got) - head - 4, length(got[:head]), ended, logged
     finally:
-        client.close()
-        stop.set()
-        await asyncio.wait_for(server, 10)
         await jobs.close()
 
 
