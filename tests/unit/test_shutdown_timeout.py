@@ -22,28 +22,19 @@ from omni.api.serve import bind_socket, serve
 from omni.config_stage_checks import unused_engine_arg
 from omni.errors import ConfigError
 from omni.launcher import Child, LaunchPlan, Launcher
-from tests.unit.test_cli import HEADLESS, omni
+from tests.unit.test_cli import HEADLESS, omni, planned_frontends  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.anyio
 
 
-def test_the_flag_reaches_the_frontends(monkeypatch):
+def test_the_flag_reaches_the_frontends(planned_frontends):
     """Before: `omni serve smollm2 --shutdown-timeout 30` failed with 'no stage of this pipeline takes it'."""
     from omni.cli import main
 
-    frontends = []
-
-    def plan_only(self):
-        self._plan_children()
-        frontends.extend(c for c in self.children if c.kind == "frontend")
-        self.shutdown()
-        return 0
-
-    monkeypatch.setattr(Launcher, "run", plan_only)
     with pytest.raises(SystemExit) as e:
         main(["serve", "smollm2", "--port", "0", "--shutdown-timeout", "30"])
     assert e.value.code == 0
-    limits = [json.loads(c.argv[c.argv.index("--http-limits") + 1]) for c in frontends]
+    limits = [json.loads(c.argv[c.argv.index("--http-limits") + 1]) for c in planned_frontends]
     assert limits and all(d["shutdown_timeout"] == 30 for d in limits)
 
 
