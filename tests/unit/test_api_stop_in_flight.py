@@ -12,8 +12,8 @@ import pytest
 
 from omni.api import build_app
 from omni.api.limits import HttpLimits
-from omni.api.serve import serve
 from tests.unit.api_fakes import FakeOrchestrator, chat_body, tokenizer  # noqa: F401 (fixture)
+from tests.unit.test_api_write_timeout import served
 
 pytestmark = pytest.mark.anyio
 
@@ -46,6 +46,22 @@ class Held(FakeOrchestrator):
             yield out
 
 
+async def _stopped_while_answering(orch, path: str, body: dict, shutdown_timeout: int, during_drain=None):
+    """POST `body` to `path` on a real server and begin its stop once the orchestrator has the request, then
+    call `during_drain`; -> (the app, the answer)."""
+    app = build_app(orch, orch.tok, served_model_name="tiny", max_model_len=128, speech_entry_stage=1)
+    stop = asyncio.Event()
+    async with served(app, HttpLimits(shutdown_timeout=shutdown_timeout), stop) as port:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as c:
+            answer = asyncio.create_task(c.post(path, json=body))
+            await asyncio.wait_for(orch.started_event.wait(), 10)
+            stop.set()
+            if during_drain is not None:
+                during_drain()
+            r = await asyncio.wait_for(answer, 10)
+    return app, r
+
+
 @pytest.mark.parametrize("path, body", [
     ("/v1/chat/completions", chat_body()),
     ("/v1/chat/completions", chat_body(stream=True)),    # before its first chunk: no stream yet
@@ -55,20 +71,7 @@ class Held(FakeOrchestrator):
 ], ids=["chat", "chat-stream", "completions", "speech", "speech-sse"])
 async def test_a_request_unanswered_when_the_drain_ends_is_a_503_server_shutting_down(tokenizer, path, body):
     orch = Stalled(tokenizer)
-    app = build_app(orch, tokenizer, served_model_name="tiny", max_model_len=128, speech_entry_stage=1)
-    stop, ready = asyncio.Event(), asyncio.get_running_loop().create_future()
-    server = asyncio.create_task(serve(app, shutdown_event=stop, on_ready=lambda h, p: ready.set_result(p),
-                                       limits=HttpLimits(shutdown_timeout=0)))
-    try:
-        port = await asyncio.wait_for(ready, 10)
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as c:
-            answer = asyncio.create_task(c.post(path, json=body))
-            await asyncio.wait_for(orch.started_event.wait(), 10)
-            stop.set()
-            r = await asyncio.wait_for(answer, 10)
-    finally:
-        stop.set()
-        await asyncio.wait_for(server, 10)
+    app, r = await _stopped_while_answering(orch, path, body, 0)
     assert r.status_code == 503, (r.status_code, r.text)
     assert r.json() == {"error": {"message": "server shutting down", "type": "service_unavailable", "param": None,
                                   "code": "server_shutting_down"}}
@@ -78,19 +81,6 @@ async def test_a_request_unanswered_when_the_drain_ends_is_a_503_server_shutting
 
 async def test_a_request_answered_within_the_drain_is_whole(tokenizer):
     orch = Held(tokenizer)
-    app = build_app(orch, tokenizer, served_model_name="tiny", max_model_len=128)
-    stop, ready = asyncio.Event(), asyncio.get_running_loop().create_future()
-    server = asyncio.create_task(serve(app, shutdown_event=stop, on_ready=lambda h, p: ready.set_result(p),
-                                       limits=HttpLimits(shutdown_timeout=5)))
-    try:
-        port = await asyncio.wait_for(ready, 10)
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as c:
-            answer = asyncio.create_task(c.post("/v1/chat/completions", json=chat_body()))
-            await asyncio.wait_for(orch.started_event.wait(), 10)
-            stop.set()
-            orch.release.set()          # the stage answers during the drain
-            r = await asyncio.wait_for(answer, 10)
-    finally:
-        stop.set()
-        await asyncio.wait_for(server, 10)
+    _, r = await _stopped_while_answering(orch, "/v1/chat/completions", chat_body(), 5,
+                                          during_drain=orch.release.set)   # the stage answers during the drain
     assert r.status_code == 200, r.text
