@@ -52,30 +52,22 @@ def tokens(s, n: int) -> list[list[int]]:
     return out
 
 
-def test_a_release_before_the_request_is_admitted_ends_its_hold(late):
-    w, engine = late
-    engine.go.set()
-    consumer = w._consumer
-    s = dealer(w.endpoint)
-    assert hello(s).ok
-    s.send(add("r1", tensors={"x": _far_ref()}))   # admitted once its remote read ends
-    assert consumer.started.wait(10)
-    s.send(enc.encode(m.Release(["r1"])))           # handled while r1 still waits for its read
-    synced(s)
-    consumer.gate.set()
-    assert tokens(s, 3) == [[11], [12], [13]]
-    assert engine.calls == [("release", "r1")]
-    s.close()
-
-
-def test_a_release_before_the_first_output_ends_its_hold(late):
+@pytest.mark.parametrize("before", ["admitted", "first-output"])
+def test_a_release_before_the_hold_begins_ends_it(late, before):
+    """Released while the request still waits for its remote read (admitted once it ends), or admitted with
+    no output yet."""
     w, engine = late
     s = dealer(w.endpoint)
     assert hello(s).ok
-    s.send(add("r1"))
-    s.send(enc.encode(m.Release(["r1"])))   # admitted, no output yet
+    if before == "admitted":
+        engine.go.set()
+        s.send(add("r1", tensors={"x": _far_ref()}))
+        assert w._consumer.started.wait(10)
+    else:
+        s.send(add("r1"))
+    s.send(enc.encode(m.Release(["r1"])))
     synced(s)
-    engine.go.set()
+    (w._consumer.gate if before == "admitted" else engine.go).set()   # the read ends, or the output comes
     assert tokens(s, 3) == [[11], [12], [13]]
     assert engine.calls == [("release", "r1")]
     s.close()
