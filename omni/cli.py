@@ -268,18 +268,21 @@ def serve(
     flags = {"max_model_len": context_length(max_model_len), "max_num_seqs": max_num_seqs, "dtype": dtype,
              "gpu_memory_utilization": gpu_memory_utilization, "enforce_eager": enforce_eager,
              "tensor_parallel_size": tensor_parallel_size, "trust_remote_code": trust_remote_code}
-    flags.update(parse_extra_flags(list(ctx.args)))
+    typed: dict[str, str] = {}                      # each extra flag as typed: --x false is not --no-x
+    flags.update(parse_extra_flags(list(ctx.args), typed))
     check_counts(flags, flag_name)                  # named as typed: later they reach the stages as overrides
     mm_limits.check(flags, flag_name)
     cors_flags = cors.take(flags, headless)         # vLLM's CORS options: the frontends answer those origins
     if cors_flags:
         http_limits = dataclasses.replace(http_limits, **cors_flags)
-    vllm_serve_flags.take(flags)                    # vLLM's HTTP-server options: no-ops or refused
+    vllm_serve_flags.take(flags, typed)             # vLLM's HTTP-server options: no-ops or refused
     orchestration = vllm_omni_flags.take(flags)     # vllm-omni's own options with a meaning here
     more = normalise_human_ints(_json_flag("--engine-args", engine_args) or {}, lambda k: f"--engine-args {k}")
     check_counts(more, lambda k: f"--engine-args {k}")
     mm_limits.check(more, lambda k: f"--engine-args {k}")
     flags.update(more)
+    for key in more:
+        typed.pop(key, None)                        # --engine-args' value won: not the flag's
     async_chunk = flags.pop("async_chunk", None)    # also --engine-args' (vllm-omni's OmniEngineArgs field)
     if async_chunk is not None and not isinstance(async_chunk, bool):
         raise ConfigError(f"--async-chunk takes no value (or --no-async-chunk; async_chunk: true or false), "
@@ -290,11 +293,11 @@ def serve(
     config = cfg.load(model, deploy_config, user_overrides, async_chunk)
     if flags and stage_id is None:
         # Single-command mode: each flag goes to every stage whose engine takes it (hashed).
-        config = cfg.load(model, deploy_config, merge_overrides(spread_flags(config, flags), user_overrides),
+        config = cfg.load(model, deploy_config, merge_overrides(spread_flags(config, flags, typed=typed), user_overrides),
                           async_chunk)
         flags = {}
     if stage_id is not None:   # this stage's flags by the same rule, before anything starts; names a bad id's range
-        flags = spread_flags(config, flags, stage_id).get(str(stage_id), {})
+        flags = spread_flags(config, flags, stage_id, typed).get(str(stage_id), {})
     serve_modes.check_state_dir(state_dir, headless, dry_run)
     if dry_run:
         from omni.master.configdiff import shown   # users put HF_TOKEN and the like in env: the keys only

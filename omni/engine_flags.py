@@ -19,6 +19,8 @@ from omni.config_stage_checks import human_int, normalise_human_ints
 from omni.errors import ConfigError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from omni.config import DeployConfig, StageConfig
 
 # vLLM's short forms of engine flags (vllm/engine/arg_utils.py; tests/unit/test_engine_flags.py checks
@@ -92,16 +94,24 @@ def context_length(value: str | None) -> int | None:
 
 
 def flag_name(key: str, value: Any = None) -> str:
-    """The flag as typed: parse_extra_flags reads `--no-x` as x = false."""
+    """The flag as typed where parse_extra_flags did not record it: it reads `--no-x` as x = false."""
     return ("--no-" if value is False else "--") + key.replace("_", "-")
 
 
-def parse_extra_flags(args: list[str]) -> dict[str, Any]:
+def namer(typed: dict[str, str] | None) -> Callable[..., str]:
+    """flag_name, but a key parse_extra_flags recorded in `typed` is named as typed: `--x false` is also
+    x = false, and is not `--no-x`."""
+    return lambda key, value=None: (typed or {}).get(key) or flag_name(key, value)
+
+
+def parse_extra_flags(args: list[str], typed: dict[str, str] | None = None) -> dict[str, Any]:
+
     """`--kv-cache-dtype fp8 --enable-prefix-caching --block-size=16` -> engine args
     (values read as JSON where they parse, else strings; a bare flag is true). vLLM's dotted form
     `--limit-mm-per-prompt.audio 1` sets a key of that flag's JSON object (`--x.y+ a,b`: a list);
     vLLM's human-readable integers (HUMAN_INTS: 8k, 1G) become numbers. A flag of SEVERAL_VALUES takes the
-    words that follow it, up to the next flag, as a list."""
+    words that follow it, up to the next flag, as a list. `typed` (given): each plain flag's key -> the flag as
+    typed (namer)."""
     out: dict[str, Any] = {}
     i = 0
     while i < len(args):
@@ -137,9 +147,12 @@ def parse_extra_flags(args: list[str]) -> dict[str, Any]:
                 i += 1
             else:
                 value = "true"
+        as_typed = f"--{name}"
         if name.startswith("no-") and not eq and value == "true":
             name, value = name[3:], "false"
         key = name.replace("-", "_")
+        if typed is not None:
+            typed[key] = as_typed
         parsed = _json_or_text(value)
         if isinstance(parsed, dict) and isinstance(out.get(key), dict):
             merge_into(out[key], parsed)  # --x.y 1 --x '{"z": 2}': both keys, as given
@@ -202,15 +215,17 @@ def _describe(stages: tuple[StageConfig, ...]) -> str:
     return ", ".join(f"{s.label}: {s.engine}" for s in stages)
 
 
-def spread_flags(config: DeployConfig, flags: dict[str, Any], stage_id: int | None = None) -> dict[str, dict[str, Any]]:
+def spread_flags(config: DeployConfig, flags: dict[str, Any], stage_id: int | None = None,
+                 typed: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
     """Single-command mode: {stage id: {arg: value}} for every stage whose engine takes each
-    flag. A flag no stage takes is an error naming it and the stages, except flags that only
-    size a GPU engine, which are named and ignored. `stage_id` (stage mode): that stage alone, by the
+    flag. A flag no stage takes is an error naming it (as `typed`, parse_extra_flags') and the stages, except flags
+    that only size a GPU engine, which are named and ignored. `stage_id` (stage mode): that stage alone, by the
     same rule, before anything starts (its engine would refuse the key only once built)."""
     from omni.config_stage_checks import check_dtype
     from omni.engines.factory import DEVICE_ONLY_ARGS, accepted_args, known_elsewhere, takes
     from omni.vllm_serve_flags import LOGGING_ONLY_ARGS, frontend_only
 
+    flag_name = namer(typed)
     stages = config.stages if stage_id is None else (config.stage(stage_id),)
     accepted = {s.engine: accepted_args(s.engine) for s in stages}
     who = (f"no stage of this pipeline takes it ({_describe(stages)})" if stage_id is None
@@ -231,7 +246,8 @@ def spread_flags(config: DeployConfig, flags: dict[str, Any], stage_id: int | No
                 continue
             if frontend_only(key):
                 raise ConfigError(f"{flag_name(key, value)}: vLLM's serve option, not supported by omni")
-            raise ConfigError(vllm_omni_flags.refusal(key, value) or f"{flag_name(key, value)}: {who}")
+            raise ConfigError(vllm_omni_flags.refusal(key, value, (typed or {}).get(key))
+                              or f"{flag_name(key, value)}: {who}")
         for s in takers if key == "dtype" else ():
             check_dtype(value, s.engine, f"{flag_name(key)} ({s.label})")
         others = [s.label for s in stages if s not in takers]

@@ -102,14 +102,15 @@ WHY = {"diffusion": "omni's image and video stages take their settings from the 
        "orchestrator": "omni has no such setting"}
 
 
-def refusal(key: str, value: Any = None) -> str | None:
-    """Why a vllm-omni option no stage's engine takes is not there, or None (not one of vllm-omni's); `value`
-    False: given as --no-X (vllm-omni has only --no-guardrails, not --guardrails)."""
+def refusal(key: str, value: Any = None, typed: str | None = None) -> str | None:
+    """Why a vllm-omni option no stage's engine takes is not there, or None (not one of vllm-omni's), naming it
+    `typed` (the flag as typed) where given; else `value` False: given as --no-X (vllm-omni has only
+    --no-guardrails, not --guardrails)."""
     kind = _KIND.get(key)
     if kind is None:
         return None
     negated = key in NEGATED and (value is False or key == "guardrails")
-    flag = f"--{'no-' if negated else ''}{key.replace('_', '-')}"
+    flag = typed or f"--{'no-' if negated else ''}{key.replace('_', '-')}"
     why = "omni's processes log to stderr (redirect it)" if key == "log_file" else WHY[kind]
     return f"{flag}: vllm-omni's {kind} option, not supported: {why}"
 

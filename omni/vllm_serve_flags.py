@@ -13,7 +13,7 @@ import sys
 from typing import Any
 
 from omni.config_stage_checks import SERVING_ONLY_ARGS
-from omni.engine_flags import flag_name
+from omni.engine_flags import namer
 from omni.errors import ConfigError
 
 _NO_REQUEST_LOG = "omni logs no requests (their counts and latencies are on /metrics)"
@@ -96,9 +96,10 @@ def frontend_only(key: str) -> bool:
     return any(a.dest == key for a in parser._actions) and key not in engine and key not in _OWN
 
 
-def take(flags: dict[str, Any]) -> None:
+def take(flags: dict[str, Any], typed: dict[str, str] | None = None) -> None:
     """Remove vLLM's frontend options from the parsed extra flags: a no-op is named on stderr, the first
-    one omni lacks is refused (one line, naming it and why)."""
+    one omni lacks is refused (one line, naming it, as `typed` where given, and why)."""
+    flag_name = namer(typed)
     refused = next((k for k in flags if k in REFUSED), None)
     if refused is not None:
         raise ConfigError(f"{flag_name(refused)}: vLLM's serve option, not supported: {REFUSED[refused]}")
