@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import uuid
 
 import pytest
@@ -53,6 +54,20 @@ def pytest_sessionfinish(session, exitstatus):
         except Exception:
             pass
 
+
+
+# This process's title as started. omni.cli.main masks a secret on the command line through setproctitle, and a
+# test calling it in-process (--api-key K --dry-run) renamed pytest "omni serve ... --api-key ***" for the rest of
+# the session, so `pgrep -f "omni serve"` found pytest.
+PROCESS_TITLE = open("/proc/self/cmdline", "rb").read().rstrip(b"\0").replace(b"\0", b" ").decode(errors="replace")
+
+
+@pytest.fixture(autouse=True)
+def _process_title_restored():
+    yield
+    setproctitle = sys.modules.get("setproctitle")   # only a test that set the title imported it
+    if setproctitle is not None and setproctitle.getproctitle() != PROCESS_TITLE:
+        setproctitle.setproctitle(PROCESS_TITLE)
 
 
 @pytest.fixture(autouse=True)
