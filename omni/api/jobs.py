@@ -20,9 +20,10 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from omni.api import protocol as P
 from omni.api import listing
+from omni.api import protocol as P
 from omni.api.errors import APIError, bad_request, to_api_error
+from omni.api.job_prepared import PREPARED, Kept
 from omni.api.job_store import JOB_ID_RE, LocalKv, Results, encode_record  # noqa: F401 (LocalKv: re-exported)
 from omni.errors import Unavailable
 
@@ -51,10 +52,14 @@ MAX_QUEUED = 64
 # (omni/master/kv.py), and nothing else deletes their files.
 SWEEP_S = 3600.0
 ID_PREFIXES = ("job-", "video_")   # video_: the Videos API's (omni/api/videos.py)
+# Jobs whose check result (a chat's templated prompt and decoded audio) is kept for their run (job_prepared);
+# later ones prepare again when they run.
+MAX_PREPARED = MAX_RUNNING
 
 Handler = Callable[[Request], Awaitable[Response]]
-# body -> the route's work up to running it (its result is dropped), raising the APIError the route would
-# answer before running anything: the body's type, fields refused by name, ranges, the model, the voice
+# body -> the route's work up to running it (its result, when not None, is the route handler's `prepared` at
+# the run), raising the APIError the route would answer before running anything: the body's type, fields refused
+# by name, ranges, the model, the voice
 Check = Callable[[bytes], Awaitable[object]]
 # -> (HTTP status, content type, body) of a job's work: a route's answer, or the Videos API's MP4
 Work = Callable[[], Awaitable["tuple[int, str, bytes]"]]
@@ -106,6 +111,8 @@ class Jobs:
         self._watcher: asyncio.Task | None = None
         self._sweeper: asyncio.Task | None = None
         self._slots = asyncio.Semaphore(MAX_RUNNING)
+        self._kept = Kept(MAX_PREPARED)
+        self._on_end: dict[str, Callable[[], None]] = {}
         # When records() last read the whole namespace, and whether it held ids made before they sorted
         # by time (a master's state from an older omni): while it may, a list reads every record.
         self._legacy_seen: tuple[float, bool] | None = None
@@ -132,21 +139,29 @@ class Jobs:
             raise bad_request("a job's result keeps no X-Sample-Rate, and raw pcm says no rate itself: ask for wav "
                               "(its header carries the rate) or call the endpoint directly", param="body.response_format")
         body = msgspec.json.encode(spec.body)
+        ready = None
         try:  # wrong types, missing fields and a route's own bounds are refused now, not as a failed job later
             check = self.checks.get(spec.endpoint)
             if check is not None:
-                await check(body)     # the route's own parse: the body's type, then its bounds
+                ready = await check(body)     # the route's own parse: the body's type, then its bounds
             else:
                 P.decode_body(body, BODY_TYPES[spec.endpoint])
         except APIError as e:
             raise APIError(e.status, f"body: {e.message}", type=e.type, param=f"body.{e.param}" if e.param else "body",
                            code=e.code) from None
-        endpoint = spec.endpoint    # the closure keeps the encoded body only, not the decoded one too
-        return JSONResponse(await self.submit(endpoint, lambda: self._call(endpoint, body)))
+        endpoint = spec.endpoint    # the closure keeps the encoded body, and the check's result while kept
+        take, drop = self._kept.keep(ready)
+        try:
+            return JSONResponse(await self.submit(endpoint, lambda: self._call(endpoint, body, take()), on_end=drop))
+        except BaseException:
+            drop()
+            raise
 
-    async def submit(self, endpoint: str, work: Work, *, prefix: str = "job-", extra: dict | None = None) -> dict:
+    async def submit(self, endpoint: str, work: Work, *, prefix: str = "job-", extra: dict | None = None,
+                     on_end: Callable[[], None] | None = None) -> dict:
         """Store a queued job and start `work` in the background; its public record. `extra`: fields the
-        record keeps for its reader (the Videos API's parameters)."""
+        record keeps for its reader (the Videos API's parameters); `on_end`: called when the job's task ends,
+        whether or not `work` ran."""
         if len(self._mine) >= MAX_RUNNING + MAX_QUEUED:
             await self._drop_deleted_waiting()
         if len(self._mine) >= MAX_RUNNING + MAX_QUEUED:
@@ -164,6 +179,8 @@ class Jobs:
         except BaseException:
             self._mine.discard(record["id"])
             raise
+        if on_end is not None:
+            self._on_end[record["id"]] = on_end
         task = self._tasks[record["id"]] = asyncio.create_task(self._run(record, work), name=record["id"])
         task.add_done_callback(lambda _, job_id=record["id"]: self._ended(job_id))
         if self._watcher is None or self._watcher.done():
@@ -349,6 +366,9 @@ class Jobs:
         self._tasks.pop(job_id, None)
         self._mine.discard(job_id)
         self._waiting.discard(job_id)
+        on_end = self._on_end.pop(job_id, None)
+        if on_end is not None:
+            on_end()
 
     async def _execute(self, endpoint: str, job_id: str, work: Work) -> dict:
         status, ctype, content = await work()
@@ -362,9 +382,10 @@ class Jobs:
             error = _error(f"{endpoint} answered HTTP {status}: {content[:200]!r}")
         return {"status": "failed", "error": error}
 
-    async def _call(self, endpoint: str, body: bytes) -> tuple[int, str, bytes]:
-        """POST body to our own handler over ASGI, in this process; (status, content type, body)."""
-        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+    async def _call(self, endpoint: str, body: bytes, ready: Any = None) -> tuple[int, str, bytes]:
+        """POST body to our own handler over ASGI, in this process; (status, content type, body). `ready`: the
+        body's check result, which the handler takes (prepared) in place of preparing the body again."""
+        scope = {PREPARED: ready, "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
                  "scheme": "http", "path": endpoint, "raw_path": endpoint.encode(), "root_path": "",
                  "query_string": b"", "client": None, "server": None,
                  "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}

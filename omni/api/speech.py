@@ -20,6 +20,7 @@ from omni.api.audio_metrics import AudioStream
 from omni.api.errors import APIError, bad_request, error_body, to_api_error
 from omni.api.generation import Generation
 from omni.api.http import SHUTTING_DOWN, ClosingStream, until_disconnect
+from omni.api.job_prepared import prepared
 from omni.api.refused import first_refused
 from omni.api.state import FrontendState
 from omni.api.wav import pcm16, streaming_wav_header, wav_bytes
@@ -59,7 +60,7 @@ class SpeechRoutes:
         self.fe = fe
 
     async def speech(self, request: Request) -> Response:
-        req, preq = await self.speech_request(await request.body())
+        req, preq = prepared(request) or await self.speech_request(await request.body())   # a job's: at its submit
         as_sse = req.stream_format == "sse" or (req.stream and req.stream_format is None)
         as_raw = not as_sse and (req.response_format == "pcm" or req.stream_format == "audio")
         audio = AudioStream(self.fe.metrics.audio, self.fe.model, preq.voice,

@@ -39,6 +39,7 @@ from omni.api.audio_metrics import AudioStream
 from omni.api.errors import bad_request, error_body, to_api_error
 from omni.api.generation import Generation
 from omni.api.http import STOPPING, ClosingStream, until_disconnect
+from omni.api.job_prepared import prepared
 from omni.api.state import OFFLOAD_CHARS, FrontendState
 from omni.api.wav import pcm16, wav_bytes
 from omni.orchestrator.types import PipelineRequest
@@ -82,7 +83,7 @@ class TextRoutes:
         self.fe = fe
 
     async def chat(self, request: Request) -> Response:
-        req, preq = await self.chat_request(await request.body())
+        req, preq = prepared(request) or await self.chat_request(await request.body())   # a job's: at its submit
         audio = None
         if preq.audio_out:
             audio = AudioStream(self.fe.metrics.audio, self.fe.model, preq.voice,
@@ -256,7 +257,7 @@ class TextRoutes:
                 if gen.want_logprobs and (entries or not last) else None)
 
     async def completions(self, request: Request) -> Response:
-        req, preq = await self.completion_request(await request.body())
+        req, preq = prepared(request) or await self.completion_request(await request.body())
         gen = Generation(self.fe.orch, preq, decode=self.fe.decode, prompt_ids=preq.prompt_token_ids,
                          stops=P.stop_list(req.stop), include_stop=bool(req.include_stop_str_in_output),
                          metrics=self.fe.metrics, route="/v1/completions",
