@@ -1,5 +1,8 @@
 """Control routes: /v1/omni/sleep, /v1/omni/wakeup (guarded: see http.FrontendMiddleware) and
-/v1/omni/is_sleeping."""
+/v1/omni/is_sleeping.
+
+Sleep and wakeup answer each replica's ack in `results`: 200 when at least one replica acked ok (a partial
+outcome: the others' messages say why), 409 when every replica refused, 503 when none was there to ask."""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from omni.api import protocol as P
-from omni.api.errors import bad_request
+from omni.api.errors import bad_request, error_body
 from omni.api.state import FrontendState
 
 
@@ -36,7 +39,7 @@ class ControlRoutes:
                                   param="level")
         if level not in (1, 2):
             raise bad_request(f"level={level} must be 1 or 2", param="level")
-        return JSONResponse(await self.fe.orch.sleep(level))
+        return _outcome("sleep", await self.fe.orch.sleep(level))
 
     async def wake_up(self, request: Request) -> Response:
         # vLLM's /wake_up takes `tags` (weights, kv_cache, scheduling) to wake part of the engine; omni's
@@ -48,7 +51,21 @@ class ControlRoutes:
                 raise bad_request("`tags` is not supported: omni wakes every stage whole (weights, KV cache and "
                                   "scheduling at once); call it without tags", param="tags")
             raise bad_request(f"`{name}` is not supported: wakeup takes no parameters", param=name)
-        return JSONResponse(await self.fe.orch.wake_up())
+        return _outcome("wakeup", await self.fe.orch.wake_up())
 
     async def is_sleeping(self, request: Request) -> Response:
         return JSONResponse({"is_sleeping": bool(await self.fe.orch.is_sleeping())})
+
+
+def _outcome(verb: str, out: dict) -> Response:
+    """200 unless no replica acked ok: then an OpenAI error body beside the same `results`, so a client
+    that reads only the status does not take a refused sleep for a done one."""
+    results = out.get("results")
+    if results is None or any(r["ok"] for r in results):
+        return JSONResponse(out)
+    if not results:
+        body = error_body(f"{verb}: no live stage replica to send it to", "service_unavailable")
+        return JSONResponse({**body, **out}, status_code=503)
+    refused = "; ".join(f"stage {r['stage_id']} ({r['replica_id']}): {r['message']}" for r in results)
+    body = error_body(f"{verb} refused by every stage replica: {refused}", "conflict_error", code=f"{verb}_refused")
+    return JSONResponse({**body, **out}, status_code=409)

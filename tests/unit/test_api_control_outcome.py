@@ -1,0 +1,55 @@
+"""POST /v1/omni/sleep and /v1/omni/wakeup answer by the replicas' acks: 200 when at least one acked ok,
+409 naming the refusing stages when every one refused, 503 when none was there; `results` is kept."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.unit.api_fakes import assert_error, make, tokenizer  # noqa: F401
+
+pytestmark = pytest.mark.anyio
+
+CPU_REFUSAL = "QwenImage on CPU cannot sleep at level 1: its weights have no device memory to free"
+
+
+def acks(*oks: bool) -> dict:
+    return {"results": [{"stage_id": i, "replica_id": f"s{i}-r0", "ok": ok, "message": "ok" if ok else CPU_REFUSAL}
+                        for i, ok in enumerate(oks)], "is_sleeping": False}
+
+
+@pytest.mark.parametrize("path", ["/v1/omni/sleep?level=1", "/v1/omni/wakeup"])
+async def test_every_replica_refusing_is_a_409_naming_them_with_the_results(tokenizer, path):  # noqa: F811
+    orch, c = make(tokenizer)
+    out = acks(False, False)
+
+    async def command(*_):
+        return out
+
+    orch.sleep = orch.wake_up = command
+    r = await c.post(path)
+    err = assert_error(r, 409, contains="refused by every stage replica")
+    assert "stage 0 (s0-r0): " + CPU_REFUSAL in err["message"] and "stage 1 (s1-r0)" in err["message"]
+    assert err["type"] == "conflict_error"
+    assert r.json()["results"] == out["results"] and r.json()["is_sleeping"] is False
+
+
+async def test_a_partial_outcome_is_200_and_no_replica_is_503(tokenizer):  # noqa: F811
+    orch, c = make(tokenizer)
+    outs = [acks(True, False), {"results": [], "is_sleeping": False}]
+
+    async def sleep(level=1):
+        return outs.pop(0)
+
+    orch.sleep = sleep
+    r = await c.post("/v1/omni/sleep")
+    assert r.status_code == 200 and [x["ok"] for x in r.json()["results"]] == [True, False]
+    r = await c.post("/v1/omni/sleep")
+    assert_error(r, 503, contains="no live stage replica")
+    assert r.json()["results"] == []
+
+
+async def test_openapi_lists_the_409(tokenizer):  # noqa: F811
+    _, c = make(tokenizer)
+    paths = (await c.get("/openapi.json")).json()["paths"]
+    assert "409" in paths["/v1/omni/sleep"]["post"]["responses"]
+    assert "409" in paths["/v1/omni/wakeup"]["post"]["responses"]
