@@ -1,4 +1,4 @@
-"""Admin routes: /v1/models, /health (and /ping), /version, /metrics, /openapi.json."""
+"""Admin routes: /v1/models (and /v1/models/{model}), /health (and /ping), /version, /metrics, /openapi.json."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from omni.api.errors import APIError
 from omni.api.metrics_merge import merge
 from omni.api.openapi import Facts
 from omni.api.routes import openapi_spec
@@ -32,12 +33,15 @@ class AdminRoutes:
         it from the prompt stage's replicas as they register)."""
         fe = self.fe
         if self._models_for != fe.max_model_len:
-            data = [{"id": n, "object": "model", "created": fe.created, "owned_by": "omni", "root": fe.model_path,
-                     "parent": None, "max_model_len": fe.max_model_len}
-                    for n in [*fe.served_names, *sorted(fe.names - set(fe.served_names))]]
+            data = [self._card(n) for n in [*fe.served_names, *sorted(fe.names - set(fe.served_names))]]
             self._models_body = msgspec.json.encode({"object": "list", "data": data})
             self._models_for = fe.max_model_len
         return self._models_body
+
+    def _card(self, name: str) -> dict:
+        fe = self.fe
+        return {"id": name, "object": "model", "created": fe.created, "owned_by": "omni", "root": fe.model_path,
+                "parent": None, "max_model_len": fe.max_model_len}
 
     def fast(self) -> dict[tuple[str, str], Callable[[], tuple[int, bytes]]]:
         """(method, path) -> (status, JSON body) for the bodiless probes that FrontendMiddleware
@@ -60,6 +64,14 @@ class AdminRoutes:
 
     async def models(self, request: Request) -> Response:
         return Response(self._models(), media_type="application/json")
+
+    async def model(self, request: Request) -> Response:
+        """GET /v1/models/{model}: the card /v1/models lists for that name, or OpenAI's model_not_found 404."""
+        name = request.path_params["model"]
+        self.fe.check_model(name)
+        if not name:   # "" is the default model in a request's body; here it names none
+            raise APIError(404, "GET /v1/models/{model} needs a model name", param="model", code="model_not_found")
+        return JSONResponse(self._card(name))
 
     async def health(self, request: Request) -> Response:
         status, body = self._health()

@@ -58,10 +58,15 @@ def spec(routes, title: str, version: str, facts: Facts | None = None) -> dict:
         narrow(components, facts)
     paths: dict[str, dict] = {}
     for r in routes:
-        paths.setdefault(r.path, {})[r.method.lower()] = operation(r, ref_of.get(r.body))
+        paths.setdefault(oas_path(r.path), {})[r.method.lower()] = operation(r, ref_of.get(r.body))
     # 3.1: its schemas are JSON Schema 2020-12, what msgspec writes (null unions as anyOf).
     return {"openapi": "3.1.0", "info": {"title": title, "version": version}, "paths": paths,
             "components": {"schemas": components}}
+
+
+def oas_path(path: str) -> str:
+    """Starlette's `{model:path}` is OpenAPI's `{model}`."""
+    return re.sub(r"\{(\w+):\w+\}", r"{\1}", path)
 
 
 def statuses(r) -> list[int]:
@@ -81,7 +86,7 @@ def operation(r, body: dict | None) -> dict:
         responses[str(code)] = {"description": REASONS[code], "content": {"application/json": {"schema": ERROR}}}
     op: dict = {"responses": responses}
     params = [{"name": name, "in": "path", "required": True, "schema": _path_schema(name)}
-              for name in re.findall(r"\{(\w+)\}", r.path)]
+              for name in re.findall(r"\{(\w+)\}", oas_path(r.path))]
     params += [{"name": name, "in": "query", "required": False, "schema": schema} for name, schema in r.query]
     if params:
         op["parameters"] = params
@@ -94,6 +99,8 @@ def _path_schema(name: str) -> dict:
     from omni.api.jobs import JOB_ID_RE
 
     patterns = {"job_id": JOB_ID_RE.pattern, "name": P.VOICE_NAME, "video_id": r"^video_[0-9a-f]{32}$"}
+    if name == "model":   # any name: an unknown one is the documented 404
+        return {"type": "string"}
     return {"type": "string", "pattern": patterns[name]}
 
 

@@ -67,6 +67,8 @@ ROUTES: tuple[RouteSpec, ...] = (
     RouteSpec("/v1/omni/jobs/{job_id}/content", "GET", "jobs", "content", ok=("application/json", "audio/wav"),
               errors=(*JOB, 409)),
     RouteSpec("/v1/models", "GET", "admin", "models"),
+    # OpenAI's models.retrieve; a Hugging Face name has a slash (Qwen/Qwen3-Omni-...), hence :path
+    RouteSpec("/v1/models/{model:path}", "GET", "admin", "model", errors=(404,)),
     RouteSpec("/health", "GET", "admin", "health", errors=(503,)),
     RouteSpec("/ping", "GET", "admin", "health", errors=(503,)),     # vLLM's (SageMaker's) name for /health
     RouteSpec("/ping", "POST", "admin", "health", errors=(503,), body_required=False),
@@ -78,7 +80,7 @@ ROUTES: tuple[RouteSpec, ...] = (
 CONTROL_PATHS = frozenset(r.path for r in ROUTES if r.control)
 JSON_BODIES = {(r.path, r.method): r.forms for r in ROUTES if r.body is not None}   # -> forms too
 _EXACT = frozenset(r.path for r in ROUTES if "{" not in r.path)
-_TEMPLATES = [(re.compile("^" + re.sub(r"\{\w+\}", "[^/]+", p) + "$"), p)
+_TEMPLATES = [(re.compile("^" + re.sub(r"\{\w+\}", "[^/]+", re.sub(r"\{\w+:path\}", ".+", p)) + "$"), p)
               for p in dict.fromkeys(r.path for r in ROUTES if "{" in r.path)]
 
 

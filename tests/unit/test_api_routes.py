@@ -4,6 +4,7 @@ description all come from it."""
 from __future__ import annotations
 
 from omni.api import build_app, unsupported
+from omni.api.openapi import oas_path
 from omni.api.routes import CONTROL_PATHS, ROUTES, label, openapi_spec
 from tests.unit.api_fakes import FakeOrchestrator, tokenizer  # noqa: F401 (fixture)
 
@@ -24,7 +25,7 @@ def test_app_openapi_and_guard_follow_the_table(tokenizer):
     table = {(r.path, r.method) for r in ROUTES}
     assert served == table
     spec = openapi_spec("tiny")["paths"]
-    assert {(p, m.upper()) for p, ops in spec.items() for m in ops} == table
+    assert {(p, m.upper()) for p, ops in spec.items() for m in ops} == {(oas_path(p), m) for p, m in table}
     assert "requestBody" in spec["/v1/chat/completions"]["post"]
     assert CONTROL_PATHS == {"/v1/omni/sleep", "/v1/omni/wakeup"}
     assert set(app.state.jobs.handlers) == {"/v1/chat/completions", "/v1/completions", "/v1/audio/speech"}
