@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import io
+import re
 import secrets
 import time
 import uuid
@@ -38,11 +39,19 @@ from omni.orchestrator.types import OrchestratorLike, PipelineOutput, PipelineRe
 ROUTE = "/v1/images/generations"
 
 
-def parse_size(size: str, param: str = "size") -> tuple[int, int]:
-    w, sep, h = size.partition("x")
-    if not (sep and w.isdigit() and h.isdigit()):
-        raise bad_request(f"size `{size}` is not WIDTHxHEIGHT (e.g. 1024x1024)", param=param)
-    return int(w), int(h)
+_WXH = re.compile(r"([0-9]{1,5})x([0-9]{1,5})")
+
+
+def parse_size(size: str, param: str = "size", auto: str | None = None) -> tuple[int, int]:
+    """"WxH" -> (W, H); "auto" (OpenAI's images) is `auto` where given, the deployment's default size."""
+    if size == "auto" and auto is not None:
+        size = auto
+    m = _WXH.fullmatch(size)   # ASCII digits only: str.isdigit took "²", which int() then refused
+    if m is None:
+        shown = size if len(size) <= 32 else size[:32] + "..."
+        raise bad_request(f"size must be WIDTHxHEIGHT{' or auto' if auto else ''} (e.g. 1024x1024), not `{shown}`",
+                          param=param)
+    return int(m[1]), int(m[2])
 
 
 def check_prompt(prompt: str, s: ImageSettings | VideoSettings) -> None:
@@ -96,7 +105,7 @@ def image_params(req: P.ImageGenerationRequest, s: ImageSettings) -> ImageParams
                               param="true_cfg_scale")
         req = msgspec.structs.replace(req, guidance_scale=req.true_cfg_scale)
     check_prompt(req.prompt, s)
-    width, height = parse_size(req.size or s.default_size)
+    width, height = parse_size(req.size or s.default_size, auto=s.default_size)
     check_size(width, height, s)
     n = req.n if req.n is not None else 1
     if n > s.max_n:

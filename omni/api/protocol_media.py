@@ -84,6 +84,11 @@ CHAT_SPEECH_REFUSED = {
 
 
 MAX_IMAGE_PROMPT_CHARS = 4000
+# "WxH"; images take OpenAI's "auto" too. The pattern is the schema's only: images.parse_size refuses a
+# malformed size in words (msgspec's own message quoted its regex).
+_WXH = r"[0-9]{1,5}x[0-9]{1,5}"
+ImageSize = Annotated[str, msgspec.Meta(extra_json_schema={"pattern": f"^({_WXH}|auto)$"})]
+VideoSize = Annotated[str, msgspec.Meta(extra_json_schema={"pattern": f"^{_WXH}$"})]
 
 
 class ImageGenerationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -93,7 +98,7 @@ class ImageGenerationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields
     prompt: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_IMAGE_PROMPT_CHARS)]
     model: str | None = None
     n: Annotated[int, msgspec.Meta(ge=1, le=16)] | None = None
-    size: Annotated[str, msgspec.Meta(pattern=r"^[0-9]{1,5}x[0-9]{1,5}" + END)] | None = None   # "WxH"
+    size: ImageSize | None = None   # "WxH" or "auto" (the deployment's default_size)
     response_format: Annotated[str, _refused(["b64_json"])] = "b64_json"
     user: Annotated[str, msgspec.Meta(max_length=256)] | None = None      # OpenAI's end-user label
     seed: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] | None = None
@@ -114,7 +119,7 @@ class VideoCreateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     The deployment's bounds (pipeline.videos) are checked in omni/api/videos.py."""
     prompt: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_IMAGE_PROMPT_CHARS)]
     model: str | None = None
-    size: Annotated[str, msgspec.Meta(pattern=r"^[0-9]{1,5}x[0-9]{1,5}" + END)] | None = None   # "WxH"
+    size: VideoSize | None = None   # "WxH"
     seconds: Annotated[float, msgspec.Meta(gt=0, le=3600)] | None = None   # OpenAI's ("4"): frames = seconds x fps
     width: Annotated[int, msgspec.Meta(ge=1, le=16384)] | None = None
     height: Annotated[int, msgspec.Meta(ge=1, le=16384)] | None = None
