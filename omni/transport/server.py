@@ -53,7 +53,7 @@ def token_hello(magic: bytes, token: bytes) -> Hello:
     nothing may follow the answer."""
     def check(conn: socket.socket, buf: bytes, nonce: bytes) -> bool | None:
         if len(buf) < HELLO_BYTES:
-            return None if buf == magic[:len(buf)] else False
+            return None if buf[:len(magic)] == magic[:len(buf)] else False   # the MAC part is checked whole
         return len(buf) == HELLO_BYTES and hmac.compare_digest(buf, hello_answer(magic, token, nonce))
     return check
 
