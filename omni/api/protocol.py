@@ -16,14 +16,18 @@ import msgspec
 
 from omni.api.errors import bad_request
 from omni.api.protocol_media import (  # noqa: F401 (re-exported: the routes name them P.*)
+    CHAT_AUDIO_FORMATS,
     MAX_IMAGE_PROMPT_CHARS,
     MAX_SPEECH_CHARS,
     CHAT_SPEECH_REFUSED,
     END,
+    SPEECH_FORMATS,
     SPEECH_REFUSED,
     VOICE_NAME,
     VOICE_NAME_RE,
+    ChatAudioFormat,
     ImageGenerationRequest,
+    SpeechFormat,
     SpeechRequest,
     Speed,
     VideoCreateRequest,
@@ -86,7 +90,7 @@ class StreamOptions(msgspec.Struct):
 
 class AudioOptions(msgspec.Struct):
     voice: Voice = None
-    format: Literal["wav", "pcm16"] = "wav"
+    format: ChatAudioFormat = "wav"
 
 
 Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]

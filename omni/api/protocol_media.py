@@ -4,7 +4,7 @@ text routes' and the shared decoding; it re-exports these, so the routes name th
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -27,6 +27,21 @@ class VoiceId(msgspec.Struct):
 Voice = VoiceName | VoiceId | None     # OpenAI's str | {"id": ...}; None: the default voice (chat and speech)
 
 
+# Speech's response_format (OpenAI's six; vllm-omni's five are among them) and chat's audio.format (OpenAI's,
+# pcm16 for raw s16le, and aac). A str with the choices in the schema, so that speech.py / text.py refuse
+# another naming the field and the choices, not msgspec's "Invalid enum value".
+SPEECH_FORMATS = ("wav", "pcm", "mp3", "flac", "opus", "aac")
+CHAT_AUDIO_FORMATS = ("wav", "pcm16", "mp3", "flac", "opus", "aac")
+
+
+def _audio_format(choices: tuple[str, ...]) -> Any:
+    return Annotated[str, msgspec.Meta(max_length=16, extra_json_schema={"enum": list(choices)})]
+
+
+SpeechFormat = _audio_format(SPEECH_FORMATS)
+ChatAudioFormat = _audio_format(CHAT_AUDIO_FORMATS)
+
+
 def voice_name(voice: Voice) -> str | None:
     return voice.id if isinstance(voice, VoiceId) else voice
 
@@ -40,7 +55,7 @@ class SpeechRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str | None = None
     voice: Voice = None
     speaker: VoiceName | None = None            # vllm-omni's name for it
-    response_format: Literal["wav", "pcm"] = "wav"
+    response_format: SpeechFormat = "wav"   # mp3, flac, opus, aac: omni/audio_encode.py
     speed: Speed | None = 1.0                   # null: 1.0, as vllm-omni takes it
     # OpenAI's / vllm-omni's streaming: "sse" (speech.audio.delta events; `stream: true` alone picks it),
     # "audio" (the raw bytes as made; wav behind a header of unknown length)

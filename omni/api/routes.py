@@ -11,6 +11,9 @@ from omni.api import openapi as o
 from omni.api import protocol as P
 from omni.api.jobs import JobRequest
 from omni.api.listing import QUERY as LIST_QUERY
+from omni.audio_encode import FORMATS
+
+ENCODED_AUDIO = tuple(f.content_type for f in FORMATS.values())    # speech's mp3, flac, opus, aac
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,7 @@ ROUTES: tuple[RouteSpec, ...] = (
     RouteSpec("/tokenize", "POST", "text", "tokenize", P.TokenizeRequest, errors=(404,)),
     RouteSpec("/detokenize", "POST", "text", "detokenize", P.DetokenizeRequest, errors=(404,)),
     RouteSpec("/v1/audio/speech", "POST", "speech", "speech", P.SpeechRequest,
-              ok=("audio/wav", "audio/pcm", "text/event-stream"), errors=GENERATION),
+              ok=("audio/wav", "audio/pcm", *ENCODED_AUDIO, "text/event-stream"), errors=GENERATION),
     RouteSpec("/v1/images/generations", "POST", "images", "generations", P.ImageGenerationRequest,
               errors=GENERATION),
     # The Videos API: async, on the jobs' records (every frontend sees every video).
@@ -63,8 +66,8 @@ ROUTES: tuple[RouteSpec, ...] = (
     RouteSpec("/v1/omni/jobs", "GET", "jobs", "list", errors=(400, 404, 503), query=LIST_QUERY),
     RouteSpec("/v1/omni/jobs/{job_id}", "GET", "jobs", "retrieve", errors=JOB),
     RouteSpec("/v1/omni/jobs/{job_id}", "DELETE", "jobs", "delete", errors=JOB),
-    # The result's type is the job's endpoint's: JSON (chat, completions, images) or a WAV (speech).
-    RouteSpec("/v1/omni/jobs/{job_id}/content", "GET", "jobs", "content", ok=("application/json", "audio/wav"),
+    # The result's type is the job's endpoint's: JSON (chat, completions, images) or speech's audio file.
+    RouteSpec("/v1/omni/jobs/{job_id}/content", "GET", "jobs", "content", ok=("application/json", "audio/wav", *ENCODED_AUDIO),
               errors=(*JOB, 409)),
     RouteSpec("/v1/models", "GET", "admin", "models"),
     # OpenAI's models.retrieve; a Hugging Face name has a slash (Qwen/Qwen3-Omni-...), hence :path

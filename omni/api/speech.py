@@ -1,4 +1,6 @@
-"""/v1/audio/speech: text in, WAV (whole) or raw s16le PCM (streamed as it is made) out.
+"""/v1/audio/speech: text in, WAV, mp3, FLAC, Ogg Opus or AAC (ADTS) (whole, or streamed as it is made with
+`stream_format`), or raw s16le PCM (streamed as it is made) out. The compressed formats are encoded by
+omni/audio_encode.py; streamed, the chunks' bytes in order are the file.
 
 A stream that fails after its headers went out: the SSE form ends with vllm-omni's
 `speech.audio.error` event; the raw form ends without its last chunk (a client reads an incomplete
@@ -7,6 +9,7 @@ The server's stop ends them the same way (the error: server_shutting_down)."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import logging
 import uuid
@@ -24,9 +27,13 @@ from omni.api.job_prepared import prepared
 from omni.api.refused import first_refused
 from omni.api.state import FrontendState
 from omni.api.wav import pcm16, streaming_wav_header, wav_bytes
+from omni.audio_encode import FORMATS, Encoder, encode
 from omni.orchestrator.types import PipelineRequest
 
 log = logging.getLogger(__name__)
+
+
+CONTENT_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm", **{k: f.content_type for k, f in FORMATS.items()}}
 
 
 class _Broken(Exception):
@@ -69,12 +76,14 @@ class SpeechRoutes:
                          route="/v1/audio/speech", t0=self.fe.t0(request), audio=audio)
 
         async def stream_pcm() -> Response:
-            # Raw s16le as it is made (OpenAI's stream_format "audio"): the first bytes leave
-            # with the first chunk, not with the last. A WAV answer needs its length up front.
+            # The bytes as they are made (OpenAI's stream_format "audio"; pcm: raw s16le): the first leave with
+            # the first chunk, not with the last. A WAV answer needs its length up front.
             await gen.start()
             if not gen.first_sample_rate:
                 await gen.close()
                 raise APIError(500, "the pipeline finished without producing audio", type="stage_error")
+
+            enc = _encoder(req.response_format, gen.first_sample_rate)
 
             async def body():
                 if req.response_format == "wav":      # stream_format "audio" with wav: a header of unknown length
@@ -82,37 +91,57 @@ class SpeechRoutes:
                 try:
                     async for ev in gen.events():
                         if ev[0] == "audio":
-                            yield pcm16(ev[1])
+                            chunk = await asyncio.to_thread(enc.write, ev[1]) if enc else pcm16(ev[1])
+                            if chunk or not enc:    # an encoder may hold a whole chunk back
+                                yield chunk
+                    tail = await asyncio.to_thread(enc.close) if enc else b""
+                    if tail:
+                        yield tail
                 except Exception as e:
                     _failed(preq.request_id, "raw audio", e)
                     raise _Broken from None
-            return RawAudioStream(body(), media_type=f"audio/{req.response_format}",
-                                  headers={"X-Sample-Rate": str(gen.first_sample_rate)})
+                finally:
+                    _close(enc)
+            return RawAudioStream(body(), media_type=CONTENT_TYPES[req.response_format],
+                                  headers={"X-Sample-Rate": str(enc.rate if enc else gen.first_sample_rate)})
 
         async def stream_sse() -> Response:
-            # OpenAI's stream_format "sse": speech.audio.delta events (base64 of the chunk: s16le for
-            # pcm, a whole WAV file each for wav), then speech.audio.done with usage, or speech.audio.error.
+            # OpenAI's stream_format "sse": speech.audio.delta events (base64 of the chunk: s16le for pcm, a whole
+            # WAV file each for wav, the encoder's next bytes for the others: the deltas in order are the file),
+            # then speech.audio.done with usage, or speech.audio.error.
             await gen.start()
             if not gen.first_sample_rate:   # as the raw stream and the whole answer: no audio is a 500
                 await gen.close()
                 raise APIError(500, "the pipeline finished without producing audio", type="stage_error")
 
             sent = False     # audio went out: an error event then says to discard it
+            enc = _encoder(req.response_format, gen.first_sample_rate)
+
+            def delta(chunk: bytes) -> bytes:
+                nonlocal sent
+                sent = True
+                return sse.event({"type": "speech.audio.delta", "audio": base64.b64encode(chunk).decode()})
 
             async def body():
-                nonlocal sent
                 try:
                     async for ev in gen.events():
                         if ev[0] == "audio" and ev[1]:
-                            chunk = pcm16(ev[1]) if req.response_format == "pcm" else wav_bytes(ev[1], gen.sample_rate)
-                            sent = True
-                            yield sse.event({"type": "speech.audio.delta", "audio": base64.b64encode(chunk).decode()})
+                            chunk = (await asyncio.to_thread(enc.write, ev[1]) if enc
+                                     else pcm16(ev[1]) if req.response_format == "pcm" else wav_bytes(ev[1], gen.sample_rate))
+                            if chunk:    # an encoder may hold a whole chunk back
+                                yield delta(chunk)
+                    tail = await asyncio.to_thread(enc.close) if enc else b""
+                    if tail:
+                        yield delta(tail)
                 except Exception as e:
                     yield _error_event(_failed(preq.request_id, "sse", e), sent)
                     return
+                finally:
+                    _close(enc)
                 yield sse.Last(sse.event({"type": "speech.audio.done", "usage": speech_usage(gen)}))
+            rate = enc.rate if enc else gen.first_sample_rate
             return ClosingStream(body(), media_type="text/event-stream",
-                                 headers={**sse.HEADERS, "X-Sample-Rate": str(gen.first_sample_rate or "")},
+                                 headers={**sse.HEADERS, "X-Sample-Rate": str(rate or "")},
                                  stopping=lambda: _error_event(SHUTTING_DOWN, sent))
 
         if as_sse:
@@ -128,8 +157,11 @@ class SpeechRoutes:
                     audio += ev[1]
             if not audio:
                 raise APIError(500, "the pipeline finished without producing audio", type="stage_error")
-            headers = {"X-Sample-Rate": str(gen.sample_rate)}
-            return Response(wav_bytes(bytes(audio), gen.sample_rate), media_type="audio/wav", headers=headers)
+            if req.response_format in FORMATS:    # a thread: minutes of speech are seconds of encoding
+                data, rate = await asyncio.to_thread(encode, req.response_format, bytes(audio), gen.sample_rate)
+            else:
+                data, rate = wav_bytes(bytes(audio), gen.sample_rate), gen.sample_rate
+            return Response(data, media_type=CONTENT_TYPES[req.response_format], headers={"X-Sample-Rate": str(rate)})
 
         return await until_disconnect(request, work)
 
@@ -146,9 +178,9 @@ class SpeechRoutes:
         if len(req.input) > self.fe.max_speech_chars:
             raise bad_request(f"input is {len(req.input)} characters; the limit is {self.fe.max_speech_chars}",
                               param="input")
-        if req.response_format not in ("wav", "pcm"):
-            raise bad_request(f"response_format `{req.response_format}` is not supported (wav, pcm)",
-                              param="response_format")
+        if req.response_format not in P.SPEECH_FORMATS:
+            raise bad_request(f"response_format `{req.response_format}` is not supported "
+                              f"({', '.join(P.SPEECH_FORMATS)})", param="response_format")
         speed = 1.0 if req.speed is None else req.speed
         P.check_speed(speed)
         refused = first_refused(req, P.SPEECH_REFUSED)
@@ -158,6 +190,20 @@ class SpeechRoutes:
         voice, speed = await self.fe.voice(P.one_voice(named), speed, param=P.voice_field(named))
         return req, PipelineRequest(request_id=f"speech-{uuid.uuid4().hex}", text=req.input,
                                     entry_stage=self.fe.speech_stage, modalities=("audio",), voice=voice, speed=speed)
+
+
+def _encoder(fmt: str, sample_rate: int) -> Encoder | None:
+    """A stream's encoder; its writes run on threads (mp3: ~15 ms of CPU a second of audio, off the loop)."""
+    return Encoder(fmt, sample_rate) if fmt in FORMATS else None
+
+
+def _close(enc: Encoder | None) -> None:
+    """A stream's encoder, also when it ended early (FFmpeg's buffers are not left to the collector)."""
+    if enc is not None:
+        try:
+            enc.close()
+        except Exception as e:   # the stream's own error, if any, is what the client is told
+            log.debug("closing a speech encoder: %s", e)
 
 
 def speech_usage(gen: Generation) -> dict:

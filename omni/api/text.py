@@ -16,12 +16,14 @@ delta when that token has no text, e.g. EOS) with `stop_reason` (the stop string
 id that ended it, else null; completions chunks carry it null before), that chunk carries its tokens' logprobs, and
 `stream_options.include_usage` adds one `choices: []` chunk with the usage after it
 (`continuous_usage_stats` also puts the usage so far on every chunk).
-Non-streaming chat puts the whole WAV (`audio.format` "pcm16": raw s16le) in `message.audio.data` (base64):
+Non-streaming chat puts the whole WAV (`audio.format` "pcm16": raw s16le; mp3, flac, opus, aac: that file) in
+`message.audio.data` (base64); streamed, those four are refused (OpenAI streams pcm16 only):
 OpenAI's one choice with a request's `audio` object, else vllm-omni's choice after the text's (_chat_full).
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import functools
 import re
@@ -42,6 +44,7 @@ from omni.api.http import STOPPING, ClosingStream, until_disconnect
 from omni.api.job_prepared import prepared
 from omni.api.state import OFFLOAD_CHARS, FrontendState
 from omni.api.wav import pcm16, wav_bytes
+from omni.audio_encode import FORMATS, encode
 from omni.orchestrator.types import PipelineRequest
 
 AUDIO_TTL_S = 3600
@@ -120,8 +123,13 @@ class TextRoutes:
         voice = speed = None
         if "audio" in modalities:
             fmt = req.audio.format if req.audio else "wav"
-            if fmt not in ("wav", "pcm16"):
-                raise bad_request(f"audio.format `{fmt}` is not supported (wav, pcm16)", param="audio.format")
+            if fmt not in P.CHAT_AUDIO_FORMATS:
+                raise bad_request(f"audio.format `{fmt}` is not supported ({', '.join(P.CHAT_AUDIO_FORMATS)})",
+                                  param="audio.format")
+            if req.stream and fmt in FORMATS:    # as OpenAI's: a streamed chat's audio is pcm16
+                raise bad_request(f"audio.format `{fmt}` cannot be streamed: with stream, a chat's audio comes as "
+                                  "pcm16 (wav or pcm16 here), or as WAV chunks without an `audio` object",
+                                  param="audio.format")
             asked, field = P.chat_voice(req)
             voice, speed = await self.fe.voice(asked, param=field)
         inputs = {}
@@ -213,7 +221,8 @@ class TextRoutes:
         yield sse.DONE
 
     async def _chat_full(self, gen: Generation, fmt: str = "wav", openai: bool = True) -> Response:
-        """`fmt`: audio.format, "wav" (a whole file) or "pcm16" (raw s16le, as OpenAI returns it).
+        """`fmt`: audio.format, "wav" (a whole file), "pcm16" (raw s16le, as OpenAI returns it) or a whole
+        mp3, flac, opus (Ogg) or aac (ADTS) file (omni/audio_encode.py).
         `openai`: the request sent OpenAI's `audio` object. With text and audio and no such object,
         vllm-omni's shape: a text choice, then an audio choice (both index 0, as vllm-omni numbers them:
         message.audio, content null, transcript "" as the text is the first choice's, finish_reason
@@ -233,7 +242,12 @@ class TextRoutes:
                             "finish_reason": gen.finish_reason, "stop_reason": gen.stop_reason})
         if gen.audio is not None:     # asked for: also with nothing speakable (no data), for its transcript
             pcm = bytes(audio)
-            data = (pcm16(pcm) if fmt == "pcm16" else wav_bytes(pcm, gen.sample_rate)) if pcm else b""
+            if not pcm:
+                data = b""
+            elif fmt in FORMATS:     # a thread: minutes of speech are seconds of encoding
+                data = (await asyncio.to_thread(encode, fmt, pcm, gen.sample_rate))[0]
+            else:
+                data = pcm16(pcm) if fmt == "pcm16" else wav_bytes(pcm, gen.sample_rate)
             record = {"id": f"audio-{gen.id}", "data": base64.b64encode(data).decode(), "format": fmt,
                       "expires_at": int(time.time()) + AUDIO_TTL_S, "transcript": "" if with_text else gen.text}
             if fmt == "pcm16" and gen.sample_rate:
