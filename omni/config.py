@@ -404,7 +404,7 @@ def validate(config: DeployConfig, source: str = "deploy config") -> None:
             raise ConfigError(f"{where}.first_output_hold_ms: only a stage whose output feeds a later stage "
                               "(and is not itself a final output) can wait for the pipeline's first output")
         for edge, conn in s.connectors.items():
-            if not edge.isdigit() or int(edge) not in ids:
+            if not (edge.isascii() and edge.isdigit()) or int(edge) not in ids:
                 raise ConfigError(f"{where}.connectors: {edge!r} is not a stage id")
             check_connector_edge(config, s, edge, where)
             if conn.transport not in TRANSPORTS:

@@ -285,7 +285,7 @@ def lift_override_chunk(data: dict[str, Any], overrides: dict[str, Any], source:
     apply_carried names."""
     out = copy.deepcopy(overrides) if isinstance(overrides, dict) else overrides
     for key, patch in (out.items() if isinstance(out, dict) else ()):
-        if isinstance(patch, dict) and isinstance(key, str) and key.strip().isdigit():
+        if isinstance(patch, dict) and isinstance(key, str) and key.strip().isascii() and key.strip().isdigit():
             own = lift_chunk(patch, f"--stage-overrides: stages[{int(key)}]")
             if own is not None:
                 data.setdefault(STAGE_CHUNK, {})[int(key)] = own
@@ -360,9 +360,10 @@ def _check_whole_decode(stage: dict[str, Any]) -> None:
 
 
 def _edge_stage(edge: str, prefix: str, where: str) -> int:
-    if not edge.startswith(prefix) or not edge[len(prefix):].isdigit():
+    n = edge[len(prefix):]
+    if not edge.startswith(prefix) or not (n.isascii() and n.isdigit()):   # isdigit alone takes "①"
         raise ConfigError(f"{where}: {edge!r} must be {prefix}N (N a stage id)")
-    return int(edge[len(prefix):])
+    return int(n)
 
 
 # ---------------------------------------------------------------- legacy stage configs

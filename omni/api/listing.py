@@ -47,7 +47,7 @@ def list_params(request: Request, what: str) -> tuple[int, str, str | None]:
         if len(q.getlist(name)) > 1:
             raise bad_request(f"query parameter {name!r} is given {len(q.getlist(name))} times", param=name)
     raw = q.get("limit", "20")
-    limit = int(raw) if raw.isdigit() else 0
+    limit = int(raw) if raw.isascii() and raw.isdigit() else 0   # isdigit alone takes "①"
     if not 1 <= limit <= 100:
         raise bad_request(f"limit={raw} must be an integer in [1, 100]", param="limit")
     order = q.get("order", "desc")

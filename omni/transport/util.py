@@ -139,6 +139,6 @@ def spin_until(probe: Callable[[], T], seconds: float) -> T:
 
 def split_endpoint(endpoint: str) -> tuple[str, int]:
     host, sep, port = endpoint.rpartition(":")
-    if not sep or not port.isdigit():
+    if not sep or not (port.isascii() and port.isdigit()):
         raise TransportError(f"bad endpoint {endpoint!r}, expected host:port")
     return host.strip("[]"), int(port)
