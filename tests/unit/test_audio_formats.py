@@ -151,3 +151,21 @@ def test_a_close_waits_for_a_write_on_another_thread_and_later_writes_are_refuse
     assert not writer.is_alive() and len(outcome) == 1 and enc.close() == b""
     with pytest.raises(ValueError, match="closed"):
         enc.write(x)
+
+
+async def test_the_openai_clients_speech_create_gets_each_format(tokenizer):
+    """The newcomer's call: client.audio.speech.create(response_format="mp3") was a 400 (Invalid enum value)."""
+    import httpx
+    from openai import AsyncOpenAI
+
+    from omni.api import build_app
+    from tests.unit.api_fakes import FakeOrchestrator
+
+    orch = FakeOrchestrator(tokenizer)
+    orch.audio_chunks = CHUNKS
+    app = build_app(orch, tokenizer, served_model_name="tiny", max_model_len=128, speech_entry_stage=1)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test/v1") as http:
+        client = AsyncOpenAI(api_key="none", base_url="http://test/v1", http_client=http)
+        for fmt in sorted(FORMATS):
+            r = await client.audio.speech.create(model="tiny", voice="joe", input="hi there", response_format=fmt)
+            assert_sound(r.content, fmt, CHUNKS * 100)
