@@ -121,22 +121,24 @@ class FrontendMiddleware:
 
     @staticmethod
     def _authorized(scope, keys: tuple[bytes, ...]) -> bool:
-        """Constant time: the header's digest is compared with every key's (no early exit, and equal
-        lengths, so neither which key matched nor a key's length shows in the timing)."""
+        """`Authorization: <scheme> KEY`, the scheme Bearer in any case (RFC 9110; vLLM lower-cases it too).
+        Constant time: the key's digest is compared with every key's (no early exit, and equal lengths, so
+        neither which key matched nor a key's length shows in the timing)."""
         for k, v in scope["headers"]:
             if k == b"authorization":
-                digest = hashlib.sha256(v).digest()
+                scheme, _, token = v.partition(b" ")
+                digest = hashlib.sha256(token).digest()
                 ok = False
                 for key in keys:
                     ok |= hmac.compare_digest(digest, key)
-                return ok
+                return ok and scheme.lower() == b"bearer"
         return False
 
 
 def _bearer_digests(keys: str | Sequence[str] | None) -> tuple[bytes, ...] | None:
-    """SHA-256 of each key's `Bearer KEY` header value (empty keys dropped); None when none is left."""
+    """SHA-256 of each key (empty keys dropped); None when none is left."""
     keys = [keys] if isinstance(keys, str) else list(keys or ())
-    digests = tuple(hashlib.sha256(f"Bearer {k}".encode()).digest() for k in keys if k)
+    digests = tuple(hashlib.sha256(k.encode()).digest() for k in keys if k)
     return digests or None
 
 
