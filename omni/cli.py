@@ -249,6 +249,9 @@ def serve(
         print(f"omni: warning: --omni-master-address {omni_master_address} is a wildcard, so this process "
               "advertises 127.0.0.1 to its peers; stages on other hosts cannot reach it. Pass "
               "--omni-replica-address with this host's address.", file=sys.stderr)
+    for flag, value in (("--deploy-config", deploy_config), ("--stage-configs-path", stage_configs_path)):
+        if value == "":   # read as unset, it served MODEL's bundled deploy instead
+            raise ConfigError(f"{flag} is empty; give a deploy YAML's path (or a bundled deploy's name), or leave it out")
     if stage_configs_path is not None:
         if deploy_config is not None:
             raise ConfigError("--deploy-config and --stage-configs-path both name the deploy; pass one")

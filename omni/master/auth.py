@@ -131,6 +131,9 @@ def refuse_open_stage(host: str, token: str | None, source: str) -> None:
 
 
 def tls_from_options(cert: str | None, key: str | None, ca: str | None) -> TlsFiles | None:
+    for flag, value in (("--tls-cert", cert), ("--tls-key", key), ("--tls-ca", ca)):
+        if value == "":   # read as unset, it would turn TLS off: fail closed, as an empty --omni-token does
+            raise ConfigError(f"{flag} is empty; give a PEM file's path, or leave it unset for no TLS")
     return TlsFiles(cert, key, ca) if (cert or key or ca) else None
 
 

@@ -64,6 +64,8 @@ def master(
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         refuse_open_master(host, omni_token, "--host")
+        if deploy_config == "":   # read as unset, it would adopt the first registrant's config
+            raise ConfigError("--deploy-config is empty; give a deploy YAML's path, or leave it unset")
         config = _load_config(deploy_config) if deploy_config else None
         tls = tls_from_options(tls_cert, tls_key, tls_ca)
         if tls is not None:   # checked here, naming the flag: gRPC's own refusal reads "cannot bind"
@@ -143,13 +145,13 @@ def status(
 def client_tls(verb: str, cert: str | None, key: str | None, ca: str | None) -> TlsFiles | None:
     """The --tls-* files a client command was given, checked (one line naming the flag, exit 2): unchecked, a
     file that is no PEM got gRPC's C-core error lines and a message blaming the connection."""
-    tls = tls_from_options(cert, key, ca)
-    if tls is not None:
-        try:
+    try:
+        tls = tls_from_options(cert, key, ca)
+        if tls is not None:
             tls.check()
-        except ConfigError as e:
-            typer.echo(f"omni {verb}: {e}", err=True)
-            raise typer.Exit(EXIT_UNREACHABLE) from None
+    except ConfigError as e:
+        typer.echo(f"omni {verb}: {e}", err=True)
+        raise typer.Exit(EXIT_UNREACHABLE) from None
     return tls
 
 

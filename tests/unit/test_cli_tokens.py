@@ -70,3 +70,37 @@ def test_a_value_that_only_starts_with_a_dash_is_still_a_value():
 
     assert spread_several_values(["serve", "m", "--api-key", "-k1", "--port", "-1"]) == \
         ["serve", "m", "--api-key", "-k1", "--port", "-1"]
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["serve", "smollm2", "--dry-run", "--omni-master-address", "0.0.0.0",
+      "--omni-replica-address", "127.0.0.1", "--tls-cert", "", "--tls-key", ""], "--tls-cert"),
+    (["status", "--master", "127.0.0.1:1", "--tls-ca="], "--tls-ca"),
+    (["drain", "--master", "127.0.0.1:1", "--tls-cert", "", "--tls-key", ""], "--tls-cert"),
+    (["wakeup", "--master", "127.0.0.1:1", "--tls-key", ""], "--tls-key"),
+    (["serve", "smollm2", "--dry-run", "--deploy-config", ""], "--deploy-config"),
+    (["serve", "smollm2", "--dry-run", "--stage-configs-path="], "--stage-configs-path"),
+])
+def test_an_empty_tls_file_or_deploy_path_is_refused_by_name(args, flag, capsys, monkeypatch):
+    """An empty --tls-* was read as unset: the master ran plaintext (and the clients connected so); an empty
+    --deploy-config or --stage-configs-path served MODEL's bundled deploy. Both exited 0."""
+    monkeypatch.setenv("OMNI_TOKEN", "s")   # the first case's master beyond loopback needs one
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err
+    assert f": {flag} is empty; give a" in err.splitlines()[-1] and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("args, flag", [(["--tls-cert", "", "--tls-key", ""], "--tls-cert"),
+                                        (["--deploy-config", ""], "--deploy-config")])
+def test_omni_master_refuses_an_empty_tls_file_or_deploy_path(args, flag):
+    """Before, `omni master --tls-cert ''` listened in plaintext (tls=False); --deploy-config '' adopted
+    the first registrant's config."""
+    try:
+        r = subprocess.run([sys.executable, "-m", "omni.cli", "master", "--host", "127.0.0.1", "--port", "0",
+                            *args], cwd=REPO, capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"omni master {' '.join(args)} started (killed after 30 s)")
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith(f"omni master: {flag} is empty; give a"), r.stderr

@@ -159,6 +159,15 @@ def test_headless_needs_cert_and_key_together(certs):
     assert serve_tls(None, None, certs["ca"], hosts_master=False) == (None, TlsFiles(ca=certs["ca"]))
 
 
+@pytest.mark.parametrize("hosts_master", [True, False])
+def test_an_empty_file_is_refused_by_name(certs, hosts_master):
+    """An empty --tls-* read as unset: the head's master ran plaintext, a headless stage connected without TLS."""
+    for args, flag in (((certs["server"], "", None), "--tls-key"), ((None, None, ""), "--tls-ca"),
+                       (("", "", certs["ca"]), "--tls-cert")):
+        with pytest.raises(ConfigError, match=f"^{flag} is empty; give a PEM file's path, or leave it unset"):
+            serve_tls(*args, hosts_master=hosts_master)
+
+
 def test_cli_refuses_a_bad_file_with_one_line_exit_2(certs):
     r = subprocess.run([sys.executable, "-m", "omni.cli", "serve", "smollm2", "--tls-cert", certs["server"],
                         "--tls-key", "/nonexistent/key.pem", "--dry-run"], cwd=REPO, capture_output=True, text=True,
