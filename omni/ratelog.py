@@ -21,16 +21,18 @@ class RateLimitedLog:
         self._count = 0
         self.dropped = 0
 
-    def warning(self, msg: str, *args: object) -> None:
+    def warning(self, msg: str, *args: object) -> bool:
+        """Whether the line was logged (False: dropped by the limit)."""
         now = time.monotonic()
         with self._lock:
             if now - self._window >= self._period:
                 self._window, self._count = now, 0
             if self._count >= self._burst:
                 self.dropped += 1
-                return
+                return False
             self._count += 1
             dropped, self.dropped = self.dropped, 0
         if dropped:
             msg += f" ({dropped} similar line(s) dropped)"
         self._logger.warning(msg, *args)
+        return True

@@ -3,12 +3,8 @@
 
 from __future__ import annotations
 
-import importlib.metadata
-import json
 import logging
-import os
 import queue
-import socket
 import threading
 import time
 import uuid
@@ -23,6 +19,7 @@ from omni.errors import BadRequest, OmniError, Unavailable
 from omni.master import limits, wire
 from omni.master.auth import TlsFiles, TlsRefused, call_metadata, explain
 from omni.master.errors import ClosedByMaster, from_rpc_error
+from omni.master.reach import Reachability
 from omni.master.types import Command, CommandResult, Registration, Status, TopologyEvent
 
 logger = logging.getLogger(__name__)
@@ -62,40 +59,6 @@ def _error(err: grpc.RpcError, address: str, tls: TlsFiles | None, streaming: bo
         if why is not None:
             return TlsRefused(why[0]) if why[1] else ClosedByMaster(why[0])
     return from_rpc_error(err, address, streaming)
-
-
-def _omni_version() -> str:
-    try:
-        return importlib.metadata.version("omni")
-    except importlib.metadata.PackageNotFoundError:
-        return ""
-
-
-def _register_request(role: str, stage_id: int, host: str | None, pid: int | None, replica_hint: int,
-                      endpoints: dict | None, config_hash: str, pipeline_config: dict | None, version: str | None,
-                      capabilities: dict | None, instance_id: str = "") -> pb.RegisterRequest:
-    try:
-        role_value = pb.Role.Value(role.upper())
-    except ValueError:
-        raise BadRequest(f"role must be STAGE or FRONTEND, got {role!r}") from None
-    return pb.RegisterRequest(
-        role=role_value, stage_id=stage_id, replica_hint=replica_hint, host=host or socket.gethostname(),
-        pid=os.getpid() if pid is None else pid, endpoints=endpoints or {}, config_hash=config_hash,
-        pipeline_config_json=json.dumps(pipeline_config) if pipeline_config is not None else "",
-        version=version if version is not None else _omni_version(),
-        capabilities={k: str(v) for k, v in (capabilities or {}).items()}, instance_id=instance_id)
-
-
-def _send_command_request(kind, stage_ids, args, timeout_s, replica_ids, keep_serving=False) -> pb.SendCommandRequest:
-    stage_ids, replica_ids = list(stage_ids), list(replica_ids)
-    if stage_ids and replica_ids:
-        raise BadRequest("stage_ids and replica_ids: give one, not both (a replica id names its stage)")
-    try:
-        kind_value = wire.command_kind(kind)
-    except ValueError as e:
-        raise BadRequest(str(e)) from None
-    return pb.SendCommandRequest(stage_ids=list(stage_ids), kind=kind_value, args_json=json.dumps(args or {}),
-                                 timeout_s=timeout_s, replica_ids=list(replica_ids), keep_serving=keep_serving)
 
 
 class _Stream:
@@ -158,6 +121,7 @@ class MasterClient:
         self._last_load: dict | None = None   # load_fn's last good load, sent again when it fails
         self.last_error: str | None = None  # of the keep-alive loop, for diagnostics
         self.registrations = 0  # how many times register succeeded (re-registrations included)
+        self.reach = Reachability(self.address, logger, BACKOFF_MAX_S)   # the keep-alive's view, logged
 
     def _unary(self, method, request, timeout: float | None = None, wait_for_ready: bool | None = None):
         try:
@@ -175,7 +139,7 @@ class MasterClient:
         """Register; `wait_s` waits that long for the master to come up instead of failing at once.
         `stop` (anything with is_set(): a stop request, an asyncio.Event) ends that wait within a
         second of being set -> None (Ctrl-C or a launcher's death must not wait out the 30-120 s)."""
-        req = _register_request(role, stage_id, host, pid, replica_hint, endpoints, config_hash, pipeline_config,
+        req = wire.register_request(role, stage_id, host, pid, replica_hint, endpoints, config_hash, pipeline_config,
                                 version, capabilities, self._instance_id)
         resp = self._wait_register(req, wait_s, stop)
         if resp is None:
@@ -285,6 +249,7 @@ class MasterClient:
             try:
                 if need_register:
                     reg = self._reregister()
+                    self.reach.back()
                     need_register = False
                     backoff = BACKOFF_START_S
                     if on_registration is not None:
@@ -299,8 +264,13 @@ class MasterClient:
                     need_register = True
                     continue
                 self.last_error = f"{e.code().name}: {e.details()}"
+                if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    self.reach.lost(self.last_error)
                 logger.log(logging.WARNING if e.code() is grpc.StatusCode.INVALID_ARGUMENT else logging.DEBUG,
                            "keep-alive stream to %s ended: %s", self.address, self.last_error)
+            except Unavailable as e:   # registering again, with the master away: said once, not every try
+                self.last_error = str(e)
+                self.reach.lost(self.last_error)
             except Exception as e:  # never stop heartbeating over one failure
                 self.last_error = str(e)
                 logger.warning("keep-alive to the omni master at %s failed: %s", self.address, e)
@@ -335,6 +305,8 @@ class MasterClient:
                     except queue.Empty:
                         break
                 yield self._heartbeat(reg, load_fn, acks)
+                # gRPC asks for the next heartbeat once this one was sent: the connection is up
+                self.reach.back()
             stream.wake.wait(interval)
 
     def _withholding(self) -> bool:
@@ -375,7 +347,7 @@ class MasterClient:
     def send_command(self, kind: str, stage_ids: Iterable[int] = (), args: dict | None = None,
                      timeout_s: float = 10.0, replica_ids: Iterable[str] = (),
                      keep_serving: bool = False) -> list[CommandResult]:
-        req = _send_command_request(kind, stage_ids, args, timeout_s, replica_ids, keep_serving)
+        req = wire.send_command_request(kind, stage_ids, args, timeout_s, replica_ids, keep_serving)
         return wire.results_from_pb(self._unary(self._stub.SendCommand, req, timeout=timeout_s + 5))
 
     def kv_put(self, namespace: str, key: str, value: bytes, only_if_exists: bool = False,
@@ -460,7 +432,7 @@ class AsyncMasterClient:
     async def send_command(self, kind: str, stage_ids: Iterable[int] = (), args: dict | None = None,
                            timeout_s: float = 10.0, replica_ids: Iterable[str] = (),
                            keep_serving: bool = False) -> list[CommandResult]:
-        req = _send_command_request(kind, stage_ids, args, timeout_s, replica_ids, keep_serving)
+        req = wire.send_command_request(kind, stage_ids, args, timeout_s, replica_ids, keep_serving)
         return wire.results_from_pb(await self._unary("SendCommand", req, timeout=timeout_s + 5))
 
     async def kv_put(self, namespace: str, key: str, value: bytes, only_if_exists: bool = False,

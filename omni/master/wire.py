@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import logging
+import os
+import socket
 from typing import Callable
 
 from omni._proto import master_pb2 as pb
+from omni.errors import BadRequest
 from omni.master import types
 from omni.master.registry import Replica
 
@@ -110,3 +114,37 @@ def command_kind(kind: str) -> int:
         known = ", ".join(n for n in pb.CommandKind.keys() if n != "COMMAND_UNSPECIFIED")
         raise ValueError(f"unknown command kind {kind!r}; use one of {known}")
     return value
+
+
+def omni_version() -> str:
+    try:
+        return importlib.metadata.version("omni")
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
+def register_request(role: str, stage_id: int, host: str | None, pid: int | None, replica_hint: int,
+                      endpoints: dict | None, config_hash: str, pipeline_config: dict | None, version: str | None,
+                      capabilities: dict | None, instance_id: str = "") -> pb.RegisterRequest:
+    try:
+        role_value = pb.Role.Value(role.upper())
+    except ValueError:
+        raise BadRequest(f"role must be STAGE or FRONTEND, got {role!r}") from None
+    return pb.RegisterRequest(
+        role=role_value, stage_id=stage_id, replica_hint=replica_hint, host=host or socket.gethostname(),
+        pid=os.getpid() if pid is None else pid, endpoints=endpoints or {}, config_hash=config_hash,
+        pipeline_config_json=json.dumps(pipeline_config) if pipeline_config is not None else "",
+        version=version if version is not None else omni_version(),
+        capabilities={k: str(v) for k, v in (capabilities or {}).items()}, instance_id=instance_id)
+
+
+def send_command_request(kind, stage_ids, args, timeout_s, replica_ids, keep_serving=False) -> pb.SendCommandRequest:
+    stage_ids, replica_ids = list(stage_ids), list(replica_ids)
+    if stage_ids and replica_ids:
+        raise BadRequest("stage_ids and replica_ids: give one, not both (a replica id names its stage)")
+    try:
+        kind_value = command_kind(kind)
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
+    return pb.SendCommandRequest(stage_ids=list(stage_ids), kind=kind_value, args_json=json.dumps(args or {}),
+                                 timeout_s=timeout_s, replica_ids=list(replica_ids), keep_serving=keep_serving)
