@@ -142,6 +142,11 @@ def check_pipeline(pipeline: Any, source: str) -> None:
     if not 1 <= pipeline.max_speech_chars <= MAX_SPEECH_CHARS:
         raise ConfigError(f"{source}: pipeline.max_speech_chars must be in [1, {MAX_SPEECH_CHARS}], "
                           f"got {pipeline.max_speech_chars}")
+    # the model's speakers are fixed (matched in any case); a voice store's voices are not known at load
+    if pipeline.voices and pipeline.default_voice is not None and \
+            pipeline.default_voice.lower() not in {v.lower() for v in pipeline.voices}:
+        raise ConfigError(f"{source}: pipeline.default_voice {pipeline.default_voice!r} is not one of "
+                          f"pipeline.voices {list(pipeline.voices)}")
 
 
 def check_sampling(overrides: Any, where: str, engine: str | None = None) -> None:

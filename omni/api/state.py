@@ -342,7 +342,8 @@ class FrontendState:
         if self.speakers:
             key = (name or self.default_voice).lower()
             if key not in self.speakers:
-                raise _no_voice(f"voice `{name}` does not exist; available: {', '.join(self.speakers)}", param)
+                raise _no_voice(f"voice `{name or self.default_voice}` does not exist; available: "
+                                f"{', '.join(self.speakers)}", param)
             return key, None
         name = name or self.default_voice
         if self.voices is None:

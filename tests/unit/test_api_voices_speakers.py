@@ -41,3 +41,17 @@ async def test_a_pipeline_that_speaks_nothing_has_no_voices(tokenizer):  # noqa:
               await c.delete("/v1/audio/voices/a")):
         assert_error(r, 404, None, "no voices")
     assert documented(spec, "/v1/audio/voices", "get", 404)
+
+
+async def test_a_missing_default_voice_is_named_not_none(tokenizer):  # noqa: F811
+    """A request naming no voice resolves the default; its 404 said "voice `None`"."""
+    from omni.api.errors import APIError
+    from omni.api.state import FrontendState
+
+    s = FrontendState(None, None, served_model_name="m", model_aliases=(), frontend_index=0, max_model_len=4096,
+                      default_max_tokens=None, max_tokens_limit=None, speech_entry_stage=0, voices=None,
+                      sampling_defaults=None, speakers=("chelsie", "ethan"), default_voice="nosuch")
+    with pytest.raises(APIError, match=r"^voice `nosuch` does not exist; available: chelsie, ethan$") as e:
+        await s.voice(None)
+    assert e.value.status == 404
+    assert await s.voice("Ethan") == ("ethan", None)

@@ -147,3 +147,17 @@ def test_piper_noise_scales_on_another_engines_stage_are_refused_at_load(deploy,
 def test_the_shipped_deploys_still_load():
     for path in sorted(cfg.deploy_config_path("smollm2-135m-instruct").parent.glob("*.yaml")):
         cfg.load("m", path.stem)
+
+
+@pytest.mark.parametrize("voices, default, ok", [("[chelsie, ethan]", "nosuch", False), ("[chelsie, ethan]", "Ethan", True),
+                                                 ("[]", "joe", True)])
+def test_a_default_voice_must_be_one_of_the_speakers(tmp_path, voices, default, ok):
+    """default_voice outside voices loaded: every request naming no voice then got 404 "voice `None`"; a
+    pipeline without speakers takes its voices from the voice store, unknown at load."""
+    text = f"pipeline: {{voices: {voices}, default_voice: {default}}}\n" + STAGES
+    if ok:
+        assert load(tmp_path, text).pipeline.default_voice == default
+        return
+    with pytest.raises(ConfigError, match=r"pipeline\.default_voice 'nosuch' is not one of pipeline\.voices "
+                                          r"\['chelsie', 'ethan'\]"):
+        load(tmp_path, text)
