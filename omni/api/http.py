@@ -13,7 +13,7 @@ from typing import Awaitable, Callable, Sequence
 
 import anyio
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 
 from omni.api import browser, routes, sse
@@ -321,6 +321,9 @@ def endpoint(fn: Callable[..., Awaitable[Response]]):
     async def wrapper(request: Request) -> Response:
         try:
             return await fn(request)
+        except ClientDisconnect:  # gone while its body (JSON or form) was read: nobody to answer
+            log.debug("client disconnected from %s before its body ended", request.url.path)
+            return Response(status_code=499)
         except Exception as e:  # every failure becomes an OpenAI error body, never a traceback
             return api_error_response(e)
     return wrapper
