@@ -8,6 +8,10 @@ HTTP/1.1: the prior-knowledge preface gets a 505 and the connection closes; an `
 ignored (RFC 9110 lets a server) and the request answered in HTTP/1.1. Written against Hypercorn
 0.18.0 (pinned): tests/unit/test_http1_only.py checks it on a real socket.
 
+A head (request line and headers) over h11_max_incomplete_size (16 KiB) is a 431 and the connection closes:
+h11 applies that cap only while the head is incomplete, and Hypercorn reads 64 KiB at a time, so a head
+arriving in one read passed up to ~64 KiB (tests/unit/test_http1_head_cap.py).
+
 A response the app ends before its last byte (a client that took no data within --timeout-response-write,
 a raw audio stream cut at the stop) closes the connection: Hypercorn kept it open, waiting, with what the
 client had not read still buffered. What a client that is not reading still has queued is dropped with a
@@ -29,15 +33,24 @@ from hypercorn.protocol.events import StreamClosed
 from hypercorn.protocol.h11 import H11Protocol
 
 
-class _Http2Refused(Exception):
+class _Refused(Exception):
     pass
+
+
+def head_size(event: h11.Request) -> int:
+    """The head's bytes as sent without extra whitespace: request line, `name: value` lines, blank line."""
+    return len(event.method) + len(event.target) + 12 + sum(len(k) + len(v) + 4 for k, v in event.headers.raw_items()) + 2
 
 
 class _H11Only(H11Protocol):
     async def _check_protocol(self, event) -> None:
         if event.method == b"PRI" and event.target == b"*":   # HTTP/2 with prior knowledge
             await self._send_error_response(505)
-            raise _Http2Refused
+            raise _Refused
+        # h11 caps a head only while it is incomplete: one that came whole in a read (64 KiB) passed any size.
+        if head_size(event) > self.config.h11_max_incomplete_size:
+            await self._send_error_response(431)
+            raise _Refused
         # Anything else, `Upgrade: h2c` included, is served as the HTTP/1.1 request it is.
 
     async def stream_send(self, event) -> None:
@@ -77,7 +90,7 @@ class Http11OnlyWrapper(ProtocolWrapper):
     async def handle(self, event) -> None:
         try:
             await self.protocol.handle(event)
-        except _Http2Refused:
+        except _Refused:
             await self.send(Closed())
 
 
