@@ -215,6 +215,7 @@ def serve(
         if value is not None and not 0 <= value <= 65535:
             raise ConfigError(f"{flag} must be a TCP port, 0-65535 (0: any free one), got {value}")
     log_level = _log_level(log_level)
+    envs.default_vllm_log_level(log_level)   # before anything imports vLLM: its INFO lines at omni's WARNING
     api_keys = _api_keys(api_keys)
     served_model_names = _served_names(served_model_names)
     _refuse_empty_key("--control-api-key", "OMNI_CONTROL_API_KEY", control_api_key)

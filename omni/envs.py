@@ -83,6 +83,13 @@ def _spin_us(value: str) -> int:
     return us
 
 
+def default_vllm_log_level(level: str) -> None:
+    """vLLM logs at INFO unless VLLM_LOGGING_LEVEL says otherwise, read when it first configures logging in a
+    process: omni's --log-level is that default for every process of this command and its children (stages,
+    their EngineCore), who inherit the environment; a value the user set wins."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", level)
+
+
 def __getattr__(name: str) -> Any:
     if name in environment_variables:
         return environment_variables[name]()
