@@ -261,9 +261,11 @@ def nest_flat_engine_args(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
+    from omni.config_yaml import safe_load   # bounded: aliases can stand for billions of nodes
+
     try:
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+            data = safe_load(f, str(path))
     except FileNotFoundError:
         raise ConfigError(f"--deploy-config: file not found: {path}") from None
     except OSError as e:   # a directory, no permission ...

@@ -126,11 +126,13 @@ def load_config_file(path: str) -> tuple[str | None, list[str]]:
     """(the file's model, its other keys as flags), as vLLM's FlexibleArgumentParser.load_config_file reads it."""
     import yaml
 
+    from omni.config_yaml import safe_load
+
     if not path.endswith((".yaml", ".yml")):
         raise ConfigError(f"--config {path}: expected a YAML file of flags (.yaml or .yml), as vLLM's --config")
     try:
         with open(path) as f:
-            data = yaml.safe_load(f)
+            data = safe_load(f, f"--config {path}")
     except OSError as e:
         raise ConfigError(f"--config {path}: cannot read it ({e.strerror})") from None
     except yaml.YAMLError as e:
