@@ -178,6 +178,8 @@ def _connectors(raw: Any, source: str) -> dict[str, tuple[str, dict[str, Any]]]:
         if unknown:
             raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)} (a connector has name and extra)")
         cls = spec["name"]
+        if not isinstance(cls, str):   # a list or mapping is no class name (and unhashable below)
+            raise ConfigError(f"{where}.name must be one connector class's name (SharedMemoryConnector), got {cls!r}")
         if cls not in CONNECTOR_TRANSPORTS:
             raise ConfigError(f"{where}.name: {cls!r} is not supported: omni moves tensors itself (shared memory "
                               "or CUDA IPC on one host, TCP or NCCL between hosts), so SharedMemoryConnector or "
@@ -250,7 +252,7 @@ def _stages(stages: list, connectors: dict[str, tuple[str, dict[str, Any]]], sou
                 raise ConfigError(f"{here}.{key} must be a mapping of {prefix}N -> connector name")
             for edge, name in edges.items():
                 other = _edge_stage(str(edge), prefix, f"{here}.{key}")
-                if name not in connectors:
+                if isinstance(name, (list, dict)) or name not in connectors:   # a name, as `connectors` keys it
                     raise ConfigError(f"{here}.{key}.{edge}: no connector named {name!r} under `connectors` "
                                       f"(defined: {', '.join(map(str, connectors)) or 'none'})")
                 transport, args = connectors[name]
