@@ -308,6 +308,11 @@ def serve(
 
         print(json.dumps({"config": shown(config.to_dict()), "engine_flags": flags, "num_replicas": num_replicas,
                           "orchestration": dataclasses.asdict(orchestration)}, indent=1))
+        # stderr, exit 0: stdout stays the JSON, and a config is checked on a box without the weights too
+        from omni.models.resolve import located, stage_models
+
+        for name in stage_models(config, None if stage_id is None else [stage_id]):
+            typer.echo(f"model: {located(name)}", err=True)
         raise typer.Exit(0)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     token = omni_token or ""

@@ -80,6 +80,40 @@ def resolve_model(name_or_path: str) -> str:
         + ", ".join(f"{e.model_id} (from {e.source})" for e in BUNDLED))
 
 
+# The engines built on resolve_model(stage.model or the pipeline's model) besides the families' (factory.py).
+_LM_ENGINES = ("torch_lm", "vllm")
+
+
+def stage_models(config, stage_ids=None) -> list[str]:
+    """The names resolve_model gets for these stages (all: None), each once; a Piper voice, a pooler: none."""
+    from omni.models import registry
+
+    specs = {name: spec for name, (_, spec) in registry.engines().items()}
+    names = []
+    for s in config.stages:
+        spec = specs.get(s.engine)
+        if stage_ids is not None and s.stage_id not in stage_ids:
+            continue
+        if s.engine in _LM_ENGINES:
+            names.append(s.model or config.model)
+        elif spec is not None and spec.weights == "omni.models.resolve:resolve_model":
+            names.append(s.model or spec.default_weights or config.model)
+    return list(dict.fromkeys(names))
+
+
+def located(name_or_path: str) -> str:
+    """Where `name_or_path` would load from, preparing nothing (--dry-run's `model:` line): a folder, a
+    bundled model's source, or why there is none."""
+    entry = find_bundled(name_or_path or "")
+    if entry is not None:
+        return f"{entry.model_id} (bundled: {entry.source}, prepared into omni's cache at first use)"
+    try:
+        path = resolve_model(name_or_path)
+    except ConfigError as e:
+        return f"not found ({e})"
+    return path if path == name_or_path else f"{path} ({name_or_path})"
+
+
 def model_config(name_or_path: str | None) -> dict | None:
     """A model's config.json as a dict, or None when the model is not at hand or the file is not a
     JSON object: for callers that only tune limits or messages by it, never for loading."""
