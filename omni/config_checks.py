@@ -195,7 +195,10 @@ def check_yaml_shape(data: Any, path: Any) -> dict[str, Any]:
         if stages is not None and not isinstance(stages, list):
             raise ConfigError(f"{path}: `{where}stages` must be a list of stages, got {type(stages).__name__}")
         for i, stage in enumerate(stages or []):
-            sid = stage.get("stage_id", 0) if isinstance(stage, dict) else 0
+            if not isinstance(stage, dict):   # merging by stage_id passed it over: a platform's section dropped it
+                raise ConfigError(f"{path}: `{where}stages[{i}]` must be a mapping of a stage's keys, "
+                                  f"got {type(stage).__name__}: {stage!r:.80}")
+            sid = stage.get("stage_id", 0)
             if not isinstance(sid, int) or isinstance(sid, bool):
                 raise ConfigError(f"{path}: `{where}stages[{i}].stage_id` must be an integer, got {sid!r}")
     return data

@@ -111,6 +111,12 @@ stages:
      "`stages\\[0\\].stage_id` must be an integer, got None"),
     (BASE + "platforms: {cpu: {stages: [{stage_id: '0'}]}}",
      "`platforms.cpu.stages\\[0\\].stage_id` must be an integer, got '0'"),
+    # A stage that is no mapping was passed over by the merge: a platform's section over it dropped it, exit 0.
+    ("base_config: {tmp}/base.yaml\nstages: [[stage_id: 2, engine: nosuch]]\nplatforms: {cpu: {stages: [{stage_id: 0}]}}",
+     "`stages\\[0\\]` must be a mapping of a stage's keys, got list: \\[{'stage_id': 2}, {'engine': 'nosuch'}\\]"),
+    ("base_config: {tmp}/base.yaml\nstages: [{stage_id: 0}, stage one]", "`stages\\[1\\]` must be a mapping"),
+    (BASE + "platforms: {cuda: {stages: [null]}}", "`platforms.cuda.stages\\[0\\]` must be a mapping of a stage's keys, "
+     "got NoneType"),
 ])
 def test_bad_yaml_names_the_key(tmp_path, yaml_text, match):
     write(tmp_path, "base.yaml", BASE)
