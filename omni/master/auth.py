@@ -203,14 +203,12 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
 
 
 def _refusing(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    async def refuse(request_or_iterator, context):
+    """A handler that refuses on the headers, whatever the method's kind: as a request-streaming one it reads no
+    message, so an unfinished one is never waited for and held (a unary handler first reads its request whole)."""
+    async def refuse(request_iterator, context):
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
     kw = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(refuse, **kw)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(refuse, **kw)
     if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(refuse, **kw)
-    return grpc.unary_unary_rpc_method_handler(refuse, **kw)
+        return grpc.stream_stream_rpc_method_handler(refuse, **kw)
+    return grpc.stream_unary_rpc_method_handler(refuse, **kw)

@@ -32,6 +32,18 @@ MAX_RECEIVE_BYTES = 32 << 20         # the clients' receive limit (gRPC's defaul
 # server must allow it: gRPC's default (no pings without a call, none under 5 min without data) answers
 # the third with a GOAWAY "too_many_pings", and a call then on the connection fails.
 KEEPALIVE_MS = 10_000
+# What the master's server allows a connection (docs/security.md). A legitimate process holds at most 3 long calls
+# (KeepAlive, the watches) on its one connection, its other calls take under a millisecond, and calls past the cap
+# wait on the client for a slot; so 100 (HTTP/2's recommended least) bounds a token holder's buffered requests to
+# 100 x MAX_REQUEST_BYTES a connection. The largest legitimate request is a 3 MiB metrics value (kv.LIMITS).
+MAX_STREAMS_PER_CONNECTION = 100
+MAX_REQUEST_BYTES = 4 << 20          # gRPC's default, stated
+# A connection with no call open is closed (a graceful GOAWAY: a client reconnects at its next call) after
+# MAX_IDLE_MS, and one open longer than MAX_AGE_MS takes no new call (its open calls run on, so a stage's KeepAlive
+# is never cut): a peer without the token, every call of which is refused at once, is held no longer.
+MAX_IDLE_MS = 30_000
+MAX_AGE_MS = 600_000
+HANDSHAKE_TIMEOUT_MS = 20_000        # TCP to HTTP/2 settings (TLS included); gRPC's default is 120 s
 
 
 def _size(text: str) -> int:

@@ -36,9 +36,14 @@ MAX_COMMAND_TIMEOUT_S = 600.0
 
 
 def server_options() -> list[tuple[str, int]]:
-    """Allow the clients' keep-alive pings on idle connections (limits.KEEPALIVE_MS, half that for slack)."""
+    """Allow the clients' keep-alive pings on idle connections (limits.KEEPALIVE_MS, half that for slack); bound
+    what one connection holds and for how long (limits: what peers without the token can make the master keep)."""
     return [("grpc.so_reuseport", 0), ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.min_ping_interval_without_data_ms", limits.KEEPALIVE_MS // 2)]
+            ("grpc.http2.min_ping_interval_without_data_ms", limits.KEEPALIVE_MS // 2),
+            ("grpc.max_concurrent_streams", limits.MAX_STREAMS_PER_CONNECTION),
+            ("grpc.max_receive_message_length", limits.MAX_REQUEST_BYTES),
+            ("grpc.max_connection_idle_ms", limits.MAX_IDLE_MS), ("grpc.max_connection_age_ms", limits.MAX_AGE_MS),
+            ("grpc.server_handshake_timeout_ms", limits.HANDSHAKE_TIMEOUT_MS)]
 
 
 def sweep_tick(lease_ttl_s: float) -> float:
