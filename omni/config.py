@@ -224,7 +224,9 @@ def deploy_config_path(name: str) -> Path:
 def current_platform() -> str:
     """"cuda" where an NVIDIA GPU is visible, else "cpu" (OMNI_PLATFORM overrides). Read without
     importing torch: config loading stays fast."""
-    forced = os.environ.get("OMNI_PLATFORM", "").strip().lower()
+    from omni import envs
+
+    forced = envs.OMNI_PLATFORM
     if forced:
         return forced
     gpus = Path("/proc/driver/nvidia/gpus")

@@ -47,7 +47,12 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # The id a launcher's child registers under with the master (a uuid4's hex, new at each start), so the
     # launcher marks the entries of a child it reaped by it, not by host and pid; unset, a random one.
     "OMNI_INSTANCE_ID": lambda: _instance_id(os.environ.get("OMNI_INSTANCE_ID")),
+    # The deploy's `platforms.<name>` section to apply, "cpu" or "cuda" (any case); unset: "cuda" where an
+    # NVIDIA GPU is visible (omni/config.py current_platform).
+    "OMNI_PLATFORM": lambda: _platform(os.environ.get("OMNI_PLATFORM", "")),
 }
+
+PLATFORMS = ("cpu", "cuda")
 
 
 def _api_keys(value: str | None) -> list[str]:
@@ -71,6 +76,15 @@ def _instance_id(value: str | None) -> str | None:
         raise ConfigError(f"OMNI_INSTANCE_ID={value[:40]!r}: expected 32 lowercase hex digits (a uuid4's hex, "
                           "as the launcher sets it)")
     return value
+
+
+def _platform(value: str) -> str | None:
+    # another name picked no section at all: the GPU values on a CPU host, silently
+    platform = value.strip().lower()
+    if platform and platform not in PLATFORMS:
+        raise ConfigError(f"OMNI_PLATFORM={value[:40]!r}: expected {' or '.join(PLATFORMS)} (the deploy's "
+                          "platforms.<name> section to apply), or unset to detect it")
+    return platform or None
 
 
 def _spin_us(value: str) -> int:

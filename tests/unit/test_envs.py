@@ -56,3 +56,17 @@ def test_api_keys_come_as_a_json_list_else_one_key(monkeypatch):
         with pytest.raises(ConfigError, match="OMNI_API_KEYS: expected a JSON list") as e:
             envs.OMNI_API_KEYS  # noqa: B018
         assert "s3cret" not in str(e.value)
+
+
+@pytest.mark.parametrize("value", ["gpu", "rocm", "cuda0"])
+def test_an_unknown_platform_is_refused_naming_the_variable(monkeypatch, value):
+    """OMNI_PLATFORM=gpu picked no platforms.<name> section: `omni serve` ran the GPU values on a CPU host, exit 0."""
+    from omni import config as cfg
+    from omni.errors import ConfigError
+
+    monkeypatch.setenv("OMNI_PLATFORM", value)
+    with pytest.raises(ConfigError, match=rf"^OMNI_PLATFORM='{value}': expected cpu or cuda"):
+        cfg.load("smollm2-vllm")
+    for given, platform in ((" CUDA ", "cuda"), ("cpu", "cpu")):
+        monkeypatch.setenv("OMNI_PLATFORM", given)
+        assert cfg.current_platform() == platform
