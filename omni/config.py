@@ -24,6 +24,7 @@ import msgspec
 import yaml
 
 from omni import config_vllm_omni as vllm_omni
+from omni.config_engines import check_engines
 from omni.config_checks import check_pipeline, check_sampling, check_talker_defaults, check_yaml_shape, yaml_sections
 from omni.config_merge import deep_merge, merge_configs
 from omni.config_stage_checks import (blame_override, check_connector_edge, check_engine_args, check_stage_override,
@@ -471,11 +472,11 @@ def load(
     if stage_overrides:
         base, data = data, apply_stage_overrides(data, stage_overrides)
         try:
-            return parse(data, source=str(path))
+            return check_engines(parse(data, source=str(path)), str(path))
         except ConfigError as e:
-            parse(base, source=str(path))   # the YAML's own error stays the YAML's
+            check_engines(parse(base, source=str(path)), str(path))   # the YAML's own error stays the YAML's
             raise blame_override(e, str(path), data.get("stages") or []) from None
-    return parse(data, source=str(path))
+    return check_engines(parse(data, source=str(path)), str(path))
 
 
 def _pipeline_of(model: str, path: Path) -> Path:

@@ -85,7 +85,7 @@ DTYPE_CHOICES = {"torch_lm": ("bfloat16", "float32"), "vllm": ("auto", *_TORCH_D
                  **dict.fromkeys(("qwen3_talker", "qwen3_code2wav", "qwen25_talker"), ("auto", *_TORCH_DTYPES))}
 # Counts every engine that takes them needs at >= 1, checked at load (and so by --dry-run): an engine
 # refused 0 only when its stage started, after the master and the other stages had.
-COUNT_ARGS = ("max_num_seqs", "max_num_batched_tokens", "num_threads", "threads", "max_batch_rows",
+COUNT_ARGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_threads", "threads", "max_batch_rows",
               "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
 _SECRET = ("it holds a secret, and the resolved config, env included, reaches every process and the master; "
            "`omni serve` passes it to the processes that need it")

@@ -221,13 +221,15 @@ def spread_flags(config: DeployConfig, flags: dict[str, Any], stage_id: int | No
     flag. A flag no stage takes is an error naming it (as `typed`, parse_extra_flags') and the stages, except flags
     that only size a GPU engine, which are named and ignored. `stage_id` (stage mode): that stage alone, by the
     same rule, before anything starts (its engine would refuse the key only once built)."""
+    from omni.config_engines import flag_type_refusal
     from omni.config_stage_checks import check_dtype
-    from omni.engines.factory import DEVICE_ONLY_ARGS, accepted_args, known_elsewhere, takes
+    from omni.engines.factory import DEVICE_ONLY_ARGS, accepted_args, arg_types, known_elsewhere, takes
     from omni.vllm_serve_flags import LOGGING_ONLY_ARGS, frontend_only
 
     flag_name = namer(typed)
     stages = config.stages if stage_id is None else (config.stage(stage_id),)
     accepted = {s.engine: accepted_args(s.engine) for s in stages}
+    types = {s.engine: arg_types(s.engine) for s in stages}     # a bare --seed is true: refused, not passed on
     who = (f"no stage of this pipeline takes it ({_describe(stages)})" if stage_id is None
            else f"stage {stage_id}'s engine ({stages[0].engine}) does not take it")
     out: dict[str, dict[str, Any]] = {}
@@ -248,6 +250,10 @@ def spread_flags(config: DeployConfig, flags: dict[str, Any], stage_id: int | No
                 raise ConfigError(f"{flag_name(key, value)}: vLLM's serve option, not supported by omni")
             raise ConfigError(vllm_omni_flags.refusal(key, value, (typed or {}).get(key))
                               or f"{flag_name(key, value)}: {who}")
+        for s in takers:
+            refusal = key in types[s.engine] and flag_type_refusal(flag_name(key, value), value, types[s.engine][key])
+            if refusal:
+                raise ConfigError(f"{refusal} (for {s.label}, engine {s.engine})")
         for s in takers if key == "dtype" else ():
             check_dtype(value, s.engine, f"{flag_name(key)} ({s.label})")
         others = [s.label for s in stages if s not in takers]

@@ -117,10 +117,10 @@ def accepted_args(engine: str) -> frozenset[str] | None:
     """engine_args keys ENGINE takes; None: any (an engine that takes **kwargs)."""
     if engine == "vllm":
         try:
-            from omni.engines.vllm.engine import OMNI_ARGS, engine_arg_names
-            return frozenset(engine_arg_names() | set(OMNI_ARGS))
+            from omni.engines.vllm.args import OMNI_ARGS, engine_arg_fields   # vLLM's source, not imported
         except ImportError:
             return None
+        return frozenset(engine_arg_fields()) | frozenset(OMNI_ARGS) if engine_arg_fields() else None
     target = ENGINE_CLASSES.get(engine)
     if target is None:
         return frozenset()
@@ -129,6 +129,22 @@ def accepted_args(engine: str) -> frozenset[str] | None:
         return None
     keys = frozenset(k for k, p in params.items() if p.kind is p.KEYWORD_ONLY)
     return keys | TORCH_STAGE_KEYS if engine in TORCH_MODEL_ENGINES else keys
+
+
+def arg_types(engine: str) -> dict[str, str]:
+    """ENGINE's engine_args -> their annotations as written ("int | None"); a key without one is left out."""
+    if engine == "vllm":
+        try:
+            from omni.engines.vllm.args import engine_arg_fields
+        except ImportError:
+            return {}
+        return engine_arg_fields()
+    target = ENGINE_CLASSES.get(engine)
+    if target is None:
+        return {}
+    params = inspect.signature(_load(target).__init__).parameters
+    return {k: p.annotation for k, p in params.items()
+            if p.kind is p.KEYWORD_ONLY and isinstance(p.annotation, str)}
 
 
 def takes(engine: str, key: str, value: Any, accepted: frozenset[str] | None = None) -> bool:
@@ -140,9 +156,19 @@ def engine_args_for(stage: StageConfig) -> dict[str, Any]:
     """The stage's engine_args its engine takes. vLLM-style keys another engine would take
     (a vllm-omni YAML sets gpu_memory_utilization on every stage) are named and dropped;
     a key no engine knows stays, so the engine names it."""
+    kept, dropped = sort_engine_args(stage)
+    if dropped:
+        print(f"omni: {stage.label}: engine {stage.engine} does not take {', '.join(sorted(dropped))}; "
+              "ignored", file=sys.stderr, flush=True)
+    return kept
+
+
+def sort_engine_args(stage: StageConfig) -> tuple[dict[str, Any], list[str]]:
+    """(the engine_args kept for the engine, the keys dropped as another engine's), as engine_args_for
+    decides them; a kept key the engine does not take is one no engine knows (config_engines refuses it)."""
     accepted = accepted_args(stage.engine)
     if accepted is None:
-        return dict(stage.engine_args)
+        return dict(stage.engine_args), []
     kept, dropped = {}, []
     for k, v in stage.engine_args.items():
         if takes(stage.engine, k, v, accepted):
@@ -155,10 +181,7 @@ def engine_args_for(stage: StageConfig) -> dict[str, Any]:
             dropped.append(k)
         else:
             kept[k] = v
-    if dropped:
-        print(f"omni: {stage.label}: engine {stage.engine} does not take {', '.join(sorted(dropped))}; "
-              "ignored", file=sys.stderr, flush=True)
-    return kept
+    return kept, dropped
 
 
 def known_elsewhere(key: str) -> bool:

@@ -18,8 +18,8 @@ from tests.unit import test_config_vllm_omni as vo_tests
 THREE = """model: m
 stages:
   - {stage_id: 0, engine: vllm, inputs: [prompt], final_output: true, final_output_type: text}
-  - {stage_id: 1, engine: a, inputs: [0]}
-  - {stage_id: 2, engine: b, inputs: [1], final_output: true, final_output_type: audio}
+  - {stage_id: 1, engine: piper_talker, inputs: [0]}
+  - {stage_id: 2, engine: piper_code2wav, inputs: [1], final_output: true, final_output_type: audio}
 """
 
 
@@ -97,7 +97,7 @@ def test_a_refused_stage_override_names_the_flag_not_the_yaml(tmp_path, override
 
 
 def test_the_yamls_own_error_still_names_the_yaml_under_stage_overrides(tmp_path):
-    text = THREE.replace("engine: a,", "engine: a, final_output: maybe,")
+    text = THREE.replace("engine: piper_talker,", "engine: piper_talker, final_output: maybe,")
     with pytest.raises(ConfigError, match=r"d\.yaml: Expected `bool`, got `str` - at `stages\[1\]\.final_output`"):
         load(tmp_path, text, stage_overrides={"0": {"default_sampling_params": {"max_tokens": 3}}})
 

@@ -3,8 +3,11 @@ inherits, the sampling mapping, and the vLLM config they make (split from engine
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
+import functools
+import importlib.util
 import os
 from typing import Any
 
@@ -29,6 +32,25 @@ def engine_arg_names() -> set[str]:
     from vllm.engine.arg_utils import EngineArgs
 
     return {f.name for f in dataclasses.fields(EngineArgs)}
+
+
+@functools.cache
+def engine_arg_fields() -> dict[str, str]:
+    """EngineArgs' fields -> their annotations as written, read from vLLM's source without importing it
+    (importing vllm.engine.arg_utils takes 10-20 s on a few shared cores; config load checks the keys and
+    the extra flags' types); {}: no vLLM installed. tests/unit/test_engine_arg_checks.py compares it with
+    engine_arg_names()."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.origin:
+        return {}
+    path = os.path.join(os.path.dirname(spec.origin), "engine", "arg_utils.py")
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == "EngineArgs":
+            return {b.target.id: ast.unparse(b.annotation) for b in node.body
+                    if isinstance(b, ast.AnnAssign) and isinstance(b.target, ast.Name)}
+    return {}
 
 
 def split_engine_args(label: str, args: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
