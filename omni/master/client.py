@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import queue
 import threading
@@ -32,10 +33,23 @@ OnCommand = Callable[[Command], "tuple[bool, str] | None"]
 
 
 def check_address(address: str) -> str:
+    if any(ord(c) < 32 or ord(c) == 127 for c in address):   # a NUL reached gRPC's C core, which printed raw lines
+        raise BadRequest(f"omni master address {address!r} holds a control character; give HOST:PORT")
     host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         raise BadRequest(f"omni master address must be HOST:PORT, got {address!r}")
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        # gRPC read ::1:1 as the IPv6 address ::0.1.0.1 on port 443
+        hint = f" (an IPv6 address goes in brackets: [{host}]:{port})" if _is_ipv6(host) else ""
+        raise BadRequest(f"omni master address must be HOST:PORT, got {address!r}{hint}")
     return address
+
+
+def _is_ipv6(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.partition("%")[0]).version == 6
+    except ValueError:
+        return False
 
 
 def _channel(address: str, tls: TlsFiles | None, aio: bool = False):

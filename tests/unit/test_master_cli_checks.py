@@ -72,3 +72,29 @@ def test_omni_status_with_a_bad_ca_prints_one_line_and_no_grpc_errors(not_pem):
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().splitlines() == [
         f"omni status: --tls-ca {not_pem}: not a PEM certificate (no '-----BEGIN CERTIFICATE-----')"], r.stderr
+
+
+@pytest.mark.parametrize("address, message", [
+    ("::1:1", "must be HOST:PORT, got '::1:1' (an IPv6 address goes in brackets: [::1]:1)"),
+    ("fe80::1%eth0:5", "(an IPv6 address goes in brackets: [fe80::1%eth0]:5)"),
+    ("\x00:1", "omni master address '\\x00:1' holds a control character; give HOST:PORT"),
+    ("127.0.0.1:1\n", "holds a control character"),
+    ("127.0.0.1:1:2", "must be HOST:PORT, got '127.0.0.1:1:2'"),
+])
+def test_a_master_address_grpc_would_misread_is_refused(address, message):
+    """gRPC read `::1:1` as the IPv6 address ::0.1.0.1 on port 443 (omni status then tried that), and a NUL
+    reached its C core, which printed its own error lines."""
+    from omni.errors import BadRequest
+    from omni.master.client import check_address
+
+    with pytest.raises(BadRequest) as e:
+        check_address(address)
+    assert message in str(e.value)
+    assert check_address("[::1]:1") == "[::1]:1"
+
+
+def test_omni_status_names_the_brackets_an_ipv6_master_needs():
+    r = CliRunner().invoke(app, ["status", "--master", "::1:1"])
+    assert r.exit_code == 2, r.output
+    assert r.output.strip() == ("omni status: omni master address must be HOST:PORT, got '::1:1' (an IPv6 address "
+                                "goes in brackets: [::1]:1)"), r.output
