@@ -29,6 +29,7 @@ from omni.backoff import RestartBackoff
 from omni.config import DeployConfig
 from omni.errors import OmniError
 from omni.fsutil import OWNER_FILE, sweep_stale_tmp
+from omni.netaddr import host_port
 from omni.signals import StopRequest
 from omni.vllm_omni_flags import Orchestration
 
@@ -156,7 +157,7 @@ class Launcher:
         self.plan = plan
         self.children: list[Child] = []
         self.master = None
-        self.master_address = f"{plan.master_host}:{plan.master_port}"
+        self.master_address = host_port(plan.master_host, plan.master_port)
         self._stop = StopRequest()   # set by the signal handlers: no locks there
         self._listener: socket.socket | None = None
         sweep_stale_tmp()
@@ -248,7 +249,7 @@ class Launcher:
                                    lease_ttl_s=p.orchestration.lease_ttl_s or p.config.pipeline.lease_ttl_s,
                                    state_dir=p.state_dir)
         port = self.master.start()
-        self.master_address = f"{p.master_host}:{port}"
+        self.master_address = host_port(p.master_host, port)
         progress(f"master listening on {self.master_address}" + (" (TLS)" if p.master_tls else ""))
         if p.master_tls:
             self._check_own_master()

@@ -28,6 +28,7 @@ from omni.master.registry import (
     BadRegistration, ConfigMismatch, Event, LeaseUnknown, Load, RegisterInput, Registry, RegistryFull, Role,
 )
 from omni.master.targets import command_targets, would_stop
+from omni.netaddr import host_port
 
 logger = logging.getLogger(__name__)
 
@@ -381,7 +382,7 @@ class MasterServer:
 
     @property
     def address(self) -> str:
-        return f"{self.host}:{self.port}"
+        return host_port(self.host, self.port)
 
     def start(self, timeout_s: float = 30.0) -> int:
         if self._thread is not None:
@@ -454,7 +455,7 @@ class MasterServer:
         server = grpc.aio.server(interceptors=interceptors, options=server_options())
         servicer = self._servicer = MasterServicer(self.registry, self._kv)
         pb_grpc.add_MasterServicer_to_server(servicer, server)
-        target = f"{self.host}:{self.port}"
+        target = host_port(self.host, self.port)
         try:
             if self._tls is not None:
                 port = server.add_secure_port(target, self._tls.server_credentials())

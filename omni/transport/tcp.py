@@ -26,6 +26,7 @@ import threading
 import torch
 
 from omni import envs
+from omni.netaddr import host_port
 from omni.transport.base import ProducerFull, TensorConsumer, TensorProducer, TensorRef, TransportError
 from omni.transport.down import DownProducers
 from omni.transport.recvpool import DEFAULT_POOL_BYTES, RecvPool
@@ -80,7 +81,7 @@ class KeyedProducer(TensorProducer):
                                     backlog=1024)
         bound_port = sock.getsockname()[1]
         adv = advertise_host or host
-        self.endpoint = f"[{adv}]:{bound_port}" if ":" in adv else f"{adv}:{bound_port}"
+        self.endpoint = host_port(adv, bound_port)
         self.incarnation = f"{self.transport}-{os.getpid()}-{secrets.token_hex(4)}"   # a fixed port outlives a process
         self._server = SocketServer(sock, self._serve, f"omni-{self.transport}",
                                     hello=token_hello(MAGIC, self._token), refusal=STATUS.pack(BAD_TOKEN))
