@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import threading
+import weakref
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -30,6 +31,9 @@ FORMATS = {
     "opus": Format("ogg", "libopus", "audio/ogg", 64000),
     "aac": Format("adts", "aac", "audio/aac", 64000),
 }
+# Fewer samples (but some) than this are padded with silence at close: a few samples made an empty
+# file (Opus through the resampler, mp3 above 48 kHz) or an undecodable one (AAC, 1-2 samples).
+MIN_SAMPLES = 4096
 # Ogg keeps packets until a page holds this much (µs; FFmpeg's default 1 s): a stream's bytes leave sooner.
 OGG_PAGE_US = 100_000
 
@@ -81,25 +85,30 @@ class Encoder:
             self._stream.bit_rate = f.bit_rate
         self._in_rate, self._pts, self._closed = sample_rate, 0, False
         self._lock = threading.Lock()
+        # An open container collected with its file crashed the process (SIGSEGV in FFmpeg's write
+        # callback): one dropped unclosed is closed first, its file still alive.
+        self._finalizer = weakref.finalize(self, _close_box, self._box, self._out)
 
     def write(self, pcm_f32: Any) -> bytes:
         with self._lock:
             return self._write(pcm_f32)
 
     def _write(self, pcm_f32: Any) -> bytes:
-        import av
-
         if self._closed:
             raise ValueError("write to a closed audio encoder")
         a = np.frombuffer(pcm_f32, "<f4") if isinstance(pcm_f32, (bytes, bytearray, memoryview)) else pcm_f32
-        a = np.clip(np.nan_to_num(np.asarray(a, np.float32).reshape(-1), nan=0.0), -1.0, 1.0)
+        self._encode(np.clip(np.nan_to_num(np.asarray(a, np.float32).reshape(-1), nan=0.0), -1.0, 1.0))
+        return self._take()
+
+    def _encode(self, a: np.ndarray) -> None:
+        import av
+
         if a.size:
             frame = av.AudioFrame.from_ndarray(a[None, :], format="flt", layout="mono")
             frame.sample_rate, frame.pts = self._in_rate, self._pts
             self._pts += a.size
             for packet in self._stream.encode(frame):
                 self._box.mux(packet)
-        return self._take()
 
     def close(self) -> bytes:
         """The encoder's held-back frames and the container's trailer; closing twice is a no-op."""
@@ -108,12 +117,14 @@ class Encoder:
 
     def _close(self) -> bytes:
         if not self._closed:
-            self._closed = True
             try:
+                if 0 < self._pts < MIN_SAMPLES:
+                    self._encode(np.zeros(MIN_SAMPLES - self._pts, np.float32))
                 for packet in self._stream.encode(None):
                     self._box.mux(packet)
             finally:
-                self._box.close()
+                self._closed = True
+                self._finalizer()
         return self._take()
 
     def _take(self) -> bytes:
@@ -124,6 +135,13 @@ def encode(fmt: str, pcm_f32: Any, sample_rate: int) -> tuple[bytes, int]:
     """A whole file of `fmt` and its rate (see Encoder), written seekably for its length headers."""
     buf = io.BytesIO()
     enc = Encoder(fmt, sample_rate, out=buf)
-    enc.write(pcm_f32)
-    enc.close()
+    try:
+        enc.write(pcm_f32)
+    finally:
+        enc.close()
     return buf.getvalue(), enc.rate
+
+
+def _close_box(box: Any, out: Any) -> None:
+    """Close an encoder's container while `out`, the file it writes to, is alive (finalize holds it)."""
+    box.close()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import base64
 import io
+import subprocess
+import sys
 
 import av
 import numpy as np
@@ -169,3 +171,25 @@ async def test_the_openai_clients_speech_create_gets_each_format(tokenizer):
         for fmt in sorted(FORMATS):
             r = await client.audio.speech.create(model="tiny", voice="joe", input="hi there", response_format=fmt)
             assert_sound(r.content, fmt, CHUNKS * 100)
+
+
+@pytest.mark.parametrize("rate", [22050, 44100, 96000])
+@pytest.mark.parametrize("n", [1, 2, 20])
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_a_few_samples_make_a_file_that_decodes(fmt, n, rate):
+    # Opus through the resampler and mp3 above 48 kHz made 0 bytes for up to 20 samples, AAC of 1-2 an
+    # undecodable file; a few samples are padded with silence to one short file
+    data, _ = encode(fmt, np.full(n, 0.5, np.float32), rate)
+    samples, _ = decoded(data)
+    assert samples.size >= n
+
+
+def test_an_encoder_dropped_unclosed_does_not_take_the_process_down():
+    # Collected with its file and its container open, a written encoder crashed Python (SIGSEGV or abort
+    # inside FFmpeg's write callback); each runs in a child, as the crash would take pytest with it.
+    script = ("import gc, numpy as np\nfrom omni.audio_encode import Encoder, FORMATS\n"
+              "for _ in range(20):\n    for f in sorted(FORMATS):\n"
+              "        e = Encoder(f, 22050); e.write(np.zeros(24000, np.float32)); del e; gc.collect()\n"
+              "print('alive')\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout.strip()) == (0, "alive"), done.stderr[-2000:]
