@@ -105,7 +105,7 @@ def image_params(req: P.ImageGenerationRequest, s: ImageSettings) -> ImageParams
                               param="true_cfg_scale")
         req = msgspec.structs.replace(req, guidance_scale=req.true_cfg_scale)
     check_prompt(req.prompt, s)
-    width, height = parse_size(req.size or s.default_size, auto=s.default_size)
+    width, height = parse_size(s.default_size if req.size is None else req.size, auto=s.default_size)
     check_size(width, height, s)
     n = req.n if req.n is not None else 1
     if n > s.max_n:

@@ -69,7 +69,7 @@ def video_params(req: P.VideoCreateRequest, s: VideoSettings) -> tuple[ImagePara
     if req.width is not None:
         width, height, param = req.width, req.height, "width"
     else:
-        width, height = parse_size(req.size or s.default_size)
+        width, height = parse_size(s.default_size if req.size is None else req.size)
         param = "size"
     check_size(width, height, s, param)
     if max(width, height) > s.max_side:

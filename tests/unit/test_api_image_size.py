@@ -23,7 +23,7 @@ async def test_auto_is_the_deployments_default_size():
     assert re.fullmatch(pattern[1:-1], "auto") and re.fullmatch(pattern[1:-1], "64x32")
 
 
-@pytest.mark.parametrize("size", ["big", "64", "64x32\n", "64X32", "6²x32", "x" * 70, "auto "])
+@pytest.mark.parametrize("size", ["big", "64", "64x32\n", "64X32", "6²x32", "x" * 70, "auto ", ""])
 async def test_a_malformed_image_size_is_refused_in_words(size):
     _, client = make()
     r = await client.post("/v1/images/generations", json={"prompt": "a cat", "size": size})
@@ -35,7 +35,7 @@ async def test_a_malformed_image_size_is_refused_in_words(size):
 
 async def test_a_malformed_video_size_is_refused_in_words(tmp_path):
     _, _, client = frontend(LocalKv(), tmp_path)
-    for size in ("auto", "big"):   # OpenAI's videos have no "auto"
+    for size in ("auto", "big", ""):   # OpenAI's videos have no "auto"; "" is no size either
         r = await client.post("/v1/videos", json={"prompt": "a dog", "size": size})
         err = r.json()["error"]
         assert r.status_code == 400 and err["param"] == "size", r.text

@@ -15,6 +15,7 @@ def test_labels_name_the_template_not_the_id():
     assert label("/v1/omni/jobs/job-1") == "/v1/omni/jobs/{job_id}"
     assert label("/v1/omni/jobs/job-1/content") == "/v1/omni/jobs/{job_id}/content"
     assert label("/v1/omni/jobs/job-1/other") == "other" and label("/secret/123") == "other"
+    assert label("/v1/models/Qwen/Qwen3-Omni") == "/v1/models/{model}"    # as openapi.json names it
 
 
 def test_app_openapi_and_guard_follow_the_table(tokenizer):
