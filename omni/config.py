@@ -454,7 +454,9 @@ def load(
     deploy_config: str | None = None,
     stage_overrides: dict[str, Any] | None = None,
     async_chunk: bool | None = None,
+    engines: bool = True,   # False: the engines are not checked (omni master: no torch, it builds none)
 ) -> DeployConfig:
+    check = check_engines if engines else lambda config, _source: config
     path = deploy_config_path(deploy_config) if deploy_config else default_config_path(model)
     data = _load_raw(path)
     if "model" not in data and not any(isinstance(s, dict) and "engine" in s for s in data.get("stages") or []):
@@ -472,11 +474,11 @@ def load(
     if stage_overrides:
         base, data = data, apply_stage_overrides(data, stage_overrides)
         try:
-            return check_engines(parse(data, source=str(path)), str(path))
+            return check(parse(data, source=str(path)), str(path))
         except ConfigError as e:
-            check_engines(parse(base, source=str(path)), str(path))   # the YAML's own error stays the YAML's
+            check(parse(base, source=str(path)), str(path))   # the YAML's own error stays the YAML's
             raise blame_override(e, str(path), data.get("stages") or []) from None
-    return check_engines(parse(data, source=str(path)), str(path))
+    return check(parse(data, source=str(path)), str(path))
 
 
 def _pipeline_of(model: str, path: Path) -> Path:

@@ -221,7 +221,7 @@ def spread_flags(config: DeployConfig, flags: dict[str, Any], stage_id: int | No
     flag. A flag no stage takes is an error naming it (as `typed`, parse_extra_flags') and the stages, except flags
     that only size a GPU engine, which are named and ignored. `stage_id` (stage mode): that stage alone, by the
     same rule, before anything starts (its engine would refuse the key only once built)."""
-    from omni.config_engines import flag_type_refusal
+    from omni.config_engines import flag_type_refusal, kinds
     from omni.config_stage_checks import check_dtype
     from omni.engines.factory import DEVICE_ONLY_ARGS, accepted_args, arg_types, known_elsewhere, takes
     from omni.vllm_serve_flags import LOGGING_ONLY_ARGS, frontend_only
@@ -250,6 +250,8 @@ def spread_flags(config: DeployConfig, flags: dict[str, Any], stage_id: int | No
                 raise ConfigError(f"{flag_name(key, value)}: vLLM's serve option, not supported by omni")
             raise ConfigError(vllm_omni_flags.refusal(key, value, (typed or {}).get(key))
                               or f"{flag_name(key, value)}: {who}")
+        if value in ("None", "") and all("None" in (kinds(types[s.engine].get(key, "")) or ()) for s in takers):
+            value = None      # vLLM's optional_type reads `--block-size None` (or '') as unset
         for s in takers:
             refusal = key in types[s.engine] and flag_type_refusal(flag_name(key, value), value, types[s.engine][key])
             if refusal:

@@ -96,7 +96,7 @@ def _load_config(path: str) -> dict:
     raw = cfg._read_yaml(Path(path))
     if not raw.get("model"):
         raise ConfigError(f"--deploy-config {path}: needs a `model` key for a standalone master")
-    return cfg.load(str(raw["model"]), path).to_dict()
+    return cfg.load(str(raw["model"]), path, engines=False).to_dict()
 
 
 def status(
