@@ -1,6 +1,7 @@
 """Whether a stage's keep-alive reaches its master, said in its log: one WARNING when the master becomes
-unreachable and one INFO when it is back, so a headless stage whose head was stopped does not wait in
-silence (the stream's own errors are DEBUG: they come every backoff, up to 1.5 s apart)."""
+unreachable and one WARNING when it is back (an INFO would not show at a stage's default --log-level, which
+showed the outage and never its end), so a headless stage whose head was stopped does not wait in silence
+(the stream's own errors are DEBUG: they come every backoff, up to 1.5 s apart)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from omni.ratelog import RateLimitedLog
 
 class Reachability:
     """lost() on a failed keep-alive stream, back() once a heartbeat went out or the stage registered again.
-    A master that flaps logs at most `burst` outages a minute; an INFO is logged only for a WARNING that was."""
+    A master that flaps logs at most `burst` outages a minute; its return is logged only for a WARNING that was."""
 
     def __init__(self, address: str, logger: logging.Logger, retry_s: float, burst: int = 5):
         self.address = address
@@ -40,4 +41,4 @@ class Reachability:
         with self._lock:
             since, self._since = self._since, None
         if since is not None and self._said:
-            self._log.info("omni master %s reachable again after %.1f s", self.address, time.monotonic() - since)
+            self._log.warning("omni master %s reachable again after %.1f s", self.address, time.monotonic() - since)
