@@ -20,7 +20,7 @@ def nested_aliases(levels: int, indent: str = "") -> str:
 
 def test_a_deploy_whose_aliases_expand_past_the_bound_is_refused_naming_the_file(tmp_path):
     path = tmp_path / "bomb.yaml"
-    path.write_text(f"base_config: smollm2-135m-instruct.yaml\nstages:\n- stage_id: 0\n  engine_args:\n"
+    path.write_text("base_config: smollm2-135m-instruct.yaml\nstages:\n- stage_id: 0\n  engine_args:\n"
                     + nested_aliases(6, "    "))   # 10**6 leaves: loaded, and expanded by every copy after
     assert path.stat().st_size < 600
     with pytest.raises(ConfigError, match=rf"^{path}: the YAML expands to more than {MAX_NODES} nodes"):
