@@ -238,7 +238,7 @@ def serve(
         raise ConfigError("--control-api-key and --disable-control-routes contradict each other: "
                           "a key guards the control routes, the other flag turns them off")
     from omni.master.auth import refuse_open_master
-    from omni.stage.main import check_advertise, check_replica_address
+    from omni.stage.main import check_advertise, check_replica_address, is_wildcard
 
     if headless and omni_master_address is not None and omni_master_port is not None:
         check_advertise(omni_replica_address, f"{omni_master_address}:{omni_master_port}", omni_token)
@@ -246,7 +246,7 @@ def serve(
         check_replica_address(omni_replica_address, omni_token)   # stage 0, single-command
     if not headless:                              # the modes that host the master
         refuse_open_master(omni_master_address or "127.0.0.1", omni_token, "--omni-master-address")
-    if omni_master_address in ("0.0.0.0", "::") and not omni_replica_address:
+    if omni_master_address is not None and is_wildcard(omni_master_address) and not omni_replica_address:
         print(f"omni: warning: --omni-master-address {omni_master_address} is a wildcard, so this process "
               "advertises 127.0.0.1 to its peers; stages on other hosts cannot reach it. Pass "
               "--omni-replica-address with this host's address.", file=sys.stderr)

@@ -52,12 +52,34 @@ def default_advertise_host(master_address: str) -> str:
     host = master_address.rsplit(":", 1)[0].strip("[]")
     if host in ("127.0.0.1", "localhost", "::1"):
         return "127.0.0.1"
+    if _is_ipv6(host):   # the AF_INET probe below fails for it, and 127.0.0.1 would send peers to themselves
+        if _is_local(host):
+            return "127.0.0.1"   # a master on this host's own IPv6 address: its peers here dial loopback
+        raise ConfigError(f"the omni master is at IPv6 address {host}, and a stage's data connections are IPv4: "
+                          "pass --omni-replica-address with this host's IPv4 address or name")
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             s.connect((host, 9))
             return s.getsockname()[0]
     except OSError:
         return "127.0.0.1"
+
+
+def _is_ipv6(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).version == 6
+    except ValueError:
+        return False
+
+
+def _is_local(ipv6: str) -> bool:
+    """Whether `ipv6` is one of this host's addresses (it can be bound)."""
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_DGRAM) as s:
+            s.bind((ipv6, 0))
+        return True
+    except OSError:
+        return False
 
 
 def is_wildcard(host: str) -> bool:
@@ -89,6 +111,9 @@ def check_replica_address(address: str | None, token: str | None) -> None:
         raise ConfigError(f"--omni-replica-address {address!r} is a wildcard: a stage binds its listeners on the "
                           "address it advertises, so name this host's address (peers dial it), or leave the "
                           "flag out for the local address of the route to the master")
+    if _is_ipv6(address):
+        raise ConfigError(f"--omni-replica-address {address!r} is an IPv6 address; a stage's data connections "
+                          "(its ZMQ channel, tcp tensors) are IPv4: name this host's IPv4 address or name")
     refuse_open_stage(address, token, f"--omni-replica-address {address}")
 
 
@@ -109,7 +134,7 @@ def check_advertise(replica_address: str | None, master_address: str, token: str
 def advertised_host(bind_host: str, master_address: str) -> str:
     """What peers should dial for a listener bound on `bind_host`: itself, unless it is
     a wildcard (0.0.0.0, ::), then the local address that routes to the master."""
-    if bind_host in ("0.0.0.0", "::", ""):
+    if is_wildcard(bind_host):
         return default_advertise_host(master_address)
     return bind_host
 
