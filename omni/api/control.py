@@ -30,10 +30,9 @@ class ControlRoutes:
             if name != "level":
                 raise bad_request(f"query parameter `{name}` is not supported: sleep takes only `level`",
                                   param=name)
-            try:
-                level = int(value)
-            except ValueError:
-                raise bad_request(f"level={value!r} must be 1 or 2", param="level") from None
+            if not (value.isascii() and value.isdigit()):   # int() reads '١' as 1
+                raise bad_request(f"level={value!r} must be 1 or 2", param="level")
+            level = int(value)
             if body.strip() and level != req.level:
                 raise bad_request(f"level is {level} in the query string and {req.level} in the body",
                                   param="level")

@@ -10,7 +10,8 @@ ignored (RFC 9110 lets a server) and the request answered in HTTP/1.1. Written a
 
 A head (request line and headers) over h11_max_incomplete_size (16 KiB) is a 431 and the connection closes:
 h11 applies that cap only while the head is incomplete, and Hypercorn reads 64 KiB at a time, so a head
-arriving in one read passed up to ~64 KiB (tests/unit/test_http1_head_cap.py).
+arriving in one read passed up to ~64 KiB (tests/unit/test_http1_head_cap.py). The head is sized as parsed:
+the whitespace h11 strips around values is not counted, so a padded head is bounded by the 64 KiB read.
 
 A response the app ends before its last byte (a client that took no data within --timeout-response-write,
 a raw audio stream cut at the stop) closes the connection: Hypercorn kept it open, waiting, with what the

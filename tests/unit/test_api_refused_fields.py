@@ -27,6 +27,7 @@ async def test_sleep_takes_the_level_from_the_query_string(tokenizer):  # noqa: 
     assert levels == [2, 2, 1]
     assert_error(await c.post("/v1/omni/sleep?level=7"), 400, "level")
     assert_error(await c.post("/v1/omni/sleep?level=deep"), 400, "level")
+    assert_error(await c.post("/v1/omni/sleep?level=%D9%A1"), 400, "level")   # Arabic-Indic one: int() read it as 1
     assert_error(await c.post("/v1/omni/sleep?level=2", json={"level": 1}), 400, "level")
     assert_error(await c.post("/v1/omni/sleep?mode=wait"), 400, "mode")
     assert_error(await c.post("/v1/omni/sleep?lvl=2"), 400, "lvl")
