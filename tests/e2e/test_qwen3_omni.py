@@ -281,7 +281,7 @@ def test_audio_input_reaches_the_thinker_and_the_talker(server, reference, part)
 
 @pytest.mark.parametrize("body, param", [
     ({"audio": {"voice": "joe", "format": "wav"}}, "audio.voice"),
-    ({"audio": {"voice": "ethan", "format": "mp3"}}, "audio.format"),
+    ({"audio": {"voice": "ethan", "format": "ogg"}}, "audio.format"),
     ({"messages": [{"role": "user", "content": [
         {"type": "input_audio", "input_audio": {"data": base64.b64encode(b"not a wav").decode(), "format": "wav"}}]}]},
      "messages[0].content[0].input_audio.data"),
