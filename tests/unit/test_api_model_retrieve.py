@@ -42,4 +42,4 @@ async def test_openapi_and_metrics_name_the_template(tokenizer):  # noqa: F811
     _, c = make(tokenizer)
     op = (await c.get("/openapi.json")).json()["paths"]["/v1/models/{model}"]["get"]
     assert [p["name"] for p in op["parameters"]] == ["model"] and "404" in op["responses"]
-    assert label(f"/v1/models/{NAME}") == "/v1/models/{model:path}"
+    assert label(f"/v1/models/{NAME}") == "/v1/models/{model}"

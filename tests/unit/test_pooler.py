@@ -13,8 +13,11 @@ def piece(rid: str, final: bool) -> EngineRequest:
 
 
 def test_an_engine_arg_the_pooler_does_not_take_is_refused_by_name():
-    config = cfg.load("local", "lm-pooler", {"1": {"engine_args": {"typo_argument": 7}}})
-    with pytest.raises(ConfigError, match="typo_argument"):
+    typo = {"1": {"engine_args": {"typo_argument": 7}}}
+    with pytest.raises(ConfigError, match="typo_argument"):     # at load (config_engines)
+        cfg.load("local", "lm-pooler", typo)
+    config = cfg.load("local", "lm-pooler", typo, engines=False)
+    with pytest.raises(ConfigError, match="typo_argument"):     # and at the build, for a config not checked
         build_engine(config, config.stage(1))
     plain = cfg.load("local", "lm-pooler")
     assert isinstance(build_engine(plain, plain.stage(1)), HiddenPoolerEngine)
