@@ -9,6 +9,7 @@ import json
 import pytest
 
 from omni.cli import main
+from omni.models import resolve
 
 
 def dry_run(capsys, *args: str) -> tuple[dict, list[str]]:
@@ -23,6 +24,8 @@ def dry_run(capsys, *args: str) -> tuple[dict, list[str]]:
 def offline(monkeypatch):
     for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):   # resolve_model sets them: restored after the test
         monkeypatch.setenv(k, "1")
+    # the host's own Hugging Face cache is not consulted: a box that holds Qwen3-Omni would show its snapshot
+    monkeypatch.setattr(resolve, "_hf_cache_snapshot", lambda *a, **k: None)
 
 
 def test_a_missing_model_is_named_and_the_dry_run_still_passes(capsys):

@@ -11,6 +11,7 @@ import pytest
 
 from omni.cli import main
 from omni.engines.vllm.args import engine_arg_fields
+from tests.e2e.harness import REPO
 
 
 def dry_run(capsys, *args):
@@ -115,6 +116,6 @@ def test_omni_masters_config_load_does_not_import_torch():
     268 MB resident, 0.4 -> 1.3 s to listen)."""
     code = ("import sys; from omni.master.commands import _load_config; "
             "c = _load_config('omni/deploy/qwen3-omni-moe.yaml'); print(len(c['stages']), 'torch' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO,
                          env={**os.environ, "OMNI_PLATFORM": "cpu"})
     assert out.stdout.split() == ["3", "False"], out.stderr[-2000:]

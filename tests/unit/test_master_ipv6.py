@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
 from omni.master.client import MasterClient, check_address
@@ -19,6 +21,16 @@ def test_host_port_brackets_ipv6_once(host, want):
     assert host_port(host, 5) == want
 
 
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="this host has no IPv6 loopback (::1)")
 @pytest.mark.parametrize("host", ["::1", "[::1]"])
 def test_a_master_on_ipv6_loopback_listens_and_answers(host):
     server = MasterServer(CFG, hash_config(CFG), host=host, port=0)

@@ -12,6 +12,13 @@ import pytest
 from omni.cli import main
 
 
+def unset(monkeypatch) -> None:
+    """VLLM_LOGGING_LEVEL unset for the test and restored after it: a delenv of an unset variable records
+    nothing, so the value serve() sets would outlive the test."""
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "x")
+    monkeypatch.delenv("VLLM_LOGGING_LEVEL")
+
+
 def serve(*flags: str) -> None:
     with pytest.raises(SystemExit) as e:
         main(["serve", "smollm2", "--dry-run", *flags])
@@ -20,7 +27,7 @@ def serve(*flags: str) -> None:
 
 @pytest.mark.parametrize("flags, want", [((), "WARNING"), (("--log-level", "debug"), "DEBUG")])
 def test_omnis_level_is_vllms_when_the_user_set_none(monkeypatch, capsys, flags, want):
-    monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
+    unset(monkeypatch)
     serve(*flags)
     assert os.environ["VLLM_LOGGING_LEVEL"] == want
 
@@ -37,7 +44,7 @@ def test_a_launched_child_gets_it(monkeypatch, capsys):
 
     from omni.launcher import Child
 
-    monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
+    unset(monkeypatch)
     serve()
     child = Child("s0", "stage", [sys.executable, "-c",
                                   "import os, sys; print('level', os.environ.get('VLLM_LOGGING_LEVEL'), file=sys.stderr)"])
