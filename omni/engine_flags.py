@@ -105,7 +105,6 @@ def namer(typed: dict[str, str] | None) -> Callable[..., str]:
 
 
 def parse_extra_flags(args: list[str], typed: dict[str, str] | None = None) -> dict[str, Any]:
-
     """`--kv-cache-dtype fp8 --enable-prefix-caching --block-size=16` -> engine args
     (values read as JSON where they parse, else strings; a bare flag is true). vLLM's dotted form
     `--limit-mm-per-prompt.audio 1` sets a key of that flag's JSON object (`--x.y+ a,b`: a list);

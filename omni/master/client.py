@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import queue
 import threading
@@ -22,6 +21,7 @@ from omni.master.auth import TlsFiles, TlsRefused, call_metadata, explain
 from omni.master.errors import ClosedByMaster, from_rpc_error
 from omni.master.reach import Reachability
 from omni.master.types import Command, CommandResult, Registration, Status, TopologyEvent
+from omni.netaddr import is_ipv6
 
 logger = logging.getLogger(__name__)
 
@@ -40,16 +40,9 @@ def check_address(address: str) -> str:
         raise BadRequest(f"omni master address must be HOST:PORT, got {address!r}")
     if ":" in host and not (host.startswith("[") and host.endswith("]")):
         # gRPC read ::1:1 as the IPv6 address ::0.1.0.1 on port 443
-        hint = f" (an IPv6 address goes in brackets: [{host}]:{port})" if _is_ipv6(host) else ""
+        hint = f" (an IPv6 address goes in brackets: [{host}]:{port})" if is_ipv6(host) else ""
         raise BadRequest(f"omni master address must be HOST:PORT, got {address!r}{hint}")
     return address
-
-
-def _is_ipv6(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host.partition("%")[0]).version == 6
-    except ValueError:
-        return False
 
 
 def _channel(address: str, tls: TlsFiles | None, aio: bool = False):

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from omni.config import DeployConfig
 from omni.errors import ConfigError, OmniError
+from omni.netaddr import is_ipv6
 from omni.signals import StopRequest
 
 if TYPE_CHECKING:
@@ -52,7 +53,7 @@ def default_advertise_host(master_address: str) -> str:
     host = master_address.rsplit(":", 1)[0].strip("[]")
     if host in ("127.0.0.1", "localhost", "::1"):
         return "127.0.0.1"
-    if _is_ipv6(host):   # the AF_INET probe below fails for it, and 127.0.0.1 would send peers to themselves
+    if is_ipv6(host):   # the AF_INET probe below fails for it, and 127.0.0.1 would send peers to themselves
         if _is_local(host):
             return "127.0.0.1"   # a master on this host's own IPv6 address: its peers here dial loopback
         raise ConfigError(f"the omni master is at IPv6 address {host}, and a stage's data connections are IPv4: "
@@ -63,13 +64,6 @@ def default_advertise_host(master_address: str) -> str:
             return s.getsockname()[0]
     except OSError:
         return "127.0.0.1"
-
-
-def _is_ipv6(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host.strip("[]")).version == 6
-    except ValueError:
-        return False
 
 
 def _is_local(ipv6: str) -> bool:
@@ -111,7 +105,7 @@ def check_replica_address(address: str | None, token: str | None) -> None:
         raise ConfigError(f"--omni-replica-address {address!r} is a wildcard: a stage binds its listeners on the "
                           "address it advertises, so name this host's address (peers dial it), or leave the "
                           "flag out for the local address of the route to the master")
-    if _is_ipv6(address):
+    if is_ipv6(address):
         raise ConfigError(f"--omni-replica-address {address!r} is an IPv6 address; a stage's data connections "
                           "(its ZMQ channel, tcp tensors) are IPv4: name this host's IPv4 address or name")
     refuse_open_stage(address, token, f"--omni-replica-address {address}")
