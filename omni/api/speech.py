@@ -13,6 +13,8 @@ import asyncio
 import base64
 import logging
 import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -78,30 +80,19 @@ class SpeechRoutes:
         async def stream_pcm() -> Response:
             # The bytes as they are made (OpenAI's stream_format "audio"; pcm: raw s16le): the first leave with
             # the first chunk, not with the last. A WAV answer needs its length up front.
-            await gen.start()
-            if not gen.first_sample_rate:
-                await gen.close()
-                raise APIError(500, "the pipeline finished without producing audio", type="stage_error")
-
+            await _started(gen)
             enc = _encoder(req.response_format, gen.first_sample_rate)
 
             async def body():
                 if req.response_format == "wav":      # stream_format "audio" with wav: a header of unknown length
                     yield streaming_wav_header(gen.first_sample_rate)
                 try:
-                    async for ev in gen.events():
-                        if ev[0] == "audio":
-                            chunk = await asyncio.to_thread(enc.write, ev[1]) if enc else pcm16(ev[1])
-                            if chunk or not enc:    # an encoder may hold a whole chunk back
-                                yield chunk
-                    tail = await asyncio.to_thread(enc.close) if enc else b""
-                    if tail:
-                        yield tail
+                    async with aclosing(_chunks(gen, enc, pcm16, raw=True)) as chunks:
+                        async for chunk in chunks:
+                            yield chunk
                 except Exception as e:
                     _failed(preq.request_id, "raw audio", e)
                     raise _Broken from None
-                finally:
-                    _close(enc)
             return RawAudioStream(body(), media_type=CONTENT_TYPES[req.response_format],
                                   headers={"X-Sample-Rate": str(enc.rate if enc else gen.first_sample_rate)})
 
@@ -109,11 +100,7 @@ class SpeechRoutes:
             # OpenAI's stream_format "sse": speech.audio.delta events (base64 of the chunk: s16le for pcm, a whole
             # WAV file each for wav, the encoder's next bytes for the others: the deltas in order are the file),
             # then speech.audio.done with usage, or speech.audio.error.
-            await gen.start()
-            if not gen.first_sample_rate:   # as the raw stream and the whole answer: no audio is a 500
-                await gen.close()
-                raise APIError(500, "the pipeline finished without producing audio", type="stage_error")
-
+            await _started(gen)
             sent = False     # audio went out: an error event then says to discard it
             enc = _encoder(req.response_format, gen.first_sample_rate)
 
@@ -122,22 +109,17 @@ class SpeechRoutes:
                 sent = True
                 return sse.event({"type": "speech.audio.delta", "audio": base64.b64encode(chunk).decode()})
 
+            def plain(pcm: bytes) -> bytes:
+                return pcm16(pcm) if req.response_format == "pcm" else wav_bytes(pcm, gen.sample_rate)
+
             async def body():
                 try:
-                    async for ev in gen.events():
-                        if ev[0] == "audio" and ev[1]:
-                            chunk = (await asyncio.to_thread(enc.write, ev[1]) if enc
-                                     else pcm16(ev[1]) if req.response_format == "pcm" else wav_bytes(ev[1], gen.sample_rate))
-                            if chunk:    # an encoder may hold a whole chunk back
-                                yield delta(chunk)
-                    tail = await asyncio.to_thread(enc.close) if enc else b""
-                    if tail:
-                        yield delta(tail)
+                    async with aclosing(_chunks(gen, enc, plain, raw=False)) as chunks:
+                        async for chunk in chunks:
+                            yield delta(chunk)
                 except Exception as e:
                     yield _error_event(_failed(preq.request_id, "sse", e), sent)
                     return
-                finally:
-                    _close(enc)
                 yield sse.Last(sse.event({"type": "speech.audio.done", "usage": speech_usage(gen)}))
             rate = enc.rate if enc else gen.first_sample_rate
             return ClosingStream(body(), media_type="text/event-stream",
@@ -192,9 +174,36 @@ class SpeechRoutes:
                                     entry_stage=self.fe.speech_stage, modalities=("audio",), voice=voice, speed=speed)
 
 
+async def _started(gen: Generation) -> None:
+    """A stream's generation started; a pipeline that ended without audio is a 500, as the whole answer's."""
+    await gen.start()
+    if not gen.first_sample_rate:
+        await gen.close()
+        raise APIError(500, "the pipeline finished without producing audio", type="stage_error")
+
+
 def _encoder(fmt: str, sample_rate: int) -> Encoder | None:
     """A stream's encoder; its writes run on threads (mp3: ~15 ms of CPU a second of audio, off the loop)."""
     return Encoder(fmt, sample_rate) if fmt in FORMATS else None
+
+
+async def _chunks(gen: Generation, enc: Encoder | None, plain: Callable[[bytes], bytes], *,
+                  raw: bool) -> AsyncIterator[bytes]:
+    """A stream's audio in its format, chunk by chunk: the encoder's next bytes (written on a thread; it may
+    hold a whole chunk back, so none is sent) then its tail, or `plain` of each chunk. The raw form also passes
+    an empty chunk on as one (`plain`'s b""); SSE has no empty delta. The encoder is closed however it ends."""
+    try:
+        async for ev in gen.events():
+            if ev[0] != "audio" or not (ev[1] or raw):
+                continue
+            chunk = await asyncio.to_thread(enc.write, ev[1]) if enc else plain(ev[1])
+            if chunk or not enc:
+                yield chunk
+        tail = await asyncio.to_thread(enc.close) if enc else b""
+        if tail:
+            yield tail
+    finally:
+        _close(enc)
 
 
 def _close(enc: Encoder | None) -> None:
