@@ -29,6 +29,7 @@ from omni.config_checks import check_pipeline, check_sampling, check_talker_defa
 from omni.config_merge import deep_merge, merge_configs
 from omni.config_stage_checks import (blame_override, check_connector_edge, check_engine_args, check_stage_override,
                                       normalise_stages, unused_engine_arg)
+from omni.digits import ascii_int
 from omni.errors import ConfigError
 # The config types of the image and video routes, kept where the rest of the deploy config is found.
 from omni.media_settings import ImageSettings, PromptExpansion, VideoSettings, validate_images  # noqa: F401
@@ -409,7 +410,7 @@ def validate(config: DeployConfig, source: str = "deploy config") -> None:
             raise ConfigError(f"{where}.first_output_hold_ms: only a stage whose output feeds a later stage "
                               "(and is not itself a final output) can wait for the pipeline's first output")
         for edge, conn in s.connectors.items():
-            if not (edge.isascii() and edge.isdigit()) or int(edge) not in ids:
+            if ascii_int(edge) not in ids:
                 raise ConfigError(f"{where}.connectors: {edge!r} is not a stage id")
             check_connector_edge(config, s, edge, where)
             if conn.transport not in TRANSPORTS:

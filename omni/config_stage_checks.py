@@ -33,6 +33,7 @@ from typing import Any, Callable
 
 from omni import mm_limits
 from omni.config_checks import SAMPLING_RANGES
+from omni.digits import ascii_int
 from omni.errors import ConfigError
 
 __all__ = ["COUNT_ARGS", "DTYPE_CHOICES", "FRAME_ARGS", "HUMAN_INTS", "RESERVED_ENV", "SERVING_ONLY_ARGS", "SUBTALKER",
@@ -155,12 +156,13 @@ def normalise_devices(value: Any, where: str) -> str:
     out: list[str] = []
     for token in tokens:
         index = token[5:] if token.lower().startswith("cuda:") else token
-        if not (index.isascii() and index.isdigit()):
+        gpu = ascii_int(index)
+        if gpu is None:
             raise ConfigError(f"{where}.devices: {token!r} in {value!r} is not a GPU index (a non-negative "
                               f"integer); devices must be {DEVICE_FORMS}")
-        if str(int(index)) in out:
-            raise ConfigError(f"{where}.devices: {value!r} names GPU {int(index)} twice")
-        out.append(str(int(index)))
+        if str(gpu) in out:
+            raise ConfigError(f"{where}.devices: {value!r} names GPU {gpu} twice")
+        out.append(str(gpu))
     if not out:
         raise ConfigError(f"{where}.devices must be {DEVICE_FORMS}, got {value!r}")
     return ",".join(out)

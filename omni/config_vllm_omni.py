@@ -46,6 +46,7 @@ from typing import Any
 
 from omni.config_legacy_runtime import apply_runtime
 from omni.config_stage_checks import is_count
+from omni.digits import ascii_int
 from omni.errors import ConfigError
 
 # vllm-omni's bundled deploy names (its `pipeline:` keys, its deploy file stems) -> omni's bundled deploy.
@@ -287,10 +288,11 @@ def lift_override_chunk(data: dict[str, Any], overrides: dict[str, Any], source:
     apply_carried names."""
     out = copy.deepcopy(overrides) if isinstance(overrides, dict) else overrides
     for key, patch in (out.items() if isinstance(out, dict) else ()):
-        if isinstance(patch, dict) and isinstance(key, str) and key.strip().isascii() and key.strip().isdigit():
-            own = lift_chunk(patch, f"--stage-overrides: stages[{int(key)}]")
+        stage_id = ascii_int(key.strip()) if isinstance(patch, dict) and isinstance(key, str) else None
+        if stage_id is not None:
+            own = lift_chunk(patch, f"--stage-overrides: stages[{stage_id}]")
             if own is not None:
-                data.setdefault(STAGE_CHUNK, {})[int(key)] = own
+                data.setdefault(STAGE_CHUNK, {})[stage_id] = own
                 source = f"{source.removesuffix(' with --stage-overrides')} with --stage-overrides"
     return out, source
 
@@ -362,10 +364,10 @@ def _check_whole_decode(stage: dict[str, Any]) -> None:
 
 
 def _edge_stage(edge: str, prefix: str, where: str) -> int:
-    n = edge[len(prefix):]
-    if not edge.startswith(prefix) or not (n.isascii() and n.isdigit()):   # isdigit alone takes "①"
+    n = ascii_int(edge[len(prefix):]) if edge.startswith(prefix) else None
+    if n is None:
         raise ConfigError(f"{where}: {edge!r} must be {prefix}N (N a stage id)")
-    return int(n)
+    return n
 
 
 # ---------------------------------------------------------------- legacy stage configs

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import msgspec
 
+from omni.digits import ascii_int
 from omni.errors import ConfigError
 
 __all__ = ["ImageSettings", "PromptExpansion", "VideoSettings", "validate_images"]
@@ -60,8 +61,9 @@ def validate_images(s: ImageSettings | VideoSettings, where: str) -> None:
         if getattr(s, key, 1) < 1:
             raise ConfigError(f"{where}.{key} must be >= 1, got {getattr(s, key)}")
     w, sep, h = s.default_size.partition("x")
-    if not (sep and (w + h).isascii() and w.isdigit() and h.isdigit()) or int(w) % s.size_multiple or int(h) % s.size_multiple \
-            or int(w) * int(h) > s.max_pixels or max(int(w), int(h)) > getattr(s, "max_side", max(int(w), int(h))):
+    w, h = ascii_int(w), ascii_int(h)
+    if not sep or w is None or h is None or w % s.size_multiple or h % s.size_multiple \
+            or w * h > s.max_pixels or max(w, h) > getattr(s, "max_side", max(w, h)):
         raise ConfigError(f"{where}.default_size {s.default_size!r} must be WxH, multiples of size_multiple "
                           f"{s.size_multiple}, at most max_pixels {s.max_pixels} (and max_side a side)")
     if s.default_steps > s.max_steps:

@@ -12,6 +12,7 @@ import uuid
 from starlette.requests import Request
 
 from omni.api.errors import APIError, bad_request
+from omni.digits import ascii_int
 
 PARAMS = ("limit", "order", "after")
 # Their OpenAPI description (omni/api/routes.py), one for both lists.
@@ -47,7 +48,7 @@ def list_params(request: Request, what: str) -> tuple[int, str, str | None]:
         if len(q.getlist(name)) > 1:
             raise bad_request(f"query parameter {name!r} is given {len(q.getlist(name))} times", param=name)
     raw = q.get("limit", "20")
-    limit = int(raw) if raw.isascii() and raw.isdigit() else 0   # isdigit alone takes "①"
+    limit = ascii_int(raw) or 0
     if not 1 <= limit <= 100:
         raise bad_request(f"limit={raw} must be an integer in [1, 100]", param="limit")
     order = q.get("order", "desc")

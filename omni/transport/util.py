@@ -10,6 +10,7 @@ from typing import Callable, TypeVar
 
 import torch
 
+from omni.digits import ascii_int
 from omni.transport.base import TensorRef, TransportError
 
 T = TypeVar("T")
@@ -139,6 +140,7 @@ def spin_until(probe: Callable[[], T], seconds: float) -> T:
 
 def split_endpoint(endpoint: str) -> tuple[str, int]:
     host, sep, port = endpoint.rpartition(":")
-    if not sep or not (port.isascii() and port.isdigit()):
+    number = ascii_int(port)
+    if not sep or number is None:
         raise TransportError(f"bad endpoint {endpoint!r}, expected host:port")
-    return host.strip("[]"), int(port)
+    return host.strip("[]"), number

@@ -13,12 +13,18 @@ from omni import config as cfg
 from omni import config_vllm_omni as vo
 from omni.api.errors import APIError
 from omni.api.listing import list_params
+from omni.digits import ascii_int
 from omni.errors import ConfigError
 from omni.media_settings import ImageSettings, validate_images
 from omni.transport.base import TransportError
 from omni.transport.util import split_endpoint
 
 ODD = ["①", "²", "٣"]   # isdigit() all; int() refuses the first two and reads the third as 3
+
+
+def test_ascii_int_reads_ascii_digits_only():
+    assert [ascii_int(s) for s in ("0", "007", "65535")] == [0, 7, 65535]
+    assert [ascii_int(s) for s in [*ODD, "", "-1", "+1", " 1", "1 ", "1_000", "1.0", "0x1"]] == [None] * 11
 
 
 @pytest.mark.parametrize("raw", ODD)

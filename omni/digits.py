@@ -1,0 +1,9 @@
+"""Non-negative integers written in ASCII digits, as configs, flags, query strings and endpoints take them."""
+
+from __future__ import annotations
+
+
+def ascii_int(s: str) -> int | None:
+    """`s` as an int when it is ASCII digits only, else None ("", a sign, spaces). str.isdigit alone takes
+    "①" and "²", which int() then refuses, and "١", which int() reads as 1."""
+    return int(s) if s.isascii() and s.isdigit() else None
