@@ -25,9 +25,10 @@ ODD = ["①", "²", "٣"]   # isdigit() all; int() refuses the first two and rea
 def test_ascii_int_reads_ascii_digits_only():
     assert [ascii_int(s) for s in ("0", "007", "65535")] == [0, 7, 65535]
     assert [ascii_int(s) for s in [*ODD, "", "-1", "+1", " 1", "1 ", "1_000", "1.0", "0x1"]] == [None] * 11
+    assert ascii_int("9" * 4300) == 10 ** 4300 - 1 and ascii_int("9" * 4301) is None   # int() refuses the last
 
 
-@pytest.mark.parametrize("raw", ODD)
+@pytest.mark.parametrize("raw", [*ODD, "1" * 5000])   # the last: more digits than int() reads
 def test_a_list_limit_in_other_digits_is_a_400_naming_limit(raw):
     request = Request({"type": "http", "query_string": f"limit={quote(raw)}".encode(), "headers": []})
     with pytest.raises(APIError) as e:
@@ -60,7 +61,7 @@ def test_an_image_default_size_in_other_digits_is_refused_by_name(raw):
         validate_images(ImageSettings(default_size=f"{raw}6x16"), "images")
 
 
-@pytest.mark.parametrize("raw", ODD)
+@pytest.mark.parametrize("raw", [*ODD, "1" * 5000])
 def test_an_endpoint_port_in_other_digits_is_a_transport_error(raw):
     with pytest.raises(TransportError, match="expected host:port"):
         split_endpoint(f"127.0.0.1:{raw}")
