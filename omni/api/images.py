@@ -31,6 +31,7 @@ from omni import latency_trace
 from omni.api import protocol as P
 from omni.api.errors import APIError, bad_request
 from omni.api.http import until_disconnect
+from omni.api.protocol_media import WXH
 from omni.api.state import OFFLOAD_CHARS, FrontendState
 from omni.config import ImageSettings, VideoSettings
 from omni.engines.base import ImageParams
@@ -39,19 +40,19 @@ from omni.orchestrator.types import OrchestratorLike, PipelineOutput, PipelineRe
 ROUTE = "/v1/images/generations"
 
 
-_WXH = re.compile(r"([0-9]{1,5})x([0-9]{1,5})")
+_WXH = re.compile(WXH)
 
 
 def parse_size(size: str, param: str = "size", auto: str | None = None) -> tuple[int, int]:
     """"WxH" -> (W, H); "auto" (OpenAI's images) is `auto` where given, the deployment's default size."""
     if size == "auto" and auto is not None:
         size = auto
-    m = _WXH.fullmatch(size)   # ASCII digits only: str.isdigit took "²", which int() then refused
-    if m is None:
+    if _WXH.fullmatch(size) is None:
         shown = size if len(size) <= 32 else size[:32] + "..."
         raise bad_request(f"size must be WIDTHxHEIGHT{' or auto' if auto else ''} (e.g. 1024x1024), not `{shown}`",
                           param=param)
-    return int(m[1]), int(m[2])
+    width, _, height = size.partition("x")
+    return int(width), int(height)
 
 
 def check_prompt(prompt: str, s: ImageSettings | VideoSettings) -> None:

@@ -99,11 +99,11 @@ CHAT_SPEECH_REFUSED = {
 
 
 MAX_IMAGE_PROMPT_CHARS = 4000
-# "WxH"; images take OpenAI's "auto" too. The pattern is the schema's only: images.parse_size refuses a
-# malformed size in words (msgspec's own message quoted its regex).
-_WXH = r"[0-9]{1,5}x[0-9]{1,5}"
-ImageSize = Annotated[str, msgspec.Meta(extra_json_schema={"pattern": f"^({_WXH}|auto)$"})]
-VideoSize = Annotated[str, msgspec.Meta(extra_json_schema={"pattern": f"^{_WXH}$"})]
+# "WxH" (ASCII digits: str.isdigit took "²", which int() then refused); images take OpenAI's "auto" too. In the
+# schema only: images.parse_size matches it and refuses a malformed size in words (msgspec's message quoted it).
+WXH = r"[0-9]{1,5}x[0-9]{1,5}"
+ImageSize = Annotated[str, msgspec.Meta(extra_json_schema={"pattern": f"^({WXH}|auto)$"})]
+VideoSize = Annotated[str, msgspec.Meta(extra_json_schema={"pattern": f"^{WXH}$"})]
 
 
 class ImageGenerationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
