@@ -121,14 +121,13 @@ def accepted_args(engine: str) -> frozenset[str] | None:
         except ImportError:
             return None
         return frozenset(engine_arg_fields()) | frozenset(OMNI_ARGS) if engine_arg_fields() else None
-    target = ENGINE_CLASSES.get(engine)
-    if target is None:
+    found = _init_keywords(engine)
+    if found is None:
         return frozenset()
-    params = inspect.signature(_load(target).__init__).parameters
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+    keywords, any_key = found
+    if any_key:
         return None
-    keys = frozenset(k for k, p in params.items() if p.kind is p.KEYWORD_ONLY)
-    return keys | TORCH_STAGE_KEYS if engine in TORCH_MODEL_ENGINES else keys
+    return frozenset(keywords) | TORCH_STAGE_KEYS if engine in TORCH_MODEL_ENGINES else frozenset(keywords)
 
 
 def arg_types(engine: str) -> dict[str, str]:
@@ -139,12 +138,19 @@ def arg_types(engine: str) -> dict[str, str]:
         except ImportError:
             return {}
         return engine_arg_fields()
+    found = _init_keywords(engine)
+    return {} if found is None else {k: a for k, a in found[0].items() if isinstance(a, str)}
+
+
+def _init_keywords(engine: str) -> tuple[dict[str, Any], bool] | None:
+    """ENGINE's class's keyword-only __init__ parameters -> their annotations, and whether it also takes
+    **kwargs; None: no class (vllm, an unknown name). One signature read for accepted_args and arg_types."""
     target = ENGINE_CLASSES.get(engine)
     if target is None:
-        return {}
-    params = inspect.signature(_load(target).__init__).parameters
-    return {k: p.annotation for k, p in params.items()
-            if p.kind is p.KEYWORD_ONLY and isinstance(p.annotation, str)}
+        return None
+    params = inspect.signature(_load(target).__init__).parameters.values()
+    return ({p.name: p.annotation for p in params if p.kind is p.KEYWORD_ONLY},
+            any(p.kind is p.VAR_KEYWORD for p in params))
 
 
 def takes(engine: str, key: str, value: Any, accepted: frozenset[str] | None = None) -> bool:

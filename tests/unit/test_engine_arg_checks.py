@@ -2,6 +2,7 @@
 --dry-run` refuses what the stage process would refuse only once the master, the frontends and the other
 stages were up; the extra engine flags are typed by the same annotations (a bare --seed is no seed)."""
 
+import inspect
 import json
 import os
 import subprocess
@@ -119,3 +120,21 @@ def test_omni_masters_config_load_does_not_import_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO,
                          env={**os.environ, "OMNI_PLATFORM": "cpu"})
     assert out.stdout.split() == ["3", "False"], out.stderr[-2000:]
+
+
+def test_one_signature_read_gives_an_engines_keywords_their_types_and_any_kwargs(monkeypatch):
+    from omni.engines import factory
+
+    class Engine:
+        def __init__(self, weights, *, threads: "int" = 1, device="cpu", **extra):
+            pass
+
+    monkeypatch.setitem(factory.ENGINE_CLASSES, "fake", "fake_engine_module:Engine")
+    monkeypatch.setattr(factory, "_load", lambda target: Engine)
+    assert factory._init_keywords("fake") == ({"threads": "int", "device": inspect.Parameter.empty}, True)
+    assert factory.accepted_args("fake") is None and factory.arg_types("fake") == {"threads": "int"}
+    monkeypatch.undo()
+    keywords, any_key = factory._init_keywords("torch_lm")
+    assert not any_key and factory.accepted_args("torch_lm") == frozenset(keywords)
+    assert factory.arg_types("torch_lm") == {k: a for k, a in keywords.items() if isinstance(a, str)}
+    assert factory._init_keywords("vllm") is None and factory._init_keywords("nope") is None
