@@ -240,7 +240,12 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
                 "requests_total": orch.metrics.requests_total,
                 "cpu_seconds": time.process_time(), "extra": {"frontend_index": float(index)}}
 
-    smaster.start_keepalive(load, lambda cmd: (True, "ignored by frontends"), interval_s=1.0)
+    def on_command(cmd) -> tuple[bool, str]:
+        if cmd.kind == "QUIESCE":   # a sleep with mode=wait (omni/orchestrator/quiesce.py)
+            return orch.gate.on_quiesce(cmd.args, lambda: orch.in_flight)
+        return False, f"{cmd.kind} reaches stage replicas, not an API frontend"
+
+    smaster.start_keepalive(load, on_command, interval_s=1.0)
     synced = asyncio.Event()
     topology.on_change(lambda r, kind: synced.set())
     # Not `stop`: the topology and metrics follow on through a stop's drain (--shutdown-timeout).

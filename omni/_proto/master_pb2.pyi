@@ -30,6 +30,7 @@ class CommandKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WAKE_UP: _ClassVar[CommandKind]
     SHUTDOWN: _ClassVar[CommandKind]
     UNDRAIN: _ClassVar[CommandKind]
+    QUIESCE: _ClassVar[CommandKind]
 ROLE_UNSPECIFIED: Role
 STAGE: Role
 FRONTEND: Role
@@ -45,6 +46,7 @@ SLEEP: CommandKind
 WAKE_UP: CommandKind
 SHUTDOWN: CommandKind
 UNDRAIN: CommandKind
+QUIESCE: CommandKind
 
 class RegisterRequest(_message.Message):
     __slots__ = ("role", "stage_id", "replica_hint", "host", "pid", "endpoints", "config_hash", "pipeline_config_json", "version", "capabilities", "instance_id")

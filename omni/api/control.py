@@ -2,7 +2,9 @@
 /v1/omni/is_sleeping.
 
 Sleep and wakeup answer each replica's ack in `results`: 200 when at least one replica acked ok (a partial
-outcome: the others' messages say why), 409 when every replica refused, 503 when none was there to ask."""
+outcome: the others' messages say why), 409 when every replica refused, 503 when none was there to ask.
+Sleep's `mode` is vLLM's: abort (the default) ends the requests in flight with a 503 that says why; wait
+lets them finish first (omni/orchestrator/quiesce.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from starlette.responses import JSONResponse, Response
 from omni.api import protocol as P
 from omni.api.errors import bad_request, error_body
 from omni.api.state import FrontendState
+from omni.digits import ascii_int
 
 
 class ControlRoutes:
@@ -20,25 +23,34 @@ class ControlRoutes:
 
     async def sleep(self, request: Request) -> Response:
         body = await request.body()
+        raw = P.decode_body(body, dict) if body.strip() else {}
+        if isinstance(raw, dict) and raw.get("mode") == "keep":
+            raise _keep_refused()
         req = P.decode_body(body, P.SleepRequest) if body.strip() else P.SleepRequest()
-        level = req.level
-        # vLLM's POST /sleep takes the level from the query string: taken here too, so it is not level 1.
+        level, mode = req.level, req.mode
+        # vLLM's POST /sleep takes level and mode from the query string: taken here too.
         for name, value in request.query_params.multi_items():
             if name == "mode":
-                raise bad_request("query parameter `mode` is not supported: omni's sleep takes only `level`",
-                                  param="mode")
+                if value == "keep":
+                    raise _keep_refused()
+                if value not in ("abort", "wait"):
+                    raise bad_request(f"mode={value!r} must be abort or wait", param="mode")
+                if "mode" in raw and value != req.mode:
+                    raise bad_request(f"mode is {value} in the query string and {req.mode} in the body", param="mode")
+                mode = value
+                continue
             if name != "level":
-                raise bad_request(f"query parameter `{name}` is not supported: sleep takes only `level`",
+                raise bad_request(f"query parameter `{name}` is not supported: sleep takes `level` and `mode`",
                                   param=name)
-            if not (value.isascii() and value.isdigit()):   # int() reads '١' as 1
-                raise bad_request(f"level={value!r} must be 1 or 2", param="level")
-            level = int(value)
-            if body.strip() and level != req.level:
+            level = ascii_int(value)                          # int() reads '١' as 1
+            if level is None:
+                raise bad_request(f"level={value[:20]!r} must be 1 or 2", param="level")
+            if "level" in raw and level != req.level:
                 raise bad_request(f"level is {level} in the query string and {req.level} in the body",
                                   param="level")
         if level not in (1, 2):
             raise bad_request(f"level={level} must be 1 or 2", param="level")
-        return _outcome("sleep", await self.fe.orch.sleep(level))
+        return _outcome("sleep", await self.fe.orch.sleep(level, mode))
 
     async def wake_up(self, request: Request) -> Response:
         # vLLM's /wake_up takes `tags` (weights, kv_cache, scheduling) to wake part of the engine; omni's
@@ -54,6 +66,11 @@ class ControlRoutes:
 
     async def is_sleeping(self, request: Request) -> Response:
         return JSONResponse({"is_sleeping": bool(await self.fe.orch.is_sleeping())})
+
+
+def _keep_refused():
+    return bad_request("mode=keep is not supported: omni's stages drop their KV caches asleep, so a request "
+                       "cannot be kept across a sleep; use mode=abort (the default) or mode=wait", param="mode")
 
 
 def _outcome(verb: str, out: dict) -> Response:

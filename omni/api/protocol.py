@@ -233,6 +233,8 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
 
 class SleepRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     level: Annotated[int, msgspec.Meta(ge=1, le=2)] = 1
+    # vLLM's: abort ends the requests in flight (503), wait lets them finish first. Its `keep` is refused.
+    mode: Literal["abort", "wait"] = "abort"
 
 
 # What a type cannot say about itself, merged into its schema (openapi.py): /tokenize takes

@@ -164,6 +164,10 @@ class Engine(abc.ABC):
     def can_sleep(self) -> bool:
         return False
 
+    def can_sleep_at(self, level: int) -> bool:
+        """Whether sleep(level) can succeed with no work open: a sleep with mode=abort ends the requests only then."""
+        return self.can_sleep()
+
     def stats(self) -> dict[str, float]:
         return {}
 

@@ -308,6 +308,9 @@ class DiffusionEngine(Engine):
     def can_sleep(self) -> bool:
         return self.offload.can_sleep() or self.model_dir is not None
 
+    def can_sleep_at(self, level: int) -> bool:
+        return self.offload.can_sleep() if level == 1 else self.model_dir is not None
+
     def sleep(self, level: int = 1) -> None:
         """Level 1: the pipeline to host memory (a GPU's only). Level 2: the weights dropped and read from
         the folder again at wake-up, as torch_lm's level 2: frees host memory on CPU too."""

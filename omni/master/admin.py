@@ -131,16 +131,25 @@ _LEVEL_HELP = ("1: offload the weights to host memory and discard the KV cache; 
                "2: discard the weights too (read again from the model folder at wake-up).")
 
 
+_MODE_HELP = ("refuse: a replica with requests in flight refuses to sleep; abort: it ends them (each with a 503 "
+              "that says why) and sleeps, as vLLM's POST /sleep does by default.")
+
+
 def sleep(
     master: str | None = _MASTER, stage: list[int] = _STAGE, replica: list[str] = _REPLICA,
     level: int = typer.Option(1, "--level", min=1, max=2, help=_LEVEL_HELP),
+    mode: str = typer.Option("refuse", "--mode", help=_MODE_HELP),
     timeout: float = typer.Option(60.0, "--timeout", min=0.1, max=MAX_TIMEOUT_S, help=_TIMEOUT_HELP),
     json_: bool = _JSON, omni_token: str | None = _TOKEN,
     tls_cert: str | None = _CERT, tls_key: str | None = _KEY, tls_ca: str | None = _CA, force: bool = _FORCE,
 ) -> None:
     """Put stage engines to sleep (engines that cannot sleep here say so)."""
-    _run("SLEEP", master, stage, replica, {"level": level}, timeout, json_, omni_token, (tls_cert, tls_key, tls_ca),
-         force)
+    if mode not in ("refuse", "abort"):
+        wait = " (mode=wait is POST /v1/omni/sleep's: it needs the frontends)" if mode == "wait" else ""
+        typer.echo(f"omni sleep: --mode {mode!r}: use refuse or abort{wait}", err=True)
+        raise typer.Exit(EXIT_UNREACHABLE)
+    _run("SLEEP", master, stage, replica, {"level": level, "mode": mode}, timeout, json_, omni_token,
+         (tls_cert, tls_key, tls_ca), force)
 
 
 def wakeup(

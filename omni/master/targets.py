@@ -9,6 +9,8 @@ from omni.master.registry import LIVE_STATES, Registry, ReplicaState, Role
 
 def command_targets(reg: Registry, request: pb.SendCommandRequest):
     """-> (replicas, None), or ([], why the request is refused)."""
+    if request.kind == pb.QUIESCE:
+        return _frontends(reg, request)
     if request.replica_ids and request.stage_ids:   # neither may be dropped silently, nor guessed at
         return [], "stage_ids and replica_ids: give one, not both (a replica id names its stage)"
     if request.replica_ids:
@@ -32,6 +34,20 @@ def command_targets(reg: Registry, request: pb.SendCommandRequest):
                  pb.WAKE_UP: LIVE_STATES}.get(request.kind, {ReplicaState.READY, ReplicaState.DRAINING})
     return [r for r in reg.replicas()
             if r.role is Role.STAGE and r.stage_id in wanted and r.state in ok_states], None
+
+
+def _frontends(reg: Registry, request: pb.SendCommandRequest):
+    """QUIESCE reaches API frontends (all live ones, or those named), never a stage replica."""
+    if request.stage_ids:
+        return [], "QUIESCE reaches API frontends: stage_ids do not apply"
+    live = [r for r in reg.replicas() if r.role is Role.FRONTEND and r.state in LIVE_STATES]
+    if not request.replica_ids:
+        return live, None
+    by_id = {r.replica_id: r for r in live}
+    for rid in request.replica_ids:
+        if rid not in by_id:
+            return [], f"no live API frontend {rid!r}"
+    return [by_id[rid] for rid in request.replica_ids], None
 
 
 def would_stop(kind: int, stopped: dict[int, list[str]], reg: Registry, pending: set[str]) -> str:

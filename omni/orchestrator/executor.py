@@ -18,10 +18,11 @@ import msgspec
 import zmq.asyncio
 
 from omni.config import DeployConfig
-from omni.errors import OmniError, RequestTimeout, StageFailed, Unavailable
+from omni.errors import Conflict, OmniError, RequestTimeout, StageFailed, Unavailable
 from omni.master.types import ReplicaInfo, TopologyEvent
 from omni.metrics import labels
 from omni.orchestrator import events as ev
+from omni.orchestrator import quiesce
 from omni.orchestrator.channel import BaseChannel, StageChannel
 from omni.orchestrator.local_channel import LocalStageChannel
 from omni.orchestrator.core import OrchestratorCore, load_processor
@@ -87,6 +88,7 @@ class Orchestrator:
         self.token = token
         self.host = host
         self.master = master
+        self.gate = quiesce.Gate()            # QUIESCE from the master (frontend.py): new requests refused
         self.metrics = OrchestratorMetrics()
         self.core = OrchestratorCore(config, topology=topology, detokenize=detokenize, host=host,
                                      choose_transport=choose_transport, metrics=self.metrics)
@@ -315,6 +317,7 @@ class Orchestrator:
         timeout = req.timeout_s or self.config.pipeline.request_timeout_s
         deadline = time.monotonic() + timeout
         sink = _Sink()
+        self.gate.check()                     # a sleep with mode=wait under way: Unavailable
         check_inline(req)
         actions = self.core.submit(req)       # BadRequest / Unavailable: nothing was sent
         self._sinks[req.request_id] = sink
@@ -376,21 +379,35 @@ class Orchestrator:
             return False, "no READY replica for " + ", ".join(missing) + (f" ({away})" if away else "")
         return True, away or "ok"
 
-    async def sleep(self, level: int = 1) -> dict:
-        return await self._command("SLEEP", {"level": level})
+    async def sleep(self, level: int = 1, mode: str = "abort") -> dict:
+        """vLLM's modes: `abort` ends the requests in flight (503) and sleeps; `wait` lets them finish first
+        (omni/orchestrator/quiesce.py). Raises Conflict when a frontend still had requests after the wait."""
+        if mode != "wait":
+            return await self._command("SLEEP", {"level": level, "mode": mode})
+        wait_s = quiesce.wait_s_for(self.config.pipeline.request_timeout_s)
+        quiet, results = await self._master_call(lambda m: quiesce.sleep_when_idle(m, level, wait_s))
+        if not results:
+            busy = "; ".join(f"{r.replica_id}: {r.message}" for r in quiet if not r.ok)
+            raise Conflict(f"sleep (mode=wait): nothing was put to sleep: {busy}")
+        return await self._outcome(results)
 
     async def wake_up(self) -> dict:
         return await self._command("WAKE_UP", {})
 
     async def _command(self, kind: str, args: dict) -> dict:
+        return await self._outcome(await self._master_call(lambda m: m.send_command(kind, (), args, timeout_s=60.0)))
+
+    async def _master_call(self, call: Callable[[Any], Any]):
         if self.master is None:
             raise Unavailable("no omni master connection: cannot reach the stage engines")
         try:
-            results = await self.master.send_command(kind, (), args, timeout_s=60.0)
+            return await call(self.master)
         except OmniError:
             raise
         except Exception as e:
             raise Unavailable(f"omni master unreachable: {e}") from None
+
+    async def _outcome(self, results) -> dict:
         out = {"results": [
             {"stage_id": r.stage_id, "replica_id": r.replica_id, "ok": r.ok, "message": r.message}
             for r in results

@@ -38,9 +38,15 @@ class StageControl:
     def call(self, method: str, args: dict) -> Any:
         engine = self.worker.engine
         if method == "sleep":
+            mode = args.get("mode", "refuse")
+            if mode not in ("refuse", "abort"):
+                raise EngineError(f"sleep mode {mode!r} is not one of refuse, abort")
+            level = int(args.get("level", 1))
+            if mode == "abort" and engine.can_sleep_at(level) and not engine.is_sleeping():
+                self._abort_all()   # not for an engine that would then refuse to sleep anyway
             if self.worker._reads:   # taken by the engine when their read ends: open work, as its own are
                 raise EngineError("cannot sleep with request(s) waiting for their input tensors' read")
-            engine.sleep(int(args.get("level", 1)))
+            engine.sleep(level)
             return {"is_sleeping": engine.is_sleeping()}
         if method == "wake_up":
             engine.wake_up()
@@ -52,6 +58,19 @@ class StageControl:
         if method == "ping":
             return "pong"
         raise EngineError(f"unknown utility method {method!r}")
+
+    def _abort_all(self) -> None:
+        """vLLM's mode=abort: every request here ends with a 503 that says why, then the engine sleeps."""
+        w = self.worker
+        why = (f"{w.stage.label} (replica {w.replica_id}) was put to sleep with mode=abort, "
+               "which ended the requests in flight")
+        for ident, rid in w._reads.drop_all():
+            if rid not in w._reqs:
+                w.stats.errors_total += 1
+                w._send(ident, w._error(rid, why, "unavailable"))
+        for rid in list(w._reqs):
+            w.engine.abort(rid)
+            w._fail(rid, why, "unavailable")
 
     @property
     def pending(self) -> bool:

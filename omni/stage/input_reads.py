@@ -135,6 +135,12 @@ class InputReads:
         """Waiting requests not in `known` (not yet taken: counted in flight)."""
         return sum(1 for rid in {w.msg.request_id for q in self._queues.values() for w in q} if rid not in known)
 
+    def drop_all(self) -> list[tuple[bytes, str]]:
+        """Drop every waiting piece; the (frontend, request id) of each request, once."""
+        left = {w.msg.request_id: w.ident for q in self._queues.values() for w in q}
+        self._drop(lambda w: True)
+        return [(ident, rid) for rid, ident in left.items()]
+
     def close(self) -> list[tuple[bytes, str]]:
         """Stop reading; the (frontend, request id) of each request left waiting, once."""
         left = {w.msg.request_id: w.ident for q in self._queues.values() for w in q}

@@ -104,6 +104,74 @@ def test_sleep_from_one_frontend_is_seen_by_the_other(server):
     assert fresh(url, "POST", "/v1/chat/completions", json=body).status_code == 200
 
 
+def _stream(url: str, index: str, max_tokens: int):
+    """A streamed chat pinned to frontend `index`, its first chunk read: the request is in flight."""
+    c = pinned(url, index)
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    ctx = c.stream("POST", "/v1/chat/completions", json=body)
+    r = ctx.__enter__()
+    assert r.status_code == 200, r.read()
+    lines = r.iter_lines()
+    first = next(line for line in lines if line.startswith("data: "))
+    assert json.loads(first[6:])["choices"][0]["delta"] is not None
+    return c, ctx, lines
+
+
+def test_sleep_from_one_frontend_aborts_a_request_in_flight_on_the_other(server):
+    """vLLM's default mode=abort: the stream on frontend 1 ends with an error that says why, at once."""
+    _, url, _ = server
+    c, ctx, lines = _stream(url, "1", 2000)
+    try:
+        r = until_frontend(url, "0", "POST", "/v1/omni/sleep")
+        assert r.status_code == 200, r.text
+        rest = [line for line in lines if line.startswith("data: ")]
+    finally:
+        ctx.__exit__(None, None, None)
+        c.close()
+    error = json.loads(rest[-2][6:]) if rest[-1] == "data: [DONE]" else json.loads(rest[-1][6:])
+    assert "put to sleep with mode=abort" in error["error"]["message"], rest[-3:]
+    assert until_frontend(url, "1", "GET", "/v1/omni/is_sleeping").json() == {"is_sleeping": True}
+    assert until_frontend(url, "1", "POST", "/v1/omni/wakeup").status_code == 200
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 4, "temperature": 0}
+    assert fresh(url, "POST", "/v1/chat/completions", json=body).status_code == 200
+
+
+def test_sleep_with_mode_wait_lets_a_request_on_the_other_frontend_finish_first(server):
+    """vLLM's mode=wait: new requests get a 503 meanwhile; the one in flight ends whole; then the stages sleep."""
+    import threading
+
+    _, url, _ = server
+    c, ctx, lines = _stream(url, "1", 400)
+    slept: dict = {}
+
+    def sleep() -> None:
+        slept["r"] = until_frontend(url, "0", "POST", "/v1/omni/sleep?mode=wait")
+        slept["at"] = time.monotonic()
+
+    t = threading.Thread(target=sleep, daemon=True)
+    t.start()
+    try:
+        body = {"model": MODEL, "messages": QUESTION, "max_tokens": 1, "temperature": 0}
+        deadline = time.monotonic() + 60
+        while (r := fresh(url, "POST", "/v1/chat/completions", json=body)).status_code == 200:
+            assert time.monotonic() < deadline, "no request was refused while the sleep waited"
+        assert r.status_code == 503 and "going to sleep" in r.json()["error"]["message"], r.text
+        assert "at" not in slept                      # still waiting for the stream
+        rest = [line for line in lines if line.startswith("data: ")]
+        ended = time.monotonic()
+    finally:
+        ctx.__exit__(None, None, None)
+        c.close()
+    assert rest[-1] == "data: [DONE]"
+    assert json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length", rest[-2]
+    t.join(120)
+    assert slept["r"].status_code == 200, slept["r"].text
+    assert slept["at"] >= ended - 0.5 and slept["r"].json()["is_sleeping"] is True
+    assert until_frontend(url, "1", "POST", "/v1/omni/wakeup").status_code == 200
+    assert fresh(url, "POST", "/v1/chat/completions", json=body).status_code == 200
+
+
 def test_voice_uploaded_through_one_is_listed_by_the_other(server):
     _, url, _ = server
     a, b = pinned(url, "0"), pinned(url, "1")

@@ -94,9 +94,9 @@ class FakeOrchestrator:
     def health(self):
         return self.ok, self.reason
 
-    async def sleep(self, level: int = 1) -> dict:
+    async def sleep(self, level: int = 1, mode: str = "abort") -> dict:
         self.sleeping = True
-        return {"sleeping": True, "level": level}
+        return {"sleeping": True, "level": level, "mode": mode}
 
     async def wake_up(self) -> dict:
         self.sleeping = False

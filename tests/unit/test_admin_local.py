@@ -75,3 +75,26 @@ def test_force_says_what_stopped_after_the_outcome_and_only_for_replicas_that_ac
         for c in clients:
             c.close()
         server.stop(grace=0.2)
+
+
+def test_sleep_mode_reaches_the_stages_and_an_unknown_one_is_refused_by_flag(run_dir, monkeypatch):
+    from tests.unit.master_peers import keep_alive, ready
+
+    monkeypatch.delenv("OMNI_TOKEN", raising=False)
+    server = MasterServer(CFG, hash_config(CFG))
+    server.start()
+    got = []
+    client = keep_alive(server.address, "STAGE", 0, hash_config(CFG), lambda cmd: (got.append(cmd.args), (True, "ok"))[1])
+    try:
+        ready(client, 1)
+        for flags, args in (([], {"level": 1, "mode": "refuse"}), (["--mode", "abort", "--level", "2"],
+                                                                   {"level": 2, "mode": "abort"})):
+            r = CliRunner().invoke(app, ["sleep", "--master", server.address, "--force", "--timeout", "5", *flags])
+            assert r.exit_code == 0 and got[-1] == args, (r.output, got)
+        for mode, says in (("wait", "mode=wait is POST /v1/omni/sleep's"), ("keep", "use refuse or abort")):
+            r = CliRunner().invoke(app, ["sleep", "--master", server.address, "--mode", mode])
+            assert r.exit_code == 2 and f"omni sleep: --mode '{mode}'" in r.output and says in r.output, r.output
+        assert len(got) == 2
+    finally:
+        client.close()
+        server.stop(grace=0.2)

@@ -13,12 +13,13 @@ pytestmark = pytest.mark.anyio
 
 async def test_sleep_takes_the_level_from_the_query_string(tokenizer):  # noqa: F811
     orch, c = make(tokenizer)
-    levels = []
+    levels, modes = [], []
     real = orch.sleep
 
-    async def sleep(level=1):
+    async def sleep(level=1, mode="abort"):
         levels.append(level)
-        return await real(level)
+        modes.append(mode)
+        return await real(level, mode)
 
     orch.sleep = sleep
     assert (await c.post("/v1/omni/sleep?level=2")).status_code == 200
@@ -28,11 +29,34 @@ async def test_sleep_takes_the_level_from_the_query_string(tokenizer):  # noqa: 
     assert_error(await c.post("/v1/omni/sleep?level=7"), 400, "level")
     assert_error(await c.post("/v1/omni/sleep?level=deep"), 400, "level")
     assert_error(await c.post("/v1/omni/sleep?level=%D9%A1"), 400, "level")   # Arabic-Indic one: int() read it as 1
+    assert_error(await c.post("/v1/omni/sleep?level=" + "1" * 5000), 400, "level")   # int() raised: a 500
     assert_error(await c.post("/v1/omni/sleep?level=2", json={"level": 1}), 400, "level")
-    assert_error(await c.post("/v1/omni/sleep?mode=wait"), 400, "mode")
     assert_error(await c.post("/v1/omni/sleep?lvl=2"), 400, "lvl")
-    assert_error(await c.post("/v1/omni/sleep", json={"level": 2, "mode": "wait"}), 400, "mode")
-    assert levels == [2, 2, 1]
+    assert levels == [2, 2, 1] and modes == ["abort"] * 3
+
+
+async def test_sleep_takes_vllms_mode_and_refuses_keep_by_name(tokenizer):  # noqa: F811
+    orch, c = make(tokenizer)
+    modes = []
+    real = orch.sleep
+
+    async def sleep(level=1, mode="abort"):
+        modes.append(mode)
+        return await real(level, mode)
+
+    orch.sleep = sleep
+    assert (await c.post("/v1/omni/sleep?mode=wait")).status_code == 200
+    assert (await c.post("/v1/omni/sleep?level=2&mode=abort")).status_code == 200
+    assert (await c.post("/v1/omni/sleep", json={"level": 2, "mode": "wait"})).status_code == 200
+    assert (await c.post("/v1/omni/sleep?mode=wait", json={"mode": "wait"})).status_code == 200
+    assert modes == ["wait", "abort", "wait", "wait"]
+    # vLLM's keep holds requests across a sleep: omni's stages drop their KV caches, so it is refused by name.
+    assert_error(await c.post("/v1/omni/sleep?mode=keep"), 400, "mode", contains="mode=keep is not supported")
+    assert_error(await c.post("/v1/omni/sleep", json={"mode": "keep"}), 400, "mode")
+    assert_error(await c.post("/v1/omni/sleep?mode=later"), 400, "mode")
+    assert_error(await c.post("/v1/omni/sleep", json={"mode": "later"}), 400, "mode")
+    assert_error(await c.post("/v1/omni/sleep?mode=wait", json={"mode": "abort"}), 400, "mode")
+    assert modes == ["wait", "abort", "wait", "wait"]
 
 
 async def test_wakeup_refuses_vllms_tags_and_any_other_parameter_by_name(tokenizer):  # noqa: F811

@@ -52,12 +52,12 @@ def test_a_stage_acks_a_command_kind_it_cannot_name_and_keeps_its_stream():
     the stream's reader: the stream broke, the replica went SUSPECT, the frontends replayed its requests)."""
     c = MasterClient("127.0.0.1:1")
     c._registration = Registration("s0r0", 0, "lease", 5.0, {}, {})
-    c._stub = _FakeStub([pb.Command(command_id="new", kind=6),
+    c._stub = _FakeStub([pb.Command(command_id="new", kind=99),
                          pb.Command(command_id="d", kind=pb.DRAIN, args_json="{}")])
     got = []
     c._run_stream(lambda: {}, lambda cmd: got.append(cmd.kind) or (True, "drained"), 0.1)
     acks = [c._acks.get_nowait() for _ in range(2)]
-    assert [(a.command_id, a.ok, a.message) for a in acks] == [("new", False, "unknown command 6"),
+    assert [(a.command_id, a.ok, a.message) for a in acks] == [("new", False, "unknown command 99"),
                                                                 ("d", True, "drained")]
     assert got == ["DRAIN"]
     c.close()
@@ -70,9 +70,9 @@ def test_the_master_refuses_a_command_kind_it_cannot_name_before_sending_it(mast
     try:
         wait_until(lambda: stage.get_status().replicas[0].state == "READY")
         with pytest.raises(grpc.RpcError) as e:
-            stub.SendCommand(pb.SendCommandRequest(kind=6, timeout_s=1.0))
+            stub.SendCommand(pb.SendCommandRequest(kind=99, timeout_s=1.0))
         assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT
-        assert "unknown command kind 6" in e.value.details() and "DRAIN" in e.value.details()
+        assert "unknown command kind 99" in e.value.details() and "DRAIN" in e.value.details()
         results = stage.send_command("WAKE_UP", timeout_s=5.0)
         assert [(r.replica_id, r.ok) for r in results] == [("s0r0", True)] and got == ["WAKE_UP"]
         assert stage.registrations == 1 and stage.last_error is None

@@ -265,3 +265,19 @@ def test_sleep_is_refused_while_a_request_waits_for_its_read(gated):
     consumer.gate.set()
     out = recv(s)
     assert out.request_id == "r1" and not isinstance(out, m.RequestError), out
+
+
+def test_sleep_with_mode_abort_ends_a_request_waiting_for_its_read(gated):
+    """vLLM's mode=abort: the request whose read is running gets its 503 now, and is never admitted."""
+    consumer, engine, w, s = gated
+    s.send(add("r1", 10, {"x": _far_ref(5)}))
+    assert consumer.started.wait(10)
+    assert w.command("SLEEP", {"level": 1, "mode": "abort"}) == (True, "sleeping")
+    err = recv(s)
+    assert isinstance(err, m.RequestError) and err.request_id == "r1" and err.kind == "unavailable"
+    assert "mode=abort" in err.message and engine.is_sleeping()
+    consumer.gate.set()             # the read ends: nothing of r1 is admitted
+    assert w.command("WAKE_UP") == (True, "awake")
+    s.send(add("r2", 20))
+    out = recv(s)
+    assert out.request_id == "r2" and engine.added and [a[0] for a in engine.added] == ["r2"]
