@@ -20,6 +20,7 @@ from omni.api import browser, routes, sse
 from omni.api.errors import APIError, api_error_response, error_body, error_response
 from omni.api.limits import WRITE_TIMEOUT, HttpLimits, WriteTimeout, timed_send
 from omni.api.metrics import FrontendMetrics
+from omni.api.openapi import KEYED_PATHS
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +107,7 @@ class FrontendMiddleware:
                                            "<control key>; see --control-api-key)", "invalid_request_error",
                                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         keyed = self.control_key is not None and path in routes.CONTROL_PATHS
-        if not keyed and self.key is not None and (path.startswith("/v1") or path in ("/tokenize", "/detokenize")):
+        if not keyed and self.key is not None and (path.startswith("/v1") or path in KEYED_PATHS):
             if not self._authorized(scope, self.key):
                 return error_response(401, "invalid or missing API key (send Authorization: Bearer <key>)",
                                       "invalid_request_error", code="invalid_api_key",

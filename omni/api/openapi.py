@@ -27,7 +27,8 @@ REASONS = {400: "Bad request: the message names the parameter", 401: "Missing or
            429: "Too many unfinished jobs on this frontend (the message names the limit)",
            500: "Internal error (a stage failed)", 503: "No READY replica, asleep, or the master is unreachable",
            504: "The request timed out in the pipeline"}
-GUARDED = ("/v1", "/tokenize", "/detokenize")   # --api-key (omni/api/http.py)
+# --api-key (omni/api/http.py): every path under /v1, and these outside it
+KEYED_PATHS = frozenset({"/tokenize", "/detokenize", "/sleep", "/wake_up", "/is_sleeping"})
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ def statuses(r) -> list[int]:
     codes = {413, 500, *r.errors}
     if r.body is not None:
         codes |= {400, 408}
-    if r.path.startswith(GUARDED) or r.control:
+    if r.path.startswith("/v1") or r.path in KEYED_PATHS or r.control:
         codes.add(401)
     if r.control or r.method not in ("GET", "HEAD"):   # api/browser.py: another site's Origin
         codes.add(403)

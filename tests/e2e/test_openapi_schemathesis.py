@@ -23,7 +23,7 @@ CHECKS = ("not_a_server_error,status_code_conformance,positive_data_acceptance,r
           "content_type_conformance,unsupported_method,allow_header_conformance")
 # POST /v1/omni/sleep puts the thinker to sleep, and a generation route then answers 503 (as
 # documented): the control routes get a run of their own, after the others.
-CONTROL = "^/v1/omni/(sleep|wakeup|is_sleeping)$"
+CONTROL = "^(/v1/omni/(sleep|wakeup|is_sleeping)|/sleep|/wake_up|/is_sleeping)$"
 JOBS = "/v1/omni/jobs"
 
 

@@ -410,6 +410,28 @@ async def test_control_routes_can_be_turned_off(tokenizer):
     assert (await c.get("/v1/omni/is_sleeping")).status_code == 200
 
 
+async def test_vllms_sleep_paths_are_the_same_routes_behind_the_same_keys(tokenizer):
+    """vLLM's POST /sleep?level=&mode=, POST /wake_up and GET /is_sleeping (its dev mode's, outside /v1): what
+    tools that drive vLLM's sleep call. The API key guards them as it guards /v1 (vLLM's guards none)."""
+    orch, c = make(tokenizer, api_key="user")
+    user = {"Authorization": "Bearer user"}
+    for method, path in (("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/is_sleeping")):
+        assert_error(await c.request(method, path), 401)
+    assert orch.sleeping is False
+    r = await c.post("/sleep?level=2&mode=wait", headers=user)
+    assert r.status_code == 200 and r.json()["level"] == 2 and r.json()["mode"] == "wait", r.text
+    assert (await c.get("/is_sleeping", headers=user)).json() == {"is_sleeping": True}
+    assert_error(await c.post("/wake_up?tags=weights", headers=user), 400, "tags")
+    assert (await c.post("/wake_up", headers=user)).status_code == 200 and orch.sleeping is False
+    orch, c = make(tokenizer, api_key="user", control_api_key="admin")
+    assert_error(await c.post("/sleep", headers=user), 401, contains="control API key")
+    assert (await c.post("/sleep", headers={"Authorization": "Bearer admin"})).status_code == 200
+    orch, c = make(tokenizer, control_routes=False)
+    for path in ("/sleep", "/wake_up"):
+        assert_error(await c.post(path), 403, contains="--disable-control-routes")
+    assert orch.sleeping is False
+
+
 async def test_tokenize_and_detokenize_like_vllm(tokenizer):
     _, c = make(tokenizer, api_key="k")
     auth = {"Authorization": "Bearer k"}

@@ -28,7 +28,7 @@ def test_app_openapi_and_guard_follow_the_table(tokenizer):
     spec = openapi_spec("tiny")["paths"]
     assert {(p, m.upper()) for p, ops in spec.items() for m in ops} == {(oas_path(p), m) for p, m in table}
     assert "requestBody" in spec["/v1/chat/completions"]["post"]
-    assert CONTROL_PATHS == {"/v1/omni/sleep", "/v1/omni/wakeup"}
+    assert CONTROL_PATHS == {"/v1/omni/sleep", "/v1/omni/wakeup", "/sleep", "/wake_up"}
     assert set(app.state.jobs.handlers) == {"/v1/chat/completions", "/v1/completions", "/v1/audio/speech"}
     text_only = build_app(FakeOrchestrator(tokenizer), tokenizer, served_model_name="tiny", max_model_len=64)
     assert set(text_only.state.jobs.handlers) == {"/v1/chat/completions", "/v1/completions"}
