@@ -15,6 +15,7 @@ import grpc
 from omni._proto import master_pb2 as pb
 from omni import envs
 from omni._proto import master_pb2_grpc as pb_grpc
+from omni.digits import ascii_int
 from omni.errors import BadRequest, OmniError, Unavailable
 from omni.master import limits, wire
 from omni.master.auth import TlsFiles, TlsRefused, call_metadata, explain
@@ -36,8 +37,9 @@ def check_address(address: str) -> str:
     if any(ord(c) < 32 or ord(c) == 127 for c in address):   # a NUL reached gRPC's C core, which printed raw lines
         raise BadRequest(f"omni master address {address!r} holds a control character; give HOST:PORT")
     host, sep, port = address.rpartition(":")
-    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
-        raise BadRequest(f"omni master address must be HOST:PORT, got {address!r}")
+    n = ascii_int(port)
+    if not sep or not host or n is None or not 0 < n < 65536:
+        raise BadRequest(f"omni master address must be HOST:PORT, got {address[:200]!r}")
     if ":" in host and not (host.startswith("[") and host.endswith("]")):
         # gRPC read ::1:1 as the IPv6 address ::0.1.0.1 on port 443
         hint = f" (an IPv6 address goes in brackets: [{host}]:{port})" if is_ipv6(host) else ""

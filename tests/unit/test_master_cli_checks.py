@@ -80,6 +80,7 @@ def test_omni_status_with_a_bad_ca_prints_one_line_and_no_grpc_errors(not_pem):
     ("\x00:1", "omni master address '\\x00:1' holds a control character; give HOST:PORT"),
     ("127.0.0.1:1\n", "holds a control character"),
     ("127.0.0.1:1:2", "must be HOST:PORT, got '127.0.0.1:1:2'"),
+    ("h:" + "1" * 5000, "must be HOST:PORT, got 'h:111"),   # int() raised its own ValueError past 4,300 digits
 ])
 def test_a_master_address_grpc_would_misread_is_refused(address, message):
     """gRPC read `::1:1` as the IPv6 address ::0.1.0.1 on port 443 (omni status then tried that), and a NUL
