@@ -49,7 +49,9 @@ class ControlRoutes:
                 raise bad_request(f"level is {level} in the query string and {req.level} in the body",
                                   param="level")
         if level not in (1, 2):
-            raise bad_request(f"level={level} must be 1 or 2", param="level")
+            why = (" (vLLM's level 0 pauses scheduling alone and queues requests; omni has no such pause)"
+                   if level == 0 else "")
+            raise bad_request(f"level={level} must be 1 or 2{why}", param="level")
         return _outcome("sleep", await self.fe.orch.sleep(level, mode))
 
     async def wake_up(self, request: Request) -> Response:

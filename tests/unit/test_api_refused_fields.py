@@ -27,6 +27,7 @@ async def test_sleep_takes_the_level_from_the_query_string(tokenizer):  # noqa: 
     assert (await c.post("/v1/omni/sleep")).status_code == 200
     assert levels == [2, 2, 1]
     assert_error(await c.post("/v1/omni/sleep?level=7"), 400, "level")
+    assert_error(await c.post("/sleep?level=0"), 400, "level", contains="vLLM's level 0 pauses scheduling alone")
     assert_error(await c.post("/v1/omni/sleep?level=deep"), 400, "level")
     assert_error(await c.post("/v1/omni/sleep?level=%D9%A1"), 400, "level")   # Arabic-Indic one: int() read it as 1
     assert_error(await c.post("/v1/omni/sleep?level=" + "1" * 5000), 400, "level")   # int() raised: a 500
