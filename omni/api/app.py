@@ -76,7 +76,8 @@ def build_app(orchestrator: OrchestratorLike, tokenizer: Any, *, served_model_na
     fe.videos = videos
     fe.num_stages = num_stages
     fe.default_modalities = tuple(default_modalities)
-    routes = [Route(path, by_method(methods)) for path, methods in by_path.items()] + unsupported.routes()
+    # refusals first: /v1/videos/sync would match /v1/videos/{video_id}
+    routes = unsupported.routes() + [Route(path, by_method(methods)) for path, methods in by_path.items()]
     limits = limits or HttpLimits()
     streams: set = set()   # open streams, which serve() ends cleanly at its stop
     in_flight: set = set()   # requests serve() answers 503 at its stop if they have not begun to
