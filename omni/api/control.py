@@ -4,7 +4,8 @@
 Sleep and wakeup answer each replica's ack in `results`: 200 when at least one replica acked ok (a partial
 outcome: the others' messages say why), 409 when every replica refused, 503 when none was there to ask.
 Sleep's `mode` is vLLM's: abort (the default) ends the requests in flight with a 503 that says why; wait
-lets them finish first (omni/orchestrator/quiesce.py)."""
+lets them finish first (omni/orchestrator/quiesce.py). Both take vllm-omni's `stage_ids` (none: every stage).
+Sleep's level is 2 on /v1/omni/sleep (vllm-omni's default) and 1 on vLLM's /sleep."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ class ControlRoutes:
         if isinstance(raw, dict) and raw.get("mode") == "keep":
             raise _keep_refused()
         req = P.decode_body(body, P.SleepRequest) if body.strip() else P.SleepRequest()
-        level, mode = req.level, req.mode
+        level, mode, stage_ids = req.level, req.mode, _stage_ids(request, req.stage_ids)
         # vLLM's POST /sleep takes level and mode from the query string: taken here too.
         for name, value in request.query_params.multi_items():
             if name == "mode":
@@ -38,36 +39,54 @@ class ControlRoutes:
                 if "mode" in raw and value != req.mode:
                     raise bad_request(f"mode is {value} in the query string and {req.mode} in the body", param="mode")
                 mode = value
-                continue
-            if name != "level":
-                raise bad_request(f"query parameter `{name}` is not supported: sleep takes `level` and `mode`",
-                                  param=name)
-            level = ascii_int(value)                          # int() reads '١' as 1
-            if level is None:
-                raise bad_request(f"level={value[:20]!r} must be 1 or 2", param="level")
-            if "level" in raw and level != req.level:
-                raise bad_request(f"level is {level} in the query string and {req.level} in the body",
-                                  param="level")
+            elif name == "level":
+                level = ascii_int(value)                          # int() reads '١' as 1
+                if level is None:
+                    raise bad_request(f"level={value[:20]!r} must be 1 or 2", param="level")
+                if req.level is not None and level != req.level:
+                    raise bad_request(f"level is {level} in the query string and {req.level} in the body",
+                                      param="level")
+            elif name != "stage_ids":
+                raise bad_request(f"query parameter `{name}` is not supported: sleep takes `level`, `mode` and "
+                                  "`stage_ids`", param=name)
+        if level is None:
+            level = 1 if request.url.path == "/sleep" else 2
         if level not in (1, 2):
             why = (" (vLLM's level 0 pauses scheduling alone and queues requests; omni has no such pause)"
                    if level == 0 else "")
             raise bad_request(f"level={level} must be 1 or 2{why}", param="level")
-        return _outcome("sleep", await self.fe.orch.sleep(level, mode))
+        return _outcome("sleep", await self.fe.orch.sleep(level, mode, stage_ids))
 
     async def wake_up(self, request: Request) -> Response:
         # vLLM's /wake_up takes `tags` (weights, kv_cache, scheduling) to wake part of the engine; omni's
         # engines wake whole, so a tag is refused rather than answered as if that part alone woke.
         body = await request.body()
-        fields = list(P.decode_body(body, dict)) if body.strip() else []
-        for name in [n for n, _ in request.query_params.multi_items()] + fields:
+        raw = P.decode_body(body, dict) if body.strip() else {}
+        for name in [n for n, _ in request.query_params.multi_items()] + list(raw if isinstance(raw, dict) else ()):
             if name == "tags":
                 raise bad_request("`tags` is not supported: omni wakes every stage whole (weights, KV cache and "
                                   "scheduling at once); call it without tags", param="tags")
-            raise bad_request(f"`{name}` is not supported: wakeup takes no parameters", param=name)
-        return _outcome("wakeup", await self.fe.orch.wake_up())
+            if name != "stage_ids":
+                raise bad_request(f"`{name}` is not supported: wakeup takes only `stage_ids`", param=name)
+        req = P.decode_body(body, P.WakeupRequest) if body.strip() else P.WakeupRequest()
+        return _outcome("wakeup", await self.fe.orch.wake_up(_stage_ids(request, req.stage_ids)))
 
     async def is_sleeping(self, request: Request) -> Response:
         return JSONResponse({"is_sleeping": bool(await self.fe.orch.is_sleeping())})
+
+
+def _stage_ids(request: Request, body_ids: list[int] | None) -> tuple[int, ...]:
+    """vllm-omni's `stage_ids`, from the body or the query string (repeated); () is every stage."""
+    values = request.query_params.getlist("stage_ids")
+    if not values:
+        return tuple(body_ids or ())
+    if body_ids is not None:
+        raise bad_request("stage_ids is in both the query string and the body: give it once", param="stage_ids")
+    ids = [ascii_int(v) for v in values[:65]]
+    if any(i is None for i in ids) or len(ids) > 64:
+        raise bad_request("stage_ids takes up to 64 stage ids, each a non-negative integer "
+                          "(repeat it: ?stage_ids=0&stage_ids=1)", param="stage_ids")
+    return tuple(ids)
 
 
 def _keep_refused():

@@ -231,10 +231,20 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
 
 
+# vllm-omni's: the stages to sleep or wake (none: every stage)
+StageIds = Annotated[list[Annotated[int, msgspec.Meta(ge=0, le=1023)]], msgspec.Meta(min_length=1, max_length=64)]
+
+
 class SleepRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    level: Annotated[int, msgspec.Meta(ge=1, le=2)] = 1
+    # none: 2 on /v1/omni/sleep (vllm-omni's default), 1 on /sleep (vLLM's)
+    level: Annotated[int, msgspec.Meta(ge=1, le=2)] | None = None
     # vLLM's: abort ends the requests in flight (503), wait lets them finish first. Its `keep` is refused.
     mode: Literal["abort", "wait"] = "abort"
+    stage_ids: StageIds | None = None
+
+
+class WakeupRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    stage_ids: StageIds | None = None
 
 
 # What a type cannot say about itself, merged into its schema (openapi.py): /tokenize takes

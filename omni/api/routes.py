@@ -60,12 +60,14 @@ ROUTES: tuple[RouteSpec, ...] = (
     RouteSpec("/v1/audio/voices/{name}", "DELETE", "voices", "delete", errors=(400, 404, 409, 503)),
     RouteSpec("/v1/omni/sleep", "POST", "control", "sleep", P.SleepRequest, control=True, body_required=False,
               errors=(409, 503)),   # 409: every replica refused (results say why)
-    RouteSpec("/v1/omni/wakeup", "POST", "control", "wake_up", control=True, errors=(400, 409, 503)),   # tags, any field
+    RouteSpec("/v1/omni/wakeup", "POST", "control", "wake_up", P.WakeupRequest, control=True, body_required=False,
+              errors=(400, 409, 503)),   # tags, any field
     RouteSpec("/v1/omni/is_sleeping", "GET", "control", "is_sleeping", errors=(503,)),
     # vLLM's paths of the same three (its dev mode's, outside /v1), which tools that drive vLLM's sleep call
     RouteSpec("/sleep", "POST", "control", "sleep", P.SleepRequest, control=True, body_required=False,
               errors=(409, 503)),
-    RouteSpec("/wake_up", "POST", "control", "wake_up", control=True, errors=(400, 409, 503)),
+    RouteSpec("/wake_up", "POST", "control", "wake_up", P.WakeupRequest, control=True, body_required=False,
+              errors=(400, 409, 503)),
     RouteSpec("/is_sleeping", "GET", "control", "is_sleeping", errors=(503,)),
     RouteSpec("/v1/omni/jobs", "POST", "jobs", "create", JobRequest, errors=NEW_JOB),
     RouteSpec("/v1/omni/jobs", "GET", "jobs", "list", errors=(400, 404, 503), query=LIST_QUERY),

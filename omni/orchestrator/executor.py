@@ -379,23 +379,26 @@ class Orchestrator:
             return False, "no READY replica for " + ", ".join(missing) + (f" ({away})" if away else "")
         return True, away or "ok"
 
-    async def sleep(self, level: int = 1, mode: str = "abort") -> dict:
+    async def sleep(self, level: int = 1, mode: str = "abort", stage_ids: tuple[int, ...] = ()) -> dict:
         """vLLM's modes: `abort` ends the requests in flight (503) and sleeps; `wait` lets them finish first
         (omni/orchestrator/quiesce.py). Raises Conflict when a frontend still had requests after the wait."""
+        quiesce.check_stage_ids(stage_ids, [s.stage_id for s in self.config.stages])
         if mode != "wait":
-            return await self._command("SLEEP", {"level": level, "mode": mode})
+            return await self._command("SLEEP", {"level": level, "mode": mode}, stage_ids)
         wait_s = quiesce.wait_s_for(self.config.pipeline.request_timeout_s)
-        quiet, results = await self._master_call(lambda m: quiesce.sleep_when_idle(m, level, wait_s))
+        quiet, results = await self._master_call(lambda m: quiesce.sleep_when_idle(m, level, wait_s, stage_ids))
         if not results:
             busy = "; ".join(f"{r.replica_id}: {r.message}" for r in quiet if not r.ok)
             raise Conflict(f"sleep (mode=wait): nothing was put to sleep: {busy}")
         return await self._outcome(results)
 
-    async def wake_up(self) -> dict:
-        return await self._command("WAKE_UP", {})
+    async def wake_up(self, stage_ids: tuple[int, ...] = ()) -> dict:
+        quiesce.check_stage_ids(stage_ids, [s.stage_id for s in self.config.stages])
+        return await self._command("WAKE_UP", {}, stage_ids)
 
-    async def _command(self, kind: str, args: dict) -> dict:
-        return await self._outcome(await self._master_call(lambda m: m.send_command(kind, (), args, timeout_s=60.0)))
+    async def _command(self, kind: str, args: dict, stage_ids: tuple[int, ...] = ()) -> dict:
+        return await self._outcome(await self._master_call(
+            lambda m: m.send_command(kind, stage_ids, args, timeout_s=60.0)))
 
     async def _master_call(self, call: Callable[[Any], Any]):
         if self.master is None:

@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from omni.errors import Unavailable
+from omni.errors import BadRequest, Unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -59,14 +59,21 @@ def wait_s_for(request_timeout_s: float) -> float:
     return min(request_timeout_s + 5.0, MAX_WAIT_S)
 
 
-async def sleep_when_idle(master: Any, level: int, wait_s: float) -> tuple[list, list]:
+def check_stage_ids(stage_ids: tuple[int, ...], known: list[int]) -> None:
+    unknown = sorted(set(stage_ids) - set(known))
+    if unknown:
+        raise BadRequest(f"stage_ids: {', '.join(map(str, unknown))} not in the pipeline (stages: "
+                         f"{', '.join(map(str, known))})")
+
+
+async def sleep_when_idle(master: Any, level: int, wait_s: float, stage_ids: tuple[int, ...] = ()) -> tuple[list, list]:
     """-> (the frontends' QUIESCE results, the stages' SLEEP results: [] when a frontend stayed busy)."""
     try:
         quiet = await master.send_command("QUIESCE", (), {"hold_s": wait_s + 30.0, "wait_s": wait_s},
                                           timeout_s=wait_s + 10.0)
         if not all(r.ok for r in quiet):
             return quiet, []
-        return quiet, await master.send_command("SLEEP", (), {"level": level, "mode": "abort"}, timeout_s=60.0)
+        return quiet, await master.send_command("SLEEP", stage_ids, {"level": level, "mode": "abort"}, timeout_s=60.0)
     finally:
         try:
             await master.send_command("QUIESCE", (), {"hold_s": 0.0}, timeout_s=10.0)

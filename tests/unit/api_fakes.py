@@ -94,13 +94,13 @@ class FakeOrchestrator:
     def health(self):
         return self.ok, self.reason
 
-    async def sleep(self, level: int = 1, mode: str = "abort") -> dict:
+    async def sleep(self, level: int = 1, mode: str = "abort", stage_ids: tuple[int, ...] = ()) -> dict:
         self.sleeping = True
-        return {"sleeping": True, "level": level, "mode": mode}
+        return {"sleeping": True, "level": level, "mode": mode, "stage_ids": list(stage_ids)}
 
-    async def wake_up(self) -> dict:
+    async def wake_up(self, stage_ids: tuple[int, ...] = ()) -> dict:
         self.sleeping = False
-        return {"sleeping": False}
+        return {"sleeping": False, "stage_ids": list(stage_ids)}
 
     async def is_sleeping(self) -> bool:
         return self.sleeping

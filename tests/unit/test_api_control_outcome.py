@@ -37,7 +37,7 @@ async def test_a_partial_outcome_is_200_and_no_replica_is_503(tokenizer):  # noq
     orch, c = make(tokenizer)
     outs = [acks(True, False), {"results": [], "is_sleeping": False}]
 
-    async def sleep(level=1, mode="abort"):
+    async def sleep(level=1, mode="abort", stage_ids=()):
         return outs.pop(0)
 
     orch.sleep = sleep

@@ -32,6 +32,8 @@ BASES = {
     "/v1/audio/voices": {"name": "mine", "base": "joe"},
     "/v1/omni/sleep": {},
     "/sleep": {},
+    "/v1/omni/wakeup": {},
+    "/wake_up": {},
     "/v1/omni/jobs": {"endpoint": "/v1/completions", "body": {"prompt": "say hello"}},
 }
 # Where a list's element goes, after fillers: sampling_params_list's entry 2 is the vocoder's, which

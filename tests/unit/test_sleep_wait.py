@@ -91,10 +91,12 @@ def test_the_ack_waits_for_the_requests_in_flight_to_end():
 class FakeMaster:
     def __init__(self, quiet_ok: bool = True, fail_sleep: bool = False):
         self.calls: list = []
+        self.stage_ids: list = []
         self.quiet_ok, self.fail_sleep = quiet_ok, fail_sleep
 
     async def send_command(self, kind, stage_ids=(), args=None, timeout_s=10.0, replica_ids=()):
         self.calls.append((kind, args))
+        self.stage_ids.append(tuple(stage_ids))
         if kind == "QUIESCE":
             ok = self.quiet_ok or not args["hold_s"]
             return [CommandResult("fe0", -1, True, "no request in flight", "acked"),
@@ -124,3 +126,17 @@ def test_the_gates_are_lifted_when_the_sleep_fails():
     with pytest.raises(ConnectionError):
         asyncio.run(quiesce.sleep_when_idle(fake, 1, 9.0))
     assert fake.calls[-1] == ("QUIESCE", {"hold_s": 0.0})
+
+
+def test_stage_ids_outside_the_pipeline_are_refused_naming_them():
+    from omni.errors import BadRequest as Bad
+
+    quiesce.check_stage_ids((0, 2), [0, 1, 2])
+    with pytest.raises(Bad, match=r"stage_ids: 3, 7 not in the pipeline \(stages: 0, 1, 2\)"):
+        quiesce.check_stage_ids((7, 0, 3), [0, 1, 2])
+
+
+def test_sleep_when_idle_sleeps_only_the_stages_named():
+    fake = FakeMaster()
+    asyncio.run(quiesce.sleep_when_idle(fake, 1, 9.0, (1,)))
+    assert fake.calls[1] == ("SLEEP", {"level": 1, "mode": "abort"}) and fake.stage_ids == [(), (1,), ()]
