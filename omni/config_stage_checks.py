@@ -63,6 +63,8 @@ SERVING_ONLY_ARGS = {
     # read by vLLM's engine too: with image/video limits 0 it keeps encoder room for their embeddings
     "enable_mm_embeds": "omni's chat takes no image_embeds / audio_embeds parts (a 400 naming the part's type): "
                         "send input_audio or data: URLs",
+    # the engine keeps it, but its profiler starts only at vLLM's POST /start_profile
+    "profiler_config": "omni has no /start_profile or /stop_profile route to run vLLM's profiler with",
 }
 # Engine args only: `omni serve` has the flag of its own.
 _ENGINE_ARGS_ONLY = {"served_model_name": "the API's model name is `omni serve --served-model-name`",

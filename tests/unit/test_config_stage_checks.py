@@ -197,6 +197,15 @@ def test_engine_args_only_vllms_server_reads_are_refused_by_name(tmp_path, key):
         cfg.apply_engine_flags(config, 0, {key: "x"})
 
 
+def test_a_profiler_config_is_refused_as_it_could_never_start(tmp_path):
+    """vllm-omni's profiling form: vLLM's stage took it, and only vLLM's POST /start_profile starts it."""
+    prof = "{profiler: torch, torch_profiler_dir: /tmp/p}"
+    with pytest.raises(ConfigError, match=r"engine_args\.profiler_config: not supported: omni has no /start_profile"):
+        load(tmp_path, stage0(f"engine_args: {{max_model_len: 64, profiler_config: {prof}}}"))
+    with pytest.raises(ConfigError, match=r"engine_args\.profiler_config: not supported: "):
+        load(tmp_path, stage0("engine_args: {}"), stage_overrides={"0": {"profiler_config": {"profiler": "torch"}}})
+
+
 def test_engine_args_vllm_acts_on_still_pass(tmp_path):
     c = load(tmp_path, stage0("engine_args: {hf_config_path: /cfg, tokenizer_mode: hf, max_model_len: 64}"))
     assert c.stages[0].engine_args["hf_config_path"] == "/cfg"

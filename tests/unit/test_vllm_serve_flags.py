@@ -68,6 +68,8 @@ def test_frontend_flags_omni_lacks_are_refused_with_the_reason(capsys, flags, wh
     (["--grpc"], "HTTP only"),
     (["--enable-tokenizer-info-endpoint"], "no /tokenizer_info route"),
     (["--enable-offline-docs"], "no /docs or /redoc pages"),
+    # an EngineArgs field (vLLM's stage took it), but only vLLM's /start_profile starts the profiler
+    (["--profiler-config", '{"profiler": "torch", "torch_profiler_dir": "/tmp/p"}'], "no /start_profile"),
 ])
 def test_more_frontend_flags_are_refused_as_serve_options(capsys, flags, why):
     """They were "no stage of this pipeline takes it (stage 0 ...)"."""
