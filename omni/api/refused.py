@@ -70,6 +70,8 @@ REFUSED: dict[str, tuple[list, str]] = {
     "include_reasoning": ([None, True], "reasoning is not split from the content here (no reasoning parser); "
                           "chat_template_kwargs {\"enable_thinking\": false} turns thinking off where the template reads it"),
     "stream_interval": ([None, 1], "a stream sends the tokens as they come; chunks of N tokens are not supported"),
+    # vllm-omni's: a `metrics` object per stage in the answer (its benchmarks ask for it)
+    "return_stage_metrics": ([None, False], "per-stage metrics are on /metrics and in `omni status`"),
 }
 
 # Fields of vLLM's and OpenAI's requests that cannot change the answer here, so they stay ignored as vLLM
