@@ -11,6 +11,7 @@ from omni.api import openapi as o
 from omni.api import protocol as P
 from omni.api.jobs import JobRequest
 from omni.api.listing import QUERY as LIST_QUERY
+from omni.api.unsupported import NOT_SERVED
 from omni.audio_encode import FORMATS
 
 ENCODED_AUDIO = tuple(f.content_type for f in FORMATS.values())    # speech's mp3, flac, opus, aac
@@ -98,6 +99,8 @@ def label(path: str) -> str:
     """The route a request path belongs to, as metrics name it (a template, never the raw id)."""
     if path in _EXACT:
         return path
+    if path in NOT_SERVED:     # refused (/v1/videos/sync): not a video's template
+        return "other"
     for pattern, template in _TEMPLATES:
         if pattern.match(path):
             return template

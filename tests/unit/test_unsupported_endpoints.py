@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from omni.api import unsupported
-from omni.api.routes import ROUTES, openapi_spec
+from omni.api.routes import ROUTES, label, openapi_spec
 from omni.config import VideoSettings
 from tests.unit.api_fakes import assert_error, make, tokenizer  # noqa: F401 (fixture)
 
@@ -20,6 +20,8 @@ def test_no_refused_path_is_served_or_described():
     served = {r.path for r in ROUTES}
     assert not served & set(unsupported.NOT_SERVED)
     assert not set(openapi_spec("tiny")["paths"]) & set(unsupported.NOT_SERVED)
+    # nor counted on /metrics as a served route (it was /v1/videos/{video_id}'s)
+    assert label("/v1/videos/sync") == "other" and label("/v1/videos/video_1") == "/v1/videos/{video_id}"
 
 
 async def test_videos_sync_is_refused_by_name_and_a_video_id_still_routes(tokenizer):  # noqa: F811
