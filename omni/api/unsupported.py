@@ -51,6 +51,12 @@ NOT_SERVED: dict[str, str] = {
     **dict.fromkeys(("/server_info", "/get_world_size"), _STATUS),
     **dict.fromkeys(("/update_weights", "/rollout/generate"), _WEIGHTS),
     **dict.fromkeys(("/start_profile", "/stop_profile"), _PROFILE),
+    "/tokenizer_info": "the tokenizer's configuration is not served: POST /tokenize and /detokenize use it",
+    "/load": "the server load is not served: GET /metrics (omni_api_requests_in_flight) and `omni status` show it",
+    "/collective_rpc": "remote calls into the stage engines are not supported by this server",
+    "/reset_mm_cache": "resetting the multimodal cache is not supported by this server",
+    "/release_kv_cache_memory": "releasing the KV cache alone is not supported: POST /sleep?level=1 frees it "
+                                "with the weights",
 }
 
 
