@@ -234,6 +234,7 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
     orch = Orchestrator(config, frontend_id=frontend_id, topology=topology, detokenize=detokenize,
                         consumer=MultiConsumer(token=token), token=token, host=advertise, master=amaster)
     orch.metrics_label = str(index)
+    orch.gate.loop = asyncio.get_running_loop()   # the QUIESCE ack waits a turn of it (quiesce.Gate)
 
     def load() -> dict:
         return {"queue_len": 0, "in_flight": orch.in_flight,

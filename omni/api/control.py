@@ -97,6 +97,12 @@ def _keep_refused():
 def _outcome(verb: str, out: dict) -> Response:
     """200 unless no replica acked ok: then an OpenAI error body beside the same `results`, so a client
     that reads only the status does not take a refused sleep for a done one."""
+    busy = [f for f in out.get("frontends", ()) if not f["ok"]]
+    if busy:   # mode=wait: a frontend still had requests in flight at the end of the wait
+        why = "; ".join(f"{f['replica_id']}: {f['message']}" for f in busy)
+        body = error_body(f"{verb} (mode=wait): nothing was put to sleep: {why}", "conflict_error",
+                          code="sleep_busy")
+        return JSONResponse({**body, **out}, status_code=409)
     results = out.get("results")
     if results is None or any(r["ok"] for r in results):
         return JSONResponse(out)

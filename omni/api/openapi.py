@@ -60,6 +60,11 @@ def spec(routes, title: str, version: str, facts: Facts | None = None) -> dict:
     paths: dict[str, dict] = {}
     for r in routes:
         paths.setdefault(oas_path(r.path), {})[r.method.lower()] = operation(r, ref_of.get(r.body))
+    if facts is not None and facts.num_stages:   # the query's stage_ids, as narrow() caps the bodies'
+        for op in (o for ops in paths.values() for o in ops.values()):
+            for p in op.get("parameters", ()):
+                if p["name"] == "stage_ids":
+                    p["schema"] = {**p["schema"], "items": {**p["schema"]["items"], "maximum": facts.num_stages - 1}}
     # 3.1: its schemas are JSON Schema 2020-12, what msgspec writes (null unions as anyOf).
     return {"openapi": "3.1.0", "info": {"title": title, "version": version}, "paths": paths,
             "components": {"schemas": components}}
@@ -157,6 +162,10 @@ def narrow(components: dict, f: Facts) -> None:
             entry = copy.deepcopy(components["StageSampling"])
             _cap_token_ids(entry.get("properties", {}).get("stop_token_ids"), f.vocab_size - 1)
             first(s)["prefixItems"] = [entry]
+    for name in ("SleepRequest", "WakeupRequest") if f.num_stages else ():
+        s = prop(name, "stage_ids")
+        if s is not None:
+            first(s)["items"]["maximum"] = f.num_stages - 1
     s = prop("SpeechRequest", "input")
     if s is not None and f.max_speech_chars is not None:
         s["maxLength"] = min(s.get("maxLength", f.max_speech_chars), f.max_speech_chars)

@@ -33,6 +33,8 @@ class RouteSpec:
     forms: bool = False         # the body may also come as a form (api/browser.py checks the Content-Type)
 
 
+_STAGE_IDS = ("stage_ids", {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 1023},
+                            "maxItems": 64})   # repeated: ?stage_ids=0&stage_ids=1 (openapi.narrow caps the ids)
 GENERATION = (404, 500, 503, 504)     # unknown model or voice; a stage failed; no replica or asleep; timeout
 JOB = (404, 503)                       # no such job; the master is unreachable
 NEW_JOB = (404, 429, 503)              # unknown model; too many unfinished jobs here; the master is unreachable
@@ -64,11 +66,12 @@ ROUTES: tuple[RouteSpec, ...] = (
     RouteSpec("/v1/omni/wakeup", "POST", "control", "wake_up", P.WakeupRequest, control=True, body_required=False,
               errors=(400, 409, 503)),   # tags, any field
     RouteSpec("/v1/omni/is_sleeping", "GET", "control", "is_sleeping", errors=(503,)),
-    # vLLM's paths of the same three (its dev mode's, outside /v1), which tools that drive vLLM's sleep call
-    RouteSpec("/sleep", "POST", "control", "sleep", P.SleepRequest, control=True, body_required=False,
-              errors=(409, 503)),
-    RouteSpec("/wake_up", "POST", "control", "wake_up", P.WakeupRequest, control=True, body_required=False,
-              errors=(400, 409, 503)),
+    # vLLM's paths of the same three (its dev mode's, outside /v1), which tools that drive vLLM's sleep call.
+    # Described with vLLM's query parameters; both forms take the JSON body and the query string alike.
+    RouteSpec("/sleep", "POST", "control", "sleep", control=True, errors=(400, 409, 503), query=(
+        ("level", {"type": "integer", "enum": [1, 2], "default": 1}),
+        ("mode", {"type": "string", "enum": ["abort", "wait"], "default": "abort"}), _STAGE_IDS)),
+    RouteSpec("/wake_up", "POST", "control", "wake_up", control=True, errors=(400, 409, 503), query=(_STAGE_IDS,)),
     RouteSpec("/is_sleeping", "GET", "control", "is_sleeping", errors=(503,)),
     RouteSpec("/v1/omni/jobs", "POST", "jobs", "create", JobRequest, errors=NEW_JOB),
     RouteSpec("/v1/omni/jobs", "GET", "jobs", "list", errors=(400, 404, 503), query=LIST_QUERY),

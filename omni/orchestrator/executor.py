@@ -381,19 +381,22 @@ class Orchestrator:
 
     async def sleep(self, level: int = 1, mode: str = "abort", stage_ids: tuple[int, ...] = ()) -> dict:
         """vLLM's modes: `abort` ends the requests in flight (503) and sleeps; `wait` lets them finish first
-        (omni/orchestrator/quiesce.py). Raises Conflict when a frontend still had requests after the wait."""
+        (omni/orchestrator/quiesce.py); `frontends`: their acks of the wait (one not ok: nothing slept)."""
         quiesce.check_stage_ids(stage_ids, [s.stage_id for s in self.config.stages])
         if mode != "wait":
             return await self._command("SLEEP", {"level": level, "mode": mode}, stage_ids)
         wait_s = quiesce.wait_s_for(self.config.pipeline.request_timeout_s)
         quiet, results = await self._master_call(lambda m: quiesce.sleep_when_idle(m, level, wait_s, stage_ids))
-        if not results:
-            busy = "; ".join(f"{r.replica_id}: {r.message}" for r in quiet if not r.ok)
-            raise Conflict(f"sleep (mode=wait): nothing was put to sleep: {busy}")
-        return await self._outcome(results)
+        frontends = [{"replica_id": r.replica_id, "ok": r.ok, "message": r.message} for r in quiet]
+        if results is None:   # a frontend still busy: nothing slept (api/control.py answers 409)
+            return {"results": [], "frontends": frontends, "is_sleeping": await self.is_sleeping()}
+        return {**await self._outcome(results), "frontends": frontends}
 
     async def wake_up(self, stage_ids: tuple[int, ...] = ()) -> dict:
         quiesce.check_stage_ids(stage_ids, [s.stage_id for s in self.config.stages])
+        if self.gate.closed():   # it would be undone: the stages sleep once the wait ends
+            raise Conflict("a sleep with mode=wait is waiting for the requests in flight: the stages sleep once "
+                           "they end; wake them after that sleep answers")
         return await self._command("WAKE_UP", {}, stage_ids)
 
     async def _command(self, kind: str, args: dict, stage_ids: tuple[int, ...] = ()) -> dict:

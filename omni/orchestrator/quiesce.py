@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from typing import Any, Callable
 
 from omni.errors import BadRequest, Unavailable
@@ -23,26 +24,36 @@ MAX_WAIT_S = 560.0     # under the master's 600 s command bound, with the sleep 
 
 
 class Gate:
-    """New requests refused until `until` (time.monotonic()): set from the keep-alive thread, read on the
-    event loop (one float, replaced whole)."""
+    """New requests refused while a hold is on: one per sleep with mode=wait (its token -> its end, by
+    time.monotonic()), so one sleep's lift leaves another's hold up. Holds are set from the keep-alive thread
+    and read on the event loop (the dict is replaced whole)."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, clock: Callable[[], float] = time.monotonic, loop: Any = None):
         self.clock = clock
-        self.until = 0.0
+        self.loop = loop          # the event loop that admits requests (see on_quiesce)
+        self.holds: dict[str, float] = {}
+
+    def closed(self) -> bool:
+        now = self.clock()
+        return any(now < until for until in self.holds.values())
 
     def check(self) -> None:
-        if self.clock() < self.until:
-            raise Unavailable("the stages are going to sleep (POST /v1/omni/sleep with mode=wait): new requests "
-                              "are refused until they are asleep; POST /v1/omni/wakeup wakes them")
+        if self.closed():
+            raise Unavailable("the stages are going to sleep (a sleep with mode=wait waits for the requests in "
+                              "flight): new requests are refused until they are asleep; wake them after that "
+                              "with POST /v1/omni/wakeup")
 
     def on_quiesce(self, args: dict, in_flight: Callable[[], int],
                    stop: threading.Event | None = None) -> tuple[bool, str]:
         """The QUIESCE command (keep-alive thread): hold the gate, then wait for no request in flight."""
-        hold_s = float(args.get("hold_s", 0.0))
+        token, hold_s = str(args.get("token", "")), float(args.get("hold_s", 0.0))
+        now = self.clock()
+        holds = {t: u for t, u in self.holds.items() if u > now and t != token}
         if hold_s <= 0:
-            self.until = 0.0
+            self.holds = holds
             return True, "admitting requests"
-        self.until = self.clock() + hold_s
+        self.holds = {**holds, token: now + hold_s}
+        self._admitted()
         wait_s = min(float(args.get("wait_s", hold_s)), hold_s)
         deadline = self.clock() + wait_s
         stop = stop or threading.Event()
@@ -52,6 +63,18 @@ class Gate:
         if n:
             return False, f"{n} request(s) still in flight after {wait_s:g} s"
         return True, "no request in flight"
+
+    def _admitted(self) -> None:
+        """Wait one turn of the event loop: a request that passed check() before the hold went up is then
+        counted in flight (check and submit run in one step of the loop, with no await between)."""
+        if self.loop is None:
+            return
+        turned = threading.Event()
+        try:
+            self.loop.call_soon_threadsafe(turned.set)
+        except RuntimeError:   # the loop is closed: nothing is admitted any more
+            return
+        turned.wait(5.0)
 
 
 def wait_s_for(request_timeout_s: float) -> float:
@@ -66,16 +89,26 @@ def check_stage_ids(stage_ids: tuple[int, ...], known: list[int]) -> None:
                          f"{', '.join(map(str, known))})")
 
 
-async def sleep_when_idle(master: Any, level: int, wait_s: float, stage_ids: tuple[int, ...] = ()) -> tuple[list, list]:
-    """-> (the frontends' QUIESCE results, the stages' SLEEP results: [] when a frontend stayed busy)."""
+async def sleep_when_idle(master: Any, level: int, wait_s: float,
+                          stage_ids: tuple[int, ...] = ()) -> tuple[list, list | None]:
+    """-> (the frontends' QUIESCE results, the stages' SLEEP results: None when a frontend stayed busy)."""
+    token = uuid.uuid4().hex
+    hold = {"hold_s": wait_s + 30.0, "wait_s": wait_s, "token": token}
     try:
-        quiet = await master.send_command("QUIESCE", (), {"hold_s": wait_s + 30.0, "wait_s": wait_s},
-                                          timeout_s=wait_s + 10.0)
+        quiet = await master.send_command("QUIESCE", (), hold, timeout_s=wait_s + 10.0)
+        # A frontend that registered meanwhile (a restarted one) holds too before anything sleeps.
+        acked = {r.replica_id for r in quiet}
+        status = await master.get_status()
+        late = [r.replica_id for r in status.replicas if r.role == "FRONTEND" and r.replica_id not in acked
+                and r.state in ("READY", "DRAINING", "SUSPECT", "REGISTERING")]
+        if late:
+            quiet = quiet + await master.send_command("QUIESCE", (), hold, timeout_s=wait_s + 10.0,
+                                                      replica_ids=late)
         if not all(r.ok for r in quiet):
-            return quiet, []
+            return quiet, None
         return quiet, await master.send_command("SLEEP", stage_ids, {"level": level, "mode": "abort"}, timeout_s=60.0)
     finally:
         try:
-            await master.send_command("QUIESCE", (), {"hold_s": 0.0}, timeout_s=10.0)
+            await master.send_command("QUIESCE", (), {"hold_s": 0.0, "token": token}, timeout_s=10.0)
         except Exception as e:   # the gates lift themselves after hold_s
             logger.warning("sleep (mode=wait): could not tell the frontends to admit requests again: %s", e)

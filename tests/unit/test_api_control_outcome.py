@@ -53,3 +53,30 @@ async def test_openapi_lists_the_409(tokenizer):  # noqa: F811
     paths = (await c.get("/openapi.json")).json()["paths"]
     assert "409" in paths["/v1/omni/sleep"]["post"]["responses"]
     assert "409" in paths["/v1/omni/wakeup"]["post"]["responses"]
+
+
+async def test_a_wait_that_ends_with_a_frontend_still_busy_is_a_409_with_the_frontends_acks(tokenizer):  # noqa: F811
+    orch, c = make(tokenizer)
+    frontends = [{"replica_id": "fe0", "ok": True, "message": "no request in flight"},
+                 {"replica_id": "fe1", "ok": False, "message": "1 request(s) still in flight after 305 s"}]
+
+    async def sleep(level=1, mode="abort", stage_ids=()):
+        return {"results": [], "frontends": frontends, "is_sleeping": False}
+
+    orch.sleep = sleep
+    r = await c.post("/v1/omni/sleep?mode=wait")
+    err = assert_error(r, 409, contains="nothing was put to sleep: fe1: 1 request(s) still in flight after 305 s")
+    assert err["code"] == "sleep_busy" and r.json()["frontends"] == frontends and r.json()["results"] == []
+
+
+async def test_openapi_lists_the_sleep_routes_query_parameters(tokenizer):  # noqa: F811
+    """vLLM's paths with its query parameters, vllm-omni's with its JSON body; stage_ids capped at the last stage."""
+    _, c = make(tokenizer)
+    spec = (await c.get("/openapi.json")).json()
+    paths, schemas = spec["paths"], spec["components"]["schemas"]
+    assert {p["name"] for p in paths["/sleep"]["post"]["parameters"]} == {"level", "mode", "stage_ids"}
+    assert [p["name"] for p in paths["/wake_up"]["post"]["parameters"]] == ["stage_ids"]
+    assert "requestBody" not in paths["/sleep"]["post"]
+    for path in ("/v1/omni/sleep", "/v1/omni/wakeup"):
+        assert "parameters" not in paths[path]["post"] and paths[path]["post"]["requestBody"]["required"] is False
+    assert {"level", "mode", "stage_ids"} == set(schemas["SleepRequest"]["properties"])

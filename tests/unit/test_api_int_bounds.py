@@ -31,9 +31,7 @@ BASES = {
     "/v1/videos": {"model": "tiny", "prompt": "a cat"},
     "/v1/audio/voices": {"name": "mine", "base": "joe"},
     "/v1/omni/sleep": {},
-    "/sleep": {},
     "/v1/omni/wakeup": {},
-    "/wake_up": {},
     "/v1/omni/jobs": {"endpoint": "/v1/completions", "body": {"prompt": "say hello"}},
 }
 # Where a list's element goes, after fillers: sampling_params_list's entry 2 is the vocoder's, which

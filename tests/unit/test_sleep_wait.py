@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -55,17 +57,27 @@ def test_the_gate_refuses_new_requests_until_lifted_or_its_hold_ends():
     clock = Clock()
     gate = quiesce.Gate(clock)
     gate.check()                                   # open
-    assert gate.on_quiesce({"hold_s": 30.0}, lambda: 0) == (True, "no request in flight")
-    with pytest.raises(Unavailable, match="going to sleep .*mode=wait"):
+    assert gate.on_quiesce({"hold_s": 30.0, "token": "a"}, lambda: 0) == (True, "no request in flight")
+    with pytest.raises(Unavailable, match="going to sleep .*mode=wait.*wake them after that"):
         gate.check()
     clock.now += 29.0
     with pytest.raises(Unavailable):
         gate.check()
     clock.now += 1.0                               # the frontend that asked never lifted it
     gate.check()
-    gate.on_quiesce({"hold_s": 30.0}, lambda: 0)
-    assert gate.on_quiesce({"hold_s": 0.0}, lambda: 5) == (True, "admitting requests")
+    gate.on_quiesce({"hold_s": 30.0, "token": "a"}, lambda: 0)
+    assert gate.on_quiesce({"hold_s": 0.0, "token": "a"}, lambda: 5) == (True, "admitting requests")
     gate.check()
+
+
+def test_one_sleeps_lift_leaves_another_sleeps_hold_up():
+    gate = quiesce.Gate(Clock())
+    gate.on_quiesce({"hold_s": 30.0, "token": "a"}, lambda: 0)
+    gate.on_quiesce({"hold_s": 30.0, "token": "b"}, lambda: 0)
+    gate.on_quiesce({"hold_s": 0.0, "token": "a"}, lambda: 0)
+    assert gate.closed()
+    gate.on_quiesce({"hold_s": 0.0, "token": "b"}, lambda: 0)
+    assert not gate.closed()
 
 
 def test_the_ack_waits_for_the_requests_in_flight_to_end():
@@ -88,19 +100,65 @@ def test_the_ack_waits_for_the_requests_in_flight_to_end():
         gate.check()
 
 
+def test_a_request_past_the_check_when_the_hold_goes_up_is_counted_before_the_ack():
+    """check() and the submit that counts the request run in one step of the event loop: the ack waits for
+    that step, so it does not answer 'no request in flight' while the request goes on to the stages."""
+    loop = asyncio.new_event_loop()
+    runner = threading.Thread(target=loop.run_forever, daemon=True)
+    runner.start()
+    gate = quiesce.Gate(loop=loop)
+    counted, past_check = [0], threading.Event()
+
+    def admit() -> None:          # one loop step: the check, then (later in the same step) the count
+        gate.check()
+        past_check.set()
+        time.sleep(0.3)           # the step is busy elsewhere meanwhile
+        counted[0] = 1
+
+    looks = []
+
+    def in_flight() -> int:
+        looks.append(counted[0])
+        if counted[0] and len(looks) > 2:
+            counted[0] = 0        # then it ends
+        return counted[0]
+
+    try:
+        loop.call_soon_threadsafe(admit)
+        assert past_check.wait(10)
+        assert gate.on_quiesce({"hold_s": 30.0, "wait_s": 20.0}, in_flight) == (True, "no request in flight")
+        assert looks[0] == 1, looks   # before: 0, and the request then went on into the sleep's abort
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        runner.join(10)
+        loop.close()
+
+
+class Status:
+    def __init__(self, frontends):
+        self.replicas = [SimpleNamespace(replica_id=f, role="FRONTEND", state="READY") for f in frontends]
+
+
 class FakeMaster:
-    def __init__(self, quiet_ok: bool = True, fail_sleep: bool = False):
+    def __init__(self, quiet_ok: bool = True, fail_sleep: bool = False, frontends=("fe0", "fe1")):
         self.calls: list = []
         self.stage_ids: list = []
+        self.replica_ids: list = []
+        self.frontends = list(frontends)
         self.quiet_ok, self.fail_sleep = quiet_ok, fail_sleep
 
+    async def get_status(self):
+        return Status(self.frontends)
+
     async def send_command(self, kind, stage_ids=(), args=None, timeout_s=10.0, replica_ids=()):
-        self.calls.append((kind, args))
+        self.calls.append((kind, {k: v for k, v in args.items() if k != "token"}))
         self.stage_ids.append(tuple(stage_ids))
+        self.replica_ids.append(tuple(replica_ids))
         if kind == "QUIESCE":
             ok = self.quiet_ok or not args["hold_s"]
-            return [CommandResult("fe0", -1, True, "no request in flight", "acked"),
-                    CommandResult("fe1", -1, ok, "ok" if ok else "1 request(s) still in flight after 9 s", "acked")]
+            names = list(replica_ids) or ["fe0", "fe1"]
+            return [CommandResult(f, -1, ok or f == "fe0", "ok" if ok or f == "fe0" else
+                                  "1 request(s) still in flight after 9 s", "acked") for f in names]
         if self.fail_sleep:
             raise ConnectionError("master gone")
         return [CommandResult("s0r0", 0, True, "sleeping", "acked")]
@@ -114,10 +172,18 @@ def test_sleep_when_idle_quiesces_sleeps_with_abort_and_admits_again():
                           ("QUIESCE", {"hold_s": 0.0})]
 
 
+def test_a_frontend_that_registered_during_the_wait_holds_too_before_the_sleep():
+    fake = FakeMaster(frontends=("fe0", "fe1", "fe2"))
+    quiet, slept = asyncio.run(quiesce.sleep_when_idle(fake, 1, 9.0))
+    assert [r.replica_id for r in quiet] == ["fe0", "fe1", "fe2"] and slept
+    assert [k for k, _ in fake.calls] == ["QUIESCE", "QUIESCE", "SLEEP", "QUIESCE"]
+    assert fake.replica_ids[1] == ("fe2",)
+
+
 def test_a_frontend_still_busy_means_no_sleep_and_every_frontend_admits_again():
     fake = FakeMaster(quiet_ok=False)
     quiet, slept = asyncio.run(quiesce.sleep_when_idle(fake, 1, 9.0))
-    assert slept == [] and [r.ok for r in quiet] == [True, False]
+    assert slept is None and [r.ok for r in quiet] == [True, False]
     assert [k for k, _ in fake.calls] == ["QUIESCE", "QUIESCE"] and fake.calls[-1][1] == {"hold_s": 0.0}
 
 
@@ -140,3 +206,28 @@ def test_sleep_when_idle_sleeps_only_the_stages_named():
     fake = FakeMaster()
     asyncio.run(quiesce.sleep_when_idle(fake, 1, 9.0, (1,)))
     assert fake.calls[1] == ("SLEEP", {"level": 1, "mode": "abort"}) and fake.stage_ids == [(), (1,), ()]
+
+
+def test_a_wakeup_while_a_wait_is_under_way_is_a_409_and_the_wait_reports_a_busy_frontend():
+    """The 503 told users to wake the stages; a wakeup during the wait answered 200 'awake' and the stages
+    slept once the wait ended. Now it is refused until the sleep answers."""
+    from omni.errors import Conflict
+    from omni.orchestrator.executor import Orchestrator
+    from omni.orchestrator.topology import Topology
+    from tests.unit.test_orchestrator_replay import CONFIG
+
+    async def run() -> None:
+        orch = Orchestrator(CONFIG, frontend_id="fe0-1", topology=Topology(), detokenize=lambda ids: "",
+                            master=FakeMaster(quiet_ok=False))
+        try:
+            orch.gate.on_quiesce({"hold_s": 30.0, "token": "t"}, lambda: 0)
+            with pytest.raises(Conflict, match="a sleep with mode=wait is waiting for the requests in flight"):
+                await orch.wake_up()
+            orch.gate.on_quiesce({"hold_s": 0.0, "token": "t"}, lambda: 0)
+            assert [r["ok"] for r in (await orch.wake_up())["results"]] == [True]
+            out = await orch.sleep(1, "wait")
+            assert out["results"] == [] and [f["ok"] for f in out["frontends"]] == [True, False]
+        finally:
+            await orch.close()
+
+    asyncio.run(run())
