@@ -65,21 +65,18 @@ def test_sleep_with_mode_abort_ends_the_requests_in_flight_then_sleeps(strict):
     s.close()
 
 
-def test_sleep_with_an_unknown_mode_is_refused_and_ends_nothing(strict):
-    w, engine = strict
+def refused_keeping_the_request(w, engine, args: dict, says: str) -> None:
     s = start_long(w)
-    ok, msg = w.command("SLEEP", {"level": 1, "mode": "keep"})
-    assert not ok and "sleep mode 'keep' is not one of refuse, abort" in msg, msg
-    assert not engine.aborted and not engine.sleeping
+    ok, msg = w.command("SLEEP", args)
+    assert not ok and says in msg, msg
+    assert not engine.aborted and "long" in engine.reqs and not engine.is_sleeping()
     s.send(enc.encode(m.Abort(["long"])))
     s.close()
+
+
+def test_sleep_with_an_unknown_mode_is_refused_and_ends_nothing(strict):
+    refused_keeping_the_request(*strict, {"level": 1, "mode": "keep"}, "sleep mode 'keep' is not one of refuse, abort")
 
 
 def test_mode_abort_on_an_engine_that_cannot_sleep_leaves_its_requests_alone(sleepless):
-    w, engine = sleepless
-    s = start_long(w)
-    ok, msg = w.command("SLEEP", {"level": 1, "mode": "abort"})
-    assert not ok and "cannot sleep on this platform" in msg, msg
-    assert not engine.aborted and "long" in engine.reqs
-    s.send(enc.encode(m.Abort(["long"])))
-    s.close()
+    refused_keeping_the_request(*sleepless, {"level": 1, "mode": "abort"}, "cannot sleep on this platform")
