@@ -66,9 +66,13 @@ def _run(kind: str, master: str | None, stage: list[int] | None, replica: list[s
                            f"(the pipeline has {', '.join(map(str, sorted(stages))) or 'none'})", err=True)
                 raise typer.Exit(EXIT_UNREACHABLE)
             try:
-                results = in_thread(lambda: client.send_command(kind, stage or (), args, timeout_s=timeout,
-                                                                replica_ids=replica or (), keep_serving=not force),
-                                    stop)
+                if args.get("mode") == "wait":
+                    results = in_thread(lambda: _sleep_waiting(client, stage, replica, args["level"], timeout, force),
+                                        stop)
+                else:
+                    results = in_thread(lambda: client.send_command(kind, stage or (), args, timeout_s=timeout,
+                                                                    replica_ids=replica or (), keep_serving=not force),
+                                        stop)
             except ConfigError as e:   # FAILED_PRECONDITION: the master refused (the last READY replica)
                 typer.echo(f"omni {verb}: {_one_line(str(e))}", err=True)
                 raise typer.Exit(EXIT_NOT_READY) from None
@@ -92,6 +96,22 @@ def _run(kind: str, master: str | None, stage: list[int] | None, replica: list[s
         typer.echo(f"omni {verb}: no live stage replica matched", err=True)
         raise typer.Exit(EXIT_UNREACHABLE)
     raise typer.Exit(EXIT_OK if all(r.ok for r in results) else EXIT_NOT_READY)
+
+
+def _sleep_waiting(client, stage, replica, level: int, timeout: float, force: bool) -> list:
+    """--mode wait: the frontends hold new requests and the stages sleep once none is in flight (as the HTTP
+    route's mode=wait: omni/orchestrator/quiesce.py); a frontend still busy after --timeout: nothing sleeps."""
+    import asyncio
+
+    from omni.orchestrator import quiesce
+
+    quiet, results = asyncio.run(quiesce.sleep_when_idle(
+        quiesce.SyncMaster(client), level, min(timeout, quiesce.MAX_WAIT_S), tuple(stage or ()),
+        replica_ids=replica or (), keep_serving=not force))
+    if results is None:
+        busy = "; ".join(f"{r.replica_id}: {r.message}" for r in quiet if not r.ok)
+        raise ConfigError(f"nothing was put to sleep: a frontend still had requests in flight ({busy})")
+    return results
 
 
 def drain(
@@ -132,7 +152,8 @@ _LEVEL_HELP = ("1: offload the weights to host memory and discard the KV cache; 
 
 
 _MODE_HELP = ("refuse: a replica with requests in flight refuses to sleep; abort: it ends them (each with a 503 "
-              "that says why) and sleeps, as vLLM's POST /sleep does by default.")
+              "that says why) and sleeps, as vLLM's POST /sleep does by default; wait: the frontends refuse new "
+              "requests and the stages sleep once the ones in flight end (up to --timeout seconds).")
 
 
 def sleep(
@@ -144,9 +165,8 @@ def sleep(
     tls_cert: str | None = _CERT, tls_key: str | None = _KEY, tls_ca: str | None = _CA, force: bool = _FORCE,
 ) -> None:
     """Put stage engines to sleep (engines that cannot sleep here say so)."""
-    if mode not in ("refuse", "abort"):
-        wait = " (mode=wait is POST /v1/omni/sleep's: it needs the frontends)" if mode == "wait" else ""
-        typer.echo(f"omni sleep: --mode {mode!r}: use refuse or abort{wait}", err=True)
+    if mode not in ("refuse", "abort", "wait"):
+        typer.echo(f"omni sleep: --mode {mode!r}: use refuse, abort or wait", err=True)
         raise typer.Exit(EXIT_UNREACHABLE)
     _run("SLEEP", master, stage, replica, {"level": level, "mode": mode}, timeout, json_, omni_token,
          (tls_cert, tls_key, tls_ca), force)

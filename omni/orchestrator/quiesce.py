@@ -89,9 +89,10 @@ def check_stage_ids(stage_ids: tuple[int, ...], known: list[int]) -> None:
                          f"{', '.join(map(str, known))})")
 
 
-async def sleep_when_idle(master: Any, level: int, wait_s: float,
-                          stage_ids: tuple[int, ...] = ()) -> tuple[list, list | None]:
-    """-> (the frontends' QUIESCE results, the stages' SLEEP results: None when a frontend stayed busy)."""
+async def sleep_when_idle(master: Any, level: int, wait_s: float, stage_ids: tuple[int, ...] = (),
+                          **sleep_kw: Any) -> tuple[list, list | None]:
+    """-> (the frontends' QUIESCE results, the stages' SLEEP results: None when a frontend stayed busy).
+    `sleep_kw`: more of the SLEEP's send_command arguments (the CLI's replica_ids, keep_serving)."""
     token = uuid.uuid4().hex
     hold = {"hold_s": wait_s + 30.0, "wait_s": wait_s, "token": token}
     try:
@@ -106,9 +107,23 @@ async def sleep_when_idle(master: Any, level: int, wait_s: float,
                                                       replica_ids=late)
         if not all(r.ok for r in quiet):
             return quiet, None
-        return quiet, await master.send_command("SLEEP", stage_ids, {"level": level, "mode": "abort"}, timeout_s=60.0)
+        return quiet, await master.send_command("SLEEP", stage_ids, {"level": level, "mode": "abort"}, timeout_s=60.0,
+                                                **sleep_kw)
     finally:
         try:
             await master.send_command("QUIESCE", (), {"hold_s": 0.0, "token": token}, timeout_s=10.0)
         except Exception as e:   # the gates lift themselves after hold_s
             logger.warning("sleep (mode=wait): could not tell the frontends to admit requests again: %s", e)
+
+
+class SyncMaster:
+    """sleep_when_idle's master over a synchronous MasterClient (the CLI's, on a thread of its own)."""
+
+    def __init__(self, client: Any):
+        self.client = client
+
+    async def send_command(self, *args: Any, **kw: Any) -> list:
+        return self.client.send_command(*args, **kw)
+
+    async def get_status(self) -> Any:
+        return self.client.get_status()

@@ -91,10 +91,47 @@ def test_sleep_mode_reaches_the_stages_and_an_unknown_one_is_refused_by_flag(run
                                                                    {"level": 2, "mode": "abort"})):
             r = CliRunner().invoke(app, ["sleep", "--master", server.address, "--force", "--timeout", "5", *flags])
             assert r.exit_code == 0 and got[-1] == args, (r.output, got)
-        for mode, says in (("wait", "mode=wait is POST /v1/omni/sleep's"), ("keep", "use refuse or abort")):
-            r = CliRunner().invoke(app, ["sleep", "--master", server.address, "--mode", mode])
-            assert r.exit_code == 2 and f"omni sleep: --mode '{mode}'" in r.output and says in r.output, r.output
+        r = CliRunner().invoke(app, ["sleep", "--master", server.address, "--mode", "keep"])
+        assert r.exit_code == 2 and "omni sleep: --mode 'keep': use refuse, abort or wait" in r.output, r.output
         assert len(got) == 2
     finally:
         client.close()
+        server.stop(grace=0.2)
+
+
+def test_sleep_mode_wait_holds_the_frontends_then_sleeps_the_stages_with_abort(run_dir, monkeypatch):
+    """`omni sleep --mode wait`: QUIESCE to the frontends (each acks once idle), SLEEP with abort, the lift;
+    a frontend still busy: nothing sleeps, exit 1 naming it."""
+    from tests.unit.master_peers import keep_alive, ready
+
+    monkeypatch.delenv("OMNI_TOKEN", raising=False)
+    server = MasterServer(CFG, hash_config(CFG))
+    server.start()
+    seen, busy = [], [False]
+
+    def frontend(cmd):
+        seen.append(("fe", cmd.kind, cmd.args.get("hold_s")))
+        if busy[0] and cmd.args.get("hold_s"):
+            return False, "1 request(s) still in flight after 5 s"
+        return True, "no request in flight"
+
+    stage = keep_alive(server.address, "STAGE", 0, hash_config(CFG),
+                       lambda cmd: (seen.append(("s0", cmd.kind, cmd.args.get("mode"))), (True, "sleeping"))[1])
+    fe = keep_alive(server.address, "FRONTEND", -1, hash_config(CFG), frontend, host="h", pid=300, replica_hint=0)
+    try:
+        ready(stage, 2)
+        r = CliRunner().invoke(app, ["sleep", "--master", server.address, "--mode", "wait", "--force",
+                                     "--timeout", "5"])
+        assert r.exit_code == 0, r.output
+        assert [s[:2] for s in seen] == [("fe", "QUIESCE"), ("s0", "SLEEP"), ("fe", "QUIESCE")], seen
+        assert seen[1][2] == "abort" and seen[0][2] > 0 and seen[2][2] == 0
+        seen.clear()
+        busy[0] = True
+        r = CliRunner().invoke(app, ["sleep", "--master", server.address, "--mode", "wait", "--force",
+                                     "--timeout", "5"])
+        assert r.exit_code == 1 and "nothing was put to sleep" in r.output and "fe0: 1 request(s)" in r.output, r.output
+        assert [s[1] for s in seen] == ["QUIESCE", "QUIESCE"]
+    finally:
+        fe.close()
+        stage.close()
         server.stop(grace=0.2)
