@@ -241,9 +241,11 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
                 "requests_total": orch.metrics.requests_total,
                 "cpu_seconds": time.process_time(), "extra": {"frontend_index": float(index)}}
 
+    jobs = None   # the job store, once made below (on_command counts its jobs)
+
     def on_command(cmd) -> tuple[bool, str]:
-        if cmd.kind == "QUIESCE":   # a sleep with mode=wait (omni/orchestrator/quiesce.py)
-            return orch.gate.on_quiesce(cmd.args, lambda: orch.in_flight)
+        if cmd.kind == "QUIESCE":   # a sleep with mode=wait (omni/orchestrator/quiesce.py); queued jobs count
+            return orch.gate.on_quiesce(cmd.args, lambda: orch.in_flight + (jobs.unfinished if jobs else 0))
         return False, f"{cmd.kind} reaches stage replicas, not an API frontend"
 
     smaster.start_keepalive(load, on_command, interval_s=1.0)
@@ -252,7 +254,7 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
     # Not `stop`: the topology and metrics follow on through a stop's drain (--shutdown-timeout).
     done = asyncio.Event()
     watcher = asyncio.create_task(follow_topology(amaster, topology, done))
-    jobs = publisher = None
+    publisher = None
     try:
         # Take connections only once the topology is known, so none is answered 503; a stop request
         # meanwhile (the launcher gone: PR_SET_PDEATHSIG) ends the start-up at once.
@@ -275,6 +277,7 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
 
         # host as registered, so owners match the topology's entries
         jobs = Jobs(amaster, Results(jobs_dir), frontend_index=index, host=advertise, live_frontends=live_frontends)
+        jobs.admit = orch.gate.check   # no job is accepted while a sleep with mode=wait holds new requests
         await jobs.start()
         app = build_app(
             orch, tokenizer,

@@ -54,7 +54,7 @@ class ControlRoutes:
         if level not in (1, 2):
             why = (" (vLLM's level 0 pauses scheduling alone and queues requests; omni has no such pause)"
                    if level == 0 else "")
-            raise bad_request(f"level={level} must be 1 or 2{why}", param="level")
+            raise bad_request(f"level={str(level)[:20]} must be 1 or 2{why}", param="level")
         return _outcome("sleep", await self.fe.orch.sleep(level, mode, stage_ids))
 
     async def wake_up(self, request: Request) -> Response:
@@ -98,8 +98,12 @@ def _outcome(verb: str, out: dict) -> Response:
     """200 unless no replica acked ok: then an OpenAI error body beside the same `results`, so a client
     that reads only the status does not take a refused sleep for a done one."""
     busy = [f for f in out.get("frontends", ()) if not f["ok"]]
-    if busy:   # mode=wait: a frontend still had requests in flight at the end of the wait
+    if busy:   # mode=wait: a frontend still had requests in flight at the end of the wait, or was not reached
         why = "; ".join(f"{f['replica_id']}: {f['message']}" for f in busy)
+        if any(f.get("outcome") == "disconnected" for f in busy):   # SUSPECT: its requests are not known
+            body = error_body(f"{verb} (mode=wait): nothing was put to sleep: a frontend cannot be reached: {why}",
+                              "service_unavailable", code="frontend_unreachable")
+            return JSONResponse({**body, **out}, status_code=503)
         body = error_body(f"{verb} (mode=wait): nothing was put to sleep: {why}", "conflict_error",
                           code="sleep_busy")
         return JSONResponse({**body, **out}, status_code=409)

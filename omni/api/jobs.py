@@ -26,6 +26,7 @@ from omni.api.errors import APIError, bad_request, to_api_error
 from omni.api.job_prepared import PREPARED, Kept
 from omni.api.job_store import JOB_ID_RE, LocalKv, Results, encode_record  # noqa: F401 (LocalKv: re-exported)
 from omni.errors import Unavailable
+from omni.orchestrator import quiesce
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,7 @@ class Jobs:
         self.checks: dict[str, Check] = {}
         self._tasks: dict[str, asyncio.Task] = {}
         self._mine: set[str] = set()   # accepted here and not finished: ours even before the task exists
+        self.admit: Callable[[], None] = lambda: None   # the frontend's gate (a sleep with mode=wait: 503)
         self._running: set[str] = set()   # holding a slot: the jobs the watcher looks up
         self._waiting: set[str] = set()   # stored and waiting for a slot
         self._watcher: asyncio.Task | None = None
@@ -162,6 +164,7 @@ class Jobs:
         """Store a queued job and start `work` in the background; its public record. `extra`: fields the
         record keeps for its reader (the Videos API's parameters); `on_end`: called when the job's task ends,
         whether or not `work` ran."""
+        self.admit()
         if len(self._mine) >= MAX_RUNNING + MAX_QUEUED:
             await self._drop_deleted_waiting()
         if len(self._mine) >= MAX_RUNNING + MAX_QUEUED:
@@ -349,6 +352,7 @@ class Jobs:
                     # between a read and this write, stays deleted and never runs.
                     if not await self._save({**record, "status": "in_progress"}, only_if_exists=True):
                         return
+                    quiesce.ACCEPTED.set(True)   # accepted before any hold: a sleep with mode=wait waits for it
                     final = await self._execute(record["endpoint"], job_id, work)
                 finally:
                     self._running.discard(job_id)
@@ -359,6 +363,11 @@ class Jobs:
             err = to_api_error(e)
             final = {"status": "failed", "error": _error(err.message, err.type, err.param, err.code)}
         await self._finish(record, {**final, "completed_at": int(time.time())})
+
+    @property
+    def unfinished(self) -> int:
+        """Jobs accepted here and not finished, queued ones too: in flight for a sleep with mode=wait."""
+        return len(self._mine)
 
     def _ended(self, job_id: str) -> None:
         # A done callback, not a `finally`: a task cancelled before its first step never runs its body,

@@ -50,7 +50,7 @@ def list_params(request: Request, what: str) -> tuple[int, str, str | None]:
     raw = q.get("limit", "20")
     limit = ascii_int(raw) or 0
     if not 1 <= limit <= 100:
-        raise bad_request(f"limit={raw} must be an integer in [1, 100]", param="limit")
+        raise bad_request(f"limit={raw[:20]} must be an integer in [1, 100]", param="limit")
     order = q.get("order", "desc")
     if order not in ("asc", "desc"):
         raise bad_request(f"order={order} must be asc or desc", param="order")

@@ -93,6 +93,8 @@ ROUTES: tuple[RouteSpec, ...] = (
 
 CONTROL_PATHS = frozenset(r.path for r in ROUTES if r.control)
 JSON_BODIES = {(r.path, r.method): r.forms for r in ROUTES if r.body is not None}   # -> forms too
+# vLLM's /sleep and /wake_up are described by their query strings, and read a JSON body all the same
+JSON_BODIES |= {("/sleep", "POST"): False, ("/wake_up", "POST"): False}
 _EXACT = frozenset(r.path for r in ROUTES if "{" not in r.path)
 _TEMPLATES = [(re.compile("^" + re.sub(r"\{\w+\}", "[^/]+", re.sub(r"\{\w+:path\}", ".+", p)) + "$"), o.oas_path(p))
               for p in dict.fromkeys(r.path for r in ROUTES if "{" in r.path)]

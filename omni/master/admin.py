@@ -11,6 +11,8 @@ the master refuses it unless --force, and with --force the command says what it 
 from __future__ import annotations
 
 import json
+import threading
+import uuid
 
 import msgspec
 import typer
@@ -67,8 +69,13 @@ def _run(kind: str, master: str | None, stage: list[int] | None, replica: list[s
                 raise typer.Exit(EXIT_UNREACHABLE)
             try:
                 if args.get("mode") == "wait":
-                    results = in_thread(lambda: _sleep_waiting(client, stage, replica, args["level"], timeout, force),
-                                        stop)
+                    token = uuid.uuid4().hex
+                    try:
+                        results = in_thread(lambda: _sleep_waiting(client, st, stage, replica, args["level"], timeout,
+                                                                   force, token), stop)
+                    except Interrupted:   # the frontends admit again, not only when the hold runs out
+                        _lift(client, token)
+                        raise
                 else:
                     results = in_thread(lambda: client.send_command(kind, stage or (), args, timeout_s=timeout,
                                                                     replica_ids=replica or (), keep_serving=not force),
@@ -98,20 +105,43 @@ def _run(kind: str, master: str | None, stage: list[int] | None, replica: list[s
     raise typer.Exit(EXIT_OK if all(r.ok for r in results) else EXIT_NOT_READY)
 
 
-def _sleep_waiting(client, stage, replica, level: int, timeout: float, force: bool) -> list:
+def _sleep_waiting(client, st, stage, replica, level: int, timeout: float, force: bool, token: str) -> list:
     """--mode wait: the frontends hold new requests and the stages sleep once none is in flight (as the HTTP
     route's mode=wait: omni/orchestrator/quiesce.py); a frontend still busy after --timeout: nothing sleeps."""
     import asyncio
 
     from omni.orchestrator import quiesce
 
+    if not force:   # the master checks it at the SLEEP, after the frontends held every request for the wait
+        targets = {r.replica_id for r in st.replicas if r.role == "STAGE" and (not stage or r.stage_id in stage)
+                   and (not replica or r.replica_id in replica)}
+        stops = [f"stage {s.stage_id} ({', '.join(r.replica_id for r in st.serving(s.stage_id))})"
+                 for s in st.stages if st.serving(s.stage_id)
+                 and all(r.replica_id in targets for r in st.serving(s.stage_id))]
+        if stops:
+            raise ConfigError(f"sleep would stop {'; '.join(stops)}: no READY, awake replica would be left; "
+                              "nothing was held or put to sleep. Repeat with --force to do it anyway")
     quiet, results = asyncio.run(quiesce.sleep_when_idle(
-        quiesce.SyncMaster(client), level, min(timeout, quiesce.MAX_WAIT_S), tuple(stage or ()),
+        quiesce.SyncMaster(client), level, min(timeout, quiesce.MAX_WAIT_S), tuple(stage or ()), token=token,
         replica_ids=replica or (), keep_serving=not force))
     if results is None:
         busy = "; ".join(f"{r.replica_id}: {r.message}" for r in quiet if not r.ok)
         raise ConfigError(f"nothing was put to sleep: a frontend still had requests in flight ({busy})")
     return results
+
+
+def _lift(client, token: str) -> None:
+    """QUIESCE hold_s 0 for an interrupted wait, on a thread of its own (no grpc call on the thread Ctrl-C
+    interrupts), bounded: the holds also run out by themselves."""
+    def send() -> None:
+        try:
+            client.send_command("QUIESCE", (), {"hold_s": 0.0, "token": token}, timeout_s=5.0)
+        except Exception:   # the master away: the holds end by themselves
+            pass
+
+    t = threading.Thread(target=send, daemon=True)
+    t.start()
+    t.join(10.0)
 
 
 def drain(

@@ -27,7 +27,7 @@ from omni.master.kv import KvError, KvFull, KvStore
 from omni.master.registry import (
     BadRegistration, ConfigMismatch, Event, LeaseUnknown, Load, RegisterInput, Registry, RegistryFull, Role,
 )
-from omni.master.targets import command_targets, would_stop
+from omni.master.targets import WaitHolds, command_targets, would_stop
 from omni.netaddr import host_port
 
 logger = logging.getLogger(__name__)
@@ -92,6 +92,7 @@ class MasterServicer(pb_grpc.MasterServicer):
         # Replicas a DRAIN or SLEEP is being sent to (acks awaited): they count as stopped for the
         # keep_serving check of a concurrent one, so two drains cannot stop a stage's last two replicas.
         self._stopping: collections.Counter[str] = collections.Counter()
+        self._holds = WaitHolds()   # sleeps with mode=wait under way: a WAKE_UP meanwhile is refused
 
     async def close(self, timeout: float = 1.0) -> None:
         """End the open streams as handlers that return (OK to the peer): a stream the grpc
@@ -271,6 +272,10 @@ class MasterServicer(pb_grpc.MasterServicer):
         targets, problem = command_targets(self.reg, request)
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        problem = self._holds.refusal(request)
+        if problem:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
+        self._holds.note(request)
         stopping = [r.replica_id for r in targets] if request.kind in (pb.DRAIN, pb.SLEEP) else []
         if stopping and request.keep_serving:
             stopped = self.reg.last_serving(set(stopping) | set(self._stopping))

@@ -3,8 +3,17 @@ replica: pure functions of the registry, applied by the servicer (omni/master/se
 
 from __future__ import annotations
 
+import json
+import math
+import time
+from typing import Callable
+
 from omni._proto import master_pb2 as pb
 from omni.master.registry import LIVE_STATES, Registry, ReplicaState, Role
+
+# a WAKE_UP while a sleep with mode=wait waits (WaitHolds; a frontend's own check: orchestrator/quiesce.py)
+WAKE_REFUSED = ("a sleep with mode=wait is waiting for the requests in flight: the stages sleep once they end; "
+                "wake them after that sleep answers")
 
 
 def command_targets(reg: Registry, request: pb.SendCommandRequest):
@@ -62,3 +71,34 @@ def would_stop(kind: int, stopped: dict[int, list[str]], reg: Registry, pending:
                      + "".join(f" ({rid}: a drain or sleep is being sent to it)" for rid in rids if rid in pending))
     return (f"{verb} would stop {'; '.join(parts)}; its requests would fail until `{undo}`. "
             "Repeat with --force to do it anyway")
+
+
+class WaitHolds:
+    """The QUIESCE holds open on the frontends (a sleep with mode=wait under way), by token: a WAKE_UP sent
+    meanwhile, through any frontend or the CLI, would be undone by the sleep at the wait's end."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self._until: dict[str, float] = {}
+
+    def note(self, request: pb.SendCommandRequest) -> None:
+        if request.kind != pb.QUIESCE:
+            return
+        args = json.loads(request.args_json or "{}")   # valid JSON: the servicer checked it
+        args = args if isinstance(args, dict) else {}
+        token = str(args.get("token", ""))
+        try:
+            hold_s = float(args.get("hold_s", 0.0))
+        except (TypeError, ValueError):
+            hold_s = 0.0
+        if hold_s > 0 and math.isfinite(hold_s):
+            self._until[token] = self.clock() + min(hold_s, 3600.0)
+        else:
+            self._until.pop(token, None)
+
+    def refusal(self, request: pb.SendCommandRequest) -> str | None:
+        if request.kind != pb.WAKE_UP:
+            return None
+        now = self.clock()
+        self._until = {t: u for t, u in self._until.items() if u > now}
+        return WAKE_REFUSED if self._until else None

@@ -18,7 +18,8 @@ import msgspec
 import zmq.asyncio
 
 from omni.config import DeployConfig
-from omni.errors import Conflict, OmniError, RequestTimeout, StageFailed, Unavailable
+from omni.errors import ConfigError, Conflict, OmniError, RequestTimeout, StageFailed, Unavailable
+from omni.master.targets import WAKE_REFUSED
 from omni.master.types import ReplicaInfo, TopologyEvent
 from omni.metrics import labels
 from omni.orchestrator import events as ev
@@ -387,7 +388,8 @@ class Orchestrator:
             return await self._command("SLEEP", {"level": level, "mode": mode}, stage_ids)
         wait_s = quiesce.wait_s_for(self.config.pipeline.request_timeout_s)
         quiet, results = await self._master_call(lambda m: quiesce.sleep_when_idle(m, level, wait_s, stage_ids))
-        frontends = [{"replica_id": r.replica_id, "ok": r.ok, "message": r.message} for r in quiet]
+        frontends = [{"replica_id": r.replica_id, "ok": r.ok, "message": r.message, "outcome": r.outcome}
+                     for r in quiet]
         if results is None:   # a frontend still busy: nothing slept (api/control.py answers 409)
             return {"results": [], "frontends": frontends, "is_sleeping": await self.is_sleeping()}
         return {**await self._outcome(results), "frontends": frontends}
@@ -395,9 +397,11 @@ class Orchestrator:
     async def wake_up(self, stage_ids: tuple[int, ...] = ()) -> dict:
         quiesce.check_stage_ids(stage_ids, [s.stage_id for s in self.config.stages])
         if self.gate.closed():   # it would be undone: the stages sleep once the wait ends
-            raise Conflict("a sleep with mode=wait is waiting for the requests in flight: the stages sleep once "
-                           "they end; wake them after that sleep answers")
-        return await self._command("WAKE_UP", {}, stage_ids)
+            raise Conflict(WAKE_REFUSED)
+        try:
+            return await self._command("WAKE_UP", {}, stage_ids)
+        except ConfigError as e:   # the master's FAILED_PRECONDITION: a wait under way (master/targets.py)
+            raise Conflict(str(e)) from None
 
     async def _command(self, kind: str, args: dict, stage_ids: tuple[int, ...] = ()) -> dict:
         return await self._outcome(await self._master_call(

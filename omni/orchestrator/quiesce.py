@@ -9,6 +9,7 @@ frontend never lifts it (the one asked died) lifts itself after hold_s."""
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import threading
 import time
@@ -19,6 +20,8 @@ from omni.errors import BadRequest, Unavailable
 
 logger = logging.getLogger(__name__)
 
+# Set while a job accepted before a hold runs (api/jobs.py): it is in flight, as a request is, not new.
+ACCEPTED: contextvars.ContextVar[bool] = contextvars.ContextVar("omni_accepted", default=False)
 POLL_S = 0.02          # the keep-alive thread looks at the frontend's in-flight count this often
 MAX_WAIT_S = 560.0     # under the master's 600 s command bound, with the sleep and the lift after it
 
@@ -38,7 +41,7 @@ class Gate:
         return any(now < until for until in self.holds.values())
 
     def check(self) -> None:
-        if self.closed():
+        if self.closed() and not ACCEPTED.get():
             raise Unavailable("the stages are going to sleep (a sleep with mode=wait waits for the requests in "
                               "flight): new requests are refused until they are asleep; wake them after that "
                               "with POST /v1/omni/wakeup")
@@ -85,26 +88,24 @@ def wait_s_for(request_timeout_s: float) -> float:
 def check_stage_ids(stage_ids: tuple[int, ...], known: list[int]) -> None:
     unknown = sorted(set(stage_ids) - set(known))
     if unknown:
-        raise BadRequest(f"stage_ids: {', '.join(map(str, unknown))} not in the pipeline (stages: "
+        shown = ", ".join(str(i)[:20] for i in unknown[:8]) + (", ..." if len(unknown) > 8 else "")
+        raise BadRequest(f"stage_ids: {shown} not in the pipeline (stages: "
                          f"{', '.join(map(str, known))})")
 
 
 async def sleep_when_idle(master: Any, level: int, wait_s: float, stage_ids: tuple[int, ...] = (),
-                          **sleep_kw: Any) -> tuple[list, list | None]:
+                          token: str = "", **sleep_kw: Any) -> tuple[list, list | None]:
     """-> (the frontends' QUIESCE results, the stages' SLEEP results: None when a frontend stayed busy).
     `sleep_kw`: more of the SLEEP's send_command arguments (the CLI's replica_ids, keep_serving)."""
-    token = uuid.uuid4().hex
+    token = token or uuid.uuid4().hex
     hold = {"hold_s": wait_s + 30.0, "wait_s": wait_s, "token": token}
     try:
         quiet = await master.send_command("QUIESCE", (), hold, timeout_s=wait_s + 10.0)
-        # A frontend that registered meanwhile (a restarted one) holds too before anything sleeps.
-        acked = {r.replica_id for r in quiet}
-        status = await master.get_status()
-        late = [r.replica_id for r in status.replicas if r.role == "FRONTEND" and r.replica_id not in acked
-                and r.state in ("READY", "DRAINING", "SUSPECT", "REGISTERING")]
-        if late:
-            quiet = quiet + await master.send_command("QUIESCE", (), hold, timeout_s=wait_s + 10.0,
-                                                      replica_ids=late)
+        if all(r.ok for r in quiet):
+            # Once more, to every frontend live now: the holds start again (a long wait must not outlast the
+            # first ones), and a frontend that registered meanwhile (a restarted one) holds too. The others
+            # are idle and held: they ack at once.
+            quiet = await master.send_command("QUIESCE", (), hold, timeout_s=wait_s + 10.0)
         if not all(r.ok for r in quiet):
             return quiet, None
         return quiet, await master.send_command("SLEEP", stage_ids, {"level": level, "mode": "abort"}, timeout_s=60.0,

@@ -123,14 +123,30 @@ def test_sleep_mode_wait_holds_the_frontends_then_sleeps_the_stages_with_abort(r
         r = CliRunner().invoke(app, ["sleep", "--master", server.address, "--mode", "wait", "--force",
                                      "--timeout", "5"])
         assert r.exit_code == 0, r.output
-        assert [s[:2] for s in seen] == [("fe", "QUIESCE"), ("s0", "SLEEP"), ("fe", "QUIESCE")], seen
-        assert seen[1][2] == "abort" and seen[0][2] > 0 and seen[2][2] == 0
+        assert [s[:2] for s in seen] == [("fe", "QUIESCE")] * 2 + [("s0", "SLEEP"), ("fe", "QUIESCE")], seen
+        assert seen[2][2] == "abort" and seen[0][2] > 0 and seen[3][2] == 0
         seen.clear()
         busy[0] = True
         r = CliRunner().invoke(app, ["sleep", "--master", server.address, "--mode", "wait", "--force",
                                      "--timeout", "5"])
         assert r.exit_code == 1 and "nothing was put to sleep" in r.output and "fe0: 1 request(s)" in r.output, r.output
         assert [s[1] for s in seen] == ["QUIESCE", "QUIESCE"]
+        # Without --force, the sleep of a stage's last replica is refused before any frontend holds a request
+        # (the master's check came at the SLEEP, after the whole wait).
+        seen.clear()
+        r = CliRunner().invoke(app, ["sleep", "--master", server.address, "--mode", "wait", "--timeout", "5"])
+        assert r.exit_code == 1 and "sleep would stop stage 0 (s0r0)" in r.output and "--force" in r.output, r.output
+        assert seen == []
+        # A wakeup while a wait holds the frontends is refused by the master (the sleep would undo it).
+        from omni.master.client import MasterClient
+
+        with MasterClient(server.address) as c:
+            c.send_command("QUIESCE", (), {"hold_s": 30.0, "token": "t"}, timeout_s=5.0)
+            r = CliRunner().invoke(app, ["wakeup", "--master", server.address, "--timeout", "5"])
+            assert r.exit_code == 1 and "a sleep with mode=wait is waiting" in r.output, r.output
+            c.send_command("QUIESCE", (), {"hold_s": 0.0, "token": "t"}, timeout_s=5.0)
+        r = CliRunner().invoke(app, ["wakeup", "--master", server.address, "--timeout", "5"])
+        assert r.exit_code == 0, r.output
     finally:
         fe.close()
         stage.close()

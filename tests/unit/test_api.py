@@ -430,6 +430,11 @@ async def test_vllms_sleep_paths_are_the_same_routes_behind_the_same_keys(tokeni
     for path in ("/sleep", "/wake_up"):
         assert_error(await c.post(path), 403, contains="--disable-control-routes")
     assert orch.sleeping is False
+    orch, c = make(tokenizer)
+    for path in ("/sleep", "/wake_up"):   # a body not sent as JSON is refused, as /v1/omni/sleep's
+        r = await c.post(path, content=b'{"stage_ids": [0]}', headers={"Content-Type": "text/plain"})
+        assert_error(r, 400, contains="Content-Type")
+    assert orch.sleeping is False
 
 
 async def test_tokenize_and_detokenize_like_vllm(tokenizer):

@@ -80,3 +80,17 @@ async def test_openapi_lists_the_sleep_routes_query_parameters(tokenizer):  # no
     for path in ("/v1/omni/sleep", "/v1/omni/wakeup"):
         assert "parameters" not in paths[path]["post"] and paths[path]["post"]["requestBody"]["required"] is False
     assert {"level", "mode", "stage_ids"} == set(schemas["SleepRequest"]["properties"])
+
+
+async def test_a_wait_that_could_not_reach_a_frontend_is_a_503_naming_it(tokenizer):  # noqa: F811
+    orch, c = make(tokenizer)
+    frontends = [{"replica_id": "fe1", "ok": False, "outcome": "disconnected",
+                  "message": "no keep-alive stream (the replica is SUSPECT)"}]
+
+    async def sleep(level=1, mode="abort", stage_ids=()):
+        return {"results": [], "frontends": frontends, "is_sleeping": False}
+
+    orch.sleep = sleep
+    r = await c.post("/sleep?mode=wait")
+    err = assert_error(r, 503, contains="a frontend cannot be reached: fe1: no keep-alive stream")
+    assert err["code"] == "frontend_unreachable" and r.json()["frontends"] == frontends

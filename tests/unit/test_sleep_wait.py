@@ -168,16 +168,27 @@ def test_sleep_when_idle_quiesces_sleeps_with_abort_and_admits_again():
     fake = FakeMaster()
     quiet, slept = asyncio.run(quiesce.sleep_when_idle(fake, 2, 9.0))
     assert [r.ok for r in quiet] == [True, True] and [r.replica_id for r in slept] == ["s0r0"]
-    assert fake.calls == [("QUIESCE", {"hold_s": 39.0, "wait_s": 9.0}), ("SLEEP", {"level": 2, "mode": "abort"}),
-                          ("QUIESCE", {"hold_s": 0.0})]
+    hold = ("QUIESCE", {"hold_s": 39.0, "wait_s": 9.0})
+    # twice: the second restarts every hold (a long first wait must not outlast them) and reaches late comers
+    assert fake.calls == [hold, hold, ("SLEEP", {"level": 2, "mode": "abort"}), ("QUIESCE", {"hold_s": 0.0})]
 
 
 def test_a_frontend_that_registered_during_the_wait_holds_too_before_the_sleep():
-    fake = FakeMaster(frontends=("fe0", "fe1", "fe2"))
+    fake = FakeMaster()
+    real = fake.send_command
+
+    async def send(kind, stage_ids=(), args=None, timeout_s=10.0, replica_ids=()):
+        if kind == "QUIESCE" and args["hold_s"] and len(fake.calls) == 1:
+            fake.frontends.append("fe2")    # registered while the first hold waited
+        out = await real(kind, stage_ids, args, timeout_s, replica_ids)
+        if kind != "QUIESCE" or not args["hold_s"]:
+            return out
+        return out + [CommandResult(f, -1, True, "ok", "acked") for f in fake.frontends[2:]]
+
+    fake.send_command = send
     quiet, slept = asyncio.run(quiesce.sleep_when_idle(fake, 1, 9.0))
     assert [r.replica_id for r in quiet] == ["fe0", "fe1", "fe2"] and slept
     assert [k for k, _ in fake.calls] == ["QUIESCE", "QUIESCE", "SLEEP", "QUIESCE"]
-    assert fake.replica_ids[1] == ("fe2",)
 
 
 def test_a_frontend_still_busy_means_no_sleep_and_every_frontend_admits_again():
@@ -205,7 +216,7 @@ def test_stage_ids_outside_the_pipeline_are_refused_naming_them():
 def test_sleep_when_idle_sleeps_only_the_stages_named():
     fake = FakeMaster()
     asyncio.run(quiesce.sleep_when_idle(fake, 1, 9.0, (1,)))
-    assert fake.calls[1] == ("SLEEP", {"level": 1, "mode": "abort"}) and fake.stage_ids == [(), (1,), ()]
+    assert fake.calls[2] == ("SLEEP", {"level": 1, "mode": "abort"}) and fake.stage_ids == [(), (), (1,), ()]
 
 
 def test_a_wakeup_while_a_wait_is_under_way_is_a_409_and_the_wait_reports_a_busy_frontend():
@@ -231,3 +242,52 @@ def test_a_wakeup_while_a_wait_is_under_way_is_a_409_and_the_wait_reports_a_busy
             await orch.close()
 
     asyncio.run(run())
+
+
+def test_the_master_refuses_a_wakeup_while_a_hold_is_open_and_takes_it_after_the_lift():
+    """`omni wakeup` (or a frontend the QUIESCE had not reached) answered 'awake' during a wait, and the stages
+    slept at its end: the master, which forwards every QUIESCE, knows the holds open."""
+    from omni._proto import master_pb2 as pb
+    from omni.master.targets import WaitHolds
+
+    clock = Clock()
+    holds = WaitHolds(clock)
+    wake = pb.SendCommandRequest(kind=pb.WAKE_UP)
+    assert holds.refusal(wake) is None
+    holds.note(pb.SendCommandRequest(kind=pb.QUIESCE, args_json='{"hold_s": 40, "token": "a"}'))
+    assert "a sleep with mode=wait is waiting" in holds.refusal(wake)
+    assert holds.refusal(pb.SendCommandRequest(kind=pb.SLEEP)) is None
+    holds.note(pb.SendCommandRequest(kind=pb.QUIESCE, args_json='{"hold_s": 0, "token": "a"}'))
+    assert holds.refusal(wake) is None
+    holds.note(pb.SendCommandRequest(kind=pb.QUIESCE, args_json='{"hold_s": 40, "token": "b"}'))
+    clock.now += 41                    # its sleep's frontend died: the hold ran out
+    assert holds.refusal(wake) is None
+    holds.note(pb.SendCommandRequest(kind=pb.QUIESCE, args_json='{"hold_s": "x"}'))   # no hold, no crash
+    assert holds.refusal(wake) is None
+
+
+def test_a_wait_that_could_not_reach_a_frontend_says_so():
+    """A SUSPECT frontend (no keep-alive stream) is no busy one: its requests are unknown, so nothing sleeps,
+    and the answer names it as unreachable (api/control.py: 503)."""
+    from omni.orchestrator.executor import Orchestrator
+    from omni.orchestrator.topology import Topology
+    from tests.unit.test_orchestrator_replay import CONFIG
+
+    class Unreached(FakeMaster):
+        async def send_command(self, kind, stage_ids=(), args=None, timeout_s=10.0, replica_ids=()):
+            out = await super().send_command(kind, stage_ids, args, timeout_s, replica_ids)
+            if kind == "QUIESCE" and args["hold_s"]:
+                out[1] = CommandResult("fe1", -1, False, "no keep-alive stream (the replica is SUSPECT)",
+                                       "disconnected")
+            return out
+
+    async def run() -> dict:
+        orch = Orchestrator(CONFIG, frontend_id="fe0-1", topology=Topology(), detokenize=lambda ids: "",
+                            master=Unreached())
+        try:
+            return await orch.sleep(1, "wait")
+        finally:
+            await orch.close()
+
+    out = asyncio.run(run())
+    assert out["results"] == [] and out["frontends"][1]["outcome"] == "disconnected"
