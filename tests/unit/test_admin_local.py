@@ -151,3 +151,37 @@ def test_sleep_mode_wait_holds_the_frontends_then_sleeps_the_stages_with_abort(r
         fe.close()
         stage.close()
         server.stop(grace=0.2)
+
+
+def test_an_interrupted_sleep_mode_wait_lifts_the_holds(run_dir, monkeypatch):
+    """Ctrl-C during `omni sleep --mode wait` closed the client, so the lift in the wait's `finally` failed and
+    every frontend refused new requests until its hold ran out (--timeout + 30 s)."""
+    from omni.master import admin, commands
+    from tests.unit.master_peers import keep_alive, ready
+
+    monkeypatch.delenv("OMNI_TOKEN", raising=False)
+    server = MasterServer(CFG, hash_config(CFG))
+    server.start()
+    seen = []
+    stage = keep_alive(server.address, "STAGE", 0, hash_config(CFG), lambda cmd: (True, "ok"))
+    fe = keep_alive(server.address, "FRONTEND", -1, hash_config(CFG),
+                    lambda cmd: (seen.append((cmd.kind, cmd.args)), (True, "ok"))[1], host="h", pid=301, replica_hint=0)
+    real, calls = commands.in_thread, []
+
+    def interrupted(fn, stop):   # the status read runs; the wait is "interrupted" at once
+        calls.append(fn)
+        if len(calls) == 2:
+            raise commands.Interrupted()
+        return real(fn, stop)
+
+    monkeypatch.setattr(admin, "in_thread", interrupted)
+    try:
+        ready(stage, 2)
+        r = CliRunner().invoke(app, ["sleep", "--master", server.address, "--mode", "wait", "--force"])
+        assert r.exit_code == 130, r.output
+        lifts = [args for kind, args in seen if kind == "QUIESCE" and args["hold_s"] == 0]
+        assert len(lifts) == 1 and len(lifts[0]["token"]) == 32, seen
+    finally:
+        fe.close()
+        stage.close()
+        server.stop(grace=0.2)
