@@ -125,6 +125,3 @@ class SyncMaster:
 
     async def send_command(self, *args: Any, **kw: Any) -> list:
         return self.client.send_command(*args, **kw)
-
-    async def get_status(self) -> Any:
-        return self.client.get_status()

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from types import SimpleNamespace
 
 import pytest
 
@@ -134,11 +133,6 @@ def test_a_request_past_the_check_when_the_hold_goes_up_is_counted_before_the_ac
         loop.close()
 
 
-class Status:
-    def __init__(self, frontends):
-        self.replicas = [SimpleNamespace(replica_id=f, role="FRONTEND", state="READY") for f in frontends]
-
-
 class FakeMaster:
     def __init__(self, quiet_ok: bool = True, fail_sleep: bool = False, frontends=("fe0", "fe1")):
         self.calls: list = []
@@ -146,9 +140,6 @@ class FakeMaster:
         self.replica_ids: list = []
         self.frontends = list(frontends)
         self.quiet_ok, self.fail_sleep = quiet_ok, fail_sleep
-
-    async def get_status(self):
-        return Status(self.frontends)
 
     async def send_command(self, kind, stage_ids=(), args=None, timeout_s=10.0, replica_ids=()):
         self.calls.append((kind, {k: v for k, v in args.items() if k != "token"}))
