@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -140,6 +141,9 @@ class FakeMaster:
         self.replica_ids: list = []
         self.frontends = list(frontends)
         self.quiet_ok, self.fail_sleep = quiet_ok, fail_sleep
+
+    async def get_status(self):   # Orchestrator.is_sleeping reads it: no stage replica, so not asleep
+        return SimpleNamespace(replicas=[])
 
     async def send_command(self, kind, stage_ids=(), args=None, timeout_s=10.0, replica_ids=()):
         self.calls.append((kind, {k: v for k, v in args.items() if k != "token"}))
