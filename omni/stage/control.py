@@ -62,15 +62,8 @@ class StageControl:
     def _abort_all(self) -> None:
         """vLLM's mode=abort: every request here ends with a 503 that says why, then the engine sleeps."""
         w = self.worker
-        why = (f"{w.stage.label} (replica {w.replica_id}) was put to sleep with mode=abort, "
-               "which ended the requests in flight")
-        for ident, rid in w._reads.drop_all():
-            if rid not in w._reqs:
-                w.stats.errors_total += 1
-                w._send(ident, w._error(rid, why, "unavailable"))
-        for rid in list(w._reqs):
-            w.engine.abort(rid)
-            w._fail(rid, why, "unavailable")
+        w.fail_all(w._reads.drop_all(), f"{w.stage.label} (replica {w.replica_id}) was put to sleep with mode=abort, "
+                   "which ended the requests in flight", abort=True)
 
     @property
     def pending(self) -> bool:

@@ -203,13 +203,19 @@ class StageWorker:
                 if ready_fd is None or time.monotonic() - last_step >= STEP_IDLE_S:
                     last_step = time.monotonic()
                     self._step()
-        for ident, rid in self._reads.close():   # its read still running, or behind one
+        self.fail_all(self._reads.close(), f"{self.stage.label} is shutting down", abort=False)   # reads: not ended
+        self.close()
+
+    def fail_all(self, waiting: list[tuple[bytes, str]], why: str, abort: bool) -> None:
+        """Every request ends with `why`: `waiting` (reads not ended), then those taken (`abort`: engine lives on)."""
+        for ident, rid in waiting:
             if rid not in self._reqs:
                 self.stats.errors_total += 1
-                self._send(ident, self._error(rid, f"{self.stage.label} is shutting down", "unavailable"))
+                self._send(ident, self._error(rid, why, "unavailable"))
         for rid in list(self._reqs):
-            self._fail(rid, f"{self.stage.label} is shutting down", "unavailable")
-        self.close()
+            if abort:
+                self.engine.abort(rid)
+            self._fail(rid, why, "unavailable")
 
     def _drain_socket(self) -> None:
         while True:
