@@ -115,9 +115,7 @@ def _sleep_waiting(client, st, stage, replica, level: int, timeout: float, force
     if not force:   # the master checks it at the SLEEP, after the frontends held every request for the wait
         targets = {r.replica_id for r in st.replicas if r.role == "STAGE" and (not stage or r.stage_id in stage)
                    and (not replica or r.replica_id in replica)}
-        stops = [f"stage {s.stage_id} ({', '.join(r.replica_id for r in st.serving(s.stage_id))})"
-                 for s in st.stages if st.serving(s.stage_id)
-                 and all(r.replica_id in targets for r in st.serving(s.stage_id))]
+        stops = [f"stage {sid} ({', '.join(serving)})" for sid, serving in _stopped_stages(st, targets)]
         if stops:
             raise ConfigError(f"sleep would stop {'; '.join(stops)}: no READY, awake replica would be left; "
                               "nothing was held or put to sleep. Repeat with --force to do it anyway")
@@ -167,13 +165,18 @@ def undrain(
 def _what_stops(st, stopped: set[str]) -> list[str]:
     """The stages that `st` (before the command) had serving and that have no READY, awake replica now that
     `stopped` (the replicas that acked ok) stopped serving."""
-    lines = []
+    return [f"stage {sid} has no awake READY replica now ({', '.join(serving)}); its requests fail until it is back"
+            for sid, serving in _stopped_stages(st, stopped)]
+
+
+def _stopped_stages(st, stopped: set[str]) -> list[tuple[int, list[str]]]:
+    """(stage id, its serving replicas) of each stage whose serving replicas are all in `stopped`."""
+    out = []
     for s in st.stages:
         serving = [r.replica_id for r in st.serving(s.stage_id)]
         if serving and all(r in stopped for r in serving):
-            lines.append(f"stage {s.stage_id} has no awake READY replica now ({', '.join(serving)}); "
-                         "its requests fail until it is back")
-    return lines
+            out.append((s.stage_id, serving))
+    return out
 
 
 # vLLM's levels; omni's own engines move their whole pipeline to host memory at level 1
