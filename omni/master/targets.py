@@ -11,7 +11,7 @@ from typing import Callable
 from omni._proto import master_pb2 as pb
 from omni.master.registry import LIVE_STATES, Registry, ReplicaState, Role
 
-# a WAKE_UP while a sleep with mode=wait waits (WaitHolds; a frontend's own check: orchestrator/quiesce.py)
+# a WAKE_UP while a sleep with mode=wait waits (WaitHolds; HTTP: the frontend answers it as a 409)
 WAKE_REFUSED = ("a sleep with mode=wait is waiting for the requests in flight: the stages sleep once they end; "
                 "wake them after that sleep answers")
 

@@ -19,7 +19,6 @@ import zmq.asyncio
 
 from omni.config import DeployConfig
 from omni.errors import ConfigError, Conflict, OmniError, RequestTimeout, StageFailed, Unavailable
-from omni.master.targets import WAKE_REFUSED
 from omni.master.types import ReplicaInfo, TopologyEvent
 from omni.metrics import labels
 from omni.orchestrator import events as ev
@@ -396,12 +395,10 @@ class Orchestrator:
 
     async def wake_up(self, stage_ids: tuple[int, ...] = ()) -> dict:
         quiesce.check_stage_ids(stage_ids, [s.stage_id for s in self.config.stages])
-        if self.gate.closed():   # it would be undone: the stages sleep once the wait ends
-            raise Conflict(WAKE_REFUSED)
         try:
             return await self._command("WAKE_UP", {}, stage_ids)
-        except ConfigError as e:   # the master's FAILED_PRECONDITION: a wait under way (master/targets.py)
-            raise Conflict(str(e)) from None
+        except ConfigError as e:   # the master's FAILED_PRECONDITION: a sleep with mode=wait under way
+            raise Conflict(str(e)) from None   # (master/targets.WaitHolds: the sleep would undo the wakeup)
 
     async def _command(self, kind: str, args: dict, stage_ids: tuple[int, ...] = ()) -> dict:
         return await self._outcome(await self._master_call(

@@ -5,14 +5,17 @@ frontends admit again, also when a step fails or the frontend that asked is gone
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from types import SimpleNamespace
 
 import pytest
 
-from omni.errors import BadRequest, Unavailable
+from omni._proto import master_pb2 as pb
+from omni.errors import BadRequest, ConfigError, Unavailable
 from omni.master.client import MasterClient
+from omni.master.targets import WaitHolds
 from omni.master.types import CommandResult
 from omni.orchestrator import quiesce
 from tests.unit.master_peers import keep_alive, wait_until
@@ -141,11 +144,17 @@ class FakeMaster:
         self.replica_ids: list = []
         self.frontends = list(frontends)
         self.quiet_ok, self.fail_sleep = quiet_ok, fail_sleep
+        self.holds = WaitHolds()   # as the master: a WAKE_UP while a hold is open is refused
+
 
     async def get_status(self):   # Orchestrator.is_sleeping reads it: no stage replica, so not asleep
         return SimpleNamespace(replicas=[])
 
     async def send_command(self, kind, stage_ids=(), args=None, timeout_s=10.0, replica_ids=()):
+        request = pb.SendCommandRequest(kind=pb.CommandKind.Value(kind), args_json=json.dumps(args))
+        if self.holds.refusal(request):
+            raise ConfigError(self.holds.refusal(request))   # the client's FAILED_PRECONDITION
+        self.holds.note(request)
         self.calls.append((kind, {k: v for k, v in args.items() if k != "token"}))
         self.stage_ids.append(tuple(stage_ids))
         self.replica_ids.append(tuple(replica_ids))
@@ -226,10 +235,10 @@ def test_a_wakeup_while_a_wait_is_under_way_is_a_409_and_the_wait_reports_a_busy
         orch = Orchestrator(CONFIG, frontend_id="fe0-1", topology=Topology(), detokenize=lambda ids: "",
                             master=FakeMaster(quiet_ok=False))
         try:
-            orch.gate.on_quiesce({"hold_s": 30.0, "token": "t"}, lambda: 0)
+            await orch.master.send_command("QUIESCE", (), {"hold_s": 30.0, "token": "t"})   # another's sleep
             with pytest.raises(Conflict, match="a sleep with mode=wait is waiting for the requests in flight"):
                 await orch.wake_up()
-            orch.gate.on_quiesce({"hold_s": 0.0, "token": "t"}, lambda: 0)
+            await orch.master.send_command("QUIESCE", (), {"hold_s": 0.0, "token": "t"})
             assert [r["ok"] for r in (await orch.wake_up())["results"]] == [True]
             out = await orch.sleep(1, "wait")
             assert out["results"] == [] and [f["ok"] for f in out["frontends"]] == [True, False]
