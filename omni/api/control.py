@@ -82,9 +82,9 @@ def _stage_ids(request: Request, body_ids: list[int] | None) -> tuple[int, ...]:
         return tuple(body_ids or ())
     if body_ids is not None:
         raise bad_request("stage_ids is in both the query string and the body: give it once", param="stage_ids")
-    ids = [ascii_int(v) for v in values[:65]]
-    if any(i is None for i in ids) or len(ids) > 64:
-        raise bad_request("stage_ids takes up to 64 stage ids, each a non-negative integer "
+    ids = [ascii_int(v) for v in values[:P.MAX_STAGE_IDS + 1]]
+    if any(i is None for i in ids) or len(ids) > P.MAX_STAGE_IDS:
+        raise bad_request(f"stage_ids takes up to {P.MAX_STAGE_IDS} stage ids, each a non-negative integer "
                           "(repeat it: ?stage_ids=0&stage_ids=1)", param="stage_ids")
     return tuple(ids)
 

@@ -231,8 +231,10 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
 
 
-# vllm-omni's: the stages to sleep or wake (none: every stage)
-StageIds = Annotated[list[Annotated[int, msgspec.Meta(ge=0, le=1023)]], msgspec.Meta(min_length=1, max_length=64)]
+# vllm-omni's: the stages to sleep or wake (none: every stage); the query string's too (api/control.py, routes.py)
+MAX_STAGE_ID, MAX_STAGE_IDS = 1023, 64
+StageIds = Annotated[list[Annotated[int, msgspec.Meta(ge=0, le=MAX_STAGE_ID)]],
+                     msgspec.Meta(min_length=1, max_length=MAX_STAGE_IDS)]
 
 
 class SleepRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -33,8 +33,8 @@ class RouteSpec:
     forms: bool = False         # the body may also come as a form (api/browser.py checks the Content-Type)
 
 
-_STAGE_IDS = ("stage_ids", {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 1023},
-                            "maxItems": 64})   # repeated: ?stage_ids=0&stage_ids=1 (openapi.narrow caps the ids)
+_STAGE_IDS = ("stage_ids", {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": P.MAX_STAGE_ID},
+                            "maxItems": P.MAX_STAGE_IDS})   # repeated: ?stage_ids=0&stage_ids=1 (openapi.narrow caps the ids)
 GENERATION = (404, 500, 503, 504)     # unknown model or voice; a stage failed; no replica or asleep; timeout
 JOB = (404, 503)                       # no such job; the master is unreachable
 NEW_JOB = (404, 429, 503)              # unknown model; too many unfinished jobs here; the master is unreachable
