@@ -5,7 +5,8 @@ Sleep and wakeup answer each replica's ack in `results`: 200 when at least one r
 outcome: the others' messages say why), 409 when every replica refused, 503 when none was there to ask.
 Sleep's `mode` is vLLM's: abort (the default) ends the requests in flight with a 503 that says why; wait
 lets them finish first (omni/orchestrator/quiesce.py). Both take vllm-omni's `stage_ids` (none: every stage).
-Sleep's level is 2 on /v1/omni/sleep (vllm-omni's default) and 1 on vLLM's /sleep."""
+Sleep's level is 2 on /v1/omni/sleep (vllm-omni's default) and 1 on vLLM's /sleep.
+Beside omni's fields every answer has vllm-omni's `status` and `acks` (_answer)."""
 
 from __future__ import annotations
 
@@ -101,18 +102,27 @@ def _outcome(verb: str, out: dict) -> Response:
     if busy:   # mode=wait: a frontend still had requests in flight at the end of the wait, or was not reached
         why = "; ".join(f"{f['replica_id']}: {f['message']}" for f in busy)
         if any(f.get("outcome") == "disconnected" for f in busy):   # SUSPECT: its requests are not known
-            body = error_body(f"{verb} (mode=wait): nothing was put to sleep: a frontend cannot be reached: {why}",
-                              "service_unavailable", code="frontend_unreachable")
-            return JSONResponse({**body, **out}, status_code=503)
-        body = error_body(f"{verb} (mode=wait): nothing was put to sleep: {why}", "conflict_error",
-                          code="sleep_busy")
-        return JSONResponse({**body, **out}, status_code=409)
+            return _answer(out, 503, error_body(f"{verb} (mode=wait): nothing was put to sleep: a frontend cannot "
+                                                f"be reached: {why}", "service_unavailable",
+                                                code="frontend_unreachable"))
+        return _answer(out, 409, error_body(f"{verb} (mode=wait): nothing was put to sleep: {why}", "conflict_error",
+                                            code="sleep_busy"))
     results = out.get("results")
     if results is None or any(r["ok"] for r in results):
-        return JSONResponse(out)
+        return _answer(out, 200)
     if not results:
-        body = error_body(f"{verb}: no live stage replica to send it to", "service_unavailable")
-        return JSONResponse({**body, **out}, status_code=503)
+        return _answer(out, 503, error_body(f"{verb}: no live stage replica to send it to", "service_unavailable"))
     refused = "; ".join(f"stage {r['stage_id']} ({r['replica_id']}): {r['message']}" for r in results)
-    body = error_body(f"{verb} refused by every stage replica: {refused}", "conflict_error", code=f"{verb}_refused")
-    return JSONResponse({**body, **out}, status_code=409)
+    return _answer(out, 409, error_body(f"{verb} refused by every stage replica: {refused}", "conflict_error",
+                                        code=f"{verb}_refused"))
+
+
+def _answer(out: dict, status_code: int, error: dict | None = None) -> JSONResponse:
+    """omni's fields, and beside them vllm-omni's: `status` (SUCCESS for a 200, else ERROR) and `acks`, one
+    per replica as its OmniACK reads (status SUCCESS or ERROR, stage_id, error_msg; replica_id is omni's).
+    OmniACK's freed_bytes, rank and task_id are left out: omni's acks do not carry them, and a made-up 0
+    would read as nothing freed."""
+    acks = [{"status": "SUCCESS" if r["ok"] else "ERROR", "stage_id": r["stage_id"], "replica_id": r["replica_id"],
+             "error_msg": None if r["ok"] else r["message"]} for r in out.get("results") or ()]
+    vllm_omni = {"status": "SUCCESS" if status_code == 200 else "ERROR", "acks": acks}
+    return JSONResponse({**(error or {}), **out, **vllm_omni}, status_code=status_code)

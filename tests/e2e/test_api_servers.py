@@ -94,6 +94,9 @@ def test_sleep_from_one_frontend_is_seen_by_the_other(server):
     # The thinker sleeps; the onnx stages cannot on this platform and say so.
     assert any(x["ok"] for x in results)
     assert any(not x["ok"] and "sleep" in x["message"] for x in results)
+    # vllm-omni's fields beside omni's, from the same acks.
+    assert r.json()["status"] == "SUCCESS" and [a["status"] == "SUCCESS" for a in r.json()["acks"]] == [
+        x["ok"] for x in results]
     s = until_frontend(url, "1", "GET", "/v1/omni/is_sleeping")
     assert s.json() == {"is_sleeping": True}
     r = until_frontend(url, "1", "POST", "/v1/omni/wakeup")

@@ -94,3 +94,40 @@ async def test_a_wait_that_could_not_reach_a_frontend_is_a_503_naming_it(tokeniz
     r = await c.post("/sleep?mode=wait")
     err = assert_error(r, 503, contains="a frontend cannot be reached: fe1: no keep-alive stream")
     assert err["code"] == "frontend_unreachable" and r.json()["frontends"] == frontends
+
+
+@pytest.mark.parametrize("path", ["/v1/omni/sleep", "/sleep", "/v1/omni/wakeup", "/wake_up"])
+async def test_vllm_omnis_status_and_acks_are_beside_the_results(tokenizer, path):  # noqa: F811
+    """vllm-omni's server answers {"status": "SUCCESS", "acks": [OmniACK...]}: a client of it reads those."""
+    orch, c = make(tokenizer)
+
+    async def command(*_, **__):
+        return acks(True, False)
+
+    orch.sleep = orch.wake_up = command
+    r = await c.post(path)
+    assert r.status_code == 200 and r.json()["status"] == "SUCCESS"
+    assert r.json()["acks"] == [
+        {"status": "SUCCESS", "stage_id": 0, "replica_id": "s0-r0", "error_msg": None},
+        {"status": "ERROR", "stage_id": 1, "replica_id": "s1-r0", "error_msg": CPU_REFUSAL}]
+    assert r.json()["results"] == acks(True, False)["results"] and r.json()["is_sleeping"] is False
+
+
+async def test_every_refusal_is_status_error_with_the_error_body_kept(tokenizer):  # noqa: F811
+    orch, c = make(tokenizer)
+    busy = [{"replica_id": "fe1", "ok": False, "message": "1 request(s) still in flight after 305 s"}]
+    outs = [acks(False), {"results": [], "is_sleeping": False},
+            {"results": [], "frontends": busy, "is_sleeping": False}]
+
+    async def sleep(level=1, mode="abort", stage_ids=()):
+        return outs.pop(0)
+
+    orch.sleep = sleep
+    answers = []
+    for status, code in ((409, "sleep_refused"), (503, None), (409, "sleep_busy")):
+        r = await c.post("/v1/omni/sleep?mode=wait")
+        err = assert_error(r, status)
+        assert err["code"] == code and r.json()["status"] == "ERROR"
+        answers.append(r.json())
+    assert answers[0]["acks"] == [{"status": "ERROR", "stage_id": 0, "replica_id": "s0-r0", "error_msg": CPU_REFUSAL}]
+    assert answers[1]["acks"] == answers[2]["acks"] == [] and answers[2]["frontends"] == busy
