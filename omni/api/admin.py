@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import uuid
 from typing import Callable
 
 import msgspec
@@ -26,6 +27,7 @@ class AdminRoutes:
         self.fe = fe
         self._models_for: int | None = None     # the max_model_len self._models_body was encoded with
         self._models_body = b""
+        self._permission_ids: dict[str, str] = {}   # served name -> its card's permission id, one per process
 
     def _models(self) -> bytes:
         """As vLLM's: a card per served name, in --served-model-name's order; then the other names
@@ -39,9 +41,16 @@ class AdminRoutes:
         return self._models_body
 
     def _card(self, name: str) -> dict:
+        """vLLM's ModelCard, its `permission` too: vLLM lists one ModelPermission with its defaults (sampling,
+        logprobs and view allowed; no engine creation, fine-tuning or search indices) and a client may read it."""
         fe = self.fe
+        perm_id = self._permission_ids.setdefault(name, f"modelperm-{uuid.uuid4().hex}")
+        permission = {"id": perm_id, "object": "model_permission", "created": fe.created,
+                      "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                      "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                      "organization": "*", "group": None, "is_blocking": False}
         return {"id": name, "object": "model", "created": fe.created, "owned_by": "omni", "root": fe.model_path,
-                "parent": None, "max_model_len": fe.max_model_len}
+                "parent": None, "max_model_len": fe.max_model_len, "permission": [permission]}
 
     def fast(self) -> dict[tuple[str, str], Callable[[], tuple[int, bytes]]]:
         """(method, path) -> (status, JSON body) for the bodiless probes that FrontendMiddleware

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 
 import pytest
 
@@ -298,6 +299,16 @@ async def test_models(tokenizer):
     assert d["object"] == "list" and [m["id"] for m in d["data"]] == ["tiny", "b"]
     assert all(m["owned_by"] == "omni" and m["object"] == "model" for m in d["data"])
     assert [m["root"] for m in d["data"]] == ["tiny", "tiny"]      # no path given: the served name
+    # vLLM's ModelCard.permission: one ModelPermission with its defaults, an id per card kept for the process.
+    perms = [m["permission"] for m in d["data"]]
+    assert all(len(p) == 1 and re.fullmatch(r"modelperm-[0-9a-f]{32}", p[0]["id"]) for p in perms)
+    assert perms[0][0]["id"] != perms[1][0]["id"]
+    assert {k: v for k, v in perms[0][0].items() if k != "id"} == {
+        "object": "model_permission", "created": d["data"][0]["created"], "allow_create_engine": False,
+        "allow_sampling": True, "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+        "allow_fine_tuning": False, "organization": "*", "group": None, "is_blocking": False}
+    assert (await c.get("/v1/models/b")).json()["permission"] == perms[1]
+    assert [m["permission"] for m in (await c.get("/v1/models")).json()["data"]] == perms
     _, c = make(tokenizer, served_model_name=["a", "b"], model_path="/models/Qwen3-Omni")
     assert [m["root"] for m in (await c.get("/v1/models")).json()["data"]] == ["/models/Qwen3-Omni"] * 2  # vLLM's: MODEL
 
