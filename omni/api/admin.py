@@ -19,7 +19,8 @@ from omni.api.state import RENDER_PARAMS, FrontendState
 log = logging.getLogger(__name__)
 
 
-_HEALTHY = b'{"status":"ok"}'
+# vllm-omni's /health body ("healthy"; 503 "unhealthy"). vLLM's is an empty 200: a client of it reads only the status.
+_HEALTHY = b'{"status":"healthy"}'
 
 
 class AdminRoutes:
@@ -67,8 +68,8 @@ class AdminRoutes:
             ok, reason = self.fe.orch.health()
         except Exception as e:
             ok, reason = False, f"health check failed: {type(e).__name__}: {e}"
-        if ok:   # a reason beside "ok" (the master away) keeps the status a client reads
-            return 200, _HEALTHY if reason == "ok" else msgspec.json.encode({"status": "ok", "reason": reason})
+        if ok:   # a reason beside "healthy" (the master away) keeps the status a client reads
+            return 200, _HEALTHY if reason == "ok" else msgspec.json.encode({"status": "healthy", "reason": reason})
         return 503, msgspec.json.encode({"status": "unhealthy", "reason": reason})
 
     async def models(self, request: Request) -> Response:

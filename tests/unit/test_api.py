@@ -315,7 +315,8 @@ async def test_models(tokenizer):
 
 async def test_health(tokenizer):
     orch, c = make(tokenizer)
-    assert (await c.get("/health")).status_code == 200
+    r = await c.get("/health")
+    assert r.status_code == 200 and r.json()["status"] == "healthy"   # vllm-omni's body (vLLM's is empty)
     orch.ok, orch.reason = False, "stage 1 has no READY replica"
     r = await c.get("/health")
     assert r.status_code == 503 and r.json()["reason"] == "stage 1 has no READY replica"

@@ -1,6 +1,6 @@
 """A frontend's /health says whether it serves: while the omni master is away (a restart) it serves from the
 last topology the master sent, so /health stays 200 (a load balancer or liveness probe would otherwise drop
-or restart every frontend at once) and says the master is away beside "ok"; /metrics has it as a gauge.
+or restart every frontend at once) and says the master is away beside "healthy"; /metrics has it as a gauge.
 Before the first topology, or with a stage that has no READY replica, it is 503."""
 
 from __future__ import annotations
@@ -90,12 +90,12 @@ def test_health_stays_ok_while_the_master_is_away_and_requests_are_served(deploy
 
         try:
             await until(lambda: orch.health()[0], "healthy with the master up")
-            assert health(orch) == (200, {"status": "ok"})
+            assert health(orch) == (200, {"status": "healthy"})
             up = orch.metrics_text()
             await asyncio.to_thread(master.stop)
             await until(lambda: orch.health() != (True, "ok"), "the watch sees the master gone")
-            assert health(orch) == (200, {"status": "ok", "reason": "omni master unreachable: serving from "
-                                                                    "the last topology it sent"})
+            assert health(orch) == (200, {"status": "healthy", "reason": "omni master unreachable: serving from "
+                                                                         "the last topology it sent"})
             assert await one() == [[2], [3], [4]]
             assert 'omni_master_connected{frontend="fe0-x"} 1' in up
             assert 'omni_master_connected{frontend="fe0-x"} 0' in orch.metrics_text()
