@@ -172,6 +172,7 @@ def serve(
     api_keys: Optional[List[str]] = typer.Option(None, "--api-key", help="Require 'Authorization: Bearer KEY' on /v1 routes; takes several keys (--api-key K1 K2), any one of them is accepted. Unset: one key from env OMNI_API_KEY, else vLLM's VLLM_API_KEY."),  # noqa: B008 (typer's list option)
     control_api_key: Optional[str] = typer.Option(None, "--control-api-key", envvar="OMNI_CONTROL_API_KEY", help="Require 'Authorization: Bearer KEY' with this key (not --api-key) on the control routes /v1/omni/sleep and /v1/omni/wakeup."),
     disable_control_routes: bool = typer.Option(False, "--disable-control-routes", help="Answer 403 on /v1/omni/sleep and /v1/omni/wakeup (the master's `omni sleep`/`omni wakeup` still work)."),
+    allowed_hosts: Optional[List[str]] = typer.Option(None, "--allowed-hosts", help="Host names a frontend on a loopback address answers on routes no API key guards, besides localhost, IP literals and this host's name: a page on a domain re-pointed at 127.0.0.1 (DNS rebinding) gets a 403. For a proxy on this host that forwards its public Host. Takes several (--allowed-hosts a.example .b.example); a leading dot takes the subdomains too, '*' any name."),  # noqa: B008 (typer's list option)
     served_model_names: Optional[List[str]] = typer.Option(None, "--served-model-name", help="Model name(s) the API answers to; takes several (--served-model-name A B), the first is the one it reports (default: MODEL). MODEL and the deploy's aliases are answered to as well."),  # noqa: B008 (typer's list option)
     num_replicas: Optional[int] = typer.Option(None, "--num-replicas", help="Replicas of the stage(s) run here (no --stage-id: of every stage). 0 with --stage-id 0 (the head): only the master and the HTTP frontends run here; stage 0 runs headless on other hosts."),
     omni_dp_size_local: Optional[int] = typer.Option(None, "--omni-dp-size-local", help="vllm-omni's: replicas of the --stage-id stage run here (as --num-replicas); other than 1 needs --stage-id."),
@@ -225,7 +226,8 @@ def serve(
 
     http_limits = HttpLimits(max_request_bytes=max_request_bytes, timeout_keep_alive=timeout_keep_alive,
                              timeout_request_body=timeout_request_body, timeout_response_write=timeout_response_write,
-                             backlog=backlog, shutdown_timeout=shutdown_timeout)
+                             backlog=backlog, shutdown_timeout=shutdown_timeout,
+                             allowed_hosts=tuple(allowed_hosts or ()))
     cores = os.cpu_count() or 1
     if api_server_count > cores:
         print(f"omni: warning: --api-server-count {api_server_count} is more than the {cores} CPU cores here; "

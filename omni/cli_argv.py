@@ -20,7 +20,7 @@ SECRET_FLAGS = {"--omni-token": "OMNI_TOKEN", "--api-key": "OMNI_API_KEY",
 _OPTIONAL_VALUE = ("--hf-token",)
 # vLLM's nargs="+" flags: typer takes a list option once per value, so `--api-key K1 K2` is
 # spelled `--api-key K1 --api-key K2` before parsing.
-SEVERAL_VALUES = ("--served-model-name", "--api-key")
+SEVERAL_VALUES = ("--served-model-name", "--api-key", "--allowed-hosts")
 # Flags whose name is spelled out later (omni.cli.SHORT_FLAGS) or folded (omni.cli.JSON_FLAGS' dotted
 # forms): each takes one value.
 _VALUE_PREFIXES = ("--stage-overrides.", "--engine-args.")

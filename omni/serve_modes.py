@@ -17,7 +17,7 @@ HEAD_ONLY = {
     "disable_control_routes": "--disable-control-routes", "state_dir": "--state-dir",
     "max_request_bytes": "--max-request-bytes", "timeout_keep_alive": "--timeout-keep-alive",
     "timeout_request_body": "--timeout-request-body", "timeout_response_write": "--timeout-response-write",
-    "backlog": "--backlog", "shutdown_timeout": "--shutdown-timeout",
+    "backlog": "--backlog", "shutdown_timeout": "--shutdown-timeout", "allowed_hosts": "--allowed-hosts",
 }
 
 

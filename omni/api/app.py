@@ -86,7 +86,8 @@ def build_app(orchestrator: OrchestratorLike, tokenizer: Any, *, served_model_na
                                 Middleware(FrontendMiddleware, frontend_index=frontend_index, api_key=api_key,
                                            metrics=fe.metrics, control_api_key=control_api_key,
                                            control_routes=control_routes, fast=admin.fast(),
-                                           allowed_origins=limits.allowed_origins, streams=streams,
+                                           allowed_origins=limits.allowed_origins,
+                                           allowed_hosts=limits.allowed_hosts, streams=streams,
                                            in_flight=in_flight),
                                # inside: a refused body still gets X-Omni-Frontend and is counted
                                Middleware(LimitsMiddleware, limits=limits)])

@@ -7,10 +7,16 @@ a server without an API key is open to the rest, hence two checks (FrontendMiddl
   so a text/plain or form body is never parsed as JSON;
 - a state-changing request whose Origin is not the server's own (Host, or X-Forwarded-Host, which a
   page cannot set without a preflight) is a 403 on a route no key guards.
+A page on a name its attacker re-points at 127.0.0.1 (DNS rebinding) is same-origin to the browser, so
+neither check sees it; its requests name that domain in Host, hence a third (host_refusal): on a
+connection to a loopback address, a route no key guards answers only a Host that is loopback by name
+(localhost, *.localhost), an IP literal, this host's name, or one of --allowed-hosts.
 """
 
 from __future__ import annotations
 
+import ipaddress
+import socket
 from urllib.parse import urlsplit
 
 from starlette.responses import Response
@@ -80,3 +86,57 @@ def origin_refusal(scope, allowed: frozenset[str] = frozenset()) -> Response | N
                                "origin: --allowed-origins, and --api-key to keep other pages out; a proxy that "
                                "rewrites Host passes the Host or X-Forwarded-Host on)",
                           "permission_error", param="Origin", code="cross_site_request")
+
+
+def _hostname(host: str) -> str:
+    """The name in a Host header: lower case, no port, no brackets, no trailing dot."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        host = host[1:].partition("]")[0]
+    elif host.count(":") == 1:
+        host = host.partition(":")[0]
+    return host.rstrip(".")
+
+
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+def is_loopback(address: str) -> bool:
+    try:
+        ip = ipaddress.ip_address(address.partition("%")[0])
+    except ValueError:
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)   # a dual-stack socket's 127.0.0.1
+    return (mapped or ip).is_loopback
+
+
+def allowed_host_names(allowed) -> frozenset[str]:
+    """--allowed-hosts' names as host_refusal compares them, with this host's own name (and its first label)."""
+    own = socket.gethostname().lower().rstrip(".")
+    return frozenset({*(_hostname(h) if h != "*" else h for h in allowed), own, own.partition(".")[0]} - {""})
+
+
+def host_refusal(scope, allowed: frozenset[str]) -> Response | None:
+    """A request to a loopback address whose Host names some other domain is refused, unless `allowed`
+    (allowed_host_names) names it: a browser's page on a rebound domain, or a proxy that forwards a public
+    name to a loopback-bound server (which then needs --allowed-hosts). No Host (HTTP/1.0) passes."""
+    server = scope.get("server")
+    if not server or not is_loopback(str(server[0])) or "*" in allowed:
+        return None
+    raw = _header(scope, b"host")
+    if raw is None:
+        return None
+    name = _hostname(raw.decode("latin-1"))
+    if (name in allowed or name == "localhost" or name.endswith(".localhost") or _is_ip(name)
+            or any(a.startswith(".") and (name.endswith(a) or name == a[1:]) for a in allowed)):
+        return None
+    return error_response(403, f"request refused: Host {name[:200]!r} names no loopback address, and no API key "
+                               f"guards {scope['path']} on this loopback listener (a web page on a domain that "
+                               "resolves to 127.0.0.1 could send it: DNS rebinding). A proxy that forwards "
+                               "this name: --allowed-hosts NAME; or set --api-key",
+                          "permission_error", param="Host", code="host_not_allowed")

@@ -35,11 +35,13 @@ class FrontendMiddleware:
     def __init__(self, app, *, frontend_index: int, api_key: str | Sequence[str] | None, metrics: FrontendMetrics,
                  control_api_key: str | None = None, control_routes: bool = True,
                  fast: dict[tuple[str, str], Callable[[], tuple[int, bytes]]] | None = None,
-                 allowed_origins: Sequence[str] = (), streams: set | None = None, in_flight: set | None = None):
+                 allowed_origins: Sequence[str] = (), allowed_hosts: Sequence[str] = (),
+                 streams: set | None = None, in_flight: set | None = None):
         self.app = app
         self.streams = streams                         # open streams' watches, ended at the server's stop
         self.in_flight = in_flight                     # requests' InFlight, answered 503 at the stop if unanswered
         self.allowed_origins = frozenset(allowed_origins)   # --allowed-origins: cross-site pages let in
+        self.allowed_hosts = browser.allowed_host_names(allowed_hosts)   # --allowed-hosts: names a loopback listener answers
         self.fast = fast or {}
         self.header = (b"x-omni-frontend", str(frontend_index).encode())
         self.key = _bearer_digests(api_key)            # None: no key, /v1 is open
@@ -114,7 +116,8 @@ class FrontendMiddleware:
                                       headers={"WWW-Authenticate": "Bearer"})
             keyed = True
         if not keyed:   # a page in a browser cannot send the key cross-site, but can send the rest
-            refusal = browser.origin_refusal(scope, self.allowed_origins)
+            refusal = (browser.host_refusal(scope, self.allowed_hosts)
+                       or browser.origin_refusal(scope, self.allowed_origins))
             if refusal is not None:
                 return refusal
         forms = routes.JSON_BODIES.get((routes.label(path), scope["method"]))

@@ -35,6 +35,8 @@ class HttpLimits:
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
+    # --allowed-hosts: Host names a loopback listener answers on routes no key guards (browser.host_refusal)
+    allowed_hosts: tuple[str, ...] = ()
 
     def __post_init__(self):
         for flag, value, low in (("--max-request-bytes", self.max_request_bytes, 1024),
@@ -44,6 +46,11 @@ class HttpLimits:
                                  ("--backlog", self.backlog, 1)):
             if not value >= low:
                 raise ConfigError(f"{flag} must be at least {low}, got {value}")
+        hosts = self.allowed_hosts
+        if len(hosts) > 64 or not all(isinstance(h, str) and 0 < len(h) <= 253 and h.isprintable()
+                                      and not any(c in h for c in " /,") for h in hosts):
+            raise ConfigError(f"--allowed-hosts takes 1-64 host names (a.example, .b.example for its subdomains "
+                              f"too, or '*'), got {str(list(hosts))[:200]}")
         n = self.shutdown_timeout
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
             raise ConfigError(f"--shutdown-timeout must be a whole number of seconds >= 0, got {n!r}")

@@ -99,7 +99,7 @@ def test_health_answers_while_huge_prompts_are_handled(url):
 
 def test_a_body_over_the_cap_is_refused_from_content_length(url):
     with socket.create_connection(_addr(url), timeout=10) as s:
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                   b"Content-Length: 500000000\r\n\r\n")           # and not one byte of it
         data, _ = _read_until_closed(s, 10)
     head, _, body = data.partition(b"\r\n\r\n")
@@ -112,7 +112,7 @@ def test_a_chunked_body_past_the_cap_is_cut_off(url):
     sent = 0
     chunk = b"%x\r\n%s\r\n" % (1 << 20, b"x" * (1 << 20))
     with socket.create_connection(_addr(url), timeout=10) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                   b"Transfer-Encoding: chunked\r\n\r\n")
         try:
             while sent < 100 * CAP:
@@ -130,7 +130,7 @@ def test_slowloris_heads_and_slow_bodies_are_closed(url):
     addr = _addr(url)
     # a head that never completes, and one trickled a byte at a time
     idle = socket.create_connection(addr, timeout=10)
-    idle.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+    idle.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n")
     trickle = socket.create_connection(addr, timeout=10)
     t0 = time.monotonic()
     closed_after = None
@@ -149,7 +149,7 @@ def test_slowloris_heads_and_slow_bodies_are_closed(url):
         _, took = _read_until_closed(idle, KEEP_ALIVE_S + 8)
         # a head, then a body that stops: 408 after the body timeout
         with socket.create_connection(addr, timeout=10) as s:
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                       b"Content-Length: 100\r\n\r\n{\"prompt\":")
             data, took = _read_until_closed(s, BODY_S + 8)
         assert data.startswith(b"HTTP/1.1 408"), data[:300]

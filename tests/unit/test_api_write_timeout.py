@@ -54,7 +54,7 @@ async def _stalled_stream(tok, limits: HttpLimits, body: dict, wait_s: float):
             client.setblocking(False)
             await asyncio.get_running_loop().sock_connect(client, ("127.0.0.1", port))
             payload = json.dumps(body).encode()
-            await asyncio.get_running_loop().sock_sendall(client, b"POST /v1/audio/speech HTTP/1.1\r\nhost: t\r\n"
+            await asyncio.get_running_loop().sock_sendall(client, b"POST /v1/audio/speech HTTP/1.1\r\nhost: localhost\r\n"
                                                           b"content-type: application/json\r\ncontent-length: "
                                                           + str(len(payload)).encode() + b"\r\n\r\n" + payload)
             await asyncio.wait_for(orch.started_event.wait(), 10)
@@ -121,7 +121,7 @@ async def test_a_reset_connection_stops_a_stream_with_outputs_queued(tokenizer):
             await loop.sock_connect(client, ("127.0.0.1", port))
             payload = json.dumps({"model": "tiny", "input": "hello there", "stream_format": "audio",
                                   "response_format": "pcm"}).encode()
-            await loop.sock_sendall(client, b"POST /v1/audio/speech HTTP/1.1\r\nhost: t\r\ncontent-type: "
+            await loop.sock_sendall(client, b"POST /v1/audio/speech HTTP/1.1\r\nhost: localhost\r\ncontent-type: "
                                     b"application/json\r\ncontent-length: " + str(len(payload)).encode()
                                     + b"\r\n\r\n" + payload)
             assert (await asyncio.wait_for(loop.sock_recv(client, 4096), 10)).startswith(b"HTTP/1.1 200")
@@ -159,7 +159,7 @@ async def _whole_body(tok, caplog, write_s: float, read_every_s: float | None) -
             client.setblocking(False)
             await loop.sock_connect(client, ("127.0.0.1", port))
             payload = json.dumps({"model": "tiny", "input": "hello there", "response_format": "wav"}).encode()
-            await loop.sock_sendall(client, b"POST /v1/audio/speech HTTP/1.1\r\nhost: t\r\ncontent-type: "
+            await loop.sock_sendall(client, b"POST /v1/audio/speech HTTP/1.1\r\nhost: localhost\r\ncontent-type: "
                                     b"application/json\r\ncontent-length: " + str(len(payload)).encode()
                                     + b"\r\n\r\n" + payload)
             if read_every_s is None:

@@ -54,7 +54,8 @@ async def _download(tok, tmp_path, caplog, write_s: float, stall_s: float) -> tu
                 client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)   # before connect: the window stays small
                 client.setblocking(False)
                 await loop.sock_connect(client, ("127.0.0.1", port))
-                await loop.sock_sendall(client, f"GET /v1/omni/jobs/{job['id']}/content HTTP/1.1\r\nhost: t\r\n\r\n".encode())
+                request = f"GET /v1/omni/jobs/{job['id']}/content HTTP/1.1\r\nhost: localhost\r\n\r\n"
+                await loop.sock_sendall(client, request.encode())
                 await asyncio.sleep(stall_s)
                 got, ended, head = await read_response(client, 5)
                 logged = any("--timeout-response-write" in r.getMessage() for r in caplog.records)

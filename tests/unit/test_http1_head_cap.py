@@ -21,7 +21,7 @@ def server():
 
 
 def head(value_len: int) -> bytes:
-    return b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\nX-A: " + b"a" * value_len + b"\r\n\r\n"
+    return b"GET /health HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nX-A: " + b"a" * value_len + b"\r\n\r\n"
 
 
 @pytest.mark.parametrize("value_len", [16_000, 16_384 - len(head(0))])

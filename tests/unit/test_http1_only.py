@@ -78,7 +78,7 @@ def test_an_http2_connection_sending_pings_is_closed(server):
 
 def test_an_h2c_upgrade_is_answered_in_http11_and_then_falls_under_the_keep_alive_timer(server):
     with socket.create_connection(server) as s:
-        s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
+        s.sendall(b"GET / HTTP/1.1\r\nHost: localhost\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
                   b"HTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n\r\n")
         got, _ = read_until_closed(s, 10 * KEEP_ALIVE + 5)   # idle after the answer: the timer closes it
     assert got.startswith(b"HTTP/1.1 200 ") and got.endswith(b"ok"), got
@@ -88,7 +88,7 @@ def test_an_h2c_upgrade_is_answered_in_http11_and_then_falls_under_the_keep_aliv
 def test_http11_keep_alive_still_works(server):
     with socket.create_connection(server) as s:
         for _ in range(2):
-            s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            s.sendall(b"GET / HTTP/1.1\r\nHost: localhost\r\n\r\n")
             s.settimeout(5)
             got = b""
             while not got.endswith(b"ok"):

@@ -21,7 +21,7 @@ from omni.orchestrator.types import PipelineOutput
 from tests.unit.api_fakes import FakeOrchestrator, tokenizer  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.anyio
-SECOND = b"GET /health HTTP/1.1\r\nhost: t\r\n\r\n"
+SECOND = b"GET /health HTTP/1.1\r\nhost: localhost\r\n\r\n"
 
 
 class EndlessAudio(FakeOrchestrator):
@@ -35,7 +35,7 @@ class EndlessAudio(FakeOrchestrator):
 
 def speech(fmt: dict) -> bytes:
     payload = json.dumps({"model": "tiny", "input": "hello there", **fmt}).encode()
-    return (b"POST /v1/audio/speech HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\ncontent-length: "
+    return (b"POST /v1/audio/speech HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\ncontent-length: "
             + str(len(payload)).encode() + b"\r\n\r\n" + payload)
 
 

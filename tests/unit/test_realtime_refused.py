@@ -27,7 +27,7 @@ def server(tokenizer):  # noqa: F811
 def upgrade(addr, path: str) -> tuple[int, dict]:
     """A WebSocket handshake as a client sends it: the status and JSON body of the answer."""
     with socket.create_connection(addr, timeout=10) as s:
-        s.sendall((f"GET {path} HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        s.sendall((f"GET {path} HTTP/1.1\r\nHost: localhost\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
                    "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n").encode())
         data = b""
         while b"\r\n\r\n" not in data:
