@@ -5,12 +5,12 @@ with `local_channel`, a LocalListener for frontends on its host (omni/stage/loca
 the engine, the tensor producers for its outputs and a consumer for its inputs.
 The loop: drain incoming messages without blocking while the engine has work,
 step the engine, send each output back to the frontend that sent the request.
+What each incoming message does (the Hello, taking a request in or refusing it) is omni/stage/intake.py.
 Master commands arrive on the keep-alive thread and are queued to the loop.
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
 import threading
 import time
@@ -23,8 +23,8 @@ from omni import latency_trace
 from omni.config import StageConfig
 from omni.ratelog import RateLimitedLog
 from omni.signals import StopRequest
-from omni.engines.base import Engine, EngineError, EngineOutput
-from omni.stage import held, messages as m
+from omni.engines.base import Engine, EngineOutput
+from omni.stage import held, intake, messages as m
 from omni.stage.control import StageControl
 from omni.stage.expiry import IdleRequests, sweep
 from omni.stage.holds import Holds
@@ -32,8 +32,7 @@ from omni.stage.input_reads import InputReads
 from omni.stage.local_link import CLOSED, LocalPeers
 from omni.stage.loop_poll import LoopPoller
 from omni.stage.loop_watch import LoopWatch
-from omni.stage.worker_state import (HeldOutput, InFlight, LoadSnapshot, RecentBases, WorkerStats, engine_request,
-                                     load_report)
+from omni.stage.worker_state import HeldOutput, InFlight, LoadSnapshot, RecentBases, WorkerStats, load_report
 from omni.stage.curve import secure_server
 from omni.stage.producers import OutputProducers
 from omni.stage.published import Published
@@ -174,8 +173,8 @@ class StageWorker:
             if self._local is not None and events:
                 self._local.service(events, self._receive, self._frontend_gone)
             for ident, msg, read in self._reads.ready():
-                if not self._recent.ended(msg.request_id) and not self._refused(ident, msg.request_id, False):
-                    self._admit(ident, msg, read)
+                if not self._recent.ended(msg.request_id) and not intake.refused(self, ident, msg.request_id, False):
+                    intake.admit(self, ident, msg, read)
             if self.control.pending:
                 self.control.run_pending()
             if self._stop_request is not None and self._stop_request.is_set():
@@ -237,86 +236,7 @@ class StageWorker:
         self._handle(ident, msg)
 
     def _handle(self, ident: bytes, msg: Any) -> None:
-        if isinstance(msg, m.Hello):
-            ok = not self.token or hmac.compare_digest(msg.token.encode(), self.token.encode())
-            if ok:
-                self._frontends.add(ident)
-            else:
-                self._bad_frames.warning("%s: refused frontend %s: bad token", self.stage.label, msg.frontend_id[:64])
-            self._send(ident, m.Welcome(self.stage.stage_id, self.replica_id, ok=ok,
-                                        error="" if ok else "bad data-plane token"))
-            return
-        if self.token and ident not in self._frontends:
-            return   # unauthenticated peer: ignore everything
-        if isinstance(msg, m.AddRequest):
-            self._add(ident, msg)
-        elif isinstance(msg, m.Abort):
-            for rid in msg.request_ids:
-                self._reads.abort(rid)   # pieces still waiting for a read are never admitted
-                if self._reqs.pop(rid, None) is not None:
-                    self.engine.abort(rid)
-                if not msg.keep_published:   # kept: freed by FreeTensors as a finished request's are
-                    self._free_owner(rid)     # a request done here may still own tensors the frontend got
-        elif isinstance(msg, m.Release):
-            self._holds.release(msg.request_ids)   # also one before its hold began (holds.py)
-        elif isinstance(msg, m.FreeTensors):
-            if self._producers.free_sent(msg.transport, msg.keys, msg.incarnation):
-                self._published.freed(msg.transport, msg.keys)
-        elif isinstance(msg, m.Utility):
-            self._utility(ident, msg)
-
-    def _add(self, ident: bytes, msg: m.AddRequest) -> None:
-        rid = msg.request_id
-        if self._recent.ended(rid):   # crossed its stream's end here on the way: nothing takes it (worker_state)
-            return
-        if self._refused(ident, rid, rid not in self._reqs and rid not in self._recent and not self._reads.waits(rid)):
-            return
-        if not self._reads.take(ident, msg):   # else admitted once its (or an earlier piece's) read ends
-            self._admit(ident, msg)
-
-    def _refused(self, ident: bytes, rid: str, new: bool) -> bool:
-        """Draining or stopping refuses new work only; asleep, the engine can serve nothing (it
-        refused to sleep with work open, or dropped it)."""
-        if self.engine.is_sleeping() or ((self.draining or self._stopping.is_set()) and new):
-            # The frontend's answer is 503: the stage is there, just not taking requests (how to undo it).
-            how = ("asleep; `omni wakeup --stage {s}` or POST /v1/omni/wakeup wakes it" if self.engine.is_sleeping()
-                   else "draining; `omni undrain --replica {r}` takes it back" if self.draining else "stopping")
-            self._send(ident, self._error(rid, f"{self.stage.label} (replica {self.replica_id}) is "
-                                               + how.format(s=self.stage.stage_id, r=self.replica_id), "unavailable"))
-            return True
-        return False
-
-    def _admit(self, ident: bytes, msg: m.AddRequest, read: Any = None) -> None:
-        """Into the engine; `read`: its remote tensors (or their read's error) from InputReads."""
-        rid = msg.request_id
-        try:
-            self.engine.add_request(engine_request(msg, self._consumer, self.stats, read))
-            if latency_trace.on():
-                latency_trace.mark("added", rid)
-        except (EngineError, TransportError, ValueError, TypeError) as e:
-            self.stats.errors_total += 1
-            kind = "internal" if isinstance(e, TransportError) else "client"   # the engine refused it
-            self._send(ident, self._error(rid, f"{type(e).__name__}: {e}", kind))
-            return
-        except Exception as e:   # the engine broke, not the request (e.g. its vLLM EngineCore died)
-            why = f"engine add_request failed: {type(e).__name__}: {e}"
-            # unavailable: the frontend moves it to another replica (this one never began it)
-            kind = "unavailable" if getattr(e, "fatal", False) else "internal"
-            if rid in self._reqs:   # a stream's later piece
-                self.engine.abort(rid)
-                self._fail(rid, why, kind)
-            else:
-                self.stats.errors_total += 1
-                self._send(ident, self._error(rid, why, kind))
-            self._engine_failed(e, "add_request", fail_all=False)
-            return
-        self._recent.add(rid)
-        if rid in self._reqs:
-            self._reqs[rid].touched_at = time.monotonic()   # a stream's next piece
-        else:
-            self.stats.requests_total += 1
-            self._reqs[rid] = InFlight(ident, time.monotonic(), msg.out_transport or self.default_transport,
-                                       msg.out_tensors, hold_s=msg.hold_ms / 1000, out_devices=msg.out_devices)
+        intake.handle(self, ident, msg)
 
     def _step(self) -> None:
         ready = self.engine.num_running() if self._time_steps else 0
@@ -480,13 +400,6 @@ class StageWorker:
                 self._free_owner(rid)
         for rid in self._published.of_frontend(ident):   # done here, their tensors unfreed
             self._free_owner(rid)
-
-    def _utility(self, ident: bytes, msg: m.Utility) -> None:
-        try:
-            result = self.control.call(msg.method, msg.args)
-            self._send(ident, m.UtilityResult(msg.call_id, True, result))
-        except Exception as e:
-            self._send(ident, m.UtilityResult(msg.call_id, False, None, f"{type(e).__name__}: {e}"))
 
     def close(self) -> None:
         self._producers.close()

@@ -168,7 +168,7 @@ async def test_a_slow_remote_read_leaves_the_other_requests_going_and_keeps_its_
 
 async def test_a_request_that_leaves_while_its_read_runs_is_aborted_and_frees_the_tensor_after_the_read():
     # The frontend's FreeTensors waits for the read. The stage itself frees what the request owns
-    # when it takes the Abort (omni/stage/worker.py), read or not: a read that loses that race fails,
+    # when it takes the Abort (omni/stage/intake.py), read or not: a read that loses that race fails,
     # and goes nowhere here (the client left).
     consumer = Consumer(blocked={5})
     async with running(consumer, make(consumer)) as (orch, ch):
