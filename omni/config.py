@@ -1,4 +1,4 @@
-"""Deploy configs: YAML -> one typed, frozen, validated tree.
+"""Deploy configs: YAML -> one typed, frozen, validated tree (its types: omni/config_types.py).
 
 Resolution order (each step validated once, at the end):
   bundled YAML for the model, or for a model folder by its config.json `model_type`
@@ -14,7 +14,6 @@ Resolution order (each step validated once, at the end):
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -29,124 +28,16 @@ from omni.config_checks import check_pipeline, check_sampling, check_talker_defa
 from omni.config_merge import deep_merge, merge_configs
 from omni.config_stage_checks import (blame_override, check_connector_edge, check_engine_args, check_stage_override,
                                       normalise_stages, unused_engine_arg)
+# The config's types (config_types.py), which most callers import from here.
+from omni.config_types import STAGE_FIELDS, DeployConfig, StageConfig, config_hash, prompt_stage  # noqa: F401
 from omni.digits import ascii_int
 from omni.errors import ConfigError
 # The config types of the image and video routes, kept where the rest of the deploy config is found.
 from omni.media_settings import ImageSettings, PromptExpansion, VideoSettings, validate_images  # noqa: F401
-from omni.sampling import SamplingOverrides
 
 DEPLOY_DIR = Path(__file__).resolve().parent / "deploy"   # package data: a wheel carries it (the root deploy/ links here)
 TRANSPORTS = ("auto", "shm", "tcp", "gloo", "nccl", "cuda_ipc")
 OUTPUT_TYPES = ("text", "audio", "embedding", "image", "video")
-
-
-class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    transport: str = "auto"
-    arena_bytes: int | None = None
-
-
-class StageConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    stage_id: int
-    engine: str
-    name: str = ""
-    model: str | None = None            # defaults to the pipeline's model
-    devices: str = "cpu"
-    env: dict[str, str] = {}            # the stage process's environment variables (config_stage_checks)
-    num_replicas: int = 1
-    engine_args: dict[str, Any] = {}
-    # The stage's own sampling; a key it does not know is refused by name (omni.sampling).
-    default_sampling_params: SamplingOverrides = SamplingOverrides()
-    # "prompt" (the request's token ids), "text" (the request's text) or an upstream stage id.
-    inputs: tuple[str | int, ...] = ("prompt",)
-    # "module:function" turning upstream outputs into this stage's inputs.
-    processor: str | None = None
-    final_output: bool = False
-    final_output_type: str | None = None
-    # Outgoing edges: downstream stage id (as a string) -> connector.
-    connectors: dict[str, ConnectorConfig] = {}
-    # > 0: after a request's first output this stage holds the request's next work (at most this
-    # many ms) until the pipeline's first final output of it is out: on a few shared cores a
-    # talker's next sentence would split the CPU with code2wav's first chunk. 0: off.
-    first_output_hold_ms: float = 0.0
-
-    @property
-    def label(self) -> str:
-        return f"stage {self.stage_id}" + (f" ({self.name})" if self.name else "")
-
-    def upstream(self) -> list[int]:
-        return [i for i in self.inputs if isinstance(i, int)]
-
-
-_STAGE_FIELDS = set(StageConfig.__struct_fields__)
-
-
-class PipelineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    name: str = "pipeline"
-    request_timeout_s: float = 300.0
-    startup_timeout_s: float = 600.0
-    lease_ttl_s: float = 5.0
-    # How long a stage's output may wait for consumers to free tensors or read results
-    # (backpressure) before the request at the head of the wait fails.
-    stall_timeout_s: float = 60.0
-    # A stage whose loop has work and gets nowhere this long stops heartbeating (omni/stage/loop_watch.py):
-    # longer than any one engine step (a long prefill or a denoise step on CPU); 0: never.
-    loop_stall_s: float = 120.0
-    # Stage that /v1/audio/speech enters at (None: the pipeline has no speech).
-    speech_entry_stage: int | None = None
-    # The model's own speakers (chat `audio.voice`, any case); empty: the voice store's voices.
-    voices: tuple[str, ...] = ()
-    default_voice: str | None = None
-    # The most max_tokens (max_completion_tokens) one request may ask for; None: the context.
-    max_tokens_limit: int | None = None
-    # The longest /v1/audio/speech input, in characters (at most 4096).
-    max_speech_chars: int = 4096
-    # What a chat that names no `modalities` gets: OpenAI's ("text"), or vllm-omni's every output.
-    default_modalities: tuple[str, ...] = ("text",)
-    images: ImageSettings = ImageSettings()
-    videos: VideoSettings = VideoSettings()
-
-
-class DeployConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    model: str
-    stages: tuple[StageConfig, ...]
-    aliases: tuple[str, ...] = ()
-    pipeline: PipelineSettings = PipelineSettings()
-    base_config: str | None = None      # resolved away; kept for the record
-
-    def stage(self, stage_id: int) -> StageConfig:
-        for s in self.stages:
-            if s.stage_id == stage_id:
-                return s
-        raise ConfigError(f"--stage-id {stage_id}: the pipeline has stages 0..{len(self.stages) - 1}")
-
-    def to_dict(self) -> dict[str, Any]:
-        # Through JSON so tuples become lists: the same shape a child reads back.
-        return json.loads(msgspec.json.encode(self))
-
-    def config_hash(self) -> str:
-        return config_hash(self.to_dict())
-
-    def final_stage(self, modality: str) -> StageConfig | None:
-        for s in self.stages:
-            if s.final_output and s.final_output_type == modality:
-                return s
-        return None
-
-    def modalities(self) -> list[str]:
-        return [s.final_output_type for s in self.stages if s.final_output and s.final_output_type]
-
-    def downstream(self, stage_id: int) -> list[int]:
-        return [s.stage_id for s in self.stages if stage_id in s.upstream()]
-
-
-def prompt_stage(config: Any) -> StageConfig | None:
-    """The entry stage: the first that takes the rendered chat (inputs: [prompt])."""
-    return next((s for s in config.stages if "prompt" in s.inputs), None)
-
-
-def config_hash(data: dict[str, Any]) -> str:
-    blob = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]
 
 
 # ---------------------------------------------------------------- loading
@@ -255,7 +146,7 @@ def nest_flat_engine_args(data: dict[str, Any]) -> dict[str, Any]:
         for stage in section.get("stages") or []:
             if not isinstance(stage, dict):
                 continue
-            flat = {k: stage.pop(k) for k in list(stage) if k not in _STAGE_FIELDS}
+            flat = {k: stage.pop(k) for k in list(stage) if k not in STAGE_FIELDS}
             nested = stage.get("engine_args")
             if flat and nested is not None and not isinstance(nested, dict):
                 stage.update(flat)   # leave it to validation to name the bad engine_args
@@ -332,14 +223,14 @@ def apply_stage_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> di
         for field, value in patch.items():
             if field == "stage_id":
                 raise ConfigError("--stage-overrides: stage_id cannot be overridden")
-            if field in _STAGE_FIELDS:
+            if field in STAGE_FIELDS:
                 if isinstance(value, dict) and isinstance(stage.get(field), dict):
                     stage[field] = deep_merge(stage[field], value)
                 else:
                     stage[field] = value
             else:
                 stage.setdefault("engine_args", {})[field] = value
-        check_stage_override(stage, patch, _STAGE_FIELDS, f"--stage-overrides: stages[{stage_id}]")
+        check_stage_override(stage, patch, STAGE_FIELDS, f"--stage-overrides: stages[{stage_id}]")
     return out
 
 

@@ -46,6 +46,7 @@ from typing import Any
 
 from omni.config_legacy_runtime import apply_runtime
 from omni.config_stage_checks import is_count
+from omni.config_types import STAGE_FIELDS
 from omni.digits import ascii_int
 from omni.errors import ConfigError
 
@@ -206,8 +207,6 @@ def _stages(stages: list, connectors: dict[str, tuple[str, dict[str, Any]]], sou
             key_path: str) -> tuple[dict[int, dict], dict[int, bool]]:
     """Rewrites the stages in place (`key_path`: where they sit in the file); returns the codec args
     per receiving stage id and the stages' own async_chunk."""
-    from omni.config import _STAGE_FIELDS
-
     codec: dict[int, dict[str, Any]] = {}
     chunk: dict[int, bool] = {}
     by_id = {s.get("stage_id"): s for s in stages if isinstance(s, dict)}
@@ -235,7 +234,7 @@ def _stages(stages: list, connectors: dict[str, tuple[str, dict[str, Any]]], sou
             if not isinstance(extras, dict):
                 raise ConfigError(f"{here}.engine_extras must be a mapping")
             for key, value in extras.items():
-                if key in _STAGE_FIELDS:
+                if key in STAGE_FIELDS:
                     raise ConfigError(f"{here}.engine_extras.{key}: a stage field, not an engine arg; "
                                       "set it on the stage")
                 s.setdefault(key, value)        # flat: an engine arg, nested by config; the stage's own wins
