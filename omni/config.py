@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 import yaml
 
-from omni import config_vllm_omni as vllm_omni
+from omni import config_legacy_stages as legacy_stages, config_vllm_omni as vllm_omni
 from omni.config_engines import check_engines
 from omni.config_checks import check_pipeline, check_sampling, check_talker_defaults, check_yaml_shape, yaml_sections
 from omni.config_merge import deep_merge, merge_configs
@@ -354,9 +354,9 @@ def load(
     if "model" not in data and not any(isinstance(s, dict) and "engine" in s for s in data.get("stages") or []):
         pipeline = _pipeline_of(model, path)
         data = merge_configs(_resolved_under(_load_raw(pipeline), path, pipeline), data)
-    roles = data.pop(vllm_omni.LEGACY_ROLES, None)
+    roles = data.pop(legacy_stages.LEGACY_ROLES, None)
     if roles is not None:
-        vllm_omni.check_roles(data.get("stages") or [], roles, str(path))
+        legacy_stages.check_roles(data.get("stages") or [], roles, str(path))
     data = apply_platform(data, current_platform(), str(path))
     source = str(path)
     if stage_overrides:

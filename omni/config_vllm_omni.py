@@ -35,6 +35,8 @@ nested under `engine_args`:
 vllm-omni's bundled file names in `base_config` (qwen3_omni_moe.yaml) resolve to omni's. A key that
 picks vllm-omni's own implementation (model_runner) is named and dropped; a key with no meaning in
 omni (edges, duplex sessions, other connector classes, a voice directory) is refused by name.
+vllm-omni's legacy stage configs (`stage_args:`) are turned into this shape first, by
+omni/config_legacy_stages.py.
 """
 
 from __future__ import annotations
@@ -44,7 +46,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from omni.config_legacy_runtime import apply_runtime
 from omni.config_stage_checks import is_count
 from omni.config_types import STAGE_FIELDS
 from omni.digits import ascii_int
@@ -112,6 +113,8 @@ def translate(data: dict[str, Any], source: str) -> dict[str, Any]:
     """One YAML file's keys in omni's shape (a file in omni's own shape comes back unchanged)."""
     data = copy.deepcopy(data)
     if "stage_args" in data:
+        from omni.config_legacy_stages import from_stage_args   # here: that module imports this one
+
         data = from_stage_args(data, source)
     _top_level(data, source)
     from omni.config import yaml_sections
@@ -221,7 +224,7 @@ def _stages(stages: list, connectors: dict[str, tuple[str, dict[str, Any]]], sou
         sid = s.get("stage_id")
         here = f"{source}: {key_path}[stage_id {sid}]"
         if "runtime" in s:          # the same keys under `runtime:`; a key set on the stage itself wins
-            for key, value in _runtime(s.pop("runtime"), f"{here}.runtime").items():
+            for key, value in stage_runtime(s.pop("runtime"), f"{here}.runtime").items():
                 if key == "engine_args":
                     for k, v in value.items():
                         s.setdefault(k, v)
@@ -369,83 +372,8 @@ def _edge_stage(edge: str, prefix: str, where: str) -> int:
     return n
 
 
-# ---------------------------------------------------------------- legacy stage configs
-
-# vllm-omni's legacy stage configs (`stage_args:`, its --stage-configs-path): each entry names vllm-omni's
-# classes for the stage; omni runs its own engine and processor for it, so these are named and dropped.
-LEGACY_INTERNALS = ("model_arch", "worker_cls", "scheduler_cls", "engine_output_type", "hf_config_name",
-                    "custom_process_next_stage_input_func", "stage_type", "is_comprehension", "detokenize")
-# Checked against omni's pipeline after the merge (config.load), then removed.
-LEGACY_ROLES = "legacy_stage_roles"
-# omni's names of the stages vllm-omni's legacy files call by another (Qwen2.5's code2wav is token2wav).
-STAGE_NAMES = {"thinker": ("thinker",), "talker": ("talker",), "code2wav": ("code2wav", "token2wav")}
-
-
-def from_stage_args(data: dict[str, Any], source: str) -> dict[str, Any]:
-    """A legacy stage config (`stage_args`) as a deploy overlay: runtime.devices -> devices,
-    runtime.max_batch_size -> max_num_seqs, engine_args and default_sampling_params as they are; the
-    topology it states (model_stage, engine_input_source, final_output) must be omni's pipeline's."""
-    unknown = sorted(set(data) - {"stage_args", "async_chunk", "runtime"})
-    if unknown:
-        raise ConfigError(f"{source}: unknown top-level key(s) {', '.join(unknown)} in a stage config "
-                          "(it has stage_args, async_chunk and runtime)")
-    entries = data["stage_args"]
-    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
-        raise ConfigError(f"{source}: stage_args must be a list of stages")
-    out: dict[str, Any] = {k: v for k, v in data.items() if k not in ("stage_args", "runtime")}
-    stages, roles, dropped = [], {}, set()
-    for e in entries:
-        sid = e.get("stage_id")
-        here = f"{source}: stage_args[stage_id {sid}]"
-        if not isinstance(sid, int):
-            raise ConfigError(f"{source}: every stage_args entry needs an integer stage_id")
-        stage, role = {"stage_id": sid}, {}
-        for key, value in e.items():
-            if key == "runtime":
-                for k, v in _runtime(value, f"{here}.runtime").items():
-                    stage[k] = {**v, **stage.get(k, {})} if isinstance(v, dict) else v   # engine_args win
-            elif key == "engine_args":
-                if not isinstance(value, dict):
-                    raise ConfigError(f"{here}.engine_args must be a mapping")
-                args = dict(value)
-                if "model_stage" in args:
-                    role["model_stage"] = args.pop("model_stage")
-                dropped |= {k for k in LEGACY_INTERNALS if args.pop(k, None) is not None}
-                stage["engine_args"] = {**stage.get("engine_args", {}), **args}
-            elif key == "engine_input_source":
-                role["inputs"] = value
-            elif key in ("final_output", "final_output_type"):
-                role[key] = value
-            elif key == "custom_process_input_func":
-                if not str(value).startswith("vllm_omni."):
-                    raise ConfigError(f"{here}.custom_process_input_func: {value!r} is not supported: omni runs "
-                                      "its own processor for each stage of its pipelines")
-                dropped.add(key)
-            elif key == "default_sampling_params":
-                stage[key] = value
-            elif key in LEGACY_INTERNALS:
-                dropped.add(key)
-            elif key != "stage_id":
-                raise ConfigError(f"{here}: unknown key {key!r}")
-        if "default_sampling_params" in stage:
-            stage["default_sampling_params"] = _legacy_sampling(stage["default_sampling_params"], dropped)
-        stages.append(stage)
-        roles[sid] = role
-    if dropped:
-        note(source, f"{', '.join(sorted(dropped))}: vllm-omni's own classes and output kinds, ignored "
-                     "(omni runs its own engine and processor for each stage)")
-    if "runtime" in data:
-        edges = {(i, sid) for sid, role in roles.items() if isinstance(role.get("inputs"), list)
-                 for i in role["inputs"] if isinstance(i, int)}
-        runtime_dropped = apply_runtime(data["runtime"], stages, edges, source)
-        if runtime_dropped:
-            note(source, f"runtime: {', '.join(runtime_dropped)}: dropped")
-    out["stages"] = stages
-    out[LEGACY_ROLES] = roles
-    return out
-
-
-def _runtime(value: Any, where: str) -> dict[str, Any]:
+def stage_runtime(value: Any, where: str) -> dict[str, Any]:
+    """A stage's `runtime:` mapping (new schema and legacy stage_args alike) as the stage keys it stands for."""
     if not isinstance(value, dict):
         raise ConfigError(f"{where} must be a mapping")
     out: dict[str, Any] = {}
@@ -462,38 +390,3 @@ def _runtime(value: Any, where: str) -> dict[str, Any]:
             raise ConfigError(f"{where}.{key}: {v!r} is not supported (omni reads devices, num_replicas, env, "
                               "max_batch_size and process: true)")
     return out
-
-
-def _legacy_sampling(value: Any, dropped: set) -> Any:
-    """`detokenize` is what omni does anyway (text out of the thinker, codes and audio out of the others)."""
-    if not isinstance(value, dict):
-        return value                # validation names it
-    value = dict(value)
-    if value.pop("detokenize", None) is not None:
-        dropped.add("detokenize")
-    return value
-
-
-def check_roles(stages: list, roles: dict[int, dict], source: str) -> None:
-    """A legacy stage config states the topology; it must be omni's pipeline for the model."""
-    ours = {s.get("stage_id"): s for s in stages if isinstance(s, dict)}
-    if sorted(roles) != sorted(ours):
-        names = ", ".join(f"{i} {ours[i].get('name', '')}".strip() for i in sorted(ours))
-        raise ConfigError(f"{source}: stage_args lists stages {sorted(roles)}; omni's pipeline for this model has "
-                          f"{names}: list every one (a thinker alone: --deploy-config NAME-thinker-only)")
-    for sid, role in roles.items():
-        s, here = ours[sid], f"{source}: stage_args[stage_id {sid}]"
-        name = s.get("name", "")
-        want = role.get("model_stage")
-        if want in STAGE_NAMES and name not in STAGE_NAMES[want]:
-            raise ConfigError(f"{here}.engine_args.model_stage: {want!r}, but stage {sid} of omni's pipeline is "
-                              f"{name!r}")
-        upstream = [i for i in s.get("inputs", ["prompt"]) if isinstance(i, int)]
-        if list(role.get("inputs") or []) != upstream:
-            raise ConfigError(f"{here}.engine_input_source: {role.get('inputs') or []}, but omni's {name or sid} "
-                              f"takes {upstream or 'the prompt'}")
-        final = bool(role.get("final_output", False))
-        if final != bool(s.get("final_output", False)) or \
-                (final and role.get("final_output_type") != s.get("final_output_type")):
-            raise ConfigError(f"{here}: final_output {final} {role.get('final_output_type')!r}, but omni's "
-                              f"{name or sid} has {bool(s.get('final_output'))} {s.get('final_output_type')!r}")
