@@ -245,7 +245,7 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
 
     def on_command(cmd) -> tuple[bool, str]:
         if cmd.kind == "QUIESCE":   # a sleep with mode=wait (omni/orchestrator/quiesce.py); queued jobs count
-            return orch.gate.on_quiesce(cmd.args, lambda: orch.in_flight + (jobs.unfinished if jobs else 0))
+            return orch.gate.on_command(cmd.args, lambda: orch.in_flight + (jobs.unfinished if jobs else 0))
         return False, f"{cmd.kind} reaches stage replicas, not an API frontend"
 
     smaster.start_keepalive(load, on_command, interval_s=1.0)
@@ -311,6 +311,7 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
     finally:
         stop.set()
         done.set()
+        orch.gate.close()   # a QUIESCE's wait ends with the frontend
         watcher.cancel()
         if publisher is not None:
             publisher.cancel()

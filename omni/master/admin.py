@@ -114,7 +114,7 @@ def _sleep_waiting(client, st, stage, replica, level: int, timeout: float, force
 
     if not force:   # the master checks it at the SLEEP, after the frontends held every request for the wait
         targets = {r.replica_id for r in st.replicas if r.role == "STAGE" and (not stage or r.stage_id in stage)
-                   and (not replica or r.replica_id in replica)}
+                   and (not replica or r.replica_id in replica) and r.capabilities.get("can_sleep") != "false"}
         stops = [f"stage {sid} ({', '.join(serving)})" for sid, serving in _stopped_stages(st, targets)]
         if stops:
             raise ConfigError(f"sleep would stop {'; '.join(stops)}: no READY, awake replica would be left; "

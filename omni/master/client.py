@@ -8,6 +8,7 @@ import queue
 import threading
 import time
 import uuid
+from concurrent.futures import Future
 from typing import AsyncIterator, Callable, Iterable
 
 import grpc
@@ -30,7 +31,7 @@ BACKOFF_START_S = 0.1
 BACKOFF_MAX_S = 1.5
 DEFAULT_TIMEOUT_S = 10.0
 
-OnCommand = Callable[[Command], "tuple[bool, str] | None"]
+OnCommand = Callable[[Command], "tuple[bool, str] | Future | None"]   # a Future: acked once done
 
 
 def check_address(address: str) -> str:
@@ -126,6 +127,7 @@ class MasterClient:
         self._ka_thread: threading.Thread | None = None
         self._ka_stop = threading.Event()
         self._ka_call = None
+        self._stream: _Stream | None = None   # the keep-alive stream up now
         self._acks: queue.SimpleQueue[pb.CommandAck] = queue.SimpleQueue()
         self._last_load: dict | None = None   # load_fn's last good load, sent again when it fails
         self.last_error: str | None = None  # of the keep-alive loop, for diagnostics
@@ -291,17 +293,27 @@ class MasterClient:
     def _run_stream(self, load_fn, on_command, interval_s) -> None:
         reg = self.registration
         interval = max(0.02, min(interval_s, reg.lease_ttl_s / 3))
-        stream = _Stream()
+        stream = self._stream = _Stream()
         call = self._stub.KeepAlive(self._heartbeats(stream, reg, load_fn, interval), metadata=self._md)
         self._ka_call = call
         try:
             for cmd in call:
-                self._acks.put(wire.ack_command(on_command, cmd))
-                stream.wake.set()
+                ack = wire.ack_command(on_command, cmd, later=self._ack_later)
+                if ack is not None:
+                    self._acks.put(ack)
+                    stream.wake.set()
         finally:
             stream.done = True
             stream.wake.set()
             self._ka_call = None
+
+    def _ack_later(self, ack: pb.CommandAck) -> None:
+        """A command's ack that came after the commands behind it (a QUIESCE's wait): the next heartbeat
+        carries it, on whichever stream is up then (a master that no longer waits for it drops it)."""
+        self._acks.put(ack)
+        stream = self._stream
+        if stream is not None:
+            stream.wake.set()
 
     def _heartbeats(self, stream: _Stream, reg: Registration, load_fn, interval: float):
         while not stream.done and not self._ka_stop.is_set():

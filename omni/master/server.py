@@ -276,7 +276,9 @@ class MasterServicer(pb_grpc.MasterServicer):
         if problem:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
         self._holds.note(request)
-        stopping = [r.replica_id for r in targets] if request.kind in (pb.DRAIN, pb.SLEEP) else []
+        # a replica that cannot sleep (its capability) acks "cannot sleep" and serves on: it stops nothing
+        stopping = [r.replica_id for r in targets if request.kind == pb.DRAIN
+                    or (request.kind == pb.SLEEP and r.capabilities.get("can_sleep") != "false")]
         if stopping and request.keep_serving:
             stopped = self.reg.last_serving(set(stopping) | set(self._stopping))
             if stopped:

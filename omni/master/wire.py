@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import socket
+from concurrent.futures import Future
 from typing import Callable
 
 from omni._proto import master_pb2 as pb
@@ -69,8 +70,11 @@ def command_from_pb(m: pb.Command) -> types.Command:
                          args=_json_or_empty(m.args_json))
 
 
-def ack_command(on_command: Callable[[types.Command], "tuple[bool, str] | None"], msg: pb.Command) -> pb.CommandAck:
-    """Run one command from the keep-alive stream; whatever happens, its ack (the stream lives on)."""
+def ack_command(on_command: Callable[[types.Command], "tuple[bool, str] | Future | None"], msg: pb.Command,
+                later: Callable[[pb.CommandAck], None] | None = None) -> pb.CommandAck | None:
+    """Run one command from the keep-alive stream; whatever happens, its ack (the stream lives on). A handler
+    that returns a Future answers later: None now, and `later` gets the ack once the Future is done (the
+    commands after it run meanwhile)."""
     if msg.kind not in pb.CommandKind.values():   # a newer master's kind (version skew in an upgrade)
         logger.warning("refused command %s: unknown kind %d (an older omni than the master's?)",
                        msg.command_id[:8], msg.kind)
@@ -78,11 +82,28 @@ def ack_command(on_command: Callable[[types.Command], "tuple[bool, str] | None"]
     try:
         cmd = command_from_pb(msg)
         result = on_command(cmd)
-        ok, message = result if result is not None else (True, "")
+        if isinstance(result, Future) and later is not None:
+            result.add_done_callback(lambda f: later(_ack(msg, f.result)))
+            return None
+        if isinstance(result, Future):
+            result = result.result()
     except Exception as e:
-        logger.warning("command %s failed: %s", pb.CommandKind.Name(msg.kind), e)
-        ok, message = False, f"{type(e).__name__}: {e}"
+        return _failed(msg, e)
+    return _ack(msg, lambda: result)
+
+
+def _ack(msg: pb.Command, result: Callable[[], "tuple[bool, str] | None"]) -> pb.CommandAck:
+    try:
+        got = result()
+        ok, message = got if got is not None else (True, "")
+    except Exception as e:
+        return _failed(msg, e)
     return pb.CommandAck(command_id=msg.command_id, ok=bool(ok), message=str(message))
+
+
+def _failed(msg: pb.Command, e: Exception) -> pb.CommandAck:
+    logger.warning("command %s failed: %s", pb.CommandKind.Name(msg.kind), e)
+    return pb.CommandAck(command_id=msg.command_id, ok=False, message=f"{type(e).__name__}: {e}")
 
 
 def results_from_pb(m: pb.SendCommandResponse) -> list[types.CommandResult]:

@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 import uuid
+from concurrent.futures import Future
 from typing import Any, Callable
 
 from omni.errors import BadRequest, Unavailable
@@ -35,6 +36,8 @@ class Gate:
         self.clock = clock
         self.loop = loop          # the event loop that admits requests (see on_quiesce)
         self.holds: dict[str, float] = {}
+        self._lifts: dict[str, threading.Event] = {}   # a hold's token -> set when it is lifted
+        self.closing = threading.Event()
 
     def closed(self) -> bool:
         now = self.clock()
@@ -46,22 +49,60 @@ class Gate:
                               "flight): new requests are refused until they are asleep; wake them after that "
                               "with POST /v1/omni/wakeup")
 
-    def on_quiesce(self, args: dict, in_flight: Callable[[], int],
-                   stop: threading.Event | None = None) -> tuple[bool, str]:
-        """The QUIESCE command (keep-alive thread): hold the gate, then wait for no request in flight."""
-        token, hold_s = str(args.get("token", "")), float(args.get("hold_s", 0.0))
-        now = self.clock()
-        holds = {t: u for t, u in self.holds.items() if u > now and t != token}
+    def on_command(self, args: dict, in_flight: Callable[[], int]) -> tuple[bool, str] | Future:
+        """QUIESCE from the keep-alive thread, which runs a replica's commands one after another: a hold goes
+        up at once and its wait runs on a thread of its own, acked when it ends (a Future), so the lift that
+        calls it off (the asker's Ctrl-C) is not queued behind the wait it ends."""
+        token, hold_s = _token_hold(args)
         if hold_s <= 0:
-            self.holds = holds
-            return True, "admitting requests"
-        self.holds = {**holds, token: now + hold_s}
+            return self._lift(token)
+        lifted = self._hold(token, hold_s)
+        done: Future = Future()
+
+        def wait() -> None:
+            try:
+                done.set_result(self._wait(args, hold_s, in_flight, lifted))
+            except BaseException as e:   # noqa: BLE001 -- the ack says it; the thread ends either way
+                done.set_exception(e)
+
+        threading.Thread(target=wait, name="omni-quiesce-wait", daemon=True).start()
+        return done
+
+    def on_quiesce(self, args: dict, in_flight: Callable[[], int]) -> tuple[bool, str]:
+        """QUIESCE on the caller's thread: hold the gate, then wait for no request in flight (or lift it)."""
+        token, hold_s = _token_hold(args)
+        if hold_s <= 0:
+            return self._lift(token)
+        return self._wait(args, hold_s, in_flight, self._hold(token, hold_s))
+
+    def close(self) -> None:
+        """The frontend stops: every wait ends now (its ack no longer matters)."""
+        self.closing.set()
+
+    def _hold(self, token: str, hold_s: float) -> threading.Event:
+        now = self.clock()
+        self.holds = {**{t: u for t, u in self.holds.items() if u > now and t != token}, token: now + hold_s}
+        # one event per hold: a hold that ran out with no lift (its asker died) leaves none behind
+        self._lifts = {t: e for t, e in self._lifts.items() if t in self.holds}
+        return self._lifts.setdefault(token, threading.Event())
+
+    def _lift(self, token: str) -> tuple[bool, str]:
+        now = self.clock()
+        self.holds = {t: u for t, u in self.holds.items() if u > now and t != token}
+        lifted = self._lifts.pop(token, None)
+        if lifted is not None:
+            lifted.set()
+        return True, "admitting requests"
+
+    def _wait(self, args: dict, hold_s: float, in_flight: Callable[[], int],
+              lifted: threading.Event) -> tuple[bool, str]:
         self._admitted()
         wait_s = min(float(args.get("wait_s", hold_s)), hold_s)
         deadline = self.clock() + wait_s
-        stop = stop or threading.Event()
-        while (n := in_flight()) and self.clock() < deadline:
-            stop.wait(POLL_S)
+        while (n := in_flight()) and self.clock() < deadline and not (lifted.is_set() or self.closing.is_set()):
+            lifted.wait(POLL_S)
+        if lifted.is_set() or self.closing.is_set():
+            return False, "called off: the hold was lifted (or the frontend stopped) before the requests ended"
         n = in_flight()
         if n:
             return False, f"{n} request(s) still in flight after {wait_s:g} s"
@@ -78,6 +119,10 @@ class Gate:
         except RuntimeError:   # the loop is closed: nothing is admitted any more
             return
         turned.wait(5.0)
+
+
+def _token_hold(args: dict) -> tuple[str, float]:
+    return str(args.get("token", "")), float(args.get("hold_s", 0.0))
 
 
 def wait_s_for(request_timeout_s: float) -> float:

@@ -185,3 +185,35 @@ def test_an_interrupted_sleep_mode_wait_lifts_the_holds(run_dir, monkeypatch):
         fe.close()
         stage.close()
         server.stop(grace=0.2)
+
+
+@pytest.mark.parametrize("mode", ["refuse", "wait"])
+def test_a_stage_that_cannot_sleep_is_not_a_stage_a_sleep_would_stop(run_dir, monkeypatch, mode):
+    """`omni sleep --stage 1` of a talker that cannot sleep was refused as stopping 's1r0, its last READY,
+    awake replica' (found by a soak): it acks "cannot sleep" and serves on, so only its own refusal is left."""
+    from tests.unit.master_peers import keep_alive, ready
+
+    monkeypatch.delenv("OMNI_TOKEN", raising=False)
+    cfg = {"model": "m", "stages": [{"stage_id": 0, "engine_args": {}}, {"stage_id": 1, "engine_args": {}}]}
+    server = MasterServer(cfg, hash_config(cfg))
+    server.start()
+    seen = []
+    clients = [keep_alive(server.address, "STAGE", 0, hash_config(cfg)),
+               keep_alive(server.address, "STAGE", 1, hash_config(cfg),
+                          lambda cmd: (seen.append(cmd.kind), (False, "TalkerEngine cannot sleep"))[1],
+                          capabilities={"can_sleep": "false"}),
+               keep_alive(server.address, "FRONTEND", -1, hash_config(cfg), lambda cmd: (True, "no request in flight"),
+                          host="h", pid=300, replica_hint=0)]
+    try:
+        ready(clients[0], 3)
+        r = CliRunner().invoke(app, ["sleep", "--master", server.address, "--stage", "1", "--mode", mode,
+                                     "--timeout", "5"])
+        assert r.exit_code == 1 and "TalkerEngine cannot sleep" in r.output, r.output
+        assert "would stop" not in r.output and seen == ["SLEEP"], r.output
+        r = CliRunner().invoke(app, ["sleep", "--master", server.address, "--stage", "0", "--mode", mode,
+                                     "--timeout", "5"])   # stage 0 can: its last replica is still kept serving
+        assert r.exit_code == 1 and "would stop stage 0" in r.output, r.output
+    finally:
+        for c in clients:
+            c.close()
+        server.stop(grace=0.2)
