@@ -19,7 +19,7 @@ transport, key and incarnation: keys are only unique per producing process. A wa
 channel it was meant for, and is dropped if that channel closed meanwhile (the replica went,
 or restarted under the same id: its keys start at 1 again and name other tensors). This holds
 for frees the frontend sends only: a stage frees on its own whatever a request owns when it
-takes the request's Abort or fails it (omni/stage/worker.py), so a read racing that ends in
+takes the request's Abort or fails it (omni/stage/intake.py), so a read racing that ends in
 an unknown-key error; the request's own failure is what its client gets then.
 """
 
