@@ -425,12 +425,12 @@ class Launcher:
         if self.master is None or child.proc is None:
             return
         from omni.master.registry import Role
-        from omni.stage.main import advertised_host, default_advertise_host   # the host it registered under
+        from omni.stage.main import advertised_host, replica_host   # the host it registered under
 
         if child.kind == "frontend":
             role, host = Role.FRONTEND, advertised_host(self.plan.host, self.master_address)
         else:
-            role, host = Role.STAGE, self.plan.replica_address or default_advertise_host(self.master_address)
+            role, host = Role.STAGE, replica_host(self.plan.replica_address, self.master_address)
         gone = self.master.process_exited(host, child.proc.pid, role, child.instance_id)
         logger.info("%s (pid %d): marked DEAD in the master: %s", child.name, child.proc.pid, gone or "no entry")
 

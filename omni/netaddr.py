@@ -5,11 +5,21 @@ from __future__ import annotations
 import ipaddress
 
 
+def bracketed(host: str) -> str:
+    """An IPv6 host in brackets (given with or without them), any other as it is: what goes before `:PORT`."""
+    host = host.strip("[]")
+    return f"[{host}]" if ":" in host else host
+
+
 def host_port(host: str, port: int) -> str:
     """HOST:PORT with an IPv6 host in brackets (given with or without them): gRPC reads a bare `::1:5000`
     as host `::1:5000` on port 443."""
-    host = host.strip("[]")
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return f"{bracketed(host)}:{port}"
+
+
+def endpoint_host(endpoint: str) -> str:
+    """The host of `HOST:PORT` or `tcp://HOST:PORT`, brackets off."""
+    return endpoint.rpartition("://")[2].rpartition(":")[0].strip("[]")
 
 
 def is_ipv6(host: str) -> bool:

@@ -17,6 +17,7 @@ import zmq.asyncio
 
 from omni import latency_trace
 from omni.errors import BadRequest, Unavailable
+from omni.netaddr import endpoint_host, is_ipv6
 from omni.stage import messages as m
 from omni.stage.curve import MAX_MESSAGE_BYTES, secure_client
 
@@ -138,6 +139,8 @@ class StageChannel(BaseChannel):
         self._sock = ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.IDENTITY, kw["frontend_id"].encode())
         self._sock.setsockopt(zmq.LINGER, 0)
+        if is_ipv6(endpoint_host(self.endpoint)):
+            self._sock.setsockopt(zmq.IPV6, 1)   # libzmq dials an IPv6 address only with it on
         secure_client(self._sock, kw["token"])
         self._sock.connect(self.endpoint)
         self._reader = asyncio.create_task(self._read(), name=f"omni-channel-{self.replica_id}")

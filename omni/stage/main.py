@@ -49,31 +49,28 @@ def progress(msg: str) -> None:
 
 
 def default_advertise_host(master_address: str) -> str:
-    """The local address that routes to the master (what peers can reach us on)."""
+    """The local address that routes to the master (what peers can reach us on): for an IPv6 master its IPv6
+    route, for a name its IPv4 route, else its IPv6 one (an IPv6-only network); loopback where none is found."""
     host = master_address.rsplit(":", 1)[0].strip("[]")
-    if host in ("127.0.0.1", "localhost", "::1"):
-        return "127.0.0.1"
-    if is_ipv6(host):   # the AF_INET probe below fails for it, and 127.0.0.1 would send peers to themselves
-        if _is_local(host):
-            return "127.0.0.1"   # a master on this host's own IPv6 address: its peers here dial loopback
-        raise ConfigError(f"the omni master is at IPv6 address {host}, and a stage's data connections are IPv4: "
-                          "pass --omni-replica-address with this host's IPv4 address or name")
+    if host in ("127.0.0.1", "localhost") or is_wildcard(host):
+        return "127.0.0.1"   # a master on every interface: its stages here dial it on loopback
+    v6 = is_ipv6(host)
+    for family in (socket.AF_INET6,) if v6 else (socket.AF_INET, socket.AF_INET6):
+        found = _route_source(host, family)
+        if found:
+            return found
+    return "::1" if v6 else "127.0.0.1"
+
+
+def _route_source(host: str, family: socket.AddressFamily) -> str | None:
+    """The source address of this host's route to `host` in `family` (a UDP connect sends nothing); None where
+    there is none (no route, or a name without an address of that family)."""
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
             s.connect((host, 9))
             return s.getsockname()[0]
     except OSError:
-        return "127.0.0.1"
-
-
-def _is_local(ipv6: str) -> bool:
-    """Whether `ipv6` is one of this host's addresses (it can be bound)."""
-    try:
-        with socket.socket(socket.AF_INET6, socket.SOCK_DGRAM) as s:
-            s.bind((ipv6, 0))
-        return True
-    except OSError:
-        return False
+        return None
 
 
 def is_wildcard(host: str) -> bool:
@@ -105,9 +102,6 @@ def check_replica_address(address: str | None, token: str | None) -> None:
         raise ConfigError(f"--omni-replica-address {address!r} is a wildcard: a stage binds its listeners on the "
                           "address it advertises, so name this host's address (peers dial it), or leave the "
                           "flag out for the local address of the route to the master")
-    if is_ipv6(address):
-        raise ConfigError(f"--omni-replica-address {address!r} is an IPv6 address; a stage's data connections "
-                          "(its ZMQ channel, tcp tensors) are IPv4: name this host's IPv4 address or name")
     refuse_open_stage(address, token, f"--omni-replica-address {address}")
 
 
@@ -118,11 +112,17 @@ def check_advertise(replica_address: str | None, master_address: str, token: str
 
     check_replica_address(replica_address, token)
     if replica_address is not None:
-        return replica_address
+        return replica_host(replica_address, master_address)
     picked = default_advertise_host(master_address)
     refuse_open_stage(picked, token, f"{picked} (the local address of the route to the master; "
                       "no --omni-replica-address given)")
     return picked
+
+
+def replica_host(replica_address: str | None, master_address: str) -> str:
+    """The host a stage registers under and binds: --omni-replica-address (an IPv6 one without brackets, as
+    sockets take it), else the local address of the route to the master."""
+    return replica_address.strip("[]") if replica_address else default_advertise_host(master_address)
 
 
 def advertised_host(bind_host: str, master_address: str) -> str:

@@ -21,6 +21,7 @@ import zmq
 
 from omni import latency_trace
 from omni.config import StageConfig
+from omni.netaddr import bracketed, host_port, is_ipv6
 from omni.ratelog import RateLimitedLog
 from omni.signals import StopRequest
 from omni.engines.base import Engine, EngineOutput
@@ -104,8 +105,10 @@ class StageWorker:
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         secure_server(self._sock, token)   # CURVE: each connection proves the token; size cap
         self._bad_frames = RateLimitedLog(logger)
-        port = self._sock.bind_to_random_port(f"tcp://{host}")
-        self.endpoint = f"tcp://{advertise_host or host}:{port}"
+        if is_ipv6(host):
+            self._sock.setsockopt(zmq.IPV6, 1)   # libzmq binds an IPv6 address only with it on
+        port = self._sock.bind_to_random_port(f"tcp://{bracketed(host)}")
+        self.endpoint = f"tcp://{host_port(advertise_host or host, port)}"
         # The loop waits here; a command from another thread wakes it (`_wake`).
         self._poll = LoopPoller(self._sock)
         self._reads = InputReads(consumer, self._wake)   # remote inputs are read off the loop

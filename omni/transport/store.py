@@ -21,6 +21,7 @@ import threading
 
 import torch.distributed as dist
 
+from omni.netaddr import host_port
 from omni.transport.base import TransportError
 from omni.transport.server import SocketServer, client_hello, token_hello
 from omni.transport.util import recv_exact
@@ -186,10 +187,10 @@ class RemoteStore(dist.Store):
             client_hello(self._sock, MAGIC, token)
             (status,) = STATUS.unpack(recv_exact(self._sock, STATUS.size))
         except (OSError, ConnectionError) as e:
-            raise TransportError(f"gloo store {host}:{port}: handshake failed: {e}") from e
+            raise TransportError(f"gloo store {host_port(host, port)}: handshake failed: {e}") from e
         if status != OK:
             self._sock.close()
-            raise TransportError(f"gloo store {host}:{port} refused the connection: bad token")
+            raise TransportError(f"gloo store {host_port(host, port)} refused the connection: bad token")
 
     def _call(self, op: int, key: str, value: bytes = b"") -> bytes:
         k = key.encode()

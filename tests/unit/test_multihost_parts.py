@@ -1,14 +1,13 @@
 """The small pieces multi-host serving relies on: the advertised address and the
-per-transport tensor byte counts (the e2e test is tests/e2e/test_multihost.py)."""
+per-transport tensor byte counts (the e2e test is tests/e2e/test_multihost.py; IPv6:
+tests/unit/test_data_plane_ipv6.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from omni.errors import ConfigError
 from omni.orchestrator.metrics import OrchestratorMetrics
-from omni.stage import main as stage_main
-from omni.stage.main import advertised_host, check_replica_address, default_advertise_host
+from omni.stage.main import advertised_host, default_advertise_host
 
 
 def test_a_concrete_bind_address_is_advertised_as_is():
@@ -27,21 +26,6 @@ def test_a_wildcard_bind_advertises_the_route_to_the_master():
 @pytest.mark.parametrize("bind", ["[::]", "0", "0:0::0"])
 def test_every_spelling_of_a_wildcard_bind_advertises_the_route_to_the_master(bind):
     assert advertised_host(bind, "127.0.0.1:50051") == "127.0.0.1"    # "[::]" was advertised as itself
-
-
-def test_a_remote_ipv6_master_needs_a_replica_address(monkeypatch):
-    # the AF_INET route probe failed for it and the stage advertised 127.0.0.1: peers dialled themselves
-    monkeypatch.setattr(stage_main, "_is_local", lambda host: False)
-    for master in ("[fd00::1]:50051", "fd00::1:50051"):
-        with pytest.raises(ConfigError, match="IPv6 address fd00::1.*--omni-replica-address"):
-            default_advertise_host(master)
-    monkeypatch.setattr(stage_main, "_is_local", lambda host: True)     # the master on this host's own address
-    assert default_advertise_host("[fd00::1]:50051") == "127.0.0.1"
-
-
-def test_an_ipv6_replica_address_is_refused_by_name():
-    with pytest.raises(ConfigError, match="--omni-replica-address 'fd00::5' is an IPv6 address"):
-        check_replica_address("fd00::5", "token")
 
 
 def test_tensor_bytes_are_counted_per_transport():
