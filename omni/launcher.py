@@ -281,7 +281,7 @@ class Launcher:
             if self.plan.host_master:   # so a bare `omni status` on this host finds it
                 from omni import runfile
 
-                http = f"{self.plan.host}:{self.http_port}" if self.http_port is not None else None
+                http = host_port(self.plan.host, self.http_port) if self.http_port is not None else None
                 tls = self.plan.client_tls
                 self._runfile = runfile.write(self.master_address, self.plan.config.model, http,
                                               tls=None if tls is None else {"cert": tls.cert, "key": tls.key, "ca": tls.ca})
@@ -297,7 +297,7 @@ class Launcher:
                 return self._stopped_in_start_up()
             if self.http_port is not None:
                 progress(f"serving {(self.plan.served_model_names or [self.plan.config.model])[0]} on "
-                         f"http://{self.plan.host}:{self.http_port} "
+                         f"http://{host_port(self.plan.host, self.http_port)} "
                          f"({self.plan.api_server_count} API frontend(s)); Ctrl-C stops")
             return self._supervise()
         except OmniError as e:
