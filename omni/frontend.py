@@ -188,6 +188,7 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
     from omni.orchestrator.executor import Orchestrator
     from omni.orchestrator.limits import follow_limits
     from omni.orchestrator.topology import Topology
+    from omni.netaddr import host_port
     from omni.stage.main import advertised_host
     from omni.transport.factory import MultiConsumer
     from omni.voices import MasterVoiceStore
@@ -223,7 +224,7 @@ async def serve_frontend(config: DeployConfig, *, index: int, master_address: st
     reg = await asyncio.to_thread(
         smaster.register, "FRONTEND", -1, config_hash=config.config_hash(), pipeline_config=config.to_dict(),
         replica_hint=index,   # fe{index}, as its metrics label and X-Omni-Frontend say (else in order of arrival)
-        endpoints={"http": f"{advertise}:{port}"}, host=advertise, pid=os.getpid(), wait_s=30.0, stop=stop)
+        endpoints={"http": host_port(advertise, port)}, host=advertise, pid=os.getpid(), wait_s=30.0, stop=stop)
     if reg is None:                 # stopped while the master was away: nothing to undo
         smaster.close()
         await amaster.close()

@@ -22,6 +22,7 @@ def bind_socket(host: str = "127.0.0.1", port: int = 0, *, backlog: int = HttpLi
     """A listening TCP socket. Never SO_REUSEPORT: a port in use is refused, and no other
     process can bind beside us and take a share of the connections. Several frontends
     share one listener by inheriting its fd."""
+    host = host.strip("[]")   # --host [::1], as a URL writes it
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:

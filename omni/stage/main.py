@@ -130,7 +130,7 @@ def advertised_host(bind_host: str, master_address: str) -> str:
     a wildcard (0.0.0.0, ::), then the local address that routes to the master."""
     if is_wildcard(bind_host):
         return default_advertise_host(master_address)
-    return bind_host
+    return bind_host.strip("[]")   # `--host [::1]` is the host ::1, as the stages register theirs
 
 
 def select_devices(devices: str) -> None:

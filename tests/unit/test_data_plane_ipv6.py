@@ -223,3 +223,12 @@ def test_the_gloo_store_names_an_ipv6_peer_in_brackets():
     with pytest.raises(TransportError, match=f"gloo store \\[::1\\]:{port}: handshake failed"):
         RemoteStore("::1", port, TOKEN, 1.0)
     assert host_port("::1", port) == f"[::1]:{port}"
+
+
+@needs_ipv6
+def test_the_http_listener_takes_a_bracketed_host():
+    """`--host [::1]` as a URL writes it: bind() had read the brackets as a name ("Name or service not known")."""
+    from omni.api.serve import bind_socket
+
+    with bind_socket("[::1]", 0) as sock:
+        assert sock.family == socket.AF_INET6 and sock.getsockname()[0] == "::1"

@@ -13,6 +13,8 @@ from omni.stage.main import advertised_host, default_advertise_host
 def test_a_concrete_bind_address_is_advertised_as_is():
     assert advertised_host("10.1.2.3", "10.9.9.9:50051") == "10.1.2.3"
     assert advertised_host("127.0.0.1", "10.9.9.9:50051") == "127.0.0.1"
+    # --host [::1] is the host ::1, as stages register theirs (same host: shared memory, not tcp)
+    assert advertised_host("[::1]", "[::1]:50051") == advertised_host("::1", "[::1]:50051") == "::1"
 
 
 def test_a_wildcard_bind_advertises_the_route_to_the_master():
