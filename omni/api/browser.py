@@ -16,6 +16,7 @@ connection to a loopback address, a route no key guards answers only a Host that
 from __future__ import annotations
 
 import ipaddress
+import re
 import socket
 from urllib.parse import urlsplit
 
@@ -26,6 +27,8 @@ from omni.api.errors import error_response
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 FORMS = ("multipart/form-data", "application/x-www-form-urlencoded")
 _DEFAULT_PORT = {"http": ":80", "https": ":443"}
+_PORT = re.compile(r":[0-9]{1,5}")
+_ALLOWED = re.compile(r"(\*?\.)?[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*\.?(:[0-9]{1,5})?|\[[0-9A-Fa-f:.]+\](:[0-9]{1,5})?")
 
 
 def _header(scope, name: bytes) -> bytes | None:
@@ -89,12 +92,15 @@ def origin_refusal(scope, allowed: frozenset[str] = frozenset()) -> Response | N
 
 
 def _hostname(host: str) -> str:
-    """The name in a Host header: lower case, no port, no brackets, no trailing dot."""
+    """The name in a Host header: lower case, no port, no brackets, no trailing dot. A value that is not
+    NAME[:PORT] or [IPv6][:PORT] comes back whole (and matches nothing)."""
     host = host.strip().lower()
     if host.startswith("["):
-        host = host[1:].partition("]")[0]
-    elif host.count(":") == 1:
-        host = host.partition(":")[0]
+        inside, _, rest = host[1:].partition("]")
+        return inside if not rest or _PORT.fullmatch(rest) else host
+    if host.count(":") == 1:
+        name, port = host.split(":")
+        return name.rstrip(".") if _PORT.fullmatch(":" + port) else host
     return host.rstrip(".")
 
 
@@ -115,10 +121,35 @@ def is_loopback(address: str) -> bool:
     return (mapped or ip).is_loopback
 
 
-def allowed_host_names(allowed) -> frozenset[str]:
-    """--allowed-hosts' names as host_refusal compares them, with this host's own name (and its first label)."""
+def allowed_host_names(allowed, hosts_file: str = "/etc/hosts") -> frozenset[str]:
+    """--allowed-hosts' names as host_refusal compares them (`*.a.example` as `.a.example`), with this host's
+    own name (and its first label) and the names `hosts_file` gives a loopback address (localhost.localdomain,
+    Debian's 127.0.1.1 line): only this host's administrator can make those, no page's DNS."""
     own = socket.gethostname().lower().rstrip(".")
-    return frozenset({*(_hostname(h) if h != "*" else h for h in allowed), own, own.partition(".")[0]} - {""})
+    names = {own, own.partition(".")[0], *_loopback_names(hosts_file)}
+    for h in allowed:
+        names.add(h if h == "*" else _hostname(h.removeprefix("*")))
+    return frozenset(names - {""})
+
+
+def _loopback_names(path: str) -> set[str]:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read(1 << 20)
+    except OSError:
+        return set()
+    names: set[str] = set()
+    for line in text.splitlines():
+        fields = line.partition("#")[0].split()
+        if len(fields) > 1 and is_loopback(fields[0]):
+            names.update(n.lower().rstrip(".") for n in fields[1:])
+    return names
+
+
+def allowed_host_ok(entry: str) -> bool:
+    """An --allowed-hosts entry: `*`, a name (`.a.example` or `*.a.example`: its subdomains too), an IP, a port
+    allowed after either."""
+    return entry == "*" or bool(_ALLOWED.fullmatch(entry))
 
 
 def host_refusal(scope, allowed: frozenset[str]) -> Response | None:
@@ -135,8 +166,8 @@ def host_refusal(scope, allowed: frozenset[str]) -> Response | None:
     if (name in allowed or name == "localhost" or name.endswith(".localhost") or _is_ip(name)
             or any(a.startswith(".") and (name.endswith(a) or name == a[1:]) for a in allowed)):
         return None
-    return error_response(403, f"request refused: Host {name[:200]!r} names no loopback address, and no API key "
-                               f"guards {scope['path']} on this loopback listener (a web page on a domain that "
-                               "resolves to 127.0.0.1 could send it: DNS rebinding). A proxy that forwards "
-                               "this name: --allowed-hosts NAME; or set --api-key",
+    return error_response(403, f"request refused: Host {name[:200]!r} is not a loopback name, this host's name or "
+                               f"one of --allowed-hosts, and this server has no API key (on a loopback listener a "
+                               "web page on a domain that resolves to 127.0.0.1 could send it: DNS rebinding). A "
+                               "proxy that forwards this name: --allowed-hosts NAME; or set --api-key",
                           "permission_error", param="Host", code="host_not_allowed")

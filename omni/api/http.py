@@ -116,7 +116,8 @@ class FrontendMiddleware:
                                       headers={"WWW-Authenticate": "Bearer"})
             keyed = True
         if not keyed:   # a page in a browser cannot send the key cross-site, but can send the rest
-            refusal = (browser.host_refusal(scope, self.allowed_hosts)
+            # With a key, what no key guards (/health, /metrics ...) answers anyone, as it always did
+            refusal = ((browser.host_refusal(scope, self.allowed_hosts) if self.key is None else None)
                        or browser.origin_refusal(scope, self.allowed_origins))
             if refusal is not None:
                 return refusal

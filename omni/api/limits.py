@@ -12,6 +12,7 @@ import asyncio
 import logging
 from dataclasses import asdict, dataclass
 
+from omni.api.browser import allowed_host_ok
 from omni.api.errors import APIError, error_response
 from omni.errors import ConfigError
 
@@ -47,10 +48,9 @@ class HttpLimits:
             if not value >= low:
                 raise ConfigError(f"{flag} must be at least {low}, got {value}")
         hosts = self.allowed_hosts
-        if len(hosts) > 64 or not all(isinstance(h, str) and 0 < len(h) <= 253 and h.isprintable()
-                                      and not any(c in h for c in " /,") for h in hosts):
-            raise ConfigError(f"--allowed-hosts takes 1-64 host names (a.example, .b.example for its subdomains "
-                              f"too, or '*'), got {str(list(hosts))[:200]}")
+        if len(hosts) > 64 or not all(isinstance(h, str) and 0 < len(h) <= 253 and allowed_host_ok(h) for h in hosts):
+            raise ConfigError(f"--allowed-hosts takes 1-64 host names (a.example; .b.example or *.b.example for its "
+                              f"subdomains too; '*' for any), got {str(list(hosts))[:200]}")
         n = self.shutdown_timeout
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
             raise ConfigError(f"--shutdown-timeout must be a whole number of seconds >= 0, got {n!r}")

@@ -71,14 +71,16 @@ def test_allowed_hosts_lets_a_proxys_names_through(tokenizer):
         assert _get(addr, "/v1/models", "evil.example").status_code == 200
 
 
-def test_a_keyed_request_is_not_checked_but_a_keyless_one_is(tokenizer):
-    """A page cannot know the key; a route the key guards is the key's to judge (401 without it)."""
+def test_a_server_with_a_key_is_not_checked(tokenizer):
+    """A page cannot know the key; what no key guards (/health, /metrics ...) answers anyone there, as it always
+    did (a proxy's health check with its public Host included)."""
     orch, server = _served(tokenizer, api_key="k")
     with server as addr:
         assert_error(_post(addr, "/v1/omni/sleep", "evil.example"), 401)
         r = _post(addr, "/v1/omni/sleep", "evil.example", headers={"Authorization": "Bearer k"})
         assert r.status_code == 200 and orch.sleeping is True
-        assert_error(_get(addr, "/openapi.json", "evil.example"), 403, param="Host")   # no key guards it
+        for path in ("/health", "/ping", "/metrics", "/version", "/openapi.json"):
+            assert _get(addr, path, "api.example.com").status_code == 200, path
 
 
 def test_only_a_loopback_connection_is_checked():
@@ -93,7 +95,8 @@ def test_only_a_loopback_connection_is_checked():
     assert "api.example" in allowed_host_names(["Api.Example:8443"])
 
 
-@pytest.mark.parametrize("hosts", [("",), ("a b",), ("http://a.example/",), tuple(f"h{i}" for i in range(65))])
+@pytest.mark.parametrize("hosts", [("",), ("a b",), ("http://a.example/",), ("http:",), ("[::1",), ("a/b",),
+                                   ("a,b",), ("*a.example",), tuple(f"h{i}" for i in range(65))])
 def test_a_bad_allowed_hosts_is_refused_naming_the_flag(hosts):
     with pytest.raises(ConfigError, match="--allowed-hosts"):
         HttpLimits(allowed_hosts=hosts)
@@ -112,3 +115,29 @@ def test_the_flag_reaches_the_frontends(planned_frontends):
 def test_the_flag_is_refused_with_headless():
     r = omni(*HEADLESS, "--allowed-hosts", "api.example")
     assert r.returncode != 0 and "--allowed-hosts" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_names_the_hosts_file_gives_a_loopback_address_pass(tmp_path):
+    """RHEL's localhost.localdomain, Debian's `127.0.1.1 host.domain host`: only this host's administrator
+    writes them. `omni serve --host NAME` prints http://NAME:PORT, which had answered 403."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1 localhost localhost.localdomain localhost4  # comment\n127.0.1.1 Box.Lan box\n"
+                     "::1 ip6-localhost\n10.0.0.5 public.example\n# 127.0.0.1 commented.example\n")
+    names = allowed_host_names((), str(hosts))
+    assert {"localhost.localdomain", "localhost4", "box.lan", "box", "ip6-localhost"} <= names
+    assert not {"public.example", "commented.example"} & names
+    assert allowed_host_names((), str(tmp_path / "none"))   # no file: this host's own name still
+
+
+@pytest.mark.parametrize("host, refused", [("api.corp.example", False), ("corp.example", False),
+                                           ("api.corp.example:443", False), ("xcorp.example", True)])
+def test_a_star_dot_entry_takes_the_subdomains(host, refused):
+    scope = {"server": ("127.0.0.1", 8091), "headers": [(b"host", host.encode())], "path": "/v1/models"}
+    assert (host_refusal(scope, allowed_host_names(["*.corp.example"])) is not None) is refused
+
+
+@pytest.mark.parametrize("host", ["[::1]evil.example", "localhost:80@evil.example", "localhost:", "[::1]:x",
+                                  "localhost:8091:1"])
+def test_a_host_that_is_not_name_and_port_is_refused(host):
+    scope = {"server": ("127.0.0.1", 8091), "headers": [(b"host", host.encode())], "path": "/v1/models"}
+    assert host_refusal(scope, allowed_host_names(())) is not None
