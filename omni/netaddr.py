@@ -28,3 +28,13 @@ def is_ipv6(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]").partition("%")[0]).version == 6
     except ValueError:
         return False
+
+
+def is_loopback_ip(address: str) -> bool:
+    """127.0.0.0/8, ::1, or a dual-stack socket's ::ffff:127.x (a zone allowed); a name is not."""
+    try:
+        ip = ipaddress.ip_address(address.strip("[]").partition("%")[0])
+    except ValueError:
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return (mapped or ip).is_loopback

@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 from starlette.responses import Response
 
 from omni.api.errors import error_response
+from omni.netaddr import is_loopback_ip
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 FORMS = ("multipart/form-data", "application/x-www-form-urlencoded")
@@ -112,15 +113,6 @@ def _is_ip(name: str) -> bool:
     return True
 
 
-def is_loopback(address: str) -> bool:
-    try:
-        ip = ipaddress.ip_address(address.partition("%")[0])
-    except ValueError:
-        return False
-    mapped = getattr(ip, "ipv4_mapped", None)   # a dual-stack socket's 127.0.0.1
-    return (mapped or ip).is_loopback
-
-
 def allowed_host_names(allowed, hosts_file: str = "/etc/hosts") -> frozenset[str]:
     """--allowed-hosts' names as host_refusal compares them (`*.a.example` as `.a.example`), with this host's
     own name (and its first label) and the names `hosts_file` gives a loopback address (localhost.localdomain,
@@ -141,7 +133,7 @@ def _loopback_names(path: str) -> set[str]:
     names: set[str] = set()
     for line in text.splitlines():
         fields = line.partition("#")[0].split()
-        if len(fields) > 1 and is_loopback(fields[0]):
+        if len(fields) > 1 and is_loopback_ip(fields[0]):
             names.update(n.lower().rstrip(".") for n in fields[1:])
     return names
 
@@ -157,7 +149,7 @@ def host_refusal(scope, allowed: frozenset[str]) -> Response | None:
     (allowed_host_names) names it: a browser's page on a rebound domain, or a proxy that forwards a public
     name to a loopback-bound server (which then needs --allowed-hosts). No Host (HTTP/1.0) passes."""
     server = scope.get("server")
-    if not server or not is_loopback(str(server[0])) or "*" in allowed:
+    if not server or not is_loopback_ip(str(server[0])) or "*" in allowed:
         return None
     raw = _header(scope, b"host")
     if raw is None:

@@ -7,10 +7,11 @@ from typing import Any
 
 import torch
 
+from omni.netaddr import is_loopback_ip
 from omni.transport.base import TensorConsumer, TensorProducer, TensorRef, TransportError
 
 KINDS = ("shm", "tcp", "gloo", "nccl", "cuda_ipc")
-_LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", ""}
+_LOCAL_NAMES = {"localhost", ""}
 
 
 def _unknown(kind: str) -> TransportError:
@@ -52,8 +53,14 @@ def make_consumer(kind: str, **opts: Any) -> TensorConsumer:
     raise _unknown(kind)
 
 
+def _local(host: str) -> bool:
+    return host in _LOCAL_NAMES or is_loopback_ip(host)
+
+
 def same_host(producer_host: str, consumer_host: str) -> bool:
-    return producer_host == consumer_host or (producer_host in _LOCAL_HOSTS and consumer_host in _LOCAL_HOSTS)
+    """Both this host: the same address, or both loopback (127.0.0.1 and ::1, as a master on ::1 has its stages
+    advertise)."""
+    return producer_host == consumer_host or (_local(producer_host) and _local(consumer_host))
 
 
 def choose_transport(producer_host: str, consumer_host: str, configured: str | None = None) -> str:

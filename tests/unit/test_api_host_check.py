@@ -12,7 +12,8 @@ import httpx
 import pytest
 
 from omni.api.app import build_app
-from omni.api.browser import allowed_host_names, host_refusal, is_loopback
+from omni.api.browser import allowed_host_names, host_refusal
+from omni.netaddr import is_loopback_ip
 from omni.api.limits import HttpLimits
 from omni.errors import ConfigError
 from tests.unit.api_fakes import FakeOrchestrator, assert_error, chat_body, served_in_thread, tokenizer  # noqa: F401
@@ -88,10 +89,10 @@ def test_only_a_loopback_connection_is_checked():
     assert host_refusal(scope, frozenset()) is None   # a wide listener's names are the operator's
     for address in ("127.0.0.1", "::1", "::ffff:127.0.0.1", "127.9.9.9"):
         assert host_refusal({**scope, "server": (address, 8091)}, frozenset()) is not None, address
-        assert is_loopback(address)
+        assert is_loopback_ip(address)
     assert host_refusal({**scope, "server": None}, frozenset()) is None   # a unix socket: no address
     assert host_refusal({**scope, "server": ("127.0.0.1", 1), "headers": []}, frozenset()) is None   # HTTP/1.0
-    assert not is_loopback("::ffff:192.0.2.7") and not is_loopback("not an address")
+    assert not is_loopback_ip("::ffff:192.0.2.7") and not is_loopback_ip("not an address")
     assert "api.example" in allowed_host_names(["Api.Example:8443"])
 
 

@@ -232,3 +232,13 @@ def test_the_http_listener_takes_a_bracketed_host():
 
     with bind_socket("[::1]", 0) as sock:
         assert sock.family == socket.AF_INET6 and sock.getsockname()[0] == "::1"
+
+
+def test_loopback_addresses_of_either_family_are_one_host():
+    """A master on ::1 has its stages advertise ::1, and a frontend on 127.0.0.1 advertises that: shared memory
+    between them, not tcp."""
+    from omni.transport.factory import choose_transport, same_host
+
+    for a, b in (("127.0.0.1", "::1"), ("::1", "::ffff:127.0.0.1"), ("localhost", "127.0.0.2"), ("::1", "")):
+        assert same_host(a, b) and choose_transport(a, b) == "shm", (a, b)
+    assert not same_host("::1", "fd00::2") and not same_host("127.0.0.1", "10.0.0.5")
