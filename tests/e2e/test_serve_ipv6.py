@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import io
 import re
-import socket
 import wave
 
 import httpx
@@ -18,21 +17,13 @@ import pytest
 
 from tests.e2e.harness import REPO, OmniProcess, omni_env, omni_shm_entries, wait_gone
 from tests.e2e.netns import METRIC
+from tests.unit.test_master_ipv6 import needs_ipv6
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SERVING_V6 = re.compile(r"serving .* on http://\[::1\]:(\d+) ")
 STAGE_ON_V6 = re.compile(r"registered as replica \S+, serving on tcp://\[::1\]:\d+")
-
-
-def _ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6) as s:
-            s.bind(("::1", 0))
-        return True
-    except OSError:
-        return False
 
 
 def _deploy_with_tcp_tensors(tmp_path) -> str:
@@ -44,7 +35,7 @@ def _deploy_with_tcp_tensors(tmp_path) -> str:
     return str(path)
 
 
-@pytest.mark.skipif(not _ipv6_loopback(), reason="this host has no IPv6 loopback (::1)")
+@needs_ipv6
 def test_a_pipeline_serves_chat_and_speech_over_ipv6(tmp_path):
     p = OmniProcess("serve", MODEL, "--deploy-config", _deploy_with_tcp_tensors(tmp_path),
                     "--omni-master-address", "::1", "--host", "::1", "--port", "0",

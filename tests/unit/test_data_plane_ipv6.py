@@ -29,21 +29,12 @@ from omni.stage.worker import StageWorker
 from omni.transport.base import TransportError
 from omni.transport.factory import make_consumer, make_producer
 from tests.unit.test_orchestrator_replay import CONFIG, info
+from tests.unit.test_master_ipv6 import needs_ipv6
 from tests.unit.test_stage_worker import CountEngine
 
 TOKEN = "v6-token"
 
 
-def _ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6) as s:
-            s.bind(("::1", 0))
-        return True
-    except OSError:
-        return False
-
-
-needs_ipv6 = pytest.mark.skipif(not _ipv6_loopback(), reason="this host has no IPv6 loopback (::1)")
 
 
 # ---- addresses

@@ -30,7 +30,10 @@ def _ipv6_loopback() -> bool:
         return False
 
 
-@pytest.mark.skipif(not _ipv6_loopback(), reason="this host has no IPv6 loopback (::1)")
+needs_ipv6 = pytest.mark.skipif(not _ipv6_loopback(), reason="this host has no IPv6 loopback (::1)")
+
+
+@needs_ipv6
 @pytest.mark.parametrize("host", ["::1", "[::1]"])
 def test_a_master_on_ipv6_loopback_listens_and_answers(host):
     server = MasterServer(CFG, hash_config(CFG), host=host, port=0)
