@@ -71,7 +71,7 @@ def command_from_pb(m: pb.Command) -> types.Command:
 
 
 def ack_command(on_command: Callable[[types.Command], "tuple[bool, str] | Future | None"], msg: pb.Command,
-                later: Callable[[pb.CommandAck], None] | None = None) -> pb.CommandAck | None:
+                later: Callable[[pb.CommandAck], None]) -> pb.CommandAck | None:
     """Run one command from the keep-alive stream; whatever happens, its ack (the stream lives on). A handler
     that returns a Future answers later: None now, and `later` gets the ack once the Future is done (the
     commands after it run meanwhile)."""
@@ -82,11 +82,9 @@ def ack_command(on_command: Callable[[types.Command], "tuple[bool, str] | Future
     try:
         cmd = command_from_pb(msg)
         result = on_command(cmd)
-        if isinstance(result, Future) and later is not None:
+        if isinstance(result, Future):
             result.add_done_callback(lambda f: later(_ack(msg, f.result)))
             return None
-        if isinstance(result, Future):
-            result = result.result()
     except Exception as e:
         return _failed(msg, e)
     return _ack(msg, lambda: result)

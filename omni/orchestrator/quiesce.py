@@ -53,7 +53,7 @@ class Gate:
         """QUIESCE from the keep-alive thread, which runs a replica's commands one after another: a hold goes
         up at once and its wait runs on a thread of its own, acked when it ends (a Future), so the lift that
         calls it off (the asker's Ctrl-C) is not queued behind the wait it ends."""
-        token, hold_s = _token_hold(args)
+        token, hold_s = str(args.get("token", "")), float(args.get("hold_s", 0.0))
         if hold_s <= 0:
             return self._lift(token)
         lifted = self._hold(token, hold_s)
@@ -69,11 +69,9 @@ class Gate:
         return done
 
     def on_quiesce(self, args: dict, in_flight: Callable[[], int]) -> tuple[bool, str]:
-        """QUIESCE on the caller's thread: hold the gate, then wait for no request in flight (or lift it)."""
-        token, hold_s = _token_hold(args)
-        if hold_s <= 0:
-            return self._lift(token)
-        return self._wait(args, hold_s, in_flight, self._hold(token, hold_s))
+        """on_command's answer, waited for: hold the gate, then wait for no request in flight (or lift it)."""
+        got = self.on_command(args, in_flight)
+        return got.result() if isinstance(got, Future) else got
 
     def close(self) -> None:
         """The frontend stops: every wait ends now (its ack no longer matters)."""
@@ -119,10 +117,6 @@ class Gate:
         except RuntimeError:   # the loop is closed: nothing is admitted any more
             return
         turned.wait(5.0)
-
-
-def _token_hold(args: dict) -> tuple[str, float]:
-    return str(args.get("token", "")), float(args.get("hold_s", 0.0))
 
 
 def wait_s_for(request_timeout_s: float) -> float:
