@@ -22,6 +22,15 @@ def endpoint_host(endpoint: str) -> str:
     return endpoint.rpartition("://")[2].rpartition(":")[0].strip("[]")
 
 
+def is_ip(host: str) -> bool:
+    """An IPv4 or IPv6 address (no brackets, no zone); a name is not."""
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
 def is_ipv6(host: str) -> bool:
     """An IPv6 address, bracketed or not, a zone (`%eth0`) allowed; a name or IPv4 address is not."""
     try:

@@ -8,14 +8,14 @@ a server without an API key is open to the rest, hence two checks (FrontendMiddl
 - a state-changing request whose Origin is not the server's own (Host, or X-Forwarded-Host, which a
   page cannot set without a preflight) is a 403 on a route no key guards.
 A page on a name its attacker re-points at 127.0.0.1 (DNS rebinding) is same-origin to the browser, so
-neither check sees it; its requests name that domain in Host, hence a third (host_refusal): on a
-connection to a loopback address, a route no key guards answers only a Host that is loopback by name
-(localhost, *.localhost), an IP literal, this host's name, or one of --allowed-hosts.
+neither check sees it; its requests name that domain in Host, hence a third (host_refusal): a server with
+no API key answers a request that arrives on a loopback address only for a Host that is loopback by name
+(localhost, *.localhost), an IP literal, this host's name, an /etc/hosts loopback name, or one of
+--allowed-hosts.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import re
 import socket
 from urllib.parse import urlsplit
@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 from starlette.responses import Response
 
 from omni.api.errors import error_response
-from omni.netaddr import is_loopback_ip
+from omni.netaddr import is_ip, is_loopback_ip
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 FORMS = ("multipart/form-data", "application/x-www-form-urlencoded")
@@ -105,14 +105,6 @@ def _hostname(host: str) -> str:
     return host.rstrip(".")
 
 
-def _is_ip(name: str) -> bool:
-    try:
-        ipaddress.ip_address(name)
-    except ValueError:
-        return False
-    return True
-
-
 def allowed_host_names(allowed, hosts_file: str = "/etc/hosts") -> frozenset[str]:
     """--allowed-hosts' names as host_refusal compares them (`*.a.example` as `.a.example`), with this host's
     own name (and its first label) and the names `hosts_file` gives a loopback address (localhost.localdomain,
@@ -155,7 +147,7 @@ def host_refusal(scope, allowed: frozenset[str]) -> Response | None:
     if raw is None:
         return None
     name = _hostname(raw.decode("latin-1"))
-    if (name in allowed or name == "localhost" or name.endswith(".localhost") or _is_ip(name)
+    if (name in allowed or name == "localhost" or name.endswith(".localhost") or is_ip(name)
             or any(a.startswith(".") and (name.endswith(a) or name == a[1:]) for a in allowed)):
         return None
     return error_response(403, f"request refused: Host {name[:200]!r} is not a loopback name, this host's name or "

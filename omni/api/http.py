@@ -41,7 +41,7 @@ class FrontendMiddleware:
         self.streams = streams                         # open streams' watches, ended at the server's stop
         self.in_flight = in_flight                     # requests' InFlight, answered 503 at the stop if unanswered
         self.allowed_origins = frozenset(allowed_origins)   # --allowed-origins: cross-site pages let in
-        self.allowed_hosts = browser.allowed_host_names(allowed_hosts)   # --allowed-hosts: names a loopback listener answers
+        self.allowed_hosts = browser.allowed_host_names(allowed_hosts)   # --allowed-hosts, /etc/hosts, this host
         self.fast = fast or {}
         self.header = (b"x-omni-frontend", str(frontend_index).encode())
         self.key = _bearer_digests(api_key)            # None: no key, /v1 is open

@@ -36,7 +36,7 @@ class HttpLimits:
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
-    # --allowed-hosts: Host names a loopback listener answers on routes no key guards (browser.host_refusal)
+    # --allowed-hosts: Host names a keyless server answers on a loopback address (browser.host_refusal)
     allowed_hosts: tuple[str, ...] = ()
 
     def __post_init__(self):
