@@ -110,11 +110,12 @@ def _sleep_waiting(client, st, stage, replica, level: int, timeout: float, force
     route's mode=wait: omni/orchestrator/quiesce.py); a frontend still busy after --timeout: nothing sleeps."""
     import asyncio
 
+    from omni.master.types import sleep_stops
     from omni.orchestrator import quiesce
 
     if not force:   # the master checks it at the SLEEP, after the frontends held every request for the wait
         targets = {r.replica_id for r in st.replicas if r.role == "STAGE" and (not stage or r.stage_id in stage)
-                   and (not replica or r.replica_id in replica) and r.capabilities.get("can_sleep") != "false"}
+                   and (not replica or r.replica_id in replica) and sleep_stops(r.capabilities)}
         stops = [f"stage {sid} ({', '.join(serving)})" for sid, serving in _stopped_stages(st, targets)]
         if stops:
             raise ConfigError(f"sleep would stop {'; '.join(stops)}: no READY, awake replica would be left; "

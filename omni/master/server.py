@@ -28,6 +28,7 @@ from omni.master.registry import (
     BadRegistration, ConfigMismatch, Event, LeaseUnknown, Load, RegisterInput, Registry, RegistryFull, Role,
 )
 from omni.master.targets import WaitHolds, command_targets, would_stop
+from omni.master.types import sleep_stops
 from omni.netaddr import host_port
 
 logger = logging.getLogger(__name__)
@@ -276,9 +277,8 @@ class MasterServicer(pb_grpc.MasterServicer):
         if problem:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
         self._holds.note(request)
-        # a replica that cannot sleep (its capability) acks "cannot sleep" and serves on: it stops nothing
         stopping = [r.replica_id for r in targets if request.kind == pb.DRAIN
-                    or (request.kind == pb.SLEEP and r.capabilities.get("can_sleep") != "false")]
+                    or (request.kind == pb.SLEEP and sleep_stops(r.capabilities))]
         if stopping and request.keep_serving:
             stopped = self.reg.last_serving(set(stopping) | set(self._stopping))
             if stopped:

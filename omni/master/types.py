@@ -5,6 +5,12 @@ from __future__ import annotations
 import msgspec
 
 
+
+def sleep_stops(capabilities: dict[str, str]) -> bool:
+    """Whether a SLEEP stops this replica serving: all but one whose capability says it cannot sleep (it acks
+    "cannot sleep" and serves on). Read by the master's last-replica check and the CLI's --mode wait precheck."""
+    return capabilities.get("can_sleep") != "false"
+
 class Registration(msgspec.Struct, frozen=True):
     replica_id: str
     replica_index: int
